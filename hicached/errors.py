@@ -1,0 +1,66 @@
+"""The daemon's exception types (pure: no gRPC, no torch).
+
+Programming errors and bad input are exceptions; expected outcomes (no host
+room, cache miss, backpressure that a caller can wait out) are return values.
+Each class corresponds to exactly one gRPC status code; the single mapping
+table lives in ``hicached.server.status``. Every message must name the
+offending value so that a person can act on it, and a raised error must leave
+the object it was raised from unchanged.
+"""
+
+from __future__ import annotations
+
+
+class HiCacheError(Exception):
+    """Base of every error the daemon reports to a caller."""
+
+
+class InvalidArgument(HiCacheError, ValueError):
+    """Malformed input: shapes, lengths, alignment, duplicate indices, bad handles."""
+
+
+class OutOfRange(InvalidArgument):
+    """An index beyond the bounds of the object it addresses."""
+
+
+class NotFound(HiCacheError, KeyError):
+    """Unknown session, pool, backup, prefetch or shared-memory segment."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class AlreadyExists(HiCacheError):
+    """A name that must be unique is taken (pool names, anchors)."""
+
+
+class FailedPrecondition(HiCacheError):
+    """Valid request, wrong state: stale generation, double free, double alloc."""
+
+
+class DoubleFree(FailedPrecondition):
+    """Freeing a page that is not allocated."""
+
+
+class ResourceExhausted(HiCacheError):
+    """Backpressure or budget; ``retry_after_ms`` says when a retry may succeed."""
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+class PermissionDenied(HiCacheError):
+    """The caller may not touch this object (another session's, another tenant's)."""
+
+
+class Unauthenticated(HiCacheError):
+    """Missing or wrong credentials."""
+
+
+class Unavailable(HiCacheError):
+    """The daemon is draining or shutting down."""
+
+
+class Cancelled(HiCacheError):
+    """The operation was cancelled (session ended, prefetch cancelled)."""
