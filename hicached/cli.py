@@ -1,16 +1,44 @@
-"""The ``hicached`` command line (placeholder until the server lands)."""
+"""The ``hicached`` command line.
+
+Each subcommand lives in its own module under ``hicached.commands`` and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (the handler,
+taking the parsed namespace and returning an exit code). Adding a command is
+one module plus one entry in ``COMMANDS``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# Module names under hicached.commands, in --help order.
+COMMANDS = ("serve", "status", "bench", "keys", "config")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicached", description="HiCache tiering daemon for LLM inference")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"hicached.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"hicached.commands.{name}":
+                raise
+            continue  # not built yet
+        module.register(subparsers)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hicached", description="HiCache tiering daemon")
-    parser.add_subparsers(dest="command")
-    parser.parse_args(argv)
-    return 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    result: int = func(args)
+    return result
 
 
 if __name__ == "__main__":

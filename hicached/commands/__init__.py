@@ -1,0 +1,1 @@
+"""Subcommands of the ``hicached`` CLI, one module each (see ``hicached.cli``)."""
