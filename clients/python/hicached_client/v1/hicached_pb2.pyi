@@ -421,20 +421,24 @@ class CancelPrefetchResponse(_message.Message):
     def __init__(self, completed_pages: _Optional[int] = ...) -> None: ...
 
 class BackupRequest(_message.Message):
-    __slots__ = ("session_id", "op_id", "keys")
+    __slots__ = ("session_id", "op_id", "keys", "wait")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     op_id: str
     keys: _types_pb2.KeySource
-    def __init__(self, session_id: _Optional[str] = ..., op_id: _Optional[str] = ..., keys: _Optional[_Union[_types_pb2.KeySource, _Mapping]] = ...) -> None: ...
+    wait: bool
+    def __init__(self, session_id: _Optional[str] = ..., op_id: _Optional[str] = ..., keys: _Optional[_Union[_types_pb2.KeySource, _Mapping]] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class BackupResponse(_message.Message):
-    __slots__ = ("queued_pages",)
+    __slots__ = ("queued_pages", "stored_pages")
     QUEUED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
     queued_pages: int
-    def __init__(self, queued_pages: _Optional[int] = ...) -> None: ...
+    stored_pages: int
+    def __init__(self, queued_pages: _Optional[int] = ..., stored_pages: _Optional[int] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
     __slots__ = ("session_id", "op_id", "pages")
