@@ -1,0 +1,333 @@
+"""Prometheus metrics of the daemon and the HTTP endpoint that exposes them.
+
+Every metric is named ``hicached_*`` and modelled on SGLang HiCache's own
+(``hicache_host_used_tokens``, ``load_back_tokens_total``, ``prefetch_pgs``,
+``backup_bandwidth``...), so that dashboards written for in-process HiCache
+translate directly. docs/metrics.md is the reference for operators.
+
+Cardinality is bounded by construction: the only labels are deployment-bounded
+names (``model``, ``pool``, ``backend``, ``method``, ``reason``) and closed
+vocabularies (``tier``, ``direction``, ``priority``, ``code``), checked here.
+Never label a metric with a session, request, operation or page id: those
+belong in logs.
+
+Thread-safety: prometheus_client metric objects are thread-safe; a
+:class:`Metrics` may be shared by every thread and the asyncio loop. Each
+:class:`Metrics` owns its own ``CollectorRegistry`` (never the process-global
+default one), so tests and embedded daemons can build several side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from typing import NamedTuple
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import start_http_server
+
+from hicached.errors import InvalidArgument
+
+__all__ = [
+    "BANDWIDTH_BUCKETS_GBPS",
+    "DIRECTIONS",
+    "DURATION_BUCKETS",
+    "PREFIX",
+    "PRIORITIES",
+    "RPC_CODES",
+    "TIERS",
+    "Metrics",
+    "MetricsServer",
+    "serve_metrics",
+]
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "hicached"
+
+# Closed label vocabularies. Children for these values are created up front so
+# that every series exists (at zero) from the first scrape: rate() and the
+# dashboard's ratios then work before the first event.
+TIERS = ("l2", "l3")
+DIRECTIONS = ("d2h", "h2d", "l3_to_l2", "l2_to_l3")
+PRIORITIES = ("restore", "load", "prefetch", "writeback")
+# gRPC status code names (grpc.StatusCode.X.name); spelled out here because
+# only hicached.server may import grpc.
+RPC_CODES = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
+
+# 10 µs (a small pinned copy) .. 10 s (a cold S3 batch), roughly x2.5 per step.
+DURATION_BUCKETS = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+# GB/s per batch, as the reference's prefetch/backup bandwidth histograms;
+# extended upwards because host<->device copies reach ~55 GB/s on PCIe Gen5.
+BANDWIDTH_BUCKETS_GBPS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
+# Pages per prefetch/backup batch (the reference batches by 128 pages).
+BATCH_PAGE_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _check_vocabulary(label: str, value: str, allowed: Iterable[str]) -> str:
+    allowed_values = tuple(allowed)
+    if value not in allowed_values:
+        raise InvalidArgument(f"metric label {label}={value!r} is not one of {allowed_values}")
+    return value
+
+
+class Metrics:
+    """All of the daemon's metrics, in a registry of their own.
+
+    Attributes are plain prometheus_client objects; callers do
+    ``metrics.write_bytes.labels(model=m, pool=p).inc(n)`` or
+    ``with metrics.transfer_duration.labels(direction="d2h").time(): ...``.
+    For closed vocabularies use the checked helpers (:meth:`tier`,
+    :meth:`direction`, :meth:`priority`, :meth:`code`), which raise
+    :class:`~hicached.errors.InvalidArgument` on a value outside the set
+    rather than silently minting a new series.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = PREFIX
+
+        # --- L2: host pools (reference: hicache_host_used/total_tokens) ---
+        pool = ("model", "pool")
+        self.host_used_tokens = Gauge(f"{p}_host_used_tokens", "Host (L2) tokens in use.", pool, registry=r)
+        self.host_total_tokens = Gauge(
+            f"{p}_host_total_tokens", "Host (L2) token capacity.", pool, registry=r
+        )
+        self.host_used_bytes = Gauge(f"{p}_host_used_bytes", "Host (L2) bytes in use.", pool, registry=r)
+        self.host_total_bytes = Gauge(f"{p}_host_total_bytes", "Host (L2) byte capacity.", pool, registry=r)
+
+        # --- device <-> host transfers (reference: evicted/load_back tokens) ---
+        self.write_tokens = Counter(
+            f"{p}_write_tokens", "Tokens written device->host (D2H backup).", pool, registry=r
+        )
+        self.write_bytes = Counter(f"{p}_write_bytes", "Bytes written device->host (D2H).", pool, registry=r)
+        self.load_tokens = Counter(
+            f"{p}_load_tokens", "Tokens loaded host->device (H2D load-back).", pool, registry=r
+        )
+        self.load_bytes = Counter(f"{p}_load_bytes", "Bytes loaded host->device (H2D).", pool, registry=r)
+        self.transfer_duration = Histogram(
+            f"{p}_transfer_duration_seconds",
+            "Duration of one transfer batch, from dequeue to completion.",
+            ("direction",),
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+
+        # --- eviction and drops ---
+        self.evicted_tokens = Counter(
+            f"{p}_evicted_tokens", "Tokens evicted from a tier, by reason.", ("tier", "reason"), registry=r
+        )
+        self.dropped_tokens = Counter(
+            f"{p}_dropped_tokens",
+            "Tokens a request asked to store that were not stored (no room, backpressure, failed batch).",
+            ("reason",),
+            registry=r,
+        )
+
+        # --- L3: prefetch (L3->L2) and backup (L2->L3) per backend ---
+        backend = ("backend",)
+        self.prefetch_pages = Counter(f"{p}_prefetch_pages", "Pages prefetched L3->L2.", backend, registry=r)
+        self.prefetch_bytes = Counter(f"{p}_prefetch_bytes", "Bytes prefetched L3->L2.", backend, registry=r)
+        self.prefetched_tokens = Counter(
+            f"{p}_prefetched_tokens", "Tokens prefetched L3->L2.", backend, registry=r
+        )
+        self.backup_pages = Counter(f"{p}_backup_pages", "Pages backed up L2->L3.", backend, registry=r)
+        self.backup_bytes = Counter(f"{p}_backup_bytes", "Bytes backed up L2->L3.", backend, registry=r)
+        self.backuped_tokens = Counter(
+            f"{p}_backuped_tokens", "Tokens backed up L2->L3 (reference spelling).", backend, registry=r
+        )
+        self.prefetch_batch_pages = Histogram(
+            f"{p}_prefetch_batch_pages",
+            "Pages per prefetch batch.",
+            backend,
+            buckets=BATCH_PAGE_BUCKETS,
+            registry=r,
+        )
+        self.backup_batch_pages = Histogram(
+            f"{p}_backup_batch_pages",
+            "Pages per backup batch.",
+            backend,
+            buckets=BATCH_PAGE_BUCKETS,
+            registry=r,
+        )
+        self.prefetch_bandwidth = Histogram(
+            f"{p}_prefetch_bandwidth_gbps",
+            "Bandwidth of one prefetch batch in GB/s.",
+            backend,
+            buckets=BANDWIDTH_BUCKETS_GBPS,
+            registry=r,
+        )
+        self.backup_bandwidth = Histogram(
+            f"{p}_backup_bandwidth_gbps",
+            "Bandwidth of one backup batch in GB/s.",
+            backend,
+            buckets=BANDWIDTH_BUCKETS_GBPS,
+            registry=r,
+        )
+        self.prefetch_duration = Histogram(
+            f"{p}_prefetch_duration_seconds",
+            "Duration of one prefetch batch.",
+            backend,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.backup_duration = Histogram(
+            f"{p}_backup_duration_seconds",
+            "Duration of one backup batch.",
+            backend,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.l3_hits = Counter(f"{p}_l3_hits", "Pages found in an L3 backend.", backend, registry=r)
+        self.l3_misses = Counter(
+            f"{p}_l3_misses", "Pages looked up and not found in an L3 backend.", backend, registry=r
+        )
+        self.l3_corrupt_pages = Counter(
+            f"{p}_l3_corrupt_pages",
+            "Pages whose checksum failed on read; each is served as a miss.",
+            backend,
+            registry=r,
+        )
+
+        # --- content lookups: per-tier hit rate = hit_pages{tier} / query_pages ---
+        self.lookup_query_pages = Counter(
+            f"{p}_lookup_query_pages", "Pages asked for by Lookup/Prefetch queries.", registry=r
+        )
+        self.lookup_hit_pages = Counter(
+            f"{p}_lookup_hit_pages",
+            "Queried pages found, by the tier that served them.",
+            ("tier",),
+            registry=r,
+        )
+
+        # --- control plane ---
+        self.sessions = Gauge(f"{p}_sessions", "Attached worker sessions.", registry=r)
+        self.rpcs = Counter(
+            f"{p}_rpcs", "Completed RPCs by method and gRPC status code.", ("method", "code"), registry=r
+        )
+        self.rpc_duration = Histogram(
+            f"{p}_rpc_duration_seconds",
+            "Server-side RPC handling time.",
+            ("method",),
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            f"{p}_queue_depth",
+            "Copy operations waiting in the node-wide scheduler.",
+            ("priority",),
+            registry=r,
+        )
+        self.retraction_backups = Gauge(
+            f"{p}_retraction_backups", "Retracted requests whose backup is held on the host.", registry=r
+        )
+
+        for tier in TIERS:
+            self.lookup_hit_pages.labels(tier=tier)
+        for direction in DIRECTIONS:
+            self.transfer_duration.labels(direction=direction)
+        for priority in PRIORITIES:
+            self.queue_depth.labels(priority=priority)
+
+    # Checked accessors for the closed vocabularies.
+    @staticmethod
+    def tier(value: str) -> str:
+        return _check_vocabulary("tier", value, TIERS)
+
+    @staticmethod
+    def direction(value: str) -> str:
+        return _check_vocabulary("direction", value, DIRECTIONS)
+
+    @staticmethod
+    def priority(value: str) -> str:
+        return _check_vocabulary("priority", value, PRIORITIES)
+
+    @staticmethod
+    def code(value: str) -> str:
+        return _check_vocabulary("code", value, RPC_CODES)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry (what /metrics serves)."""
+        return generate_latest(self.registry)
+
+    def metric_names(self) -> frozenset[str]:
+        """Every sample name this registry can emit (``_total``, ``_bucket``... included)."""
+        names: set[str] = set()
+        for family in self.registry.collect():
+            names.add(family.name)
+            names.update(sample.name for sample in family.samples)
+            if family.type == "counter":
+                names.add(f"{family.name}_total")
+            elif family.type == "histogram":
+                names.update(f"{family.name}{s}" for s in ("_bucket", "_sum", "_count"))
+        return frozenset(names)
+
+
+class MetricsServer(NamedTuple):
+    """A running /metrics endpoint; unpacks as ``(server, port)``."""
+
+    server: WSGIServer
+    port: int
+    thread: threading.Thread
+
+    def close(self) -> None:
+        """Stop serving, release the port and join the thread; a second call is a no-op."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def serve_metrics(metrics: Metrics, host: str, port: int) -> MetricsServer:
+    """Serve ``metrics`` as Prometheus text on ``http://host:port/metrics``.
+
+    ``port`` 0 picks a free port; the returned ``port`` is the real one. The
+    server runs on a daemon thread of its own (scrapes never touch the asyncio
+    loop) until :meth:`MetricsServer.close`.
+    """
+    if not 0 <= port <= 65535:
+        raise InvalidArgument(f"metrics port {port} is outside 0..65535")
+    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    real_port = int(server.server_port)
+    logger.info("metrics on http://%s:%d/metrics", host, real_port)
+    return MetricsServer(server, real_port, thread)
