@@ -1,0 +1,147 @@
+"""The L3 storage backend interface.
+
+A backend maps opaque string keys to page bytes. Keys arrive already
+namespaced by the caller (model, TP rank, layout, pool, tenant, content
+hash), so a backend never parses them. Every method works on a batch and
+reports per-key results; a miss, a corrupt page or a full store is a result,
+never an exception. Exceptions are reserved for bad input
+(:class:`~hicached.errors.InvalidArgument`) and an unusable backend
+(:class:`~hicached.errors.Unavailable`).
+
+Buffers: values passed to ``set``/``set_from`` are borrowed for the duration
+of the call and never retained. Destination chunks passed to ``get_into`` are
+owned by the caller (normally host-pool page memory); a backend writes into
+them only during the call, and on a ``False`` result their content is
+unspecified (the caller treats the page as a miss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from hicached.errors import InvalidArgument
+
+__all__ = ["BackendStats", "StorageBackend", "check_batch", "chunks_nbytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendStats:
+    """A point-in-time snapshot of a backend's counters.
+
+    ``pages``/``bytes`` describe what is stored now (payload bytes);
+    ``capacity_bytes`` is 0 when the backend has no limit it can report.
+    ``hits``/``misses`` count pages asked for by ``get``/``get_into``;
+    ``corrupt_pages`` counts pages that failed verification (also counted as
+    misses); ``evicted_pages`` counts pages dropped to make room.
+    """
+
+    pages: int
+    bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    corrupt_pages: int
+    evicted_pages: int
+
+
+def chunks_nbytes(chunks: Sequence[memoryview]) -> int:
+    return sum(c.nbytes for c in chunks)
+
+
+def check_batch(keys: Sequence[str], values: Sequence[object], what: str) -> None:
+    """Reject a batch whose keys and values do not pair up, naming the lengths."""
+    if len(keys) != len(values):
+        raise InvalidArgument(f"{len(keys)} keys but {len(values)} {what}")
+    for key in keys:
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"storage key must be a non-empty str, got {key!r}")
+
+
+class StorageBackend(ABC):
+    """Stores opaque string keys -> page bytes (L3).
+
+    Contract shared by every implementation (the conformance suite in
+    ``tests/l3`` checks it against each):
+
+    * ``exists`` returns the length of the leading run of keys that are
+      present (prefix semantics: pages are looked up in prefix order).
+    * ``set`` of a key that is already present succeeds without rewriting it
+      (content-addressed keys: same key, same bytes). ``True`` means the page
+      survives a crash of this process (and of the machine when the backend
+      says so, e.g. the file backend with ``fsync``).
+    * A page is served only after its checksum verified; a corrupt page is a
+      miss and is counted in ``corrupt_pages``. Readers never see a partial
+      page.
+    * Thread-safety: every implementation in this package may be called from
+      several threads at once; each states how it achieves that.
+
+    The default ``get_into``/``set_from`` copy through ``get``/``set``;
+    backends that can move bytes straight between the caller's chunks and the
+    store override them.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, are present."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The page of each key, or ``None`` for a miss (including a corrupt page)."""
+
+    @abstractmethod
+    def set(self, keys: Sequence[str], values: Sequence[bytes | memoryview]) -> list[bool]:
+        """Store each page; per-key success. Values are borrowed for the call only."""
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Read page ``i`` into the writable chunks ``dests[i]`` (their concatenation).
+
+        ``False`` for a miss, a corrupt page, or a stored page whose length
+        differs from the destination's.
+        """
+        check_batch(keys, dests, "destinations")
+        pages = self.get(keys)
+        results: list[bool] = []
+        for page, chunks in zip(pages, dests, strict=True):
+            if page is None or len(page) != chunks_nbytes(chunks):
+                results.append(False)
+                continue
+            offset = 0
+            for chunk in chunks:
+                chunk.cast("B")[:] = page[offset : offset + chunk.nbytes]
+                offset += chunk.nbytes
+            results.append(True)
+        return results
+
+    def set_from(self, keys: Sequence[str], srcs: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Store page ``i`` from the concatenation of the chunks ``srcs[i]``."""
+        check_batch(keys, srcs, "sources")
+        values: list[bytes | memoryview] = [
+            chunks[0] if len(chunks) == 1 else b"".join(chunks) for chunks in srcs
+        ]
+        return self.set(keys, values)
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove the keys; returns how many were present."""
+
+    @abstractmethod
+    def clear(self, prefix: str = "") -> int:
+        """Remove every key that starts with ``prefix``; returns how many."""
+
+    @abstractmethod
+    def stats(self) -> BackendStats:
+        """A snapshot of the counters (see :class:`BackendStats`)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release files, sockets and threads. Idempotent."""
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

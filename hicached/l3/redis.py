@@ -1,0 +1,256 @@
+"""The ``redis`` L3 backend: Redis or Valkey through redis-py (with hiredis).
+
+Each page is one string value holding a frame (``hicached.l3.framing``:
+header with length, key hash and XXH3 checksum, then the payload), stored
+with ``SET NX`` so a present key is never rewritten. Batches go out as
+pipelines of at most ``batch_pages`` commands (one round trip each); reads
+use ``MGET``. A frame that fails verification is a miss and is counted.
+
+Buffers: redis-py needs one contiguous value per page, so ``set_from`` makes
+one copy (header + chunks) and ``get_into`` copies each verified payload into
+the caller's chunks; there is no zero-copy path over the Redis protocol.
+
+Thread-safety: redis-py clients draw connections from a thread-safe pool;
+counters sit behind a lock. A server that cannot be reached raises
+:class:`~hicached.errors.Unavailable`; a command the server refuses (e.g.
+out of memory) fails only its own key.
+
+``stats()``: ``pages``, ``bytes`` (server ``used_memory``),
+``capacity_bytes`` (``maxmemory``, 0 = unlimited) and ``evicted_pages``
+describe the whole Redis database, which may be shared; hits, misses and
+corrupt pages are this client's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hicached.errors import InvalidArgument, Unavailable
+from hicached.l3.base import BackendStats, StorageBackend, check_batch
+from hicached.l3.framing import frame, unframe
+from hicached.l3.registry import register_backend
+
+if TYPE_CHECKING:
+    import redis as redis_lib
+
+__all__ = ["RedisBackend", "RedisBackendConfig"]
+
+log = logging.getLogger(__name__)
+
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+@dataclasses.dataclass(frozen=True)
+class RedisBackendConfig:
+    """Options of the ``redis`` backend.
+
+    ``unix_socket`` overrides ``host``/``port``. ``key_prefix`` is prepended
+    to every key (lets several daemons share one database). ``ttl_s``: expiry
+    of each page in seconds, 0 = never. ``batch_pages``: commands per pipeline.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 6379
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    unix_socket: str | None = None
+    key_prefix: str = ""
+    socket_timeout_s: float = 5.0
+    ttl_s: int = 0
+    batch_pages: int = 128
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise InvalidArgument(f"redis backend option 'port' must be in 1..65535, got {self.port}")
+        if self.db < 0:
+            raise InvalidArgument(f"redis backend option 'db' must be >= 0, got {self.db}")
+        if self.socket_timeout_s <= 0:
+            raise InvalidArgument(
+                f"redis backend option 'socket_timeout_s' must be > 0, got {self.socket_timeout_s}"
+            )
+        if self.ttl_s < 0:
+            raise InvalidArgument(f"redis backend option 'ttl_s' must be >= 0, got {self.ttl_s}")
+        if self.batch_pages <= 0:
+            raise InvalidArgument(f"redis backend option 'batch_pages' must be > 0, got {self.batch_pages}")
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ModuleNotFoundError:
+        raise InvalidArgument(
+            "storage backend 'redis' needs the redis client: pip install 'hicached[redis]'"
+        ) from None
+    return redis
+
+
+@register_backend("redis", RedisBackendConfig)
+class RedisBackend(StorageBackend):
+    """Pages as framed string values in Redis/Valkey; see the module docstring."""
+
+    name = "redis"
+
+    def __init__(self, config: RedisBackendConfig) -> None:
+        self.config = config
+        self._redis = _import_redis()
+        kwargs: dict[str, Any] = {
+            "db": config.db,
+            "username": config.username,
+            "password": config.password,
+            "socket_timeout": config.socket_timeout_s,
+            "socket_connect_timeout": config.socket_timeout_s,
+        }
+        if config.unix_socket:
+            kwargs["unix_socket_path"] = config.unix_socket
+        else:
+            kwargs["host"] = config.host
+            kwargs["port"] = config.port
+        self._client: redis_lib.Redis = self._redis.Redis(**kwargs)
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._corrupt = 0
+        self._closed = False
+        self._call(self._client.ping)
+
+    def _where(self) -> str:
+        c = self.config
+        return c.unix_socket or f"{c.host}:{c.port}"
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise Unavailable(f"redis backend for {self._where()} is closed")
+        try:
+            return fn(*args, **kwargs)
+        except (self._redis.ConnectionError, self._redis.TimeoutError) as exc:
+            raise Unavailable(f"redis server at {self._where()} is unreachable: {exc}") from exc
+
+    def _batches(self, n: int) -> Iterator[range]:
+        step = self.config.batch_pages
+        for start in range(0, n, step):
+            yield range(start, min(start + step, n))
+
+    def _full(self, key: str) -> str:
+        return self.config.key_prefix + key
+
+    # ------------------------------------------------------------------ reads
+
+    def exists(self, keys: Sequence[str]) -> int:
+        check_batch(keys, keys, "keys")
+        count = 0
+        for batch in self._batches(len(keys)):
+            pipe = self._client.pipeline(transaction=False)
+            for i in batch:
+                pipe.exists(self._full(keys[i]))
+            for present in self._call(pipe.execute):
+                if not present:
+                    return count
+                count += 1
+        return count
+
+    def _fetch(self, keys: Sequence[str]) -> list[memoryview | None]:
+        out: list[memoryview | None] = []
+        corrupt = 0
+        for batch in self._batches(len(keys)):
+            blobs = self._call(self._client.mget, [self._full(keys[i]) for i in batch])
+            for i, blob in zip(batch, blobs, strict=True):
+                payload = None if blob is None else unframe(keys[i], blob)
+                if blob is not None and payload is None:
+                    corrupt += 1
+                    log.warning("redis backend: page %r failed verification", keys[i])
+                out.append(payload)
+        hits = sum(p is not None for p in out)
+        with self._lock:
+            self._hits += hits
+            self._misses += len(out) - hits
+            self._corrupt += corrupt
+        return out
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        check_batch(keys, keys, "keys")
+        return [None if p is None else p.tobytes() for p in self._fetch(keys)]
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
+        check_batch(keys, dests, "destinations")
+        results: list[bool] = []
+        for payload, chunks in zip(self._fetch(keys), dests, strict=True):
+            if payload is None or payload.nbytes != sum(c.nbytes for c in chunks):
+                results.append(False)
+                continue
+            offset = 0
+            for chunk in chunks:
+                view = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
+                view[:] = payload[offset : offset + view.nbytes]
+                offset += view.nbytes
+            results.append(True)
+        return results
+
+    # ----------------------------------------------------------------- writes
+
+    def _store(self, keys: Sequence[str], frames: Sequence[bytes]) -> list[bool]:
+        results: list[bool] = []
+        ex = self.config.ttl_s or None
+        for batch in self._batches(len(keys)):
+            pipe = self._client.pipeline(transaction=False)
+            for i in batch:
+                pipe.set(self._full(keys[i]), frames[i], nx=True, ex=ex)
+            for i, reply in zip(batch, self._call(pipe.execute, raise_on_error=False), strict=True):
+                if isinstance(reply, Exception):
+                    log.warning("redis backend: SET %r refused: %s", keys[i], reply)
+                    results.append(False)
+                else:  # True: stored; None: already present (NX), also a success
+                    results.append(True)
+        return results
+
+    def set(self, keys: Sequence[str], values: Sequence[bytes | memoryview]) -> list[bool]:
+        check_batch(keys, values, "values")
+        return self._store(keys, [frame(key, [value]) for key, value in zip(keys, values, strict=True)])
+
+    def set_from(self, keys: Sequence[str], srcs: Sequence[Sequence[memoryview]]) -> list[bool]:
+        check_batch(keys, srcs, "sources")
+        return self._store(keys, [frame(key, chunks) for key, chunks in zip(keys, srcs, strict=True)])
+
+    # ------------------------------------------------------------- management
+
+    def delete(self, keys: Sequence[str]) -> int:
+        check_batch(keys, keys, "keys")
+        unique = list(dict.fromkeys(keys))
+        removed = 0
+        for batch in self._batches(len(unique)):
+            removed += int(self._call(self._client.delete, *[self._full(unique[i]) for i in batch]))
+        return removed
+
+    def clear(self, prefix: str = "") -> int:
+        pattern = _GLOB_SPECIAL.sub(r"\\\1", self._full(prefix)) + "*"
+        removed = 0
+        cursor = 0
+        while True:
+            cursor, names = self._call(self._client.scan, cursor, match=pattern, count=1000)
+            if names:
+                removed += int(self._call(self._client.delete, *names))
+            if not cursor:
+                return removed
+
+    def stats(self) -> BackendStats:
+        info = self._call(self._client.info)
+        pages = int(self._call(self._client.dbsize))
+        with self._lock:
+            return BackendStats(
+                pages=pages,
+                bytes=int(info.get("used_memory", 0)),
+                capacity_bytes=int(info.get("maxmemory", 0)),
+                hits=self._hits,
+                misses=self._misses,
+                corrupt_pages=self._corrupt,
+                evicted_pages=int(info.get("evicted_keys", 0)),
+            )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._client.close()
