@@ -1,0 +1,192 @@
+"""Page allocator for one host pool.
+
+Free pages sit on a stack (a preallocated int64 array), so ``alloc(n)`` and
+``free(pages)`` cost O(n) in the pages moved, not in the pool's capacity. The
+stack starts as ``capacity-1, ..., 1, 0`` with page 0 on top, so a fresh pool
+hands out low, contiguous pages; freed pages are pushed back sorted so that the
+next allocation gets them in ascending order (recently freed pages are reused
+first, which keeps the hot set small).
+
+A separate bitmap records which pages are allocated; it is what catches double
+allocation (journal replay) and double free.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from hicached.errors import DoubleFree, FailedPrecondition, InvalidArgument, OutOfRange
+
+PageArray = npt.NDArray[np.int64]
+PagesLike = PageArray | Sequence[int]
+
+
+def as_page_array(pages: object, what: str = "page indices") -> PageArray:
+    """A fresh 1-D int64 copy of ``pages``; InvalidArgument if it is not integral and 1-D."""
+    arr = np.asarray(pages)
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"{what} must be 1-D, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgument(f"{what} must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=True)
+
+
+class PageAllocator:
+    """Thread-safe allocator of page numbers ``0 .. capacity-1``.
+
+    Thread-safety: every public method takes one internal lock, so calls are
+    atomic with respect to each other.
+    Atomicity: ``free`` and ``mark_allocated`` validate the whole request
+    before changing anything; on error the allocator is unchanged.
+    Ownership: every returned array is a fresh copy owned by the caller; the
+    allocator never keeps a reference to an array it was given or returned.
+    """
+
+    def __init__(self, num_pages: int, page_size: int = 1) -> None:
+        if not isinstance(num_pages, int) or num_pages < 0:
+            raise InvalidArgument(f"allocator capacity must be a non-negative page count, got {num_pages!r}")
+        if not isinstance(page_size, int) or page_size < 1:
+            raise InvalidArgument(f"page_size must be a positive integer, got {page_size!r}")
+        self.capacity = num_pages
+        self.page_size = page_size
+        self._lock = threading.Lock()
+        self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
+        self._top = num_pages
+        self._allocated = np.zeros(num_pages, dtype=bool)
+
+    def available(self) -> int:
+        with self._lock:
+            return self._top
+
+    def allocated_count(self) -> int:
+        with self._lock:
+            return self.capacity - self._top
+
+    def alloc(self, n: int) -> PageArray | None:
+        """``n`` free pages (ascending where possible), or None when fewer than ``n`` are free."""
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise InvalidArgument(f"page count must be a non-negative integer, got {n!r}")
+        n = int(n)
+        with self._lock:
+            if n > self._top:
+                return None
+            pages = self._stack[self._top - n : self._top][::-1].copy()
+            self._top -= n
+            self._allocated[pages] = True
+            return pages
+
+    def alloc_tokens(self, n_tokens: int) -> PageArray | None:
+        """Reference-compatible: ``n_tokens`` page-aligned token slot indices, or None."""
+        if not isinstance(n_tokens, (int, np.integer)) or n_tokens < 0:
+            raise InvalidArgument(f"token count must be a non-negative integer, got {n_tokens!r}")
+        if n_tokens % self.page_size:
+            raise InvalidArgument(
+                f"token count {n_tokens} is not a multiple of the page size {self.page_size}"
+            )
+        pages = self.alloc(int(n_tokens) // self.page_size)
+        return None if pages is None else pages_to_tokens(pages, self.page_size)
+
+    def free(self, pages: PagesLike) -> int:
+        """Return ``pages`` to the pool; the count freed.
+
+        Raises OutOfRange, InvalidArgument (duplicates) or DoubleFree (a page
+        that is not allocated), naming the offending page, and frees nothing.
+        """
+        arr = as_page_array(pages)
+        with self._lock:
+            self._check(arr, want_allocated=True)
+            self._allocated[arr] = False
+            n = arr.size
+            # Descending onto the stack, so the next alloc pops them ascending.
+            self._stack[self._top : self._top + n] = np.sort(arr)[::-1]
+            self._top += n
+            return n
+
+    def check_free(self, pages: PagesLike) -> None:
+        """Raise exactly what :meth:`free` would raise for ``pages``, without freeing."""
+        arr = as_page_array(pages)
+        with self._lock:
+            self._check(arr, want_allocated=True)
+
+    def free_tokens(self, token_indices: PagesLike) -> int:
+        """Reference-compatible free of page-aligned token slots; returns pages freed."""
+        return self.free(tokens_to_pages(token_indices, self.page_size))
+
+    def mark_allocated(self, pages: PagesLike) -> None:
+        """Take specific pages out of the free set (journal replay after a warm restart).
+
+        FailedPrecondition if any is already allocated; nothing changes then.
+        Costs O(capacity).
+        """
+        arr = as_page_array(pages)
+        with self._lock:
+            self._check(arr, want_allocated=False)
+            if arr.size == 0:
+                return
+            self._allocated[arr] = True
+            free = self._stack[: self._top]
+            keep = free[~self._allocated[free]]
+            self._top = keep.size
+            self._stack[: self._top] = keep
+
+    def is_allocated(self, pages: PagesLike) -> npt.NDArray[np.bool_]:
+        arr = as_page_array(pages)
+        with self._lock:
+            self._check_range(arr)
+            return self._allocated[arr].copy()
+
+    def allocated_pages(self) -> PageArray:
+        """All allocated pages, ascending (a copy; O(capacity))."""
+        with self._lock:
+            return np.flatnonzero(self._allocated).astype(np.int64)
+
+    def _check_range(self, arr: PageArray) -> None:
+        if arr.size == 0:
+            return
+        bad = arr[(arr < 0) | (arr >= self.capacity)]
+        if bad.size:
+            raise OutOfRange(f"page {int(bad[0])} is out of range [0, {self.capacity})")
+
+    def _check(self, arr: PageArray, *, want_allocated: bool) -> None:
+        self._check_range(arr)
+        if arr.size == 0:
+            return
+        uniq, counts = np.unique(arr, return_counts=True)
+        if uniq.size != arr.size:
+            raise InvalidArgument(f"page {int(uniq[counts > 1][0])} is listed more than once")
+        state = self._allocated[arr]
+        wrong = arr[state != want_allocated]
+        if wrong.size:
+            if want_allocated:
+                raise DoubleFree(f"page {int(wrong[0])} is not allocated (double free?)")
+            raise FailedPrecondition(f"page {int(wrong[0])} is already allocated (double alloc)")
+
+    def __repr__(self) -> str:
+        return f"PageAllocator(capacity={self.capacity}, available={self._top})"
+
+
+def pages_to_tokens(pages: PageArray, page_size: int) -> PageArray:
+    """Token slot indices of whole pages, in page order."""
+    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
+
+
+def tokens_to_pages(token_indices: PagesLike, page_size: int) -> PageArray:
+    """Pages of page-aligned token runs; InvalidArgument naming the first misaligned slot."""
+    tok = as_page_array(token_indices, "token indices")
+    if tok.size % page_size:
+        raise InvalidArgument(f"{tok.size} token indices are not a multiple of the page size {page_size}")
+    runs = tok.reshape(-1, page_size)
+    expected = runs[:, :1] + np.arange(page_size, dtype=np.int64)
+    bad = np.flatnonzero((runs[:, 0] % page_size != 0) | (runs != expected).any(axis=1))
+    if bad.size:
+        row = runs[bad[0]]
+        raise InvalidArgument(
+            f"token slots starting at {int(row[0])} are not one page-aligned run of {page_size}"
+        )
+    return runs[:, 0] // page_size

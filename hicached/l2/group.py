@@ -1,0 +1,485 @@
+"""A worker's host pools as one group: an anchor plus sidecars (SGLang's HostPoolGroup).
+
+The **anchor** is the main KV pool; it decides the primary host indices.
+**Sidecars** (SWA, Mamba state, draft KV, indexer, ...) allocate their own
+pages. A **derived** sidecar allocates nothing: it reuses the pages of another
+pool (``indices_from_pool``), so it is skipped on release and every allocation
+is freed exactly once. Each entry maps global layer ids to its own layers and
+may pack draft (MTP) layers after its target layers.
+
+A new pool type is a new :class:`PoolEntry` in the group, never a new field on
+whatever drives the group.
+
+Differences from the reference (sglang ``pool_host/group.py``), on purpose:
+
+* transfers are processed sorted by pool name (same order on every TP rank,
+  as the design asks); results come back in input order;
+* inputs are never mutated: :class:`ResolveResult` carries copies;
+* ``release_transfers`` frees a transfer only if ``host_allocated`` says this
+  group allocated it; the reference frees every non-derived transfer that has
+  host indices, which double-frees indices a caller set itself;
+* derivation can be declared once on the entry (``PoolEntry.indices_from_pool``)
+  as well as per transfer (``PoolTransfer.indices_from_pool``, the reference's);
+* bad input (duplicate transfer names, malformed indices, unknown pools on
+  release) raises before anything changes. ``resolve_host_transfers`` keeps
+  the reference's rule of skipping transfers for unknown pools;
+  :meth:`HostPoolGroup.resolve_all`, the daemon's entry point, rejects them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicached.errors import AlreadyExists, InvalidArgument, NotFound, OutOfRange
+from hicached.l2.allocator import PageArray, PagesLike, as_page_array
+from hicached.l2.host_pool import HostKVPool
+
+logger = logging.getLogger(__name__)
+
+LayerMapper = Callable[[int], int | None]
+"""Global layer id -> this pool's layer, or None when the pool has no such layer."""
+
+
+def identity_layers(layer: int) -> int | None:
+    return layer
+
+
+def layer_range(start: int, end: int) -> LayerMapper:
+    """Global layers ``[start, end)`` map to pool layers ``0 .. end-start-1`` (a PP stage)."""
+    if not 0 <= start <= end:
+        raise InvalidArgument(f"layer range [{start}, {end}) is invalid")
+
+    def mapper(layer: int) -> int | None:
+        return layer - start if start <= layer < end else None
+
+    return mapper
+
+
+def layer_map(mapping: Mapping[int, int]) -> LayerMapper:
+    """An explicit table; layers absent from it are skipped (e.g. SWA layers only)."""
+    table = dict(mapping)
+    return table.get
+
+
+@dataclass
+class PoolEntry:
+    """One pool of the group and how it takes part in transfers.
+
+    ``reclaim(pages_needed)`` is called at most once per failed allocation,
+    with the group lock held; it evicts and returns the pages it freed. It may
+    free pages of this group from the same thread, but must not wait for
+    another thread that uses the group.
+    """
+
+    name: str
+    host_pool: HostKVPool
+    layer_mapper: LayerMapper = identity_layers
+    is_primary_index_anchor: bool = False
+    indices_from_pool: str | None = None
+    reclaim: Callable[[int], int] | None = None
+    packed_draft_layers: int = 0
+
+    @property
+    def target_layers(self) -> int:
+        """Pool layers that belong to the target model (the packed draft layers follow them)."""
+        return self.host_pool.spec.num_layers - self.packed_draft_layers
+
+    def pool_layer(self, global_layer: int) -> int | None:
+        """This pool's layer for a global layer id, or None to skip; OutOfRange on a bad mapper."""
+        local = self.layer_mapper(global_layer)
+        if local is not None and not 0 <= local < self.target_layers:
+            raise OutOfRange(
+                f"pool {self.name!r}: layer mapper sent global layer {global_layer} to layer {local}, "
+                f"outside its {self.target_layers} target layers"
+            )
+        return local
+
+    def draft_pool_layer(self, draft_layer: int) -> int:
+        """Pool layer holding packed draft layer ``draft_layer``."""
+        if not 0 <= draft_layer < self.packed_draft_layers:
+            raise OutOfRange(
+                f"pool {self.name!r}: draft layer {draft_layer} is out of range "
+                f"[0, {self.packed_draft_layers})"
+            )
+        return self.target_layers + draft_layer
+
+
+@dataclass
+class PoolTransfer:
+    """Pages of one pool that move together. Indices are 1-D int64 page numbers.
+
+    ``host_allocated`` is True when this group allocated ``host_indices`` (and
+    so ``release_transfers`` must free them). ``indices_from_pool`` marks a
+    derived transfer, like the entry field of the same name.
+    """
+
+    name: str
+    device_indices: PageArray | None = None
+    host_indices: PageArray | None = None
+    host_allocated: bool = False
+    indices_from_pool: str | None = None
+
+    def copy(self) -> PoolTransfer:
+        return PoolTransfer(
+            name=self.name,
+            device_indices=_copy_indices(self.device_indices, f"{self.name}.device_indices"),
+            host_indices=_copy_indices(self.host_indices, f"{self.name}.host_indices"),
+            host_allocated=self.host_allocated,
+            indices_from_pool=self.indices_from_pool,
+        )
+
+
+@dataclass(frozen=True)
+class ResolveResult:
+    """Outcome of a resolve: on success the resolved transfers, on failure the unchanged input."""
+
+    ok: bool
+    transfers: list[PoolTransfer] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class LayerRoute:
+    """Where one global (or draft) layer lives in one pool."""
+
+    pool: str
+    pool_layer: int
+    is_draft: bool = False
+
+
+def _copy_indices(indices: object, what: str) -> PageArray | None:
+    return None if indices is None else as_page_array(indices, what)
+
+
+class HostPoolGroup:
+    """An anchor pool and its sidecars, allocated atomically.
+
+    Thread-safety: one re-entrant lock serialises every allocation, rollback
+    and release of the group (reclaim callbacks run under it).
+    Atomicity: a resolve either allocates everything it needs or nothing; a
+    release either frees every owned transfer or raises and frees nothing.
+    Ownership: the group owns its pools (``close`` closes them); every
+    transfer and index array it returns is a fresh copy owned by the caller.
+    Pages of group pools must be freed through the group (or its pools'
+    allocators from within a reclaim callback), never behind its back while
+    a release is validating.
+    """
+
+    def __init__(self, entries: Sequence[PoolEntry] = ()) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[str, PoolEntry] = {}
+        self._anchor: PoolEntry | None = None
+        names = [e.name for e in entries]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise AlreadyExists(f"host pool {dup!r} is listed twice")
+        anchors = [e.name for e in entries if e.is_primary_index_anchor]
+        if len(anchors) > 1:
+            raise AlreadyExists(f"a group has one anchor; {anchors} are all marked as anchor")
+        # The anchor first, then independent pools, then derived ones: each is
+        # validated against the entries before it.
+        for entry in sorted(
+            entries, key=lambda e: (not e.is_primary_index_anchor, e.indices_from_pool is not None)
+        ):
+            self.add_entry(entry)
+
+    # ---- membership -------------------------------------------------------
+
+    def add_entry(self, entry: PoolEntry) -> None:
+        """Register a pool. The first entry (or the one marked) is the anchor, fixed for life."""
+        with self._lock:
+            self._validate_entry(entry)
+            self._entries[entry.name] = entry
+            if self._anchor is None:
+                self._anchor = entry
+
+    def _validate_entry(self, entry: PoolEntry) -> None:
+        name = entry.name
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"pool name must be a non-empty string, got {name!r}")
+        if name in self._entries:
+            raise AlreadyExists(f"host pool {name!r} is already registered")
+        if not isinstance(entry.host_pool, HostKVPool):
+            raise InvalidArgument(f"pool {name!r}: host_pool must be a HostKVPool")
+        owner = next((e.name for e in self._entries.values() if e.host_pool is entry.host_pool), None)
+        if owner is not None:
+            raise AlreadyExists(f"pool {name!r}: its host pool is already registered as {owner!r}")
+        if entry.is_primary_index_anchor and self._anchor is not None:
+            raise AlreadyExists(f"pool {name!r} cannot be the anchor: {self._anchor.name!r} already is")
+        layers = entry.host_pool.spec.num_layers
+        if not isinstance(entry.packed_draft_layers, int) or not 0 <= entry.packed_draft_layers < layers:
+            raise InvalidArgument(
+                f"pool {name!r}: packed_draft_layers={entry.packed_draft_layers!r} must be in [0, {layers})"
+            )
+        source_name = entry.indices_from_pool
+        if source_name is None:
+            return
+        if self._anchor is None or entry.is_primary_index_anchor:
+            raise InvalidArgument(f"pool {name!r}: the anchor cannot derive its indices from {source_name!r}")
+        source = self._entries.get(source_name)
+        if source is None:
+            raise InvalidArgument(
+                f"pool {name!r} derives its indices from unknown pool {source_name!r} "
+                f"(known: {sorted(self._entries)})"
+            )
+        if source.indices_from_pool is not None:
+            raise InvalidArgument(
+                f"pool {name!r} derives from {source_name!r}, which is itself derived; use "
+                f"{source.indices_from_pool!r}"
+            )
+        if entry.reclaim is not None:
+            raise InvalidArgument(f"pool {name!r} is derived and allocates nothing; it cannot have reclaim")
+        mine, theirs = entry.host_pool, source.host_pool
+        if mine.num_pages < theirs.num_pages or mine.page_size != theirs.page_size:
+            raise InvalidArgument(
+                f"pool {name!r} ({mine.num_pages} pages of {mine.page_size} tokens) cannot hold the "
+                f"indices of {source_name!r} ({theirs.num_pages} pages of {theirs.page_size} tokens)"
+            )
+
+    def get_entry(self, name: str) -> PoolEntry:
+        try:
+            return self._entries[name]
+        except (KeyError, TypeError):
+            raise NotFound(
+                f"host pool {name!r} is not in this group (known: {sorted(self._entries)})"
+            ) from None
+
+    def get_pool(self, name: str) -> HostKVPool:
+        return self.get_entry(name).host_pool
+
+    @property
+    def anchor(self) -> PoolEntry:
+        if self._anchor is None:
+            raise NotFound("the host pool group is empty: it has no anchor")
+        return self._anchor
+
+    @property
+    def entries(self) -> list[PoolEntry]:
+        with self._lock:
+            return [self._entries[n] for n in sorted(self._entries)]
+
+    # ---- single-pool allocation --------------------------------------------
+
+    def alloc(
+        self, n: int, *, pool: str | None = None, reclaim: Callable[[int], object] | None = None
+    ) -> PageArray | None:
+        """``n`` pages of one pool (the anchor by default); one reclaim-then-retry; None if no room."""
+        entry = self.anchor if pool is None else self.get_entry(pool)
+        with self._lock:
+            pages = entry.host_pool.allocator.alloc(n)
+            if pages is None and reclaim is not None:
+                reclaim(n)
+                pages = entry.host_pool.allocator.alloc(n)
+            return pages
+
+    def free(self, pages: PagesLike, *, pool: str | None = None) -> int:
+        entry = self.anchor if pool is None else self.get_entry(pool)
+        with self._lock:
+            return entry.host_pool.allocator.free(pages)
+
+    def available(self, pool: str | None = None) -> int:
+        entry = self.anchor if pool is None else self.get_entry(pool)
+        return entry.host_pool.allocator.available()
+
+    # ---- multi-pool transfers ----------------------------------------------
+
+    def _derived_source(self, transfer: PoolTransfer) -> str | None:
+        if transfer.indices_from_pool is not None:
+            return transfer.indices_from_pool
+        entry = self._entries.get(transfer.name)
+        return None if entry is None else entry.indices_from_pool
+
+    def _alloc_entry(self, entry: PoolEntry, n: int) -> PageArray | None:
+        allocator = entry.host_pool.allocator
+        pages = allocator.alloc(n)
+        if pages is None and entry.reclaim is not None:
+            freed = entry.reclaim(n)
+            logger.debug("pool %s: reclaim for %d pages freed %s", entry.name, n, freed)
+            pages = allocator.alloc(n)
+        return pages
+
+    def _rollback(self, allocated: list[PoolTransfer]) -> None:
+        for transfer in allocated:
+            assert transfer.host_indices is not None
+            self._entries[transfer.name].host_pool.allocator.free(transfer.host_indices)
+
+    @staticmethod
+    def _copies(transfers: Sequence[PoolTransfer]) -> list[PoolTransfer]:
+        work = [t.copy() for t in transfers]
+        seen: set[str] = set()
+        for t in work:
+            if t.name in seen:
+                raise InvalidArgument(f"pool {t.name!r} appears in more than one transfer")
+            seen.add(t.name)
+        return work
+
+    def resolve_host_transfers(
+        self,
+        transfers: Sequence[PoolTransfer],
+        primary_device_indices: PagesLike | None = None,
+        primary_host_indices: PagesLike | None = None,
+    ) -> ResolveResult:
+        """Allocate host pages for every unresolved transfer, atomically (the reference algorithm).
+
+        In pool-name order: derived transfers wait; transfers that already have
+        host indices, have no device indices, or name an unknown pool are
+        skipped; every other one gets ``len(device_indices)`` fresh pages (one
+        reclaim, then one retry). If one cannot, everything this call allocated
+        is freed and the result is a failure. Then derived transfers are bound
+        to the primary indices (source = anchor) or to their source transfer's;
+        a missing source is a failure too, with the same rollback.
+        """
+        primary_dev = _copy_indices(primary_device_indices, "primary_device_indices")
+        primary_host = _copy_indices(primary_host_indices, "primary_host_indices")
+        work = self._copies(transfers)
+        with self._lock:
+            allocated: list[PoolTransfer] = []
+            try:
+                failure = self._resolve_locked(work, allocated, primary_dev, primary_host)
+            except BaseException:
+                self._rollback(allocated)
+                raise
+            if failure:
+                self._rollback(allocated)
+                return ResolveResult(False, [t.copy() for t in transfers], failure)
+        return ResolveResult(True, work)
+
+    def _resolve_locked(
+        self,
+        work: list[PoolTransfer],
+        allocated: list[PoolTransfer],
+        primary_dev: PageArray | None,
+        primary_host: PageArray | None,
+    ) -> str:
+        """Run the algorithm on ``work`` in place; return a failure reason or ''."""
+        derived: list[tuple[PoolTransfer, str]] = []
+        for transfer in sorted(work, key=lambda t: t.name):
+            source = self._derived_source(transfer)
+            if source is not None:
+                derived.append((transfer, source))
+                continue
+            if transfer.host_indices is not None or transfer.device_indices is None:
+                continue
+            entry = self._entries.get(transfer.name)
+            if entry is None:
+                continue
+            need = int(transfer.device_indices.size)
+            pages = self._alloc_entry(entry, need)
+            if pages is None:
+                return (
+                    f"pool {entry.name!r}: no room for {need} pages "
+                    f"({entry.host_pool.allocator.available()} free after reclaim)"
+                )
+            transfer.host_indices = pages
+            transfer.host_allocated = True
+            allocated.append(transfer)
+
+        anchor_name = None if self._anchor is None else self._anchor.name
+        for transfer, source_name in derived:
+            transfer.host_allocated = False
+            if source_name == anchor_name:
+                transfer.host_indices = _copy_indices(primary_host, "primary_host_indices")
+                transfer.device_indices = _copy_indices(primary_dev, "primary_device_indices")
+                continue
+            src = next((c for c in work if c.name == source_name and self._derived_source(c) is None), None)
+            if src is None:
+                return f"derived pool {transfer.name!r} needs a transfer of {source_name!r}; none was given"
+            transfer.host_indices = _copy_indices(src.host_indices, source_name)
+            transfer.device_indices = _copy_indices(src.device_indices, source_name)
+        return ""
+
+    def resolve_all(self, transfers: Sequence[PoolTransfer]) -> ResolveResult:
+        """The daemon's resolve: the anchor's transfer (if any) is the primary.
+
+        Unknown pools raise NotFound. The anchor's host pages are allocated
+        first when missing (one reclaim, one retry); then
+        :meth:`resolve_host_transfers` runs with them as the primary indices.
+        On any failure everything allocated here is freed.
+        """
+        work = self._copies(transfers)
+        for t in work:
+            self.get_entry(t.name)
+        anchor = self.anchor
+        with self._lock:
+            primary = next((t for t in work if t.name == anchor.name), None)
+            if primary is not None and primary.indices_from_pool is not None:
+                raise InvalidArgument(
+                    f"the anchor's transfer {anchor.name!r} cannot derive from {primary.indices_from_pool!r}"
+                )
+            owned: PageArray | None = None
+            if primary is not None and primary.host_indices is None and primary.device_indices is not None:
+                need = int(primary.device_indices.size)
+                owned = self._alloc_entry(anchor, need)
+                if owned is None:
+                    reason = (
+                        f"pool {anchor.name!r}: no room for {need} pages "
+                        f"({anchor.host_pool.allocator.available()} free after reclaim)"
+                    )
+                    return ResolveResult(False, [t.copy() for t in transfers], reason)
+                primary.host_indices = owned
+                primary.host_allocated = True
+            try:
+                result = self.resolve_host_transfers(
+                    work,
+                    None if primary is None else primary.device_indices,
+                    None if primary is None else primary.host_indices,
+                )
+            except BaseException:
+                if owned is not None:
+                    anchor.host_pool.allocator.free(owned)
+                raise
+            if not result.ok:
+                if owned is not None:
+                    anchor.host_pool.allocator.free(owned)
+                return ResolveResult(False, [t.copy() for t in transfers], result.reason)
+            return result
+
+    def release_transfers(self, transfers: Sequence[PoolTransfer]) -> int:
+        """Free the pages of every transfer this group allocated (``host_allocated``); pages freed.
+
+        Derived transfers share another pool's pages and are skipped, so each
+        allocation is freed exactly once. Everything is validated first
+        (unknown pool: NotFound; a page freed twice, in this call or earlier:
+        DoubleFree) and then nothing is freed.
+        """
+        with self._lock:
+            plan: dict[str, list[PageArray]] = {}
+            for t in transfers:
+                if self._derived_source(t) is not None or not t.host_allocated or t.host_indices is None:
+                    continue
+                self.get_entry(t.name)
+                plan.setdefault(t.name, []).append(as_page_array(t.host_indices, f"{t.name}.host_indices"))
+            merged = {name: np.concatenate(arrays) for name, arrays in plan.items()}
+            for name, pages in merged.items():
+                self._entries[name].host_pool.allocator.check_free(pages)
+            return sum(self._entries[name].host_pool.allocator.free(pages) for name, pages in merged.items())
+
+    # ---- layers --------------------------------------------------------------
+
+    def layer_routes(self, global_layer: int) -> list[LayerRoute]:
+        """Every pool layer that holds global layer ``global_layer``, in pool-name order."""
+        routes = []
+        for entry in self.entries:
+            local = entry.pool_layer(global_layer)
+            if local is not None:
+                routes.append(LayerRoute(entry.name, local))
+        return routes
+
+    def draft_routes(self, draft_layer: int) -> list[LayerRoute]:
+        """Every pool layer that holds packed draft layer ``draft_layer``."""
+        return [
+            LayerRoute(e.name, e.draft_pool_layer(draft_layer), is_draft=True)
+            for e in self.entries
+            if draft_layer < e.packed_draft_layers
+        ]
+
+    def close(self) -> None:
+        """Close every pool (their segments' names survive for a warm restart)."""
+        with self._lock:
+            for entry in self._entries.values():
+                entry.host_pool.close()

@@ -1,0 +1,231 @@
+"""Named POSIX shared-memory segments whose lifetime the daemon owns explicitly.
+
+A segment is a file under ``/dev/shm`` mapped with ``mmap``. Unlike
+``multiprocessing.shared_memory`` nothing here registers the name with a
+resource tracker, so a segment outlives the process that created it until
+someone calls :meth:`SharedSegment.unlink` -- which is exactly what a warm
+restart needs: the next daemon re-maps the same name and finds its pages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import mmap
+import os
+import warnings
+
+import numpy as np
+import torch
+
+from hicached.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+OS_PAGE = 4096
+_MADV_POPULATE_READ = 22
+_MADV_POPULATE_WRITE = 23
+_MAX_NAME = 200
+
+
+def _path_for(name: str) -> str:
+    if not name or len(name) > _MAX_NAME or "/" in name or name in (".", "..") or "\0" in name:
+        raise InvalidArgument(
+            f"shared memory segment name {name!r} is invalid: use 1..{_MAX_NAME} characters without '/'"
+        )
+    return os.path.join(SHM_DIR, name)
+
+
+def _madvise(mm: mmap.mmap, option: int) -> bool:
+    """Best-effort madvise; False when the kernel or platform refuses the option."""
+    try:
+        mm.madvise(option)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return True
+
+
+def _prefault(mm: mmap.mmap, size: int, *, write: bool) -> None:
+    """Fault every page in now, so the first copy into the pool runs at memcpy speed.
+
+    ``MADV_POPULATE_WRITE`` (Linux 5.14+) maps pages writable without changing
+    their contents. The fallback touches one byte per 4 KiB page: writing zero is
+    only safe on a freshly created (all-zero) segment, so a re-opened segment
+    falls back to reading.
+    """
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        _madvise(mm, mmap.MADV_HUGEPAGE)
+    if _madvise(mm, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ):
+        return
+    view = np.frombuffer(mm, dtype=np.uint8, count=size)
+    try:
+        if write:
+            view[::OS_PAGE] = 0
+        else:
+            int(view[::OS_PAGE].sum())
+    finally:
+        del view
+
+
+class SharedSegment:
+    """One mapped ``/dev/shm`` segment.
+
+    Thread-safety: the mapping itself may be read and written from any thread;
+    :meth:`close` and :meth:`unlink` must not race with each other (the owning
+    pool calls them once, at shutdown).
+
+    Buffer ownership: the segment owns the mapping. :attr:`buf` and
+    :meth:`tensor` hand out zero-copy views that keep the mapping alive; after
+    :meth:`close` the mapping is unmapped as soon as the last such view is
+    garbage-collected, so a stale view never dangles. The name (the file in
+    ``/dev/shm``) lives until :meth:`unlink`, independently of any process.
+    """
+
+    def __init__(self, name: str, mm: mmap.mmap, size: int, writable: bool) -> None:
+        self.name = name
+        self.size = size
+        self.writable = writable
+        self._mmap: mmap.mmap | None = mm
+        self._buf: memoryview | None = memoryview(mm)
+
+    @classmethod
+    def create(cls, name: str, size: int, *, prefault: bool = True) -> SharedSegment:
+        """Create and map a new segment of ``size`` bytes (zero-filled).
+
+        Raises AlreadyExists if the name is taken, InvalidArgument for a bad
+        name or size, ResourceExhausted when ``/dev/shm`` cannot hold it. On any
+        error nothing is left behind.
+        """
+        path = _path_for(name)
+        if not isinstance(size, int) or size <= 0:
+            raise InvalidArgument(f"segment size must be a positive number of bytes, got {size!r}")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            raise AlreadyExists(f"shared memory segment {name!r} already exists") from None
+        try:
+            try:
+                # Reserve the memory now: a later SIGBUS in the middle of a copy is
+                # far worse than a clear error at creation.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise ResourceExhausted(
+                        f"cannot reserve {size} bytes for segment {name!r} in {SHM_DIR}: {exc.strerror}"
+                    ) from None
+                raise
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+        if prefault:
+            _prefault(mm, size, write=True)
+        logger.debug("created shm segment %s (%d bytes)", name, size)
+        return cls(name, mm, size, writable=True)
+
+    @classmethod
+    def open(cls, name: str, *, writable: bool = True, prefault: bool = False) -> SharedSegment:
+        """Map an existing segment (warm restart, or a worker's exported pool).
+
+        Raises NotFound if no segment has this name.
+        """
+        path = _path_for(name)
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFound(f"shared memory segment {name!r} does not exist") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                raise InvalidArgument(f"shared memory segment {name!r} is empty")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        finally:
+            os.close(fd)
+        segment = cls(name, mm, size, writable=writable)
+        if prefault:
+            segment.prefault()
+        return segment
+
+    def prefault(self) -> None:
+        """Fault the whole mapping in now (contents are kept)."""
+        if self._mmap is None:
+            raise InvalidArgument(f"shared memory segment {self.name!r} is closed")
+        _prefault(self._mmap, self.size, write=self.writable)
+
+    @property
+    def closed(self) -> bool:
+        return self._buf is None
+
+    @property
+    def buf(self) -> memoryview:
+        """Zero-copy view of the whole segment (read-only if opened read-only)."""
+        if self._buf is None:
+            raise InvalidArgument(f"shared memory segment {self.name!r} is closed")
+        return self._buf
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+        """A zero-copy tensor over ``[offset, offset + prod(shape) * itemsize)``.
+
+        On a read-only segment the tensor must only be read (writes fault).
+        """
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = math.prod(shape)
+        if any(d < 0 for d in shape):
+            raise InvalidArgument(f"negative dimension in tensor shape {shape}")
+        if offset < 0 or offset % itemsize:
+            raise InvalidArgument(f"tensor offset {offset} is negative or not a multiple of {itemsize}")
+        nbytes = count * itemsize
+        if offset + nbytes > self.size:
+            raise InvalidArgument(
+                f"tensor of shape {shape} and dtype {dtype} at offset {offset} needs "
+                f"{offset + nbytes} bytes; segment {self.name!r} has {self.size}"
+            )
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():
+            # torch warns on read-only buffers; the docstring states the contract.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self.buf, dtype=dtype, count=count, offset=offset)
+        return flat.view(shape)
+
+    def close(self) -> None:
+        """Drop this object's mapping. Idempotent. Views still alive keep it mapped."""
+        if self._buf is None:
+            return
+        buf, self._buf = self._buf, None
+        # Tensors made by tensor() may still export it; they keep the mapping alive.
+        with contextlib.suppress(BufferError):
+            buf.release()
+        mm, self._mmap = self._mmap, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # Someone still holds a view; mmap unmaps when the last one dies.
+                logger.debug("segment %s: views still alive, unmapping deferred", self.name)
+
+    def unlink(self) -> None:
+        """Remove the name from ``/dev/shm``. Idempotent. Existing mappings stay valid."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_path_for(self.name))
+
+    @staticmethod
+    def exists(name: str) -> bool:
+        return os.path.exists(_path_for(name))
+
+    def __enter__(self) -> SharedSegment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("rw" if self.writable else "ro")
+        return f"SharedSegment({self.name!r}, size={self.size}, {state})"
