@@ -1,0 +1,223 @@
+"""The Dockerfile: hadolint, structure, the builder stage replayed, the entrypoint run for real.
+
+No Docker engine exists on our machines, so the image is checked by lint, by replaying
+the builder stage's commands on a copy of its build context, and by running the runtime
+stage's ENTRYPOINT + CMD outside a container (paths and ports moved to temp ones).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.ops.dockerfile import Instruction, Stage, dockerignore_excludes, parse, read_dockerignore
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+STARTUP_DEADLINE_S = 60.0
+
+
+def runtime_stage() -> Stage:
+    return parse(DOCKERFILE)[-1]
+
+
+def builder_stage() -> Stage:
+    (stage,) = [s for s in parse(DOCKERFILE) if s.name == "builder"]
+    return stage
+
+
+def executable(name: str) -> str:
+    found = shutil.which(name) or str(Path(sys.executable).parent / name)
+    assert Path(found).exists(), f"{name} is not installed (pip install -e '.[dev]')"
+    return found
+
+
+def test_hadolint_is_clean() -> None:
+    result = subprocess.run(
+        [executable("hadolint"), "--no-color", str(DOCKERFILE)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_would_catch_a_regression(tmp_path: Path) -> None:
+    """The lint gate is real: an unpinned pip install and a root user are reported."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(
+        DOCKERFILE.read_text().replace("USER 10001:10001", "USER root") + "RUN pip install requests\n"
+    )
+    result = subprocess.run(
+        [executable("hadolint"), "--no-color", str(bad)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "DL3013" in result.stdout or "DL3042" in result.stdout  # unpinned pip package
+    assert "DL3002" in result.stdout  # last USER should not be root
+
+
+def test_image_structure() -> None:
+    stages = parse(DOCKERFILE)
+    assert len(stages) >= 2, "multi-stage build"
+    runtime = stages[-1]
+    assert runtime.base == "${BASE_IMAGE}"
+    base_arg = [line for line in DOCKERFILE.read_text().splitlines() if line.startswith("ARG BASE_IMAGE=")]
+    assert base_arg and "nvidia/cuda:" in base_arg[0] and "-runtime-" in base_arg[0]
+    user = runtime.last("USER")
+    assert user is not None
+    uid = user.value.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, "numeric non-root USER (runAsNonRoot can check it)"
+    healthcheck = runtime.last("HEALTHCHECK")
+    assert healthcheck is not None and "CMD" in healthcheck.value
+    assert "hicached" in healthcheck.value and "--health" in healthcheck.value
+    entrypoint = runtime.last("ENTRYPOINT")
+    assert entrypoint is not None and entrypoint.exec_form() == ["hicached", "serve"]
+    assert any("tools/gen_proto.py" in run.value for run in builder_stage().all("RUN"))
+
+
+def test_wheels_the_runtime_installs_match_the_projects() -> None:
+    """A version bump in pyproject.toml must be reflected in the runtime stage's COPY/pip."""
+    names = []
+    for pyproject in (ROOT / "pyproject.toml", ROOT / "clients/python/pyproject.toml"):
+        project = tomllib.loads(pyproject.read_text())["project"]
+        names.append(f"{project['name'].replace('-', '_')}-{project['version']}-py3-none-any.whl")
+    runs = " ".join(run.value for run in runtime_stage().all("RUN"))
+    for wheel in names:
+        assert wheel in runs
+
+
+def test_builder_context_and_commands_produce_the_wheels(tmp_path: Path) -> None:
+    """Replay the builder: copy its COPY sources (honouring .dockerignore), run its RUNs."""
+    patterns = read_dockerignore(ROOT / ".dockerignore")
+    for excluded in (".git/config", "tests/ops/test_dockerfile.py", "deploy/base/daemonset.yaml"):
+        assert dockerignore_excludes(patterns, excluded), excluded
+    context = tmp_path / "context"
+    builder = builder_stage()
+    for copy in builder.all("COPY"):
+        *sources, _dest = copy.value.split()
+        for source in sources:
+            rel = source.rstrip("/")
+            assert not dockerignore_excludes(patterns, rel), f"{rel} is COPYed but .dockerignore drops it"
+            src = ROOT / rel
+            dst = context / rel
+            if src.is_dir():
+                shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            else:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst)
+    wheels = tmp_path / "wheels"
+    # The pinned tool installs (first RUN) are this environment's dev extra already.
+    for run in builder.all("RUN")[1:]:
+        command = run.value.replace("/wheels", str(wheels))
+        result = subprocess.run(
+            ["bash", "-o", "pipefail", "-c", command],
+            check=False,
+            cwd=context,
+            env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+    built = sorted(p.name for p in wheels.iterdir())
+    runs = " ".join(run.value for run in runtime_stage().all("RUN"))
+    assert built and all(name in runs for name in built), (built, runs)
+
+
+def healthcheck_argv(healthcheck: Instruction) -> list[str]:
+    """The exec-form command of a ``HEALTHCHECK [options] CMD [...]`` instruction."""
+    return Instruction("CMD", healthcheck.value.split(" CMD ", 1)[1]).exec_form()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def relocate(argv: list[str], replacements: dict[str, str]) -> list[str]:
+    """Swap the values of the given flags (both ``--f v`` and ``--f=v`` forms)."""
+    out: list[str] = []
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in replacements:
+            out.append(f"{flag}={replacements[flag]}")
+            skip = not eq and i + 1 < len(argv)
+        else:
+            out.append(arg)
+    return out
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    # AF_UNIX paths are limited to 107 bytes: pytest's tmp_path can be longer.
+    path = Path("/tmp") / f"hicached-ops-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path.mkdir(mode=0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_entrypoint_starts_the_daemon_and_stops_on_sigterm(short_tmp: Path) -> None:
+    runtime = runtime_stage()
+    entrypoint, cmd = runtime.last("ENTRYPOINT"), runtime.last("CMD")
+    assert entrypoint is not None and cmd is not None
+    sock = short_tmp / "hicached.sock"
+    metrics_port = free_port()
+    replacements = {
+        "--socket": str(sock),
+        "--listen": f"127.0.0.1:{free_port()}",
+        "--metrics-port": str(metrics_port),
+    }
+    argv = relocate(entrypoint.exec_form() + cmd.exec_form(), replacements)
+    argv[0] = executable(argv[0])
+    env = {**os.environ, "HOME": str(short_tmp), "TMPDIR": str(short_tmp)}
+    log = (short_tmp / "daemon.log").open("w+")
+    proc = subprocess.Popen(argv, cwd=short_tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        while not sock.exists():
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"{argv} exited with {proc.returncode} before creating its socket:\n{log.read()}")
+            assert time.monotonic() < deadline, f"no socket {sock} after {STARTUP_DEADLINE_S}s"
+            time.sleep(0.05)  # polling a file with a deadline, not synchronisation by sleep
+
+        healthcheck = runtime.last("HEALTHCHECK")
+        assert healthcheck is not None
+        probe = relocate(healthcheck_argv(healthcheck), replacements)
+        probe[0] = executable(probe[0])
+        result = subprocess.run(probe, check=False, capture_output=True, text=True, timeout=30, env=env)
+        assert result.returncode == 0, f"HEALTHCHECK {probe} failed: {result.stdout}{result.stderr}"
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            assert b"hicached_sessions" in response.read()
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
