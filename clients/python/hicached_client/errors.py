@@ -1,0 +1,79 @@
+"""The client's single exception type.
+
+Every ``grpc.RpcError`` raised by any client method (sync or asyncio, unary or
+streaming) is converted into :class:`HiCacheError`, which carries the status
+code, the daemon's message and, for ``RESOURCE_EXHAUSTED``, the daemon's
+``retry-after-ms`` hint. Local misuse (a wrong argument type, an index array
+that is not 1-D) raises ``TypeError`` / ``ValueError`` before anything is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+class HiCacheError(Exception):
+    """A failed call: ``code`` (``grpc.StatusCode``), ``message`` (the daemon's details).
+
+    ``retry_after_ms`` is the daemon's hint of when a retry may succeed (sent
+    with ``RESOURCE_EXHAUSTED``), else ``None``. ``method`` names the RPC.
+    """
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        retry_after_ms: int | None = None,
+        method: str = "",
+    ) -> None:
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+        self.method = method
+
+    def __str__(self) -> str:
+        where = f"{self.method}: " if self.method else ""
+        hint = f" (retry after {self.retry_after_ms} ms)" if self.retry_after_ms is not None else ""
+        return f"{where}{self.code.name}: {self.message}{hint}"
+
+    def __repr__(self) -> str:
+        return f"HiCacheError({self.code.name}, {self.message!r}, retry_after_ms={self.retry_after_ms!r})"
+
+
+def _retry_after(metadata: Iterable[Any] | None) -> int | None:
+    for item in metadata or ():
+        key, value = item[0], item[1]
+        if key != RETRY_AFTER_KEY:
+            continue
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        try:
+            return int(text)
+        except ValueError:
+            # A malformed hint is not worth hiding the real error behind another one.
+            return None
+    return None
+
+
+def from_rpc_error(error: grpc.RpcError, method: str = "") -> HiCacheError:
+    """Convert a sync or asyncio ``grpc.RpcError`` (which is also a ``grpc.Call``)."""
+    code_fn = getattr(error, "code", None)
+    code = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.UNKNOWN
+    details_fn = getattr(error, "details", None)
+    details = details_fn() if callable(details_fn) else None
+    trailing_fn = getattr(error, "trailing_metadata", None)
+    trailing = trailing_fn() if callable(trailing_fn) else None
+    return HiCacheError(
+        code,
+        details or str(error),
+        retry_after_ms=_retry_after(trailing),
+        method=method,
+    )
