@@ -1,0 +1,447 @@
+"""The ``s3`` L3 backend: pages as objects in an S3-compatible bucket (boto3).
+
+Object layout. Page ``key`` is stored as one object named
+``<prefix><escaped key>`` whose body is one self-verifying frame from
+:mod:`hicached.l3.framing` (32-byte header with the key's and the payload's
+XXH3, then the payload). ``escaped key`` keeps ``[A-Za-z0-9_-]`` and writes
+every other UTF-8 byte as ``%XX``: the object namespace is flat (no ``/``
+path segments, no ``.``/``..`` that a filer-backed store such as SeaweedFS
+would normalise), and escaping byte by byte keeps prefixes, so
+``clear(prefix)`` is one ``ListObjectsV2`` over ``<prefix><escaped prefix>``.
+Any daemon pointed at the same bucket and prefix sees the same pages at once:
+there is no local index to go stale.
+
+Why one object per page. Batching pages into larger objects would cut the
+per-request cost (measured with SeaweedFS + boto3: 64 KiB PUTs ~20 MB/s,
+1 MiB PUTs ~150 MB/s) but needs an index that every daemon sharing the bucket
+must keep coherent and a compactor for deleted pages; the content-addressed
+one-object-per-page layout keeps ``exists``/``get``/``delete`` single
+requests, needs no coordination between writers, and batches of pages go out
+as concurrent requests on ``threads`` pooled connections instead.
+
+Writes. ``set`` sends ``PUT`` with ``If-None-Match: *``: an existing key
+answers 412 and counts as stored without being rewritten (content-addressed
+keys: same key, same bytes). For stores that do not honour conditional
+writes, ``conditional_put=False`` sends a ``HEAD`` first instead. A ``True``
+result means the store acknowledged the PUT (S3 durability). boto3's own
+request checksums are turned off: the frame's XXH3 already covers the payload
+end to end, from the writer's memory to the reader's.
+
+Reads. Every body is verified before it is served; a truncated, mislabelled
+or corrupt object is a miss, counted in ``corrupt_pages``, and deleted so a
+later ``set`` can store the page again (otherwise ``If-None-Match`` would keep
+the broken object forever). A request that fails for any other reason (server
+down, timeout after boto3's retries) is a miss/``False`` and is logged.
+
+Thread-safety: the boto3 client is thread-safe; requests of one call run on a
+private thread pool of ``threads`` workers; counters sit under one lock.
+``close()`` waits for queued requests, then closes the connection pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+from urllib.parse import unquote
+
+from hicached.errors import InvalidArgument, Unavailable
+from hicached.l3.base import BackendStats, StorageBackend, check_batch, chunks_nbytes
+from hicached.l3.framing import FRAME_HEADER, frame, unframe
+from hicached.l3.registry import register_backend
+
+__all__ = ["S3Backend", "S3BackendConfig", "escape_key", "unescape_key"]
+
+log = logging.getLogger(__name__)
+
+MAX_OBJECT_KEY_BYTES = 1024  # S3's limit on an object name
+_DELETE_BATCH = 1000  # S3's limit on DeleteObjects
+_UNSAFE = re.compile(rb"[^A-Za-z0-9_-]")
+_ADDRESSING = ("auto", "path", "virtual")
+_MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+_EXISTS_CODES = frozenset({"412", "PreconditionFailed"})
+_INSTALL_HINT = "the s3 backend needs boto3: pip install 'hicached[s3]'"
+
+_Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def escape_key(key: str) -> str:
+    """The object-name form of a page key (see the module docstring); prefix-preserving."""
+    return _UNSAFE.sub(lambda m: b"%%%02X" % m.group()[0], key.encode("utf-8")).decode("ascii")
+
+
+def unescape_key(name: str) -> str:
+    return unquote(name, encoding="utf-8", errors="strict")
+
+
+@dataclasses.dataclass(frozen=True)
+class S3BackendConfig:
+    """Options of the ``s3`` backend.
+
+    ``bucket``: bucket name (required). ``endpoint_url``: the S3 endpoint, e.g.
+    ``http://127.0.0.1:8333`` for SeaweedFS/MinIO; empty uses AWS's endpoint
+    for ``region``. ``prefix``: prepended to every object name (e.g.
+    ``"hicached/prod/"``), so several deployments can share a bucket.
+    ``access_key_id``/``secret_access_key``: both or neither; neither uses
+    boto3's default credential chain (environment, ``~/.aws``, instance role).
+    ``threads``: concurrent requests (and pooled connections) per call.
+    ``create_bucket``: create the bucket at start when it is missing (else a
+    missing bucket is a configuration error). ``conditional_put``: use
+    ``If-None-Match: *`` to skip existing keys in one request (see above).
+    ``addressing_style``: ``auto``, ``path`` or ``virtual``. Timeouts are per
+    request; ``max_attempts`` counts boto3's retries too.
+    ``stats_ttl_s``: ``stats()`` lists the prefix (one request per 1000
+    objects); its page/byte counts are reused for this many seconds.
+    """
+
+    bucket: str
+    endpoint_url: str = ""
+    region: str = "us-east-1"
+    prefix: str = ""
+    access_key_id: str = ""
+    secret_access_key: str = ""
+    threads: int = 8
+    create_bucket: bool = False
+    conditional_put: bool = True
+    addressing_style: str = "auto"
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    max_attempts: int = 3
+    stats_ttl_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.bucket:
+            raise InvalidArgument("s3 backend option 'bucket' must be a non-empty bucket name")
+        if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
+            raise InvalidArgument(
+                f"s3 backend option 'endpoint_url' must start with http:// or https://, "
+                f"got {self.endpoint_url!r}"
+            )
+        if self.prefix.startswith("/") or len(self.prefix.encode("utf-8")) >= MAX_OBJECT_KEY_BYTES:
+            raise InvalidArgument(
+                f"s3 backend option 'prefix' must not start with '/' and must be shorter than "
+                f"{MAX_OBJECT_KEY_BYTES} bytes, got {self.prefix!r}"
+            )
+        if bool(self.access_key_id) != bool(self.secret_access_key):
+            raise InvalidArgument(
+                "s3 backend options 'access_key_id' and 'secret_access_key' must be given together"
+            )
+        if not 1 <= self.threads <= 256:
+            raise InvalidArgument(f"s3 backend option 'threads' must be in 1..256, got {self.threads}")
+        if self.addressing_style not in _ADDRESSING:
+            raise InvalidArgument(
+                f"s3 backend option 'addressing_style' must be one of {', '.join(_ADDRESSING)}, "
+                f"got {self.addressing_style!r}"
+            )
+        for option in ("connect_timeout_s", "read_timeout_s"):
+            if not getattr(self, option) > 0:
+                raise InvalidArgument(
+                    f"s3 backend option {option!r} must be > 0, got {getattr(self, option)}"
+                )
+        if self.max_attempts < 1:
+            raise InvalidArgument(f"s3 backend option 'max_attempts' must be >= 1, got {self.max_attempts}")
+        if self.stats_ttl_s < 0:
+            raise InvalidArgument(f"s3 backend option 'stats_ttl_s' must be >= 0, got {self.stats_ttl_s}")
+
+
+def _error_code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    code = response.get("Error", {}).get("Code")
+    if code is None:
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return None if code is None else str(code)
+
+
+@register_backend("s3", S3BackendConfig)
+class S3Backend(StorageBackend):
+    """Pages as framed objects in an S3 bucket; see the module docstring."""
+
+    name = "s3"
+
+    def __init__(self, config: S3BackendConfig) -> None:
+        try:
+            import boto3
+            from botocore.config import Config
+            from botocore.exceptions import BotoCoreError, ClientError
+        except ImportError as exc:
+            raise InvalidArgument(_INSTALL_HINT) from exc
+        self.config = config
+        self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError)
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._corrupt = 0
+        self._listed: tuple[float, int, int] | None = None  # (monotonic time, pages, bytes)
+        self._closed = False
+        boto_config = Config(
+            region_name=config.region,
+            max_pool_connections=config.threads,
+            connect_timeout=config.connect_timeout_s,
+            read_timeout=config.read_timeout_s,
+            retries={"max_attempts": config.max_attempts, "mode": "standard"},
+            s3={"addressing_style": config.addressing_style},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        credentials: dict[str, str] = {}
+        if config.access_key_id:
+            credentials = {
+                "aws_access_key_id": config.access_key_id,
+                "aws_secret_access_key": config.secret_access_key,
+            }
+        self._client: Any = boto3.session.Session().client(
+            "s3", endpoint_url=config.endpoint_url or None, config=boto_config, **credentials
+        )
+        try:
+            self._ensure_bucket()
+        except BaseException:
+            self._client.close()
+            raise
+        self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="hicached-s3")
+
+    # ---------------------------------------------------------------- helpers
+
+    def _where(self) -> str:
+        return f"{self.config.endpoint_url or 'aws'}/{self.config.bucket}/{self.config.prefix}"
+
+    def _ensure_bucket(self) -> None:
+        bucket = self.config.bucket
+        try:
+            self._client.head_bucket(Bucket=bucket)
+            return
+        except self._errors as exc:
+            code = _error_code(exc)
+            if code not in _MISSING_CODES and code != "NoSuchBucket":
+                raise Unavailable(
+                    f"s3 backend cannot reach bucket {bucket!r} at {self._where()}: {exc}"
+                ) from exc
+        if not self.config.create_bucket:
+            raise InvalidArgument(
+                f"s3 bucket {bucket!r} does not exist at {self.config.endpoint_url or 'aws'} "
+                "(set create_bucket=true to create it)"
+            )
+        try:
+            self._client.create_bucket(Bucket=bucket)
+        except self._errors as exc:
+            if _error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise Unavailable(f"s3 backend could not create bucket {bucket!r}: {exc}") from exc
+
+    def _object_names(self, keys: Sequence[str]) -> list[str]:
+        """Object names for ``keys``, all checked before any request is sent."""
+        names = []
+        for key in keys:
+            if not isinstance(key, str) or not key:
+                raise InvalidArgument(f"storage key must be a non-empty str, got {key!r}")
+            name = self.config.prefix + escape_key(key)
+            if len(name) > MAX_OBJECT_KEY_BYTES:
+                raise InvalidArgument(
+                    f"storage key {key!r} is too long for S3: object name {len(name)} bytes "
+                    f"> {MAX_OBJECT_KEY_BYTES}"
+                )
+            names.append(name)
+        return names
+
+    def _map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        if self._closed:
+            raise Unavailable(f"s3 backend {self._where()} is closed")
+        try:
+            return list(self._pool.map(fn, items))
+        except RuntimeError as exc:  # pool shut down by a concurrent close()
+            raise Unavailable(f"s3 backend {self._where()} is closed") from exc
+
+    def _head(self, name: str) -> bool:
+        try:
+            self._client.head_object(Bucket=self.config.bucket, Key=name)
+            return True
+        except self._errors as exc:
+            if _error_code(exc) not in _MISSING_CODES:
+                log.warning("s3 backend %s: HEAD %s failed: %s", self._where(), name, exc)
+            return False
+
+    def _fetch(self, key_name: tuple[str, str]) -> memoryview | None:
+        """The verified payload of one page, or None (miss; corrupt objects are removed)."""
+        key, name = key_name
+        try:
+            body = self._client.get_object(Bucket=self.config.bucket, Key=name)["Body"]
+            try:
+                blob = body.read()
+            finally:
+                body.close()
+        except self._errors as exc:
+            if _error_code(exc) not in _MISSING_CODES:
+                log.warning("s3 backend %s: GET %s failed: %s", self._where(), name, exc)
+            return None
+        payload = unframe(key, blob)
+        if payload is None:
+            log.warning("s3 backend %s: object %s failed verification; removing it", self._where(), name)
+            with self._lock:
+                self._corrupt += 1
+            try:
+                self._client.delete_object(Bucket=self.config.bucket, Key=name)
+            except self._errors as exc:
+                log.warning("s3 backend %s: could not remove corrupt %s: %s", self._where(), name, exc)
+        return payload
+
+    def _count(self, ok: Sequence[bool]) -> None:
+        hits = sum(ok)
+        with self._lock:
+            self._hits += hits
+            self._misses += len(ok) - hits
+
+    def _store(self, item: tuple[str, str, Sequence[_Buffer]]) -> bool:
+        key, name, chunks = item
+        bucket = self.config.bucket
+        try:
+            if not self.config.conditional_put:
+                if self._head(name):
+                    return True
+                self._client.put_object(Bucket=bucket, Key=name, Body=frame(key, chunks))
+                return True
+            self._client.put_object(Bucket=bucket, Key=name, Body=frame(key, chunks), IfNoneMatch="*")
+            return True
+        except self._errors as exc:
+            if _error_code(exc) in _EXISTS_CODES:
+                return True
+            log.warning("s3 backend %s: PUT %s failed: %s", self._where(), name, exc)
+            return False
+
+    def _put(
+        self, keys: Sequence[str], srcs: Sequence[Sequence[bytes | bytearray | memoryview]]
+    ) -> list[bool]:
+        names = self._object_names(keys)
+        return self._map(self._store, zip(keys, names, srcs, strict=True))
+
+    def _delete_names(self, names: Sequence[str]) -> int:
+        deleted = 0
+        for start in range(0, len(names), _DELETE_BATCH):
+            batch = names[start : start + _DELETE_BATCH]
+            try:
+                reply = self._client.delete_objects(
+                    Bucket=self.config.bucket,
+                    Delete={"Objects": [{"Key": n} for n in batch], "Quiet": False},
+                )
+            except self._errors as exc:
+                log.warning("s3 backend %s: DeleteObjects failed: %s", self._where(), exc)
+                continue
+            deleted += len(reply.get("Deleted", []))
+            for error in reply.get("Errors", []):
+                log.warning("s3 backend %s: could not delete %s: %s", self._where(), error.get("Key"), error)
+        return deleted
+
+    def _list(self, prefix: str) -> Iterable[list[dict[str, Any]]]:
+        """Pages of ``ListObjectsV2`` entries under ``prefix`` (full object-name prefix)."""
+        paginator = self._client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.config.bucket, Prefix=prefix):
+            yield page.get("Contents", [])
+
+    # ------------------------------------------------------------- interface
+
+    def exists(self, keys: Sequence[str]) -> int:
+        names = self._object_names(keys)
+        # HEAD one window of concurrent requests at a time; stop at the first miss.
+        window = self.config.threads
+        count = 0
+        for start in range(0, len(names), window):
+            found = self._map(self._head, names[start : start + window])
+            for present in found:
+                if not present:
+                    return count
+                count += 1
+        return count
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        names = self._object_names(keys)
+        payloads = self._map(self._fetch, zip(keys, names, strict=True))
+        pages = [None if p is None else bytes(p) for p in payloads]
+        self._count([p is not None for p in pages])
+        return pages
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
+        check_batch(keys, dests, "destinations")
+        names = self._object_names(keys)
+        sizes = [chunks_nbytes(chunks) for chunks in dests]
+        payloads = self._map(self._fetch, zip(keys, names, strict=True))
+        ok: list[bool] = []
+        for payload, chunks, size in zip(payloads, dests, sizes, strict=True):
+            if payload is None or payload.nbytes != size:
+                ok.append(False)
+                continue
+            offset = 0
+            for chunk in chunks:
+                view = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
+                view[:] = payload[offset : offset + view.nbytes]
+                offset += view.nbytes
+            ok.append(True)
+        self._count(ok)
+        return ok
+
+    def set(self, keys: Sequence[str], values: Sequence[bytes | memoryview]) -> list[bool]:
+        check_batch(keys, values, "values")
+        return self._put(keys, [[v] for v in values])
+
+    def set_from(self, keys: Sequence[str], srcs: Sequence[Sequence[memoryview]]) -> list[bool]:
+        check_batch(keys, srcs, "sources")
+        return self._put(keys, srcs)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        names = self._object_names(keys)
+        unique = list(dict.fromkeys(names))
+        # DeleteObjects reports absent keys as deleted too, so presence comes from HEAD.
+        present = [n for n, found in zip(unique, self._map(self._head, unique), strict=True) if found]
+        return self._delete_names(present)
+
+    def clear(self, prefix: str = "") -> int:
+        if not isinstance(prefix, str):
+            raise InvalidArgument(f"clear prefix must be a str, got {prefix!r}")
+        if self._closed:
+            raise Unavailable(f"s3 backend {self._where()} is closed")
+        removed = 0
+        try:
+            for entries in self._list(self.config.prefix + escape_key(prefix)):
+                removed += self._delete_names([e["Key"] for e in entries])
+        except self._errors as exc:
+            raise Unavailable(f"s3 backend {self._where()}: listing for clear failed: {exc}") from exc
+        return removed
+
+    def stats(self) -> BackendStats:
+        if self._closed:
+            raise Unavailable(f"s3 backend {self._where()} is closed")
+        now = time.monotonic()
+        with self._lock:
+            listed = self._listed
+        if listed is None or now - listed[0] > self.config.stats_ttl_s:
+            pages = payload = 0
+            try:
+                for entries in self._list(self.config.prefix):
+                    pages += len(entries)
+                    payload += sum(max(0, int(e["Size"]) - FRAME_HEADER.size) for e in entries)
+            except self._errors as exc:
+                raise Unavailable(f"s3 backend {self._where()}: listing for stats failed: {exc}") from exc
+            listed = (now, pages, payload)
+            with self._lock:
+                self._listed = listed
+        with self._lock:
+            return BackendStats(
+                pages=listed[1],
+                bytes=listed[2],
+                capacity_bytes=0,
+                hits=self._hits,
+                misses=self._misses,
+                corrupt_pages=self._corrupt,
+                evicted_pages=0,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        self._client.close()
