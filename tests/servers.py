@@ -307,7 +307,7 @@ def redis_server(timeout_s: float = 20.0, attempts: int = 3) -> Iterator[RedisSe
                 )
             try:
                 _wait_until(lambda port=port: _redis_ping(port), proc, log, "redis-server", timeout_s)
-            except RuntimeError:
+            except (RuntimeError, TimeoutError):
                 stop_process(proc)
                 if attempt + 1 == attempts:
                     raise
