@@ -1,0 +1,60 @@
+"""``hicached keys``: print the L3 page keys of a token sequence, one hex key per line.
+
+The keys are the ones a worker (SGLang HiCache storage) computes for the same
+tokens, page size and namespace, so an operator can look a prefix up in L3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from hicached.errors import InvalidArgument
+from hicached.l3.keys import page_keys
+
+
+def _parse_tokens(text: str) -> list[int]:
+    tokens: list[int] = []
+    for raw in text.split(","):
+        part = raw.strip()
+        if not part:
+            continue
+        try:
+            tokens.append(int(part, 10))
+        except ValueError:
+            raise InvalidArgument(f"token id {part!r} is not a decimal integer") from None
+    return tokens
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "keys",
+        help="print the L3 page keys of a token sequence",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--page-size", type=int, required=True, help="tokens per page")
+    parser.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    parser.add_argument("--extra-key", default=None, help="request extra_key (namespaces the chain)")
+    parser.add_argument("--cache-salt", default=None, help="request cache_salt (namespaces the chain)")
+    parser.add_argument(
+        "--full-pages-only", action="store_true", help="omit the key of a trailing partial page"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        keys = page_keys(
+            _parse_tokens(args.tokens),
+            args.page_size,
+            extra_key=args.extra_key,
+            cache_salt=args.cache_salt,
+            include_partial=not args.full_pages_only,
+        )
+    except InvalidArgument as exc:
+        sys.stderr.write(f"hicached keys: {exc}\n")
+        return 2
+    sys.stdout.write("".join(f"{key}\n" for key in keys))
+    return 0
