@@ -1,0 +1,36 @@
+"""The data plane: device handles, copy planning and the node-wide copy engine.
+
+The only package of the daemon that touches CUDA (lazily, in
+:mod:`hicached.transfer.cuda`); it knows nothing of gRPC or of the wire format.
+"""
+
+from hicached.transfer.engine import CopyEngine, CopyResult, Priority
+from hicached.transfer.handles import (
+    DTYPE_BY_NAME,
+    NAME_BY_DTYPE,
+    BufferSpec,
+    CudaIpcBufferHandle,
+    DeviceMappings,
+    Medium,
+    ShmBufferHandle,
+)
+from hicached.transfer.plan import CopyPlan, DevicePoolView, Direction, LayerStep, PageCopy, build_plan
+
+__all__ = [
+    "DTYPE_BY_NAME",
+    "NAME_BY_DTYPE",
+    "BufferSpec",
+    "CopyEngine",
+    "CopyPlan",
+    "CopyResult",
+    "CudaIpcBufferHandle",
+    "DeviceMappings",
+    "DevicePoolView",
+    "Direction",
+    "LayerStep",
+    "Medium",
+    "PageCopy",
+    "Priority",
+    "ShmBufferHandle",
+    "build_plan",
+]

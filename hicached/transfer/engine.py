@@ -1,0 +1,274 @@
+"""The node-wide copy scheduler: every page copy of every worker goes through one engine.
+
+Requests queue per priority and, inside a priority, per submitter (owner), served
+round-robin so one busy worker cannot starve another. The queue is bounded in
+bytes: a request that does not fit is refused at once with ResourceExhausted and a
+retry hint, never queued without limit. Worker threads do the copies; torch releases
+the GIL inside its kernels, so copies of different requests run in parallel.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from hicached.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
+from hicached.transfer.plan import CopyPlan
+from hicached.transfer.routes import CopyContext, run_copy
+
+log = logging.getLogger(__name__)
+
+# Throughput assumed for retry hints until the engine has measured its own.
+_INITIAL_RATE_BPS = 4e9
+_RATE_SMOOTHING = 0.2
+
+
+class Priority(enum.IntEnum):
+    """Lower runs first: a retracted request's restore blocks a decode, write-back blocks nobody."""
+
+    RESTORE = 0
+    DEMAND = 1
+    PREFETCH = 2
+    WRITE_BACK = 3
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    nbytes: int
+    seconds: float
+
+
+@dataclass(eq=False)
+class _Job:
+    plan: CopyPlan
+    priority: Priority
+    owner: str
+    on_layer: Callable[[int], None] | None
+    ready: Callable[[], None] | None
+    cancel: threading.Event | None
+    seq: int
+    future: Future[CopyResult] = field(default_factory=Future)
+    # Set by cancel_owner()/close() to stop a running job at its next layer.
+    stop: threading.Event = field(default_factory=threading.Event)
+    stop_error: Exception | None = None
+
+
+class CopyEngine:
+    """Node-wide scheduler of every page copy.
+
+    Bounded queue (bytes), priority order, round-robin across owners of the same
+    priority, ``workers`` threads that do the copies. Thread-safe. The engine owns
+    its threads and their staging buffers; the tensors in submitted plans are
+    borrowed and must stay valid until the returned future is done.
+    """
+
+    def __init__(self, workers: int = 2, max_queued_bytes: int = 1 << 30) -> None:
+        if type(workers) is not int or workers < 1:
+            raise InvalidArgument(f"copy engine workers must be a positive int, got {workers!r}")
+        if type(max_queued_bytes) is not int or max_queued_bytes < 1:
+            raise InvalidArgument(f"max_queued_bytes must be a positive int, got {max_queued_bytes!r}")
+        self._max_queued_bytes = max_queued_bytes
+        self._cv = threading.Condition()
+        self._queues: dict[Priority, OrderedDict[str, deque[_Job]]] = {p: OrderedDict() for p in Priority}
+        self._queued_bytes = 0
+        self._running: set[_Job] = set()
+        self._closed = False
+        self._rate_bps = _INITIAL_RATE_BPS
+        self._seq = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"hicached-copy-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- submission ---------------------------------------------------------------------------
+
+    def submit(
+        self,
+        plan: CopyPlan,
+        *,
+        priority: Priority,
+        owner: str,
+        on_layer: Callable[[int], None] | None = None,
+        ready: Callable[[], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Future[CopyResult]:
+        """Queue ``plan``; the future resolves to a CopyResult or to the error that stopped it.
+
+        ``ready`` runs on the copy thread before the first source byte is read (the
+        worker's fence); ``on_layer(layer)`` after each step's copies are complete;
+        setting ``cancel`` stops the job before its next step (the future then raises
+        Cancelled). Raises ResourceExhausted (with ``retry_after_ms``) when the queue
+        holds too many bytes, Unavailable after :meth:`close`. A plan larger than the
+        whole budget is accepted when the queue is empty, so it can still make progress.
+        """
+        try:
+            priority = Priority(priority)
+        except ValueError:
+            raise InvalidArgument(f"unknown copy priority {priority!r}") from None
+        if not isinstance(owner, str) or not owner:
+            raise InvalidArgument(f"copy owner must be a non-empty string, got {owner!r}")
+        with self._cv:
+            if self._closed:
+                raise Unavailable("copy engine is shut down")
+            if self._queued_bytes and self._queued_bytes + plan.nbytes > self._max_queued_bytes:
+                excess = self._queued_bytes + plan.nbytes - self._max_queued_bytes
+                retry_ms = max(1, math.ceil(1000 * excess / self._rate_bps))
+                raise ResourceExhausted(
+                    f"copy queue holds {self._queued_bytes} bytes; {plan.nbytes} more exceed the "
+                    f"limit of {self._max_queued_bytes}",
+                    retry_after_ms=retry_ms,
+                )
+            job = _Job(plan, priority, owner, on_layer, ready, cancel, next(self._seq))
+            self._queues[priority].setdefault(owner, deque()).append(job)
+            self._queued_bytes += plan.nbytes
+            self._cv.notify()
+        return job.future
+
+    def cancel_owner(self, owner: str) -> int:
+        """Cancel every queued job of ``owner`` (its session ended) and stop its running ones.
+
+        Queued jobs fail with Cancelled at once; running jobs stop before their next
+        layer and fail with Cancelled. Returns how many queued jobs were cancelled.
+        """
+        err = Cancelled(f"copies of {owner!r} cancelled")
+        with self._cv:
+            dropped: list[_Job] = []
+            for queue in self._queues.values():
+                jobs = queue.pop(owner, None)
+                if jobs:
+                    dropped.extend(jobs)
+            self._queued_bytes -= sum(j.plan.nbytes for j in dropped)
+            for job in self._running:
+                if job.owner == owner:
+                    job.stop_error = err
+                    job.stop.set()
+        for job in dropped:
+            _fail(job, err)
+        return len(dropped)
+
+    def queue_depth(self) -> dict[Priority, int]:
+        """Queued (not yet started) jobs per priority."""
+        with self._cv:
+            return {p: sum(len(d) for d in q.values()) for p, q in self._queues.items()}
+
+    @property
+    def queued_bytes(self) -> int:
+        with self._cv:
+            return self._queued_bytes
+
+    def close(self) -> None:
+        """Refuse new work, fail queued jobs with Unavailable, stop running ones, join threads.
+
+        Idempotent. Running jobs stop at their next layer boundary.
+        """
+        err = Unavailable("copy engine is shut down")
+        with self._cv:
+            self._closed = True
+            dropped = [job for q in self._queues.values() for d in q.values() for job in d]
+            for q in self._queues.values():
+                q.clear()
+            self._queued_bytes = 0
+            for job in self._running:
+                job.stop_error = err
+                job.stop.set()
+            self._cv.notify_all()
+        for job in dropped:
+            _fail(job, err)
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join()
+
+    def __enter__(self) -> CopyEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def _next_job(self) -> _Job | None:
+        with self._cv:
+            while True:
+                if self._closed:
+                    return None
+                for queue in self._queues.values():  # Priority order: dicts keep insertion order
+                    if not queue:
+                        continue
+                    owner, jobs = next(iter(queue.items()))
+                    job = jobs.popleft()
+                    if jobs:
+                        queue.move_to_end(owner)  # round-robin across owners
+                    else:
+                        del queue[owner]
+                    self._queued_bytes -= job.plan.nbytes
+                    self._running.add(job)
+                    return job
+                self._cv.wait()
+
+    def _worker(self) -> None:
+        ctx = CopyContext()
+        try:
+            while (job := self._next_job()) is not None:
+                try:
+                    self._run(job, ctx)
+                finally:
+                    with self._cv:
+                        self._running.discard(job)
+        finally:
+            ctx.close()
+
+    def _run(self, job: _Job, ctx: CopyContext) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        start = time.perf_counter()
+        try:
+            self._check_stop(job)
+            if job.ready is not None:
+                job.ready()
+            for step in job.plan.steps:
+                self._check_stop(job)
+                for copy in step.copies:
+                    run_copy(copy, ctx)
+                ctx.flush()
+                if job.on_layer is not None:
+                    job.on_layer(step.layer)
+        except BaseException as exc:
+            ctx.settle()  # copies already issued must end before the future reports
+            job.future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            if not isinstance(exc, Cancelled | Unavailable):
+                log.warning("copy of %s (%d bytes) failed: %s", job.owner, job.plan.nbytes, exc)
+            return
+        seconds = time.perf_counter() - start
+        self._observe(job.plan.nbytes, seconds)
+        job.future.set_result(CopyResult(nbytes=job.plan.nbytes, seconds=seconds))
+
+    @staticmethod
+    def _check_stop(job: _Job) -> None:
+        if job.stop.is_set():
+            raise job.stop_error or Cancelled(f"copy of {job.owner!r} cancelled")
+        if job.cancel is not None and job.cancel.is_set():
+            raise Cancelled(f"copy of {job.owner!r} cancelled by its caller")
+
+    def _observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._cv:
+            self._rate_bps += _RATE_SMOOTHING * (nbytes / seconds - self._rate_bps)
+
+
+def _fail(job: _Job, err: Exception) -> None:
+    if job.future.set_running_or_notify_cancel():
+        job.future.set_exception(err)

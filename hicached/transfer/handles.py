@@ -1,0 +1,322 @@
+"""Device-memory handles a worker exports, and the daemon-side mappings that open them.
+
+A worker hands the daemon one handle per KV buffer at attach time (POSIX shared
+memory on CPU workers, CUDA IPC memory handles on NVIDIA GPUs). The daemon opens
+every allocation once per worker session through :class:`DeviceMappings` and from
+then on only uses the tensor views it handed out. Openers sit in a registry keyed
+by handle type, so callers never branch on the kind of handle.
+
+Nothing here imports CUDA: the CUDA IPC opener validates its handle on any
+machine and loads :mod:`hicached.transfer.cuda` only when it actually maps one.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import math
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+import torch
+
+from hicached.errors import FailedPrecondition, InvalidArgument
+
+# Every buffer must start on this byte boundary: the copy kernels view pages as
+# 8/16-byte words to reach memcpy speed, which needs aligned starts.
+BUFFER_ALIGNMENT = 16
+CUDA_IPC_HANDLE_BYTES = 64
+
+DTYPE_BY_NAME: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+NAME_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPE_BY_NAME.items()}
+
+
+class Medium(enum.StrEnum):
+    """Where a buffer lives; the values equal ``torch.device.type``."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+def medium_of(tensor: torch.Tensor) -> Medium:
+    """The medium of a tensor; InvalidArgument for devices the daemon cannot copy."""
+    try:
+        return Medium(tensor.device.type)
+    except ValueError:
+        raise InvalidArgument(f"unsupported tensor device {tensor.device}") from None
+
+
+@dataclass(frozen=True)
+class ShmBufferHandle:
+    """A byte range of a POSIX shared-memory segment (``/dev/shm/<name>``)."""
+
+    name: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class CudaIpcBufferHandle:
+    """A byte range of a CUDA allocation exported with ``cuIpcGetMemHandle``.
+
+    ``handle`` is the 64-byte IPC handle of the whole allocation; ``offset`` is the
+    buffer's start inside it. ``device_uuid`` (when set) wins over ``device_id``,
+    because device ordinals differ between processes with different visibility.
+    """
+
+    handle: bytes
+    device_id: int
+    offset: int
+    size: int
+    device_uuid: str = ""
+
+
+DeviceHandle = ShmBufferHandle | CudaIpcBufferHandle
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One exported buffer: where it is, and the tensor it holds."""
+
+    handle: DeviceHandle
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class OpenedAllocation(abc.ABC):
+    """One mapped allocation (a shm segment, an IPC allocation).
+
+    Owned by the :class:`DeviceMappings` that opened it; closed exactly once by it.
+    """
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int:
+        """Bytes addressable through this mapping."""
+
+    @abc.abstractmethod
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor over ``[offset, offset + prod(shape) * itemsize)``; range already checked."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Unmap; views taken before become invalid."""
+
+
+H = TypeVar("H", ShmBufferHandle, CudaIpcBufferHandle)
+
+
+class HandleOpener(abc.ABC, Generic[H]):
+    """Validates and maps one kind of handle. Stateless; shared by all sessions."""
+
+    medium: Medium
+
+    def check(self, handle: H) -> None:
+        """Kind-specific static checks (before anything is opened); no-op by default."""
+
+    @abc.abstractmethod
+    def key(self, handle: H) -> Hashable:
+        """Identity of the allocation, so several buffers in it share one mapping."""
+
+    @abc.abstractmethod
+    def open(self, handle: H) -> OpenedAllocation:
+        """Map the allocation; NotFound when it does not exist."""
+
+
+class ShmOpener(HandleOpener[ShmBufferHandle]):
+    medium = Medium.CPU
+
+    def check(self, handle: ShmBufferHandle) -> None:
+        name = handle.name
+        if not isinstance(name, str) or not name or "/" in name or "\x00" in name or len(name) > 250:
+            raise InvalidArgument(f"invalid shared-memory segment name {name!r}")
+
+    def key(self, handle: ShmBufferHandle) -> Hashable:
+        return ("shm", handle.name)
+
+    def open(self, handle: ShmBufferHandle) -> OpenedAllocation:
+        from hicached.l2.shm import SharedSegment
+
+        return _ShmAllocation(SharedSegment.open(handle.name))
+
+
+class _ShmAllocation(OpenedAllocation):
+    def __init__(self, segment: _Segment) -> None:
+        self._segment = segment
+
+    @property
+    def size(self) -> int:
+        return int(self._segment.size)
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._segment.tensor(dtype, shape, offset)
+
+    def close(self) -> None:
+        self._segment.close()
+
+
+class _Segment(Protocol):
+    """The part of ``hicached.l2.shm.SharedSegment`` used here."""
+
+    @property
+    def size(self) -> int: ...
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+class CudaIpcOpener(HandleOpener[CudaIpcBufferHandle]):
+    medium = Medium.CUDA
+
+    def check(self, handle: CudaIpcBufferHandle) -> None:
+        if not isinstance(handle.handle, bytes) or len(handle.handle) != CUDA_IPC_HANDLE_BYTES:
+            got = len(handle.handle) if isinstance(handle.handle, bytes) else type(handle.handle).__name__
+            raise InvalidArgument(f"CUDA IPC handle must be {CUDA_IPC_HANDLE_BYTES} bytes, got {got}")
+        if handle.handle == bytes(CUDA_IPC_HANDLE_BYTES):
+            raise InvalidArgument("CUDA IPC handle is all zero bytes")
+        if not isinstance(handle.device_id, int) or handle.device_id < 0:
+            raise InvalidArgument(f"invalid CUDA device id {handle.device_id!r}")
+
+    def key(self, handle: CudaIpcBufferHandle) -> Hashable:
+        return ("cuda_ipc", handle.device_uuid or handle.device_id, handle.handle)
+
+    def open(self, handle: CudaIpcBufferHandle) -> OpenedAllocation:
+        from hicached.transfer import cuda
+
+        return cuda.open_ipc_allocation(handle)
+
+
+_OPENERS: dict[type, HandleOpener[ShmBufferHandle] | HandleOpener[CudaIpcBufferHandle]] = {
+    ShmBufferHandle: ShmOpener(),
+    CudaIpcBufferHandle: CudaIpcOpener(),
+}
+
+
+def opener_for(handle: object) -> HandleOpener[ShmBufferHandle] | HandleOpener[CudaIpcBufferHandle]:
+    """The registered opener of a handle's type; InvalidArgument for unknown kinds."""
+    opener = _OPENERS.get(type(handle))
+    if opener is None:
+        raise InvalidArgument(f"unsupported device handle type {type(handle).__name__}")
+    return opener
+
+
+def cuda_ipc_event_fence(event_handle: bytes, device_id: int, device_uuid: str = "") -> Callable[[], None]:
+    """The ``ready`` callable for a worker's IPC event fence: blocks until the event completed.
+
+    Validates the handle on any machine; opening it needs CUDA (FailedPrecondition without).
+    """
+    if not isinstance(event_handle, bytes) or len(event_handle) != CUDA_IPC_HANDLE_BYTES:
+        got = len(event_handle) if isinstance(event_handle, bytes) else type(event_handle).__name__
+        raise InvalidArgument(f"CUDA IPC event handle must be {CUDA_IPC_HANDLE_BYTES} bytes, got {got}")
+    from hicached.transfer import cuda
+
+    return cuda.ipc_event_fence(event_handle, device_id, device_uuid)
+
+
+def validate_spec(spec: BufferSpec) -> int:
+    """Static checks of a buffer spec that need no mapping; returns its byte size.
+
+    Raises InvalidArgument naming the offending value.
+    """
+    if not isinstance(spec.dtype, torch.dtype) or spec.dtype not in NAME_BY_DTYPE:
+        raise InvalidArgument(f"unsupported buffer dtype {spec.dtype!r}")
+    shape = spec.shape
+    if not isinstance(shape, tuple) or not shape or not all(type(d) is int and d > 0 for d in shape):
+        raise InvalidArgument(f"buffer shape must be a non-empty tuple of positive ints, got {shape!r}")
+    handle = spec.handle
+    opener = opener_for(handle)
+    for field in ("offset", "size"):
+        value = getattr(handle, field)
+        if type(value) is not int or value < 0:
+            raise InvalidArgument(f"buffer {field} must be a non-negative int, got {value!r}")
+    itemsize = spec.dtype.itemsize
+    expected = math.prod(shape) * itemsize
+    if handle.size != expected:
+        raise InvalidArgument(
+            f"buffer size {handle.size} != prod(shape {shape}) * itemsize {itemsize} = {expected}"
+        )
+    if handle.offset % BUFFER_ALIGNMENT:
+        raise InvalidArgument(f"buffer offset {handle.offset} is not a multiple of {BUFFER_ALIGNMENT} bytes")
+    opener.check(handle)  # type: ignore[arg-type]  # registry pairs each opener with its type
+    return expected
+
+
+class DeviceMappings:
+    """The device buffers of one worker session.
+
+    Opens each segment / IPC allocation once (several buffers may live in one),
+    hands out validated tensor views, and closes every mapping exactly once in
+    :meth:`close`. The views borrow the worker's memory: they are valid until
+    :meth:`close`, and the worker keeps owning (and eventually freeing) the memory.
+    Thread-safe. A failed :meth:`open` leaves no new mapping behind.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[Hashable, OpenedAllocation] = {}
+        self._closed = False
+
+    def open(self, spec: BufferSpec) -> torch.Tensor:
+        """A tensor view of ``spec`` (shape and dtype as declared).
+
+        InvalidArgument for a bad spec or a range beyond the allocation, NotFound when
+        the allocation does not exist, FailedPrecondition after :meth:`close`.
+        """
+        nbytes = validate_spec(spec)
+        opener = opener_for(spec.handle)
+        key = opener.key(spec.handle)  # type: ignore[arg-type]
+        with self._lock:
+            if self._closed:
+                raise FailedPrecondition("device mappings of this session are closed")
+            alloc = self._open.get(key)
+            fresh = alloc is None
+            if alloc is None:
+                alloc = opener.open(spec.handle)  # type: ignore[arg-type]
+            try:
+                end = spec.handle.offset + nbytes
+                if end > alloc.size:
+                    raise InvalidArgument(
+                        f"buffer [{spec.handle.offset}, {end}) exceeds its allocation of {alloc.size} bytes"
+                    )
+                view = alloc.view(spec.handle.offset, spec.dtype, spec.shape)
+            except BaseException:
+                if fresh:
+                    alloc.close()
+                raise
+            if fresh:
+                self._open[key] = alloc
+            return view
+
+    @property
+    def open_count(self) -> int:
+        """How many allocations are mapped now."""
+        with self._lock:
+            return len(self._open)
+
+    def close(self) -> None:
+        """Unmap everything; idempotent. Views handed out become invalid."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            allocs = list(self._open.values())
+            self._open.clear()
+        errors: list[BaseException] = []
+        for alloc in allocs:
+            try:
+                alloc.close()
+            except Exception as exc:  # keep closing the others, then report
+                errors.append(exc)
+        if errors:
+            raise errors[0]

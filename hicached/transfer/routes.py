@@ -1,0 +1,248 @@
+"""Copy routing: (source medium, destination medium) -> page-copy function.
+
+The CPU<->CPU route is the first-class one (CPU workers and every test use it).
+It moves pages with torch index ops, which reach memcpy speed only on wide element
+views and preallocated outputs (see PERF-NOTES), so every tensor is viewed as rows
+of 8-byte words first, contiguous page runs are copied as slices, and a gather that
+cannot land in place goes through a per-thread staging buffer that lives as long
+as its worker thread. Routes touching CUDA live in :mod:`hicached.transfer.cuda`
+and are imported the first time a CUDA tensor is copied, never on CPU machines.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hicached.errors import InvalidArgument
+from hicached.transfer.handles import Medium, medium_of
+from hicached.transfer.plan import PageCopy
+
+log = logging.getLogger(__name__)
+
+# A run of at least this many pages on average is cheaper as slice copies than as
+# one index op (a torch call costs about as much as copying a few 64 KiB pages).
+MIN_RUN_PAGES = 4
+STAGING_BYTES = 16 << 20
+
+CopyFn = Callable[[PageCopy, "CopyContext"], None]
+
+
+class Staging:
+    """A reusable scratch buffer owned by one thread (first touch is paid once)."""
+
+    def __init__(self, nbytes: int = STAGING_BYTES, *, pin: bool = False) -> None:
+        self._pin = pin  # page-locked, for CUDA transfers (only valid with CUDA present)
+        self._buf = self._alloc(nbytes)
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        buf.zero_()  # fault the pages in now, not during a copy
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._buf.numel())
+
+    def rows(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous (n, *like.shape[1:]) tensor of like.dtype in the buffer (grown if needed)."""
+        shape = (n, *like.shape[1:])
+        need = int(np.prod(shape)) * like.element_size()
+        if need > self.nbytes:
+            self._buf = self._alloc(need)
+        return self._buf[:need].view(like.dtype).view(shape)
+
+
+class CopyContext:
+    """Per-worker-thread copy state: staging buffers and route-specific resources.
+
+    Used by one thread at a time. ``defer`` registers work that must finish before
+    a layer is reported done (e.g. a CUDA stream synchronisation); ``flush`` runs it.
+    ``resources`` holds route state (CUDA streams, pinned buffers) keyed by route
+    module; each value with a ``close()`` is closed by :meth:`close`.
+    """
+
+    def __init__(self, staging_bytes: int = STAGING_BYTES) -> None:
+        self.staging = Staging(staging_bytes)
+        self.resources: dict[str, object] = {}
+        self._deferred: list[Callable[[], None]] = []
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        self._deferred.append(fn)
+
+    def flush(self) -> None:
+        pending, self._deferred = self._deferred, []
+        for fn in pending:
+            fn()
+
+    def settle(self) -> None:
+        """Like flush after a failure: run every deferred item, log (not raise) their errors."""
+        pending, self._deferred = self._deferred, []
+        for fn in pending:
+            try:
+                fn()
+            except Exception:
+                log.exception("deferred copy completion failed")
+
+    def close(self) -> None:
+        self.settle()
+        for res in self.resources.values():
+            close = getattr(res, "close", None)
+            if callable(close):
+                close()
+        self.resources.clear()
+
+
+_ROUTES: dict[tuple[Medium, Medium], CopyFn] = {}
+# Media whose routes live in a module imported on first use.
+_LAZY_MODULES: dict[Medium, str] = {Medium.CUDA: "hicached.transfer.cuda"}
+_routes_lock = threading.Lock()
+
+
+def register_route(src: Medium, dst: Medium, fn: CopyFn) -> None:
+    """Register the copy function of one (src, dst) pair; replaces an earlier one."""
+    with _routes_lock:
+        _ROUTES[(src, dst)] = fn
+
+
+def route(src: Medium, dst: Medium) -> CopyFn:
+    """The copy function for (src, dst); InvalidArgument when there is none."""
+    fn = _ROUTES.get((src, dst))
+    if fn is None:
+        for medium in (src, dst):
+            module = _LAZY_MODULES.get(medium)
+            if module is not None:
+                importlib.import_module(module)  # registers its routes
+        fn = _ROUTES.get((src, dst))
+    if fn is None:
+        raise InvalidArgument(f"no copy route from {src} to {dst}")
+    return fn
+
+
+def run_copy(copy: PageCopy, ctx: CopyContext) -> None:
+    """Perform one page copy on the route its tensors' devices select."""
+    route(medium_of(copy.src), medium_of(copy.dst))(copy, ctx)
+
+
+def word_rows(pages: torch.Tensor) -> torch.Tensor:
+    """View a (pages, ...) tensor as (pages, *outer, words) with the widest word the layout allows.
+
+    Trailing dimensions that are contiguous are merged into one row of bytes that
+    is reinterpreted as int64 (or narrower when size or alignment forbid it); the
+    result aliases ``pages``.
+    """
+    if pages.dim() < 2:
+        raise InvalidArgument(f"page tensor must have a page dimension and a page body, got {pages.shape}")
+    sizes, strides = list(pages.shape), list(pages.stride())
+    inner, first = 1, pages.dim()
+    while first > 1 and (sizes[first - 1] == 1 or strides[first - 1] == inner):
+        inner *= sizes[first - 1]
+        first -= 1
+    rows = pages.flatten(first) if first < pages.dim() else pages.unsqueeze(-1)
+    nbytes = rows.element_size()
+    as_bytes = rows.view(torch.uint8) if nbytes > 1 else rows
+    for word, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        offset_bytes = as_bytes.storage_offset()
+        if (
+            as_bytes.shape[-1] % word == 0
+            and offset_bytes % word == 0
+            and all(s % word == 0 for s in as_bytes.stride()[:-1])
+            and as_bytes.data_ptr() % word == 0
+        ):
+            return as_bytes.view(dtype)
+    return as_bytes
+
+
+def matched_rows(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Word-row views of two page tensors with equal row shapes.
+
+    When one side is less contiguous (a page_first host pool next to a contiguous
+    device buffer), the contiguous side is reshaped to the other's rows; if no such
+    view exists, the element views are returned (correct, slower).
+    """
+    ws, wd = word_rows(src), word_rows(dst)
+    if ws.shape[1:] == wd.shape[1:] and ws.dtype == wd.dtype:
+        return ws, wd
+    if ws.dtype == wd.dtype and ws[0].numel() == wd[0].numel():
+        for a, b in ((ws, wd), (wd, ws)):
+            try:
+                reshaped = a.view(a.shape[0], *b.shape[1:])
+            except RuntimeError:
+                continue
+            return (reshaped, b) if a is ws else (b, reshaped)
+    return src, dst
+
+
+@dataclass(frozen=True)
+class Run:
+    """``count`` consecutive pages from ``src`` to ``dst``, at position ``pos`` of the copy."""
+
+    pos: int
+    src: int
+    dst: int
+    count: int
+
+
+def runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None) -> list[Run]:
+    """Maximal runs where the source (and destination, if given) pages are both consecutive."""
+    n = len(src_pages)
+    if n == 0:
+        return []
+    brk = np.diff(src_pages) != 1
+    if dst_pages is not None:
+        brk |= np.diff(dst_pages) != 1
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
+    ends = np.concatenate((starts[1:], [n]))
+    dst = dst_pages if dst_pages is not None else src_pages
+    return [
+        Run(pos=int(a), src=int(src_pages[a]), dst=int(dst[a]), count=int(b - a))
+        for a, b in zip(starts, ends, strict=True)
+    ]
+
+
+def _few(run_list: list[Run], n: int) -> bool:
+    return len(run_list) * MIN_RUN_PAGES <= n
+
+
+def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
+    """CPU pages to CPU pages in one pass when either side is made of runs, else via staging."""
+    src, dst = matched_rows(copy.src, copy.dst)
+    sp, dp = copy.src_pages, copy.dst_pages
+    n = len(sp)
+    if n == 0:
+        return
+    both = runs(sp, dp)
+    if _few(both, n):
+        for r in both:
+            dst[r.dst : r.dst + r.count].copy_(src[r.src : r.src + r.count])
+        return
+    src_idx = torch.from_numpy(sp)
+    dst_idx = torch.from_numpy(dp)
+    dst_runs = runs(dp)
+    if _few(dst_runs, n) and dst.is_contiguous():
+        # Gather straight into each destination run (one pass).
+        for r in dst_runs:
+            torch.index_select(src, 0, src_idx[r.pos : r.pos + r.count], out=dst[r.dst : r.dst + r.count])
+        return
+    src_runs = runs(sp)
+    if _few(src_runs, n):
+        # Scatter each source run straight into place (one pass).
+        for r in src_runs:
+            dst.index_copy_(0, dst_idx[r.pos : r.pos + r.count], src[r.src : r.src + r.count])
+        return
+    # Scattered on both sides: gather into staging, scatter from it, chunk by chunk.
+    per_chunk = max(1, ctx.staging.nbytes // max(1, src[0].numel() * src.element_size()))
+    for a in range(0, n, per_chunk):
+        b = min(n, a + per_chunk)
+        stage = ctx.staging.rows(b - a, src)
+        torch.index_select(src, 0, src_idx[a:b], out=stage)
+        dst.index_copy_(0, dst_idx[a:b], stage)
+
+
+register_route(Medium.CPU, Medium.CPU, copy_cpu_cpu)
