@@ -189,11 +189,14 @@ class SharedSegment:
             )
         if count == 0:
             return torch.empty(shape, dtype=dtype)
+        # numpy holds a real buffer export for as long as the array lives, which
+        # is what keeps the mapping alive after close(); torch.frombuffer does not.
+        raw = np.frombuffer(self.buf, dtype=np.uint8, count=nbytes, offset=offset)
         with warnings.catch_warnings():
-            # torch warns on read-only buffers; the docstring states the contract.
+            # torch warns on read-only arrays; the docstring states the contract.
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(self.buf, dtype=dtype, count=count, offset=offset)
-        return flat.view(shape)
+            flat = torch.from_numpy(raw)
+        return flat.view(dtype).view(shape)
 
     def close(self) -> None:
         """Drop this object's mapping. Idempotent. Views still alive keep it mapped."""
