@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import promql_parser
 import pytest
 import yaml
 
+from hicached.config import resolve
 from hicached.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -241,21 +241,38 @@ def test_service_monitor_service_and_daemonset_point_at_each_other(
 
 
 @pytest.mark.parametrize("kustomization", ["base", "examples/sidecar"])
-def test_config_matches_the_flags(kustomization: str, rendered: dict[str, list[Manifest]]) -> None:
+def test_config_loads_and_matches_the_flags(
+    kustomization: str, rendered: dict[str, list[Manifest]], tmp_path: Path
+) -> None:
+    """The ConfigMap's TOML is accepted by hicached.config and agrees with the pod spec."""
     docs = rendered[kustomization]
-    config = tomllib.loads(only(docs, "ConfigMap")["data"]["hicached.toml"])
-    assert {"server", "host", "l3", "sessions"} <= config.keys()
+    toml_file = tmp_path / "hicached.toml"
+    toml_file.write_text(only(docs, "ConfigMap")["data"]["hicached.toml"])
+    config = resolve(env={}, file=toml_file)
     workload = next(d for d in docs if d["kind"] in ("DaemonSet", "Deployment"))
     pod_spec = workload["spec"]["template"]["spec"]
     daemon = next(c for c in pod_containers(pod_spec) if c["name"] == "hicached")
     flags = flag_values(daemon["args"])
-    assert config["server"]["socket"] == flags["--socket"]
-    assert config["server"]["listen"] == flags["--listen"]
-    assert config["server"]["metrics_port"] == int(flags["--metrics-port"])
-    assert config["server"]["log_format"] == flags["--log-format"]
-    memory_limit = daemon["resources"]["limits"]["memory"]
-    assert memory_limit.endswith("Gi")
-    assert int(memory_limit[:-2]) * 2**30 >= config["host"]["size_bytes"] + 2 * 2**30, "pool + headroom"
+    assert str(config.server.socket) == flags["--socket"]
+    assert config.server.listen == flags["--listen"]
+    assert config.server.metrics_port == int(flags["--metrics-port"])
+    assert config.server.metrics_host == "0.0.0.0", "Prometheus scrapes from another pod"
+    assert config.log.format == flags["--log-format"]
+
+    mounts = {m["mountPath"]: m["name"] for m in daemon["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    token_dir = str(Path(config.server.auth_token_file).parent)
+    assert "secret" in volumes[mounts[token_dir]], "the TCP port's token comes from a Secret"
+    assert config.l3.backend == "file" and config.l3.path.startswith(
+        next(p for p in mounts if mounts[p] == "l3")
+    )
+
+    limit = daemon["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi")
+    assert int(limit[:-2]) << 30 >= config.host.budget + (2 << 30), "host budget + headroom"
+    shm = volumes.get("dshm")
+    if shm is not None:
+        assert int(shm["emptyDir"]["sizeLimit"].removesuffix("Gi")) << 30 > config.host.budget
 
 
 def test_daemonset_is_as_tight_as_cuda_ipc_allows(rendered: dict[str, list[Manifest]]) -> None:
