@@ -1,0 +1,269 @@
+"""The ``file`` backend: crash atomicity, verification, index rebuild, LRU capacity."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from hicached.errors import FailedPrecondition, InvalidArgument, Unavailable
+from hicached.l3 import create_backend
+from hicached.l3.file import HEADER_BYTES, MAX_KEY_BYTES, FileBackend, slot_bytes_for
+
+SLOT = slot_bytes_for(4096)
+
+
+def page(key: str, size: int = 4096) -> bytes:
+    seed = key.encode()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def open_file(path: Path, capacity: int = 64 << 20, **extra: object) -> FileBackend:
+    backend = create_backend("file", {"path": str(path), "capacity_bytes": capacity, **extra})
+    assert isinstance(backend, FileBackend)
+    return backend
+
+
+def slab_path(path: Path, payload: int = 4096) -> Path:
+    return path / f"slab-{slot_bytes_for(payload)}.dat"
+
+
+def flip_byte(file: Path, offset: int) -> None:
+    with file.open("r+b") as f:
+        f.seek(offset)
+        old = f.read(1)
+        f.seek(offset)
+        f.write(bytes([old[0] ^ 0xFF]))
+
+
+def test_index_rebuilt_after_reopen(file_dir: Path) -> None:
+    keys = [f"rb/{i}" for i in range(10)]
+    with open_file(file_dir) as backend:
+        assert all(backend.set(keys, [page(k, 4096 + 100 * i) for i, k in enumerate(keys)]))
+        assert backend.delete(["rb/3"]) == 1
+    with open_file(file_dir) as backend:
+        stats = backend.stats()
+        assert stats.pages == 9
+        assert stats.bytes == sum(4096 + 100 * i for i in range(10) if i != 3)
+        assert backend.exists(keys[:3]) == 3
+        assert backend.get(["rb/3"]) == [None]
+        assert backend.get(keys[4:]) == [page(k, 4096 + 100 * i) for i, k in enumerate(keys) if i >= 4]
+
+
+def test_corrupt_payload_is_a_counted_miss(file_dir: Path) -> None:
+    with open_file(file_dir) as backend:
+        assert all(backend.set(["c/a", "c/b"], [page("c/a"), page("c/b")]))
+        flip_byte(slab_path(file_dir), HEADER_BYTES + 1234)  # slot 0 payload
+        dest = bytearray(4096)
+        assert backend.get_into(["c/a"], [[memoryview(dest)]]) == [False]
+        assert backend.get(["c/a", "c/b"]) == [None, page("c/b")]
+        stats = backend.stats()
+        assert stats.corrupt_pages == 1
+        assert stats.misses == 2
+        assert backend.exists(["c/a"]) == 0
+        assert backend.set(["c/a"], [page("c/a")]) == [True]
+        assert backend.get(["c/a"]) == [page("c/a")]
+
+
+def test_corrupt_header_is_dropped_at_start(file_dir: Path) -> None:
+    with open_file(file_dir) as backend:
+        assert all(backend.set(["h/a", "h/b"], [page("h/a"), page("h/b")]))
+    flip_byte(slab_path(file_dir), 20)  # slot 0 header (sequence number)
+    with open_file(file_dir) as backend:
+        assert backend.exists(["h/a"]) == 0
+        assert backend.get(["h/b"]) == [page("h/b")]
+
+
+def test_torn_write_is_never_served(file_dir: Path) -> None:
+    with open_file(file_dir) as backend:
+        assert backend.set(["torn"], [page("torn")]) == [True]
+    # What a kill mid-pwrite leaves: a whole header, a payload half old, half new.
+    with slab_path(file_dir).open("r+b") as f:
+        f.seek(HEADER_BYTES + 2048)
+        f.write(b"\0" * 2048)
+    with open_file(file_dir) as backend:
+        assert backend.exists(["torn"]) == 1  # headers alone are trusted at start
+        assert backend.get(["torn"]) == [None]
+        assert backend.stats().corrupt_pages == 1
+    with open_file(file_dir) as backend:
+        assert backend.exists(["torn"]) == 0  # its header was cleared
+
+
+def test_truncated_slab_is_a_miss(file_dir: Path) -> None:
+    with open_file(file_dir) as backend:
+        assert all(backend.set(["tr/a", "tr/b"], [page("tr/a"), page("tr/b")]))
+    os.truncate(slab_path(file_dir), SLOT + HEADER_BYTES + 10)
+    with open_file(file_dir) as backend:
+        assert backend.get(["tr/a", "tr/b"]) == [page("tr/a"), None]
+        dest = bytearray(4096)
+        assert backend.get_into(["tr/b"], [[memoryview(dest)]]) == [False]
+
+
+def test_lru_eviction_at_capacity(file_dir: Path) -> None:
+    with open_file(file_dir, capacity=4 * SLOT) as backend:
+        keys = ["l/a", "l/b", "l/c", "l/d"]
+        assert all(backend.set(keys, [page(k) for k in keys]))
+        assert backend.get(["l/a"]) == [page("l/a")]  # a is now the most recent
+        assert backend.set(["l/e"], [page("l/e")]) == [True]
+        assert backend.exists(["l/b"]) == 0
+        assert backend.exists(["l/a", "l/c", "l/d", "l/e"]) == 4
+        stats = backend.stats()
+        assert (stats.pages, stats.evicted_pages) == (4, 1)
+        assert os.path.getsize(slab_path(file_dir)) <= 4 * SLOT
+        # A page bigger than the whole capacity is refused, nothing evicted.
+        assert backend.set(["l/huge"], [b"x" * (4 * SLOT)]) == [False]
+        assert backend.stats().evicted_pages == 1
+    # Write order survives a restart: the oldest write goes first.
+    with open_file(file_dir, capacity=4 * SLOT) as backend:
+        assert backend.set(["l/f"], [page("l/f")]) == [True]
+        assert backend.exists(["l/a"]) == 0
+        assert backend.exists(["l/c", "l/d", "l/e", "l/f"]) == 4
+    with open_file(file_dir, capacity=2 * SLOT) as backend:  # smaller limit: trimmed at start
+        assert backend.stats().pages == 2
+        assert backend.exists(["l/e", "l/f"]) == 2
+
+
+def test_slots_are_freed_exactly_once(file_dir: Path) -> None:
+    with open_file(file_dir, capacity=8 * SLOT) as backend:
+        for round_ in range(5):
+            keys = [f"f/{round_}/{i}" for i in range(8)]
+            assert backend.set(keys, [page(k) for k in keys]) == [True] * 8
+            assert backend.delete(keys) == 8
+            assert backend.stats().pages == 0
+        assert backend.stats().evicted_pages == 0
+        assert os.path.getsize(slab_path(file_dir)) <= 8 * SLOT
+        # Full capacity is usable again and one more page needs exactly one eviction.
+        keys = [f"f/last/{i}" for i in range(9)]
+        assert backend.set(keys[:8], [page(k) for k in keys[:8]]) == [True] * 8
+        assert backend.stats().evicted_pages == 0
+        assert backend.set(keys[8:], [page(keys[8])]) == [True]
+        assert backend.stats().evicted_pages == 1
+        # Pages of one batch cannot evict each other: a batch over capacity fails its tail.
+        big = [f"f/big/{i}" for i in range(9)]
+        assert backend.set(big, [page(k) for k in big]) == [True] * 8 + [False]
+
+
+def test_reads_pin_slots_against_reuse(file_dir: Path) -> None:
+    """Deleting and rewriting while readers run never serves another page's bytes."""
+    with open_file(file_dir, capacity=16 * SLOT) as backend:
+        keys = [f"p/{i}" for i in range(8)]
+        assert all(backend.set(keys, [page(k) for k in keys]))
+        stop = threading.Event()
+        wrong: list[str] = []
+
+        def reader() -> None:
+            while not stop.is_set():
+                for key, got in zip(keys, backend.get(keys), strict=True):
+                    if got is not None and got != page(key):
+                        wrong.append(key)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        try:
+            for round_ in range(200):
+                victim = keys[round_ % 8]
+                backend.delete([victim])
+                assert backend.set([f"other/{round_}"], [page(f"other/{round_}")]) == [True]
+                assert backend.set([victim], [page(victim)]) == [True]
+                backend.delete([f"other/{round_}"])
+        finally:
+            stop.set()
+            thread.join()
+        assert wrong == []
+        assert backend.stats().corrupt_pages == 0
+
+
+def test_one_process_per_directory(file_dir: Path) -> None:
+    backend = open_file(file_dir)
+    with pytest.raises(FailedPrecondition, match="in use"):
+        open_file(file_dir)
+    backend.close()
+    open_file(file_dir).close()
+
+
+def test_closed_backend_is_unavailable(file_dir: Path) -> None:
+    backend = open_file(file_dir)
+    backend.close()
+    backend.close()
+    with pytest.raises(Unavailable, match="closed"):
+        backend.get(["x"])
+    with pytest.raises(Unavailable, match="closed"):
+        backend.set(["x"], [b"x"])
+
+
+def test_key_too_long_changes_nothing(file_dir: Path) -> None:
+    with open_file(file_dir) as backend:
+        long_key = "k" * (MAX_KEY_BYTES + 1)
+        with pytest.raises(InvalidArgument, match=f"max {MAX_KEY_BYTES}"):
+            backend.set(["ok", long_key], [b"1", b"2"])
+        assert backend.stats().pages == 0
+        assert backend.set(["k" * MAX_KEY_BYTES], [b"1"]) == [True]
+
+
+def test_fsync_option_and_bad_config(file_dir: Path) -> None:
+    with open_file(file_dir, fsync=True) as backend:
+        assert backend.set(["fs"], [b"durable"]) == [True]
+        backend.sync()
+    with pytest.raises(InvalidArgument, match="capacity_bytes"):
+        open_file(file_dir, capacity=10)
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    from hicached.l3 import create_backend
+
+    def page(key, size):
+        seed = key.encode()
+        return (seed * (size // len(seed) + 1))[:size]
+
+    backend = create_backend("file", {"path": sys.argv[1], "capacity_bytes": 1 << 34})
+    batch = 0
+    while True:
+        keys = [f"crash/{batch}/{i}" for i in range(8)]
+        ok = backend.set(keys, [page(k, (1 << 20) - 64 * i) for i, k in enumerate(keys)])
+        if not all(ok):
+            sys.exit(3)
+        sys.stdout.write(f"{batch}\\n")
+        sys.stdout.flush()
+        batch += 1
+    """
+)
+
+
+def test_sigkill_mid_write_loses_nothing_acknowledged(file_dir: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(file_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    acked = -1
+    try:
+        while acked < 24:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read() if proc.stderr else "child died"
+            acked = int(line)
+        os.kill(proc.pid, signal.SIGKILL)
+        # Batches acknowledged after our last read still count as acknowledged.
+        for line in proc.stdout:
+            acked = int(line)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    with open_file(file_dir, capacity=1 << 34) as backend:
+        for batch in range(acked + 3):
+            keys = [f"crash/{batch}/{i}" for i in range(8)]
+            got = backend.get(keys)
+            for i, (key, data) in enumerate(zip(keys, got, strict=True)):
+                expected = page(key, (1 << 20) - 64 * i)
+                if batch <= acked:
+                    assert data == expected, f"acknowledged page {key} lost or wrong"
+                else:
+                    assert data is None or data == expected, f"partial page {key} served"
