@@ -217,26 +217,29 @@ def seaweedfs(timeout_s: float = 60.0) -> Iterator[SeaweedFS]:
 
 @dataclasses.dataclass(frozen=True)
 class MooncakeMaster:
-    """A running ``mooncake_master`` (RPC on loopback, TCP transport)."""
+    """A running ``mooncake_master`` (RPC on loopback, TCP transport) and, when
+    asked for, a ``mooncake_client`` that lends a memory segment to the store,
+    so pages outlive the clients that wrote them."""
 
     master_addr: str
     pid: int
+    segment_pid: int | None
     workdir: Path
 
 
 @contextlib.contextmanager
-def mooncake_master(timeout_s: float = 30.0) -> Iterator[MooncakeMaster]:
-    """Start ``mooncake_master`` on free loopback ports, yield, stop it by pid.
+def mooncake_master(segment_bytes: int = 64 << 20, timeout_s: float = 30.0) -> Iterator[MooncakeMaster]:
+    """Start ``mooncake_master`` (and a segment host unless ``segment_bytes`` is 0)
+    on free loopback ports, yield, stop them by pid.
 
     Clients use ``P2PHANDSHAKE`` metadata, so no etcd or HTTP metadata server
-    is needed. A short KV lease keeps tests from waiting on ``remove``.
+    is needed. A short KV lease keeps removal tests from waiting on leases.
     """
-    binary = find_executable("mooncake_master")
     workdir = Path(tempfile.mkdtemp(prefix=f"hc-mooncake-{os.getpid()}-"))
-    rpc, metrics = free_ports(2)
-    log = workdir / "master.log"
-    args = [
-        binary,
+    rpc, metrics, client_port = free_ports(3)
+    master_log = workdir / "master.log"
+    master_args = [
+        find_executable("mooncake_master"),
         f"-rpc_port={rpc}",
         f"-rpc_address={LOOPBACK}",
         f"-metrics_port={metrics}",
@@ -248,15 +251,50 @@ def mooncake_master(timeout_s: float = 30.0) -> Iterator[MooncakeMaster]:
         "-logtostderr",
         "-minloglevel=1",
     ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        _wait_until(lambda: _port_open(rpc), proc, log, "mooncake_master", timeout_s)
-        yield MooncakeMaster(f"{LOOPBACK}:{rpc}", proc.pid, workdir)
+        with master_log.open("wb") as out:
+            procs.append(
+                subprocess.Popen(
+                    master_args,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
+        _wait_until(lambda: _port_open(rpc), procs[0], master_log, "mooncake_master", timeout_s)
+        segment_pid = None
+        if segment_bytes:
+            client_log = workdir / "segment.log"
+            client_args = [
+                find_executable("mooncake_client"),
+                f"-global_segment_size={segment_bytes}",
+                "-local_buffer_size=16MB",
+                f"-master_server_address={LOOPBACK}:{rpc}",
+                "-metadata_server=P2PHANDSHAKE",
+                f"-host={LOOPBACK}",
+                f"-port={client_port}",
+                "-protocol=tcp",
+                "-logtostderr",
+                "-minloglevel=1",
+            ]
+            with client_log.open("wb") as out:
+                procs.append(
+                    subprocess.Popen(
+                        client_args,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
+            _wait_until(lambda: _port_open(client_port), procs[1], client_log, "mooncake_client", timeout_s)
+            segment_pid = procs[1].pid
+        yield MooncakeMaster(f"{LOOPBACK}:{rpc}", procs[0].pid, segment_pid, workdir)
     finally:
-        stop_process(proc)
+        for proc in reversed(procs):
+            stop_process(proc)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
