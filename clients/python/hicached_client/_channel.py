@@ -27,17 +27,23 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 def default_target() -> str:
-    """The daemon's default endpoint, as a gRPC target.
+    """The daemon's default endpoint, as a gRPC target (the daemon's own default socket).
 
     ``$HICACHED_SOCKET`` (a path or a full target) wins; else
     ``$XDG_RUNTIME_DIR/hicached/hicached.sock`` when ``XDG_RUNTIME_DIR`` is set;
-    else ``/run/hicached/hicached.sock``.
+    else ``/run/hicached/hicached.sock`` for root and
+    ``/tmp/hicached-<uid>/hicached.sock`` for other users.
     """
     env = os.environ.get(SOCKET_ENV)
     if env:
         return normalize_target(env)
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    path = Path(runtime) / "hicached" / SOCKET_NAME if runtime else SYSTEM_SOCKET
+    if runtime:
+        path = Path(runtime) / "hicached" / SOCKET_NAME
+    elif os.geteuid() == 0:
+        path = SYSTEM_SOCKET
+    else:
+        path = Path(f"/tmp/hicached-{os.geteuid()}") / SOCKET_NAME
     return normalize_target(str(path))
 
 

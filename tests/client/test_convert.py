@@ -1,0 +1,170 @@
+"""Pure conversions: pool specs, targets, enums, retry policy (no server needed)."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+import torch
+from hicached_client import (
+    ChannelConfig,
+    HiCacheError,
+    HostLayout,
+    PoolKind,
+    RetryPolicy,
+    TokenChain,
+    default_target,
+    pool_spec,
+)
+from hicached_client import _convert as cv
+from hicached_client.errors import from_rpc_error
+from hicached_client.v1 import types_pb2 as tpb
+
+
+def _buffer(name: str) -> tpb.DeviceBuffer:
+    return tpb.DeviceBuffer(
+        handle=tpb.DeviceHandle(shm=tpb.ShmHandle(name=name, size=64)),
+        shape=[4, 1, 8],
+        dtype=tpb.DATA_TYPE_FLOAT16,
+    )
+
+
+def test_pool_spec_accepts_strings_enums_and_torch_dtypes() -> None:
+    spec = pool_spec(
+        "kv",
+        role="ANCHOR",
+        kind=PoolKind.MHA,
+        dtype=torch.bfloat16,
+        host_layout="page_first",
+        page_size=16,
+        num_layers=2,
+        num_heads=4,
+        head_dim=8,
+        k_buffers=[_buffer("k0"), _buffer("k1")],
+        v_buffers=[_buffer("v0"), _buffer("v1")],
+        host_bytes=1 << 20,
+        layer_ids=[0, -1],
+    )
+    assert spec.role == tpb.POOL_ROLE_ANCHOR
+    assert spec.kind == tpb.POOL_KIND_MHA
+    assert spec.dtype == tpb.DATA_TYPE_BFLOAT16
+    assert spec.host_layout == tpb.HOST_LAYOUT_PAGE_FIRST
+    assert spec.host_size.WhichOneof("size") == "bytes" and spec.host_size.bytes == 1 << 20
+    assert list(spec.layer_ids) == [0, -1]
+    assert [b.handle.shm.name for b in spec.k_buffers] == ["k0", "k1"]
+    derived = pool_spec(
+        "idx",
+        role="derived",
+        kind="mla",
+        dtype="uint8",
+        page_size=16,
+        num_layers=1,
+        num_heads=1,
+        head_dim=8,
+        k_buffers=[],
+        indices_from_pool="kv",
+        host_ratio=2.0,
+    )
+    assert derived.role == tpb.POOL_ROLE_DERIVED and derived.indices_from_pool == "kv"
+    assert derived.host_layout == tpb.HOST_LAYOUT_LAYER_FIRST
+    assert derived.host_size.ratio == 2.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"role": "leader"}, "unknown PoolRole 'leader'"),
+        ({"kind": "gqa"}, "unknown PoolKind 'gqa'"),
+        ({"dtype": torch.int32}, "unknown DataType 'int32'"),
+        ({"host_layout": "row"}, "unknown HostLayout 'row'"),
+        ({"host_ratio": 2.0, "host_bytes": 10}, "not both"),
+    ],
+)
+def test_pool_spec_rejects_bad_values_naming_them(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {
+        "role": "anchor",
+        "kind": "mha",
+        "dtype": "float16",
+        "page_size": 1,
+        "num_layers": 1,
+        "num_heads": 1,
+        "head_dim": 1,
+        "k_buffers": [],
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        pool_spec("kv", **args)  # type: ignore[arg-type]
+
+
+def test_enum_tables_cover_every_wire_value() -> None:
+    assert set(cv.HOST_LAYOUTS) == set(HostLayout)
+    wire = {v for k, v in tpb.HostLayout.items() if not k.endswith("UNSPECIFIED")}
+    assert set(cv.HOST_LAYOUTS.values()) == wire
+    assert set(cv.DATA_TYPES.values()) == {
+        v for k, v in tpb.DataType.items() if not k.endswith("UNSPECIFIED")
+    }
+    assert cv.enum_from_wire(cv.HOST_LAYOUTS, tpb.HOST_LAYOUT_UNSPECIFIED) is None
+
+
+def test_token_chain_keys_keep_optional_fields_absent() -> None:
+    wire = cv.keys_to_wire(TokenChain([1, 2, 3], cache_salt="salt"), tenant="t")
+    assert list(wire.tokens.token_ids) == [1, 2, 3]
+    assert wire.tokens.HasField("cache_salt") and not wire.tokens.HasField("extra_key")
+    assert wire.tenant == "t"
+    assert list(cv.keys_to_wire(["aa", "bb"]).keys.keys) == ["aa", "bb"]
+
+
+def test_default_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HICACHED_SOCKET", "/x/y.sock")
+    assert default_target() == "unix:///x/y.sock"
+    monkeypatch.setenv("HICACHED_SOCKET", "localhost:7000")
+    assert default_target() == "localhost:7000"
+    monkeypatch.delenv("HICACHED_SOCKET")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/5")
+    assert default_target() == "unix:///run/user/5/hicached/hicached.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    expected = "/run/hicached" if os.geteuid() == 0 else f"/tmp/hicached-{os.geteuid()}"
+    assert default_target() == f"unix://{expected}/hicached.sock"
+
+
+def test_channel_config_validation() -> None:
+    with pytest.raises(ValueError, match="TCP targets"):
+        ChannelConfig(target="/a.sock", credentials=grpc.ssl_channel_credentials())
+    with pytest.raises(ValueError, match="empty hicached target"):
+        ChannelConfig(target="")
+    with pytest.raises(ValueError, match="max_attempts"):
+        RetryPolicy(max_attempts=0)
+    assert ChannelConfig(target="h:1", token="t").metadata() == (("authorization", "Bearer t"),)
+
+
+def test_retry_policy_delays() -> None:
+    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=0.15)
+    unavailable = HiCacheError(grpc.StatusCode.UNAVAILABLE, "x")
+    first, second = policy.delay_s(1, unavailable), policy.delay_s(2, unavailable)
+    assert first is not None and 0.05 <= first <= 0.1
+    assert second is not None and 0.075 <= second <= 0.15
+    assert policy.delay_s(3, unavailable) is None
+    assert policy.delay_s(1, HiCacheError(grpc.StatusCode.NOT_FOUND, "x")) is None
+    exhausted = HiCacheError(grpc.StatusCode.RESOURCE_EXHAUSTED, "x", retry_after_ms=40)
+    assert policy.delay_s(1, exhausted) is None
+    assert RetryPolicy(retry_resource_exhausted=True).delay_s(1, exhausted) == 0.04
+
+
+class _FakeCall(grpc.RpcError):
+    """Stands in for a grpc call object only to feed malformed metadata to the converter."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self) -> str:
+        return "busy"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("other", "1"), ("retry-after-ms", "soon"))
+
+
+def test_malformed_retry_hint_does_not_hide_the_error() -> None:
+    err = from_rpc_error(_FakeCall(), "Alloc")
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.message == "busy"
+    assert err.retry_after_ms is None and err.method == "Alloc"
