@@ -52,6 +52,8 @@ class RedisBackendConfig:
     ``unix_socket`` overrides ``host``/``port``. ``key_prefix`` is prepended
     to every key (lets several daemons share one database). ``ttl_s``: expiry
     of each page in seconds, 0 = never. ``batch_pages``: commands per pipeline.
+    ``retries``: reconnect attempts (short exponential backoff) before a
+    command fails as unavailable.
     """
 
     host: str = "127.0.0.1"
@@ -64,6 +66,7 @@ class RedisBackendConfig:
     socket_timeout_s: float = 5.0
     ttl_s: int = 0
     batch_pages: int = 128
+    retries: int = 2
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -76,6 +79,8 @@ class RedisBackendConfig:
             )
         if self.ttl_s < 0:
             raise InvalidArgument(f"redis backend option 'ttl_s' must be >= 0, got {self.ttl_s}")
+        if self.retries < 0:
+            raise InvalidArgument(f"redis backend option 'retries' must be >= 0, got {self.retries}")
         if self.batch_pages <= 0:
             raise InvalidArgument(f"redis backend option 'batch_pages' must be > 0, got {self.batch_pages}")
 
@@ -99,7 +104,11 @@ class RedisBackend(StorageBackend):
     def __init__(self, config: RedisBackendConfig) -> None:
         self.config = config
         self._redis = _import_redis()
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+
         kwargs: dict[str, Any] = {
+            "retry": Retry(ExponentialBackoff(cap=0.5, base=0.01), config.retries),
             "db": config.db,
             "username": config.username,
             "password": config.password,

@@ -1,0 +1,86 @@
+"""The ``redis`` backend against a real redis-server: verification, prefixes, failures."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from servers import RedisServer, free_ports
+
+from hicached.errors import InvalidArgument, Unavailable
+from hicached.l3 import StorageBackend, create_backend
+from hicached.l3.framing import frame
+
+
+@pytest.fixture
+def raw(redis_srv: RedisServer) -> redis.Redis:
+    return redis.Redis(host=redis_srv.host, port=redis_srv.port)
+
+
+def test_values_are_verified_frames(redis_backend: StorageBackend, raw: redis.Redis) -> None:
+    assert all(redis_backend.set(["v/a", "v/b", "v/c"], [b"a" * 1000, b"b" * 1000, b"c" * 1000]))
+    stored = raw.get("v/a")
+    assert isinstance(stored, bytes)
+    assert stored == frame("v/a", [b"a" * 1000])
+    corrupt = bytearray(stored)
+    corrupt[-1] ^= 0xFF
+    raw.set("v/a", bytes(corrupt))
+    raw.set("v/b", stored[:20])  # truncated frame
+    raw.set("v/c", stored)  # a whole frame, but of another key
+    dest = bytearray(1000)
+    assert redis_backend.get(["v/a", "v/b", "v/c"]) == [None, None, None]
+    assert redis_backend.get_into(["v/a"], [[memoryview(dest)]]) == [False]
+    assert redis_backend.stats().corrupt_pages == 4
+
+
+def test_key_prefix_isolation(redis_srv: RedisServer, redis_backend: StorageBackend) -> None:
+    a = create_backend("redis", {"port": redis_srv.port, "key_prefix": "tenant-a/"})
+    b = create_backend("redis", {"port": redis_srv.port, "key_prefix": "tenant-b/"})
+    try:
+        assert a.set(["k"], [b"from a"]) == [True]
+        assert b.exists(["k"]) == 0
+        assert b.set(["k"], [b"from b"]) == [True]
+        assert a.get(["k"]) == [b"from a"]
+        assert a.clear() == 1
+        assert b.get(["k"]) == [b"from b"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_ttl_option_sets_expiry(
+    redis_srv: RedisServer, redis_backend: StorageBackend, raw: redis.Redis
+) -> None:
+    backend = create_backend("redis", {"port": redis_srv.port, "ttl_s": 300})
+    try:
+        assert backend.set(["ttl"], [b"x"]) == [True]
+        assert 0 < int(raw.ttl("ttl")) <= 300
+    finally:
+        backend.close()
+
+
+def test_unreachable_server_is_unavailable() -> None:
+    (port,) = free_ports(1)
+    with pytest.raises(Unavailable, match=f"127.0.0.1:{port}"):
+        create_backend("redis", {"port": port, "socket_timeout_s": 0.5, "retries": 0})
+
+
+def test_closed_backend_is_unavailable(redis_srv: RedisServer) -> None:
+    backend = create_backend("redis", {"port": redis_srv.port})
+    backend.close()
+    backend.close()
+    with pytest.raises(Unavailable, match="closed"):
+        backend.get(["x"])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"port": 0}, "'port' must be in 1..65535"),
+        ({"port": "6379"}, "'port' of storage backend 'redis' must be int"),
+        ({"batch_pages": 0}, "'batch_pages' must be > 0"),
+        ({"hots": "x"}, "unknown option"),
+    ],
+)
+def test_bad_options(options: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        create_backend("redis", options)

@@ -1,0 +1,61 @@
+"""The backend registry: names, option checking, config ownership."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hicached.errors import InvalidArgument
+from hicached.l3 import backend_names, create_backend
+from hicached.l3.file import FileBackend, FileBackendConfig
+from hicached.l3.redis import RedisBackendConfig
+from hicached.l3.registry import build_config
+
+
+def test_builtin_backends_registered() -> None:
+    names = backend_names()
+    assert {"file", "redis"} <= set(names)
+
+
+def test_unknown_backend_lists_available() -> None:
+    with pytest.raises(InvalidArgument, match=r"unknown storage backend 'nfs'; available: .*file.*redis"):
+        create_backend("nfs", {})
+
+
+def test_unknown_option_lists_allowed(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match=r"'capacity'.*allowed: path, capacity_bytes, fsync"):
+        create_backend("file", {"path": str(tmp_path), "capacity": 1})
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "needs option"),
+        ({"path": 3}, "'path' of storage backend 'file' must be str, got 3"),
+        ({"path": "x", "capacity_bytes": True}, "must be int, got True"),
+        ({"path": "x", "capacity_bytes": 1.5}, "must be int, got 1.5"),
+        ({"path": "x", "fsync": "yes"}, "must be bool, got 'yes'"),
+        ({"path": ""}, "non-empty"),
+    ],
+)
+def test_ill_typed_options(options: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        create_backend("file", options)
+
+
+def test_configs_are_owned_and_typed(tmp_path: Path) -> None:
+    config = build_config("file", {"path": str(tmp_path), "capacity_bytes": 1 << 20})
+    assert config == FileBackendConfig(path=str(tmp_path), capacity_bytes=1 << 20)
+    redis_config = build_config("redis", {"password": None, "socket_timeout_s": 2})
+    assert isinstance(redis_config, RedisBackendConfig)
+    assert redis_config.socket_timeout_s == 2.0 and redis_config.password is None
+    with pytest.raises(InvalidArgument, match=r"'password'.*must be str"):
+        build_config("redis", {"password": 5})
+    backend = create_backend("file", {"path": str(tmp_path / "d")})
+    try:
+        assert isinstance(backend, FileBackend)
+        assert backend.stats().capacity_bytes == FileBackendConfig.capacity_bytes
+    finally:
+        backend.close()
