@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
@@ -162,3 +163,24 @@ def test_metric_names_lists_exposed_sample_names() -> None:
     ):
         assert name in names
     assert "hicached_write_bytes_bucket" not in names
+
+
+def test_every_metric_is_in_the_reference_doc_with_its_type_and_labels() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`hicached_"):
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    metrics = Metrics()
+    families = list(metrics.registry.collect())
+    documented = set()
+    for family in families:
+        name = f"{family.name}_total" if family.type == "counter" else family.name
+        assert name in rows, f"{name} is not documented in docs/metrics.md"
+        kind, labels = rows[name]
+        assert kind == family.type, name
+        attribute = next(a for a in vars(metrics).values() if getattr(a, "_name", None) == family.name)
+        assert {x.strip() for x in labels.split(",") if x.strip()} == set(attribute._labelnames), name
+        documented.add(name)
+    assert set(rows) == documented, "docs/metrics.md lists metrics that do not exist"
