@@ -1,0 +1,803 @@
+"""The content index: content key -> host (L2) pages, plus L3 backup and prefetch.
+
+One :class:`ContentIndex` serves one host pool group, i.e. one model/layout
+namespace shared by every worker attached to it: a page one worker published
+can be pinned and loaded by another (worker B reuses worker A's prefix).
+Tenants never match because their key chains are seeded differently
+(:func:`hicached.l3.keys.page_keys`); each entry also keeps its tenant label
+so :meth:`ContentIndex.clear` can drop one tenant.
+
+Ownership: the index owns the pages of every key it holds (one page per
+independent pool). A :class:`Pin` lends them out read-only; a pinned page is
+never evicted or freed until its last pin is released. Every page the index
+ever owned is freed exactly once, by eviction, :meth:`ContentIndex.clear` or
+:meth:`ContentIndex.close`.
+
+Eviction is LRU over unpinned entries. Keys of one prefix are touched
+deepest-first, so the deepest page of a prefix is the least recently used
+and leaves before its parents (what a radix tree's leaf-first eviction
+does): an eviction shortens a cached prefix instead of cutting its head.
+
+L3 keys are ``f"{namespace}/{pool}/{key}"`` (one object per pool per key,
+derived pools included). Backups and prefetches run on the index's I/O
+threads in batches (128 pages by default), prefetches first; neither ever
+blocks the caller unless asked to.
+
+Thread-safety: every public method may be called from any thread. One lock
+guards the index's state; it is never held during L3 I/O, nor while
+calling into the pool group (the group calls :meth:`ContentIndex.reclaim`
+with its own lock held, so the order is always group lock -> index lock).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from hicached.cache.jobs import BackupJob, IoPriority, IoScheduler, PrefetchTask
+from hicached.cache.observer import CacheObserver
+from hicached.cache.pools import GroupView
+from hicached.cache.types import (
+    DEFAULT_BATCH_PAGES,
+    BackupResult,
+    IndexStats,
+    LookupResult,
+    Pin,
+    PrefetchPolicy,
+    WritePolicy,
+    prefetch_deadline_s,
+)
+from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hicached.l2.allocator import PageArray, as_page_array
+from hicached.l2.group import HostPoolGroup
+from hicached.l3.base import StorageBackend
+
+__all__ = ["ContentIndex"]
+
+logger = logging.getLogger(__name__)
+
+_SELECTIVE_HITS = 2  # write_through_selective backs a page up on its second hit
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    key: str
+    pages: tuple[int, ...]  # one page per independent pool (GroupView.alloc_names order)
+    tenant: str
+    refs: int = 0  # pins plus in-flight backups; > 0 means never evict or free
+    hits: int = 0
+    in_l3: bool = False
+    backup_queued: bool = False
+    detached: bool = False  # no longer findable; pages freed when refs drops to 0
+    cleared: bool = False  # detached by clear(): do not write it to L3 any more
+    freed: bool = False
+
+
+def _check_keys(keys: Sequence[str], *, unique: bool = False) -> list[str]:
+    if isinstance(keys, str):
+        raise InvalidArgument(f"keys must be a sequence of str, got the single str {keys!r}")
+    out = list(keys)
+    for key in out:
+        if not isinstance(key, str) or not key or "/" in key:
+            raise InvalidArgument(f"content key must be a non-empty str without '/', got {key!r}")
+    if unique and len(set(out)) != len(out):
+        seen: set[str] = set()
+        for key in out:
+            if key in seen:
+                raise InvalidArgument(f"content key {key!r} is listed more than once")
+            seen.add(key)
+    return out
+
+
+T = TypeVar("T")
+
+
+def _batches(items: Sequence[T], size: int) -> list[Sequence[T]]:
+    return [items[start : start + size] for start in range(0, len(items), size)]
+
+
+class ContentIndex:
+    """Content key -> L2 pages of one host pool group, with L3 behind it.
+
+    See the module docstring for ownership, eviction and locking. Configuration
+    errors raise :class:`~hicached.errors.InvalidArgument`; nothing is installed
+    then.
+    """
+
+    def __init__(
+        self,
+        group: HostPoolGroup,
+        *,
+        namespace: str,
+        backend: StorageBackend | None,
+        write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
+        io_workers: int = 2,
+        max_queued_pages: int = 65536,
+        observer: CacheObserver | None = None,
+        batch_pages: int = DEFAULT_BATCH_PAGES,
+        prefetch_timeout_base_s: float = 1.0,
+        prefetch_timeout_per_1k_tokens_s: float = 0.25,
+        max_finished_prefetches: int = 1024,
+    ) -> None:
+        if not isinstance(namespace, str) or not namespace or namespace.endswith("/"):
+            raise InvalidArgument(f"namespace must be a non-empty str not ending in '/', got {namespace!r}")
+        try:
+            self.write_policy = WritePolicy(write_policy)
+        except ValueError:
+            raise InvalidArgument(
+                f"unknown write policy {write_policy!r}; use one of {[p.value for p in WritePolicy]}"
+            ) from None
+        for name, value in (
+            ("max_queued_pages", max_queued_pages),
+            ("batch_pages", batch_pages),
+            ("max_finished_prefetches", max_finished_prefetches),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+        prefetch_deadline_s(0, prefetch_timeout_base_s, prefetch_timeout_per_1k_tokens_s)  # validates
+        self.namespace = namespace
+        self.backend = backend
+        self.batch_pages = batch_pages
+        self.max_queued_pages = max_queued_pages
+        self._view = GroupView(group)
+        self._obs = observer if observer is not None else CacheObserver()
+        self._timeout_base = prefetch_timeout_base_s
+        self._timeout_per_1k = prefetch_timeout_per_1k_tokens_s
+        self._max_finished = max_finished_prefetches
+
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when queued backups drop
+        self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._owned = [np.zeros(a.capacity, dtype=bool) for a in self._view.allocators]
+        self._pins: dict[int, tuple[_Entry, ...]] = {}
+        self._pin_ids = itertools.count(1)
+        self._pinned_entries = 0
+        self._queued_pages = 0
+        self._l3_tenant_keys: dict[str, set[str]] = {}
+        self._prefetches: collections.OrderedDict[str, PrefetchTask] = collections.OrderedDict()
+        self._prefetch_tenant: dict[str, str] = {}
+        self._closed = False
+        self._counts = collections.Counter[str]()
+
+        self._io = IoScheduler(io_workers, f"hicache-{namespace}")
+        # Installed last: from here on the group may call back into us.
+        self._previous_reclaim: dict[str, Callable[[int], int] | None] = {}
+        for entry in group.entries:
+            if entry.indices_from_pool is None:
+                self._previous_reclaim[entry.name] = entry.reclaim
+                entry.reclaim = functools.partial(self._reclaim_callback, entry.name, entry.reclaim)
+
+    # ------------------------------------------------------------- lookups
+
+    @property
+    def page_size(self) -> int:
+        return self._view.page_size
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """Pools whose pages a :class:`Pin` and :meth:`publish` carry (independent pools)."""
+        return self._view.alloc_names
+
+    def _l2_run_locked(self, keys: Sequence[str]) -> int:
+        for i, key in enumerate(keys):
+            if key not in self._entries:
+                return i
+        return len(keys)
+
+    def _l3_exists(self, keys: Sequence[str]) -> int:
+        """Leading run of keys whose every pool part is in L3."""
+        assert self.backend is not None
+        if not keys:
+            return 0
+        found = self.backend.exists(self._view.l3_keys(self.namespace, keys))
+        return found // len(self._view.slots)
+
+    def _scan(self, keys: Sequence[str]) -> tuple[int, int, list[int]]:
+        """(L2 run, L2-or-L3 run, positions inside that run that are only in L3).
+
+        L3 is asked in batches, only for keys not in L2, and stops at the
+        first batch with a miss (the reference's batched hit query).
+        """
+        with self._lock:
+            in_l2 = [key in self._entries for key in keys]
+        l2_run = in_l2.index(False) if False in in_l2 else len(keys)
+        if self.backend is None or l2_run == len(keys):
+            return l2_run, l2_run, []
+        only_l3: list[int] = []
+        for start in range(l2_run, len(keys), self.batch_pages):
+            stop = min(start + self.batch_pages, len(keys))
+            need = [i for i in range(start, stop) if not in_l2[i]]
+            found = self._l3_exists([keys[i] for i in need])
+            only_l3.extend(need[:found])
+            if found < len(need):
+                return l2_run, need[found], only_l3
+        return l2_run, len(keys), only_l3
+
+    def lookup(self, keys: Sequence[str]) -> LookupResult:
+        """Longest cached prefix of ``keys`` per tier. Read-only; pins nothing."""
+        keys = _check_keys(keys)
+        l2_run, total, _ = self._scan(keys)
+        self._obs.lookup(len(keys), l2_run, total - l2_run)
+        return LookupResult(l2_hit_pages=l2_run, total_hit_pages=total)
+
+    # ------------------------------------------------------------- publish
+
+    def _check_rows(self, n: int, pages: Mapping[str, object]) -> list[PageArray]:
+        names = self._view.alloc_names
+        unknown = sorted(set(pages) - set(names))
+        if unknown:
+            raise NotFound(f"pool(s) {unknown} are not independent pools of this group (expected {names})")
+        missing = [name for name in names if name not in pages]
+        if missing:
+            raise InvalidArgument(f"pages for pool(s) {missing} are missing (expected {list(names)})")
+        columns = []
+        for name, allocator in zip(names, self._view.allocators, strict=True):
+            arr = as_page_array(pages[name], f"pages of pool {name!r}")
+            if arr.size != n:
+                raise InvalidArgument(f"pool {name!r} has {arr.size} pages for {n} keys")
+            if arr.size:
+                bad = arr[(arr < 0) | (arr >= allocator.capacity)]
+                if bad.size:
+                    raise InvalidArgument(
+                        f"page {int(bad[0])} of pool {name!r} is outside [0, {allocator.capacity})"
+                    )
+                if np.unique(arr).size != arr.size:
+                    raise InvalidArgument(f"pool {name!r}: a page is listed twice in {arr.tolist()}")
+                unallocated = arr[~allocator.is_allocated(arr)]
+                if unallocated.size:
+                    raise FailedPrecondition(
+                        f"page {int(unallocated[0])} of pool {name!r} is not allocated; publish "
+                        f"only pages you allocated and wrote"
+                    )
+            columns.append(arr)
+        return columns
+
+    def publish(
+        self, keys: Sequence[str], pages: Mapping[str, object], *, tenant: str = ""
+    ) -> npt.NDArray[np.bool_]:
+        """Hand written host pages to the index under their keys.
+
+        ``pages`` maps every independent pool (:attr:`pool_names`) to one page
+        per key. Returns a mask: True = the index took the page(s) of that
+        key (the caller must forget them); False = the key was already cached
+        and the caller still owns its pages. Bad input (duplicate keys,
+        length mismatch, unknown or missing pool, a page the index already
+        owns) raises and changes nothing.
+        """
+        keys = _check_keys(keys, unique=True)
+        if not isinstance(tenant, str):
+            raise InvalidArgument(f"tenant must be a str, got {tenant!r}")
+        columns = self._check_rows(len(keys), pages)
+        rows = list(zip(*(c.tolist() for c in columns), strict=True)) if keys else []
+        mask, new, hot = self._insert(keys, rows, tenant, in_l3=False, strict=True)
+        self._counts["published"] += len(new)
+        if self.write_policy is WritePolicy.WRITE_THROUGH:
+            self._queue_backup(new, explicit=False)
+        elif self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._queue_backup(hot, explicit=False)
+        return mask
+
+    def _insert(
+        self,
+        keys: Sequence[str],
+        rows: Sequence[tuple[int, ...]],
+        tenant: str,
+        *,
+        in_l3: bool,
+        strict: bool,
+    ) -> tuple[npt.NDArray[np.bool_], list[_Entry], list[_Entry]]:
+        """Add entries for new keys, touch existing ones; (mask, new entries, entries now hot)."""
+        mask = np.zeros(len(keys), dtype=bool)
+        new: list[_Entry] = []
+        hot: list[_Entry] = []
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the content index is closed")
+            if strict:
+                for col, owned in enumerate(self._owned):
+                    for key, row in zip(keys, rows, strict=True):
+                        if owned[row[col]]:
+                            raise FailedPrecondition(
+                                f"page {row[col]} of pool {self._view.alloc_names[col]!r} already "
+                                f"belongs to the content index (key {key!r} cannot take it)"
+                            )
+            # Deepest key first, so the head of the prefix ends up most recent.
+            for i in range(len(keys) - 1, -1, -1):
+                key = keys[i]
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self._entries.move_to_end(key)
+                    entry.hits += 1
+                    if entry.hits >= _SELECTIVE_HITS:
+                        hot.append(entry)
+                    continue
+                entry = _Entry(key, rows[i], tenant, in_l3=in_l3)
+                self._entries[key] = entry
+                for col, owned in enumerate(self._owned):
+                    owned[rows[i][col]] = True
+                mask[i] = True
+                new.append(entry)
+        new.reverse()
+        hot.reverse()
+        return mask, new, hot
+
+    # ------------------------------------------------------------ pin / unpin
+
+    def pin(self, keys: Sequence[str]) -> Pin:
+        """Hold the leading L2 run of ``keys`` (possibly empty) until :meth:`unpin`.
+
+        Counts a hit on each pinned key (``write_through_selective`` backs a
+        key up on its second hit) and makes it most recently used.
+        """
+        keys = _check_keys(keys)
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the content index is closed")
+            run = [self._entries[k] for k in keys[: self._l2_run_locked(keys)]]
+            hot = []
+            for entry in reversed(run):
+                self._entries.move_to_end(entry.key)
+                if entry.refs == 0:
+                    self._pinned_entries += 1
+                entry.refs += 1
+                entry.hits += 1
+                if entry.hits >= _SELECTIVE_HITS:
+                    hot.append(entry)
+            pin_id = next(self._pin_ids)
+            self._pins[pin_id] = tuple(run)
+        pages = {
+            name: np.fromiter((e.pages[col] for e in run), dtype=np.int64, count=len(run))
+            for col, name in enumerate(self._view.alloc_names)
+        }
+        if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._queue_backup(hot, explicit=False)
+        return Pin(pin_id, tuple(e.key for e in run), pages)
+
+    def unpin(self, pin: Pin) -> None:
+        """Release a pin, exactly once (FailedPrecondition the second time).
+
+        After :meth:`close` the pages are already freed and this is a no-op.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            entries = self._pins.pop(pin.id, None)
+            if entries is None:
+                raise FailedPrecondition(f"pin {pin.id} is not held (released twice?)")
+            self._drop_refs_locked(entries, pinned=True)
+
+    def _drop_refs_locked(self, entries: Iterable[_Entry], *, pinned: bool) -> None:
+        doomed = []
+        for entry in entries:
+            entry.refs -= 1
+            if pinned and entry.refs == 0:
+                self._pinned_entries -= 1
+            if entry.refs == 0 and entry.detached:
+                doomed.append(entry)
+        self._free_locked(doomed)
+
+    def _free_locked(self, entries: Sequence[_Entry]) -> int:
+        """Return entries' pages to their allocators (exactly once) and forget them."""
+        if not entries:
+            return 0
+        for entry in entries:
+            assert not entry.freed, f"entry {entry.key!r} freed twice"
+            entry.freed = True
+        for col, (allocator, owned) in enumerate(zip(self._view.allocators, self._owned, strict=True)):
+            pages = np.fromiter((e.pages[col] for e in entries), dtype=np.int64, count=len(entries))
+            owned[pages] = False
+            allocator.free(pages)
+        return len(entries)
+
+    # ------------------------------------------------------------- eviction
+
+    def _reclaim_callback(self, pool: str, previous: Callable[[int], int] | None, pages_needed: int) -> int:
+        freed = self.reclaim(pool, pages_needed)
+        if freed < pages_needed and previous is not None:
+            freed += previous(pages_needed - freed)
+        return freed
+
+    def reclaim(self, pool: str, pages_needed: int) -> int:
+        """Evict least recently used unreferenced entries until ``pages_needed`` pages of
+        ``pool`` are free again; returns the pages of ``pool`` freed (0 when
+        everything is pinned). All pools of an entry are freed together.
+
+        Under ``write_back`` an evicted entry not yet in L3 is written there
+        first, synchronously (that is the policy: the only copy is about to
+        go); a failed batch drops the rest.
+        """
+        self._view.column(pool)  # NotFound for a pool outside the group
+        if isinstance(pages_needed, bool) or not isinstance(pages_needed, int) or pages_needed < 0:
+            raise InvalidArgument(f"pages_needed must be a non-negative int, got {pages_needed!r}")
+        with self._lock:
+            if self._closed:
+                return 0
+            victims: list[_Entry] = []
+            for entry in self._entries.values():
+                if len(victims) >= pages_needed:
+                    break
+                if entry.refs == 0:
+                    victims.append(entry)
+            for entry in victims:
+                del self._entries[entry.key]
+                entry.detached = True
+                entry.refs += 1  # ours until freed below
+        if not victims:
+            return 0
+        if self.write_policy is WritePolicy.WRITE_BACK and self.backend is not None:
+            self._write_back_now([e for e in victims if not e.in_l3])
+        with self._lock:
+            self._drop_refs_locked(victims, pinned=False)
+            self._counts["evicted"] += len(victims)
+        self._obs.evicted("l2", "lru", len(victims))
+        return len(victims)
+
+    def _write_back_now(self, entries: Sequence[_Entry]) -> None:
+        batches = _batches(entries, self.batch_pages)
+        for i, batch in enumerate(batches):
+            try:
+                _, ok = self._store_batch(batch)
+            except Exception:
+                logger.exception("%s: write-back of an evicted batch failed", self.namespace)
+                ok = False
+            if not ok:
+                lost = sum(not e.in_l3 for b in batches[i:] for e in b)
+                with self._lock:
+                    self._counts["dropped_backup"] += lost
+                self._obs.dropped("backup_failed", lost)
+                return
+
+    # --------------------------------------------------------------- backup
+
+    def _queue_backup(self, entries: Sequence[_Entry], *, explicit: bool) -> BackupJob[_Entry] | None:
+        if self.backend is None or not entries:
+            return None
+        dropped = 0
+        with self._lock:
+            todo = [e for e in entries if not (e.detached or e.in_l3 or e.backup_queued)]
+            room = self.max_queued_pages - self._queued_pages
+            if len(todo) > room:
+                if explicit:
+                    raise ResourceExhausted(
+                        f"{len(todo)} pages would exceed the backup queue "
+                        f"({self._queued_pages}/{self.max_queued_pages} pages queued)",
+                        retry_after_ms=100,
+                    )
+                dropped = len(todo) - max(0, room)
+                todo = todo[: max(0, room)]
+            for entry in todo:
+                entry.refs += 1
+                entry.backup_queued = True
+            self._queued_pages += len(todo)
+            self._counts["dropped_backup"] += dropped
+        if dropped:
+            self._obs.dropped("backpressure", dropped)
+        if not todo:
+            return None
+        job: BackupJob[_Entry] = BackupJob(
+            _batches(todo, self.batch_pages),
+            store=self._store_batch,
+            release=self._release_backup,
+        )
+        self._io.submit(job, IoPriority.BACKUP)
+        return job
+
+    def _store_batch(self, batch: Sequence[_Entry]) -> tuple[int, bool]:
+        """Write one batch to L3; (keys now stored, every key succeeded)."""
+        assert self.backend is not None
+        live = [e for e in batch if not e.cleared]
+        if not live:
+            return 0, True
+        started = time.perf_counter()
+        keys = [e.key for e in live]
+        results = self.backend.set_from(
+            self._view.l3_keys(self.namespace, keys), self._view.chunks([e.pages for e in live])
+        )
+        seconds = time.perf_counter() - started
+        ok = self._view.whole_keys(results)
+        stored = sum(ok)
+        with self._lock:
+            for entry, good in zip(live, ok, strict=True):
+                if good:
+                    entry.in_l3 = True
+                    if entry.tenant:
+                        self._l3_tenant_keys.setdefault(entry.tenant, set()).add(entry.key)
+            self._counts["backed_up"] += stored
+            self._counts["backup_failed"] += len(live) - stored
+        if stored:
+            self._obs.backed_up(stored, stored * self._view.key_bytes, seconds)
+        return stored, stored == len(live)
+
+    def _release_backup(self, entries: Sequence[_Entry], reached: bool) -> None:
+        with self._lock:
+            for entry in entries:
+                entry.backup_queued = False
+            self._queued_pages -= len(entries)
+            if not reached:
+                self._counts["dropped_backup"] += len(entries)
+            if not self._closed:
+                self._drop_refs_locked(entries, pinned=False)
+            self._idle.notify_all()
+        if not reached:
+            self._obs.dropped("backup_failed", len(entries))
+
+    def backup(self, keys: Sequence[str], *, wait: bool = False) -> BackupResult:
+        """Queue an L2 -> L3 backup of the cached keys among ``keys`` that L3 lacks.
+
+        Returns at once unless ``wait`` (then ``stored`` counts the pages L3
+        acknowledged; the job stops at its first failed batch). Raises
+        FailedPrecondition without a backend and ResourceExhausted when the
+        queue is full (nothing queued then).
+        """
+        keys = _check_keys(keys)
+        if self.backend is None:
+            raise FailedPrecondition(f"content index {self.namespace!r} has no L3 backend")
+        with self._lock:
+            entries = [e for k in keys if (e := self._entries.get(k)) is not None]
+        job = self._queue_backup(entries, explicit=True)
+        if job is None:
+            return BackupResult(0, 0)
+        if not wait:
+            return BackupResult(job.queued_pages, 0)
+        job.wait()
+        return BackupResult(job.queued_pages, job.stored_pages)
+
+    def flush(self, timeout_s: float | None = None) -> int:
+        """Wait until no backup is queued; returns pages stored meanwhile.
+
+        Under ``write_back`` every entry not yet in L3 is queued first (a drain
+        before shutdown must not lose the only copy). Raises ResourceExhausted
+        if the queue is still busy at ``timeout_s``.
+        """
+        before = self._counts["backed_up"]
+        if self.write_policy is WritePolicy.WRITE_BACK and self.backend is not None:
+            with self._lock:
+                dirty = [e for e in self._entries.values() if not e.in_l3]
+            self._queue_backup(dirty, explicit=False)
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._queued_pages == 0, timeout=timeout_s):
+                raise ResourceExhausted(
+                    f"{self._queued_pages} backup pages still queued after {timeout_s} s", retry_after_ms=100
+                )
+        return self._counts["backed_up"] - before
+
+    # ------------------------------------------------------------- prefetch
+
+    def _alloc_rows(self, n: int) -> list[PageArray] | None:
+        """``n`` pages of every independent pool (reclaim once per pool), or None and nothing."""
+        got: list[PageArray] = []
+        for name, allocator in zip(self._view.alloc_names, self._view.allocators, strict=True):
+            pages = allocator.alloc(n)
+            if pages is None:
+                self.reclaim(name, n - allocator.available())
+                pages = allocator.alloc(n)
+            if pages is None:
+                for allocator_done, done in zip(self._view.allocators, got, strict=False):
+                    allocator_done.free(done)
+                return None
+            got.append(pages)
+        return got
+
+    def _fetch_batch(self, tenant: str, keys: Sequence[str], discard: Callable[[], bool]) -> tuple[int, bool]:
+        """L3 -> fresh L2 pages -> published; (keys now in L2, whole batch succeeded)."""
+        assert self.backend is not None
+        columns = self._alloc_rows(len(keys))
+        if columns is None:
+            return 0, False
+        rows = list(zip(*(c.tolist() for c in columns), strict=True))
+        good = 0
+        mask = np.zeros(0, dtype=bool)
+        try:
+            started = time.perf_counter()
+            results = self.backend.get_into(self._view.l3_keys(self.namespace, keys), self._view.chunks(rows))
+            seconds = time.perf_counter() - started
+            ok = self._view.whole_keys(results)
+            good = ok.index(False) if False in ok else len(ok)
+            if not discard():
+                mask, _, _ = self._insert(keys[:good], rows[:good], tenant, in_l3=True, strict=False)
+        finally:
+            keep = np.zeros(len(keys), dtype=bool)
+            keep[: mask.size] = mask
+            for allocator, column in zip(self._view.allocators, columns, strict=True):
+                if (~keep).any():
+                    allocator.free(column[~keep])
+        if mask.size == 0:
+            return 0, False
+        self._counts["prefetched"] += int(mask.sum())
+        self._obs.prefetched(good, good * self._view.key_bytes, seconds)
+        return good, good == len(keys)
+
+    def prefetch(
+        self,
+        keys: Sequence[str],
+        *,
+        policy: PrefetchPolicy | str,
+        timeout_s: float | None = None,
+        tenant: str = "",
+    ) -> PrefetchTask:
+        """Start copying the keys' leading L3 run that is not in L2 into L2, in the background.
+
+        The plan is fixed here (one batched hit query); each landed batch is
+        published at once, so other workers can use it before the prefetch
+        ends. ``timeout_s`` overrides the reference deadline
+        (:func:`prefetch_deadline_s` over the planned tokens); it only
+        matters for the ``timeout`` policy.
+        """
+        keys = _check_keys(keys)
+        try:
+            policy = PrefetchPolicy(policy)
+        except ValueError:
+            raise InvalidArgument(
+                f"unknown prefetch policy {policy!r}; use one of {[p.value for p in PrefetchPolicy]}"
+            ) from None
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidArgument(f"prefetch timeout must be > 0 seconds, got {timeout_s!r}")
+        if self._closed:
+            raise Unavailable("the content index is closed")
+        plan: list[str] = []
+        if self.backend is not None:
+            _, _, only_l3 = self._scan(keys)
+            plan = [keys[i] for i in only_l3]
+        if timeout_s is None:
+            tokens = len(plan) * self.page_size
+            timeout_s = prefetch_deadline_s(tokens, self._timeout_base, self._timeout_per_1k)
+        task = PrefetchTask(
+            uuid.uuid4().hex,
+            plan,
+            policy=policy,
+            timeout_s=timeout_s,
+            batch_pages=self.batch_pages,
+            fetch=functools.partial(self._fetch_batch, tenant),
+        )
+        with self._lock:
+            self._prefetches[task.id] = task
+            self._prefetch_tenant[task.id] = tenant
+            self._forget_finished_locked()
+        if plan:
+            self._io.submit(task, IoPriority.PREFETCH)
+        return task
+
+    def _forget_finished_locked(self) -> None:
+        finished = [tid for tid, t in self._prefetches.items() if t.finished]
+        for tid in finished[: max(0, len(finished) - self._max_finished)]:
+            del self._prefetches[tid]
+            del self._prefetch_tenant[tid]
+
+    def get_prefetch(self, prefetch_id: str) -> PrefetchTask:
+        """A prefetch by id (the last ``max_finished_prefetches`` finished ones are kept)."""
+        with self._lock:
+            task = self._prefetches.get(prefetch_id)
+        if task is None:
+            raise NotFound(f"prefetch {prefetch_id!r} is unknown (or finished long ago)")
+        return task
+
+    def fetch_into_l2(self, keys: Sequence[str], *, tenant: str = "") -> int:
+        """Synchronously copy L3-only keys of the cached prefix into L2; the L2 run after.
+
+        For a GetPages with ``include_l3``: the caller pins right after. Stops at
+        the first batch that cannot be fetched whole.
+        """
+        keys = _check_keys(keys)
+        if self.backend is not None:
+            _, _, only_l3 = self._scan(keys)
+            wanted = [keys[i] for i in only_l3]
+            for batch in _batches(wanted, self.batch_pages):
+                _, ok = self._fetch_batch(tenant, batch, lambda: False)
+                if not ok:
+                    break
+        with self._lock:
+            return self._l2_run_locked(keys)
+
+    # ---------------------------------------------------------- maintenance
+
+    def clear(self, tenant: str | None = None) -> tuple[int, int]:
+        """Drop every entry (or one tenant's) from L2 and L3; (L2 keys dropped, L3 objects deleted).
+
+        Pinned entries leave the index now and their pages are freed at their
+        last unpin. Running prefetches of the tenant are cancelled first.
+        Without a tenant, the namespace's whole L3 prefix is deleted; with
+        one, the L3 objects of keys this index knows the tenant wrote (L3
+        keys are content hashes, so a tenant's pages written by an earlier
+        daemon are only reachable by a full clear).
+        """
+        if tenant is not None and not isinstance(tenant, str):
+            raise InvalidArgument(f"tenant must be a str or None, got {tenant!r}")
+        with self._lock:
+            tasks = [
+                t
+                for tid, t in self._prefetches.items()
+                if tenant is None or self._prefetch_tenant[tid] == tenant
+            ]
+        for task in tasks:
+            task.cancel()
+        with self._lock:
+            targets = [e for e in self._entries.values() if tenant is None or e.tenant == tenant]
+            for entry in targets:
+                del self._entries[entry.key]
+                entry.detached = entry.cleared = True
+            self._free_locked([e for e in targets if e.refs == 0])
+            if tenant is None:
+                l3_keys: set[str] = set()
+                self._l3_tenant_keys.clear()
+            else:
+                l3_keys = self._l3_tenant_keys.pop(tenant, set())
+                l3_keys.update(e.key for e in targets if e.in_l3)
+        if targets:
+            self._obs.evicted("l2", "clear", len(targets))
+        deleted = 0
+        if self.backend is not None:
+            if tenant is None:
+                deleted = self.backend.clear(f"{self.namespace}/")
+            elif l3_keys:
+                deleted = self.backend.delete(self._view.l3_keys(self.namespace, sorted(l3_keys)))
+            if deleted:
+                self._obs.evicted("l3", "clear", deleted // len(self._view.slots))
+        return len(targets), deleted
+
+    def stats(self) -> IndexStats:
+        with self._lock:
+            return IndexStats(
+                entries=len(self._entries),
+                pinned_entries=self._pinned_entries,
+                l3_resident_entries=sum(e.in_l3 for e in self._entries.values()),
+                queued_backup_pages=self._queued_pages,
+                running_prefetches=sum(not t.finished for t in self._prefetches.values()),
+                published_pages=self._counts["published"],
+                evicted_pages=self._counts["evicted"],
+                backed_up_pages=self._counts["backed_up"],
+                backup_failed_pages=self._counts["backup_failed"],
+                prefetched_pages=self._counts["prefetched"],
+                dropped_backup_pages=self._counts["dropped_backup"],
+            )
+
+    def owned_pages(self) -> dict[str, PageArray]:
+        """Every page the index owns now, per independent pool (a copy)."""
+        with self._lock:
+            return {
+                name: np.flatnonzero(owned).astype(np.int64)
+                for name, owned in zip(self._view.alloc_names, self._owned, strict=True)
+            }
+
+    def close(self) -> None:
+        """Stop I/O (queued backups are dropped: call :meth:`flush` first to keep them),
+        free every page the index owns, pinned or not, exactly once, and give the
+        pools their previous reclaim callbacks back. Idempotent; outstanding
+        pins become no-ops.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            tasks = list(self._prefetches.values())
+        for task in tasks:
+            task.cancel()
+        self._io.close()
+        with self._lock:
+            self._closed = True
+            alive = list(self._entries.values())
+            self._entries.clear()
+            for entries in self._pins.values():
+                alive.extend(e for e in entries if e.detached and not e.freed)
+            self._pins.clear()
+            unique = list({id(e): e for e in alive if not e.freed}.values())
+            self._free_locked(unique)
+            self._idle.notify_all()
+        for entry in self._view.group.entries:
+            if entry.name in self._previous_reclaim:
+                entry.reclaim = self._previous_reclaim[entry.name]
+
+    def __enter__(self) -> ContentIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,140 @@
+"""Value types of the content-addressed cache: policies, results and the deadline formula.
+
+Pure data: no I/O, no threads, no imports from the pool or storage layers.
+Every result is a frozen dataclass, safe to hand to any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+
+from hicached.errors import InvalidArgument
+
+__all__ = [
+    "DEFAULT_BATCH_PAGES",
+    "BackupResult",
+    "IndexStats",
+    "LookupResult",
+    "Pin",
+    "PrefetchPolicy",
+    "PrefetchState",
+    "PrefetchStatus",
+    "WritePolicy",
+    "prefetch_deadline_s",
+]
+
+# The reference queries L3 and moves pages in batches of 128 pages.
+DEFAULT_BATCH_PAGES = 128
+
+
+class WritePolicy(enum.StrEnum):
+    """When an L2 page is backed up to L3 (SGLang's names).
+
+    * ``WRITE_THROUGH``: on first use, i.e. as soon as it is published.
+    * ``WRITE_THROUGH_SELECTIVE``: on its second hit (a pin or a duplicate publish).
+    * ``WRITE_BACK``: only when it is evicted from L2 (or when the index is flushed).
+    """
+
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+class PrefetchPolicy(enum.StrEnum):
+    """How long a worker waits for an L3 -> L2 prefetch (SGLang's names).
+
+    * ``BEST_EFFORT``: never waits; the prefetch carries on in the background.
+    * ``WAIT_COMPLETE``: waits until every planned page is in L2 (or it failed).
+    * ``TIMEOUT``: waits until done or the deadline of :func:`prefetch_deadline_s`;
+      at the deadline the prefetch stops starting new batches.
+    """
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+class PrefetchState(enum.StrEnum):
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+    # Stopped early: a page was missing or corrupt in L3, or L2 had no room.
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchStatus:
+    state: PrefetchState
+    completed_pages: int
+    planned_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupResult:
+    """Leading runs of the queried keys: resident in L2; resident in L2 or L3."""
+
+    l2_hit_pages: int
+    total_hit_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pin:
+    """A ref-counted hold on the leading L2 run of some keys.
+
+    ``pages`` maps every independently allocated pool of the group to one
+    host page per key (derived pools reuse their source pool's indices). The
+    pages stay owned by the index; the holder may read them until it passes
+    the pin to :meth:`ContentIndex.unpin`, exactly once. ``id`` identifies
+    the pin inside its index.
+    """
+
+    id: int
+    keys: tuple[str, ...]
+    pages: Mapping[str, npt.NDArray[np.int64]]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupResult:
+    """``queued``: pages handed to the L3 writer (cached in L2, not yet in L3).
+    ``stored``: with ``wait``, pages acknowledged by L3 (0 without ``wait``)."""
+
+    queued: int
+    stored: int
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexStats:
+    """A snapshot of one index's counters (totals since construction)."""
+
+    entries: int
+    pinned_entries: int
+    l3_resident_entries: int
+    queued_backup_pages: int
+    running_prefetches: int
+    published_pages: int
+    evicted_pages: int
+    backed_up_pages: int
+    backup_failed_pages: int
+    prefetched_pages: int
+    dropped_backup_pages: int
+
+
+def prefetch_deadline_s(num_tokens: int, base_s: float = 1.0, per_1k_tokens_s: float = 0.25) -> float:
+    """The reference's prefetch timeout: ``base_s + per_1k_tokens_s * num_tokens / 1024``."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise InvalidArgument(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    if base_s < 0 or per_1k_tokens_s < 0:
+        raise InvalidArgument(
+            f"prefetch timeout parameters must be non-negative, got base_s={base_s!r}, "
+            f"per_1k_tokens_s={per_1k_tokens_s!r}"
+        )
+    return base_s + per_1k_tokens_s * num_tokens / 1024.0
