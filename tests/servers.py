@@ -233,7 +233,7 @@ def mooncake_master(segment_bytes: int = 64 << 20, timeout_s: float = 30.0) -> I
     on free loopback ports, yield, stop them by pid.
 
     Clients use ``P2PHANDSHAKE`` metadata, so no etcd or HTTP metadata server
-    is needed. A short KV lease keeps removal tests from waiting on leases.
+    is needed.
     """
     workdir = Path(tempfile.mkdtemp(prefix=f"hc-mooncake-{os.getpid()}-"))
     rpc, metrics, client_port = free_ports(3)
@@ -245,7 +245,6 @@ def mooncake_master(segment_bytes: int = 64 << 20, timeout_s: float = 30.0) -> I
         f"-metrics_port={metrics}",
         f"-metrics_host={LOOPBACK}",
         "-enable_metric_reporting=false",
-        "-default_kv_lease_ttl=50ms",
         "-rpc_thread_num=2",
         f"-log_dir={workdir}",
         "-logtostderr",

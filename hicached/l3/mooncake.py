@@ -1,0 +1,456 @@
+"""The ``mooncake`` L3 backend: pages in a Mooncake Store cluster (TCP or RDMA).
+
+Mooncake Store keeps objects in memory *segments* that clients mount into the
+cluster; a ``mooncake_master`` holds the metadata. This backend is a client:
+with ``global_segment_bytes=0`` it stores into segments that other processes
+(``mooncake_client`` sidecars, other nodes) contribute, so pages outlive the
+daemon; with a positive size it also contributes that much of its own memory
+(those pages go away when the backend closes).
+
+Object layout. Page ``key`` is the object ``<key_prefix><key>`` whose value is
+one self-verifying frame from :mod:`hicached.l3.framing`. ``key_prefix``
+(default ``hicached/``) keeps this daemon's pages apart from other users of
+the same cluster, so ``clear("")`` removes only ours.
+
+Data path. ``set``/``set_from``/``get_into`` stage frames in one buffer that
+is registered with the transfer engine once (``staging_bytes``), and move a
+whole batch with ``batch_put_from``/``batch_get_into`` (per-key results; a
+batch larger than the buffer goes in several rounds). ``get`` uses
+``get_batch``. Every frame is verified before it is served; a corrupt page is
+a miss, counted and removed so it can be stored again. A key that already
+exists is skipped without being sent (one ``batch_is_exist`` per batch).
+
+Removal uses ``force=True``: Mooncake otherwise refuses to remove an object
+for its read lease (10 s by default) after any read. A reader on another node
+racing a forced removal can read freed memory; its frame check turns that
+into a miss, never wrong KV.
+
+Counters. Mooncake has no listing API, so ``stats().pages``/``bytes`` count
+what this client stored and has not removed; pages that other clients wrote
+or that Mooncake evicted under memory pressure are not reflected.
+
+Thread-safety: the Mooncake client is thread-safe; the staging buffer is
+guarded by a lock (one staged batch at a time per backend), counters by
+another. ``close()`` waits for a staged batch in flight, unregisters and frees
+the buffer exactly once, and closes the client. Idempotent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from hicached.errors import InvalidArgument, Unavailable
+from hicached.l3.base import BackendStats, StorageBackend, check_batch, chunks_nbytes
+from hicached.l3.framing import FRAME_HEADER, pack_header, payload_checksum, unframe
+from hicached.l3.registry import register_backend
+
+__all__ = ["MooncakeBackend", "MooncakeBackendConfig"]
+
+log = logging.getLogger(__name__)
+
+_INSTALL_HINT = (
+    "the mooncake backend needs Mooncake Store: pip install 'hicached[mooncake]' "
+    "(and the Debian package libibverbs1)"
+)
+_PROTOCOLS = ("tcp", "rdma")
+_OBJECT_NOT_FOUND = -704
+_REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
+_Buffer = bytes | bytearray | memoryview
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a literal for the master's (ECMAScript) regex engine."""
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
+
+
+def _flat(chunk: _Buffer) -> memoryview:
+    view = memoryview(chunk)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeBackendConfig:
+    """Options of the ``mooncake`` backend.
+
+    ``master_addr``: ``host:port`` of ``mooncake_master`` (required).
+    ``metadata_server``: transfer-engine metadata; ``P2PHANDSHAKE`` needs no
+    etcd/HTTP server. ``local_hostname``: the address other clients use to
+    reach this one. ``protocol``: ``tcp`` or ``rdma`` (``rdma_devices`` then
+    names the NICs). ``global_segment_bytes``: memory this process lends to
+    the cluster (0: store only into other processes' segments).
+    ``local_buffer_bytes``: the client's own transfer buffer (used by ``get``).
+    ``staging_bytes``: the registered buffer for batched ``set``/``get_into``;
+    one page frame (32-byte header + page) must fit. ``replicas``: copies per
+    page. ``key_prefix``: prepended to every object key.
+    """
+
+    master_addr: str
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    global_segment_bytes: int = 0
+    local_buffer_bytes: int = 64 << 20
+    staging_bytes: int = 64 << 20
+    replicas: int = 1
+    key_prefix: str = "hicached/"
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.master_addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgument(
+                f"mooncake backend option 'master_addr' must be host:port, got {self.master_addr!r}"
+            )
+        if not self.metadata_server or not self.local_hostname:
+            raise InvalidArgument(
+                "mooncake backend options 'metadata_server' and 'local_hostname' must be non-empty, "
+                f"got {self.metadata_server!r} and {self.local_hostname!r}"
+            )
+        if self.protocol not in _PROTOCOLS:
+            raise InvalidArgument(
+                f"mooncake backend option 'protocol' must be one of {', '.join(_PROTOCOLS)}, "
+                f"got {self.protocol!r}"
+            )
+        for option in ("global_segment_bytes", "local_buffer_bytes"):
+            if getattr(self, option) < 0:
+                value = getattr(self, option)
+                raise InvalidArgument(f"mooncake backend option {option!r} must be >= 0, got {value}")
+        if self.staging_bytes < 4096:
+            raise InvalidArgument(
+                f"mooncake backend option 'staging_bytes' must be >= 4096, got {self.staging_bytes}"
+            )
+        if self.replicas < 1:
+            raise InvalidArgument(f"mooncake backend option 'replicas' must be >= 1, got {self.replicas}")
+
+
+@register_backend("mooncake", MooncakeBackendConfig)
+class MooncakeBackend(StorageBackend):
+    """Pages as framed objects in Mooncake Store; see the module docstring."""
+
+    name = "mooncake"
+
+    def __init__(self, config: MooncakeBackendConfig) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as exc:
+            raise InvalidArgument(f"{_INSTALL_HINT}: {exc}") from exc
+        self.config = config
+        self._lock = threading.Lock()  # counters and the closed flag
+        self._staging_lock = threading.Lock()
+        self._pages = self._bytes = 0
+        self._hits = self._misses = self._corrupt = 0
+        self._closed = False
+        self._frame_hint = FRAME_HEADER.size + (64 << 10)  # largest frame seen; sizes get()'s slots
+        self._replicate: Any = ReplicateConfig()
+        self._replicate.replica_num = config.replicas
+        self._store: Any = MooncakeDistributedStore()
+        rc = self._store.setup(
+            config.local_hostname,
+            config.metadata_server,
+            config.global_segment_bytes,
+            config.local_buffer_bytes,
+            config.protocol,
+            config.rdma_devices,
+            config.master_addr,
+        )
+        if rc != 0:
+            self._store.close()
+            raise Unavailable(
+                f"mooncake client setup against master {config.master_addr!r} failed (code {rc})"
+            )
+        # Filled once so the first batch does not pay page faults.
+        self._staging: np.ndarray[Any, np.dtype[np.uint8]] | None = np.zeros(config.staging_bytes, np.uint8)
+        self._staging_addr = int(self._staging.ctypes.data)
+        self._staging_view = self._staging.data
+        rc = self._store.register_buffer(self._staging_addr, config.staging_bytes)
+        if rc != 0:
+            self._staging_view.release()
+            self._staging = None
+            self._store.close()
+            raise Unavailable(f"mooncake could not register the {config.staging_bytes}-byte staging buffer")
+
+    # ---------------------------------------------------------------- helpers
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable(f"mooncake backend (master {self.config.master_addr}) is closed")
+
+    def _object_keys(self, keys: Sequence[str]) -> list[str]:
+        for key in keys:
+            if not isinstance(key, str) or not key:
+                raise InvalidArgument(f"storage key must be a non-empty str, got {key!r}")
+        self._check_open()
+        return [self.config.key_prefix + key for key in keys]
+
+    def _check_fits(self, keys: Sequence[str], sizes: Sequence[int]) -> None:
+        limit = self.config.staging_bytes - FRAME_HEADER.size
+        for key, size in zip(keys, sizes, strict=True):
+            if size > limit:
+                raise InvalidArgument(
+                    f"page {key!r} of {size} bytes does not fit the mooncake staging buffer "
+                    f"(staging_bytes={self.config.staging_bytes}; a page may be at most {limit} bytes)"
+                )
+
+    def _rounds(self, frame_sizes: Sequence[int]) -> list[range]:
+        """Consecutive index ranges whose frames fit the staging buffer together."""
+        rounds: list[range] = []
+        start = used = 0
+        for i, size in enumerate(frame_sizes):
+            if used + size > self.config.staging_bytes:
+                rounds.append(range(start, i))
+                start, used = i, 0
+            used += size
+        if start < len(frame_sizes):
+            rounds.append(range(start, len(frame_sizes)))
+        return rounds
+
+    def _drop_corrupt(self, key: str, object_key: str) -> None:
+        log.warning("mooncake backend: page %r failed verification; removing it", key)
+        with self._lock:
+            self._corrupt += 1
+        rc = self._store.remove(object_key, True)
+        if rc not in (0, _OBJECT_NOT_FOUND):
+            log.warning("mooncake backend: could not remove corrupt %r (code %s)", key, rc)
+
+    def _count(self, ok: Sequence[bool]) -> None:
+        hits = sum(ok)
+        with self._lock:
+            self._hits += hits
+            self._misses += len(ok) - hits
+
+    # ------------------------------------------------------------- interface
+
+    def exists(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        found = self._store.batch_is_exist(self._object_keys(keys))
+        count = 0
+        for flag in found:
+            if flag != 1:
+                break
+            count += 1
+        return count
+
+    def _read_staged(
+        self,
+        keys: Sequence[str],
+        names: Sequence[str],
+        slots: Sequence[int],
+        deliver: Callable[[int, memoryview], bool],
+    ) -> list[int]:
+        """Read frame ``i`` into a staging slot of ``slots[i]`` bytes and hand its
+        verified payload to ``deliver(i, payload)`` (under the staging lock: the
+        view dies with it). Returns per key: 1 delivered, 0 refused by ``deliver``
+        or missing or corrupt, -1 the frame did not fit its slot."""
+        status = [0] * len(keys)
+        with self._staging_lock:
+            self._check_open()
+            for part in self._rounds(slots):
+                offsets, at = [], 0
+                for i in part:
+                    offsets.append(at)
+                    at += slots[i]
+                got = self._store.batch_get_into(
+                    [names[i] for i in part],
+                    [self._staging_addr + o for o in offsets],
+                    [slots[i] for i in part],
+                )
+                for i, offset, rc in zip(part, offsets, got, strict=True):
+                    if rc < 0:
+                        status[i] = 0 if rc == _OBJECT_NOT_FOUND else -1
+                        continue
+                    payload = unframe(keys[i], self._staging_view[offset : offset + rc])
+                    if payload is None:
+                        self._drop_corrupt(keys[i], names[i])
+                    elif deliver(i, payload):
+                        status[i] = 1
+        return status
+
+    @staticmethod
+    def _keep_at(pages: list[bytes | None], i: int, _index: int, payload: memoryview) -> bool:
+        pages[i] = bytes(payload)
+        return True
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        names = self._object_keys(keys)
+        pages: list[bytes | None] = [None] * len(keys)
+
+        def keep(i: int, payload: memoryview) -> bool:
+            return self._keep_at(pages, i, 0, payload)
+
+        # Sizes are unknown before the read: slots of the largest frame seen so
+        # far, then one key at a time with the whole buffer for any that did not fit.
+        hint = min(self._frame_hint, self.config.staging_bytes)
+        status = self._read_staged(keys, names, [hint] * len(keys), keep)
+        retry = [i for i, st in enumerate(status) if st < 0]
+        for i in retry:
+            self._read_staged(
+                [keys[i]], [names[i]], [self.config.staging_bytes], partial(self._keep_at, pages, i)
+            )
+        with self._lock:
+            for page in pages:
+                if page is not None and len(page) + FRAME_HEADER.size > self._frame_hint:
+                    self._frame_hint = len(page) + FRAME_HEADER.size
+        self._count([p is not None for p in pages])
+        return pages
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
+        check_batch(keys, dests, "destinations")
+        names = self._object_keys(keys)
+        sizes = [chunks_nbytes(chunks) for chunks in dests]
+        self._check_fits(keys, sizes)
+
+        def scatter(i: int, payload: memoryview) -> bool:
+            if payload.nbytes != sizes[i]:  # a page of another length: a miss, not corruption
+                return False
+            at = 0
+            for chunk in dests[i]:
+                flat = _flat(chunk)
+                flat[:] = payload[at : at + flat.nbytes]
+                at += flat.nbytes
+            return True
+
+        status = self._read_staged(keys, names, [FRAME_HEADER.size + s for s in sizes], scatter)
+        ok = [st == 1 for st in status]
+        self._count(ok)
+        return ok
+
+    def set(self, keys: Sequence[str], values: Sequence[bytes | memoryview]) -> list[bool]:
+        check_batch(keys, values, "values")
+        return self._put(keys, [[_flat(v)] for v in values])
+
+    def set_from(self, keys: Sequence[str], srcs: Sequence[Sequence[memoryview]]) -> list[bool]:
+        check_batch(keys, srcs, "sources")
+        return self._put(keys, [[_flat(c) for c in chunks] for chunks in srcs])
+
+    def _put(self, keys: Sequence[str], srcs: Sequence[Sequence[memoryview]]) -> list[bool]:
+        names = self._object_keys(keys)
+        sizes = [chunks_nbytes(chunks) for chunks in srcs]
+        self._check_fits(keys, sizes)
+        ok = [False] * len(keys)
+        if not keys:
+            return ok
+        # Existing keys (and repeats within the batch) succeed without being sent.
+        present = self._store.batch_is_exist(names)
+        todo: list[int] = []
+        first: dict[str, int] = {}
+        for i, name in enumerate(names):
+            if present[i] == 1:
+                ok[i] = True
+            elif name not in first:
+                first[name] = i
+                todo.append(i)
+        stored = stored_bytes = 0
+        with self._staging_lock:
+            self._check_open()
+            frames = [FRAME_HEADER.size + sizes[i] for i in todo]
+            for part in self._rounds(frames):
+                batch = [todo[j] for j in part]
+                offsets, at = [], 0
+                for i in batch:
+                    offsets.append(at)
+                    header = pack_header(keys[i], sizes[i], payload_checksum(srcs[i]))
+                    self._staging_view[at : at + FRAME_HEADER.size] = header
+                    at += FRAME_HEADER.size
+                    for chunk in srcs[i]:
+                        self._staging_view[at : at + chunk.nbytes] = chunk
+                        at += chunk.nbytes
+                results = self._store.batch_put_from(
+                    [names[i] for i in batch],
+                    [self._staging_addr + o for o in offsets],
+                    [FRAME_HEADER.size + sizes[i] for i in batch],
+                    self._replicate,
+                )
+                failed: list[tuple[str, int]] = []
+                for i, rc in zip(batch, results, strict=True):
+                    if rc == 0:
+                        ok[i] = True
+                        stored += 1
+                        stored_bytes += sizes[i]
+                    else:
+                        failed.append((keys[i], rc))
+                if failed:  # -200: no space left in the cluster's segments
+                    log.warning(
+                        "mooncake backend: %d of %d puts failed, first %r (code %s)",
+                        len(failed),
+                        len(batch),
+                        *failed[0],
+                    )
+        for i, name in enumerate(names):
+            if not ok[i] and first.get(name, i) != i:
+                ok[i] = ok[first[name]]
+        with self._lock:
+            self._pages += stored
+            self._bytes += stored_bytes
+            if sizes:
+                self._frame_hint = max(self._frame_hint, FRAME_HEADER.size + max(sizes))
+        return ok
+
+    def delete(self, keys: Sequence[str]) -> int:
+        names = list(dict.fromkeys(self._object_keys(keys)))
+        if not names:
+            return 0
+        sizes = [self._store.get_size(name) for name in names]
+        results = self._store.batch_remove(names, True)
+        removed = removed_bytes = 0
+        for name, size, rc in zip(names, sizes, results, strict=True):
+            if rc == 0:
+                removed += 1
+                removed_bytes += max(0, size - FRAME_HEADER.size)
+            elif rc != _OBJECT_NOT_FOUND:
+                log.warning("mooncake backend: remove %r failed (code %s)", name, rc)
+        with self._lock:
+            self._pages = max(0, self._pages - removed)
+            self._bytes = max(0, self._bytes - removed_bytes)
+        return removed
+
+    def clear(self, prefix: str = "") -> int:
+        if not isinstance(prefix, str):
+            raise InvalidArgument(f"clear prefix must be a str, got {prefix!r}")
+        self._check_open()
+        pattern = "^" + _regex_literal(self.config.key_prefix + prefix)
+        removed = int(self._store.remove_by_regex(pattern, True))
+        if removed < 0:
+            raise Unavailable(f"mooncake remove_by_regex({pattern!r}) failed (code {removed})")
+        with self._lock:
+            if not prefix:
+                self._pages = self._bytes = 0
+            elif removed:
+                # Sizes of regex-removed objects are not reported: scale bytes by the mean page.
+                mean = self._bytes // self._pages if self._pages else 0
+                self._pages = max(0, self._pages - removed)
+                self._bytes = max(0, self._bytes - removed * mean)
+        return removed
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            self._check_open()
+            return BackendStats(
+                pages=self._pages,
+                bytes=self._bytes,
+                capacity_bytes=self.config.global_segment_bytes,
+                hits=self._hits,
+                misses=self._misses,
+                corrupt_pages=self._corrupt,
+                evicted_pages=0,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with self._staging_lock:  # a staged batch in flight finishes first
+            rc = self._store.unregister_buffer(self._staging_addr)
+            if rc != 0:
+                log.warning("mooncake backend: unregister of the staging buffer failed (code %s)", rc)
+            self._staging_view.release()
+            self._staging = None
+            self._store.close()
