@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ops.dockerfile import Instruction, Stage, dockerignore_excludes, parse, read_dockerignore
+from .dockerfile import Instruction, Stage, dockerignore_excludes, parse, read_dockerignore
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
