@@ -1,0 +1,278 @@
+"""L3 throughput beside the machine's own limits, measured on the same pages in one run.
+
+Pages are 64 KiB (one 16-token page of a small model), moved in batches of 128
+(the reference's batch size). Every figure is GB/s (10**9 bytes per second):
+
+* ``l3_file_write_gbps`` / ``l3_file_read_gbps``: the ``file`` backend,
+  ``set_from`` then ``get_into`` straight into preallocated page buffers.
+* ``disk_write_gbps`` / ``disk_read_gbps``: raw sequential ``writev``/``readv``
+  of the same bytes into one plain file, in the same batches (the limit).
+* ``l3_file_per_page_write_gbps``: the naive layout, one file per page.
+* ``redis_set_gbps`` / ``redis_get_gbps``: redis-py (hiredis) pipelined
+  SET/GET of the same pages into a local ``redis-server`` this benchmark
+  starts and stops; ``l3_redis_set_gbps`` / ``l3_redis_get_gbps``: the same
+  through the ``redis`` backend (framing and checksums included). Omitted,
+  with a logged note, when ``redis-server`` is not installed.
+
+Writes are timed up to a final ``fdatasync`` of the files written (for the
+per-page layout, of every page file), so each write figure is the speed at
+which bytes become durable. Reads start cold: the written files are synced
+and dropped from the page cache with ``posix_fadvise(DONTNEED)`` first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from hicached.l3.file import FileBackend, FileBackendConfig
+
+log = logging.getLogger(__name__)
+
+PAGE_BYTES = 64 << 10
+BATCH = 128
+DISTINCT_PAGES = 512  # source pages cycled through; keys are all distinct
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _drop_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class _Pages:
+    """``n`` pages cycled from a small set of random sources, in batches."""
+
+    def __init__(self, n: int, source: memoryview | None = None) -> None:
+        self.n = n
+        self.source = source or memoryview(bytearray(os.urandom(DISTINCT_PAGES * PAGE_BYTES)))
+        self.dest = memoryview(bytearray(BATCH * PAGE_BYTES))
+        self.dest[:] = b"\0" * len(self.dest)  # fault it in before timing
+
+    def page(self, i: int) -> memoryview:
+        j = i % DISTINCT_PAGES
+        return self.source[j * PAGE_BYTES : (j + 1) * PAGE_BYTES]
+
+    def batches(self) -> Iterator[range]:
+        for start in range(0, self.n, BATCH):
+            yield range(start, min(start + BATCH, self.n))
+
+    def dest_chunks(self, count: int) -> list[memoryview]:
+        return [self.dest[k * PAGE_BYTES : (k + 1) * PAGE_BYTES] for k in range(count)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * PAGE_BYTES
+
+
+def _raw_disk(pages: _Pages, path: Path) -> dict[str, float]:
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for batch in pages.batches():
+                os.writev(fd, [pages.page(i) for i in batch])
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    write_s = _timed(write)
+    _drop_cache([path])
+
+    def read() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for batch in pages.batches():
+                want = len(batch) * PAGE_BYTES
+                if os.readv(fd, pages.dest_chunks(len(batch))) != want:
+                    raise RuntimeError(f"short read from {path}")
+        finally:
+            os.close(fd)
+
+    read_s = _timed(read)
+    return {"disk_write_gbps": _gbps(pages.nbytes, write_s), "disk_read_gbps": _gbps(pages.nbytes, read_s)}
+
+
+def _l3_file(pages: _Pages, root: Path) -> dict[str, float]:
+    backend = FileBackend(FileBackendConfig(path=str(root), capacity_bytes=4 * pages.nbytes))
+    try:
+        keys = [f"bench/{i:08d}" for i in range(pages.n)]
+
+        def write() -> None:
+            for batch in pages.batches():
+                ok = backend.set_from([keys[i] for i in batch], [[pages.page(i)] for i in batch])
+                if not all(ok):
+                    raise RuntimeError("file backend refused a page during the benchmark")
+            backend.sync()
+
+        write_s = _timed(write)
+        _drop_cache(sorted(root.glob("slab-*.dat")))
+
+        def read() -> None:
+            for batch in pages.batches():
+                dests = [[chunk] for chunk in pages.dest_chunks(len(batch))]
+                if not all(backend.get_into([keys[i] for i in batch], dests)):
+                    raise RuntimeError("file backend missed a page during the benchmark")
+
+        read_s = _timed(read)
+    finally:
+        backend.close()
+    return {
+        "l3_file_write_gbps": _gbps(pages.nbytes, write_s),
+        "l3_file_read_gbps": _gbps(pages.nbytes, read_s),
+    }
+
+
+def _per_page_files(pages: _Pages, root: Path) -> dict[str, float]:
+    root.mkdir()
+    paths = [root / f"{i:08d}.page" for i in range(pages.n)]
+
+    def write() -> None:
+        for i, path in enumerate(paths):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, pages.page(i))
+            finally:
+                os.close(fd)
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+    return {"l3_file_per_page_write_gbps": _gbps(pages.nbytes, _timed(write))}
+
+
+@contextlib.contextmanager
+def _redis_server(workdir: Path) -> Iterator[int]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(
+        [*args, "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        import redis
+
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {port} did not start") from None
+                time.sleep(0.02)  # readiness poll with a deadline
+        client.close()
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _redis(pages: _Pages, workdir: Path) -> dict[str, float]:
+    import redis
+
+    from hicached.l3.redis import RedisBackend, RedisBackendConfig
+
+    out: dict[str, float] = {}
+    with _redis_server(workdir) as port:
+        client: Any = redis.Redis(port=port)
+        keys = [f"raw/{i:08d}" for i in range(pages.n)]
+
+        def raw_set() -> None:
+            for batch in pages.batches():
+                pipe = client.pipeline(transaction=False)
+                for i in batch:
+                    pipe.set(keys[i], pages.page(i))
+                pipe.execute()
+
+        def raw_get() -> None:
+            for batch in pages.batches():
+                pipe = client.pipeline(transaction=False)
+                for i in batch:
+                    pipe.get(keys[i])
+                if any(v is None for v in pipe.execute()):
+                    raise RuntimeError("redis lost a page during the benchmark")
+
+        out["redis_set_gbps"] = _gbps(pages.nbytes, _timed(raw_set))
+        out["redis_get_gbps"] = _gbps(pages.nbytes, _timed(raw_get))
+        client.flushdb()
+        client.close()
+
+        backend = RedisBackend(RedisBackendConfig(port=port, batch_pages=BATCH))
+        try:
+            lkeys = [f"l3/{i:08d}" for i in range(pages.n)]
+
+            def l3_set() -> None:
+                for batch in pages.batches():
+                    if not all(backend.set_from([lkeys[i] for i in batch], [[pages.page(i)] for i in batch])):
+                        raise RuntimeError("redis backend refused a page during the benchmark")
+
+            def l3_get() -> None:
+                for batch in pages.batches():
+                    dests = [[chunk] for chunk in pages.dest_chunks(len(batch))]
+                    if not all(backend.get_into([lkeys[i] for i in batch], dests)):
+                        raise RuntimeError("redis backend missed a page during the benchmark")
+
+            out["l3_redis_set_gbps"] = _gbps(pages.nbytes, _timed(l3_set))
+            out["l3_redis_get_gbps"] = _gbps(pages.nbytes, _timed(l3_get))
+        finally:
+            backend.close()
+    return out
+
+
+def run(quick: bool, workdir: Path) -> dict[str, float]:
+    """L3 file and redis throughput beside raw disk and plain redis-py (GB/s)."""
+    total = (256 << 20) if quick else (2 << 30)
+    pages = _Pages(total // PAGE_BYTES)
+    per_page = _Pages(min(pages.n, 2048), pages.source)
+    scratch = workdir / f"bench-l3-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    scratch.mkdir(parents=True)
+    results: dict[str, float] = {}
+    try:
+        results.update(_raw_disk(pages, scratch / "raw.dat"))
+        results.update(_l3_file(pages, scratch / "l3"))
+        results.update(_per_page_files(per_page, scratch / "per-page"))
+        if shutil.which("redis-server") is None:
+            log.warning("redis-server is not installed: redis_* figures omitted (Debian redis-server)")
+        else:
+            redis_pages = _Pages(min(pages.n, (1 << 30) // PAGE_BYTES), pages.source)
+            results.update(_redis(redis_pages, scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    results["l3_file_write_vs_disk"] = results["l3_file_write_gbps"] / results["disk_write_gbps"]
+    results["l3_file_read_vs_disk"] = results["l3_file_read_gbps"] / results["disk_read_gbps"]
+    return results
