@@ -275,6 +275,31 @@ def test_config_loads_and_matches_the_flags(
         assert int(shm["emptyDir"]["sizeLimit"].removesuffix("Gi")) << 30 > config.host.budget
 
 
+@pytest.mark.parametrize("kustomization", ["base", "examples/sidecar"])
+def test_pod_args_are_accepted_by_hicached_serve(
+    kustomization: str, rendered: dict[str, list[Manifest]], tmp_path: Path
+) -> None:
+    """The container's args parse with the real `hicached serve` CLI and resolve, with the
+    ConfigMap's file, to the configuration the manifests promise."""
+    from hicached.cli import build_parser
+    from hicached.commands._common import config_from_args
+
+    docs = rendered[kustomization]
+    toml_file = tmp_path / "hicached.toml"
+    toml_file.write_text(only(docs, "ConfigMap")["data"]["hicached.toml"])
+    workload = next(d for d in docs if d["kind"] in ("DaemonSet", "Deployment"))
+    daemon = next(c for c in pod_containers(workload["spec"]["template"]["spec"]) if c["name"] == "hicached")
+    args = [f"--config={toml_file}" if a.startswith("--config=") else a for a in daemon["args"]]
+    namespace = build_parser().parse_args(["serve", *args])
+    assert namespace.command == "serve"
+    config = config_from_args(namespace)
+    flags = flag_values(daemon["args"])
+    assert str(config.server.socket) == flags["--socket"]
+    assert config.server.metrics_port == int(flags["--metrics-port"])
+    assert config.server.metrics_host == "0.0.0.0"
+    assert config.log.format == "json"
+
+
 def test_daemonset_is_as_tight_as_cuda_ipc_allows(rendered: dict[str, list[Manifest]]) -> None:
     pod_spec = only(rendered["base"], "DaemonSet")["spec"]["template"]["spec"]
     assert pod_spec["securityContext"]["runAsNonRoot"] is True
