@@ -292,15 +292,11 @@ class Metrics:
         return generate_latest(self.registry)
 
     def metric_names(self) -> frozenset[str]:
-        """Every sample name this registry can emit (``_total``, ``_bucket``... included)."""
+        """Every sample name this registry emits (``_total``, ``_bucket``, ``_created``...)."""
+        suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}
         names: set[str] = set()
         for family in self.registry.collect():
-            names.add(family.name)
-            names.update(sample.name for sample in family.samples)
-            if family.type == "counter":
-                names.add(f"{family.name}_total")
-            elif family.type == "histogram":
-                names.update(f"{family.name}{s}" for s in ("_bucket", "_sum", "_count"))
+            names.update(f"{family.name}{suffix}" for suffix in suffixes.get(family.type, ("",)))
         return frozenset(names)
 
 

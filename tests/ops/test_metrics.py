@@ -163,6 +163,12 @@ def test_metric_names_lists_exposed_sample_names() -> None:
     ):
         assert name in names
     assert "hicached_write_bytes_bucket" not in names
+    assert "hicached_write_bytes" not in names  # a counter's samples all carry a suffix
+    metrics = Metrics()
+    metrics.write_bytes.labels(model="m", pool="kv").inc()
+    metrics.transfer_duration.labels(direction="d2h").observe(1e-3)
+    exposed = {s.name for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert exposed <= metrics.metric_names()
 
 
 def test_every_metric_is_in_the_reference_doc_with_its_type_and_labels() -> None:
