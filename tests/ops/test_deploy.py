@@ -325,6 +325,18 @@ def test_daemonset_is_as_tight_as_cuda_ipc_allows(rendered: dict[str, list[Manif
     assert set(init["securityContext"]["capabilities"]["add"]) == {"CHOWN", "FOWNER"}
 
 
+def test_network_policy_admits_only_metrics(rendered: dict[str, list[Manifest]]) -> None:
+    docs = rendered["base"]
+    policy = only(docs, "NetworkPolicy")
+    pod = only(docs, "DaemonSet")["spec"]["template"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    ports = [p for rule in policy["spec"]["ingress"] for p in rule["ports"]]
+    assert ports == [{"port": "metrics", "protocol": "TCP"}]
+    container_ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
+    assert "metrics" in container_ports
+
+
 def test_sidecar_example_needs_no_host_namespace(rendered: dict[str, list[Manifest]]) -> None:
     pod_spec = only(rendered["examples/sidecar"], "Deployment")["spec"]["template"]["spec"]
     for key in ("hostIPC", "hostPID", "hostNetwork"):
