@@ -45,8 +45,9 @@ import re
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -166,6 +167,23 @@ def _parse_header(buf: bytes | bytearray | memoryview) -> tuple[str, int, int, i
         return None
 
 
+def _vectored(op: Callable[[int, list[Any], int], int], fd: int, iov: list[Any], offset: int) -> int:
+    """Run ``preadv``/``pwritev`` over ``iov`` in groups of at most IOV_MAX buffers.
+
+    Returns the bytes moved; stops at the first short transfer (end of file,
+    disk full), so everything below the returned count was moved.
+    """
+    done = 0
+    for start in range(0, len(iov), _IOV_MAX):
+        group = iov[start : start + _IOV_MAX]
+        want = sum(memoryview(b).nbytes for b in group)
+        got = op(fd, group, offset + done)
+        done += got
+        if got != want:
+            break
+    return done
+
+
 def _as_bytes_view(buf: bytes | bytearray | memoryview, *, writable: bool) -> memoryview:
     view = memoryview(buf)
     if writable and view.readonly:
@@ -253,8 +271,7 @@ class FileBackend(StorageBackend):
             self._used += entry.slab.slot_bytes
             self._payload += entry.length
             self._seq = max(self._seq, entry.seq)
-        for entry in self._evict_for(0):
-            self._tombstone(entry)
+        self._evict_for(0)  # a smaller capacity than last time: trim the oldest
         if self._index:
             log.info("file backend %s: rebuilt index of %d pages", self.root, len(self._index))
 
@@ -315,7 +332,9 @@ class FileBackend(StorageBackend):
         if freed < excess:
             return []
         for entry in victims:
-            self._drop(entry, tombstone=False)
+            # Cleared so an evicted page does not come back at the next start
+            # when its slot is not reused before then.
+            self._drop(entry, tombstone=True)
         self._evicted += len(victims)
         return victims
 
@@ -403,30 +422,27 @@ class FileBackend(StorageBackend):
                 if entry is not None and not entry.dead and entry.length == sum(c.nbytes for c in views[i])
             ]
             headers = {i: bytearray(HEADER_BYTES) for i, _ in plan}
-            for run in self._runs(plan, views):
+            for run in self._runs(plan):
                 self._read_run(run, views, headers, ok)
         finally:
             self._unpin(entries, ok)
         return ok
 
-    def _runs(
-        self, plan: list[tuple[int, _Entry]], chunks: Sequence[Sequence[memoryview]]
-    ) -> Iterator[list[tuple[int, _Entry]]]:
-        """Group pages into runs of adjacent slots of one slab, within syscall limits."""
+    @staticmethod
+    def _runs(plan: list[tuple[int, _Entry]]) -> Iterator[list[tuple[int, _Entry]]]:
+        """Group pages into runs of adjacent slots of one slab, of bounded size."""
         plan = sorted(plan, key=lambda p: (p[1].slab.slot_bytes, p[1].slot))
         run: list[tuple[int, _Entry]] = []
-        iovs = nbytes = 0
+        nbytes = 0
         for item in plan:
-            i, entry = item
-            cost = len(chunks[i]) + 2
+            entry = item[1]
             if run:
                 last = run[-1][1]
                 adjacent = last.slab is entry.slab and last.slot + 1 == entry.slot
-                if not adjacent or iovs + cost > _IOV_MAX or nbytes + entry.slab.slot_bytes > _MAX_IO_BYTES:
+                if not adjacent or nbytes + entry.slab.slot_bytes > _MAX_IO_BYTES:
                     yield run
-                    run, iovs, nbytes = [], 0, 0
+                    run, nbytes = [], 0
             run.append(item)
-            iovs += cost
             nbytes += entry.slab.slot_bytes
         if run:
             yield run
@@ -448,7 +464,7 @@ class FileBackend(StorageBackend):
             if n + 1 < len(run) and gap:
                 iov.append(memoryview(sink)[:gap])
         want = sum(memoryview(b).nbytes for b in iov)
-        got = os.preadv(slab.fd, iov, slab.offset(run[0][1].slot))
+        got = _vectored(os.preadv, slab.fd, iov, slab.offset(run[0][1].slot))
         if got != want and len(run) > 1:
             for item in run:  # short read (file truncated under us): page by page
                 self._read_run([item], views, headers, ok)
@@ -512,7 +528,7 @@ class FileBackend(StorageBackend):
                     # stands), or the write failed (clear the torn header).
                     results[i] = i in written
                     entry.dead = True
-                    entry.tomb = i not in written
+                    entry.tomb = True
                     self._maybe_free(entry)
                 self._end_op()
         for i, j in alias.items():
@@ -524,7 +540,7 @@ class FileBackend(StorageBackend):
     ) -> builtins.set[int]:
         written: builtins.set[int] = builtins.set()
         touched: builtins.set[_Slab] = builtins.set()
-        for run in self._runs(fresh, srcs):
+        for run in self._runs(fresh):
             slab = run[0][1].slab
             iov: list[bytes | memoryview] = []
             ends: list[tuple[int, int]] = []
@@ -539,7 +555,7 @@ class FileBackend(StorageBackend):
                     iov.append(_ZEROS[:gap])
                     pos += gap
             try:
-                done = os.pwritev(slab.fd, iov, slab.offset(run[0][1].slot))
+                done = _vectored(os.pwritev, slab.fd, iov, slab.offset(run[0][1].slot))
             except OSError as exc:
                 log.warning("file backend %s: write of %d pages failed: %s", self.root, len(run), exc)
                 continue

@@ -160,3 +160,17 @@ def test_concurrent_writers_and_readers(backend: StorageBackend) -> None:
         thread.join()
     assert errors == []
     assert backend.stats().pages == 160
+
+
+def test_many_chunks_and_mixed_sizes(backend: StorageBackend) -> None:
+    sizes = [12000, 4096, 100, 12000, 65536]
+    keys = [f"mc/{i}" for i in range(len(sizes))]
+    srcs = [bytearray(os.urandom(n)) for n in sizes]
+    # Page 0 arrives in 1500 chunks: more than one vectored syscall can take.
+    src_chunks = [chunks_of(srcs[0], list(range(8, 12000, 8)))] + [[memoryview(b)] for b in srcs[1:]]
+    assert backend.set_from(keys, src_chunks) == [True] * len(keys)
+    dests = [bytearray(n) for n in sizes]
+    dest_chunks = [[memoryview(d)] for d in dests]
+    dest_chunks[3] = chunks_of(dests[3], list(range(8, 12000, 8)))
+    assert backend.get_into(keys, dest_chunks) == [True] * len(keys)
+    assert dests == srcs
