@@ -1,0 +1,25 @@
+"""Fixtures of the issue-3 acceptance tests: one real daemon per module, a client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hicached_client import HiCacheClient
+
+from tests.integration.daemon import Daemon, start_daemon
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = start_daemon()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[HiCacheClient]:
+    with HiCacheClient(daemon.target, timeout_s=30.0) as c:
+        yield c
