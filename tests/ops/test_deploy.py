@@ -358,6 +358,35 @@ def test_sidecar_example_needs_no_host_namespace(rendered: dict[str, list[Manife
     assert socket_env["value"] == flag_values(sidecar["args"])["--socket"]
 
 
+# The volume types the Pod Security Standards' "restricted" level admits.
+RESTRICTED_VOLUME_TYPES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+
+
+def test_sidecar_example_meets_pod_security_restricted(rendered: dict[str, list[Manifest]]) -> None:
+    """The sidecar layout runs in a namespace enforcing the "restricted" Pod Security level."""
+    pod_spec = only(rendered["examples/sidecar"], "Deployment")["spec"]["template"]["spec"]
+    assert pod_spec["securityContext"]["runAsNonRoot"] is True
+    assert pod_spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    for volume in pod_spec["volumes"]:
+        assert set(volume) - {"name"} <= RESTRICTED_VOLUME_TYPES, volume
+    for container in pod_containers(pod_spec):
+        sc = container["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False, container["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], container["name"]
+        assert set(sc["capabilities"].get("add", [])) <= {"NET_BIND_SERVICE"}, container["name"]
+        assert sc.get("runAsUser", 1) != 0 and not sc.get("privileged", False), container["name"]
+        assert "hostPort" not in str(container.get("ports", [])), container["name"]
+
+
 # ---- Grafana dashboard ----------------------------------------------------------------
 
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$node": ".*"}
