@@ -1,0 +1,182 @@
+"""L2 -> L3 backup: write policies, the first failed batch stops a job, never blocking."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hicached.cache import BackupResult, ContentIndex, LookupResult, WritePolicy
+from hicached.errors import FailedPrecondition, ResourceExhausted
+from hicached.l2 import HostPoolGroup
+from hicached.l3 import StorageBackend, create_backend
+
+from .conftest import FailOnNthSet, GatedSets, Wrapped, keys_of, page_pattern, pin_bytes, write_pages
+
+MakeGroup = Callable[..., HostPoolGroup]
+MakeIndex = Callable[..., ContentIndex]
+
+
+def l3_run(backend: StorageBackend, index: ContentIndex, keys: list[str]) -> int:
+    names = [e.name for e in index._view.group.entries]
+    return backend.exists([f"{index.namespace}/{p}/{k}" for k in keys for p in names]) // len(names)
+
+
+def test_write_through_backs_up_on_publish(
+    make_group: MakeGroup, make_index: MakeIndex, file_backend: StorageBackend
+) -> None:
+    group = make_group(16, derived=("draft",))
+    index = make_index(group, file_backend)
+    keys = keys_of("w", 6)
+    index.publish(keys, write_pages(group, 6, seed=1))
+    assert index.flush(timeout_s=30) == 6
+    assert l3_run(file_backend, index, keys) == 6
+    stats = index.stats()
+    assert (stats.backed_up_pages, stats.l3_resident_entries, stats.queued_backup_pages) == (6, 6, 0)
+    # Nothing to do the second time.
+    assert index.backup(keys, wait=True) == BackupResult(0, 0)
+
+
+def test_write_through_selective_backs_up_on_the_second_hit(
+    make_group: MakeGroup, make_index: MakeIndex, file_backend: StorageBackend
+) -> None:
+    group = make_group(16)
+    index = make_index(group, file_backend, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    keys = keys_of("s", 4)
+    index.publish(keys, write_pages(group, 4, seed=2))
+    index.flush(timeout_s=30)
+    assert l3_run(file_backend, index, keys) == 0
+    index.unpin(index.pin(keys[:2]))  # first hit
+    index.flush(timeout_s=30)
+    assert l3_run(file_backend, index, keys) == 0
+    index.unpin(index.pin(keys[:2]))  # second hit of the first two keys
+    assert index.flush(timeout_s=30) == 2
+    assert l3_run(file_backend, index, keys) == 2
+
+
+def test_write_back_writes_only_when_evicted(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    backend = Wrapped(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend, write_policy=WritePolicy.WRITE_BACK)
+    keys = keys_of("b", 8)
+    index.publish(keys, write_pages(group, 8, seed=3))
+    assert backend.set_calls == 0
+    assert index.reclaim("kv", 3) == 3
+    assert backend.set_calls == 1
+    assert index.lookup(keys) == LookupResult(l2_hit_pages=5, total_hit_pages=8)
+    # A drain under write_back persists what is only in L2.
+    assert index.flush(timeout_s=30) == 5
+    assert l3_run(backend, index, keys) == 8
+    backend.inner.close()
+
+
+def test_backup_stops_at_the_first_failed_batch(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    backend = FailOnNthSet(create_backend("file", {"path": str(tmp_path / "l3")}), n=2)
+    group = make_group(16)
+    index = make_index(group, backend, write_policy=WritePolicy.WRITE_BACK, batch_pages=4, io_workers=2)
+    keys = keys_of("f", 12)
+    index.publish(keys, write_pages(group, 12, seed=4))
+    assert index.backup(keys, wait=True) == BackupResult(queued=12, stored=4)
+    assert backend.set_calls == 2  # batch 3 was never tried
+    assert l3_run(backend, index, keys) == 4
+    stats = index.stats()
+    assert (stats.backup_failed_pages, stats.dropped_backup_pages, stats.queued_backup_pages) == (4, 4, 0)
+    # The pages stay cached in L2 and can be backed up again later.
+    assert index.backup(keys, wait=True) == BackupResult(queued=8, stored=8)
+    assert l3_run(backend, index, keys) == 12
+    backend.inner.close()
+
+
+def test_backup_never_blocks_and_holds_its_pages(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    backend = GatedSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    # Selective: nothing is backed up behind the test's back (no second hit happens).
+    index = make_index(group, backend, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE, max_queued_pages=6)
+    keys = keys_of("g", 8)
+    index.publish(keys, write_pages(group, 8, seed=5))
+    try:
+        assert index.backup(keys[:6]) == BackupResult(queued=6, stored=0)
+        assert backend.entered.acquire(timeout=30)
+        # While the writer is busy: the queue is full, queued pages cannot be evicted.
+        with pytest.raises(ResourceExhausted, match="backup queue"):
+            index.backup(keys)
+        assert index.stats().queued_backup_pages == 6
+        assert index.reclaim("kv", 8) == 2
+    finally:
+        backend.gate.set()
+    assert index.flush(timeout_s=30) == 6
+    assert index.reclaim("kv", 6) == 6
+    assert index.lookup(keys) == LookupResult(0, 6)
+    backend.inner.close()
+
+
+def test_automatic_backups_drop_on_backpressure(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    backend = GatedSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend, max_queued_pages=3)
+    index.publish(keys_of("d", 5), write_pages(group, 5, seed=6))
+    assert index.stats().dropped_backup_pages == 2
+    backend.gate.set()
+    assert index.flush(timeout_s=30) == 3
+    backend.inner.close()
+
+
+def test_backup_without_backend_is_a_failed_precondition(
+    make_group: MakeGroup, make_index: MakeIndex
+) -> None:
+    index = make_index(make_group(4))
+    with pytest.raises(FailedPrecondition, match="no L3 backend"):
+        index.backup(["a"])
+
+
+def test_l3_pages_survive_the_index_and_read_back_exactly(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "l3")
+    first = create_backend("file", {"path": path})
+    group_a = make_group(16, sidecars=("swa",), derived=("draft",))
+    index_a = make_index(group_a, first)
+    keys = keys_of("r", 10)
+    index_a.publish(keys, write_pages(group_a, 10, seed=7))
+    index_a.flush(timeout_s=30)
+    index_a.close()
+    first.close()
+
+    # A new daemon: fresh pools, the backend re-opened from disk.
+    second = create_backend("file", {"path": path})
+    group_b = make_group(16, sidecars=("swa",), derived=("draft",))
+    index_b = make_index(group_b, second)
+    assert index_b.lookup(keys) == LookupResult(0, 10)
+    assert index_b.fetch_into_l2(keys) == 10
+    pin = index_b.pin(keys)
+    for i in range(10):
+        got = pin_bytes(group_b, dict(pin.pages), i)
+        for entry in group_b.entries:
+            assert got[entry.name] == page_pattern(entry.host_pool.page_bytes, 7, i, entry.name)
+    index_b.unpin(pin)
+    index_b.close()
+    second.close()
+
+
+def test_clear_deletes_l3_pages(
+    make_group: MakeGroup, make_index: MakeIndex, file_backend: StorageBackend
+) -> None:
+    group = make_group(16)
+    index = make_index(group, file_backend)
+    index.publish(keys_of("x", 3), write_pages(group, 3, seed=8), tenant="x")
+    index.publish(keys_of("y", 2), write_pages(group, 2, seed=9), tenant="y")
+    index.flush(timeout_s=30)
+    assert index.clear("x") == (3, 3)
+    assert index.lookup(keys_of("x", 3)) == LookupResult(0, 0)
+    assert index.lookup(keys_of("y", 2)) == LookupResult(2, 2)
+    assert index.clear() == (2, 2)
+    assert index.lookup(keys_of("y", 2)) == LookupResult(0, 0)
