@@ -27,6 +27,8 @@ from .dockerfile import Instruction, Stage, dockerignore_excludes, parse, read_d
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 STARTUP_DEADLINE_S = 60.0
+# From the socket appearing to the health service answering SERVING.
+HEALTHY_DEADLINE_S = 15.0
 
 
 def runtime_stage() -> Stage:
@@ -192,7 +194,15 @@ def test_entrypoint_starts_the_daemon_and_stops_on_sigterm(short_tmp: Path) -> N
     }
     argv = relocate(entrypoint.exec_form() + cmd.exec_form(), replacements)
     argv[0] = executable(argv[0])
-    env = {**os.environ, "HOME": str(short_tmp), "TMPDIR": str(short_tmp)}
+    # Nothing of this machine's configuration or caches leaks in: the daemon sees only
+    # temp directories (its default L3 path lives under XDG_CACHE_HOME).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    env.update(
+        HOME=str(short_tmp),
+        TMPDIR=str(short_tmp),
+        XDG_CACHE_HOME=str(short_tmp / "cache"),
+        XDG_RUNTIME_DIR=str(short_tmp),
+    )
     log = (short_tmp / "daemon.log").open("w+")
     proc = subprocess.Popen(argv, cwd=short_tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -208,8 +218,14 @@ def test_entrypoint_starts_the_daemon_and_stops_on_sigterm(short_tmp: Path) -> N
         assert healthcheck is not None
         probe = relocate(healthcheck_argv(healthcheck), replacements)
         probe[0] = executable(probe[0])
-        result = subprocess.run(probe, check=False, capture_output=True, text=True, timeout=30, env=env)
-        assert result.returncode == 0, f"HEALTHCHECK {probe} failed: {result.stdout}{result.stderr}"
+        # Like Docker during --start-period: retry until healthy or the deadline.
+        deadline = time.monotonic() + HEALTHY_DEADLINE_S
+        while True:
+            result = subprocess.run(probe, check=False, capture_output=True, text=True, timeout=30, env=env)
+            if result.returncode == 0:
+                break
+            assert proc.poll() is None, f"daemon exited with {proc.returncode} while being probed"
+            assert time.monotonic() < deadline, f"HEALTHCHECK {probe} failed: {result.stdout}{result.stderr}"
 
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
             assert b"hicached_sessions" in response.read()
