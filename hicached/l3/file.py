@@ -185,7 +185,10 @@ def _vectored(op: Callable[[int, list[Any], int], int], fd: int, iov: list[Any],
 
 
 def _as_bytes_view(buf: bytes | bytearray | memoryview, *, writable: bool) -> memoryview:
-    view = memoryview(buf)
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise InvalidArgument(f"page buffer must be bytes-like, got {type(buf).__name__}") from None
     if writable and view.readonly:
         raise InvalidArgument("destination chunk is read-only")
     if not view.c_contiguous:

@@ -204,6 +204,10 @@ def test_key_too_long_changes_nothing(file_dir: Path) -> None:
             backend.set(["ok", long_key], [b"1", b"2"])
         assert backend.stats().pages == 0
         assert backend.set(["k" * MAX_KEY_BYTES], [b"1"]) == [True]
+        with pytest.raises(InvalidArgument, match="bytes-like, got str"):
+            backend.set(["s"], ["text"])  # type: ignore[list-item]
+        with pytest.raises(InvalidArgument, match="read-only"):
+            backend.get_into(["s"], [[memoryview(b"x")]])
 
 
 def test_fsync_option_and_bad_config(file_dir: Path) -> None:
