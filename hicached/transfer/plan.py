@@ -238,11 +238,7 @@ def _check_pool(view: DevicePoolView, host: HostPoolLike) -> list[tuple[int, tor
             if page_shape != tuple(host_pages.shape[1:]):
                 host_shape = tuple(host_pages.shape[1:])
                 raise InvalidArgument(f"{label}: device page shape {page_shape} != host {host_shape}")
-            try:
-                dev_pages = buf.view(tokens // view.page_size, *page_shape)
-            except RuntimeError:
-                raise InvalidArgument(
-                    f"{label}: device buffer strides {buf.stride()} cannot hold pages"
-                ) from None
+            # Splitting the token dimension is always a view, whatever the strides.
+            dev_pages = buf.view(tokens // view.page_size, *page_shape)
             out.append((layer_id, dev_pages, host_pages))
     return out

@@ -1,0 +1,179 @@
+"""Device handles: every bad handle gets a precise error and leaves nothing mapped."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicached.l2.shm import SharedSegment
+from hicached.transfer import BufferSpec, CudaIpcBufferHandle, DeviceMappings, ShmBufferHandle
+from hicached.transfer.handles import DTYPE_BY_NAME, NAME_BY_DTYPE, cuda_ipc_event_fence, validate_spec
+
+SEG_BYTES = 64 * 1024
+
+
+@pytest.fixture
+def segment(unique: Callable[[str], str]) -> SharedSegment:
+    seg = SharedSegment.create(unique("seg"), SEG_BYTES)
+    yield seg
+    seg.close()
+    seg.unlink()
+
+
+def shm(seg: SharedSegment, offset: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float16) -> BufferSpec:
+    size = dtype.itemsize
+    for d in shape:
+        size *= d
+    return BufferSpec(ShmBufferHandle(seg.name, offset, size), shape, dtype)
+
+
+BAD_SHM: list[tuple[str, Callable[[str], BufferSpec], str]] = [
+    ("size mismatch", lambda n: BufferSpec(ShmBufferHandle(n, 0, 100), (4, 2, 8), torch.float16), "size 100"),
+    ("misaligned", lambda n: BufferSpec(ShmBufferHandle(n, 8, 128), (4, 2, 8), torch.float16), "offset 8"),
+    ("negative offset", lambda n: BufferSpec(ShmBufferHandle(n, -16, 128), (4, 2, 8), torch.float16), "-16"),
+    ("empty shape", lambda n: BufferSpec(ShmBufferHandle(n, 0, 0), (), torch.float16), "shape"),
+    ("zero dim", lambda n: BufferSpec(ShmBufferHandle(n, 0, 0), (4, 0, 8), torch.float16), "(4, 0, 8)"),
+    ("float dim", lambda n: BufferSpec(ShmBufferHandle(n, 0, 128), (4, 2.0, 8), torch.float16), "shape"),  # type: ignore[arg-type]
+    ("list shape", lambda n: BufferSpec(ShmBufferHandle(n, 0, 128), [4, 2, 8], torch.float16), "shape"),  # type: ignore[arg-type]
+    ("float64", lambda n: BufferSpec(ShmBufferHandle(n, 0, 512), (4, 2, 8), torch.float64), "float64"),
+    ("not a dtype", lambda n: BufferSpec(ShmBufferHandle(n, 0, 128), (4, 2, 8), "float16"), "dtype"),  # type: ignore[arg-type]
+    ("empty name", lambda n: BufferSpec(ShmBufferHandle("", 0, 128), (4, 2, 8), torch.float16), "name"),
+    ("slash name", lambda n: BufferSpec(ShmBufferHandle("a/b", 0, 128), (4, 2, 8), torch.float16), "a/b"),
+    (
+        "beyond segment",
+        lambda n: BufferSpec(ShmBufferHandle(n, SEG_BYTES - 64, 128), (4, 2, 8), torch.float16),
+        "exceeds",
+    ),
+    ("huge", lambda n: BufferSpec(ShmBufferHandle(n, 0, 2 * SEG_BYTES), (SEG_BYTES,), torch.float16), "exceeds"),
+]
+
+
+@pytest.mark.parametrize(("case", "make", "needle"), BAD_SHM, ids=[c[0] for c in BAD_SHM])
+def test_bad_shm_handle_is_rejected_and_leaves_nothing_open(
+    segment: SharedSegment, case: str, make: Callable[[str], BufferSpec], needle: str
+) -> None:
+    mappings = DeviceMappings()
+    with pytest.raises(InvalidArgument) as info:
+        mappings.open(make(segment.name))
+    assert needle in str(info.value), (case, str(info.value))
+    assert mappings.open_count == 0
+    mappings.close()
+
+
+def test_missing_segment_is_not_found(unique: Callable[[str], str]) -> None:
+    mappings = DeviceMappings()
+    spec = BufferSpec(ShmBufferHandle(unique("absent"), 0, 128), (4, 2, 8), torch.float16)
+    with pytest.raises(NotFound, match="does not exist"):
+        mappings.open(spec)
+    assert mappings.open_count == 0
+
+
+def test_failed_open_keeps_earlier_mappings(segment: SharedSegment) -> None:
+    mappings = DeviceMappings()
+    good = mappings.open(shm(segment, 0, (4, 2, 8)))
+    with pytest.raises(InvalidArgument):
+        mappings.open(shm(segment, SEG_BYTES - 16, (4, 2, 8)))
+    assert mappings.open_count == 1
+    good.fill_(1.5)
+    assert float(segment.tensor(torch.float16, (64,), 0).sum()) == 1.5 * 64
+    del good
+    mappings.close()
+
+
+def test_buffers_in_one_segment_share_one_mapping_and_alias_its_memory(segment: SharedSegment) -> None:
+    mappings = DeviceMappings()
+    a = mappings.open(shm(segment, 0, (4, 2, 8)))
+    b = mappings.open(shm(segment, 4096, (16, 16), torch.float32))
+    assert mappings.open_count == 1
+    assert a.shape == (4, 2, 8) and a.dtype == torch.float16
+    assert b.shape == (16, 16) and b.dtype == torch.float32
+    b.copy_(torch.arange(256, dtype=torch.float32).view(16, 16))
+    assert torch.equal(segment.tensor(torch.float32, (256,), 4096), torch.arange(256, dtype=torch.float32))
+    del a, b
+    mappings.close()
+    assert mappings.open_count == 0
+
+
+def test_close_is_idempotent_and_final(segment: SharedSegment) -> None:
+    mappings = DeviceMappings()
+    view = mappings.open(shm(segment, 0, (4, 2, 8)))
+    del view
+    mappings.close()
+    mappings.close()
+    with pytest.raises(FailedPrecondition, match="closed"):
+        mappings.open(shm(segment, 0, (4, 2, 8)))
+    assert mappings.open_count == 0
+
+
+def test_concurrent_opens_map_a_segment_once(segment: SharedSegment) -> None:
+    mappings = DeviceMappings()
+    start = threading.Barrier(8)
+    views: list[torch.Tensor] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        start.wait()
+        v = mappings.open(shm(segment, 256 * i, (8, 8)))
+        with lock:
+            views.append(v)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(views) == 8
+    assert mappings.open_count == 1
+    views.clear()
+    mappings.close()
+
+
+GOOD_IPC = bytes(range(1, 65))
+BAD_IPC: list[tuple[str, CudaIpcBufferHandle, str]] = [
+    ("short handle", CudaIpcBufferHandle(GOOD_IPC[:63], 0, 0, 128), "64 bytes, got 63"),
+    ("long handle", CudaIpcBufferHandle(GOOD_IPC + b"x", 0, 0, 128), "64 bytes, got 65"),
+    ("str handle", CudaIpcBufferHandle("x" * 64, 0, 0, 128), "got str"),  # type: ignore[arg-type]
+    ("zero handle", CudaIpcBufferHandle(bytes(64), 0, 0, 128), "all zero"),
+    ("negative device", CudaIpcBufferHandle(GOOD_IPC, -1, 0, 128), "device id -1"),
+    ("size mismatch", CudaIpcBufferHandle(GOOD_IPC, 0, 0, 127), "size 127"),
+    ("misaligned", CudaIpcBufferHandle(GOOD_IPC, 0, 4, 128), "offset 4"),
+]
+
+
+@pytest.mark.parametrize(("case", "handle", "needle"), BAD_IPC, ids=[c[0] for c in BAD_IPC])
+def test_bad_cuda_ipc_handle_is_rejected_without_touching_cuda(
+    case: str, handle: CudaIpcBufferHandle, needle: str
+) -> None:
+    mappings = DeviceMappings()
+    with pytest.raises(InvalidArgument) as info:
+        mappings.open(BufferSpec(handle, (4, 2, 8), torch.float16))
+    assert needle in str(info.value), (case, str(info.value))
+    assert mappings.open_count == 0
+
+
+def test_unknown_handle_type_is_invalid() -> None:
+    with pytest.raises(InvalidArgument, match="unsupported device handle type str"):
+        validate_spec(BufferSpec("shm:x", (4,), torch.float16))  # type: ignore[arg-type]
+
+
+def test_cuda_event_fence_validates_handle_length() -> None:
+    with pytest.raises(InvalidArgument, match="64 bytes, got 3"):
+        cuda_ipc_event_fence(b"abc", 0)
+
+
+def test_dtype_name_maps_are_inverse_and_cover_the_wire_types() -> None:
+    assert set(DTYPE_BY_NAME) == {
+        "float16",
+        "bfloat16",
+        "float32",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "uint8",
+        "int8",
+    }
+    for name, dtype in DTYPE_BY_NAME.items():
+        assert NAME_BY_DTYPE[dtype] == name
