@@ -1,0 +1,45 @@
+"""Observable daemon state for "nothing changed" checks, and deadline-bounded polling."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from hicached_client import HiCacheClient, Stats
+
+T = TypeVar("T")
+
+
+def snapshot(stats: Stats) -> dict[str, Any]:
+    """Everything a failed call must leave unchanged (lease expiries excluded: heartbeats move them)."""
+    return {
+        "sessions": sorted((s.session_id, s.group, s.owned_pages) for s in stats.sessions),
+        "groups": sorted(
+            (
+                g.group,
+                g.sessions,
+                g.indexed_pages,
+                tuple(sorted((p.name, p.total_pages, p.free_pages) for p in g.pools)),
+            )
+            for g in stats.groups
+        ),
+        "backups": sorted((b.backup_id, b.session_id, b.pages) for b in stats.backups),
+        "host_used_bytes": stats.host_used_bytes,
+    }
+
+
+def state(client: HiCacheClient) -> dict[str, Any]:
+    return snapshot(client.get_stats())
+
+
+def poll(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float, what: str) -> T:
+    """Call ``probe`` until ``done(result)``; AssertionError with the last result after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = probe()
+        if done(result):
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s; last: {result!r}")
+        time.sleep(0.05)  # poll interval of a deadline-bounded wait

@@ -1,0 +1,113 @@
+"""Issue 3 acceptance: a killed worker leaks nothing; sessions cannot touch each other's pages."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from hicached_client import HiCacheClient, HiCacheError, Stats, Transfer, WorkerIdentity
+
+from tests.integration.daemon import LEASE_MS, Daemon
+from tests.integration.kv import WorkerPools, transfers, unique_tag
+from tests.integration.state import poll, state
+from tests.integration.workers import read_report, spawn_worker
+
+
+def _unlink_segments(tag: str) -> None:
+    for seg in Path("/dev/shm").glob(f"hct-{tag}-*"):
+        with contextlib.suppress(FileNotFoundError):
+            seg.unlink()
+
+
+def _group_pools(stats: Stats, group: str) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.free_pages, p.total_pages) for g in stats.groups if g.group == group for p in g.pools}
+
+
+def test_worker_killed_mid_write_leaves_no_page_allocated(daemon: Daemon, client: HiCacheClient) -> None:
+    proc, tag = spawn_worker(daemon, "hold_and_write", model="m-kill", pages=128, seed=21)
+    try:
+        hello = read_report(proc)
+        assert hello["held"] and hello["first"]
+        session_id, group = hello["session_id"], hello["group"]
+        info = client.get_stats().session(session_id)
+        assert info is not None and info.owned_pages >= 64, "the worker holds pages when it is killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _unlink_segments(tag)
+
+    def released(stats: Stats) -> bool:
+        pools = _group_pools(stats, group)
+        return stats.session(session_id) is None and all(free == total for free, total in pools.values())
+
+    stats = poll(
+        client.get_stats, released, timeout_s=10 * LEASE_MS / 1000, what="lease expiry of the killed worker"
+    )
+    # The lease, not the kill, ended the session: it lived at least most of a lease after the kill.
+    assert time.monotonic() - killed_at >= 0.5 * LEASE_MS / 1000
+    assert stats.session(session_id) is None
+    for name, (free, total) in _group_pools(stats, group).items():
+        assert free == total, f"pool {name}: {total - free} pages leaked"
+
+
+def _expect_denied(call: Callable[[], Any], what: str) -> HiCacheError:
+    with pytest.raises(HiCacheError) as info:
+        call()
+    # The contract allows NOT_FOUND for ids a session cannot see; this daemon says PERMISSION_DENIED.
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, (what, info.value)
+    return info.value
+
+
+def test_sessions_cannot_touch_each_others_pages_or_backups(daemon: Daemon, client: HiCacheClient) -> None:
+    proc, tag = spawn_worker(daemon, "owner", model="m-iso", pages=32, seed=31)
+    pools_b = WorkerPools.create(unique_tag("iso-b"))
+    try:
+        a = read_report(proc)
+        identity = WorkerIdentity(unique_tag("iso-b"), generation=1, model_name="m-iso")
+        with client.attach(identity, pools_b.specs()) as b:
+            assert b.info.joined_existing_group, "same model and layout: one shared pool group"
+            host = a["host"]
+            dev = list(range(len(host["kv"])))
+            keys = [f"{i:064x}" for i in range(len(dev))]
+            cases: dict[str, Callable[[], Any]] = {
+                "Free": lambda: b.free("kv", host["kv"]),
+                "Load": lambda: b.load_wait(transfers(dev, host)),
+                "Write": lambda: b.write(transfers(dev, host)),
+                "ReleaseTransfers": lambda: b.release_transfers(
+                    [Transfer(p, dev, host[p], host_allocated=True) for p in ("draft", "kv")]
+                ),
+                "Publish": lambda: b.publish(keys, [Transfer(p, [], host[p]) for p in ("draft", "kv")]),
+                "RetractRestore": lambda: b.retract_restore_wait(a["backup_id"], transfers(dev[:16])),
+                "RetractDiscard": lambda: b.retract_discard(a["backup_id"]),
+            }
+            before = state(client)
+            for name, call in cases.items():
+                err = _expect_denied(call, name)
+                owned_by = a["backup_id"] if name.startswith("Retract") else b.session_id
+                assert owned_by in err.message, (name, err.message)
+                assert state(client) == before, f"{name} changed daemon state"
+        assert proc.stdin is not None
+        proc.stdin.write("verify\n")
+        proc.stdin.flush()
+        final = read_report(proc)
+        assert final["pages_intact"] == {"kv": True, "draft": True}
+        assert final["backup_intact"] == {"kv": True, "draft": True}
+        assert final["released"] == 2 * len(host["kv"])
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        pools_b.close()
+        _unlink_segments(tag)
