@@ -32,7 +32,6 @@ with its own lock held, so the order is always group lock -> index lock).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import itertools
 import logging
@@ -40,11 +39,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from hicached.cache.entries import SELECTIVE_HITS, Entry, batches, check_keys, check_rows
 from hicached.cache.jobs import BackupJob, IoPriority, IoScheduler, PrefetchTask
 from hicached.cache.observer import CacheObserver
 from hicached.cache.pools import GroupView
@@ -59,52 +58,13 @@ from hicached.cache.types import (
     prefetch_deadline_s,
 )
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from hicached.l2.allocator import PageArray, as_page_array
+from hicached.l2.allocator import PageArray
 from hicached.l2.group import HostPoolGroup
 from hicached.l3.base import StorageBackend
 
 __all__ = ["ContentIndex"]
 
 logger = logging.getLogger(__name__)
-
-_SELECTIVE_HITS = 2  # write_through_selective backs a page up on its second hit
-
-
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    key: str
-    pages: tuple[int, ...]  # one page per independent pool (GroupView.alloc_names order)
-    tenant: str
-    refs: int = 0  # pins plus in-flight backups; > 0 means never evict or free
-    hits: int = 0
-    in_l3: bool = False
-    backup_queued: bool = False
-    detached: bool = False  # no longer findable; pages freed when refs drops to 0
-    cleared: bool = False  # detached by clear(): do not write it to L3 any more
-    freed: bool = False
-
-
-def _check_keys(keys: Sequence[str], *, unique: bool = False) -> list[str]:
-    if isinstance(keys, str):
-        raise InvalidArgument(f"keys must be a sequence of str, got the single str {keys!r}")
-    out = list(keys)
-    for key in out:
-        if not isinstance(key, str) or not key or "/" in key:
-            raise InvalidArgument(f"content key must be a non-empty str without '/', got {key!r}")
-    if unique and len(set(out)) != len(out):
-        seen: set[str] = set()
-        for key in out:
-            if key in seen:
-                raise InvalidArgument(f"content key {key!r} is listed more than once")
-            seen.add(key)
-    return out
-
-
-T = TypeVar("T")
-
-
-def _batches(items: Sequence[T], size: int) -> list[Sequence[T]]:
-    return [items[start : start + size] for start in range(0, len(items), size)]
 
 
 class ContentIndex:
@@ -158,9 +118,9 @@ class ContentIndex:
 
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when queued backups drop
-        self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
         self._owned = [np.zeros(a.capacity, dtype=bool) for a in self._view.allocators]
-        self._pins: dict[int, tuple[_Entry, ...]] = {}
+        self._pins: dict[int, tuple[Entry, ...]] = {}
         self._pin_ids = itertools.count(1)
         self._pinned_entries = 0
         self._queued_pages = 0
@@ -226,42 +186,12 @@ class ContentIndex:
 
     def lookup(self, keys: Sequence[str]) -> LookupResult:
         """Longest cached prefix of ``keys`` per tier. Read-only; pins nothing."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         l2_run, total, _ = self._scan(keys)
         self._obs.lookup(len(keys), l2_run, total - l2_run)
         return LookupResult(l2_hit_pages=l2_run, total_hit_pages=total)
 
     # ------------------------------------------------------------- publish
-
-    def _check_rows(self, n: int, pages: Mapping[str, object]) -> list[PageArray]:
-        names = self._view.alloc_names
-        unknown = sorted(set(pages) - set(names))
-        if unknown:
-            raise NotFound(f"pool(s) {unknown} are not independent pools of this group (expected {names})")
-        missing = [name for name in names if name not in pages]
-        if missing:
-            raise InvalidArgument(f"pages for pool(s) {missing} are missing (expected {list(names)})")
-        columns = []
-        for name, allocator in zip(names, self._view.allocators, strict=True):
-            arr = as_page_array(pages[name], f"pages of pool {name!r}")
-            if arr.size != n:
-                raise InvalidArgument(f"pool {name!r} has {arr.size} pages for {n} keys")
-            if arr.size:
-                bad = arr[(arr < 0) | (arr >= allocator.capacity)]
-                if bad.size:
-                    raise InvalidArgument(
-                        f"page {int(bad[0])} of pool {name!r} is outside [0, {allocator.capacity})"
-                    )
-                if np.unique(arr).size != arr.size:
-                    raise InvalidArgument(f"pool {name!r}: a page is listed twice in {arr.tolist()}")
-                unallocated = arr[~allocator.is_allocated(arr)]
-                if unallocated.size:
-                    raise FailedPrecondition(
-                        f"page {int(unallocated[0])} of pool {name!r} is not allocated; publish "
-                        f"only pages you allocated and wrote"
-                    )
-            columns.append(arr)
-        return columns
 
     def publish(
         self, keys: Sequence[str], pages: Mapping[str, object], *, tenant: str = ""
@@ -275,10 +205,10 @@ class ContentIndex:
         length mismatch, unknown or missing pool, a page the index already
         owns) raises and changes nothing.
         """
-        keys = _check_keys(keys, unique=True)
+        keys = check_keys(keys, unique=True)
         if not isinstance(tenant, str):
             raise InvalidArgument(f"tenant must be a str, got {tenant!r}")
-        columns = self._check_rows(len(keys), pages)
+        columns = check_rows(self._view, len(keys), pages)
         rows = list(zip(*(c.tolist() for c in columns), strict=True)) if keys else []
         mask, new, hot = self._insert(keys, rows, tenant, in_l3=False, strict=True)
         self._counts["published"] += len(new)
@@ -296,11 +226,11 @@ class ContentIndex:
         *,
         in_l3: bool,
         strict: bool,
-    ) -> tuple[npt.NDArray[np.bool_], list[_Entry], list[_Entry]]:
+    ) -> tuple[npt.NDArray[np.bool_], list[Entry], list[Entry]]:
         """Add entries for new keys, touch existing ones; (mask, new entries, entries now hot)."""
         mask = np.zeros(len(keys), dtype=bool)
-        new: list[_Entry] = []
-        hot: list[_Entry] = []
+        new: list[Entry] = []
+        hot: list[Entry] = []
         with self._lock:
             if self._closed:
                 raise Unavailable("the content index is closed")
@@ -319,10 +249,10 @@ class ContentIndex:
                 if entry is not None:
                     self._entries.move_to_end(key)
                     entry.hits += 1
-                    if entry.hits >= _SELECTIVE_HITS:
+                    if entry.hits >= SELECTIVE_HITS:
                         hot.append(entry)
                     continue
-                entry = _Entry(key, rows[i], tenant, in_l3=in_l3)
+                entry = Entry(key, rows[i], tenant, in_l3=in_l3)
                 self._entries[key] = entry
                 for col, owned in enumerate(self._owned):
                     owned[rows[i][col]] = True
@@ -340,7 +270,7 @@ class ContentIndex:
         Counts a hit on each pinned key (``write_through_selective`` backs a
         key up on its second hit) and makes it most recently used.
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         with self._lock:
             if self._closed:
                 raise Unavailable("the content index is closed")
@@ -348,11 +278,12 @@ class ContentIndex:
             hot = []
             for entry in reversed(run):
                 self._entries.move_to_end(entry.key)
-                if entry.refs == 0:
+                if entry.pins == 0:
                     self._pinned_entries += 1
+                entry.pins += 1
                 entry.refs += 1
                 entry.hits += 1
-                if entry.hits >= _SELECTIVE_HITS:
+                if entry.hits >= SELECTIVE_HITS:
                     hot.append(entry)
             pin_id = next(self._pin_ids)
             self._pins[pin_id] = tuple(run)
@@ -377,17 +308,19 @@ class ContentIndex:
                 raise FailedPrecondition(f"pin {pin.id} is not held (released twice?)")
             self._drop_refs_locked(entries, pinned=True)
 
-    def _drop_refs_locked(self, entries: Iterable[_Entry], *, pinned: bool) -> None:
+    def _drop_refs_locked(self, entries: Iterable[Entry], *, pinned: bool) -> None:
         doomed = []
         for entry in entries:
             entry.refs -= 1
-            if pinned and entry.refs == 0:
-                self._pinned_entries -= 1
+            if pinned:
+                entry.pins -= 1
+                if entry.pins == 0:
+                    self._pinned_entries -= 1
             if entry.refs == 0 and entry.detached:
                 doomed.append(entry)
         self._free_locked(doomed)
 
-    def _free_locked(self, entries: Sequence[_Entry]) -> int:
+    def _free_locked(self, entries: Sequence[Entry]) -> int:
         """Return entries' pages to their allocators (exactly once) and forget them."""
         if not entries:
             return 0
@@ -423,7 +356,7 @@ class ContentIndex:
         with self._lock:
             if self._closed:
                 return 0
-            victims: list[_Entry] = []
+            victims: list[Entry] = []
             for entry in self._entries.values():
                 if len(victims) >= pages_needed:
                     break
@@ -443,16 +376,16 @@ class ContentIndex:
         self._obs.evicted("l2", "lru", len(victims))
         return len(victims)
 
-    def _write_back_now(self, entries: Sequence[_Entry]) -> None:
-        batches = _batches(entries, self.batch_pages)
-        for i, batch in enumerate(batches):
+    def _write_back_now(self, entries: Sequence[Entry]) -> None:
+        chunks = batches(entries, self.batch_pages)
+        for i, batch in enumerate(chunks):
             try:
                 _, ok = self._store_batch(batch)
             except Exception:
                 logger.exception("%s: write-back of an evicted batch failed", self.namespace)
                 ok = False
             if not ok:
-                lost = sum(not e.in_l3 for b in batches[i:] for e in b)
+                lost = sum(not e.in_l3 for b in chunks[i:] for e in b)
                 with self._lock:
                     self._counts["dropped_backup"] += lost
                 self._obs.dropped("backup_failed", lost)
@@ -460,7 +393,7 @@ class ContentIndex:
 
     # --------------------------------------------------------------- backup
 
-    def _queue_backup(self, entries: Sequence[_Entry], *, explicit: bool) -> BackupJob[_Entry] | None:
+    def _queue_backup(self, entries: Sequence[Entry], *, explicit: bool) -> BackupJob[Entry] | None:
         if self.backend is None or not entries:
             return None
         dropped = 0
@@ -485,15 +418,15 @@ class ContentIndex:
             self._obs.dropped("backpressure", dropped)
         if not todo:
             return None
-        job: BackupJob[_Entry] = BackupJob(
-            _batches(todo, self.batch_pages),
+        job: BackupJob[Entry] = BackupJob(
+            batches(todo, self.batch_pages),
             store=self._store_batch,
             release=self._release_backup,
         )
         self._io.submit(job, IoPriority.BACKUP)
         return job
 
-    def _store_batch(self, batch: Sequence[_Entry]) -> tuple[int, bool]:
+    def _store_batch(self, batch: Sequence[Entry]) -> tuple[int, bool]:
         """Write one batch to L3; (keys now stored, every key succeeded)."""
         assert self.backend is not None
         live = [e for e in batch if not e.cleared]
@@ -519,7 +452,7 @@ class ContentIndex:
             self._obs.backed_up(stored, stored * self._view.key_bytes, seconds)
         return stored, stored == len(live)
 
-    def _release_backup(self, entries: Sequence[_Entry], reached: bool) -> None:
+    def _release_backup(self, entries: Sequence[Entry], reached: bool) -> None:
         with self._lock:
             for entry in entries:
                 entry.backup_queued = False
@@ -540,7 +473,7 @@ class ContentIndex:
         FailedPrecondition without a backend and ResourceExhausted when the
         queue is full (nothing queued then).
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if self.backend is None:
             raise FailedPrecondition(f"content index {self.namespace!r} has no L3 backend")
         with self._lock:
@@ -634,7 +567,7 @@ class ContentIndex:
         (:func:`prefetch_deadline_s` over the planned tokens); it only
         matters for the ``timeout`` policy.
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         try:
             policy = PrefetchPolicy(policy)
         except ValueError:
@@ -688,11 +621,11 @@ class ContentIndex:
         For a GetPages with ``include_l3``: the caller pins right after. Stops at
         the first batch that cannot be fetched whole.
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if self.backend is not None:
             _, _, only_l3 = self._scan(keys)
             wanted = [keys[i] for i in only_l3]
-            for batch in _batches(wanted, self.batch_pages):
+            for batch in batches(wanted, self.batch_pages):
                 _, ok = self._fetch_batch(tenant, batch, lambda: False)
                 if not ok:
                     break

@@ -1,0 +1,90 @@
+"""The content index's entries and input checks (internal to :mod:`hicached.cache`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from hicached.cache.pools import GroupView
+from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicached.l2.allocator import PageArray, as_page_array
+
+__all__ = ["SELECTIVE_HITS", "Entry", "batches", "check_keys", "check_rows"]
+
+SELECTIVE_HITS = 2  # write_through_selective backs a page up on its second hit
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """One cached key: its pages and who holds them. Guarded by the index lock."""
+
+    key: str
+    pages: tuple[int, ...]  # one page per independent pool (GroupView.alloc_names order)
+    tenant: str
+    refs: int = 0  # pins plus in-flight backups; > 0 means never evict or free
+    pins: int = 0
+    hits: int = 0
+    in_l3: bool = False
+    backup_queued: bool = False
+    detached: bool = False  # no longer findable; pages freed when refs drops to 0
+    cleared: bool = False  # detached by clear(): do not write it to L3 any more
+    freed: bool = False
+
+
+def check_keys(keys: Sequence[str], *, unique: bool = False) -> list[str]:
+    """Keys as a list; InvalidArgument naming the first bad (or, with ``unique``, repeated) one."""
+    if isinstance(keys, str):
+        raise InvalidArgument(f"keys must be a sequence of str, got the single str {keys!r}")
+    out = list(keys)
+    for key in out:
+        if not isinstance(key, str) or not key or "/" in key:
+            raise InvalidArgument(f"content key must be a non-empty str without '/', got {key!r}")
+    if unique and len(set(out)) != len(out):
+        seen: set[str] = set()
+        for key in out:
+            if key in seen:
+                raise InvalidArgument(f"content key {key!r} is listed more than once")
+            seen.add(key)
+    return out
+
+
+T = TypeVar("T")
+
+
+def batches(items: Sequence[T], size: int) -> list[Sequence[T]]:
+    return [items[start : start + size] for start in range(0, len(items), size)]
+
+
+def check_rows(view: GroupView, n: int, pages: Mapping[str, object]) -> list[PageArray]:
+    """One validated page column per independent pool of ``view``; raises before any change."""
+    names = view.alloc_names
+    unknown = sorted(set(pages) - set(names))
+    if unknown:
+        raise NotFound(f"pool(s) {unknown} are not independent pools of this group (expected {names})")
+    missing = [name for name in names if name not in pages]
+    if missing:
+        raise InvalidArgument(f"pages for pool(s) {missing} are missing (expected {list(names)})")
+    columns = []
+    for name, allocator in zip(names, view.allocators, strict=True):
+        arr = as_page_array(pages[name], f"pages of pool {name!r}")
+        if arr.size != n:
+            raise InvalidArgument(f"pool {name!r} has {arr.size} pages for {n} keys")
+        if arr.size:
+            bad = arr[(arr < 0) | (arr >= allocator.capacity)]
+            if bad.size:
+                raise InvalidArgument(
+                    f"page {int(bad[0])} of pool {name!r} is outside [0, {allocator.capacity})"
+                )
+            if np.unique(arr).size != arr.size:
+                raise InvalidArgument(f"pool {name!r}: a page is listed twice in {arr.tolist()}")
+            unallocated = arr[~allocator.is_allocated(arr)]
+            if unallocated.size:
+                raise FailedPrecondition(
+                    f"page {int(unallocated[0])} of pool {name!r} is not allocated; publish "
+                    f"only pages you allocated and wrote"
+                )
+        columns.append(arr)
+    return columns
