@@ -209,8 +209,7 @@ class ContentIndex:
         if not isinstance(tenant, str):
             raise InvalidArgument(f"tenant must be a str, got {tenant!r}")
         columns = check_rows(self._view, len(keys), pages)
-        rows = list(zip(*(c.tolist() for c in columns), strict=True)) if keys else []
-        mask, new, hot = self._insert(keys, rows, tenant, in_l3=False, strict=True)
+        mask, new, hot = self._insert(keys, columns, tenant, in_l3=False, strict=True)
         self._counts["published"] += len(new)
         if self.write_policy is WritePolicy.WRITE_THROUGH:
             self._queue_backup(new, explicit=False)
@@ -221,13 +220,17 @@ class ContentIndex:
     def _insert(
         self,
         keys: Sequence[str],
-        rows: Sequence[tuple[int, ...]],
+        columns: Sequence[PageArray],
         tenant: str,
         *,
         in_l3: bool,
         strict: bool,
     ) -> tuple[npt.NDArray[np.bool_], list[Entry], list[Entry]]:
-        """Add entries for new keys, touch existing ones; (mask, new entries, entries now hot)."""
+        """Add entries for new keys, touch existing ones; (mask, new entries, entries now hot).
+
+        ``columns`` holds one page array per independent pool, one page per key.
+        """
+        rows = list(zip(*(c.tolist() for c in columns), strict=True)) if len(keys) else []
         mask = np.zeros(len(keys), dtype=bool)
         new: list[Entry] = []
         hot: list[Entry] = []
@@ -235,29 +238,31 @@ class ContentIndex:
             if self._closed:
                 raise Unavailable("the content index is closed")
             if strict:
-                for col, owned in enumerate(self._owned):
-                    for key, row in zip(keys, rows, strict=True):
-                        if owned[row[col]]:
-                            raise FailedPrecondition(
-                                f"page {row[col]} of pool {self._view.alloc_names[col]!r} already "
-                                f"belongs to the content index (key {key!r} cannot take it)"
-                            )
+                for col, (owned, column) in enumerate(zip(self._owned, columns, strict=True)):
+                    taken = np.flatnonzero(owned[column])
+                    if taken.size:
+                        i = int(taken[0])
+                        raise FailedPrecondition(
+                            f"page {int(column[i])} of pool {self._view.alloc_names[col]!r} already "
+                            f"belongs to the content index (key {keys[i]!r} cannot take it)"
+                        )
+            entries = self._entries
             # Deepest key first, so the head of the prefix ends up most recent.
             for i in range(len(keys) - 1, -1, -1):
                 key = keys[i]
-                entry = self._entries.get(key)
+                entry = entries.get(key)
                 if entry is not None:
-                    self._entries.move_to_end(key)
+                    entries.move_to_end(key)
                     entry.hits += 1
                     if entry.hits >= SELECTIVE_HITS:
                         hot.append(entry)
                     continue
                 entry = Entry(key, rows[i], tenant, in_l3=in_l3)
-                self._entries[key] = entry
-                for col, owned in enumerate(self._owned):
-                    owned[rows[i][col]] = True
+                entries[key] = entry
                 mask[i] = True
                 new.append(entry)
+            for owned, column in zip(self._owned, columns, strict=True):
+                owned[column[mask]] = True
         new.reverse()
         hot.reverse()
         return mask, new, hot
@@ -538,7 +543,9 @@ class ContentIndex:
             ok = self._view.whole_keys(results)
             good = ok.index(False) if False in ok else len(ok)
             if not discard():
-                mask, _, _ = self._insert(keys[:good], rows[:good], tenant, in_l3=True, strict=False)
+                mask, _, _ = self._insert(
+                    keys[:good], [c[:good] for c in columns], tenant, in_l3=True, strict=False
+                )
         finally:
             keep = np.zeros(len(keys), dtype=bool)
             keep[: mask.size] = mask

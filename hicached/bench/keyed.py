@@ -1,0 +1,196 @@
+"""Content-index (key-addressed cache) costs beside plain baselines, measured in one run.
+
+Index operations run on real shared-memory host pools with 64 KiB pages, in
+batches of 128 keys (the reference's batch size):
+
+* ``index_publish_keys_per_s`` / ``index_pin_keys_per_s`` /
+  ``index_lookup_keys_per_s``: :class:`~hicached.cache.ContentIndex` publish,
+  pin+unpin and lookup (L2 only), keys per second.
+* ``dict_insert_keys_per_s``: inserting the same keys into a plain ``dict``,
+  the floor of any Python index (the ratio shows the index's bookkeeping cost).
+* ``index_backup_gbps`` / ``index_prefetch_gbps``: L2 -> L3 backup (publish +
+  flush, ``write_through``) and L3 -> L2 prefetch (``wait_complete``) through
+  the index into the ``file`` backend in a temporary directory.
+* ``file_set_from_gbps`` / ``file_get_into_gbps``: the same pages moved by
+  the backend directly (``set_from``/``get_into`` of the same chunks), the
+  limit for the two figures above.
+
+GB/s are 10**9 bytes per second. Nothing is printed; the ``hicached bench``
+command renders the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hicached.cache import ContentIndex, PrefetchPolicy, PrefetchState, WritePolicy
+from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
+from hicached.l3 import create_backend
+
+__all__ = ["run"]
+
+BATCH = 128
+# (k + v) * 8 heads * 64 dims * 8 layers * 2 bytes * 4 tokens = 64 KiB per page.
+SPEC = KVSpec(PoolKind.MHA, torch.float16, num_layers=8, num_heads=8, head_dim=64, page_size=4)
+
+
+def _rate(count: int, seconds: float) -> float:
+    return count / seconds if seconds > 0 else 0.0
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _group(num_pages: int) -> Iterator[HostPoolGroup]:
+    name = f"hicached-bench-keyed-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    pool = create_host_pool(SPEC, HostLayout.PAGE_FIRST, num_pages, segment_name=name, pin=False)
+    try:
+        yield HostPoolGroup([PoolEntry("kv", pool, is_primary_index_anchor=True)])
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def _keys(tag: str, n: int) -> list[str]:
+    return [f"{tag}{i:08x}" for i in range(n)]
+
+
+def _index_ops(num_pages: int) -> dict[str, float]:
+    with _group(num_pages) as group:
+        index = ContentIndex(group, namespace="bench", backend=None)
+        try:
+            allocator = group.anchor.host_pool.allocator
+            keys = _keys("k", num_pages)
+            pages = allocator.alloc(num_pages)
+            assert pages is not None
+            batches: list[tuple[list[str], np.ndarray]]
+            batches = [(keys[i : i + BATCH], pages[i : i + BATCH]) for i in range(0, num_pages, BATCH)]
+
+            def publish() -> None:
+                for batch_keys, batch_pages in batches:
+                    index.publish(batch_keys, {"kv": batch_pages})
+
+            def pin() -> None:
+                for batch_keys, _ in batches:
+                    index.unpin(index.pin(batch_keys))
+
+            def lookup() -> None:
+                for batch_keys, _ in batches:
+                    index.lookup(batch_keys)
+
+            # Best of three rounds; the first also pays one-off costs (imports, first touch).
+            publish_s = pin_s = lookup_s = float("inf")
+            for _ in range(3):
+                publish_s = min(publish_s, _timed(publish))
+                pin_s = min(pin_s, _timed(pin))
+                lookup_s = min(lookup_s, _timed(lookup))
+                index.clear()
+                fresh = allocator.alloc(num_pages)
+                assert fresh is not None
+                batches = [(keys[i : i + BATCH], fresh[i : i + BATCH]) for i in range(0, num_pages, BATCH)]
+
+            def dict_insert() -> None:
+                table: dict[str, tuple[int, ...]] = {}
+                for batch_keys, batch_pages in batches:
+                    for key, page in zip(batch_keys, batch_pages.tolist(), strict=True):
+                        table[key] = (page,)
+
+            dict_s = min(_timed(dict_insert) for _ in range(3))
+            allocator.free(np.concatenate([p for _, p in batches]))
+        finally:
+            index.close()
+    return {
+        "index_publish_keys_per_s": _rate(num_pages, publish_s),
+        "index_pin_keys_per_s": _rate(num_pages, pin_s),
+        "index_lookup_keys_per_s": _rate(num_pages, lookup_s),
+        "dict_insert_keys_per_s": _rate(num_pages, dict_s),
+    }
+
+
+def _l3_paths(num_pages: int, root: Path) -> dict[str, float]:
+    nbytes = num_pages * SPEC.page_bytes
+    with _group(num_pages) as group:
+        pool = group.anchor.host_pool
+        allocator = pool.allocator
+        pages = allocator.alloc(num_pages)
+        assert pages is not None
+        rng = np.random.default_rng(0)
+        for page in pages.tolist():
+            pool.set_page_flat(page, rng.integers(0, 256, SPEC.page_bytes, dtype=np.uint8).tobytes())
+        chunks = [pool.page_chunks(p) for p in pages.tolist()]
+
+        # Direct backend, same chunks: the limit.
+        direct = create_backend("file", {"path": str(root / "direct")})
+        keys = _keys("direct/", num_pages)
+        try:
+            set_s = _timed(
+                lambda: [
+                    direct.set_from(keys[i : i + BATCH], chunks[i : i + BATCH])
+                    for i in range(0, num_pages, BATCH)
+                ]
+            )
+            get_s = _timed(
+                lambda: [
+                    direct.get_into(keys[i : i + BATCH], chunks[i : i + BATCH])
+                    for i in range(0, num_pages, BATCH)
+                ]
+            )
+        finally:
+            direct.close()
+
+        # Through the index: publish (write_through) + flush, then evict and prefetch back.
+        backend = create_backend("file", {"path": str(root / "index")})
+        index = ContentIndex(
+            group, namespace="bench", backend=backend, write_policy=WritePolicy.WRITE_THROUGH
+        )
+        try:
+            content = _keys("c", num_pages)
+
+            def backup() -> None:
+                for i in range(0, num_pages, BATCH):
+                    index.publish(content[i : i + BATCH], {"kv": pages[i : i + BATCH]})
+                index.flush()
+
+            backup_s = _timed(backup)
+            index.reclaim("kv", num_pages)
+            task = None
+
+            def prefetch() -> None:
+                nonlocal task
+                task = index.prefetch(content, policy=PrefetchPolicy.WAIT_COMPLETE)
+                task.wait()
+
+            prefetch_s = _timed(prefetch)
+            assert task is not None and task.status().state is PrefetchState.DONE
+        finally:
+            index.close()
+            backend.close()
+    return {
+        "index_backup_gbps": nbytes / backup_s / 1e9,
+        "file_set_from_gbps": nbytes / set_s / 1e9,
+        "index_prefetch_gbps": nbytes / prefetch_s / 1e9,
+        "file_get_into_gbps": nbytes / get_s / 1e9,
+    }
+
+
+def run(quick: bool) -> dict[str, float]:
+    """Index throughput (keys/s) and L3 paths through the index vs the backend (GB/s)."""
+    ops_pages = 4096 if quick else 65536
+    l3_pages = 256 if quick else 2048
+    results = _index_ops(ops_pages)
+    with tempfile.TemporaryDirectory(prefix="hicached-bench-keyed-") as tmp:
+        results.update(_l3_paths(l3_pages, Path(tmp)))
+    return results
