@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -89,6 +90,8 @@ class MooncakeBackendConfig:
     ``staging_bytes``: the registered buffer for batched ``set``/``get_into``;
     one page frame (32-byte header + page) must fit. ``replicas``: copies per
     page. ``key_prefix``: prepended to every object key.
+    ``connect_timeout_s``: the master must accept a TCP connection within
+    this time at start (the Mooncake client itself retries for ~90 s).
     """
 
     master_addr: str
@@ -101,6 +104,7 @@ class MooncakeBackendConfig:
     staging_bytes: int = 64 << 20
     replicas: int = 1
     key_prefix: str = "hicached/"
+    connect_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         host, sep, port = self.master_addr.rpartition(":")
@@ -128,6 +132,10 @@ class MooncakeBackendConfig:
             )
         if self.replicas < 1:
             raise InvalidArgument(f"mooncake backend option 'replicas' must be >= 1, got {self.replicas}")
+        if not self.connect_timeout_s > 0:
+            raise InvalidArgument(
+                f"mooncake backend option 'connect_timeout_s' must be > 0, got {self.connect_timeout_s}"
+            )
 
 
 @register_backend("mooncake", MooncakeBackendConfig)
@@ -150,6 +158,11 @@ class MooncakeBackend(StorageBackend):
         self._frame_hint = FRAME_HEADER.size + (64 << 10)  # largest frame seen; sizes get()'s slots
         self._replicate: Any = ReplicateConfig()
         self._replicate.replica_num = config.replicas
+        host, _, port = config.master_addr.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), config.connect_timeout_s).close()
+        except OSError as exc:
+            raise Unavailable(f"mooncake master {config.master_addr!r} is unreachable: {exc}") from exc
         self._store: Any = MooncakeDistributedStore()
         rc = self._store.setup(
             config.local_hostname,

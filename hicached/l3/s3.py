@@ -98,7 +98,8 @@ class S3BackendConfig:
     ``addressing_style``: ``auto``, ``path`` or ``virtual``. Timeouts are per
     request; ``max_attempts`` counts boto3's retries too.
     ``stats_ttl_s``: ``stats()`` lists the prefix (one request per 1000
-    objects); its page/byte counts are reused for this many seconds.
+    objects); its page/byte counts are reused for this many seconds (and
+    while a listing fails).
     """
 
     bucket: str
@@ -316,7 +317,15 @@ class S3Backend(StorageBackend):
         self, keys: Sequence[str], srcs: Sequence[Sequence[bytes | bytearray | memoryview]]
     ) -> list[bool]:
         names = self._object_names(keys)
-        return self._map(self._store, zip(keys, names, srcs, strict=True))
+        # A key repeated in the batch is sent once (its first value) and shares
+        # that result: concurrent conditional PUTs of one name may both win.
+        first: dict[str, int] = {}
+        for i, name in enumerate(names):
+            first.setdefault(name, i)
+        todo = list(first.values())
+        sent = self._map(self._store, [(keys[i], names[i], srcs[i]) for i in todo])
+        result = dict(zip(todo, sent, strict=True))
+        return [result[first[name]] for name in names]
 
     def _delete_names(self, names: Sequence[str]) -> int:
         deleted = 0
@@ -422,11 +431,14 @@ class S3Backend(StorageBackend):
                 for entries in self._list(self.config.prefix):
                     pages += len(entries)
                     payload += sum(max(0, int(e["Size"]) - FRAME_HEADER.size) for e in entries)
+                listed = (now, pages, payload)
+                with self._lock:
+                    self._listed = listed
             except self._errors as exc:
-                raise Unavailable(f"s3 backend {self._where()}: listing for stats failed: {exc}") from exc
-            listed = (now, pages, payload)
-            with self._lock:
-                self._listed = listed
+                # The counters stay readable while the store is down; the page
+                # and byte counts are the last listing's (zero before the first).
+                log.warning("s3 backend %s: listing for stats failed: %s", self._where(), exc)
+                listed = listed or (now, 0, 0)
         with self._lock:
             return BackendStats(
                 pages=listed[1],

@@ -1,0 +1,271 @@
+"""The ``s3`` backend against a real SeaweedFS S3 gateway: layout, verification,
+sharing between daemons, configuration and failures.
+
+Also home of the ``s3_backend`` fixture that the conformance suite runs
+(registered in ``conftest.BACKEND_FIXTURES``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from servers import SeaweedFS, free_ports, seaweedfs
+
+from hicached.errors import InvalidArgument, Unavailable
+from hicached.l3 import StorageBackend, create_backend
+from hicached.l3.framing import FRAME_MAGIC, frame
+from hicached.l3.s3 import S3Backend, escape_key, unescape_key
+
+
+@pytest.fixture(scope="session")
+def seaweed_srv() -> Iterator[SeaweedFS]:
+    with seaweedfs() as server:
+        yield server
+
+
+def s3_options(srv: SeaweedFS, **extra: object) -> dict[str, object]:
+    options: dict[str, object] = {
+        "bucket": srv.bucket,
+        "endpoint_url": srv.endpoint_url,
+        "access_key_id": srv.access_key_id,
+        "secret_access_key": srv.secret_access_key,
+        "prefix": f"t-{os.getpid()}-{uuid.uuid4().hex[:8]}/",
+        "stats_ttl_s": 0,
+        "threads": 4,
+    }
+    options.update(extra)
+    return options
+
+
+@pytest.fixture
+def s3_backend(seaweed_srv: SeaweedFS) -> Iterator[StorageBackend]:
+    # A fresh object prefix per test: the backend starts empty and clear()
+    # touches only this test's objects.
+    backend = create_backend("s3", s3_options(seaweed_srv))
+    yield backend
+    backend.clear()
+    backend.close()
+
+
+@pytest.fixture
+def raw(seaweed_srv: SeaweedFS) -> Any:
+    return boto3.client(
+        "s3",
+        endpoint_url=seaweed_srv.endpoint_url,
+        aws_access_key_id=seaweed_srv.access_key_id,
+        aws_secret_access_key=seaweed_srv.secret_access_key,
+        region_name="us-east-1",
+    )
+
+
+def _s3(backend: StorageBackend) -> S3Backend:
+    assert isinstance(backend, S3Backend)
+    return backend
+
+
+def test_escape_key_is_flat_prefix_preserving_and_reversible() -> None:
+    keys = ["model/tp0/ab12", "..", ".", "a b%c", "t1*", "ü/€", "-_AZaz09"]
+    for key in keys:
+        name = escape_key(key)
+        assert "/" not in name and "." not in name
+        assert unescape_key(name) == key
+        for cut in range(len(key) + 1):
+            assert name.startswith(escape_key(key[:cut]))
+    assert escape_key("-_AZaz09") == "-_AZaz09"
+    assert escape_key("a/b") == "a%2Fb"
+
+
+def test_object_layout_is_one_frame_per_page(s3_backend: StorageBackend, raw: Any) -> None:
+    backend = _s3(s3_backend)
+    assert backend.set(["model/tp0/page 1"], [b"p" * 1000]) == [True]
+    name = backend.config.prefix + "model%2Ftp0%2Fpage%201"
+    body = raw.get_object(Bucket=backend.config.bucket, Key=name)["Body"].read()
+    assert body[:4] == FRAME_MAGIC
+    assert body == frame("model/tp0/page 1", [b"p" * 1000])
+    listed = raw.list_objects_v2(Bucket=backend.config.bucket, Prefix=backend.config.prefix)
+    assert [o["Key"] for o in listed["Contents"]] == [name]
+
+
+def test_corrupt_objects_are_misses_counted_and_removed(s3_backend: StorageBackend, raw: Any) -> None:
+    backend = _s3(s3_backend)
+    bucket, prefix = backend.config.bucket, backend.config.prefix
+    assert all(backend.set(["c/a", "c/b", "c/c"], [b"a" * 1000, b"b" * 1000, b"c" * 1000]))
+    good = raw.get_object(Bucket=bucket, Key=prefix + escape_key("c/a"))["Body"].read()
+    flipped = bytearray(good)
+    flipped[-1] ^= 0xFF
+    raw.put_object(Bucket=bucket, Key=prefix + escape_key("c/a"), Body=bytes(flipped))
+    raw.put_object(Bucket=bucket, Key=prefix + escape_key("c/b"), Body=good[:20])  # truncated
+    raw.put_object(Bucket=bucket, Key=prefix + escape_key("c/c"), Body=good)  # another key's frame
+    before = backend.stats()
+    assert backend.get(["c/a", "c/b"]) == [None, None]
+    assert backend.get_into(["c/c"], [[memoryview(bytearray(1000))]]) == [False]
+    after = backend.stats()
+    assert after.corrupt_pages - before.corrupt_pages == 3
+    assert after.misses - before.misses == 3
+    # Removed, so the page can be stored again despite If-None-Match.
+    assert backend.exists(["c/a"]) == 0
+    assert backend.set(["c/a"], [b"a" * 1000]) == [True]
+    assert backend.get(["c/a"]) == [b"a" * 1000]
+
+
+def test_pages_are_shared_between_backends_and_outlive_them(seaweed_srv: SeaweedFS) -> None:
+    options = s3_options(seaweed_srv)
+    first = create_backend("s3", options)
+    assert first.set(["sh/a", "sh/b"], [b"1" * 64, b"2" * 64]) == [True, True]
+    second = create_backend("s3", options)
+    try:
+        assert second.exists(["sh/a", "sh/b"]) == 2  # no local index to go stale
+        first.close()
+        assert second.get(["sh/a", "sh/b"]) == [b"1" * 64, b"2" * 64]
+        assert second.delete(["sh/a"]) == 1
+        third = create_backend("s3", options)
+        assert third.get(["sh/a", "sh/b"]) == [None, b"2" * 64]
+        assert third.clear() == 1
+        third.close()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_prefixes_isolate_deployments(seaweed_srv: SeaweedFS) -> None:
+    a = create_backend("s3", s3_options(seaweed_srv))
+    b = create_backend("s3", s3_options(seaweed_srv))
+    try:
+        assert a.set(["k"], [b"from a"]) == [True]
+        assert b.exists(["k"]) == 0
+        assert b.set(["k"], [b"from b"]) == [True]
+        assert a.clear() == 1
+        assert b.get(["k"]) == [b"from b"]
+        assert b.stats().pages == 1
+    finally:
+        b.clear()
+        a.close()
+        b.close()
+
+
+def test_without_conditional_put_existing_keys_are_not_rewritten(seaweed_srv: SeaweedFS) -> None:
+    backend = create_backend("s3", s3_options(seaweed_srv, conditional_put=False))
+    try:
+        assert backend.set(["cp"], [b"first"]) == [True]
+        assert backend.set(["cp", "cp2"], [b"second", b"other"]) == [True, True]
+        assert backend.get(["cp", "cp2"]) == [b"first", b"other"]
+    finally:
+        backend.clear()
+        backend.close()
+
+
+def test_stats_list_payload_bytes_and_cache_for_ttl(seaweed_srv: SeaweedFS) -> None:
+    backend = create_backend("s3", s3_options(seaweed_srv, stats_ttl_s=3600))
+    try:
+        assert backend.stats().pages == 0
+        assert backend.set(["s/a", "s/b"], [b"x" * 100, b"y" * 50]) == [True, True]
+        assert backend.stats().pages == 0  # the listing is reused within the TTL
+    finally:
+        backend.clear()
+        backend.close()
+    fresh = create_backend("s3", s3_options(seaweed_srv))
+    try:
+        assert fresh.set(["s/a", "s/b"], [b"x" * 100, b"y" * 50]) == [True, True]
+        stats = fresh.stats()
+        assert (stats.pages, stats.bytes, stats.capacity_bytes) == (2, 150, 0)
+    finally:
+        fresh.clear()
+        fresh.close()
+
+
+def test_too_long_key_raises_before_any_request(s3_backend: StorageBackend) -> None:
+    with pytest.raises(InvalidArgument, match="too long for S3"):
+        s3_backend.set(["ok", "/" * 400], [b"a", b"b"])
+    assert s3_backend.exists(["ok"]) == 0
+    with pytest.raises(InvalidArgument, match="too long for S3"):
+        s3_backend.get(["/" * 400])
+
+
+def test_missing_bucket_is_a_configuration_error_unless_created(seaweed_srv: SeaweedFS, raw: Any) -> None:
+    bucket = f"hc-new-{uuid.uuid4().hex[:12]}"
+    with pytest.raises(InvalidArgument, match=bucket):
+        create_backend("s3", s3_options(seaweed_srv, bucket=bucket))
+    backend = create_backend("s3", s3_options(seaweed_srv, bucket=bucket, create_bucket=True))
+    try:
+        assert backend.set(["nb"], [b"x"]) == [True]
+        assert backend.get(["nb"]) == [b"x"]
+    finally:
+        backend.clear()
+        backend.close()
+        raw.delete_bucket(Bucket=bucket)
+
+
+def test_unreachable_endpoint_is_unavailable_at_start() -> None:
+    (port,) = free_ports(1)
+    options = {
+        "bucket": "nowhere",
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "access_key_id": "a",
+        "secret_access_key": "b",
+        "max_attempts": 1,
+        "connect_timeout_s": 0.5,
+    }
+    with pytest.raises(Unavailable, match="nowhere"):
+        create_backend("s3", options)
+
+
+def test_server_gone_turns_requests_into_misses() -> None:
+    with seaweedfs() as srv:
+        backend = create_backend("s3", s3_options(srv, max_attempts=1, connect_timeout_s=0.5))
+        assert backend.set(["gone"], [b"x"]) == [True]
+    try:
+        assert backend.get(["gone"]) == [None]
+        assert backend.exists(["gone"]) == 0
+        assert backend.set(["gone2"], [b"y"]) == [False]
+        stats = backend.stats()  # counters stay readable; pages/bytes from no listing
+        assert (stats.misses, stats.pages) == (1, 0)
+    finally:
+        backend.close()
+
+
+def test_closed_backend_is_unavailable(seaweed_srv: SeaweedFS) -> None:
+    backend = create_backend("s3", s3_options(seaweed_srv))
+    backend.close()
+    backend.close()  # idempotent
+    for call in (
+        lambda: backend.get(["x"]),
+        lambda: backend.set(["x"], [b"x"]),
+        lambda: backend.exists(["x"]),
+        backend.clear,
+        backend.stats,
+    ):
+        with pytest.raises(Unavailable, match="closed"):
+            call()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"bucket": ""}, "'bucket'"),
+        ({"bucket": "b", "endpoint_url": "127.0.0.1:9000"}, "'endpoint_url'.*'127.0.0.1:9000'"),
+        ({"bucket": "b", "threads": 0}, "'threads'.*got 0"),
+        ({"bucket": "b", "addressing_style": "dns"}, "'addressing_style'.*'dns'"),
+        ({"bucket": "b", "access_key_id": "only-id"}, "given together"),
+        ({"bucket": "b", "prefix": "/abs/"}, "'prefix'"),
+        ({"bucket": "b", "read_timeout_s": 0}, "'read_timeout_s'"),
+        ({"bucket": "b", "max_attempts": 0}, "'max_attempts'"),
+        ({"bucket": "b", "threads": "8"}, "'threads'.*int"),
+        ({"bucket": "b", "region_name": "x"}, "unknown option"),
+    ],
+)
+def test_bad_config_is_rejected_with_the_offending_value(options: dict[str, object], match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        create_backend("s3", options)
+
+
+def test_missing_boto3_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A None entry makes `import boto3` raise ImportError, as on a machine without it.
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    with pytest.raises(InvalidArgument, match=r"pip install 'hicached\[s3\]'"):
+        create_backend("s3", {"bucket": "b"})
