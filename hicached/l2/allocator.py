@@ -100,11 +100,11 @@ class PageAllocator:
         """
         arr = as_page_array(pages)
         with self._lock:
-            self._check(arr, want_allocated=True)
+            ordered = self._check(arr, want_allocated=True)
             self._allocated[arr] = False
             n = arr.size
             # Descending onto the stack, so the next alloc pops them ascending.
-            self._stack[self._top : self._top + n] = np.sort(arr)[::-1]
+            self._stack[self._top : self._top + n] = ordered[::-1]
             self._top += n
             return n
 
@@ -153,19 +153,19 @@ class PageAllocator:
         if bad.size:
             raise OutOfRange(f"page {int(bad[0])} is out of range [0, {self.capacity})")
 
-    def _check(self, arr: PageArray, *, want_allocated: bool) -> None:
+    def _check(self, arr: PageArray, *, want_allocated: bool) -> PageArray:
+        """Validate a whole request; return it sorted ascending."""
         self._check_range(arr)
-        if arr.size == 0:
-            return
-        uniq, counts = np.unique(arr, return_counts=True)
-        if uniq.size != arr.size:
-            raise InvalidArgument(f"page {int(uniq[counts > 1][0])} is listed more than once")
-        state = self._allocated[arr]
-        wrong = arr[state != want_allocated]
+        ordered = np.sort(arr)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeated.size:
+            raise InvalidArgument(f"page {int(repeated[0])} is listed more than once")
+        wrong = arr[self._allocated[arr] != want_allocated]
         if wrong.size:
             if want_allocated:
                 raise DoubleFree(f"page {int(wrong[0])} is not allocated (double free?)")
             raise FailedPrecondition(f"page {int(wrong[0])} is already allocated (double alloc)")
+        return ordered
 
     def __repr__(self) -> str:
         return f"PageAllocator(capacity={self.capacity}, available={self._top})"
