@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from hicached_client.export import ShmKVPool, dtype_from_wire
+from hicached_client.v1 import types_pb2
 
 from hicached.l2.host_pool import HostKVPool, create_host_pool
 from hicached.l2.layout import HostLayout, KVSpec, PoolKind
 from hicached.transfer import BufferSpec, DeviceMappings, DevicePoolView, Medium, ShmBufferHandle
-from hicached_client.export import ShmKVPool, dtype_from_wire
-from hicached_client.v1 import types_pb2
 
 PAGE = 4
 HEADS = 2

@@ -24,7 +24,9 @@ def segment(unique: Callable[[str], str]) -> SharedSegment:
     seg.unlink()
 
 
-def shm(seg: SharedSegment, offset: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float16) -> BufferSpec:
+def shm(
+    seg: SharedSegment, offset: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float16
+) -> BufferSpec:
     size = dtype.itemsize
     for d in shape:
         size *= d
@@ -48,7 +50,11 @@ BAD_SHM: list[tuple[str, Callable[[str], BufferSpec], str]] = [
         lambda n: BufferSpec(ShmBufferHandle(n, SEG_BYTES - 64, 128), (4, 2, 8), torch.float16),
         "exceeds",
     ),
-    ("huge", lambda n: BufferSpec(ShmBufferHandle(n, 0, 2 * SEG_BYTES), (SEG_BYTES,), torch.float16), "exceeds"),
+    (
+        "huge",
+        lambda n: BufferSpec(ShmBufferHandle(n, 0, 2 * SEG_BYTES), (SEG_BYTES,), torch.float16),
+        "exceeds",
+    ),
 ]
 
 

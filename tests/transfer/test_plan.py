@@ -8,12 +8,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from hicached_client.export import ShmKVPool
 
 from hicached.errors import InvalidArgument, OutOfRange
 from hicached.l2.host_pool import HostKVPool
 from hicached.l2.layout import HostLayout, PoolKind
 from hicached.transfer import DeviceMappings, DevicePoolView, Direction, Medium, build_plan
-from hicached_client.export import ShmKVPool
 
 from .conftest import DIM, HEADS, PAGE, open_view, pages, spec_of
 
@@ -76,26 +76,26 @@ def test_empty_transfer_is_an_empty_plan(pool: tuple[DevicePoolView, HostKVPool]
 
 
 BAD_PAGES = [
-    ("length mismatch", pages(1, 2), pages(1), InvalidArgument, "2 device pages but 1 host pages"),
-    ("device too big", pages(1, 12), pages(1, 2), OutOfRange, "device page 12 at position 1"),
-    ("device negative", pages(-1), pages(1), OutOfRange, "device page -1 at position 0"),
-    ("host too big", pages(1, 2), pages(0, 17), OutOfRange, "host page 17 at position 1"),
-    ("host negative", pages(1), pages(-3), OutOfRange, "host page -3"),
-    ("2-D pages", np.zeros((2, 2), np.int64), pages(1, 2), InvalidArgument, "must be 1-D"),
-    ("float pages", np.array([1.0]), pages(1), InvalidArgument, "must be integers"),
+    ("length mismatch", (pages(1, 2), pages(1)), InvalidArgument, "2 device pages but 1 host pages"),
+    ("device too big", (pages(1, 12), pages(1, 2)), OutOfRange, "device page 12 at position 1"),
+    ("device negative", (pages(-1), pages(1)), OutOfRange, "device page -1 at position 0"),
+    ("host too big", (pages(1, 2), pages(0, 17)), OutOfRange, "host page 17 at position 1"),
+    ("host negative", (pages(1), pages(-3)), OutOfRange, "host page -3"),
+    ("2-D pages", (np.zeros((2, 2), np.int64), pages(1, 2)), InvalidArgument, "must be 1-D"),
+    ("float pages", (np.array([1.0]), pages(1)), InvalidArgument, "must be integers"),
 ]
 
 
-@pytest.mark.parametrize(("case", "dev", "host_pages", "exc", "needle"), BAD_PAGES, ids=[c[0] for c in BAD_PAGES])
+@pytest.mark.parametrize(("case", "pair", "exc", "needle"), BAD_PAGES, ids=[c[0] for c in BAD_PAGES])
 def test_bad_pages_are_rejected_naming_the_pool(
     pool: tuple[DevicePoolView, HostKVPool],
     case: str,
-    dev: np.ndarray,
-    host_pages: np.ndarray,
+    pair: tuple[np.ndarray, np.ndarray],
     exc: type[Exception],
     needle: str,
 ) -> None:
     view, host = pool
+    dev, host_pages = pair
     for direction in Direction:
         with pytest.raises(exc) as info:
             build_plan(direction, [(view, host, dev, host_pages)])
@@ -108,7 +108,9 @@ def test_duplicate_destination_pages_are_rejected(pool: tuple[DevicePoolView, Ho
     with pytest.raises(InvalidArgument, match="destination host page 4 appears twice"):
         build_plan(Direction.D2H, [(view, host, pages(1, 2, 3), pages(4, 5, 4))])
     build_plan(Direction.D2H, [(view, host, pages(1, 1), pages(4, 5))])
-    with pytest.raises(InvalidArgument, match=r"destination device page 1 appears twice \(positions 0 and 1\)"):
+    with pytest.raises(
+        InvalidArgument, match=r"destination device page 1 appears twice \(positions 0 and 1\)"
+    ):
         build_plan(Direction.H2D, [(view, host, pages(1, 1), pages(4, 5))])
     build_plan(Direction.H2D, [(view, host, pages(1, 2), pages(4, 4))])
 
@@ -119,7 +121,9 @@ def test_pool_named_twice_is_rejected(pool: tuple[DevicePoolView, HostKVPool]) -
         build_plan(Direction.D2H, [(view, host, pages(1), pages(1)), (view, host, pages(2), pages(2))])
 
 
-def _bf16(tokens: int, heads: int = HEADS, dim: int = DIM, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _bf16(
+    tokens: int, heads: int = HEADS, dim: int = DIM, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     return torch.zeros(tokens, heads, dim, dtype=dtype)
 
 

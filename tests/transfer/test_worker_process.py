@@ -10,11 +10,19 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from hicached_client.v1 import types_pb2
 
 from hicached.l2.host_pool import HostKVPool
 from hicached.l2.shm import SharedSegment
-from hicached.transfer import CopyEngine, DeviceMappings, DevicePoolView, Direction, Medium, Priority, build_plan
-from hicached_client.v1 import types_pb2
+from hicached.transfer import (
+    CopyEngine,
+    DeviceMappings,
+    DevicePoolView,
+    Direction,
+    Medium,
+    Priority,
+    build_plan,
+)
 
 from .conftest import PAGE, buffer_spec, pages_of, spec_of
 
@@ -23,8 +31,8 @@ CHILD = textwrap.dedent(
     """
     import hashlib, sys, torch
     from hicached_client.export import ShmKVPool
-    name, seed = sys.argv[1], int(sys.argv[2])
-    pool = ShmKVPool(name, num_layers=2, tokens=%d, heads=2, head_dim=8, dtype=torch.bfloat16)
+    name, seed, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    pool = ShmKVPool(name, num_layers=2, tokens=tokens, heads=2, head_dim=8, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(seed)
     for t in pool.k + pool.v:
         t.view(torch.int16).copy_(
@@ -44,7 +52,6 @@ CHILD = textwrap.dedent(
     pool.close()
     pool.unlink()
     """
-    % TOKENS
 )
 
 
@@ -60,7 +67,7 @@ def test_child_exports_shm_pool_and_daemon_copies_byte_exact(
 ) -> None:
     name, seed = unique("worker"), 77
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, name, str(seed)],
+        [sys.executable, "-c", CHILD, name, str(seed), str(TOKENS)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -75,7 +82,9 @@ def test_child_exports_shm_pool_and_daemon_copies_byte_exact(
             kind, _, payload = line.strip().partition(" ")
             if kind == "ready":
                 break
-            (k_msgs if kind == "k" else v_msgs).append(types_pb2.DeviceBuffer.FromString(bytes.fromhex(payload)))
+            (k_msgs if kind == "k" else v_msgs).append(
+                types_pb2.DeviceBuffer.FromString(bytes.fromhex(payload))
+            )
         assert len(k_msgs) == 2 and len(v_msgs) == 2
         k = [mappings.open(buffer_spec(b)) for b in k_msgs]
         v = [mappings.open(buffer_spec(b)) for b in v_msgs]

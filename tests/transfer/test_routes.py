@@ -1,0 +1,135 @@
+"""CPU copy route: wide word views, run coalescing, every gather/scatter strategy byte-exact."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hicached.errors import InvalidArgument
+from hicached.transfer import Medium
+from hicached.transfer.plan import PageCopy
+from hicached.transfer.routes import CopyContext, Run, Staging, copy_cpu_cpu, route, runs, word_rows
+
+
+def rand_pages(n: int, *page_shape: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-(2**15), 2**15, (n, *page_shape), dtype=torch.int16, generator=gen).view(
+        torch.bfloat16
+    )
+
+
+def test_word_rows_of_contiguous_pages_are_int64_rows_aliasing_the_pages() -> None:
+    t = rand_pages(5, 4, 2, 8)
+    rows = word_rows(t)
+    assert rows.dtype == torch.int64 and rows.shape == (5, 4 * 2 * 8 * 2 // 8)
+    rows[3].zero_()
+    assert torch.count_nonzero(t[3].view(torch.int16)) == 0
+
+
+def test_word_rows_of_page_first_layer_keep_the_outer_token_stride() -> None:
+    # page_first host layer view: (pages, page, H, D) with a layer stride between tokens.
+    buf = rand_pages(6 * 4, 3, 2, 8)  # (tokens, layers, H, D)
+    layer = buf[:, 1].view(6, 4, 2, 8)
+    rows = word_rows(layer)
+    assert rows.dtype == torch.int64 and rows.shape == (6, 4, 4)
+    assert torch.equal(rows.view(torch.int16).flatten(1), layer.view(torch.int16).flatten(1))
+
+
+def test_word_rows_fall_back_to_narrower_words_when_misaligned() -> None:
+    base = rand_pages(4 * 8 + 1, 2)  # (tokens, 2) bf16 = 4-byte tokens
+    shifted = base[1:].view(4, 8, 2)  # starts 4 bytes into the storage
+    rows = word_rows(shifted)
+    assert rows.dtype == torch.int32
+    assert torch.equal(rows.view(torch.int16), shifted.view(torch.int16).flatten(1))
+
+
+def test_word_rows_need_a_page_dimension() -> None:
+    with pytest.raises(InvalidArgument, match="page dimension"):
+        word_rows(torch.zeros(8))
+
+
+def test_runs_coalesce_consecutive_pairs() -> None:
+    src = np.array([3, 4, 5, 9, 10, 0], dtype=np.int64)
+    dst = np.array([7, 8, 2, 3, 4, 5], dtype=np.int64)
+    assert runs(src, dst) == [Run(0, 3, 7, 2), Run(2, 5, 2, 1), Run(3, 9, 3, 2), Run(5, 0, 5, 1)]
+    assert runs(src) == [Run(0, 3, 3, 3), Run(3, 9, 9, 2), Run(5, 0, 0, 1)]
+    assert runs(np.array([], dtype=np.int64)) == []
+
+
+PATTERNS = {
+    # name: (src pages, dst pages) over 64 source and 64 destination pages
+    "long runs": (np.r_[10:30, 40:60], np.r_[0:20, 30:50]),
+    "random into a run": (np.random.default_rng(1).permutation(64)[:40], np.r_[5:45]),
+    "run into random": (np.r_[20:60], np.random.default_rng(2).permutation(64)[:40]),
+    "random both": (
+        np.random.default_rng(3).permutation(64)[:40],
+        np.random.default_rng(4).permutation(64)[:40],
+    ),
+    "single page": (np.array([63]), np.array([0])),
+}
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("layout", ["contiguous", "page_first_dst", "page_first_src"])
+def test_cpu_copy_is_byte_exact(pattern: str, layout: str) -> None:
+    sp, dp = (np.asarray(a, dtype=np.int64) for a in PATTERNS[pattern])
+    src = rand_pages(64, 4, 2, 8, seed=5)
+    dst_store = rand_pages(64 * 4, 3, 2, 8, seed=6)  # (tokens, layers, H, D)
+    strided = dst_store[:, 2].view(64, 4, 2, 8)
+    dst = strided if layout == "page_first_dst" else rand_pages(64, 4, 2, 8, seed=7)
+    if layout == "page_first_src":
+        src_store = rand_pages(64 * 4, 3, 2, 8, seed=8)
+        src = src_store[:, 0].view(64, 4, 2, 8)
+    before = dst.clone()
+    copy_cpu_cpu(PageCopy(src, dst, sp, dp), CopyContext(staging_bytes=4096))
+    expected = before.clone()
+    expected[torch.from_numpy(dp)] = src[torch.from_numpy(sp)]
+    assert torch.equal(dst.view(torch.int16), expected.view(torch.int16))
+
+
+def test_cpu_copy_between_differently_aligned_tensors() -> None:
+    src = rand_pages(16 * 4 + 1, 2)[1:].view(16, 4, 2)  # int32-aligned only
+    dst = rand_pages(16, 4, 2, seed=9)
+    sp = np.random.default_rng(5).permutation(16)[:10].astype(np.int64)
+    dp = np.random.default_rng(6).permutation(16)[:10].astype(np.int64)
+    expected = dst.clone()
+    expected[torch.from_numpy(dp)] = src[torch.from_numpy(sp)]
+    copy_cpu_cpu(PageCopy(src, dst, sp, dp), CopyContext())
+    assert torch.equal(dst.view(torch.int16), expected.view(torch.int16))
+
+
+def test_staging_is_reused_and_grown_only_when_needed() -> None:
+    staging = Staging(1024)
+    like = torch.zeros(1, 16, dtype=torch.int64)  # 128-byte rows
+    a = staging.rows(8, like)
+    b = staging.rows(4, like)
+    assert a.data_ptr() == b.data_ptr() and staging.nbytes == 1024
+    c = staging.rows(16, like)
+    assert staging.nbytes == 2048 and c.shape == (16, 16)
+
+
+def test_route_registry() -> None:
+    assert route(Medium.CPU, Medium.CPU) is copy_cpu_cpu
+    with pytest.raises(InvalidArgument, match="no copy route from cpu to bogus"):
+        route(Medium.CPU, "bogus")  # type: ignore[arg-type]
+
+
+def test_cpu_data_plane_never_imports_cuda_module() -> None:
+    code = (
+        "import sys, torch, numpy as np\n"
+        "import hicached.transfer as t\n"
+        "from hicached.transfer.routes import run_copy, CopyContext\n"
+        "from hicached.transfer.plan import PageCopy\n"
+        "a = torch.zeros(4, 8); b = torch.ones(4, 8)\n"
+        "run_copy(PageCopy(b, a, np.arange(4), np.arange(4)), CopyContext())\n"
+        "assert a.sum() == 32\n"
+        "print('hicached.transfer.cuda' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "False"
