@@ -2,7 +2,8 @@
 
 Layout. A directory holds one *slab* file per slot size (``slab-<bytes>.dat``)
 and a ``LOCK`` file. A page of ``n`` bytes lives in a slot of
-``round_up(512 + n, 4096)`` bytes: a 512-byte header (magic, format version,
+``round_up(512 + n, 512)`` bytes (sector-aligned, so a 64 KiB page costs
+0.8% extra I/O rather than 6% with 4 KiB alignment): a 512-byte header (magic, format version,
 sequence number, payload length, XXH3 of the payload, the key, and an XXH3 of
 the header itself) followed by the payload. Pages are written and read at
 offsets with ``pwritev``/``preadv``; a batch whose slots are adjacent moves in
@@ -60,7 +61,7 @@ __all__ = ["FileBackend", "FileBackendConfig"]
 
 log = logging.getLogger(__name__)
 
-SLOT_ALIGN = 4096
+SLOT_ALIGN = 512
 HEADER_BYTES = 512
 _MAGIC = b"HCS1"
 _VERSION = 1
@@ -373,10 +374,13 @@ class FileBackend(StorageBackend):
     def _verify(
         self, entry: _Entry, header: bytes | bytearray | memoryview, chunks: Sequence[memoryview]
     ) -> bool:
-        parsed = _parse_header(header)
+        # The index holds every header field, so an exact field comparison
+        # verifies the header without rehashing it (the start-up scan does).
+        key = entry.key.encode("utf-8")
+        expected = (_MAGIC, _VERSION, len(key), 0, entry.seq, entry.length, entry.checksum)
         return (
-            parsed is not None
-            and parsed == (entry.key, entry.seq, entry.length, entry.checksum)
+            _FIXED.unpack_from(header) == expected
+            and header[_KEY_OFFSET : _KEY_OFFSET + len(key)] == key
             and payload_checksum(chunks) == entry.checksum
         )
 
@@ -466,7 +470,7 @@ class FileBackend(StorageBackend):
             gap = slab.slot_bytes - HEADER_BYTES - entry.length
             if n + 1 < len(run) and gap:
                 iov.append(memoryview(sink)[:gap])
-        want = sum(memoryview(b).nbytes for b in iov)
+        want = slab.slot_bytes * (len(run) - 1) + HEADER_BYTES + run[-1][1].length
         got = _vectored(os.preadv, slab.fd, iov, slab.offset(run[0][1].slot))
         if got != want and len(run) > 1:
             for item in run:  # short read (file truncated under us): page by page
