@@ -54,6 +54,8 @@ class HostKVPool(ABC):
     kind: ClassVar[PoolKind]
 
     def __init__(self, spec: KVSpec, layout: HostLayout, num_pages: int, segment: SharedSegment) -> None:
+        if getattr(type(self), "kind", None) is None:
+            raise InvalidArgument(f"{type(self).__name__} has no pool kind; use a subclass in POOL_CLASSES")
         if spec.kind is not self.kind:
             raise InvalidArgument(f"{type(self).__name__} stores {self.kind.value} pools, got {spec.kind}")
         self.spec = spec

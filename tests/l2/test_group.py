@@ -363,6 +363,15 @@ def test_release_of_unknown_pool_changes_nothing(group: HostPoolGroup) -> None:
     assert _snapshot(group) == before
 
 
+def test_release_of_out_of_range_page_changes_nothing(group: HostPoolGroup) -> None:
+    result = group.resolve_all([PoolTransfer("kv", _pages(2))])
+    before = _snapshot(group)
+    bogus = PoolTransfer("swa", host_indices=np.array([3, 8]), host_allocated=True)
+    with pytest.raises(OutOfRange, match="page 8 is out of range"):
+        group.release_transfers([*result.transfers, bogus])
+    assert _snapshot(group) == before
+
+
 def test_anchor_without_room_fails_cleanly(group: HostPoolGroup) -> None:
     result = group.resolve_all([PoolTransfer("kv", _pages(17)), PoolTransfer("swa", _pages(1))])
     assert not result.ok and "pool 'kv': no room for 17 pages" in result.reason
