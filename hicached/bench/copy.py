@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from hicached_client.export import ShmKVPool, dtype_from_wire
+from hicached_client.v1 import types_pb2
 
 from hicached.l2.host_pool import create_host_pool
 from hicached.l2.layout import HostLayout, KVSpec, PoolKind
@@ -51,15 +53,11 @@ def _interleaved_medians(fns: dict[str, Callable[[], None]], reps: int) -> dict[
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _open_device_pool(pool: object, mappings: DeviceMappings) -> DevicePoolView:
-    from hicached_client.export import ShmKVPool, dtype_from_wire
-
-    assert isinstance(pool, ShmKVPool)
-
-    def open_buf(buf: object) -> torch.Tensor:
-        shm = buf.handle.shm  # type: ignore[attr-defined]
+def _open_device_pool(pool: ShmKVPool, mappings: DeviceMappings) -> DevicePoolView:
+    def open_buf(buf: types_pb2.DeviceBuffer) -> torch.Tensor:
+        shm = buf.handle.shm
         handle = ShmBufferHandle(name=shm.name, offset=shm.offset, size=shm.size)
-        spec = BufferSpec(handle=handle, shape=tuple(buf.shape), dtype=dtype_from_wire(buf.dtype))  # type: ignore[attr-defined]
+        spec = BufferSpec(handle=handle, shape=tuple(buf.shape), dtype=dtype_from_wire(buf.dtype))
         return mappings.open(spec)
 
     return DevicePoolView(
@@ -74,8 +72,6 @@ def _open_device_pool(pool: object, mappings: DeviceMappings) -> DevicePoolView:
 
 def run(quick: bool) -> dict[str, float]:
     """Throughputs in GB/s (1e9 bytes/s) and their ratios to ``memcpy_gbps``."""
-    from hicached_client.export import ShmKVPool
-
     reps = 5 if quick else 21
     tag = f"hicached-bench-copy-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     rng = np.random.default_rng(1234)
@@ -105,7 +101,7 @@ def run(quick: bool) -> dict[str, float]:
             t.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16))
         items = [(_open_device_pool(device, mappings), host, device_pages, host_pages)]
 
-        def memcpy() -> None:
+        def gather() -> None:
             torch.index_select(flat_src, 0, idx, out=flat_dst)
 
         def write() -> None:
@@ -116,7 +112,7 @@ def run(quick: bool) -> dict[str, float]:
             plan = build_plan(Direction.H2D, items)
             engine.submit(plan, priority=Priority.DEMAND, owner="bench").result()
 
-        seconds = _interleaved_medians({"memcpy": memcpy, "d2h": write, "h2d": load}, reps)
+        seconds = _interleaved_medians({"memcpy": gather, "d2h": write, "h2d": load}, reps)
         items.clear()
     finally:
         engine.close()
