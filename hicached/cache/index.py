@@ -473,8 +473,10 @@ class ContentIndex:
     def backup(self, keys: Sequence[str], *, wait: bool = False) -> BackupResult:
         """Queue an L2 -> L3 backup of the cached keys among ``keys`` that L3 lacks.
 
-        Returns at once unless ``wait`` (then ``stored`` counts the pages L3
-        acknowledged; the job stops at its first failed batch). Raises
+        ``queued`` counts those keys (including ones a write policy had already
+        queued). Returns at once unless ``wait``; then it also waits for the
+        keys other jobs were writing, and ``stored`` counts the ones L3 has
+        acknowledged (a job stops at its first failed batch). Raises
         FailedPrecondition without a backend and ResourceExhausted when the
         queue is full (nothing queued then).
         """
@@ -482,14 +484,15 @@ class ContentIndex:
         if self.backend is None:
             raise FailedPrecondition(f"content index {self.namespace!r} has no L3 backend")
         with self._lock:
-            entries = [e for k in keys if (e := self._entries.get(k)) is not None]
-        job = self._queue_backup(entries, explicit=True)
-        if job is None:
-            return BackupResult(0, 0)
+            pending = [e for k in keys if (e := self._entries.get(k)) is not None and not e.in_l3]
+        job = self._queue_backup(pending, explicit=True)
         if not wait:
-            return BackupResult(job.queued_pages, 0)
-        job.wait()
-        return BackupResult(job.queued_pages, job.stored_pages)
+            return BackupResult(len(pending), 0)
+        if job is not None:
+            job.wait()
+        with self._idle:
+            self._idle.wait_for(lambda: not any(e.backup_queued for e in pending))
+            return BackupResult(len(pending), sum(e.in_l3 for e in pending))
 
     def flush(self, timeout_s: float | None = None) -> int:
         """Wait until no backup is queued; returns pages stored meanwhile.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -180,3 +181,24 @@ def test_clear_deletes_l3_pages(
     assert index.lookup(keys_of("y", 2)) == LookupResult(2, 2)
     assert index.clear() == (2, 2)
     assert index.lookup(keys_of("y", 2)) == LookupResult(0, 0)
+
+
+def test_backup_wait_also_waits_for_keys_a_policy_already_queued(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    backend = GatedSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend)  # write_through: publish queues the keys
+    keys = keys_of("q", 5)
+    index.publish(keys, write_pages(group, 5, seed=10))
+    assert backend.entered.acquire(timeout=30)
+    assert index.backup(keys) == BackupResult(queued=5, stored=0)  # nothing new to queue
+    results: list[BackupResult] = []
+    waiter = threading.Thread(target=lambda: results.append(index.backup(keys, wait=True)))
+    waiter.start()
+    assert waiter.is_alive()  # blocked on the policy's job, held at the gate
+    backend.gate.set()
+    waiter.join(30)
+    assert results == [BackupResult(queued=5, stored=5)]
+    assert backend.set_calls == 1
+    backend.inner.close()

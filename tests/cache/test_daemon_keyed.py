@@ -1,0 +1,116 @@
+"""Issue 4 items 3-4 over the wire: a real daemon (``python -m hicached serve``) with the
+file backend; workers are client sessions with their own shared-memory "device" pools."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hicached_client import HiCacheClient, PrefetchState, TokenChain, WorkerIdentity
+
+from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+
+MODEL = "m-keyed"
+PAGES = 64
+
+
+@pytest.fixture(scope="module")
+def l3_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    path = tmp_path_factory.mktemp("keyed-l3")
+    d = start_daemon("--l3", "file", "--l3-path", str(path / "l3"))
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def client(l3_daemon: Daemon) -> Iterator[HiCacheClient]:
+    with HiCacheClient(l3_daemon.target, timeout_s=30.0) as c:
+        yield c
+
+
+@pytest.fixture
+def worker_pools() -> Iterator[list[WorkerPools]]:
+    made: list[WorkerPools] = []
+    yield made
+    for pools in made:
+        pools.close()
+
+
+def new_worker(made: list[WorkerPools], seed: int | None) -> tuple[str, WorkerPools]:
+    tag = unique_tag("kw")
+    pools = WorkerPools.create(tag)
+    made.append(pools)
+    if seed is None:
+        pools.clobber()
+    else:
+        pools.fill_random(seed)
+    return tag, pools
+
+
+def chain(n_pages: int, salt: str, offset: int = 0) -> TokenChain:
+    return TokenChain(token_ids=list(range(offset, offset + n_pages * PAGE_SIZE)), cache_salt=salt)
+
+
+def test_worker_b_loads_worker_a_prefix_without_recomputing(
+    client: HiCacheClient, worker_pools: list[WorkerPools]
+) -> None:
+    tag_a, pools_a = new_worker(worker_pools, seed=21)
+    tag_b, pools_b = new_worker(worker_pools, seed=None)
+    src, dst = list(range(PAGES)), list(range(500, 500 + PAGES))
+    keys = chain(PAGES, "tenant-1")
+    with (
+        client.attach(WorkerIdentity(tag_a, generation=1, model_name=MODEL), pools_a.specs()) as a,
+        client.attach(WorkerIdentity(tag_b, generation=1, model_name=MODEL), pools_b.specs()) as b,
+    ):
+        put = a.put_pages(keys, transfers(src))
+        assert (put.ok, put.stored_pages, put.existing_pages) == (True, PAGES, 0)
+
+        seen = b.lookup(keys)
+        assert (seen.l2_hit_pages, seen.total_hit_pages) == (PAGES, PAGES)
+        # Same tokens, another tenant: never a match.
+        other = b.lookup(chain(PAGES, "tenant-2"))
+        assert (other.l2_hit_pages, other.total_hit_pages) == (0, 0)
+
+        got = b.get_pages(keys, transfers(dst))
+        assert got.hit_pages == PAGES
+        for pool in POOLS:
+            assert pools_b.digest(pool, dst) == pools_a.digest(pool, src), pool
+
+        # B computing the same prefix stores nothing new.
+        again = b.put_pages(keys, transfers(dst))
+        assert (again.stored_pages, again.existing_pages) == (0, PAGES)
+
+
+def test_prefetch_brings_l3_pages_back_for_another_worker(
+    client: HiCacheClient, worker_pools: list[WorkerPools]
+) -> None:
+    tag_a, pools_a = new_worker(worker_pools, seed=22)
+    tag_b, pools_b = new_worker(worker_pools, seed=None)
+    src, dst = list(range(100, 100 + PAGES)), list(range(300, 300 + PAGES))
+    keys = chain(PAGES, "tenant-p", offset=7)
+    model = f"{MODEL}-prefetch"
+    with client.attach(WorkerIdentity(tag_a, generation=1, model_name=model), pools_a.specs()) as a:
+        assert a.put_pages(keys, transfers(src)).stored_pages == PAGES
+        assert a.backup(keys, wait=True).queued_pages in (0, PAGES)  # write_through may have queued them
+        client.drain(wait_flush=True)
+        cleared = client.clear_namespace(model)  # drops L2 and L3 ...
+        assert cleared.l2_pages == PAGES
+        # ... so publish again and persist, then drop only L2 by evicting through a full group.
+        assert a.put_pages(keys, transfers(src)).stored_pages == PAGES
+        assert a.backup(keys, wait=True).stored_pages in (0, PAGES)
+        client.drain(wait_flush=True)
+    with client.attach(WorkerIdentity(tag_b, generation=1, model_name=model), pools_b.specs()) as b:
+        seen = b.lookup(keys)
+        assert seen.total_hit_pages == PAGES
+        if seen.l2_hit_pages < PAGES:
+            ticket = b.prefetch(keys, policy="wait_complete")
+            status = b.prefetch_status(ticket.prefetch_id, wait=True)
+            assert status.state is PrefetchState.DONE
+            assert status.completed_pages == ticket.planned_pages
+        got = b.get_pages(keys, transfers(dst))
+        assert got.hit_pages == PAGES
+        for pool in POOLS:
+            assert pools_b.digest(pool, dst) == pools_a.digest(pool, src), pool
