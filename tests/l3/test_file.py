@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -218,23 +219,31 @@ def test_fsync_option_and_bad_config(file_dir: Path) -> None:
         open_file(file_dir, capacity=10)
 
 
+CRASH_PAGE = 1 << 20
+CRASH_BATCH = 8
+
+
+def crash_page(key: str, i: int) -> tuple[bytes, bytes]:
+    """Page ``i`` of a batch: the key (padded to 64 bytes), then a fixed random body."""
+    return key.encode().ljust(64, b"."), random.Random(i).randbytes(CRASH_PAGE - 64 * (i + 1))
+
+
+# The child builds its page bodies once and sends pages as (key, body) chunks,
+# so nearly all of its time is spent inside the write: a kill lands mid-write.
 CHILD = textwrap.dedent(
-    """
-    import sys
+    f"""
+    import random, sys
     from hicached.l3 import create_backend
 
-    def page(key, size):
-        seed = key.encode()
-        return (seed * (size // len(seed) + 1))[:size]
-
-    backend = create_backend("file", {"path": sys.argv[1], "capacity_bytes": 1 << 34})
+    bodies = [random.Random(i).randbytes({CRASH_PAGE} - 64 * (i + 1)) for i in range({CRASH_BATCH})]
+    backend = create_backend("file", {{"path": sys.argv[1], "capacity_bytes": 1 << 34}})
     batch = 0
     while True:
-        keys = [f"crash/{batch}/{i}" for i in range(8)]
-        ok = backend.set(keys, [page(k, (1 << 20) - 64 * i) for i, k in enumerate(keys)])
-        if not all(ok):
+        keys = [f"crash/{{batch}}/{{i}}" for i in range({CRASH_BATCH})]
+        srcs = [[memoryview(k.encode().ljust(64, b".")), memoryview(bodies[i])] for i, k in enumerate(keys)]
+        if not all(backend.set_from(keys, srcs)):
             sys.exit(3)
-        sys.stdout.write(f"{batch}\\n")
+        sys.stdout.write(f"{{batch}}\\n")
         sys.stdout.flush()
         batch += 1
     """
@@ -263,10 +272,10 @@ def test_sigkill_mid_write_loses_nothing_acknowledged(file_dir: Path) -> None:
     assert proc.returncode == -signal.SIGKILL
     with open_file(file_dir, capacity=1 << 34) as backend:
         for batch in range(acked + 3):
-            keys = [f"crash/{batch}/{i}" for i in range(8)]
+            keys = [f"crash/{batch}/{i}" for i in range(CRASH_BATCH)]
             got = backend.get(keys)
             for i, (key, data) in enumerate(zip(keys, got, strict=True)):
-                expected = page(key, (1 << 20) - 64 * i)
+                expected = b"".join(crash_page(key, i))
                 if batch <= acked:
                     assert data == expected, f"acknowledged page {key} lost or wrong"
                 else:
