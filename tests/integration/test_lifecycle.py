@@ -111,3 +111,30 @@ def test_sessions_cannot_touch_each_others_pages_or_backups(daemon: Daemon, clie
             proc.wait()
         pools_b.close()
         _unlink_segments(tag)
+
+
+def test_a_new_generation_replaces_the_old_session_and_frees_its_pages(client: HiCacheClient) -> None:
+    pools = WorkerPools.create(unique_tag("gen"))
+    instance = unique_tag("gen")
+    try:
+        old = client.attach(WorkerIdentity(instance, generation=1, model_name="m-gen"), pools.specs())
+        info = old.stats().session(old.session_id)
+        assert info is not None
+        free_before = _group_pools(client.get_stats(), info.group)
+        assert old.alloc("kv", 16).ok and old.write(transfers([1, 2]), allocate=True).ok
+        new = client.attach(WorkerIdentity(instance, generation=2, model_name="m-gen"), pools.specs())
+        with new:
+            assert new.info.replaced_session_id == old.session_id
+            assert _group_pools(client.get_stats(), info.group) == free_before, "the replaced session's pages"
+            with pytest.raises(HiCacheError) as gone:
+                old.alloc("kv", 1)
+            assert gone.value.code == grpc.StatusCode.NOT_FOUND and old.session_id in gone.value.message
+            poll(lambda: old.heartbeat_running, lambda running: not running, 10, "old heartbeat stopping")
+            assert old.lease_lost is not None and old.lease_lost.code == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(HiCacheError) as stale:
+                client.attach(WorkerIdentity(instance, generation=1, model_name="m-gen"), pools.specs())
+            assert stale.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "generation" in stale.value.message
+        old.close()  # already ended by the daemon: not an error
+    finally:
+        pools.close()
