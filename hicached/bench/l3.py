@@ -32,6 +32,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -280,8 +281,14 @@ def _paired_file_runs(pages: _Pages, scratch: Path, reps: int) -> dict[str, floa
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def run(quick: bool, workdir: Path) -> dict[str, float]:
-    """L3 file and redis throughput beside raw disk and plain redis-py (GB/s)."""
+def run(quick: bool, workdir: Path | None = None) -> dict[str, float]:
+    """L3 file and redis throughput beside raw disk and plain redis-py (GB/s).
+
+    Scratch files go to a fresh directory under ``workdir`` (default: the
+    system temp directory), removed before returning.
+    """
+    if workdir is None:
+        workdir = Path(tempfile.gettempdir())
     total = (256 << 20) if quick else (1 << 30)
     pages = _Pages(total // PAGE_BYTES)
     per_page = _Pages(min(pages.n, 2048), pages.source)
