@@ -84,32 +84,33 @@ def test_worker_b_loads_worker_a_prefix_without_recomputing(
         assert (again.stored_pages, again.existing_pages) == (0, PAGES)
 
 
-def test_prefetch_brings_l3_pages_back_for_another_worker(
+def test_prefetch_brings_evicted_pages_back_from_l3_for_another_worker(
     client: HiCacheClient, worker_pools: list[WorkerPools]
 ) -> None:
     tag_a, pools_a = new_worker(worker_pools, seed=22)
     tag_b, pools_b = new_worker(worker_pools, seed=None)
-    src, dst = list(range(100, 100 + PAGES)), list(range(300, 300 + PAGES))
+    src, dst = list(range(600, 600 + PAGES)), list(range(300, 300 + PAGES))
     keys = chain(PAGES, "tenant-p", offset=7)
     model = f"{MODEL}-prefetch"
     with client.attach(WorkerIdentity(tag_a, generation=1, model_name=model), pools_a.specs()) as a:
+        # The host pools hold 1024 pages: four 256-page fillers must evict our 64.
+        assert a.info.pool("kv").total_pages == 1024
         assert a.put_pages(keys, transfers(src)).stored_pages == PAGES
-        assert a.backup(keys, wait=True).queued_pages in (0, PAGES)  # write_through may have queued them
-        client.drain(wait_flush=True)
-        cleared = client.clear_namespace(model)  # drops L2 and L3 ...
-        assert cleared.l2_pages == PAGES
-        # ... so publish again and persist, then drop only L2 by evicting through a full group.
-        assert a.put_pages(keys, transfers(src)).stored_pages == PAGES
-        assert a.backup(keys, wait=True).stored_pages in (0, PAGES)
-        client.drain(wait_flush=True)
+        backed = a.backup(keys, wait=True)
+        assert backed.stored_pages == backed.queued_pages  # write_through may have stored them already
+        # Fill the host pools with other prefixes: the oldest entries (ours) are evicted.
+        for i in range(4):
+            filler = chain(256, "tenant-filler", offset=100_000 * (i + 1))
+            assert a.put_pages(filler, transfers(list(range(256)))).ok
+            a.backup(filler, wait=True)
+        seen = a.lookup(keys)
+        assert (seen.l2_hit_pages, seen.total_hit_pages) == (0, PAGES)
     with client.attach(WorkerIdentity(tag_b, generation=1, model_name=model), pools_b.specs()) as b:
-        seen = b.lookup(keys)
-        assert seen.total_hit_pages == PAGES
-        if seen.l2_hit_pages < PAGES:
-            ticket = b.prefetch(keys, policy="wait_complete")
-            status = b.prefetch_status(ticket.prefetch_id, wait=True)
-            assert status.state is PrefetchState.DONE
-            assert status.completed_pages == ticket.planned_pages
+        ticket = b.prefetch(keys, policy="wait_complete")
+        assert ticket.planned_pages == PAGES
+        status = b.prefetch_status(ticket.prefetch_id, wait=True)
+        assert (status.state, status.completed_pages) == (PrefetchState.DONE, PAGES)
+        assert b.lookup(keys).l2_hit_pages == PAGES
         got = b.get_pages(keys, transfers(dst))
         assert got.hit_pages == PAGES
         for pool in POOLS:
