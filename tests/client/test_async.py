@@ -133,3 +133,17 @@ def test_async_token_and_admin(scripted_server: ScriptedServer) -> None:
 
     _run(scripted_server, body, token="tok")
     assert {m.get("authorization") for m in scripted_server.servicer.metadata} == {"Bearer tok"}
+
+
+def test_async_client_close_stops_session_heartbeats(scripted_server: ScriptedServer) -> None:
+    async def main() -> None:
+        client = AsyncHiCacheClient(scripted_server.target, retry=FAST_RETRY)
+        session = await client.attach(WorkerIdentity("w"), [], lease_ms=60)
+        deadline = time.monotonic() + 5.0
+        while session.heartbeats < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # polling with a deadline
+        assert session.heartbeats >= 1
+        await client.close()
+        assert not session.heartbeat_running
+
+    asyncio.run(main())

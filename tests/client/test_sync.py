@@ -263,3 +263,12 @@ def test_stats_and_admin_results_are_typed(scripted_server: ScriptedServer) -> N
     info = stats.session(SESSION)
     assert info is not None and info.identity.tp_size == 2 and info.owned_pages == 4
     assert stats.session("nope") is None
+
+
+def test_closing_the_client_stops_session_heartbeats(scripted_server: ScriptedServer) -> None:
+    client = _client(scripted_server)
+    session = client.attach(WorkerIdentity("w"), [], lease_ms=60)
+    assert _wait_until(lambda: session.heartbeats >= 1)
+    client.close()
+    assert not session.heartbeat_running
+    assert session.lease_lost is None

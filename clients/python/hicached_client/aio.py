@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -86,6 +87,8 @@ class AsyncHiCacheClient:
             Service.ADMIN: pb_grpc.AdminServiceStub(self._channel),  # type: ignore[no-untyped-call]
         }
         self._metadata = self.config.metadata()
+        # Sessions whose heartbeat uses this channel; stopped before the channel closes.
+        self._beating: weakref.WeakSet[AsyncSession] = weakref.WeakSet()
 
     # ------------------------------------------------------------ plumbing
 
@@ -94,6 +97,9 @@ class AsyncHiCacheClient:
         return self.config.target
 
     async def close(self) -> None:
+        """Stop the heartbeats of this client's sessions, then close the channel (sessions stay attached)."""
+        for session in list(self._beating):
+            await session.stop_heartbeat()
         await self._channel.close(grace=None)
 
     async def __aenter__(self) -> Self:
@@ -283,6 +289,7 @@ class AsyncSession:
             self._task = asyncio.get_running_loop().create_task(
                 self._beat(), name=f"hicached-heartbeat-{info.session_id[:8]}"
             )
+            client._beating.add(self)
 
     @property
     def session_id(self) -> str:

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -109,6 +110,8 @@ class HiCacheClient:
             Service.ADMIN: pb_grpc.AdminServiceStub(self._channel),  # type: ignore[no-untyped-call]
         }
         self._metadata = self.config.metadata()
+        # Sessions whose heartbeat uses this channel; stopped before the channel closes.
+        self._beating: weakref.WeakSet[Session] = weakref.WeakSet()
 
     # ------------------------------------------------------------ plumbing
 
@@ -117,6 +120,9 @@ class HiCacheClient:
         return self.config.target
 
     def close(self) -> None:
+        """Stop the heartbeats of this client's sessions, then close the channel (sessions stay attached)."""
+        for session in list(self._beating):
+            session.stop_heartbeat()
         self._channel.close()
 
     def __enter__(self) -> Self:
@@ -311,6 +317,7 @@ class Session:
                 target=self._beat, name=f"hicached-heartbeat-{info.session_id[:8]}", daemon=True
             )
             self._thread.start()
+            client._beating.add(self)
 
     @property
     def session_id(self) -> str:
