@@ -25,12 +25,18 @@ from hicached.transfer.handles import (
     OpenedAllocation,
 )
 from hicached.transfer.plan import PageCopy
-from hicached.transfer.routes import CopyContext, Staging, matched_rows, register_route, runs
+from hicached.transfer.routes import (
+    CopyContext,
+    Staging,
+    few_runs,
+    matched_rows,
+    register_route,
+    scatter_rows,
+)
 
 _LAZY_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 _CUDA_ERROR_INVALID_VALUE = 1
 _CUDA_ERROR_INVALID_HANDLE = 400
-_MIN_RUN_PAGES = 4
 
 
 class _IpcMemHandle(ctypes.Structure):
@@ -187,7 +193,7 @@ class _CudaState:
 
     def host_rows(self, n: int, like: torch.Tensor) -> torch.Tensor:
         if self.pinned is None:
-            self.pinned = Staging(0, pin=True)
+            self.pinned = Staging(pin=True)
         return self.pinned.rows(n, like)
 
     def close(self) -> None:
@@ -222,8 +228,8 @@ def copy_with_cuda(copy: PageCopy, ctx: CopyContext) -> None:
     if n == 0:
         return
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        both = runs(sp, dp)
-        if len(both) * _MIN_RUN_PAGES <= n:
+        both = few_runs(sp, dp, n=n)
+        if both is not None:
             for r in both:
                 dst[r.dst : r.dst + r.count].copy_(src[r.src : r.src + r.count], non_blocking=True)
         elif src.is_cuda:  # D2H: gather on the GPU, one transfer, scatter on the CPU
@@ -231,7 +237,7 @@ def copy_with_cuda(copy: PageCopy, ctx: CopyContext) -> None:
             host = state.host_rows(n, src)
             host.copy_(gathered, non_blocking=True)
             stream.synchronize()
-            dst.index_copy_(0, torch.from_numpy(dp), host)
+            scatter_rows(dst, dp, host)
         else:  # H2D: gather on the CPU into pinned memory, one transfer, scatter on the GPU
             host = state.host_rows(n, src)
             torch.index_select(src, 0, torch.from_numpy(sp), out=host)

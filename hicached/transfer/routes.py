@@ -189,16 +189,26 @@ class Run:
     count: int
 
 
-def runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None) -> list[Run]:
-    """Maximal runs where the source (and destination, if given) pages are both consecutive."""
+def run_starts(src_pages: np.ndarray, dst_pages: np.ndarray | None = None) -> np.ndarray:
+    """Positions where a new run begins (source, and destination if given, consecutive)."""
     n = len(src_pages)
     if n == 0:
-        return []
+        return np.empty(0, dtype=np.int64)
     brk = np.diff(src_pages) != 1
     if dst_pages is not None:
         brk |= np.diff(dst_pages) != 1
-    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
-    ends = np.concatenate((starts[1:], [n]))
+    return np.concatenate(([0], np.flatnonzero(brk) + 1))
+
+
+def runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None) -> list[Run]:
+    """Maximal runs where the source (and destination, if given) pages are both consecutive."""
+    return _runs_at(run_starts(src_pages, dst_pages), src_pages, dst_pages)
+
+
+def _runs_at(starts: np.ndarray, src_pages: np.ndarray, dst_pages: np.ndarray | None) -> list[Run]:
+    if not len(starts):
+        return []
+    ends = np.append(starts[1:], len(src_pages))
     dst = dst_pages if dst_pages is not None else src_pages
     return [
         Run(pos=int(a), src=int(src_pages[a]), dst=int(dst[a]), count=int(b - a))
@@ -206,8 +216,15 @@ def runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None) -> list[Run
     ]
 
 
-def _few(run_list: list[Run], n: int) -> bool:
-    return len(run_list) * MIN_RUN_PAGES <= n
+def few_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None, *, n: int) -> list[Run] | None:
+    """The runs when they are long enough on average to copy one by one, else None.
+
+    Counting first keeps the scattered case free of per-page Python objects.
+    """
+    starts = run_starts(src_pages, dst_pages)
+    if len(starts) * MIN_RUN_PAGES > n:
+        return None
+    return _runs_at(starts, src_pages, dst_pages)
 
 
 def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
@@ -217,23 +234,23 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
     n = len(sp)
     if n == 0:
         return
-    both = runs(sp, dp)
-    if _few(both, n):
+    both = few_runs(sp, dp, n=n)
+    if both is not None:
         for r in both:
             dst[r.dst : r.dst + r.count].copy_(src[r.src : r.src + r.count])
         return
     src_idx = torch.from_numpy(sp)
-    dst_runs = runs(dp)
-    if _few(dst_runs, n) and dst.is_contiguous():
+    dst_runs = few_runs(dp, n=n) if dst.is_contiguous() else None
+    if dst_runs is not None:
         # Gather straight into each destination run (one pass).
         for r in dst_runs:
             torch.index_select(src, 0, src_idx[r.pos : r.pos + r.count], out=dst[r.dst : r.dst + r.count])
         return
-    src_runs = runs(sp)
-    if _few(src_runs, n):
+    src_runs = few_runs(sp, n=n)
+    if src_runs is not None:
         # Scatter each source run straight into place (one pass).
         for r in src_runs:
-            _scatter(dst, dp[r.pos : r.pos + r.count], src[r.src : r.src + r.count])
+            scatter_rows(dst, dp[r.pos : r.pos + r.count], src[r.src : r.src + r.count])
         return
     # Scattered on both sides: gather into staging, scatter from it, chunk by chunk.
     per_chunk = max(1, ctx.staging.nbytes // max(1, src[0].numel() * src.element_size()))
@@ -241,10 +258,10 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
         b = min(n, a + per_chunk)
         stage = ctx.staging.rows(b - a, src)
         torch.index_select(src, 0, src_idx[a:b], out=stage)
-        _scatter(dst, dp[a:b], stage)
+        scatter_rows(dst, dp[a:b], stage)
 
 
-def _scatter(dst: torch.Tensor, pages: np.ndarray, rows: torch.Tensor) -> None:
+def scatter_rows(dst: torch.Tensor, pages: np.ndarray, rows: torch.Tensor) -> None:
     """``dst[pages] = rows`` without temporaries.
 
     numpy's row-indexed assignment copies each row with memcpy and releases the
