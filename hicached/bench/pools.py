@@ -7,8 +7,9 @@ Pairs to compare (same run, same bytes):
   anonymous bytes: the first-touch floor) and ``memset_warm_s`` (the same
   memset again, pages already mapped: the memory-bandwidth floor);
 * ``memcpy_gbps``: a warm copy of ``memcpy_gib`` GiB, the machine's copy limit,
-  vs ``get_page_flat_gbps`` / ``set_page_flat_gbps`` (one 2 MiB page at a time,
-  layer_first, i.e. 16 extents per page);
+  vs ``get_page_flat_gbps`` (a fresh 2 MiB result per page),
+  ``get_page_flat_out_gbps`` (into a reused buffer) and ``set_page_flat_gbps``
+  (one page at a time, layer_first, i.e. 16 extents per page);
 * ``alloc_10k_pages_ms`` (one ``alloc(10000)``), ``alloc_1_page_us`` (one
   page per call), ``resolve_10k_pages_ms`` (one ``resolve_all`` over an anchor
   and two sidecars, 10,000 pages in all, plus a derived pool) and
@@ -54,33 +55,46 @@ def _best(fn: Callable[[], object], reps: int) -> float:
     return min(times)
 
 
-def _creation(gib: int) -> dict[str, float]:
+def _creation(gib: int, reps: int) -> dict[str, float]:
+    """Best of ``reps`` rounds, each a pool creation then a fresh memset of the same bytes."""
     pages = gib * GIB // BIG_SPEC.page_bytes - 1
-    start = time.perf_counter()
-    pool = create_host_pool(BIG_SPEC, HostLayout.LAYER_FIRST, pages, segment_name=_name("create"), pin=False)
-    created = time.perf_counter() - start
-    nbytes = pool.segment.size
-    out = {
+    nbytes = HostKVPool.required_bytes(BIG_SPEC, HostLayout.LAYER_FIRST, pages)
+    created, fresh, warm = [], [], []
+    copies: dict[str, float] = {}
+    for rep in range(reps):
+        start = time.perf_counter()
+        pool = create_host_pool(
+            BIG_SPEC, HostLayout.LAYER_FIRST, pages, segment_name=_name("create"), pin=False
+        )
+        created.append(time.perf_counter() - start)
+        try:
+            if rep == reps - 1:
+                copies = _page_copies(pool)
+        finally:
+            pool.close()
+            pool.unlink()
+        first, again = _memset(nbytes)
+        fresh.append(first)
+        warm.append(again)
+    return {
         "pool_create_gib": float(gib),
-        "pool_create_s": created,
-        "pool_create_gbps": nbytes / created / 1e9,
+        "pool_create_s": min(created),
+        "pool_create_gbps": nbytes / min(created) / 1e9,
+        "memset_fresh_s": min(fresh),
+        "memset_warm_s": min(warm),
+        **copies,
     }
-    try:
-        out.update(_page_copies(pool))
-    finally:
-        pool.close()
-        pool.unlink()
-
-    out.update(_memset(nbytes))
-    return out
 
 
-def _memset(nbytes: int) -> dict[str, float]:
-    fresh = np.empty(nbytes, dtype=np.uint8)  # malloc'd, not yet touched
+def _memset(nbytes: int) -> tuple[float, float]:
+    """Seconds to memset ``nbytes`` of fresh (never touched) memory, then the same bytes again."""
+    buf = np.empty(nbytes, dtype=np.uint8)
     start = time.perf_counter()
-    fresh.fill(0)
+    buf.fill(0)
     first = time.perf_counter() - start
-    return {"memset_fresh_s": first, "memset_warm_s": _best(lambda: fresh.fill(1), reps=2)}
+    start = time.perf_counter()
+    buf.fill(1)
+    return first, time.perf_counter() - start
 
 
 def _page_copies(pool: HostKVPool) -> dict[str, float]:
@@ -92,12 +106,17 @@ def _page_copies(pool: HostKVPool) -> dict[str, float]:
         for p in range(n):
             pool.get_page_flat(p)
 
+    def get_all_into() -> None:
+        for p in range(n):
+            pool.get_page_flat(p, out=page)
+
     def set_all() -> None:
         for p in range(n):
             pool.set_page_flat(p, page)
 
     return {
         "get_page_flat_gbps": nbytes / _best(get_all, reps=3) / 1e9,
+        "get_page_flat_out_gbps": nbytes / _best(get_all_into, reps=3) / 1e9,
         "set_page_flat_gbps": nbytes / _best(set_all, reps=3) / 1e9,
     }
 
@@ -182,6 +201,6 @@ def run(quick: bool) -> dict[str, float]:
     results: dict[str, float] = {}
     results.update(_allocation(reps))
     results.update(_resolve(reps))
-    results.update(_creation(1 if quick else 4))
+    results.update(_creation(1 if quick else 4, reps=1 if quick else 2))
     results.update(_memcpy(0.25 if quick else 1.0))
     return results

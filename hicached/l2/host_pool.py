@@ -96,14 +96,27 @@ class HostKVPool(ABC):
         """Contiguous zero-copy byte views whose concatenation is the page's flat data."""
         return [self._bytes[off : off + n].data for off, n in self.page_extents(page)]
 
-    def get_page_flat(self, page: int) -> torch.Tensor:
-        """A uint8 copy of page ``page``'s flat data (``page_bytes`` long)."""
-        out = np.empty(self.page_bytes, dtype=np.uint8)
+    def get_page_flat(self, page: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A uint8 copy of page ``page``'s flat data (``page_bytes`` long).
+
+        With ``out`` (a contiguous uint8 CPU tensor of ``page_bytes``, owned by
+        the caller) the copy lands there and ``out`` is returned; a reused
+        buffer avoids first-touch faults on every call.
+        """
+        extents = self.page_extents(page)
+        if out is None:
+            out = torch.empty(self.page_bytes, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.numel() != self.page_bytes or not out.is_contiguous():
+            raise InvalidArgument(
+                f"out must be a contiguous uint8 tensor of {self.page_bytes} bytes, "
+                f"got {out.dtype} with {out.numel()} elements"
+            )
+        dst = out.numpy().reshape(-1)
         pos = 0
-        for off, n in self.page_extents(page):
-            out[pos : pos + n] = self._bytes[off : off + n]
+        for off, n in extents:
+            dst[pos : pos + n] = self._bytes[off : off + n]
             pos += n
-        return torch.from_numpy(out)
+        return out
 
     def set_page_flat(self, page: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
         """Overwrite page ``page`` with ``data`` (flat bytes in this pool's layout order).

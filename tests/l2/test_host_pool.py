@@ -108,6 +108,18 @@ def test_page_chunks_are_zero_copy(make_pool: MakePool) -> None:
     assert len(make_pool(mla_spec(), HostLayout.PAGE_FIRST_DIRECT, num_pages=4).page_chunks(1)) == 1
 
 
+def test_get_page_flat_into_a_caller_buffer(make_pool: MakePool) -> None:
+    pool = make_pool(mha_spec(), HostLayout.LAYER_FIRST, num_pages=3)
+    _fill_random(pool, seed=5)
+    out = torch.empty(pool.page_bytes, dtype=torch.uint8)
+    assert pool.get_page_flat(2, out=out) is out
+    assert torch.equal(out, pool.get_page_flat(2))
+    with pytest.raises(InvalidArgument, match=f"{pool.page_bytes} bytes"):
+        pool.get_page_flat(2, out=torch.empty(pool.page_bytes, dtype=torch.int8))
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        pool.get_page_flat(2, out=torch.empty(2 * pool.page_bytes, dtype=torch.uint8)[::2])
+
+
 def test_set_page_accepts_bytes_and_typed_tensors(make_pool: MakePool) -> None:
     pool = make_pool(mha_spec(), HostLayout.PAGE_FIRST_DIRECT, num_pages=3)
     data = bytes(range(256)) * (pool.page_bytes // 256) + bytes(pool.page_bytes % 256)
