@@ -1,0 +1,276 @@
+"""One SGLang host pool attached to the daemon: a session, a staging area, a transport.
+
+``PoolLink`` is what the SGLang backend class calls per pool. Its operations
+take daemon keys (already namespaced) and host page numbers, run one RPC per
+batch of at most ``staging_pages`` pages, and report SGLang's semantics:
+writes succeed for keys already cached (the daemon skips them), reads stop at
+the first miss (leading run), a missing key is a miss and never an error.
+
+Thread-safety: every method may be called from any thread. Writes serialise
+on the write half of the staging area, reads on the read half, so SGLang's
+backup and prefetch threads run concurrently. Ownership: SGLang owns the host
+pool; the link owns the staging area and the session, both released by
+:meth:`close` exactly once.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hicached_client import pool_spec
+from hicached_client.sglang.config import AdapterConfig, Transport
+from hicached_client.sglang.layouts import PoolBinding
+from hicached_client.sglang.namespace import KeySpace
+from hicached_client.sglang.staging import StagingArea
+from hicached_client.sync import HiCacheClient, Session
+from hicached_client.types import PageBytes, PoolRole, WorkerIdentity
+from hicached_client.types import Transfer as WireTransfer
+
+log = logging.getLogger(__name__)
+
+# The daemon's name for the single pool of every adapter session.
+DAEMON_POOL = "kv"
+
+Fill = Callable[[torch.Tensor], None]
+Drain = Callable[[torch.Tensor], None]
+
+
+class PageTransport(abc.ABC):
+    """Moves one batch (at most ``capacity`` pages) between chunk tensors and the daemon.
+
+    ``put`` calls ``fill(out)`` with a ``(groups, n, chunk_bytes)`` tensor to
+    fill, then stores it; ``get`` loads the leading run of hits and calls
+    ``drain(src)`` with a ``(groups, hits, chunk_bytes)`` tensor. Thread-safe.
+    """
+
+    capacity: int
+
+    @abc.abstractmethod
+    def put(self, keys: Sequence[str], fill: Fill) -> bool: ...
+
+    @abc.abstractmethod
+    def get(self, keys: Sequence[str], drain: Drain) -> int: ...
+
+
+class ShmTransport(PageTransport):
+    """Pages cross through the staging area; messages carry page indices only."""
+
+    def __init__(self, session: Session, staging: StagingArea, config: AdapterConfig) -> None:
+        self._session = session
+        self._staging = staging
+        self._tenant = config.tenant
+        self._include_l3 = config.include_l3
+        self.capacity = staging.half
+        self._write_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+
+    def put(self, keys: Sequence[str], fill: Fill) -> bool:
+        n = len(keys)
+        with self._write_lock:
+            fill(self._staging.write_half()[:, :n])
+            pages = list(self._staging.write_pages[:n])
+            result = self._session.put_pages(keys, [WireTransfer(DAEMON_POOL, pages)], tenant=self._tenant)
+        return result.ok
+
+    def get(self, keys: Sequence[str], drain: Drain) -> int:
+        n = len(keys)
+        with self._read_lock:
+            pages = list(self._staging.read_pages[:n])
+            result = self._session.get_pages(
+                keys, [WireTransfer(DAEMON_POOL, pages)], include_l3=self._include_l3, tenant=self._tenant
+            )
+            hits = min(result.hit_pages, n)
+            if hits:
+                drain(self._staging.read_half()[:, :hits])
+        return hits
+
+
+class BytesTransport(PageTransport):
+    """Fallback: page bytes inside PutBytes / GetBytes messages (no shared memory)."""
+
+    def __init__(self, session: Session, binding: PoolBinding, config: AdapterConfig) -> None:
+        self._session = session
+        self._geometry = binding.geometry
+        self._tenant = config.tenant
+        self._include_l3 = config.include_l3
+        self.capacity = config.staging_pages
+
+    def put(self, keys: Sequence[str], fill: Fill) -> bool:
+        g = self._geometry
+        chunks = torch.empty((g.groups, len(keys), g.chunk_bytes), dtype=torch.uint8)
+        fill(chunks)
+        pages = chunks.permute(1, 0, 2).contiguous().numpy()
+        self._session.put_bytes(
+            [PageBytes(key, DAEMON_POOL, pages[i].tobytes()) for i, key in enumerate(keys)]
+        )
+        return True
+
+    def get(self, keys: Sequence[str], drain: Drain) -> int:
+        g = self._geometry
+        result = self._session.get_bytes(keys, include_l3=self._include_l3, tenant=self._tenant)
+        hits = min(result.hit_pages, len(keys))
+        if hits:
+            flat = torch.frombuffer(
+                bytearray(b"".join(p.data for p in result.pages[:hits])), dtype=torch.uint8
+            )
+            drain(flat.view(hits, g.groups, g.chunk_bytes).permute(1, 0, 2))
+        return hits
+
+
+class PoolLink:
+    """A daemon session for one SGLang host pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: HiCacheClient,
+        config: AdapterConfig,
+        identity: WorkerIdentity,
+        binding: PoolBinding,
+        keys: KeySpace,
+        segment_name: str,
+    ) -> None:
+        self.binding = binding
+        self.keys = keys
+        self._config = config
+        self._closed = False
+        self._close_lock = threading.Lock()
+        g = binding.geometry
+        half = config.staging_pages if config.transport is Transport.SHM else 1
+        self._staging = StagingArea(segment_name, g, half)
+        try:
+            k_bufs, v_bufs = self._staging.device_buffers()
+            spec = pool_spec(
+                DAEMON_POOL,
+                role=PoolRole.ANCHOR,
+                kind=g.kind,
+                dtype=g.dtype,
+                page_size=g.rows_per_page,
+                num_layers=g.num_layers,
+                num_heads=g.heads,
+                head_dim=g.head_dim,
+                k_buffers=k_bufs,
+                v_buffers=v_bufs,
+                host_layout=g.host_layout,
+                host_bytes=config.host_bytes or max(binding.host_bytes(), g.page_bytes),
+            )
+            self.session = client.attach(
+                identity, [spec], lease_ms=config.lease_ms, timeout_s=config.timeout_s
+            )
+        except BaseException:
+            self._staging.close()
+            raise
+        # The daemon has mapped the segment: its name is no longer needed.
+        self._staging.unlink()
+        self.transport: PageTransport = (
+            ShmTransport(self.session, self._staging, config)
+            if config.transport is Transport.SHM
+            else BytesTransport(self.session, binding, config)
+        )
+        log.info(
+            "hicached: pool %s attached (session %s, %s transport, %d-byte pages, joined=%s)",
+            keys.pool,
+            self.session.session_id,
+            config.transport.value,
+            g.page_bytes,
+            self.session.info.joined_existing_group,
+        )
+
+    # ------------------------------------------------------------- queries
+
+    def exists(self, keys: Sequence[str]) -> int:
+        """Leading run of ``keys`` cached (L2, and L3 when ``include_l3``)."""
+        if not keys:
+            return 0
+        result = self.session.lookup(list(keys), tenant=self._config.tenant)
+        return result.total_hit_pages if self._config.include_l3 else result.l2_hit_pages
+
+    def membership(self, keys: Sequence[str]) -> list[bool]:
+        """Which of ``keys`` are cached: one lookup per missing key plus one."""
+        present = [False] * len(keys)
+        start = 0
+        while start < len(keys):
+            run = self.exists(keys[start:])
+            for i in range(start, start + run):
+                present[i] = True
+            start += run + 1
+        return present
+
+    # ---------------------------------------------------------------- copies
+
+    def put_pages(self, keys: Sequence[str], host_pages: torch.Tensor) -> list[bool]:
+        """Store host pages under ``keys`` (``host_pages[i]`` pairs with ``keys[i]``)."""
+        return self._put(keys, lambda lo, hi: lambda out: self.binding.gather(host_pages[lo:hi], out))
+
+    def put_flat(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Store SGLang flat data pages under ``keys``."""
+        chunks = [self.binding.flat_to_chunks(p) for p in pages]
+
+        def filler(lo: int, hi: int) -> Fill:
+            def fill(out: torch.Tensor) -> None:
+                for i in range(lo, hi):
+                    out[:, i - lo].copy_(chunks[i])
+
+            return fill
+
+        return self._put(keys, filler)
+
+    def get_pages(self, keys: Sequence[str], host_pages: torch.Tensor) -> int:
+        """Load the leading run of cached ``keys`` into ``host_pages``; returns its length."""
+
+        def drainer(lo: int, hi: int) -> Drain:
+            return lambda src: self.binding.scatter(host_pages[lo : lo + src.shape[1]], src)
+
+        return self._get(keys, drainer)
+
+    def get_flat(self, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> int:
+        """Load the leading run of cached ``keys`` into flat data pages ``outs``."""
+        views = [self.binding.flat_to_chunks(o) if o.is_contiguous() else None for o in outs]
+        if any(v is None for v in views):
+            raise ValueError("flat target pages must be contiguous tensors")
+
+        def drainer(lo: int, hi: int) -> Drain:
+            def drain(src: torch.Tensor) -> None:
+                for i in range(src.shape[1]):
+                    view = views[lo + i]
+                    assert view is not None
+                    view.copy_(src[:, i])
+
+            return drain
+
+        return self._get(keys, drainer)
+
+    def _put(self, keys: Sequence[str], filler: Callable[[int, int], Fill]) -> list[bool]:
+        results: list[bool] = []
+        cap = self.transport.capacity
+        for lo in range(0, len(keys), cap):
+            hi = min(lo + cap, len(keys))
+            ok = self.transport.put(keys[lo:hi], filler(lo, hi))
+            results.extend([ok] * (hi - lo))
+        return results
+
+    def _get(self, keys: Sequence[str], drainer: Callable[[int, int], Drain]) -> int:
+        loaded = 0
+        cap = self.transport.capacity
+        for lo in range(0, len(keys), cap):
+            hi = min(lo + cap, len(keys))
+            hits = self.transport.get(keys[lo:hi], drainer(lo, hi))
+            loaded += hits
+            if hits < hi - lo:
+                break
+        return loaded
+
+    def close(self) -> None:
+        """Detach the session and free the staging area (idempotent)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.session.close()
+        finally:
+            self._staging.close()

@@ -1,0 +1,407 @@
+"""``HiCachedStorage``: SGLang's ``HiCacheStorage`` interface on top of the hicached daemon.
+
+SGLang (0.5.23) loads it with its ``dynamic`` storage backend, which calls
+``HiCachedStorage(storage_config, kwargs)``; see ``docs/sglang.md`` for the
+launch flags. Each host pool SGLang registers (``register_mem_pool_host`` for
+the KV pool, ``register_mem_host_pool_v2`` for side pools) becomes one daemon
+session whose "device" pool is a shared-memory staging area: a write copies
+the pages out of SGLang's host pool into it (one index op per batch) and asks
+the daemon to store them (``PutPages``); a read asks the daemon to load the
+leading run of hits into it (``GetPages``) and copies them into the host pool.
+Page bytes never travel in gRPC messages unless ``transport`` is ``bytes``.
+
+Semantics kept from SGLang's backends: a second set of an existing key
+succeeds without rewriting; a missing key reads as a miss, never an error;
+a daemon failure during I/O is logged and reads as a miss / failed write
+(SGLang's threads must not die on it). Keys are namespaced by model, TP/PP
+rank, tenant and pool (see :mod:`hicached_client.sglang.namespace`).
+
+Thread-safety: SGLang calls the I/O methods from its prefetch and backup
+threads concurrently; every method is safe for that. Pool registration and
+``close`` happen on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untyped]
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from hicached_client.errors import HiCacheError
+from hicached_client.sglang.config import AdapterConfig
+from hicached_client.sglang.layouts import bind_host_pool
+from hicached_client.sglang.link import PoolLink
+from hicached_client.sglang.namespace import KV_POOL, KeySpace, key_space
+from hicached_client.sync import HiCacheClient
+from hicached_client.types import WorkerIdentity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _IoCounters:
+    """Per-call page counts and bandwidths since the last ``get_stats`` (SGLang's StorageMetrics)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
+
+    def record(self, kind: str, pages: int, page_bytes: int, seconds: float) -> None:
+        gbps = pages * page_bytes / max(seconds, 1e-9) / 1e9
+        with self.lock:
+            getattr(self, f"{kind}_pgs").append(pages)
+            getattr(self, f"{kind}_bandwidth").append(gbps)
+
+    def drain(self) -> dict[str, list[Any]]:
+        with self.lock:
+            out: dict[str, list[Any]] = {}
+            for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
+                out[name] = list(getattr(self, name))
+                getattr(self, name).clear()
+            return out
+
+
+class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
+    """SGLang L3 storage backend served by a hicached daemon (see the module docstring).
+
+    ``storage_config`` is SGLang's ``HiCacheStorageConfig``; its
+    ``extra_config["hicached"]`` object holds :class:`AdapterConfig`'s options.
+    ``kwargs`` is the (unused) dict SGLang's dynamic factory passes.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        self.config = AdapterConfig.from_extra_config(storage_config.extra_config)
+        self.model_name: str = storage_config.model_name or ""
+        self._client = HiCacheClient(
+            self.config.target, token=self.config.token, timeout_s=self.config.timeout_s
+        )
+        self._links: dict[str, PoolLink] = {}
+        self._pools_by_id: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._metrics_enabled = bool(storage_config.enable_storage_metrics)
+        self._io = _IoCounters()
+        self._generation = time.time_ns()
+        log.info(
+            "hicached storage for model %r rank tp%d/%d pp%d/%d at %s",
+            self.model_name,
+            storage_config.tp_rank,
+            storage_config.tp_size,
+            storage_config.pp_rank,
+            storage_config.pp_size,
+            self.config.target,
+        )
+
+    # ------------------------------------------------------------ registration
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Attach SGLang's KV host pool (the anchor of v1 and of the ``kv`` pool of v2)."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._attach(KV_POOL, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Attach a side pool (``PoolName``); the KV pool registered again reuses its link."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._attach(str(host_pool_name), host_pool)
+
+    def _attach(self, name: str, host_pool: Any) -> PoolLink:
+        with self._lock:
+            if self._closed:
+                raise ValueError("HiCachedStorage is closed")
+            link = self._links.get(name)
+            if link is not None:
+                if link.binding.host_pool is not host_pool:
+                    raise ValueError(f"pool {name!r} is already registered with another host pool")
+                return link
+            known = self._pools_by_id.get(id(host_pool))
+            if known is not None:
+                # The same host pool under a second name (the KV pool through v2).
+                self._links[name] = self._links[known]
+                return self._links[known]
+            link = self._new_link(name, host_pool)
+            self._links[name] = link
+            self._pools_by_id[id(host_pool)] = name
+            return link
+
+    def _new_link(self, name: str, host_pool: Any) -> PoolLink:
+        cfg = self.storage_config
+        binding = bind_host_pool(host_pool)
+        # The daemon separates TP ranks for MHA groups by itself; pools it sees as
+        # rank-shared (MLA kind) carry the rank in the key unless SGLang shares them.
+        daemon_shares_tp = binding.geometry.kind.value == "mla"
+        sglang_shares_tp = bool(cfg.is_mla_model) and name != "mamba"
+        keys = key_space(
+            name,
+            tenant=self.config.tenant,
+            tp_rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            tp_sharded_in_key=daemon_shares_tp and not sglang_shares_tp,
+            attn_cp_rank=cfg.attn_cp_rank,
+            attn_cp_size=cfg.attn_cp_size,
+            dcp_rank=getattr(cfg, "dcp_rank", 0),
+            dcp_size=getattr(cfg, "dcp_size", 1),
+            logical_page_size=getattr(cfg, "logical_page_size", None),
+        )
+        identity = WorkerIdentity(
+            instance_id=self.config.instance_id if name == KV_POOL else f"{self.config.instance_id}.{name}",
+            generation=self._generation,
+            model_name=self.model_name,
+            tp_rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            pp_rank=cfg.pp_rank,
+            pp_size=cfg.pp_size,
+        )
+        segment = f"hicached-sgl-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        return PoolLink(self._client, self.config, identity, binding, keys, segment)
+
+    def _link(self, name: str) -> PoolLink:
+        link = self._links.get(name)
+        if link is None:
+            raise ValueError(
+                f"pool {name!r} is not registered with HiCachedStorage (registered: {sorted(self._links)})"
+            )
+        return link
+
+    @property
+    def links(self) -> dict[str, PoolLink]:
+        """The attached pools by SGLang pool name (read-only view for tests and tools)."""
+        return dict(self._links)
+
+    # ----------------------------------------------------------- v1 zero-copy
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Store the pages at ``host_indices`` (token slots, page-aligned) under ``keys``."""
+        return self._set_pages(KV_POOL, keys, host_indices)
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Load the leading run of cached ``keys`` into ``host_indices``; True per loaded page."""
+        return self._get_pages(KV_POOL, keys, host_indices)
+
+    def _set_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        if not keys:
+            return []
+        link = self._link(pool)
+        pages = link.binding.host_pages_of(host_indices, len(keys))
+        start = time.perf_counter()
+        try:
+            results = link.put_pages(link.keys.daemon_keys(keys), pages)
+        except HiCacheError as exc:
+            log.warning("hicached: storing %d pages of pool %s failed: %s", len(keys), pool, exc)
+            return [False] * len(keys)
+        self._record("backup", sum(results), link, start)
+        return results
+
+    def _get_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        if not keys:
+            return []
+        link = self._link(pool)
+        pages = link.binding.host_pages_of(host_indices, len(keys))
+        start = time.perf_counter()
+        try:
+            hits = link.get_pages(link.keys.daemon_keys(keys), pages)
+        except HiCacheError as exc:
+            log.warning("hicached: loading %d pages of pool %s failed: %s", len(keys), pool, exc)
+            return [False] * len(keys)
+        self._record("prefetch", hits, link, start)
+        return [True] * hits + [False] * (len(keys) - hits)
+
+    def _record(self, kind: str, pages: int, link: PoolLink, start: float) -> None:
+        if self._metrics_enabled and pages:
+            self._io.record(kind, pages, link.binding.geometry.page_bytes, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------- v2
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """Usable prefix over the KV pool and every side pool's hit policy (as ``HiCacheFile``)."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hit_count: dict[str, int] = {KV_POOL: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            name = str(transfer.name)
+            link = self._link(name)
+            prefix = link.keys.daemon_keys(keys[:kv_pages])
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = self._safe(lambda: link.exists(prefix), 0)  # noqa: B023 - called at once
+                pool_restorable = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                present = self._safe(lambda: link.membership(prefix), [False] * kv_pages)  # noqa: B023
+                trailing = max(1, len(transfer.keys) if transfer.keys else 1)
+                pool_restorable = {
+                    n for n in range(1, kv_pages + 1) if all(present[max(0, n - trailing) : n])
+                }
+                boundary = max(pool_restorable, default=0)
+            else:
+                raise ValueError(f"unsupported pool hit policy {transfer.hit_policy!r} for pool {name!r}")
+            if boundary:
+                hit_count[name] = boundary
+            restorable = [p for p in restorable if p in pool_restorable]
+        final_pages = restorable[-1] if restorable else 0
+        return PoolTransferResult(final_pages, hit_count, restorable)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Load each transfer's keys into its pool's host indices (leading run per pool)."""
+        return self._v2(transfers, self._get_pages)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Store each transfer's host pages under its keys, each pool under its own key space."""
+        return self._v2(transfers, self._set_pages)
+
+    def _v2(self, transfers: Sequence[PoolTransfer], op: Any) -> dict[str, list[bool]]:
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            name = str(transfer.name)
+            keys = list(transfer.keys or [])
+            link = self._link(name)
+            want = len(keys) * link.binding.geometry.page_size
+            got = transfer.host_indices.numel() if transfer.host_indices is not None else 0
+            if got != want:
+                log.error(
+                    "hicached: pool %s: %d host indices for %d keys (want %d)", name, got, len(keys), want
+                )
+                results[name] = [False] * len(keys)
+                continue
+            results[name] = op(name, keys, transfer.host_indices)
+        return results
+
+    # ------------------------------------------------- generic page interface
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """The flat data page of ``key`` (written into ``target_location`` when given), or None."""
+        got = self.batch_get([key], [target_location])
+        return got[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """Per key: its flat data page, or None when it is not cached."""
+        if not keys:
+            return []
+        link = self._link(KV_POOL)
+        outs = [
+            t if t is not None else link.binding.empty_flat_page()
+            for t in (target_locations or [None] * len(keys))
+        ]
+        daemon_keys = link.keys.daemon_keys(keys)
+        found: list[torch.Tensor | None] = [None] * len(keys)
+        start = 0
+        # Leading runs: after each miss, go on with the key after it.
+        while start < len(keys):
+            try:
+                hits = link.get_flat(daemon_keys[start:], outs[start:])
+            except HiCacheError as exc:
+                log.warning("hicached: get of %d pages failed: %s", len(keys) - start, exc)
+                break
+            for i in range(start, start + hits):
+                found[i] = outs[i]
+            start += hits + 1
+        return found
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Store flat data page ``value`` under ``key`` (True also when it was already stored)."""
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Store flat data pages; True when every key is stored (or already was)."""
+        if not keys:
+            return True
+        if values is None or len(values) != len(keys):
+            raise ValueError(f"batch_set needs one value per key: {len(keys)} keys")
+        link = self._link(KV_POOL)
+        try:
+            return all(link.put_flat(link.keys.daemon_keys(keys), list(values)))
+        except HiCacheError as exc:
+            log.warning("hicached: set of %d pages failed: %s", len(keys), exc)
+            return False
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Leading run of ``keys`` cached in the daemon (L2, and L3 unless disabled)."""
+        if not keys:
+            return 0
+        link = self._link(KV_POOL)
+        return self._safe(lambda: link.exists(link.keys.daemon_keys(keys)), 0)
+
+    # ----------------------------------------------------------- management
+
+    def clear(self) -> bool:
+        """Drop this model's pages (this tenant's only, when a tenant is set) from L2 and L3."""
+        try:
+            result = self._client.clear_namespace(self.model_name, self.config.tenant)
+        except HiCacheError as exc:
+            log.error("hicached: clear of model %r failed: %s", self.model_name, exc)
+            return False
+        log.info("hicached: cleared model %r (%s)", self.model_name, result)
+        return True
+
+    def get_stats(self) -> Any:
+        """SGLang ``StorageMetrics`` of the I/O since the last call (None when metrics are off)."""
+        if not self._metrics_enabled:
+            return None
+        from sglang.srt.observability.metrics_collector import (  # type: ignore[import-untyped]
+            StorageMetrics,
+        )
+
+        return StorageMetrics(**self._io.drain())
+
+    def close(self) -> None:
+        """Detach every pool session, free the staging areas, close the channel (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            links = list(dict.fromkeys(self._links.values()))
+        for link in links:
+            try:
+                link.close()
+            except HiCacheError as exc:
+                log.warning("hicached: detaching pool %s failed: %s", link.keys.pool, exc)
+        self._client.close()
+
+    def key_space(self, pool: str = KV_POOL) -> KeySpace:
+        """The daemon key space of a registered pool."""
+        return self._link(pool).keys
+
+    @staticmethod
+    def _safe(fn: Any, default: Any) -> Any:
+        try:
+            return fn()
+        except HiCacheError as exc:
+            log.warning("hicached: lookup failed, reading as a miss: %s", exc)
+            return default
