@@ -81,6 +81,7 @@ class HostKVPool(ABC):
 
     def kv_layer_pages(self, kv: int, layer: int) -> torch.Tensor:
         """View ``(total_pages, page_size, heads, dim)`` of K (kv=0), V (kv=1) or the MLA latent."""
+        self._require_open()
         if not 0 <= kv < self.spec.num_kv:
             raise OutOfRange(f"kv index {kv} is out of range [0, {self.spec.num_kv}) for a {self.kind} pool")
         if not 0 <= layer < self.spec.num_layers:
@@ -158,7 +159,12 @@ class HostKVPool(ABC):
         """Remove the segment's name: the pool's memory is gone once every mapping closes."""
         self.segment.unlink()
 
+    def _require_open(self) -> None:
+        if self.segment.closed:
+            raise FailedPrecondition(f"host pool {self.segment.name!r} is closed")
+
     def _check_page(self, page: int) -> None:
+        self._require_open()
         if not isinstance(page, (int, np.integer)) or not 0 <= page < self.total_pages:
             raise OutOfRange(f"page {page!r} is out of range [0, {self.total_pages})")
 

@@ -235,9 +235,16 @@ def test_create_refuses_taken_name_and_bad_sizes(shm_name: Callable[[], str]) ->
 
 def test_close_is_idempotent_and_leaves_the_name(make_pool: MakePool) -> None:
     pool = make_pool()
+    view = pool.kv_layer_pages(0, 0)
+    view[1] = 3.0
     pool.close()
     pool.close()
     assert SharedSegment.exists(pool.segment.name)
+    assert bool((view[1] == 3.0).all())  # a live view keeps the mapping; it never dangles
+    with pytest.raises(FailedPrecondition, match="closed"):
+        pool.get_page_flat(0)
+    with pytest.raises(FailedPrecondition, match="closed"):
+        pool.kv_layer_pages(0, 0)
 
 
 def test_pinning_happens_exactly_when_cuda_is_present(make_pool: MakePool) -> None:
