@@ -344,8 +344,10 @@ class AsyncSession:
         """Detach unless already detached; a session the daemon already dropped is not an error."""
         if self._closed:
             return
+        self._closed = True
+        await self.stop_heartbeat()
         try:
-            await self.detach()
+            await self._invoke(_calls.detach(self.session_id, new_op_id()), None)
         except HiCacheError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
                 raise

@@ -371,8 +371,10 @@ class Session:
         with self._lock:
             if self._closed:
                 return
+            self._closed = True
+        self.stop_heartbeat()
         try:
-            self.detach()
+            self._invoke(_calls.detach(self.session_id, new_op_id()), None)
         except HiCacheError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
                 raise
