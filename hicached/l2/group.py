@@ -14,7 +14,9 @@ Differences from the reference (sglang ``pool_host/group.py``), on purpose:
 
 * transfers are processed sorted by pool name (same order on every TP rank,
   as the design asks); results come back in input order;
-* inputs are never mutated: :class:`ResolveResult` carries copies;
+* inputs are never mutated: :class:`ResolveResult` carries copies (the
+  reference writes into the transfers and resets them on rollback); an empty
+  list resolves to ``ok`` with no transfers (the reference returns None);
 * ``release_transfers`` frees a transfer only if ``host_allocated`` says this
   group allocated it; the reference frees every non-derived transfer that has
   host indices, which double-frees indices a caller set itself;
