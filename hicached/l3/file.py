@@ -1,11 +1,11 @@
-"""The embedded L3 backend: pages in preallocated slot files on a local disk.
+"""The embedded L3 backend: pages in slot files on a local disk.
 
 Layout. A directory holds one *slab* file per slot size (``slab-<bytes>.dat``)
 and a ``LOCK`` file. A page of ``n`` bytes lives in a slot of
-``round_up(512 + n, 512)`` bytes (sector-aligned, so a 64 KiB page costs
-0.8% extra I/O rather than 6% with 4 KiB alignment): a 512-byte header (magic, format version,
-sequence number, payload length, XXH3 of the payload, the key, and an XXH3 of
-the header itself) followed by the payload. Pages are written and read at
+``round_up(512 + n, 512)`` bytes (sector-aligned: a 64 KiB page costs 0.8%
+extra I/O, against 6% with 4 KiB alignment): a 512-byte header (magic, format
+version, sequence number, payload length, XXH3 of the payload, the key, and an
+XXH3 of the header itself) followed by the payload. Pages are written and read at
 offsets with ``pwritev``/``preadv``; a batch whose slots are adjacent moves in
 one syscall straight between the caller's chunks and the file (measured
 against one file per page in ``hicached.bench.l3``).
@@ -16,17 +16,19 @@ handed to the kernel (page cache), so they survive a kill of this process; with
 by a kill mid-write keeps a header whose payload checksum no longer matches,
 so it is never served: every read verifies header and payload before
 returning ``True``/bytes, and a failing page is a miss, counted in
-``corrupt_pages`` and dropped. Deleted pages get their header zeroed so they
-do not come back at the next start.
+``corrupt_pages`` and dropped. Deleted and evicted pages get their header
+zeroed so they do not come back at the next start.
 
 Index. The key -> slot index lives in memory and is rebuilt at start by
 reading every slot header (headers verified; payloads verified on read;
-duplicates of one key resolved by the higher sequence number). LRU order is
-restored from sequence numbers.
+duplicates of one key resolved by the higher sequence number), about 8 us per
+page from the page cache. LRU order is restored from write order.
 
 Capacity. ``capacity_bytes`` bounds the bytes of occupied slots; a ``set``
 that needs room evicts least-recently-used pages that no reader is using. A
-freed slot is reused by later pages of its size; files never shrink.
+freed slot is reused by later pages of its size; files never shrink, so when
+the mix of page sizes changes, disk usage can exceed ``capacity_bytes`` by
+the free slots of sizes no longer written.
 
 Thread-safety: one lock guards index, allocator and counters; file I/O runs
 outside it (the GIL is released during syscalls). A slot being read is pinned,
