@@ -13,6 +13,8 @@ from hicached.transfer.handles import (
     DeviceMappings,
     Medium,
     ShmBufferHandle,
+    cuda_ipc_event_fence,
+    medium_of,
 )
 from hicached.transfer.plan import CopyPlan, DevicePoolView, Direction, LayerStep, PageCopy, build_plan
 
@@ -33,4 +35,6 @@ __all__ = [
     "Priority",
     "ShmBufferHandle",
     "build_plan",
+    "cuda_ipc_event_fence",
+    "medium_of",
 ]

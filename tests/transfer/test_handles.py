@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,7 +12,16 @@ import torch
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicached.l2.shm import SharedSegment
 from hicached.transfer import BufferSpec, CudaIpcBufferHandle, DeviceMappings, ShmBufferHandle
-from hicached.transfer.handles import DTYPE_BY_NAME, NAME_BY_DTYPE, cuda_ipc_event_fence, validate_spec
+from hicached.transfer.handles import (
+    DTYPE_BY_NAME,
+    NAME_BY_DTYPE,
+    HandleOpener,
+    Medium,
+    OpenedAllocation,
+    cuda_ipc_event_fence,
+    register_opener,
+    validate_spec,
+)
 
 SEG_BYTES = 64 * 1024
 
@@ -183,3 +193,60 @@ def test_dtype_name_maps_are_inverse_and_cover_the_wire_types() -> None:
     }
     for name, dtype in DTYPE_BY_NAME.items():
         assert NAME_BY_DTYPE[dtype] == name
+
+
+@dataclass(frozen=True)
+class HeapHandle:
+    """A test-only handle kind: a byte range of a process-local tensor."""
+
+    name: str
+    offset: int
+    size: int
+
+
+class HeapAllocation(OpenedAllocation):
+    def __init__(self, closes: list[str], name: str) -> None:
+        self._buf = torch.zeros(4096, dtype=torch.uint8)
+        self._closes = closes
+        self._name = name
+
+    @property
+    def size(self) -> int:
+        return 4096
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        return self._buf[offset : offset + nbytes].view(dtype).view(shape)
+
+    def close(self) -> None:
+        self._closes.append(self._name)
+
+
+class HeapOpener(HandleOpener[HeapHandle]):
+    medium = Medium.CPU
+
+    def __init__(self) -> None:
+        self.closes: list[str] = []
+
+    def key(self, handle: HeapHandle) -> Hashable:
+        return ("heap", handle.name)
+
+    def open(self, handle: HeapHandle) -> OpenedAllocation:
+        return HeapAllocation(self.closes, handle.name)
+
+
+def test_registered_opener_kind_is_used_and_each_allocation_closed_exactly_once() -> None:
+    opener = HeapOpener()
+    register_opener(HeapHandle, opener)
+    mappings = DeviceMappings()
+    a = mappings.open(BufferSpec(HeapHandle("a", 0, 64), (32,), torch.float16))  # type: ignore[arg-type]
+    b = mappings.open(BufferSpec(HeapHandle("a", 64, 64), (32,), torch.float16))  # type: ignore[arg-type]
+    c = mappings.open(BufferSpec(HeapHandle("b", 0, 64), (32,), torch.float16))  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="exceeds"):
+        mappings.open(BufferSpec(HeapHandle("c", 4096 - 16, 64), (32,), torch.float16))  # type: ignore[arg-type]
+    assert opener.closes == ["c"]  # the failed fresh mapping was closed at once
+    a.fill_(1)
+    assert float(b.sum()) == 0 and a.shape == c.shape == (32,)
+    mappings.close()
+    mappings.close()
+    assert sorted(opener.closes) == ["a", "b", "c"]
