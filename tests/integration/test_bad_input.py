@@ -36,6 +36,7 @@ class Ctx:
     instance: str
     held: list[int]  # kv host pages this session owns
     free_kv_page: int  # a kv host page nobody owns
+    freed: list[int]  # kv host pages this session allocated and freed again
     backup_id: str  # a 4-page retraction backup of this session
     host_pages: int  # kv host pool size
 
@@ -62,11 +63,14 @@ def ctx(daemon: Daemon) -> Iterator[Ctx]:
             WorkerIdentity(instance, generation=GENERATION, model_name=MODEL), pools.specs()
         )
         held = list(session.alloc("kv", 8).host_pages)
+        freed = held[-2:]
+        assert session.free("kv", freed) == 2
+        held = held[:-2]
         backup = session.retract_backup("req-matrix", transfers([100, 101, 102, 103]), 16)
         assert backup.ok
         host_pages = session.info.pool("kv").total_pages
-        free_page = host_pages - 1  # 12 of its pages are allocated, from the bottom
-        yield Ctx(client, session, pools, instance, held, free_page, backup.backup_id, host_pages)
+        free_page = host_pages - 1  # a dozen of its pages were allocated, from the bottom
+        yield Ctx(client, session, pools, instance, held, free_page, freed, backup.backup_id, host_pages)
         session.detach()
     finally:
         client.close()
@@ -96,6 +100,18 @@ def _misaligned(buf: tpb.DeviceBuffer) -> None:
 def _past_end(buf: tpb.DeviceBuffer) -> None:
     _shm(buf).offset += 1 << 30
 
+
+# Known daemon bug, kept visible: strict, so the test fails once the daemon is fixed (then drop the mark).
+DAEMON_BUG_FREE = pytest.mark.xfail(
+    strict=True,
+    reason="daemon answers PERMISSION_DENIED for freeing a page that is not allocated: HiCacheCore.free/"
+    "release check ownership before allocation state; the contract says FAILED_PRECONDITION",
+)
+BUGS: dict[str, pytest.MarkDecorator] = {
+    "free-unallocated-page": DAEMON_BUG_FREE,
+    "double-free": DAEMON_BUG_FREE,
+    "release-unallocated-page": DAEMON_BUG_FREE,
+}
 
 # (case id, expected code, regex the message must match, the bad call)
 CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
@@ -158,8 +174,20 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
     (
         "free-unallocated-page",
         C.FAILED_PRECONDITION,
-        "not allocated|not owned",
+        "not allocated",
         lambda c: c.session.free("kv", [c.free_kv_page]),
+    ),
+    (
+        "double-free",
+        C.FAILED_PRECONDITION,
+        "not allocated|double",
+        lambda c: c.session.free("kv", c.freed),
+    ),
+    (
+        "release-unallocated-page",
+        C.FAILED_PRECONDITION,
+        "not allocated|double",
+        lambda c: c.session.release_transfers([Transfer("kv", [1], [c.free_kv_page], host_allocated=True)]),
     ),
     (
         "host-pages-missing",
@@ -260,7 +288,13 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
 ]
 
 
-@pytest.mark.parametrize(("code", "pattern", "call"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+PARAMS = [
+    pytest.param(code, pattern, call, id=name, marks=BUGS.get(name, ()))
+    for name, code, pattern, call in CASES
+]
+
+
+@pytest.mark.parametrize(("code", "pattern", "call"), PARAMS)
 def test_bad_input_gets_precise_status_and_changes_nothing(
     ctx: Ctx, code: grpc.StatusCode, pattern: str, call: Callable[[Ctx], Any]
 ) -> None:
@@ -278,6 +312,5 @@ def test_matrix_session_still_works_after_every_bad_call(ctx: Ctx) -> None:
     restored = ctx.session.retract_restore_wait(ctx.backup_id, transfers([200, 201, 202, 203]))
     assert {a.pool: a.pages for a in restored.acks} == {"kv": 4, "draft": 4}
     assert ctx.session.free("kv", ctx.held) == len(ctx.held)
-    with pytest.raises(HiCacheError) as again:
-        ctx.session.free("kv", ctx.held)
-    assert again.value.code == C.FAILED_PRECONDITION
+    info = ctx.session.stats().session(ctx.session.session_id)
+    assert info is not None and info.owned_pages == 0
