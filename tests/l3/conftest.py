@@ -18,8 +18,8 @@ from servers import RedisServer, redis_server
 
 from hicached.l3 import StorageBackend, create_backend
 
-from .test_mooncake import mooncake_backend, mooncake_srv  # noqa: F401 - fixtures
-from .test_s3 import s3_backend, seaweed_srv  # noqa: F401 - fixtures
+from .test_mooncake_fixtures import mooncake_backend, mooncake_srv  # noqa: F401 - fixtures
+from .test_s3_fixtures import s3_backend, seaweed_srv  # noqa: F401 - fixtures
 
 BACKEND_FIXTURES = ["file_backend", "redis_backend", "s3_backend", "mooncake_backend"]
 

@@ -2,15 +2,13 @@
 ``mooncake_client`` segment host on loopback (TCP transport): layout,
 verification, staging rounds, a full store, configuration and failures.
 
-Also home of the ``mooncake_backend`` fixture that the conformance suite runs
-(registered in ``conftest.BACKEND_FIXTURES``).
+Fixtures: ``test_mooncake_fixtures.py``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,32 +21,7 @@ from hicached.l3 import StorageBackend, create_backend
 from hicached.l3.framing import frame
 from hicached.l3.mooncake import MooncakeBackend
 
-
-@pytest.fixture(scope="session")
-def mooncake_srv() -> Iterator[MooncakeMaster]:
-    with mooncake_master(segment_bytes=128 << 20) as server:
-        yield server
-
-
-def mc_options(srv: MooncakeMaster, **extra: object) -> dict[str, object]:
-    options: dict[str, object] = {
-        "master_addr": srv.master_addr,
-        "key_prefix": f"t-{os.getpid()}-{uuid.uuid4().hex[:8]}/",
-        "staging_bytes": 4 << 20,
-        "local_buffer_bytes": 4 << 20,
-    }
-    options.update(extra)
-    return options
-
-
-@pytest.fixture
-def mooncake_backend(mooncake_srv: MooncakeMaster) -> Iterator[StorageBackend]:
-    # A fresh key prefix per test: the backend starts empty and clear()
-    # touches only this test's pages.
-    backend = create_backend("mooncake", mc_options(mooncake_srv))
-    yield backend
-    backend.clear()
-    backend.close()
+from .test_mooncake_fixtures import mc_options
 
 
 @pytest.fixture

@@ -1,16 +1,13 @@
 """The ``s3`` backend against a real SeaweedFS S3 gateway: layout, verification,
 sharing between daemons, configuration and failures.
 
-Also home of the ``s3_backend`` fixture that the conformance suite runs
-(registered in ``conftest.BACKEND_FIXTURES``).
+Fixtures: ``test_s3_fixtures.py``.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import boto3
@@ -22,35 +19,7 @@ from hicached.l3 import StorageBackend, create_backend
 from hicached.l3.framing import FRAME_MAGIC, frame
 from hicached.l3.s3 import S3Backend, escape_key, unescape_key
 
-
-@pytest.fixture(scope="session")
-def seaweed_srv() -> Iterator[SeaweedFS]:
-    with seaweedfs() as server:
-        yield server
-
-
-def s3_options(srv: SeaweedFS, **extra: object) -> dict[str, object]:
-    options: dict[str, object] = {
-        "bucket": srv.bucket,
-        "endpoint_url": srv.endpoint_url,
-        "access_key_id": srv.access_key_id,
-        "secret_access_key": srv.secret_access_key,
-        "prefix": f"t-{os.getpid()}-{uuid.uuid4().hex[:8]}/",
-        "stats_ttl_s": 0,
-        "threads": 4,
-    }
-    options.update(extra)
-    return options
-
-
-@pytest.fixture
-def s3_backend(seaweed_srv: SeaweedFS) -> Iterator[StorageBackend]:
-    # A fresh object prefix per test: the backend starts empty and clear()
-    # touches only this test's objects.
-    backend = create_backend("s3", s3_options(seaweed_srv))
-    yield backend
-    backend.clear()
-    backend.close()
+from .test_s3_fixtures import s3_options
 
 
 @pytest.fixture
