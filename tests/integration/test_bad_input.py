@@ -280,6 +280,12 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
         lambda c: c.attach(c.pools.specs(), instance_id=""),
     ),
     (
+        "host-budget-exceeded",
+        C.RESOURCE_EXHAUSTED,
+        "host.budget",
+        lambda c: c.attach(c.pools.specs(host_ratio=300.0), model_name="m-matrix-huge"),
+    ),
+    (
         "duplicate-pool-name",
         C.ALREADY_EXISTS,
         "'kv'",
