@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from servers import RedisServer, redis_server
 
 from hicached.cache import ContentIndex, WritePolicy
 from hicached.l2 import HostKVPool, HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
@@ -55,6 +56,43 @@ def file_backend(tmp_path: Path) -> Iterator[StorageBackend]:
     backend = create_backend("file", {"path": str(tmp_path / f"l3-{uuid.uuid4().hex[:8]}")})
     yield backend
     backend.close()
+
+
+@pytest.fixture(scope="session")
+def cache_redis() -> Iterator[RedisServer]:
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["file", "redis"])
+def open_l3(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], StorageBackend]]:
+    """Factory of backend instances over ONE store (a real file directory or a real
+    redis-server with a key prefix of this test's own): a second instance sees what
+    the first stored, as a restarted daemon would."""
+    made: list[StorageBackend] = []
+    if request.param == "file":
+        options: dict[str, object] = {"path": str(tmp_path / f"l3-{uuid.uuid4().hex[:8]}")}
+    else:
+        server: RedisServer = request.getfixturevalue("cache_redis")
+        options = {"port": server.port, "key_prefix": f"cache-test-{os.getpid()}-{uuid.uuid4().hex[:8]}/"}
+
+    def make() -> StorageBackend:
+        for old in made:
+            old.close()  # the file backend allows one open instance per directory
+        made.append(create_backend(request.param, options))
+        return made[-1]
+
+    yield make
+    if request.param == "redis":
+        made[-1].clear()
+    for backend in made:
+        backend.close()
+
+
+@pytest.fixture
+def l3_backend(open_l3: Callable[[], StorageBackend]) -> StorageBackend:
+    """A fresh real backend: the file backend and redis, each test run against both."""
+    return open_l3()
 
 
 class Wrapped(StorageBackend):

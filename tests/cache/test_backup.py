@@ -25,14 +25,14 @@ def l3_run(backend: StorageBackend, index: ContentIndex, keys: list[str]) -> int
 
 
 def test_write_through_backs_up_on_publish(
-    make_group: MakeGroup, make_index: MakeIndex, file_backend: StorageBackend
+    make_group: MakeGroup, make_index: MakeIndex, l3_backend: StorageBackend
 ) -> None:
     group = make_group(16, derived=("draft",))
-    index = make_index(group, file_backend)
+    index = make_index(group, l3_backend)
     keys = keys_of("w", 6)
     index.publish(keys, write_pages(group, 6, seed=1))
     assert index.flush(timeout_s=30) == 6
-    assert l3_run(file_backend, index, keys) == 6
+    assert l3_run(l3_backend, index, keys) == 6
     stats = index.stats()
     assert (stats.backed_up_pages, stats.l3_resident_entries, stats.queued_backup_pages) == (6, 6, 0)
     # Nothing to do the second time.
@@ -40,20 +40,20 @@ def test_write_through_backs_up_on_publish(
 
 
 def test_write_through_selective_backs_up_on_the_second_hit(
-    make_group: MakeGroup, make_index: MakeIndex, file_backend: StorageBackend
+    make_group: MakeGroup, make_index: MakeIndex, l3_backend: StorageBackend
 ) -> None:
     group = make_group(16)
-    index = make_index(group, file_backend, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    index = make_index(group, l3_backend, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
     keys = keys_of("s", 4)
     index.publish(keys, write_pages(group, 4, seed=2))
     index.flush(timeout_s=30)
-    assert l3_run(file_backend, index, keys) == 0
+    assert l3_run(l3_backend, index, keys) == 0
     index.unpin(index.pin(keys[:2]))  # first hit
     index.flush(timeout_s=30)
-    assert l3_run(file_backend, index, keys) == 0
+    assert l3_run(l3_backend, index, keys) == 0
     index.unpin(index.pin(keys[:2]))  # second hit of the first two keys
     assert index.flush(timeout_s=30) == 2
-    assert l3_run(file_backend, index, keys) == 2
+    assert l3_run(l3_backend, index, keys) == 2
 
 
 def test_write_back_writes_only_when_evicted(
@@ -140,20 +140,18 @@ def test_backup_without_backend_is_a_failed_precondition(
 
 
 def test_l3_pages_survive_the_index_and_read_back_exactly(
-    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+    make_group: MakeGroup, make_index: MakeIndex, open_l3: Callable[[], StorageBackend]
 ) -> None:
-    path = str(tmp_path / "l3")
-    first = create_backend("file", {"path": path})
+    first = open_l3()
     group_a = make_group(16, sidecars=("swa",), derived=("draft",))
     index_a = make_index(group_a, first)
     keys = keys_of("r", 10)
     index_a.publish(keys, write_pages(group_a, 10, seed=7))
     index_a.flush(timeout_s=30)
     index_a.close()
-    first.close()
 
-    # A new daemon: fresh pools, the backend re-opened from disk.
-    second = create_backend("file", {"path": path})
+    # A new daemon: fresh pools, the backend re-opened (same directory / same redis).
+    second = open_l3()
     group_b = make_group(16, sidecars=("swa",), derived=("draft",))
     index_b = make_index(group_b, second)
     assert index_b.lookup(keys) == LookupResult(0, 10)
@@ -165,14 +163,13 @@ def test_l3_pages_survive_the_index_and_read_back_exactly(
             assert got[entry.name] == page_pattern(entry.host_pool.page_bytes, 7, i, entry.name)
     index_b.unpin(pin)
     index_b.close()
-    second.close()
 
 
 def test_clear_deletes_l3_pages(
-    make_group: MakeGroup, make_index: MakeIndex, file_backend: StorageBackend
+    make_group: MakeGroup, make_index: MakeIndex, l3_backend: StorageBackend
 ) -> None:
     group = make_group(16)
-    index = make_index(group, file_backend)
+    index = make_index(group, l3_backend)
     index.publish(keys_of("x", 3), write_pages(group, 3, seed=8), tenant="x")
     index.publish(keys_of("y", 2), write_pages(group, 2, seed=9), tenant="y")
     index.flush(timeout_s=30)

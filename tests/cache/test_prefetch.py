@@ -234,9 +234,9 @@ def test_prefetch_without_room_fails_and_leaks_nothing(
 
 
 def test_bad_prefetch_arguments(
-    make_group: MakeGroup, make_index: MakeIndex, file_backend: StorageBackend
+    make_group: MakeGroup, make_index: MakeIndex, l3_backend: StorageBackend
 ) -> None:
-    index = make_index(make_group(4), file_backend)
+    index = make_index(make_group(4), l3_backend)
     with pytest.raises(InvalidArgument, match="prefetch policy"):
         index.prefetch(["a"], policy="soon")
     with pytest.raises(InvalidArgument, match="timeout"):
