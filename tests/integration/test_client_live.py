@@ -6,7 +6,16 @@ import asyncio
 
 import grpc
 import pytest
-from hicached_client import AsyncHiCacheClient, HiCacheClient, HiCacheError, Stats, WorkerIdentity
+from hicached_client import (
+    AsyncHiCacheClient,
+    HiCacheClient,
+    HiCacheError,
+    PageBytes,
+    PrefetchState,
+    Stats,
+    TokenChain,
+    WorkerIdentity,
+)
 
 from tests.integration.daemon import Daemon
 from tests.integration.kv import POOLS, WorkerPools, host_pages_of, transfers, unique_tag
@@ -84,5 +93,49 @@ def test_async_client_round_trip_and_errors(daemon: Daemon) -> None:
 
     try:
         asyncio.run(main())
+    finally:
+        pools.close()
+
+
+def test_content_cache_methods_over_the_wire(client: HiCacheClient) -> None:
+    """Every keyed RPC through the typed client: put/lookup/get pages, bytes, publish, prefetch, clear."""
+    pools = WorkerPools.create(unique_tag("keyed"))
+    try:
+        identity = WorkerIdentity(unique_tag("keyed"), generation=1, model_name="m-keyed")
+        with client.attach(identity, pools.specs()) as s:
+            pools.fill_random(3)
+            chain = TokenChain(list(range(16)), cache_salt="tenant-a")  # 4 pages of 4 tokens
+            put = s.put_pages(chain, transfers([1, 2, 3, 4]))
+            assert put.ok and (put.stored_pages, put.existing_pages) == (4, 0)
+            found = s.lookup(chain)
+            assert len(found.keys) == 4 and found.l2_hit_pages == 4 == found.total_hit_pages
+            assert (
+                s.put_pages(list(found.keys), transfers([1, 2, 3, 4]), tenant="tenant-a").existing_pages == 4
+            )
+            got = s.get_pages(list(found.keys), transfers([10, 11, 12, 13]))
+            assert got.hit_pages == 4
+            assert {p: pools.digest(p, [10, 11, 12, 13]) for p in POOLS} == {
+                p: pools.digest(p, [1, 2, 3, 4]) for p in POOLS
+            }
+            raw = s.get_bytes(list(found.keys))
+            assert raw.hit_pages == 4 and sorted({(b.key, b.pool) for b in raw.pages}) == sorted(
+                (k, p) for k in found.keys for p in POOLS
+            )
+            kv_page = pools.pages("kv", [1]).numpy().tobytes()
+            assert next(b.data for b in raw.pages if b.key == found.keys[0] and b.pool == "kv") == kv_page
+            fresh = [f"{i:064x}" for i in range(1, 3)]
+            stored = s.put_bytes([PageBytes(k, b.pool, b.data) for k in fresh for b in raw.pages[:2]])
+            assert (stored.stored_pages, stored.existing_pages) == (2, 0)
+            assert s.lookup(fresh).l2_hit_pages == 2
+            written = s.write(transfers([20, 21]), allocate=True)
+            published = s.publish([f"{i:064x}" for i in range(3, 5)], list(written.transfers))
+            assert (published.published_pages, published.existing_pages) == (2, 0)
+            ticket = s.prefetch(chain, policy="best_effort")
+            assert ticket.planned_pages == 0, "everything is in L2 already"
+            status = s.prefetch_status(ticket.prefetch_id, wait=True)
+            assert status.state is PrefetchState.DONE
+            cleared = client.clear_namespace("m-keyed")
+            assert cleared.l2_pages >= 8 and cleared.l3_pages == 0
+            assert s.lookup(chain).l2_hit_pages == 0
     finally:
         pools.close()
