@@ -280,3 +280,25 @@ def test_sigkill_mid_write_loses_nothing_acknowledged(file_dir: Path) -> None:
                     assert data == expected, f"acknowledged page {key} lost or wrong"
                 else:
                     assert data is None or data == expected, f"partial page {key} served"
+
+
+@pytest.mark.parametrize("io_threads", [1, 4])
+def test_scattered_batches_on_io_threads(file_dir: Path, io_threads: int) -> None:
+    keys = [f"sc/{i}" for i in range(64)]
+    with open_file(file_dir, io_threads=io_threads) as backend:
+        for start in range(0, 64, 8):  # separate batches, then deletions: scattered slots
+            assert all(backend.set(keys[start : start + 8], [page(k) for k in keys[start : start + 8]]))
+        assert backend.delete(keys[::3]) == 22
+        order = [k for k in random.Random(7).sample(keys, len(keys))]
+        dests = [bytearray(4096) for _ in order]
+        ok = backend.get_into(order, [[memoryview(d)] for d in dests])
+        assert ok == [k not in keys[::3] for k in order]
+        assert all(bytes(d) == page(k) for k, d, good in zip(order, dests, ok, strict=True) if good)
+        got = backend.get(order)
+        assert got == [page(k) if k not in keys[::3] else None for k in order]
+        refill = [f"sc/new/{i}" for i in range(22)]  # lands in the freed, scattered slots
+        assert all(backend.set(refill, [page(k) for k in refill]))
+        assert backend.get(refill) == [page(k) for k in refill]
+    assert not [t for t in threading.enumerate() if t.name.startswith("hicached-l3-file")]
+    with pytest.raises(InvalidArgument, match="io_threads"):
+        open_file(file_dir, io_threads=0)
