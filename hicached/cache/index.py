@@ -497,21 +497,36 @@ class ContentIndex:
     def flush(self, timeout_s: float | None = None) -> int:
         """Wait until no backup is queued; returns pages stored meanwhile.
 
-        Under ``write_back`` every entry not yet in L3 is queued first (a drain
-        before shutdown must not lose the only copy). Raises ResourceExhausted
-        if the queue is still busy at ``timeout_s``.
+        Under ``write_back`` every entry not yet in L3 is queued first, in
+        chunks that fit the queue (a drain before shutdown must not lose the
+        only copy). Raises ResourceExhausted if the queue is still busy at
+        ``timeout_s``.
         """
         before = self._counts["backed_up"]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        def busy() -> ResourceExhausted:
+            return ResourceExhausted(
+                f"{self._queued_pages} backup pages still queued after {timeout_s} s", retry_after_ms=100
+            )
+
         if self.write_policy is WritePolicy.WRITE_BACK and self.backend is not None:
             with self._lock:
-                dirty = [e for e in self._entries.values() if not e.in_l3]
-            self._queue_backup(dirty, explicit=False)
-        with self._idle:
-            if not self._idle.wait_for(lambda: self._queued_pages == 0, timeout=timeout_s):
-                raise ResourceExhausted(
-                    f"{self._queued_pages} backup pages still queued after {timeout_s} s", retry_after_ms=100
-                )
+                dirty = [e for e in self._entries.values() if not (e.in_l3 or e.backup_queued)]
+            for chunk in batches(dirty, self.max_queued_pages):
+                if not self._wait_queue_at_most(self.max_queued_pages - len(chunk), remaining()):
+                    raise busy()
+                self._queue_backup(chunk, explicit=False)
+        if not self._wait_queue_at_most(0, remaining()):
+            raise busy()
         return self._counts["backed_up"] - before
+
+    def _wait_queue_at_most(self, pages: int, timeout_s: float | None) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._queued_pages <= pages, timeout=timeout_s)
 
     # ------------------------------------------------------------- prefetch
 

@@ -199,3 +199,17 @@ def test_backup_wait_also_waits_for_keys_a_policy_already_queued(
     assert results == [BackupResult(queued=5, stored=5)]
     assert backend.set_calls == 1
     backend.inner.close()
+
+
+def test_write_back_flush_persists_more_than_the_queue_holds(
+    make_group: MakeGroup, make_index: MakeIndex, l3_backend: StorageBackend
+) -> None:
+    group = make_group(16)
+    index = make_index(
+        group, l3_backend, write_policy=WritePolicy.WRITE_BACK, max_queued_pages=3, batch_pages=2
+    )
+    keys = keys_of("wb", 10)
+    index.publish(keys, write_pages(group, 10, seed=11))
+    assert index.flush(timeout_s=30) == 10
+    assert l3_run(l3_backend, index, keys) == 10
+    assert index.stats().dropped_backup_pages == 0
