@@ -237,7 +237,7 @@ def copy_with_cuda(copy: PageCopy, ctx: CopyContext) -> None:
             host = state.host_rows(n, src)
             host.copy_(gathered, non_blocking=True)
             stream.synchronize()
-            scatter_rows(dst, dp, host)
+            scatter_rows(dst, dp, host, ctx)
         else:  # H2D: gather on the CPU into pinned memory, one transfer, scatter on the GPU
             host = state.host_rows(n, src)
             torch.index_select(src, 0, torch.from_numpy(sp), out=host)

@@ -17,8 +17,10 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import torch
 
 from hicached.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
 from hicached.transfer.plan import CopyPlan
@@ -87,6 +89,14 @@ class CopyEngine:
             threading.Thread(target=self._worker, name=f"hicached-copy-{i}", daemon=True)
             for i in range(workers)
         ]
+        # Threads that split one worker's large scatters, so a copy uses as many cores
+        # as torch's own index ops would (torch's intra-op thread count).
+        self._parallelism = max(1, torch.get_num_threads())
+        self._helpers = (
+            ThreadPoolExecutor((self._parallelism - 1) * workers, thread_name_prefix="hicached-copy-helper")
+            if self._parallelism > 1
+            else None
+        )
         for t in self._threads:
             t.start()
 
@@ -188,6 +198,8 @@ class CopyEngine:
         for t in self._threads:
             if t is not me:
                 t.join()
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=me not in self._threads)
 
     def __enter__(self) -> CopyEngine:
         return self
@@ -217,7 +229,7 @@ class CopyEngine:
                 self._cv.wait()
 
     def _worker(self) -> None:
-        ctx = CopyContext()
+        ctx = CopyContext(helpers=self._helpers, parallelism=self._parallelism)
         try:
             while (job := self._next_job()) is not None:
                 try:

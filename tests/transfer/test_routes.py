@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -133,3 +135,33 @@ def test_cpu_data_plane_never_imports_cuda_module() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "False"
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    """A real thread pool that counts the work handed to it."""
+
+    submitted = 0
+
+    def submit(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> Future[object]:
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_large_scatter_split_across_helper_threads_is_byte_exact() -> None:
+    rows = 2048  # int64 words = 16 KiB pages; 600 pages = 9.4 MiB, above the split size
+    gen = torch.Generator().manual_seed(11)
+    src = torch.randint(0, 1 << 62, (600, rows), dtype=torch.int64, generator=gen)
+    dst = torch.zeros(1200, rows, dtype=torch.int64)
+    dp = np.random.default_rng(12).permutation(1200)[:600].astype(np.int64)
+    with CountingExecutor(3, thread_name_prefix="test-helper") as helpers:
+        ctx = CopyContext(helpers=helpers, parallelism=4)
+        copy_cpu_cpu(PageCopy(src, dst, np.arange(600, dtype=np.int64), dp), ctx)
+        # 9.4 MiB in parts of >= 4 MiB: two parts, one of them on a helper.
+        assert helpers.submitted == 1
+        small = torch.zeros(1200, rows, dtype=torch.int64)
+        copy_cpu_cpu(PageCopy(src[:100], small, np.arange(100, dtype=np.int64), dp[:100]), ctx)
+        assert helpers.submitted == 1  # 1.6 MiB stays on the calling thread
+    expected = torch.zeros_like(dst)
+    expected[torch.from_numpy(dp)] = src
+    assert torch.equal(dst, expected)
+    assert torch.equal(small[torch.from_numpy(dp[:100])], src[:100])
