@@ -11,6 +11,7 @@ from hicached_client import (
     HiCacheClient,
     HiCacheError,
     PageBytes,
+    PoolInfo,
     PrefetchState,
     Stats,
     TokenChain,
@@ -139,3 +140,34 @@ def test_content_cache_methods_over_the_wire(client: HiCacheClient) -> None:
             assert s.lookup(chain).l2_hit_pages == 0
     finally:
         pools.close()
+
+
+def test_resolve_and_release_transfers_are_all_or_nothing(client: HiCacheClient) -> None:
+    pools = WorkerPools.create(unique_tag("resolve"))
+    try:
+        identity = WorkerIdentity(unique_tag("resolve"), generation=1, model_name="m-resolve")
+        with client.attach(identity, pools.specs()) as s:
+            total = s.info.pool("kv").total_pages
+            resolved = s.resolve_transfers(transfers(range(100)))
+            assert resolved.ok
+            assert all(t.host_allocated and len(t.host_pages or ()) == 100 for t in resolved.transfers)
+            # Fill kv, the pool processed last (name order): draft allocates first and must be rolled back.
+            filler = []
+            while (want := total - 100 - len(filler)) > 0:
+                filler += s.alloc("kv", min(want, 256)).host_pages
+            declined = s.resolve_transfers(transfers(range(100, 101)))
+            assert not declined.ok
+            free = {p.name: p.free_pages for p in _pools_of(client, s.session_id)}
+            assert free == {"kv": 0, "draft": total - 100}, "the draft allocation was rolled back"
+            assert s.release_transfers(resolved.transfers) == 200
+            free = {p.name: p.free_pages for p in _pools_of(client, s.session_id)}
+            assert free == {"kv": 100, "draft": total}
+    finally:
+        pools.close()
+
+
+def _pools_of(client: HiCacheClient, session_id: str) -> tuple[PoolInfo, ...]:
+    stats = client.get_stats()
+    info = stats.session(session_id)
+    assert info is not None
+    return next(g.pools for g in stats.groups if g.group == info.group)
