@@ -1,11 +1,13 @@
 """Copy routing: (source medium, destination medium) -> page-copy function.
 
 The CPU<->CPU route is the first-class one (CPU workers and every test use it).
-It moves pages with torch index ops, which reach memcpy speed only on wide element
-views and preallocated outputs (see PERF-NOTES), so every tensor is viewed as rows
-of 8-byte words first, contiguous page runs are copied as slices, and a gather that
-cannot land in place goes through a per-thread staging buffer that lives as long
-as its worker thread. Routes touching CUDA live in :mod:`hicached.transfer.cuda`
+Index ops reach memcpy speed only on wide element views and preallocated outputs
+(see PERF-NOTES), so every tensor is viewed as rows of 8-byte words first. Then, in
+order of preference: runs contiguous on both sides are copied as slices; a gather
+lands straight in contiguous destination runs (``index_select(out=)``); a scatter
+from contiguous source runs goes through numpy row assignment (memcpy per row,
+GIL released); only pages scattered on both sides pass through a per-thread
+staging buffer that lives as long as its worker thread. Routes touching CUDA live in :mod:`hicached.transfer.cuda`
 and are imported the first time a CUDA tensor is copied, never on CPU machines.
 """
 
