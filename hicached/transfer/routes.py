@@ -7,8 +7,10 @@ order of preference: runs contiguous on both sides are copied as slices; a gathe
 lands straight in contiguous destination runs (``index_select(out=)``); a scatter
 from contiguous source runs goes through numpy row assignment (memcpy per row,
 GIL released); only pages scattered on both sides pass through a per-thread
-staging buffer that lives as long as its worker thread. Routes touching CUDA live in :mod:`hicached.transfer.cuda`
-and are imported the first time a CUDA tensor is copied, never on CPU machines.
+staging buffer that lives as long as its worker thread.
+
+Routes touching CUDA live in :mod:`hicached.transfer.cuda` and are imported the
+first time a CUDA tensor is copied, never on CPU machines.
 """
 
 from __future__ import annotations
