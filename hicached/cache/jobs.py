@@ -157,6 +157,19 @@ class PrefetchTask:
         with self._cond:
             return PrefetchStatus(self._state, self._completed, self.planned_pages)
 
+    def next_status(self, completed_pages: int, timeout_s: float | None = None) -> PrefetchStatus:
+        """Block until more than ``completed_pages`` pages completed, the prefetch
+        finished, or ``timeout_s`` passed; then report. For progress streams:
+        call again with the last ``completed_pages`` seen until the state is
+        no longer ``running``.
+        """
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._completed > completed_pages or self._state is not PrefetchState.RUNNING,
+                timeout=timeout_s,
+            )
+            return PrefetchStatus(self._state, self._completed, self.planned_pages)
+
     def _discard(self) -> bool:
         with self._cond:
             return self._state is PrefetchState.CANCELLED

@@ -1,0 +1,134 @@
+"""The I/O scheduler and prefetch progress, with jobs that record what ran when."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from hicached.cache import PrefetchPolicy, PrefetchState, PrefetchStatus, PrefetchTask
+from hicached.cache.jobs import BackupJob, IoPriority, IoScheduler
+from hicached.errors import InvalidArgument
+
+
+class Recorder:
+    """A job of ``steps`` steps that logs each step; the first step may wait on a gate."""
+
+    def __init__(
+        self, name: str, log: list[str], steps: int = 1, gate: threading.Event | None = None
+    ) -> None:
+        self.name, self.log, self.left, self.gate = name, log, steps, gate
+        self.started = threading.Event()
+        self.abandoned: BaseException | None = None
+        self.done = threading.Event()
+
+    def step(self) -> bool:
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(30)
+            self.gate = None
+        self.log.append(self.name)
+        self.left -= 1
+        if self.left == 0:
+            self.done.set()
+        return self.left > 0
+
+    def abandon(self, reason: BaseException | None) -> None:
+        self.abandoned = reason
+        self.done.set()
+
+
+def test_prefetch_jobs_run_before_backups_and_jobs_interleave() -> None:
+    log: list[str] = []
+    scheduler = IoScheduler(1, "test")
+    try:
+        gate = threading.Event()
+        blocker = Recorder("blocker", log, gate=gate)
+        scheduler.submit(blocker, IoPriority.BACKUP)
+        assert blocker.started.wait(30)
+        backup = Recorder("backup", log, steps=2)
+        first = Recorder("p1", log, steps=2)
+        second = Recorder("p2", log, steps=2)
+        scheduler.submit(backup, IoPriority.BACKUP)
+        scheduler.submit(first, IoPriority.PREFETCH)
+        scheduler.submit(second, IoPriority.PREFETCH)
+        gate.set()
+        assert backup.done.wait(30)
+        assert log == ["blocker", "p1", "p2", "p1", "p2", "backup", "backup"]
+    finally:
+        scheduler.close()
+
+
+def test_close_abandons_queued_jobs_and_later_submissions() -> None:
+    log: list[str] = []
+    scheduler = IoScheduler(1, "test")
+    gate = threading.Event()
+    blocker = Recorder("blocker", log, gate=gate)
+    scheduler.submit(blocker, IoPriority.BACKUP)
+    assert blocker.started.wait(30)
+    queued = Recorder("queued", log)
+    scheduler.submit(queued, IoPriority.BACKUP)
+    closer = threading.Thread(target=scheduler.close)
+    closer.start()
+    assert queued.done.wait(30)
+    assert queued.abandoned is not None
+    gate.set()
+    closer.join(30)
+    assert log == ["blocker"]
+    late = Recorder("late", log)
+    scheduler.submit(late, IoPriority.PREFETCH)
+    assert late.abandoned is not None
+    with pytest.raises(InvalidArgument):
+        IoScheduler(0, "bad")
+
+
+def test_a_raising_step_abandons_its_job_and_the_thread_survives() -> None:
+    scheduler = IoScheduler(1, "test")
+    try:
+        released: list[tuple[list[int], bool]] = []
+
+        def store(batch: Sequence[int]) -> tuple[int, bool]:
+            raise OSError("disk on fire")
+
+        job: BackupJob[int] = BackupJob(
+            [[1, 2], [3]], store=store, release=lambda e, ok: released.append((list(e), ok))
+        )
+        scheduler.submit(job, IoPriority.BACKUP)
+        assert job.wait(30)
+        assert job.failed and job.stored_pages == 0
+        assert released == [([1, 2], True), ([3], False)]
+        after = Recorder("after", [])
+        scheduler.submit(after, IoPriority.BACKUP)
+        assert after.done.wait(30)
+    finally:
+        scheduler.close()
+
+
+def fetcher(gates: list[threading.Event]) -> Callable[[Sequence[str], Callable[[], bool]], tuple[int, bool]]:
+    def fetch(keys: Sequence[str], discard: Callable[[], bool]) -> tuple[int, bool]:
+        assert gates.pop(0).wait(30)
+        return (0, False) if discard() else (len(keys), True)
+
+    return fetch
+
+
+def test_progress_can_be_followed_batch_by_batch() -> None:
+    gates = [threading.Event() for _ in range(3)]
+    task = PrefetchTask(
+        "t", ["a", "b", "c", "d", "e"], policy=PrefetchPolicy.BEST_EFFORT, timeout_s=1.0,
+        batch_pages=2, fetch=fetcher(list(gates)),
+    )  # fmt: skip
+    scheduler = IoScheduler(1, "test")
+    try:
+        scheduler.submit(task, IoPriority.PREFETCH)
+        assert task.next_status(0, timeout_s=0.01) == PrefetchStatus(PrefetchState.RUNNING, 0, 5)
+        seen = []
+        for gate in gates:
+            gate.set()
+            status = task.next_status(seen[-1].completed_pages if seen else 0, timeout_s=30)
+            seen.append(status)
+        assert [s.completed_pages for s in seen] == [2, 4, 5]
+        assert seen[-1].state is PrefetchState.DONE
+    finally:
+        scheduler.close()
