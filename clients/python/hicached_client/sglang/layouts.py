@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from hicached_client.types import HostLayout, PoolKind
 
 log = logging.getLogger(__name__)

@@ -128,6 +128,7 @@ class PoolLink:
     def __init__(
         self,
         client: HiCacheClient,
+        *,
         config: AdapterConfig,
         identity: WorkerIdentity,
         binding: PoolBinding,

@@ -28,9 +28,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untyped]
@@ -51,6 +51,7 @@ from hicached_client.sync import HiCacheClient
 from hicached_client.types import WorkerIdentity
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -170,7 +171,14 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
             pp_size=cfg.pp_size,
         )
         segment = f"hicached-sgl-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        return PoolLink(self._client, self.config, identity, binding, keys, segment)
+        return PoolLink(
+            self._client,
+            config=self.config,
+            identity=identity,
+            binding=binding,
+            keys=keys,
+            segment_name=segment,
+        )
 
     def _link(self, name: str) -> PoolLink:
         link = self._links.get(name)
@@ -399,7 +407,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         return self._link(pool).keys
 
     @staticmethod
-    def _safe(fn: Any, default: Any) -> Any:
+    def _safe(fn: Callable[[], T], default: T) -> T:
         try:
             return fn()
         except HiCacheError as exc:
