@@ -34,6 +34,12 @@ def segment(unique: Callable[[str], str]) -> SharedSegment:
     seg.unlink()
 
 
+def maps_of(name: str) -> int:
+    """How many memory mappings of /dev/shm/<name> this process holds."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith(f"/dev/shm/{name}"))
+
+
 def shm(
     seg: SharedSegment, offset: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float16
 ) -> BufferSpec:
@@ -73,10 +79,12 @@ def test_bad_shm_handle_is_rejected_and_leaves_nothing_open(
     segment: SharedSegment, case: str, make: Callable[[str], BufferSpec], needle: str
 ) -> None:
     mappings = DeviceMappings()
+    before = maps_of(segment.name)
     with pytest.raises(InvalidArgument) as info:
         mappings.open(make(segment.name))
     assert needle in str(info.value), (case, str(info.value))
     assert mappings.open_count == 0
+    assert maps_of(segment.name) == before  # nothing of the segment stayed mapped
     mappings.close()
 
 
@@ -118,8 +126,10 @@ def test_close_is_idempotent_and_final(segment: SharedSegment) -> None:
     mappings = DeviceMappings()
     view = mappings.open(shm(segment, 0, (4, 2, 8)))
     del view
+    assert maps_of(segment.name) == 2  # the test's own mapping and the session's
     mappings.close()
     mappings.close()
+    assert maps_of(segment.name) == 1
     with pytest.raises(FailedPrecondition, match="closed"):
         mappings.open(shm(segment, 0, (4, 2, 8)))
     assert mappings.open_count == 0

@@ -118,6 +118,9 @@ def test_child_exports_shm_pool_and_daemon_copies_byte_exact(
         assert digests == [hashlib.sha256(w.numpy().tobytes()).hexdigest() for w in expected]
 
         del k, v, view, plan
+        mappings.close()
+        with open("/proc/self/maps") as f:
+            assert not [line for line in f if f"/dev/shm/{name}" in line]
         child.stdin.write("exit\n")
         child.stdin.flush()
         assert child.wait(timeout=30) == 0
