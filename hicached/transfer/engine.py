@@ -237,6 +237,9 @@ class CopyEngine:
                 finally:
                     with self._cv:
                         self._running.discard(job)
+                # Drop the plan now: it borrows session memory, which must not stay
+                # referenced while this thread waits for the next job.
+                del job
         finally:
             ctx.close()
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
@@ -277,3 +280,14 @@ def test_bad_submit_arguments_are_rejected(engine: CopyEngine) -> None:
     with pytest.raises(InvalidArgument, match="owner must be a non-empty string"):
         engine.submit(plan, priority=Priority.DEMAND, owner="")
     assert engine.queued_bytes == 0
+
+
+def test_engine_keeps_no_reference_to_finished_plans(engine: CopyEngine) -> None:
+    plan, srcs, dsts = make_plan()
+    src_ref, dst_ref = weakref.ref(srcs[0]), weakref.ref(dsts[0])
+    engine.submit(plan, priority=Priority.DEMAND, owner="w").result(WAIT)
+    del plan, srcs, dsts
+    deadline = time.monotonic() + WAIT
+    while (src_ref() is not None or dst_ref() is not None) and time.monotonic() < deadline:
+        gc.collect()  # poll: the worker drops the job just after resolving its future
+    assert src_ref() is None and dst_ref() is None
