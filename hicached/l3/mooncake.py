@@ -89,7 +89,8 @@ class MooncakeBackendConfig:
     ``local_buffer_bytes``: the client's own transfer buffer (used by ``get``).
     ``staging_bytes``: the registered buffer for batched ``set``/``get_into``;
     one page frame (32-byte header + page) must fit. ``replicas``: copies per
-    page. ``key_prefix``: prepended to every object key.
+    page. ``key_prefix``: prepended to every object key (empty: this backend
+    shares the whole cluster namespace, and ``clear("")`` empties it).
     ``connect_timeout_s``: the master must accept a TCP connection within
     this time at start (the Mooncake client itself retries for ~90 s).
     """
@@ -448,7 +449,7 @@ class MooncakeBackend(StorageBackend):
             return BackendStats(
                 pages=self._pages,
                 bytes=self._bytes,
-                capacity_bytes=self.config.global_segment_bytes,
+                capacity_bytes=0,  # the cluster's segments, not ours: unknown to a client
                 hits=self._hits,
                 misses=self._misses,
                 corrupt_pages=self._corrupt,
