@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+import tests.sglang.env  # noqa: F401  (must precede the SGLang imports)
+
+# isort: split
 from sglang.srt.mem_cache.device_pool_info import (
     KVBufferLayout,
     KVBuffers,
@@ -28,8 +32,6 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-import tests.sglang.env  # noqa: F401  (must precede the SGLang imports)
 
 DTYPE = torch.bfloat16
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")

@@ -1,0 +1,182 @@
+"""Pages shared (or not) between SGLang storage instances through one daemon.
+
+Sharing follows SGLang's file backend: same model and rank (or any rank for
+MLA) share; another TP rank of an MHA model, another model, another tenant or
+another cache_salt never hits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hicached_client.sglang import HiCachedStorage
+
+from tests.integration.daemon import Daemon, start_daemon
+from tests.sglang.pools import (
+    PoolShape,
+    StorageFactory,
+    digest,
+    make_host_pool,
+    page_bits,
+    sglang_keys,
+    unique_model,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _copy_pages(
+    writer: Any, reader: Any, pool_w: Any, pool_r: Any, keys: list[str]
+) -> tuple[list[bool], bool]:
+    src = pool_w.alloc(len(keys) * pool_w.page_size)
+    assert writer.batch_set_v1(keys, src) == [True] * len(keys)
+    dst = pool_r.alloc(len(keys) * pool_r.page_size)
+    got = reader.batch_get_v1(keys, dst)
+    return got, page_bits(pool_r, dst) == page_bits(pool_w, src)
+
+
+def test_two_instances_of_one_model_share_pages(storages: StorageFactory) -> None:
+    model = unique_model()
+    pool_a, pool_b = make_host_pool(PoolShape()), make_host_pool(PoolShape())
+    a = storages.make(pool_a, model=model)
+    b = storages.make(pool_b, model=model)
+    assert a.config.instance_id != b.config.instance_id
+    got, exact = _copy_pages(a, b, pool_a, pool_b, sglang_keys(5, 4))
+    assert got == [True] * 5 and exact
+
+
+def test_mha_tp_ranks_never_see_each_others_pages(storages: StorageFactory) -> None:
+    model = unique_model()
+    pools = [make_host_pool(PoolShape()) for _ in range(2)]
+    ranks = [storages.make(p, model=model, tp_rank=r, tp_size=2) for r, p in enumerate(pools)]
+    keys = sglang_keys(3, 4)
+    # Both ranks write the same keys with their own shard's bytes.
+    idx = [p.alloc(12) for p in pools]
+    for rank, i in zip(ranks, idx, strict=True):
+        assert rank.batch_set_v1(keys, i) == [True] * 3
+    for rank, pool, i in zip(ranks, pools, idx, strict=True):
+        dst = pool.alloc(12)
+        assert rank.batch_get_v1(keys, dst) == [True] * 3
+        assert page_bits(pool, dst) == page_bits(pool, i)
+    only0 = sglang_keys(2, 4, first=1000)
+    ranks[0].batch_set_v1(only0, pools[0].alloc(8))
+    assert ranks[1].batch_exists(only0) == 0
+
+
+def test_mla_pages_are_shared_across_tp_ranks(storages: StorageFactory) -> None:
+    model = unique_model()
+    pools = [make_host_pool(PoolShape(mla=True, layout="page_first")) for _ in range(2)]
+    r0 = storages.make(pools[0], model=model, tp_rank=0, tp_size=2)
+    r1 = storages.make(pools[1], model=model, tp_rank=1, tp_size=2)
+    got, exact = _copy_pages(r0, r1, pools[0], pools[1], sglang_keys(4, 4))
+    assert got == [True] * 4 and exact
+
+
+@pytest.mark.parametrize("other", ["model", "tenant", "cache_salt", "pp_rank"])
+def test_other_namespace_never_hits(storages: StorageFactory, other: str) -> None:
+    model = unique_model()
+    pool = make_host_pool(PoolShape())
+    writer = storages.make(pool, model=model, tenant="team-a", pp_size=2)
+    keys = sglang_keys(3, 4)
+    assert writer.batch_set_v1(keys, pool.alloc(12)) == [True] * 3
+    same = storages.make(make_host_pool(PoolShape()), model=model, tenant="team-a", pp_size=2)
+    assert same.batch_exists(keys) == 3
+    kwargs: dict[str, Any] = {"model": model, "tenant": "team-a", "pp_size": 2}
+    probe_keys = keys
+    if other == "model":
+        kwargs["model"] = unique_model()
+    elif other == "tenant":
+        kwargs["tenant"] = "team-b"
+    elif other == "pp_rank":
+        kwargs["pp_rank"] = 1
+    else:
+        # SGLang seeds the key chain with the request's cache_salt.
+        probe_keys = sglang_keys(3, 4, cache_salt="salt")
+        assert probe_keys != keys
+    reader = storages.make(make_host_pool(PoolShape()), **kwargs)
+    assert reader.batch_exists(probe_keys) == 0
+    assert reader.batch_get_v1(probe_keys, reader.links["kv"].binding.host_pool.alloc(12)) == [False] * 3
+
+
+def test_clear_of_one_tenant_keeps_the_other(storages: StorageFactory) -> None:
+    model = unique_model()
+    pool = make_host_pool(PoolShape())
+    a = storages.make(pool, model=model, tenant="a")
+    b = storages.make(pool, model=model, tenant="b")
+    keys = sglang_keys(2, 4)
+    a.batch_set_v1(keys, pool.alloc(8))
+    b.batch_set_v1(keys, pool.alloc(8))
+    assert a.clear() is True
+    assert (a.batch_exists(keys), b.batch_exists(keys)) == (0, 2)
+
+
+def _worker(daemon: Daemon, **args: Any) -> subprocess.Popen[str]:
+    payload = json.dumps({"target": daemon.target, **args})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.sglang.worker", payload],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def test_rank_processes_agree_on_pages_written_by_another_process(
+    daemon: Daemon, storages: StorageFactory
+) -> None:
+    """One process writes; two MLA TP-rank processes read concurrently, and so does this one."""
+    model = unique_model("proc")
+    shape = {"mla": True, "layout": "layer_first"}
+    keys = sglang_keys(6, 4)
+    writer = _result(
+        _worker(daemon, op="write", seed=7, keys=keys, shape=shape, storage={"model": model, "tp_size": 2})
+    )
+    assert writer["results"] == [True] * 6
+    readers = [
+        _worker(
+            daemon, op="read", keys=keys, shape=shape, storage={"model": model, "tp_rank": r, "tp_size": 2}
+        )
+        for r in range(2)
+    ]
+    pool = make_host_pool(PoolShape(mla=True, layout="layer_first"))
+    local = storages.make(pool, model=model, tp_rank=1, tp_size=2)
+    dst = pool.alloc(24)
+    assert local.batch_get_v1(keys, dst) == [True] * 6
+    results = [_result(p) for p in readers]
+    for r in results:
+        assert r["results"] == [True] * 6
+    assert {r["digest"] for r in results} == {writer["digest"]} == {digest(page_bits(pool, dst))}
+
+
+def test_a_daemon_outage_reads_as_misses_and_failed_writes() -> None:
+    d = start_daemon()
+    factory = StorageFactory(d.target)
+    try:
+        pool = make_host_pool(PoolShape())
+        storage: HiCachedStorage = factory.make(pool, model=unique_model(), timeout_s=2.0)
+        keys = sglang_keys(2, 4)
+        assert storage.batch_set_v1(keys, pool.alloc(8)) == [True, True]
+        d.stop()
+        assert storage.batch_set_v1(sglang_keys(2, 4, first=99), pool.alloc(8)) == [False, False]
+        assert storage.batch_get_v1(keys, pool.alloc(8)) == [False, False]
+        assert storage.batch_exists(keys) == 0
+        assert storage.get(keys[0]) is None
+        assert storage.batch_set(keys, [pool.get_dummy_flat_data_page()] * 2) is False
+    finally:
+        factory.close_all()
+        d.stop()
