@@ -209,12 +209,16 @@ def make_index() -> Iterator[Callable[..., ContentIndex]]:
 
 def write_pages(group: HostPoolGroup, n: int, seed: int) -> dict[str, np.ndarray]:
     """Allocate ``n`` pages of every independent pool and fill them (derived pools too)
-    with bytes determined by ``seed``; returns the pages per independent pool."""
+    with bytes determined by ``seed``; returns the pages per independent pool.
+    AssertionError, with nothing allocated, when a pool is full."""
     pages: dict[str, np.ndarray] = {}
     for entry in group.entries:
         if entry.indices_from_pool is None:
             got = entry.host_pool.allocator.alloc(n)
-            assert got is not None, f"pool {entry.name} is full"
+            if got is None:
+                for name, taken in pages.items():  # all or nothing, like a worker's resolve
+                    group.free(taken, pool=name)
+                raise AssertionError(f"pool {entry.name} is full")
             pages[entry.name] = got
     for entry in group.entries:
         source = pages[entry.indices_from_pool or entry.name]
