@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicached.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
+from hicached.errors import Cancelled, InvalidArgument, OutOfRange, ResourceExhausted, Unavailable
 from hicached.transfer import CopyEngine, CopyPlan, Direction, LayerStep, PageCopy, Priority
 
 PAGES = 4
@@ -211,7 +211,7 @@ def test_a_failing_copy_fails_only_its_future(engine: CopyEngine) -> None:
         dst_pages=np.array([1, 0]),
     )
     bad = CopyPlan(Direction.D2H, (LayerStep(0, (bad_copy,)),), 16, {}, {})
-    with pytest.raises(IndexError):
+    with pytest.raises(OutOfRange, match=r"source page 5 is out of range \[0, 2\)"):
         engine.submit(bad, priority=Priority.DEMAND, owner="w").result(WAIT)
     engine.submit(plan, priority=Priority.DEMAND, owner="w").result(WAIT)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicached.errors import InvalidArgument
+from hicached.errors import InvalidArgument, OutOfRange
 from hicached.transfer import Medium
 from hicached.transfer.plan import PageCopy
 from hicached.transfer.routes import CopyContext, Run, Staging, copy_cpu_cpu, route, runs, word_rows
@@ -165,3 +165,31 @@ def test_large_scatter_split_across_helper_threads_is_byte_exact() -> None:
     expected[torch.from_numpy(dp)] = src
     assert torch.equal(dst, expected)
     assert torch.equal(small[torch.from_numpy(dp[:100])], src[:100])
+
+
+def test_large_gather_into_a_run_is_split_and_byte_exact() -> None:
+    gen = torch.Generator().manual_seed(13)
+    src = torch.randint(0, 1 << 62, (1200, 2048), dtype=torch.int64, generator=gen)
+    dst = torch.zeros(700, 2048, dtype=torch.int64)
+    sp = np.random.default_rng(14).permutation(1200)[:600].astype(np.int64)
+    with CountingExecutor(3) as helpers:
+        copy_cpu_cpu(
+            PageCopy(src, dst, sp, np.arange(50, 650, dtype=np.int64)),
+            CopyContext(helpers=helpers, parallelism=2),
+        )
+        assert helpers.submitted == 1
+    assert torch.equal(dst[50:650], src[torch.from_numpy(sp)])
+    assert torch.count_nonzero(dst[:50]) == 0 and torch.count_nonzero(dst[650:]) == 0
+
+
+@pytest.mark.parametrize(
+    ("sp", "dp", "needle"), [([0, 9], [1, 2], "source page 9"), ([0, 1], [2, -1], "page -1")]
+)
+def test_out_of_range_pages_fail_before_any_write(sp: list[int], dp: list[int], needle: str) -> None:
+    src = torch.ones(8, 16, dtype=torch.int64)
+    dst = torch.zeros(8, 16, dtype=torch.int64)
+    with pytest.raises(OutOfRange, match=needle):
+        copy_cpu_cpu(
+            PageCopy(src, dst, np.array(sp, dtype=np.int64), np.array(dp, dtype=np.int64)), CopyContext()
+        )
+    assert torch.count_nonzero(dst) == 0
