@@ -28,6 +28,7 @@ from hicached.transfer.plan import PageCopy
 from hicached.transfer.routes import (
     CopyContext,
     Staging,
+    check_bounds,
     few_runs,
     matched_rows,
     register_route,
@@ -227,6 +228,8 @@ def copy_with_cuda(copy: PageCopy, ctx: CopyContext) -> None:
     n = len(sp)
     if n == 0:
         return
+    check_bounds("source", sp, src.shape[0])
+    check_bounds("destination", dp, dst.shape[0])
     with torch.cuda.device(device), torch.cuda.stream(stream):
         both = few_runs(sp, dp, n=n)
         if both is not None:

@@ -255,8 +255,8 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
     n = len(sp)
     if n == 0:
         return
-    _check_bounds("source", sp, src.shape[0])
-    _check_bounds("destination", dp, dst.shape[0])
+    check_bounds("source", sp, src.shape[0])
+    check_bounds("destination", dp, dst.shape[0])
     both = few_runs(sp, dp, n=n)
     if both is not None:
         for r in both:
@@ -283,7 +283,8 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
         scatter_rows(dst, dp[a:b], stage, ctx)
 
 
-def _check_bounds(side: str, pages: np.ndarray, limit: int) -> None:
+def check_bounds(side: str, pages: np.ndarray, limit: int) -> None:
+    """OutOfRange unless every page is in [0, limit) (kernels below must never see a bad index)."""
     lo, hi = int(pages.min()), int(pages.max())
     if lo < 0 or hi >= limit:
         bad = lo if lo < 0 else hi
