@@ -445,14 +445,21 @@ class ContentIndex:
         seconds = time.perf_counter() - started
         ok = self._view.whole_keys(results)
         stored = sum(ok)
+        orphans: list[str] = []
         with self._lock:
             for entry, good in zip(live, ok, strict=True):
-                if good:
-                    entry.in_l3 = True
-                    if entry.tenant:
-                        self._l3_tenant_keys.setdefault(entry.tenant, set()).add(entry.key)
+                if not good:
+                    continue
+                if entry.cleared:  # clear() ran while we wrote: it must not come back
+                    orphans.append(entry.key)
+                    continue
+                entry.in_l3 = True
+                if entry.tenant:
+                    self._l3_tenant_keys.setdefault(entry.tenant, set()).add(entry.key)
             self._counts["backed_up"] += stored
             self._counts["backup_failed"] += len(live) - stored
+        if orphans:
+            self.backend.delete(self._view.l3_keys(self.namespace, orphans))
         if stored:
             self._obs.backed_up(stored, stored * self._view.key_bytes, seconds)
         return stored, stored == len(live)

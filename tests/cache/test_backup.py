@@ -213,3 +213,22 @@ def test_write_back_flush_persists_more_than_the_queue_holds(
     assert index.flush(timeout_s=30) == 10
     assert l3_run(l3_backend, index, keys) == 10
     assert index.stats().dropped_backup_pages == 0
+
+
+def test_clear_during_a_backup_leaves_nothing_of_the_tenant_in_l3(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    backend = GatedSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend)
+    keys = keys_of("z", 4)
+    index.publish(keys, write_pages(group, 4, seed=12), tenant="gone")
+    assert backend.entered.acquire(timeout=30)  # the write-through batch is being written
+    assert index.clear("gone") == (4, 0)
+    assert group.available() == 4  # the pages being written are still held
+    backend.gate.set()
+    index.flush(timeout_s=30)
+    assert group.available() == 8
+    assert l3_run(backend, index, keys) == 0
+    assert index.lookup(keys) == LookupResult(0, 0)
+    backend.inner.close()
