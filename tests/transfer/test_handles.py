@@ -260,3 +260,14 @@ def test_registered_opener_kind_is_used_and_each_allocation_closed_exactly_once(
     mappings.close()
     mappings.close()
     assert sorted(opener.closes) == ["a", "b", "c"]
+
+
+def test_well_formed_cuda_handle_that_cannot_be_opened_leaves_nothing_open() -> None:
+    # Without CUDA: FailedPrecondition (no device); with CUDA: the driver refuses a made-up handle.
+    mappings = DeviceMappings()
+    spec = BufferSpec(CudaIpcBufferHandle(GOOD_IPC, 0, 0, 128), (4, 2, 8), torch.float16)
+    expected = FailedPrecondition if not torch.cuda.is_available() else (FailedPrecondition, NotFound)
+    with pytest.raises(expected):
+        mappings.open(spec)
+    assert mappings.open_count == 0
+    mappings.close()
