@@ -89,8 +89,9 @@ class CopyEngine:
             threading.Thread(target=self._worker, name=f"hicached-copy-{i}", daemon=True)
             for i in range(workers)
         ]
-        # Threads that split one worker's large scatters, so a copy uses as many cores
-        # as torch's own index ops would (torch's intra-op thread count).
+        # Threads that split a worker's large numpy gathers/scatters, so one copy uses
+        # as many cores as torch's own index ops would (its intra-op thread count).
+        # Created on first use, joined by close().
         self._parallelism = max(1, torch.get_num_threads())
         self._helpers = (
             ThreadPoolExecutor((self._parallelism - 1) * workers, thread_name_prefix="hicached-copy-helper")
