@@ -365,9 +365,12 @@ def _mooncake_bench(pages: _Pages, workdir: Path) -> dict[str, float]:
     return out
 
 
-def run(quick: bool, workdir: Path | None = None) -> dict[str, float]:
-    """S3 and Mooncake backends beside their bare clients (GB/s); see the module docstring."""
-    pages = _Pages(1000 if quick else 4000)
+def run(quick: bool, workdir: Path | None = None, pages_count: int | None = None) -> dict[str, float]:
+    """S3 and Mooncake backends beside their bare clients (GB/s); see the module docstring.
+
+    1000 pages (quick) or 4000, unless ``pages_count`` says otherwise (tests).
+    """
+    pages = _Pages(pages_count or (1000 if quick else 4000))
     scratch = Path(workdir or tempfile.gettempdir()) / f"bench-l3r-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     results: dict[str, float] = {}
     for name, bench in (("s3", _s3), ("mooncake", _mooncake_bench)):
