@@ -1,7 +1,7 @@
 """The node-wide copy scheduler: every page copy of every worker goes through one engine.
 
 Requests queue per priority and, inside a priority, per submitter (owner), served
-round-robin so one busy worker cannot starve another. The queue is bounded in
+fairly by bytes so one busy worker cannot starve another. The queue is bounded in
 bytes: a request that does not fit is refused at once with ResourceExhausted and a
 retry hint, never queued without limit. Worker threads do the copies; torch releases
 the GIL inside its kernels, so copies of different requests run in parallel.
@@ -63,11 +63,67 @@ class _Job:
     stop_error: Exception | None = None
 
 
+class _FairQueue:
+    """The queued jobs of one priority, served fairly by bytes across owners.
+
+    Start-time fair queuing: each owner with queued work carries the bytes it has
+    been served; the owner with the least goes next (ties in arrival order), so an
+    owner of large copies gets the same bandwidth as one of many small copies. An
+    owner that (re)joins starts no lower than the current virtual time, so idle time
+    cannot be banked. An owner's account lives until :meth:`remove_owner` (its
+    session ended). Not thread-safe: guarded by the engine's lock.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: OrderedDict[str, deque[_Job]] = OrderedDict()
+        self._served: dict[str, int] = {}
+        self._vtime = 0
+        self.count = 0
+
+    def push(self, job: _Job) -> None:
+        jobs = self._jobs.get(job.owner)
+        if jobs is None:
+            jobs = self._jobs[job.owner] = deque()
+            self._served[job.owner] = max(self._served.get(job.owner, 0), self._vtime)
+        jobs.append(job)
+        self.count += 1
+
+    def pop(self) -> _Job | None:
+        if not self._jobs:
+            return None
+        owner = min(self._jobs, key=self._served.__getitem__)  # first of equals: arrival order
+        jobs = self._jobs[owner]
+        job = jobs.popleft()
+        self.count -= 1
+        self._vtime = max(self._vtime, self._served[owner])
+        self._served[owner] += job.plan.nbytes
+        if jobs:
+            self._jobs.move_to_end(owner)
+        else:
+            del self._jobs[owner]  # its served bytes stay until remove_owner()
+        return job
+
+    def remove_owner(self, owner: str) -> list[_Job]:
+        self._served.pop(owner, None)
+        jobs = self._jobs.pop(owner, None)
+        if jobs is None:
+            return []
+        self.count -= len(jobs)
+        return list(jobs)
+
+    def drain(self) -> list[_Job]:
+        jobs = [job for d in self._jobs.values() for job in d]
+        self._jobs.clear()
+        self._served.clear()
+        self.count = 0
+        return jobs
+
+
 class CopyEngine:
     """Node-wide scheduler of every page copy.
 
-    Bounded queue (bytes), priority order, round-robin across owners of the same
-    priority, ``workers`` threads that do the copies. Thread-safe. The engine owns
+    Bounded queue (bytes), priority order, fair by bytes across owners of the same
+    priority (see :class:`_FairQueue`), ``workers`` threads that do the copies. Thread-safe. The engine owns
     its threads and their staging buffers; the tensors in submitted plans are
     borrowed and must stay valid until the returned future is done.
     """
@@ -79,7 +135,7 @@ class CopyEngine:
             raise InvalidArgument(f"max_queued_bytes must be a positive int, got {max_queued_bytes!r}")
         self._max_queued_bytes = max_queued_bytes
         self._cv = threading.Condition()
-        self._queues: dict[Priority, OrderedDict[str, deque[_Job]]] = {p: OrderedDict() for p in Priority}
+        self._queues: dict[Priority, _FairQueue] = {p: _FairQueue() for p in Priority}
         self._queued_bytes = 0
         self._running: set[_Job] = set()
         self._closed = False
@@ -140,7 +196,7 @@ class CopyEngine:
                     retry_after_ms=retry_ms,
                 )
             job = _Job(plan, priority, owner, on_layer, ready, cancel, next(self._seq))
-            self._queues[priority].setdefault(owner, deque()).append(job)
+            self._queues[priority].push(job)
             self._queued_bytes += plan.nbytes
             self._cv.notify()
         return job.future
@@ -153,11 +209,7 @@ class CopyEngine:
         """
         err = Cancelled(f"copies of {owner!r} cancelled")
         with self._cv:
-            dropped: list[_Job] = []
-            for queue in self._queues.values():
-                jobs = queue.pop(owner, None)
-                if jobs:
-                    dropped.extend(jobs)
+            dropped = [job for queue in self._queues.values() for job in queue.remove_owner(owner)]
             self._queued_bytes -= sum(j.plan.nbytes for j in dropped)
             for job in self._running:
                 if job.owner == owner:
@@ -170,7 +222,7 @@ class CopyEngine:
     def queue_depth(self) -> dict[Priority, int]:
         """Queued (not yet started) jobs per priority."""
         with self._cv:
-            return {p: sum(len(d) for d in q.values()) for p, q in self._queues.items()}
+            return {p: q.count for p, q in self._queues.items()}
 
     @property
     def queued_bytes(self) -> int:
@@ -185,9 +237,7 @@ class CopyEngine:
         err = Unavailable("copy engine is shut down")
         with self._cv:
             self._closed = True
-            dropped = [job for q in self._queues.values() for d in q.values() for job in d]
-            for q in self._queues.values():
-                q.clear()
+            dropped = [job for q in self._queues.values() for job in q.drain()]
             self._queued_bytes = 0
             for job in self._running:
                 job.stop_error = err
@@ -216,17 +266,11 @@ class CopyEngine:
                 if self._closed:
                     return None
                 for queue in self._queues.values():  # Priority order: dicts keep insertion order
-                    if not queue:
-                        continue
-                    owner, jobs = next(iter(queue.items()))
-                    job = jobs.popleft()
-                    if jobs:
-                        queue.move_to_end(owner)  # round-robin across owners
-                    else:
-                        del queue[owner]
-                    self._queued_bytes -= job.plan.nbytes
-                    self._running.add(job)
-                    return job
+                    job = queue.pop()
+                    if job is not None:
+                        self._queued_bytes -= job.plan.nbytes
+                        self._running.add(job)
+                        return job
                 self._cv.wait()
 
     def _worker(self) -> None:

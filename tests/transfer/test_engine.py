@@ -291,3 +291,24 @@ def test_engine_keeps_no_reference_to_finished_plans(engine: CopyEngine) -> None
     while (src_ref() is not None or dst_ref() is not None) and time.monotonic() < deadline:
         gc.collect()  # poll: the worker drops the job just after resolving its future
     assert src_ref() is None and dst_ref() is None
+
+
+def test_fairness_is_by_bytes_not_by_job_count(engine: CopyEngine) -> None:
+    gate = Gate()
+    held = gate.hold(engine)
+    order: list[str] = []
+    big, _, _ = make_plan((0, 1, 2, 3))  # 4 units
+    small, _, _ = make_plan((0,))  # 1 unit
+    futs = [
+        engine.submit(big, priority=Priority.WRITE_BACK, owner="a", ready=lambda i=i: order.append(f"A{i}"))
+        for i in range(3)
+    ]
+    futs += [
+        engine.submit(small, priority=Priority.WRITE_BACK, owner="b", ready=lambda i=i: order.append(f"b{i}"))
+        for i in range(6)
+    ]
+    gate.opened.set()
+    for f in [held, *futs]:
+        f.result(WAIT)
+    # Round-robin by jobs would give "a" three times the bandwidth: A0 b0 A1 b1 A2 b2 ...
+    assert order == ["A0", "b0", "b1", "b2", "b3", "A1", "b4", "b5", "A2"]
