@@ -248,9 +248,10 @@ class BackupJob(Generic[E]):
     """An ordered L2 -> L3 backup of entries, in batches; stops at the first failed batch.
 
     ``store(batch) -> (stored, ok)`` writes one batch; ``release(entries,
-    stored)`` is called exactly once per entry, after its batch was
-    written (``stored`` True) or when the job stopped before reaching it
-    (``stored`` False), so the index can drop the holds it took.
+    attempted)`` is called exactly once per entry, after ``store`` returned
+    for its batch (``attempted`` True) or when the job stopped before
+    reaching it or ``store`` raised (``attempted`` False), so the index can
+    drop the holds it took and count what was dropped.
     """
 
     def __init__(
@@ -274,12 +275,14 @@ class BackupJob(Generic[E]):
 
     def step(self) -> bool:
         batch = self._batches.popleft()
-        stored, ok = 0, False
+        stored, ok, returned = 0, False, False
         try:
             stored, ok = self._store(batch)
+            returned = True
         finally:
             self._stored += stored
-            self._release(batch, True)
+            # A store that raised accounted for nothing: its batch counts as dropped.
+            self._release(batch, returned)
             if not ok:
                 self._stop()
         if not self._batches:

@@ -97,7 +97,7 @@ def test_a_raising_step_abandons_its_job_and_the_thread_survives() -> None:
         scheduler.submit(job, IoPriority.BACKUP)
         assert job.wait(30)
         assert job.failed and job.stored_pages == 0
-        assert released == [([1, 2], True), ([3], False)]
+        assert released == [([1, 2], False), ([3], False)]
         after = Recorder("after", [])
         scheduler.submit(after, IoPriority.BACKUP)
         assert after.done.wait(30)
