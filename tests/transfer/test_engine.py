@@ -312,3 +312,18 @@ def test_fairness_is_by_bytes_not_by_job_count(engine: CopyEngine) -> None:
         f.result(WAIT)
     # Round-robin by jobs would give "a" three times the bandwidth: A0 b0 A1 b1 A2 b2 ...
     assert order == ["A0", "b0", "b1", "b2", "b3", "A1", "b4", "b5", "A2"]
+
+
+def test_close_joins_the_helper_threads_of_large_copies() -> None:
+    engine = CopyEngine(workers=2)
+    src = torch.ones(1200, 2048, dtype=torch.int64)  # 16 KiB pages, 600 of them = 9.4 MiB
+    dst = torch.zeros(1200, 2048, dtype=torch.int64)
+    sp = np.arange(600, dtype=np.int64)
+    dp = np.random.default_rng(0).permutation(1200)[:600].astype(np.int64)
+    plan = CopyPlan(Direction.H2D, (LayerStep(0, (PageCopy(src, dst, sp, dp),)),), 600 * 2048 * 8, {}, {})
+    engine.submit(plan, priority=Priority.DEMAND, owner="w").result(WAIT)
+    assert int(dst.sum()) == 600 * 2048
+    if torch.get_num_threads() > 1:
+        assert [t for t in threading.enumerate() if t.name.startswith("hicached-copy-helper")]
+    engine.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("hicached-copy")]
