@@ -66,6 +66,10 @@ __all__ = ["ContentIndex"]
 
 logger = logging.getLogger(__name__)
 
+# Process-wide, so a pin handed to the wrong index is refused rather than
+# releasing someone else's pages.
+_PIN_IDS = itertools.count(1)
+
 
 class ContentIndex:
     """Content key -> L2 pages of one host pool group, with L3 behind it.
@@ -121,7 +125,6 @@ class ContentIndex:
         self._entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
         self._owned = [np.zeros(a.capacity, dtype=bool) for a in self._view.allocators]
         self._pins: dict[int, tuple[Entry, ...]] = {}
-        self._pin_ids = itertools.count(1)
         self._pinned_entries = 0
         self._queued_pages = 0
         self._l3_tenant_keys: dict[str, set[str]] = {}
@@ -290,7 +293,7 @@ class ContentIndex:
                 entry.hits += 1
                 if entry.hits >= SELECTIVE_HITS:
                     hot.append(entry)
-            pin_id = next(self._pin_ids)
+            pin_id = next(_PIN_IDS)
             self._pins[pin_id] = tuple(run)
         pages = {
             name: np.fromiter((e.pages[col] for e in run), dtype=np.int64, count=len(run))
@@ -308,9 +311,10 @@ class ContentIndex:
         with self._lock:
             if self._closed:
                 return
-            entries = self._pins.pop(pin.id, None)
-            if entries is None:
-                raise FailedPrecondition(f"pin {pin.id} is not held (released twice?)")
+            entries = self._pins.get(pin.id)
+            if entries is None or tuple(e.key for e in entries) != pin.keys:
+                raise FailedPrecondition(f"pin {pin.id} is not held by this index (released twice?)")
+            del self._pins[pin.id]
             self._drop_refs_locked(entries, pinned=True)
 
     def _drop_refs_locked(self, entries: Iterable[Entry], *, pinned: bool) -> None:

@@ -212,3 +212,16 @@ def test_lookup_without_backend_counts_l2_only(make_group: MakeGroup, make_index
     assert index.lookup(["c", "a"]) == LookupResult(0, 0)
     with pytest.raises(InvalidArgument):
         index.lookup("abc")
+
+
+def test_a_pin_from_another_index_is_refused(make_group: MakeGroup, make_index: MakeIndex) -> None:
+    group_a, group_b = make_group(4), make_group(4)
+    index_a, index_b = make_index(group_a), make_index(group_b, namespace="model-b")
+    index_a.publish(["k"], write_pages(group_a, 1, seed=1))
+    index_b.publish(["k"], write_pages(group_b, 1, seed=2))
+    pin_a, pin_b = index_a.pin(["k"]), index_b.pin(["k"])
+    with pytest.raises(FailedPrecondition, match="not held by this index"):
+        index_b.unpin(pin_a)
+    assert index_b.stats().pinned_entries == 1
+    index_a.unpin(pin_a)
+    index_b.unpin(pin_b)
