@@ -28,6 +28,8 @@ from hicached_client._channel import default_target
 EXTRA_CONFIG_KEY = "hicached"
 # SGLang's own batch size for storage I/O (hicache_storage.STORAGE_BATCH_SIZE).
 DEFAULT_STAGING_PAGES = 128
+# Per direction: bounds the staging area for models with large pages.
+DEFAULT_STAGING_BYTES = 64 << 20
 
 
 class Transport(enum.StrEnum):
@@ -48,7 +50,8 @@ class AdapterConfig:
     ``target``: gRPC target of the daemon. ``tenant``: tenant label; pages of
     different tenants never hit each other and ``clear()`` drops only this
     tenant. ``staging_pages``: pages per daemon call (the shared staging area
-    holds twice that: one half for writes, one for reads). ``host_bytes``: the
+    holds twice that: one half for writes, one for reads), at most
+    ``staging_bytes`` per half (but at least one page). ``host_bytes``: the
     daemon-side L2 size asked for each pool group (0 = the size of SGLang's own
     host pool). ``include_l3``: reads and existence checks also consult the
     daemon's L3. ``instance_id``: names this worker's slots in the daemon
@@ -60,6 +63,7 @@ class AdapterConfig:
     token: str | None = None
     transport: Transport = Transport.SHM
     staging_pages: int = DEFAULT_STAGING_PAGES
+    staging_bytes: int = DEFAULT_STAGING_BYTES
     host_bytes: int = 0
     include_l3: bool = True
     lease_ms: int = 0
@@ -74,6 +78,7 @@ class AdapterConfig:
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise ValueError("hicached.token must be a non-empty string when given")
         _check_int("staging_pages", self.staging_pages, minimum=1)
+        _check_int("staging_bytes", self.staging_bytes, minimum=1)
         _check_int("host_bytes", self.host_bytes, minimum=0)
         _check_int("lease_ms", self.lease_ms, minimum=0)
         if not isinstance(self.include_l3, bool):

@@ -141,7 +141,12 @@ class PoolLink:
         self._closed = False
         self._close_lock = threading.Lock()
         g = binding.geometry
-        half = config.staging_pages if config.transport is Transport.SHM else 1
+        # The bytes transport only needs a staging area for the attach itself.
+        half = (
+            max(1, min(config.staging_pages, config.staging_bytes // g.page_bytes))
+            if config.transport is Transport.SHM
+            else 1
+        )
         self._staging = StagingArea(segment_name, g, half)
         try:
             k_bufs, v_bufs = self._staging.device_buffers()

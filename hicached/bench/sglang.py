@@ -1,0 +1,276 @@
+"""SGLang L3 through the daemon vs SGLang's own ``HiCacheFile``, measured in one run.
+
+Both backends are built by SGLang 0.5.23's ``StorageBackendFactory`` over the
+same real ``MHATokenToKVPoolHost`` (CPU, ``layer_first``, 64 KiB pages: K and V
+of 8 layers x 8 heads x 64 dims x 4 tokens in fp16) and move the same pages in
+SGLang's batches of 128, the way its cache controller calls them:
+
+* ``hicached_set_gbps`` / ``hicached_get_gbps``: ``HiCachedStorage.batch_set_v1``
+  / ``batch_get_v1`` (host pool -> shared staging -> daemon L2 and back), against
+  a ``hicached serve`` subprocess on a Unix socket.
+* ``hicached_bytes_set_gbps`` / ``hicached_bytes_get_gbps``: the same with
+  ``transport: bytes`` (page bytes inside gRPC messages), the fallback.
+* ``hicachefile_set_gbps`` / ``hicachefile_get_gbps``: ``HiCacheFile.batch_set``
+  / ``batch_get`` of flat data pages (SGLang's generic page path for the file
+  backend: one file per page) in a temporary directory.
+* ``set_ratio`` / ``get_ratio``: hicached over HiCacheFile (higher is better).
+* ``memcpy_gbps``: one contiguous copy of the same bytes, the machine's limit.
+
+Reads are checked byte-exact (a mismatch raises). GB/s are 10**9 bytes per
+second. Needs SGLang installed (the ``sglang`` extra of the client); nothing
+is printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from hicached_client import HiCacheClient, HiCacheError
+from hicached_client.sglang.cpu_compat import ensure_sglang_importable
+
+__all__ = ["run"]
+
+BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
+LAYERS, HEADS, HEAD_DIM, PAGE_SIZE = 8, 8, 64, 4
+DTYPE = torch.float16
+PAGE_BYTES = 2 * LAYERS * HEADS * HEAD_DIM * PAGE_SIZE * DTYPE.itemsize  # 64 KiB
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _daemon(workdir: Path, host_budget: str) -> Iterator[str]:
+    sock = workdir / "d.sock"
+    log = (workdir / "daemon.log").open("wb")
+    cmd = [sys.executable, "-m", "hicached", "serve", "--socket", str(sock), "--l3", "none"]
+    cmd += ["--host-budget", host_budget, "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    target = f"unix://{sock}"
+    try:
+        with HiCacheClient(target, timeout_s=5.0) as client:
+            deadline = time.monotonic() + 60
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"daemon exited with {proc.returncode}: {(workdir / 'daemon.log').read_text()}"
+                    )
+                try:
+                    client.ping(timeout_s=1.0)
+                    break
+                except HiCacheError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)  # readiness poll with a deadline
+        yield target
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _host_pool(num_pages: int) -> Any:
+    from sglang.srt.mem_cache.device_pool_info import (  # type: ignore[import-untyped]
+        KVBufferLayout,
+        KVBuffers,
+        MHABufferInfo,
+    )
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # type: ignore[import-untyped]
+
+    # Device buffers are only described (their pointers), never copied here.
+    k = tuple(torch.empty(PAGE_SIZE, HEADS, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
+    v = tuple(torch.empty(PAGE_SIZE, HEADS, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
+
+    def ptrs(bufs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64)
+
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
+        page_size=PAGE_SIZE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=DTYPE,
+        device=torch.device("cpu"),
+    )
+    # Room for the pages written and a second copy read back.
+    tokens = 2 * num_pages * PAGE_SIZE
+    pool = MHATokenToKVPoolHost(
+        info,
+        1.0,
+        0,
+        PAGE_SIZE,
+        "layer_first",
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
+    bits = pool.kv_buffer.view(torch.int16)
+    bits.copy_(torch.randint(-(2**15), 2**15, bits.shape, dtype=torch.int16))
+    return pool
+
+
+def _storage_config(model: str, extra: dict[str, Any]) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # type: ignore[import-untyped]
+
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name=model,
+        extra_config=extra,
+    )
+
+
+def _batches(n: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + BATCH, n)) for lo in range(0, n, BATCH)]
+
+
+def _hicached(
+    pool: Any, target: str, keys: list[str], src: torch.Tensor, transport: str
+) -> tuple[float, float]:
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # type: ignore[import-untyped]
+
+    extra = {
+        "backend_name": "hicached",
+        "module_path": "hicached_client.sglang",
+        "class_name": "HiCachedStorage",
+        "interface_v1": 1,
+        "hicached": {
+            "target": target,
+            "transport": transport,
+            "staging_pages": BATCH,
+            "host_bytes": (len(keys) + BATCH) * PAGE_BYTES,
+        },
+    }
+    storage = StorageBackendFactory.create_backend(
+        "dynamic", _storage_config(f"bench/{transport}-{uuid.uuid4().hex[:8]}", extra), pool
+    )
+    storage.register_mem_pool_host(pool)
+    n = len(keys)
+    dst = pool.alloc(n * PAGE_SIZE)
+    try:
+
+        def put() -> None:
+            for lo, hi in _batches(n):
+                if not all(storage.batch_set_v1(keys[lo:hi], src[lo * PAGE_SIZE : hi * PAGE_SIZE])):
+                    raise RuntimeError("hicached batch_set_v1 failed")
+
+        def get() -> None:
+            for lo, hi in _batches(n):
+                if not all(storage.batch_get_v1(keys[lo:hi], dst[lo * PAGE_SIZE : hi * PAGE_SIZE])):
+                    raise RuntimeError("hicached batch_get_v1 missed")
+
+        t_set, t_get = _timed(put), _timed(get)
+        _check_same(pool, src, dst)
+        return t_set, t_get
+    finally:
+        pool.free(dst)
+        storage.close()
+
+
+def _hicachefile(pool: Any, keys: list[str], src: torch.Tensor, directory: Path) -> tuple[float, float]:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile  # type: ignore[import-untyped]
+
+    extra = {"file_storage_path": str(directory), "enable_metadata_cache": False}
+    storage = HiCacheFile(_storage_config("bench/file", extra))
+    n = len(keys)
+    dst = pool.alloc(n * PAGE_SIZE)
+    try:
+        # SGLang's generic page path (cache_controller._generic_page_set/_get).
+        def put() -> None:
+            for lo, hi in _batches(n):
+                data = [pool.get_data_page(int(src[i * PAGE_SIZE])) for i in range(lo, hi)]
+                if not storage.batch_set(keys[lo:hi], data):
+                    raise RuntimeError("HiCacheFile batch_set failed")
+
+        def get() -> None:
+            for lo, hi in _batches(n):
+                targets = [pool.get_dummy_flat_data_page() for _ in range(lo, hi)]
+                pages = storage.batch_get(keys[lo:hi], targets)
+                for i, page in zip(range(lo, hi), pages, strict=True):
+                    if page is None:
+                        raise RuntimeError("HiCacheFile batch_get missed")
+                    pool.set_from_flat_data_page(int(dst[i * PAGE_SIZE]), page)
+
+        t_set, t_get = _timed(put), _timed(get)
+        _check_same(pool, src, dst)
+        return t_set, t_get
+    finally:
+        pool.free(dst)
+
+
+def _check_same(pool: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
+    for a, b in zip(src[::PAGE_SIZE].tolist(), dst[::PAGE_SIZE].tolist(), strict=True):
+        if not torch.equal(pool.get_data_page(a).view(torch.int16), pool.get_data_page(b).view(torch.int16)):
+            raise RuntimeError(f"page read back from host slot {b} differs from slot {a}")
+
+
+def _memcpy_gbps(nbytes: int) -> float:
+    a = torch.ones(nbytes, dtype=torch.uint8)
+    b = torch.zeros(nbytes, dtype=torch.uint8)
+    b.copy_(a)  # warm
+    return _gbps(nbytes, min(_timed(lambda: b.copy_(a)) for _ in range(3)))
+
+
+def run(quick: bool) -> dict[str, float]:
+    """Throughput of SGLang's storage calls through the daemon vs HiCacheFile (GB/s, ratios)."""
+    ensure_sglang_importable()
+    num_pages = 256 if quick else 2000
+    nbytes = num_pages * PAGE_BYTES
+    pool = _host_pool(num_pages)
+    src = pool.alloc(num_pages * PAGE_SIZE)
+    keys = [f"bench{uuid.uuid4().hex[:8]}{i:06d}" for i in range(num_pages)]
+    workdir = Path(tempfile.mkdtemp(prefix="hicached-bench-sglang-"))
+    try:
+        budget = f"{max(256, 3 * nbytes >> 20)}MiB"
+        with _daemon(workdir, budget) as target:
+            h_set, h_get = _hicached(pool, target, keys, src, "shm")
+            b_set, b_get = _hicached(pool, target, keys, src, "bytes")
+        f_set, f_get = _hicachefile(pool, keys, src, workdir / "file")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    results = {
+        "pages": float(num_pages),
+        "page_bytes": float(PAGE_BYTES),
+        "hicached_set_gbps": _gbps(nbytes, h_set),
+        "hicached_get_gbps": _gbps(nbytes, h_get),
+        "hicached_bytes_set_gbps": _gbps(nbytes, b_set),
+        "hicached_bytes_get_gbps": _gbps(nbytes, b_get),
+        "hicachefile_set_gbps": _gbps(nbytes, f_set),
+        "hicachefile_get_gbps": _gbps(nbytes, f_get),
+        "memcpy_gbps": _memcpy_gbps(nbytes),
+    }
+    results["set_ratio"] = f_set / h_set if h_set > 0 else 0.0
+    results["get_ratio"] = f_get / h_get if h_get > 0 else 0.0
+    return results
