@@ -1,0 +1,52 @@
+"""Flags shared by the commands that build a configuration (serve, config show)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from hicached.config import Config, resolve
+
+# flag dest -> dotted configuration key
+CONFIG_FLAGS: dict[str, tuple[str, str]] = {
+    "socket": ("server.socket", "Unix socket path"),
+    "listen": ("server.listen", "also listen on TCP HOST:PORT"),
+    "metrics_port": ("server.metrics_port", "serve Prometheus /metrics on this port (0 = any)"),
+    "host_budget": ("host.budget", "node-wide host memory budget, e.g. 8GiB"),
+    "l3": ("l3.backend", "L3 backend: file, redis, s3, mooncake or none"),
+    "l3_path": ("l3.path", "directory of the file backend"),
+    "l3_url": ("l3.url", "address of a remote L3 backend"),
+    "lease_ms": ("sessions.lease_ms", "default session lease in milliseconds"),
+    "log_level": ("log.level", "debug, info, warning or error"),
+    "log_format": ("log.format", "text or json"),
+}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML configuration file (default: $HICACHED_CONFIG)")
+    for dest, (key, help_text) in CONFIG_FLAGS.items():
+        parser.add_argument(
+            "--" + dest.replace("_", "-"), dest=dest, metavar=key.split(".")[1].upper(), help=help_text
+        )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="set any configuration key (repeatable)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    cli: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"hicached: --set expects SECTION.KEY=VALUE, got {item!r}")
+        cli[key.strip()] = value
+    for dest, (key, _) in CONFIG_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            cli[key] = value
+    return resolve(cli=cli, file=args.config)

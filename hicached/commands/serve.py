@@ -1,0 +1,33 @@
+"""``hicached serve``: run the daemon until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from hicached.commands._common import add_config_flags, config_from_args
+from hicached.config import ConfigError
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the hicached daemon (gRPC on a Unix socket by default) until SIGTERM/SIGINT.",
+    )
+    add_config_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"hicached: configuration error: {exc}", file=sys.stderr)
+        return 2
+    from hicached.daemon import run_daemon
+    from hicached.logs import setup_logging
+
+    setup_logging(config.log.level, config.log.format)
+    return run_daemon(config)

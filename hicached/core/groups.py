@@ -1,0 +1,358 @@
+"""Host pool groups shared by the workers of one model/layout, within one budget.
+
+A group is keyed by what must match for two workers to share host pages: the
+model, the TP/PP position (MLA pools are identical on every TP rank, so an
+all-MLA group ignores the TP rank) and the exact pool specs. A restarted or
+replicated worker with the same key re-joins the group, so its warm L2 pages
+(and the content index over them) outlive the worker.
+
+Thread-safety: ``GroupRegistry`` has one lock for its map and the budget;
+``GroupState`` has one lock for the in-flight page counts that defer frees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicached.config import HostConfig
+from hicached.core.types import PoolRequest, PoolRole, PoolState, WorkerId
+from hicached.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hicached.l2.group import HostPoolGroup, PoolEntry, PoolTransfer
+from hicached.l2.host_pool import HostKVPool, create_host_pool
+from hicached.l2.layout import PoolKind, host_pages_for
+
+logger = logging.getLogger(__name__)
+
+
+def group_key(worker: WorkerId, pools: Sequence[PoolRequest]) -> tuple[object, ...]:
+    all_mla = all(p.spec.kind is PoolKind.MLA for p in pools)
+    tp = (0, 0) if all_mla else (worker.tp_rank, worker.tp_size)
+    return (
+        worker.model_name,
+        tp,
+        (worker.pp_rank, worker.pp_size),
+        tuple(sorted(p.signature() for p in pools)),
+    )
+
+
+def group_id_for(key: tuple[object, ...]) -> str:
+    """Stable across daemon restarts (it namespaces L3 keys)."""
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+
+
+def _layer_mapper(layer_ids: Sequence[int], num_layers: int) -> Callable[[int], int | None]:
+    ids = list(layer_ids) if layer_ids else list(range(num_layers))
+    table = {g: i for i, g in enumerate(ids) if g >= 0}
+    return table.get
+
+
+def validate_pool_requests(pools: Sequence[PoolRequest]) -> None:
+    """Group-level rules checked before anything is allocated."""
+    if not pools:
+        raise InvalidArgument("attach needs at least one pool")
+    names = [p.name for p in pools]
+    for name in names:
+        if not name:
+            raise InvalidArgument("pool name must not be empty")
+        if names.count(name) > 1:
+            raise AlreadyExists(f"duplicate pool name {name!r} in attach")
+    anchors = [p.name for p in pools if p.role is PoolRole.ANCHOR]
+    if len(anchors) != 1:
+        raise InvalidArgument(f"a pool group needs exactly one anchor pool, got {len(anchors)}: {anchors}")
+    for p in pools:
+        if p.role is PoolRole.DERIVED:
+            if p.indices_from_pool not in names or p.indices_from_pool == p.name:
+                raise InvalidArgument(
+                    f"derived pool {p.name!r} reuses indices of {p.indices_from_pool!r}, "
+                    f"which is not another pool of this attach (pools: {names})"
+                )
+        elif p.indices_from_pool:
+            raise InvalidArgument(f"pool {p.name!r}: indices_from_pool is only valid for derived pools")
+        if p.layer_ids and len(p.layer_ids) != p.spec.num_layers:
+            raise InvalidArgument(
+                f"pool {p.name!r}: layer_ids has {len(p.layer_ids)} entries, expected num_layers={p.spec.num_layers}"
+            )
+        if not 0 <= p.packed_draft_layers <= p.spec.num_layers:
+            raise InvalidArgument(
+                f"pool {p.name!r}: packed_draft_layers={p.packed_draft_layers} exceeds num_layers={p.spec.num_layers}"
+            )
+        want_v = p.spec.num_kv == 2
+        if len(p.k_buffers) != p.spec.num_layers or len(p.v_buffers) != (p.spec.num_layers if want_v else 0):
+            raise InvalidArgument(
+                f"pool {p.name!r}: expected {p.spec.num_layers} k_buffers and "
+                f"{p.spec.num_layers if want_v else 0} v_buffers, got {len(p.k_buffers)} and {len(p.v_buffers)}"
+            )
+        for i, buf in enumerate((*p.k_buffers, *p.v_buffers)):
+            if len(buf.shape) != 3 or buf.shape[0] <= 0 or buf.shape[0] % p.spec.page_size:
+                raise InvalidArgument(
+                    f"pool {p.name!r} buffer {i}: shape {list(buf.shape)} must be (tokens, heads, dim) "
+                    f"with tokens a positive multiple of page_size={p.spec.page_size}"
+                )
+
+
+@dataclass
+class GroupState:
+    """One shared host pool group, its in-flight page counts and its content index."""
+
+    group_id: str
+    model_name: str
+    group: HostPoolGroup
+    nbytes: int
+    index: object | None = None  # hicached.cache.ContentIndex, set by the core
+    last_used: float = field(default_factory=time.monotonic)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _busy: dict[str, np.ndarray] = field(default_factory=dict)
+    _pending: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for entry in self.group.entries:
+            total = entry.host_pool.total_pages
+            self._busy[entry.name] = np.zeros(total, dtype=np.int32)
+            self._pending[entry.name] = np.zeros(total, dtype=bool)
+
+    def pool(self, name: str) -> HostKVPool:
+        return self.group.get_pool(name)
+
+    def states(self) -> tuple[PoolState, ...]:
+        out = []
+        for e in self.group.entries:
+            p = e.host_pool
+            role = (
+                PoolRole.ANCHOR
+                if e.is_primary_index_anchor
+                else PoolRole.DERIVED
+                if e.indices_from_pool
+                else PoolRole.SIDECAR
+            )
+            out.append(
+                PoolState(
+                    name=e.name,
+                    role=role,
+                    layout=p.layout,
+                    page_size=p.page_size,
+                    total_pages=p.num_pages,
+                    free_pages=p.allocator.available(),
+                    page_bytes=p.page_bytes,
+                    segment=p.segment.name,
+                )
+            )
+        return tuple(out)
+
+    def owning_pools(self) -> list[str]:
+        """Pools that allocate their own pages (not derived)."""
+        return [e.name for e in self.group.entries if not e.indices_from_pool]
+
+    # -- in-flight copies defer frees (a free racing a copy must not recycle its pages)
+
+    def acquire(self, pages: Iterable[tuple[str, np.ndarray]]) -> None:
+        with self._lock:
+            for name, idx in pages:
+                np.add.at(self._busy[name], idx, 1)
+
+    def release(self, pages: Iterable[tuple[str, np.ndarray]]) -> int:
+        """Drop in-flight marks; frees pages whose free was deferred. Returns pages freed."""
+        freed = 0
+        with self._lock:
+            for name, idx in pages:
+                busy = self._busy[name]
+                np.subtract.at(busy, idx, 1)
+                pending = self._pending[name]
+                ready = idx[(busy[idx] == 0) & pending[idx]]
+                if len(ready):
+                    ready = np.unique(ready)
+                    pending[ready] = False
+                    freed += self.pool(name).allocator.free(ready)
+        return freed
+
+    def free(self, name: str, pages: np.ndarray) -> int:
+        """Free pages now, or when their in-flight copies finish. Validates first."""
+        alloc = self.pool(name).allocator
+        if len(pages) == 0:
+            return 0
+        with self._lock:
+            if len(np.unique(pages)) != len(pages):
+                raise InvalidArgument(f"duplicate host pages in free of pool {name!r}")
+            allocated = alloc.is_allocated(pages)
+            pending = self._pending[name][pages]
+            bad = pages[~allocated | pending]
+            if len(bad):
+                raise FailedPrecondition(
+                    f"host page {int(bad[0])} of pool {name!r} is not allocated (double free?)"
+                )
+            busy = self._busy[name][pages] > 0
+            self._pending[name][pages[busy]] = True
+            return alloc.free(pages[~busy])
+
+    def release_transfers(self, transfers: Iterable[PoolTransfer]) -> int:
+        """Free what a resolve allocated (exactly once; derived and given pages untouched)."""
+        freed = 0
+        for t in transfers:
+            if t.host_allocated and t.host_indices is not None and len(t.host_indices):
+                freed += self.free(t.name, t.host_indices)
+        return freed
+
+    def close(self) -> None:
+        if self.index is not None:
+            close = getattr(self.index, "close", None)
+            if close is not None:
+                close()
+        pools = [e.host_pool for e in self.group.entries]
+        self.group.close()
+        for pool in pools:  # the daemon owns the names (no warm-restart journal yet)
+            pool.unlink()
+
+
+class GroupRegistry:
+    """Creates, finds and retires pool groups within the node's host budget."""
+
+    def __init__(self, host: HostConfig, *, daemon_id: str) -> None:
+        self._host = host
+        self._budget = host.budget_bytes()
+        self._daemon_id = daemon_id
+        self._lock = threading.Lock()
+        self._groups: dict[str, GroupState] = {}
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(g.nbytes for g in self._groups.values())
+
+    def get(self, group_id: str) -> GroupState:
+        with self._lock:
+            state = self._groups.get(group_id)
+        if state is None:
+            raise NotFound(f"unknown pool group {group_id!r}")
+        return state
+
+    def all(self) -> list[GroupState]:
+        with self._lock:
+            return list(self._groups.values())
+
+    def get_or_create(
+        self,
+        worker: WorkerId,
+        pools: Sequence[PoolRequest],
+        *,
+        idle: Callable[[str], bool],
+        on_create: Callable[[GroupState], None],
+    ) -> tuple[GroupState, bool]:
+        """The group for these pools and whether it already existed.
+
+        ``idle(group_id)`` tells whether a group has no sessions (it may then be
+        retired to make room); ``on_create`` attaches the content index.
+        """
+        validate_pool_requests(pools)
+        key = group_key(worker, pools)
+        gid = group_id_for(key)
+        with self._lock:
+            existing = self._groups.get(gid)
+            if existing is not None:
+                existing.last_used = time.monotonic()
+                return existing, True
+            plan = self._plan(pools)
+            need = sum(nbytes for _, _, nbytes in plan)
+            retired = self._make_room(need, idle)
+            state = self._build(gid, worker.model_name, pools, plan)
+            on_create(state)
+            self._groups[gid] = state
+        for old in retired:
+            old.close()
+        logger.info("created pool group %s for model %r (%d bytes)", gid, worker.model_name, need)
+        return state, False
+
+    def _plan(self, pools: Sequence[PoolRequest]) -> list[tuple[PoolRequest, int, int]]:
+        by_name = {p.name: p for p in pools}
+        pages: dict[str, int] = {}
+
+        def pages_of(p: PoolRequest) -> int:
+            if p.name in pages:
+                return pages[p.name]
+            if p.role is PoolRole.DERIVED:
+                # Same page ids as the source, so the same page count.
+                n = pages_of(by_name[p.indices_from_pool])
+            else:
+                device_tokens = p.k_buffers[0].shape[0]
+                ratio = p.host_ratio if p.host_bytes is None else None
+                if ratio is None and p.host_bytes is None:
+                    ratio = self._host.default_ratio
+                n = host_pages_for(p.spec, device_tokens=device_tokens, ratio=ratio, nbytes=p.host_bytes)
+            pages[p.name] = n
+            return n
+
+        return [(p, pages_of(p), HostKVPool.required_bytes(p.spec, p.layout, pages_of(p))) for p in pools]
+
+    def _make_room(self, need: int, idle: Callable[[str], bool]) -> list[GroupState]:
+        used = sum(g.nbytes for g in self._groups.values())
+        retired: list[GroupState] = []
+        if used + need <= self._budget:
+            return retired
+        for g in sorted(self._groups.values(), key=lambda g: g.last_used):
+            if used + need <= self._budget:
+                break
+            if idle(g.group_id):
+                retired.append(g)
+                used -= g.nbytes
+        if used + need > self._budget:
+            raise ResourceExhausted(
+                f"host pools need {need} bytes but only {max(self._budget - used, 0)} of the "
+                f"host.budget={self._budget} bytes are free; lower the pools' host_size or raise host.budget"
+            )
+        for g in retired:
+            del self._groups[g.group_id]
+            logger.info("retired idle pool group %s to make room", g.group_id)
+        return retired
+
+    def _build(
+        self, gid: str, model: str, pools: Sequence[PoolRequest], plan: list[tuple[PoolRequest, int, int]]
+    ) -> GroupState:
+        group = HostPoolGroup()
+        created: list[HostKVPool] = []
+        try:
+            for p, num_pages, _ in plan:
+                pool = create_host_pool(
+                    p.spec,
+                    p.layout,
+                    num_pages,
+                    segment_name=f"{self._host.shm_prefix}-{self._daemon_id}-{gid}-{p.name}",
+                    prefault=self._host.prefault,
+                )
+                created.append(pool)
+                group.add_entry(
+                    PoolEntry(
+                        name=p.name,
+                        host_pool=pool,
+                        layer_mapper=_layer_mapper(p.layer_ids, p.spec.num_layers),
+                        is_primary_index_anchor=p.role is PoolRole.ANCHOR,
+                        indices_from_pool=p.indices_from_pool or None,
+                        packed_draft_layers=p.packed_draft_layers,
+                    )
+                )
+        except BaseException:
+            for pool in created:
+                pool.close()
+                pool.unlink()
+            raise
+        return GroupState(group_id=gid, model_name=model, group=group, nbytes=sum(n for *_, n in plan))
+
+    def retire(self, group_id: str) -> None:
+        with self._lock:
+            state = self._groups.pop(group_id, None)
+        if state is not None:
+            state.close()
+
+    def close(self) -> None:
+        with self._lock:
+            states = list(self._groups.values())
+            self._groups.clear()
+        for s in states:
+            s.close()

@@ -1,0 +1,383 @@
+"""Content-addressed operations of sessions: one ContentIndex per pool group.
+
+The index owns published pages; sessions own what they allocate. This module
+moves ownership between the two (publish), and runs the keyed copies
+(PutPages, GetPages, PutBytes, GetBytes) with the core's copy engine while a
+pin keeps the index from evicting the pages being read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hicached.cache.index import ContentIndex
+from hicached.cache.observer import CacheObserver, MetricsObserver
+from hicached.cache.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
+from hicached.config import Config
+from hicached.core.groups import GroupState
+from hicached.core.service import HiCacheCore
+from hicached.core.sessions import Session
+from hicached.core.types import Ack
+from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from hicached.l2.group import PoolTransfer
+from hicached.l3.base import BackendStats, StorageBackend
+from hicached.metrics import Metrics
+from hicached.transfer.engine import Priority
+from hicached.transfer.plan import Direction
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    ok: bool
+    stored_pages: int = 0
+    existing_pages: int = 0
+    acks: tuple[Ack, ...] = ()
+
+
+class KeyedCache:
+    """Thread-safe (the index and the core lock their own state)."""
+
+    def __init__(self, config: Config, *, backend: StorageBackend | None, metrics: Metrics | None) -> None:
+        self._cfg = config
+        self._backend = backend
+        self._metrics = metrics
+        self._core: HiCacheCore | None = None
+        self._prefetch_owner: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def bind(self, core: HiCacheCore) -> None:
+        self._core = core
+
+    @property
+    def core(self) -> HiCacheCore:
+        if self._core is None:
+            raise FailedPrecondition("keyed cache is not bound to a core")
+        return self._core
+
+    def attach_group(self, state: GroupState) -> None:
+        """Give a new pool group its content index (installs the reclaim callbacks)."""
+        l3 = self._cfg.l3
+        observer: CacheObserver = (
+            MetricsObserver(
+                self._metrics, backend=l3.backend, page_size=state.group.anchor.host_pool.page_size
+            )
+            if self._metrics is not None
+            else CacheObserver()
+        )
+        state.index = ContentIndex(
+            state.group,
+            namespace=f"hicached/{state.group_id}",
+            backend=self._backend,
+            write_policy=l3.write_policy,
+            io_workers=l3.io_workers,
+            observer=observer,
+            prefetch_timeout_base_s=l3.prefetch_timeout_base_s,
+            prefetch_timeout_per_1k_tokens_s=l3.prefetch_timeout_per_1k_tokens_s,
+        )
+
+    def _ctx(self, session_id: str) -> tuple[Session, GroupState, ContentIndex]:
+        session, state = self.core.session_group(session_id)
+        index = state.index
+        if not isinstance(index, ContentIndex):
+            raise FailedPrecondition(f"pool group {state.group_id} has no content index")
+        return session, state, index
+
+    def page_size(self, session_id: str) -> int:
+        _, state, _ = self._ctx(session_id)
+        return state.group.anchor.host_pool.page_size
+
+    # ------------------------------------------------------------------ queries
+
+    def lookup(self, session_id: str, keys: Sequence[str]) -> LookupResult:
+        _, _, index = self._ctx(session_id)
+        return index.lookup(keys)
+
+    def publish(
+        self, session_id: str, op_id: str, keys: Sequence[str], transfers: Sequence[PoolTransfer], tenant: str
+    ) -> tuple[int, int]:
+        session, state, index = self._ctx(session_id)
+        pages = self._columns(state, keys, transfers, side="host")
+        for name, arr in pages.items():
+            owned = session.ledger.owns(name, arr)
+            if not owned.all():
+                raise PermissionDenied(
+                    f"host page {int(arr[~owned][0])} of pool {name!r} is not owned by session {session_id}"
+                )
+
+        def run() -> tuple[int, int]:
+            mask = index.publish(keys, pages, tenant=tenant)
+            for name, arr in pages.items():
+                session.ledger.remove(name, arr[mask])
+            return int(mask.sum()), int((~mask).sum())
+
+        with session.operation():
+            return session.once(op_id, run)
+
+    def _columns(
+        self, state: GroupState, keys: Sequence[str], transfers: Sequence[PoolTransfer], *, side: str
+    ) -> dict[str, np.ndarray]:
+        """One page per key for every allocating pool, from the transfers' ``side`` indices."""
+        wanted = state.owning_pools()
+        given = {t.name: t for t in transfers}
+        missing = [p for p in wanted if p not in given]
+        if missing:
+            raise InvalidArgument(f"keyed calls need pages of every allocating pool; missing {missing}")
+        out = {}
+        for name in wanted:
+            t = given[name]
+            arr = t.host_indices if side == "host" else t.device_indices
+            arr = np.asarray(arr if arr is not None else [], dtype=np.int64)
+            if len(arr) != len(keys):
+                raise InvalidArgument(
+                    f"pool {name!r}: {len(arr)} {side} pages for {len(keys)} keys (must match)"
+                )
+            out[name] = arr
+        return out
+
+    # ------------------------------------------------------------- keyed copies
+
+    def put_pages(
+        self, session_id: str, op_id: str, keys: Sequence[str], transfers: Sequence[PoolTransfer], tenant: str
+    ) -> PutResult:
+        """Device -> new host pages -> published; keys already cached are skipped."""
+        session, state, index = self._ctx(session_id)
+        core = self.core
+        checked = core._check_transfers(session, state, transfers, host="forbidden")
+        self._columns(state, keys, checked, side="device")
+
+        def run() -> PutResult:
+            skip = index.lookup(keys).l2_hit_pages
+            todo = [replace_slice(t, skip) for t in checked]
+            new_keys = list(keys[skip:])
+            if not new_keys:
+                return PutResult(ok=True, existing_pages=len(keys))
+            resolved = core._resolve(session, state, todo)
+            if not resolved.ok:
+                return PutResult(ok=False)
+            try:
+                acks = core._copy(session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND)
+                pages = {t.name: t.host_indices for t in resolved.transfers if t.host_allocated}
+                mask = index.publish(new_keys, pages, tenant=tenant)  # type: ignore[arg-type]
+            except BaseException:
+                core._unresolve(session, state, resolved.transfers)
+                raise
+            for name, arr in pages.items():
+                session.ledger.remove(name, arr[mask])  # type: ignore[index]
+            leftovers = [
+                PoolTransfer(t.name, host_indices=t.host_indices[~mask], host_allocated=True)  # type: ignore[index]
+                for t in resolved.transfers
+                if t.host_allocated
+            ]
+            core._unresolve(session, state, leftovers)
+            stored = int(mask.sum())
+            return PutResult(ok=True, stored_pages=stored, existing_pages=len(keys) - stored, acks=acks)
+
+        with session.operation():
+            return session.once(op_id, run)
+
+    def get_pages(
+        self,
+        session_id: str,
+        op_id: str,
+        keys: Sequence[str],
+        transfers: Sequence[PoolTransfer],
+        *,
+        include_l3: bool,
+        tenant: str = "",
+    ) -> tuple[int, tuple[Ack, ...]]:
+        """Host -> device copy of the keys' longest cached prefix."""
+        session, state, index = self._ctx(session_id)
+        core = self.core
+        checked = core._check_transfers(session, state, transfers, host="forbidden")
+        self._columns(state, keys, checked, side="device")
+
+        def run() -> tuple[int, tuple[Ack, ...]]:
+            if include_l3:
+                index.fetch_into_l2(keys, tenant=tenant)
+            pin = index.pin(keys)
+            try:
+                hit = len(pin)
+                if hit == 0:
+                    return 0, ()
+                bound = [
+                    PoolTransfer(
+                        t.name,
+                        device_indices=t.device_indices[:hit],  # type: ignore[index]
+                        host_indices=pin.pages[state.group.get_entry(t.name).indices_from_pool or t.name],
+                    )
+                    for t in checked
+                ]
+                acks = core._copy(session, state, Direction.H2D, bound, priority=Priority.DEMAND)
+            finally:
+                index.unpin(pin)
+            return hit, acks
+
+        with session.operation():
+            return session.once(op_id, run)
+
+    def put_bytes(
+        self, session_id: str, op_id: str, pages: Sequence[tuple[str, str, bytes]], tenant: str
+    ) -> tuple[int, int]:
+        """Byte fallback: (key, pool, data) for every allocating pool of each key."""
+        session, state, index = self._ctx(session_id)
+        pools = state.owning_pools()
+        keys: list[str] = []
+        data: dict[tuple[str, str], bytes] = {}
+        for key, pool, blob in pages:
+            if pool not in pools:
+                raise NotFound(f"unknown or derived pool {pool!r} (allocating pools: {pools})")
+            if (key, pool) in data:
+                raise InvalidArgument(f"key {key!r} pool {pool!r} given twice")
+            want = state.pool(pool).page_bytes
+            if len(blob) != want:
+                raise InvalidArgument(f"key {key!r} pool {pool!r}: {len(blob)} bytes, a page is {want}")
+            if key not in keys:
+                keys.append(key)
+            data[(key, pool)] = blob
+        for key in keys:
+            for pool in pools:
+                if (key, pool) not in data:
+                    raise InvalidArgument(f"key {key!r} lacks pool {pool!r}")
+        if len(keys) > self._cfg.server.max_batch_pages:
+            raise InvalidArgument(
+                f"{len(keys)} keys exceed server.max_batch_pages={self._cfg.server.max_batch_pages}"
+            )
+
+        def run() -> tuple[int, int]:
+            allocated: dict[str, np.ndarray] = {}
+            try:
+                for pool in pools:
+                    got = state.group.get_entry(pool)
+                    arr = got.host_pool.allocator.alloc(len(keys))
+                    if arr is None and got.reclaim is not None:
+                        got.reclaim(len(keys))
+                        arr = got.host_pool.allocator.alloc(len(keys))
+                    if arr is None:
+                        raise _NoRoom(pool)
+                    allocated[pool] = arr
+                    for key, page in zip(keys, arr.tolist(), strict=True):
+                        got.host_pool.set_page_flat(page, data[(key, pool)])
+                mask = index.publish(keys, allocated, tenant=tenant)
+            except _NoRoom as exc:
+                for pool, arr in allocated.items():
+                    state.free(pool, arr)
+                raise ResourceExhausted(f"no host room for {len(keys)} pages in pool {exc.pool!r}") from None
+            except BaseException:
+                for pool, arr in allocated.items():
+                    state.free(pool, arr)
+                raise
+            for pool, arr in allocated.items():
+                if (~mask).any():
+                    state.free(pool, arr[~mask])
+            return int(mask.sum()), int((~mask).sum())
+
+        with session.operation():
+            return session.once(op_id, run)
+
+    def get_bytes(
+        self, session_id: str, keys: Sequence[str], *, include_l3: bool, tenant: str = ""
+    ) -> list[tuple[str, str, bytes]]:
+        _, state, index = self._ctx(session_id)
+        if include_l3:
+            index.fetch_into_l2(keys, tenant=tenant)
+        pin = index.pin(keys)
+        try:
+            out = []
+            for i, key in enumerate(pin.keys):
+                for pool, arr in pin.pages.items():
+                    out.append((key, pool, state.pool(pool).get_page_flat(int(arr[i])).numpy().tobytes()))
+            return out
+        finally:
+            index.unpin(pin)
+
+    # --------------------------------------------------------- prefetch/backup
+
+    def prefetch(
+        self,
+        session_id: str,
+        keys: Sequence[str],
+        *,
+        policy: str,
+        timeout_ms: int,
+        tenant: str,
+    ) -> tuple[str, int]:
+        session, _, index = self._ctx(session_id)
+        chosen = policy or self._cfg.l3.prefetch_policy
+        task = index.prefetch(
+            keys,
+            policy=PrefetchPolicy(chosen),
+            timeout_s=timeout_ms / 1000 if timeout_ms else None,
+            tenant=tenant,
+        )
+        with session.lock:
+            session.prefetches.add(task.id)
+        return task.id, task.planned_pages
+
+    def _task(self, session_id: str, prefetch_id: str) -> object:
+        session, _, index = self._ctx(session_id)
+        if prefetch_id not in session.prefetches:
+            task = index.get_prefetch(prefetch_id)  # NotFound when unknown anywhere
+            raise PermissionDenied(f"prefetch {task.id!r} belongs to another session")
+        return index.get_prefetch(prefetch_id)
+
+    def prefetch_status(self, session_id: str, prefetch_id: str, *, wait: bool) -> PrefetchStatus:
+        task = self._task(session_id, prefetch_id)
+        return task.wait() if wait else task.status()  # type: ignore[attr-defined, no-any-return]
+
+    def cancel_prefetch(self, session_id: str, prefetch_id: str) -> int:
+        task = self._task(session_id, prefetch_id)
+        return int(task.cancel())  # type: ignore[attr-defined]
+
+    def backup(self, session_id: str, keys: Sequence[str], *, wait: bool) -> BackupResult:
+        _, _, index = self._ctx(session_id)
+        return index.backup(keys, wait=wait)
+
+    # -------------------------------------------------------------------- admin
+
+    def indexes(self, model: str | None = None) -> list[ContentIndex]:
+        return [
+            s.index
+            for s in self.core.groups.all()
+            if isinstance(s.index, ContentIndex) and (model is None or s.model_name == model)
+        ]
+
+    def drain(self, *, wait: bool) -> int:
+        if not wait:
+            return 0
+        return sum(index.flush() for index in self.indexes())
+
+    def clear(self, model: str, tenant: str | None) -> tuple[int, int]:
+        if not model:
+            raise InvalidArgument("model_name must not be empty")
+        l2 = l3 = 0
+        for index in self.indexes(model):
+            a, b = index.clear(tenant)
+            l2 += a
+            l3 += b
+        return l2, l3
+
+    def backend_stats(self) -> tuple[str, BackendStats] | None:
+        if self._backend is None:
+            return None
+        return self._cfg.l3.backend, self._backend.stats()
+
+    def close(self) -> None:
+        """The indexes are closed with their groups (GroupState.close)."""
+
+
+class _NoRoom(Exception):
+    def __init__(self, pool: str) -> None:
+        super().__init__(pool)
+        self.pool = pool
+
+
+def replace_slice(t: PoolTransfer, start: int) -> PoolTransfer:
+    dev = t.device_indices[start:] if t.device_indices is not None else None
+    return PoolTransfer(t.name, device_indices=dev, host_indices=None)

@@ -1,0 +1,726 @@
+"""HiCacheCore: every daemon operation, on plain Python types.
+
+The gRPC servicer converts messages to these calls and exceptions to status
+codes; nothing here knows about gRPC. Calls block (they wait for the copy
+engine), so the servicer runs them on a thread pool.
+
+Atomicity: each mutating call validates everything first, then allocates,
+then copies; when a later step fails, what the call allocated is freed before
+the error propagates. ``Session.once`` makes a retried op_id return the first
+outcome. Ownership: a host page is owned by exactly one holder at a time — a
+session's ledger, a retraction backup, or the content index — and is freed by
+that holder exactly once (``GroupState.free`` defers frees that race a copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from hicached.config import Config
+from hicached.core.groups import GroupRegistry, GroupState
+from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
+from hicached.core.types import (
+    Ack,
+    AttachResult,
+    PoolRequest,
+    PoolRole,
+    RetractResult,
+    TransferResult,
+    WorkerId,
+)
+from hicached.errors import InvalidArgument, NotFound, OutOfRange, PermissionDenied, Unavailable
+from hicached.l2.group import PoolTransfer
+from hicached.transfer.engine import CopyEngine, Priority
+from hicached.transfer.handles import DeviceMappings, medium_of
+from hicached.transfer.plan import CopyPlan, DevicePoolView, Direction, build_plan
+
+logger = logging.getLogger(__name__)
+
+LayerCallback = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    session_id: str
+    worker: WorkerId
+    group_id: str
+    owned_pages: int
+    lease_expires_unix_ms: int
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    group_id: str
+    model_name: str
+    pools: tuple[object, ...]
+    indexed_pages: int
+    sessions: int
+
+
+@dataclass(frozen=True)
+class BackupStats:
+    backup_id: str
+    session_id: str
+    request_id: str
+    pages: int
+    lease_expires_unix_ms: int
+
+
+@dataclass(frozen=True)
+class DaemonStats:
+    sessions: tuple[SessionStats, ...]
+    groups: tuple[GroupStats, ...]
+    backups: tuple[BackupStats, ...]
+    host_budget_bytes: int
+    host_used_bytes: int
+    draining: bool
+
+
+class CoreHooks:
+    """Observation points (metrics); every hook is a no-op by default."""
+
+    def on_session(self, event: str, session: Session) -> None:
+        """A session was attached, detached, replaced or expired."""
+
+    def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float) -> None:
+        """A copy finished."""
+
+
+def as_pages(values: object, what: str) -> np.ndarray:
+    arr = np.asarray(values if values is not None else [], dtype=np.int64).reshape(-1)
+    return arr.copy()
+
+
+class HiCacheCore:
+    """Thread-safe: sessions, groups and backups each have their own lock."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        groups: GroupRegistry,
+        engine: CopyEngine,
+        attach_index: Callable[[GroupState], None] | None = None,
+        hooks: CoreHooks | None = None,
+    ) -> None:
+        self._cfg = config
+        self._groups = groups
+        self._engine = engine
+        self._attach_index = attach_index or (lambda state: None)
+        self._hooks = hooks or CoreHooks()
+        self._sessions = SessionTable()
+        self._backups: dict[str, Backup] = {}
+        self._backups_lock = threading.Lock()
+        self._draining = threading.Event()
+        self._closed = False
+
+    # ------------------------------------------------------------------ sessions
+
+    def attach(self, worker: WorkerId, pools: Sequence[PoolRequest], *, lease_ms: int = 0) -> AttachResult:
+        if self._draining.is_set():
+            raise Unavailable("daemon is draining: no new sessions; attach to the replacement daemon")
+        if not worker.instance_id:
+            raise InvalidArgument("identity.instance_id must not be empty")
+        if not worker.model_name:
+            raise InvalidArgument("identity.model_name must not be empty")
+        lease = self._lease(lease_ms)
+        replaced = self._sessions.check_generation(worker)
+        mappings = DeviceMappings()
+        try:
+            views = self._open_views(mappings, pools)
+            state, joined = self._groups.get_or_create(
+                worker,
+                pools,
+                idle=lambda gid: self._sessions.in_group(gid) == 0,
+                on_create=self._attach_index,
+            )
+        except BaseException:
+            mappings.close()
+            raise
+        if replaced is not None:
+            self._end(replaced, "replaced")
+        session = Session(
+            session_id=SessionTable.new_id(),
+            worker=worker,
+            group_id=state.group_id,
+            lease_ms=lease,
+            mappings=mappings,
+            views=views,
+            ledger=PageLedger({e.name: e.host_pool.total_pages for e in state.group.entries}),
+            op_cache_size=self._cfg.sessions.op_cache_size,
+        )
+        self._sessions.add(session)
+        self._hooks.on_session("attach", session)
+        logger.info(
+            "session attached",
+            extra={
+                "event": "attach",
+                "session": session.session_id,
+                "instance": worker.instance_id,
+                "generation": worker.generation,
+                "model": worker.model_name,
+                "group": state.group_id,
+                "joined": joined,
+            },
+        )
+        return AttachResult(
+            session_id=session.session_id,
+            lease_ms=lease,
+            pools=state.states(),
+            joined_existing_group=joined,
+            replaced_session_id=replaced.session_id if replaced else "",
+        )
+
+    def _lease(self, lease_ms: int) -> int:
+        s = self._cfg.sessions
+        if lease_ms == 0:
+            return s.lease_ms
+        if not s.min_lease_ms <= lease_ms <= s.max_lease_ms:
+            raise InvalidArgument(f"lease_ms={lease_ms} outside [{s.min_lease_ms}, {s.max_lease_ms}]")
+        return lease_ms
+
+    @staticmethod
+    def _open_views(mappings: DeviceMappings, pools: Sequence[PoolRequest]) -> dict[str, DevicePoolView]:
+        views = {}
+        for p in pools:
+            k = [mappings.open(b) for b in p.k_buffers]
+            v = [mappings.open(b) for b in p.v_buffers]
+            for i, t in enumerate((*k, *v)):
+                want = (p.spec.num_heads, p.spec.head_dim)
+                if tuple(t.shape[1:]) != want or t.dtype != p.spec.dtype:
+                    raise InvalidArgument(
+                        f"pool {p.name!r} buffer {i}: shape {list(t.shape)} / dtype {t.dtype} does not match "
+                        f"the pool spec (tokens, {want[0]}, {want[1]}) / {p.spec.dtype}"
+                    )
+            if len({t.shape[0] for t in (*k, *v)}) != 1:
+                raise InvalidArgument(f"pool {p.name!r}: all buffers must have the same number of tokens")
+            layer_ids = list(p.layer_ids) if p.layer_ids else list(range(p.spec.num_layers))
+            views[p.name] = DevicePoolView(
+                name=p.name, k=k, v=v, page_size=p.spec.page_size, layer_ids=layer_ids, medium=medium_of(k[0])
+            )
+        return views
+
+    def detach(self, session_id: str, op_id: str = "") -> int:
+        session = self._sessions.get(session_id)
+        return session.once(op_id, lambda: self._end(session, "detach"))
+
+    def heartbeat(self, session_id: str) -> int:
+        session = self._sessions.get(session_id)
+        return session.touch()
+
+    def expire(self, now: int | None = None) -> list[str]:
+        """End sessions whose lease ran out and drop retraction backups past their lease."""
+        now = now_ms() if now is None else now
+        ended = []
+        for session in self._sessions.expired(now):
+            self._end(session, "expired")
+            ended.append(session.session_id)
+        with self._backups_lock:
+            stale = [b for b in self._backups.values() if b.expires_ms <= now]
+            for b in stale:
+                del self._backups[b.backup_id]
+        for b in stale:
+            self._free_backup(b)
+        return ended
+
+    def _end(self, session: Session, reason: str) -> int:
+        """Cancel, wait for in-flight work, unmap, free everything the session held."""
+        if self._sessions.remove(session.session_id) is None:
+            return 0
+        session.cancel.set()
+        self._engine.cancel_owner(session.session_id)
+        session.wait_idle()
+        state = self._groups.get(session.group_id)
+        freed = 0
+        for pool, pages in session.ledger.take_all().items():
+            freed += state.free(pool, pages)
+        with self._backups_lock:
+            mine = [b for b in self._backups.values() if b.session_id == session.session_id]
+            for b in mine:
+                del self._backups[b.backup_id]
+        for b in mine:
+            freed += self._free_backup(b)
+        index = state.index
+        for pid in list(session.prefetches):
+            if index is not None:
+                with contextlib.suppress(NotFound):
+                    index.get_prefetch(pid).cancel()  # type: ignore[attr-defined]
+        session.mappings.close()
+        self._hooks.on_session(reason, session)
+        logger.info(
+            "session ended",
+            extra={"event": reason, "session": session.session_id, "freed_pages": freed},
+        )
+        return freed
+
+    def _free_backup(self, backup: Backup) -> int:
+        return self._groups.get(backup.group_id).release_transfers(backup.transfers)
+
+    # ------------------------------------------------------------ request checks
+
+    def _session(self, session_id: str) -> tuple[Session, GroupState]:
+        session = self._sessions.get(session_id)
+        return session, self._groups.get(session.group_id)
+
+    def _check_transfers(
+        self,
+        session: Session,
+        state: GroupState,
+        transfers: Sequence[PoolTransfer],
+        *,
+        need_device: bool = True,
+        host: str = "optional",  # "required", "optional", "forbidden"
+    ) -> list[PoolTransfer]:
+        """Validate names, lengths, ranges and duplicates; returns normalized copies."""
+        out = []
+        seen: set[str] = set()
+        total = 0
+        for t in transfers:
+            if t.name not in session.views:
+                raise NotFound(f"unknown pool {t.name!r} (this session's pools: {sorted(session.views)})")
+            if t.name in seen:
+                raise InvalidArgument(f"pool {t.name!r} appears twice in one batch")
+            seen.add(t.name)
+            view = session.views[t.name]
+            dev = as_pages(t.device_indices, "device pages")
+            hst = None if t.host_indices is None or len(t.host_indices) == 0 else as_pages(t.host_indices, "")
+            total += len(dev)
+            if need_device:
+                _check_indices(t.name, "device", dev, view.num_pages, unique=True)
+            derived = state.group.get_entry(t.name).indices_from_pool
+            if host == "required" and hst is None and len(dev) and not derived:
+                raise InvalidArgument(f"pool {t.name!r}: host_pages are required for this call")
+            if host == "forbidden" and hst is not None:
+                raise InvalidArgument(f"pool {t.name!r}: host_pages must be empty for this call")
+            if hst is not None:
+                if need_device and len(hst) != len(dev):
+                    raise InvalidArgument(
+                        f"pool {t.name!r}: {len(dev)} device pages but {len(hst)} host pages (must match)"
+                    )
+                _check_indices(t.name, "host", hst, state.pool(t.name).num_pages)
+            out.append(PoolTransfer(name=t.name, device_indices=dev, host_indices=hst))
+        if total > self._cfg.server.max_batch_pages:
+            raise InvalidArgument(
+                f"batch of {total} pages exceeds server.max_batch_pages={self._cfg.server.max_batch_pages}; "
+                "split it into several calls"
+            )
+        return out
+
+    @staticmethod
+    def _bind_derived(state: GroupState, transfers: Sequence[PoolTransfer]) -> list[PoolTransfer]:
+        """Give derived pools without pages their source's device and host pages."""
+        by_name = {t.name: t for t in transfers}
+        out = []
+        for t in transfers:
+            source = state.group.get_entry(t.name).indices_from_pool
+            src = by_name.get(source) if source else None
+            bound = t
+            if src is not None and (t.device_indices is None or len(t.device_indices) == 0):
+                bound = replace(t, device_indices=src.device_indices, host_indices=src.host_indices)
+            elif src is not None and t.host_indices is None:
+                bound = replace(t, host_indices=src.host_indices)
+            out.append(bound)
+        return out
+
+    def _check_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> None:
+        for t in transfers:
+            if t.host_indices is None or len(t.host_indices) == 0:
+                continue
+            owner_pool = state.group.get_entry(t.name).indices_from_pool or t.name
+            owned = session.ledger.owns(owner_pool, t.host_indices)
+            if not owned.all():
+                page = int(t.host_indices[~owned][0])
+                raise PermissionDenied(
+                    f"host page {page} of pool {owner_pool!r} is not owned by session {session.session_id}"
+                )
+
+    # ----------------------------------------------------------------- the copies
+
+    def _copy(
+        self,
+        session: Session,
+        state: GroupState,
+        direction: Direction,
+        transfers: Sequence[PoolTransfer],
+        *,
+        priority: Priority,
+        on_layer: LayerCallback | None = None,
+    ) -> tuple[Ack, ...]:
+        items = []
+        busy = []
+        for t in transfers:
+            if t.host_indices is None or t.device_indices is None or len(t.device_indices) == 0:
+                continue
+            items.append((session.views[t.name], state.pool(t.name), t.device_indices, t.host_indices))
+            busy.append((t.name, t.host_indices))
+        plan = build_plan(direction, items)
+        state.acquire(busy)
+        try:
+            future = self._engine.submit(
+                plan, priority=priority, owner=session.session_id, on_layer=on_layer, cancel=session.cancel
+            )
+            result = future.result()
+        finally:
+            state.release(busy)
+        self._hooks.on_copy(direction, plan, result.seconds)
+        return tuple(
+            Ack(
+                pool=t.name,
+                pages=len(t.device_indices) if t.device_indices is not None else 0,
+                tokens=plan.tokens_by_pool.get(t.name, 0),
+                bytes=plan.bytes_by_pool.get(t.name, 0),
+            )
+            for t in transfers
+        )
+
+    def _resolve(
+        self, session: Session, state: GroupState, transfers: Sequence[PoolTransfer]
+    ) -> TransferResult:
+        """Allocate missing host pages across the group (atomic); record ownership."""
+        result = state.group.resolve_all(list(transfers))
+        if not result.ok:
+            return TransferResult(ok=False)
+        for t in result.transfers:
+            if t.host_allocated and t.host_indices is not None:
+                session.ledger.add(t.name, t.host_indices)
+        return TransferResult(ok=True, transfers=tuple(result.transfers))
+
+    def _unresolve(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> int:
+        owned = [t for t in transfers if t.host_allocated and t.host_indices is not None]
+        for t in owned:
+            session.ledger.remove(t.name, t.host_indices)  # type: ignore[arg-type]
+        return state.release_transfers(owned)
+
+    # ---------------------------------------------------------------- host pages
+
+    def alloc(self, session_id: str, op_id: str, pool: str, num_pages: int) -> np.ndarray | None:
+        session, state = self._session(session_id)
+        if pool not in session.views:
+            raise NotFound(f"unknown pool {pool!r} (this session's pools: {sorted(session.views)})")
+        entry = state.group.get_entry(pool)
+        if entry.indices_from_pool:
+            raise InvalidArgument(
+                f"pool {pool!r} is derived from {entry.indices_from_pool!r}: it does not allocate"
+            )
+        if num_pages <= 0 or num_pages > self._cfg.server.max_batch_pages:
+            raise InvalidArgument(
+                f"num_pages={num_pages} must lie in [1, server.max_batch_pages={self._cfg.server.max_batch_pages}]"
+            )
+
+        def run() -> np.ndarray | None:
+            allocator = entry.host_pool.allocator
+            pages = allocator.alloc(num_pages)
+            if pages is None and entry.reclaim is not None:
+                entry.reclaim(num_pages - allocator.available())
+                pages = allocator.alloc(num_pages)
+            if pages is not None:
+                session.ledger.add(pool, pages)
+            return pages
+
+        with session.operation():
+            return session.once(op_id, run)
+
+    def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
+        session, state = self._session(session_id)
+        if pool not in session.views:
+            raise NotFound(f"unknown pool {pool!r} (this session's pools: {sorted(session.views)})")
+        arr = as_pages(pages, "host pages")
+
+        def run() -> int:
+            _check_indices(pool, "host", arr, state.pool(pool).num_pages)
+            self._check_owned(session, state, [PoolTransfer(pool, arr, arr)])
+            freed = state.free(pool, arr)
+            session.ledger.remove(pool, arr)
+            return freed
+
+        with session.operation():
+            return session.once(op_id, run)
+
+    def resolve(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> TransferResult:
+        session, state = self._session(session_id)
+        checked = self._check_transfers(session, state, transfers)
+        self._check_owned(session, state, checked)
+        with session.operation():
+            return session.once(op_id, lambda: self._resolve(session, state, checked))
+
+    def release(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> int:
+        session, state = self._session(session_id)
+        checked = self._check_transfers(session, state, transfers, need_device=False, host="required")
+        flagged = [
+            replace(c, host_allocated=t.host_allocated) for c, t in zip(checked, transfers, strict=True)
+        ]
+        self._check_owned(session, state, [t for t in flagged if t.host_allocated])
+        with session.operation():
+            return session.once(op_id, lambda: self._unresolve(session, state, flagged))
+
+    # ---------------------------------------------------------------- data plane
+
+    def write(
+        self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer], *, allocate: bool
+    ) -> TransferResult:
+        session, state = self._session(session_id)
+        checked = self._check_transfers(
+            session, state, transfers, host="optional" if allocate else "required"
+        )
+        if not allocate:
+            checked = self._bind_derived(state, checked)
+        self._check_owned(session, state, checked)
+
+        def run() -> TransferResult:
+            resolved = (
+                self._resolve(session, state, checked) if allocate else TransferResult(True, tuple(checked))
+            )
+            if not resolved.ok:
+                return resolved
+            try:
+                acks = self._copy(session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND)
+            except BaseException:
+                self._unresolve(session, state, resolved.transfers)
+                raise
+            return TransferResult(ok=True, transfers=resolved.transfers, acks=acks)
+
+        with session.operation():
+            return session.once(op_id, run)
+
+    def load(
+        self,
+        session_id: str,
+        op_id: str,
+        transfers: Sequence[PoolTransfer],
+        *,
+        on_layer: LayerCallback | None = None,
+    ) -> tuple[Ack, ...]:
+        session, state = self._session(session_id)
+        checked = self._bind_derived(state, self._check_transfers(session, state, transfers, host="required"))
+        self._check_owned(session, state, checked)
+        with session.operation():
+            return session.once(
+                op_id,
+                lambda: self._copy(
+                    session, state, Direction.H2D, checked, priority=Priority.DEMAND, on_layer=on_layer
+                ),
+            )
+
+    # ---------------------------------------------------------------- retraction
+
+    def retract_backup(
+        self,
+        session_id: str,
+        op_id: str,
+        request_id: str,
+        transfers: Sequence[PoolTransfer],
+        *,
+        num_tokens: int,
+        lease_ms: int = 0,
+    ) -> RetractResult:
+        session, state = self._session(session_id)
+        checked = self._check_transfers(session, state, transfers, host="forbidden")
+        anchor = state.group.anchor.name
+        if not any(t.name == anchor for t in checked):
+            raise InvalidArgument(f"a retraction backup must include the anchor pool {anchor!r}")
+        pages = max(len(t.device_indices) for t in checked if t.device_indices is not None)
+        page_size = state.pool(anchor).page_size
+        if num_tokens < 0 or num_tokens > pages * page_size:
+            raise InvalidArgument(
+                f"num_tokens={num_tokens} exceeds the {pages} pages x page_size={page_size}"
+            )
+        lease = lease_ms or self._cfg.sessions.retraction_lease_ms
+
+        def run() -> RetractResult:
+            result = state.group.resolve_all(checked)
+            if not result.ok:
+                logger.info("retraction backup declined: no host room", extra={"session": session_id})
+                return RetractResult(ok=False)
+            try:
+                acks = self._copy(session, state, Direction.D2H, result.transfers, priority=Priority.DEMAND)
+            except BaseException:
+                state.release_transfers(result.transfers)
+                raise
+            backup = Backup(
+                backup_id=uuid.uuid4().hex,
+                session_id=session.session_id,
+                group_id=state.group_id,
+                request_id=request_id,
+                transfers=tuple(result.transfers),
+                num_tokens=num_tokens,
+                expires_ms=now_ms() + lease,
+            )
+            with self._backups_lock:
+                self._backups[backup.backup_id] = backup
+            return RetractResult(
+                ok=True, backup_id=backup.backup_id, lease_expires_unix_ms=backup.expires_ms, acks=acks
+            )
+
+        with session.operation():
+            return session.once(op_id, run)
+
+    def _backup_of(self, session: Session, backup_id: str) -> Backup:
+        with self._backups_lock:
+            backup = self._backups.get(backup_id)
+        if backup is None:
+            raise NotFound(f"unknown retraction backup {backup_id!r} (restored, discarded or expired)")
+        if backup.session_id != session.session_id:
+            raise PermissionDenied(f"retraction backup {backup_id!r} belongs to another session")
+        return backup
+
+    def retract_restore(
+        self,
+        session_id: str,
+        op_id: str,
+        backup_id: str,
+        transfers: Sequence[PoolTransfer],
+        *,
+        on_layer: LayerCallback | None = None,
+    ) -> tuple[Ack, ...]:
+        session, state = self._session(session_id)
+
+        def run() -> tuple[Ack, ...]:
+            backup = self._backup_of(session, backup_id)
+            checked = self._bind_derived(
+                state, self._check_transfers(session, state, transfers, host="forbidden")
+            )
+            saved = {t.name: t for t in backup.transfers}
+            given = {t.name: t for t in checked}
+            if set(saved) != set(given):
+                raise InvalidArgument(
+                    f"restore must name the same pools as the backup: backup has {sorted(saved)}, got {sorted(given)}"
+                )
+            for name, t in given.items():
+                want = len(saved[name].host_indices) if saved[name].host_indices is not None else 0
+                if len(t.device_indices) != want:  # type: ignore[arg-type]
+                    raise InvalidArgument(
+                        f"restore of pool {name!r}: backup holds {want} pages, got {len(t.device_indices)} device pages"  # type: ignore[arg-type]
+                    )
+            bound = [replace(t, host_indices=saved[t.name].host_indices) for t in checked]
+            with self._backups_lock:
+                if self._backups.pop(backup_id, None) is None:
+                    raise NotFound(
+                        f"unknown retraction backup {backup_id!r} (restored or discarded concurrently)"
+                    )
+            try:
+                acks = self._copy(
+                    session, state, Direction.H2D, bound, priority=Priority.RESTORE, on_layer=on_layer
+                )
+            except BaseException:
+                with self._backups_lock:  # the backup stays restorable
+                    self._backups[backup_id] = backup
+                raise
+            state.release_transfers(backup.transfers)
+            return acks
+
+        with session.operation():
+            return session.once(op_id, run)
+
+    def retract_discard(self, session_id: str, op_id: str, backup_id: str) -> int:
+        session, state = self._session(session_id)
+
+        def run() -> int:
+            backup = self._backup_of(session, backup_id)
+            with self._backups_lock:
+                if self._backups.pop(backup_id, None) is None:
+                    raise NotFound(f"unknown retraction backup {backup_id!r}")
+            return state.release_transfers(backup.transfers)
+
+        with session.operation():
+            return session.once(op_id, run)
+
+    # ------------------------------------------------------------------- admin
+
+    def stats(self, session_id: str = "") -> DaemonStats:
+        sessions = self._sessions.all()
+        if session_id:
+            sessions = [self._sessions.get(session_id)]
+        groups = self._groups.all()
+        if session_id:
+            groups = [g for g in groups if g.group_id == sessions[0].group_id]
+        with self._backups_lock:
+            backups = [b for b in self._backups.values() if not session_id or b.session_id == session_id]
+        return DaemonStats(
+            sessions=tuple(
+                SessionStats(s.session_id, s.worker, s.group_id, s.ledger.count(), s.expires_ms)
+                for s in sessions
+            ),
+            groups=tuple(
+                GroupStats(
+                    g.group_id,
+                    g.model_name,
+                    g.states(),
+                    _indexed(g),
+                    self._sessions.in_group(g.group_id),
+                )
+                for g in groups
+            ),
+            backups=tuple(
+                BackupStats(b.backup_id, b.session_id, b.request_id, b.pages, b.expires_ms) for b in backups
+            ),
+            host_budget_bytes=self._groups.budget_bytes,
+            host_used_bytes=self._groups.used_bytes(),
+            draining=self._draining.is_set(),
+        )
+
+    def session_group(self, session_id: str) -> tuple[Session, GroupState]:
+        """For the content-cache operations (``hicached.core.keyed``)."""
+        return self._session(session_id)
+
+    @property
+    def config(self) -> Config:
+        return self._cfg
+
+    @property
+    def groups(self) -> GroupRegistry:
+        return self._groups
+
+    @property
+    def engine(self) -> CopyEngine:
+        return self._engine
+
+    def set_draining(self) -> None:
+        self._draining.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def close(self) -> None:
+        """End every session (freeing their pages), then release the groups."""
+        if self._closed:
+            return
+        self._closed = True
+        for session in self._sessions.all():
+            self._end(session, "shutdown")
+        with self._backups_lock:
+            leftover = list(self._backups.values())
+            self._backups.clear()
+        for b in leftover:
+            self._free_backup(b)
+        self._groups.close()
+
+
+def _indexed(state: GroupState) -> int:
+    stats = getattr(state.index, "stats", None)
+    if stats is None:
+        return 0
+    return int(getattr(stats(), "pages", 0))
+
+
+def _check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique: bool = True) -> None:
+    if len(pages) == 0:
+        return
+    lo, hi = int(pages.min()), int(pages.max())
+    if lo < 0:
+        raise InvalidArgument(f"pool {pool!r}: negative {side} page index {lo}")
+    if hi >= limit:
+        raise OutOfRange(f"pool {pool!r}: {side} page {hi} out of range (pool has {limit} pages)")
+    if unique and len(np.unique(pages)) != len(pages):
+        values, counts = np.unique(pages, return_counts=True)
+        raise InvalidArgument(f"pool {pool!r}: duplicate {side} page {int(values[counts > 1][0])}")
+
+
+__all__ = ["HiCacheCore", "PoolRole"]

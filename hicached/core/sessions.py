@@ -1,0 +1,215 @@
+"""Worker sessions: identity, lease, owned host pages, idempotent operations.
+
+Thread-safety: ``Session`` guards its mutable state with its own lock; the
+``SessionTable`` guards the id -> session and slot -> session maps. Page
+ownership lives here (not in the pools) so that a session that ends can give
+back exactly what it held, once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from hicached.core.types import WorkerId
+from hicached.errors import Cancelled, FailedPrecondition, NotFound, PermissionDenied
+from hicached.l2.group import PoolTransfer
+from hicached.transfer.handles import DeviceMappings
+from hicached.transfer.plan import DevicePoolView
+
+T = TypeVar("T")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class PageLedger:
+    """Which host pages of each pool a holder owns (a bool mask per pool)."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self._owned = {name: np.zeros(n, dtype=bool) for name, n in sizes.items()}
+
+    def add(self, pool: str, pages: np.ndarray) -> None:
+        self._owned[pool][pages] = True
+
+    def remove(self, pool: str, pages: np.ndarray) -> None:
+        self._owned[pool][pages] = False
+
+    def owns(self, pool: str, pages: np.ndarray) -> np.ndarray:
+        return self._owned[pool][pages]
+
+    def take_all(self) -> dict[str, np.ndarray]:
+        out = {}
+        for name, mask in self._owned.items():
+            out[name] = np.flatnonzero(mask).astype(np.int64)
+            mask[:] = False
+        return out
+
+    def count(self) -> int:
+        return int(sum(int(m.sum()) for m in self._owned.values()))
+
+
+@dataclass
+class Backup:
+    """A retracted request's pages, resident until ``expires_ms`` (its lease)."""
+
+    backup_id: str
+    session_id: str
+    group_id: str
+    request_id: str
+    transfers: tuple[PoolTransfer, ...]
+    num_tokens: int
+    expires_ms: int
+
+    @property
+    def pages(self) -> int:
+        return sum(
+            len(t.host_indices) for t in self.transfers if t.host_allocated and t.host_indices is not None
+        )
+
+
+@dataclass
+class Session:
+    session_id: str
+    worker: WorkerId
+    group_id: str
+    lease_ms: int
+    mappings: DeviceMappings
+    views: dict[str, DevicePoolView]
+    ledger: PageLedger
+    expires_ms: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    ops: OrderedDict[str, Future[Any]] = field(default_factory=OrderedDict)
+    op_cache_size: int = 4096
+    in_flight: int = 0
+    idle: threading.Condition = field(init=False)
+    prefetches: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.idle = threading.Condition(self.lock)
+        self.touch()
+
+    def touch(self) -> int:
+        self.expires_ms = now_ms() + self.lease_ms
+        return self.expires_ms
+
+    def once(self, op_id: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` once per op_id: a retry gets the first outcome (result or error)."""
+        if not op_id:
+            return fn()
+        with self.lock:
+            fut = self.ops.get(op_id)
+            owner = fut is None
+            if fut is None:
+                fut = Future()
+                self.ops[op_id] = fut
+                while len(self.ops) > self.op_cache_size:
+                    self.ops.popitem(last=False)
+        if not owner:
+            result: T = fut.result()
+            return result
+        try:
+            value = fn()
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
+        fut.set_result(value)
+        return value
+
+    @contextmanager
+    def operation(self) -> Iterator[None]:
+        """Mark an operation in flight so teardown waits for it before unmapping."""
+        with self.lock:
+            if self.cancel.is_set():
+                raise Cancelled(f"session {self.session_id} has ended")
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self.idle.notify_all()
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        with self.lock:
+            return self.idle.wait_for(lambda: self.in_flight == 0, timeout=timeout_s)
+
+
+class SessionTable:
+    """id -> Session and worker slot -> current session; generations only move forward."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[str, Session] = {}
+        self._by_slot: dict[tuple[str, int, int], Session] = {}
+        self._generation: dict[tuple[str, int, int], int] = {}
+
+    @staticmethod
+    def new_id() -> str:
+        return uuid.uuid4().hex
+
+    def check_generation(self, worker: WorkerId) -> Session | None:
+        """The session this attach would replace; FailedPrecondition if ``worker`` is stale."""
+        with self._lock:
+            seen = self._generation.get(worker.slot)
+            if seen is not None and worker.generation < seen:
+                raise FailedPrecondition(
+                    f"stale generation {worker.generation} for worker {worker.instance_id!r} "
+                    f"(tp_rank={worker.tp_rank}, pp_rank={worker.pp_rank}): generation {seen} already attached"
+                )
+            current = self._by_slot.get(worker.slot)
+            if current is not None and current.worker.generation == worker.generation:
+                raise FailedPrecondition(
+                    f"worker {worker.instance_id!r} generation {worker.generation} is already attached "
+                    f"as session {current.session_id}; attach with a higher generation to replace it"
+                )
+            return current
+
+    def add(self, session: Session) -> None:
+        with self._lock:
+            self._by_id[session.session_id] = session
+            self._by_slot[session.worker.slot] = session
+            self._generation[session.worker.slot] = session.worker.generation
+
+    def remove(self, session_id: str) -> Session | None:
+        with self._lock:
+            session = self._by_id.pop(session_id, None)
+            if session is not None and self._by_slot.get(session.worker.slot) is session:
+                del self._by_slot[session.worker.slot]
+            return session
+
+    def get(self, session_id: str) -> Session:
+        with self._lock:
+            session = self._by_id.get(session_id)
+        if session is None:
+            raise NotFound(f"unknown session {session_id!r} (expired, detached or never attached)")
+        return session
+
+    def expired(self, now: int) -> list[Session]:
+        with self._lock:
+            return [s for s in self._by_id.values() if s.expires_ms <= now]
+
+    def all(self) -> list[Session]:
+        with self._lock:
+            return list(self._by_id.values())
+
+    def in_group(self, group_id: str) -> int:
+        with self._lock:
+            return sum(1 for s in self._by_id.values() if s.group_id == group_id)
+
+
+def require_owner(session: Session, owner_session_id: str, what: str) -> None:
+    if owner_session_id != session.session_id:
+        raise PermissionDenied(f"{what} belongs to another session")

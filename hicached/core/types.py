@@ -1,0 +1,134 @@
+"""Plain request/result types of the core service (the servicer converts protos to these)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicached.l2.group import PoolTransfer
+from hicached.l2.layout import HostLayout, KVSpec
+from hicached.transfer.handles import BufferSpec
+
+__all__ = [
+    "Ack",
+    "AttachResult",
+    "PoolRequest",
+    "PoolRole",
+    "PoolState",
+    "PoolTransfer",
+    "WorkerId",
+]
+
+
+class PoolRole(enum.StrEnum):
+    ANCHOR = "anchor"
+    SIDECAR = "sidecar"
+    DERIVED = "derived"
+
+
+@dataclass(frozen=True)
+class WorkerId:
+    """A worker slot is (instance_id, tp_rank, pp_rank); generation orders its restarts."""
+
+    instance_id: str
+    generation: int
+    model_name: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def slot(self) -> tuple[str, int, int]:
+        return (self.instance_id, self.tp_rank, self.pp_rank)
+
+
+@dataclass(frozen=True)
+class PoolRequest:
+    """One device pool of an attaching worker and the host pool it wants."""
+
+    name: str
+    role: PoolRole
+    spec: KVSpec
+    layout: HostLayout
+    k_buffers: tuple[BufferSpec, ...]
+    v_buffers: tuple[BufferSpec, ...]
+    indices_from_pool: str = ""
+    packed_draft_layers: int = 0
+    layer_ids: tuple[int, ...] = ()
+    host_ratio: float | None = None
+    host_bytes: int | None = None
+
+    def signature(self) -> tuple[object, ...]:
+        """What must match for two workers to share this pool's host pages."""
+        s = self.spec
+        return (
+            self.name,
+            self.role.value,
+            self.indices_from_pool,
+            s.kind.value,
+            str(s.dtype),
+            s.num_layers,
+            s.num_heads,
+            s.head_dim,
+            s.page_size,
+            self.layout.value,
+            self.packed_draft_layers,
+        )
+
+
+@dataclass(frozen=True)
+class PoolState:
+    name: str
+    role: PoolRole
+    layout: HostLayout
+    page_size: int
+    total_pages: int
+    free_pages: int
+    page_bytes: int
+    segment: str
+
+
+@dataclass(frozen=True)
+class AttachResult:
+    session_id: str
+    lease_ms: int
+    pools: tuple[PoolState, ...]
+    joined_existing_group: bool
+    replaced_session_id: str = ""
+
+
+@dataclass(frozen=True)
+class Ack:
+    pool: str
+    pages: int
+    tokens: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Result of write / resolve: ``ok`` False = no host room (nothing changed)."""
+
+    ok: bool
+    transfers: tuple[PoolTransfer, ...] = ()
+    acks: tuple[Ack, ...] = ()
+
+
+@dataclass(frozen=True)
+class RetractResult:
+    ok: bool
+    backup_id: str = ""
+    lease_expires_unix_ms: int = 0
+    acks: tuple[Ack, ...] = ()
+
+
+@dataclass
+class BatchIndices:
+    """Validated indices of one pool in a request (fresh int64 arrays)."""
+
+    pool: str
+    device: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    host: np.ndarray | None = None

@@ -1,0 +1,186 @@
+"""The composition root: builds every part of the daemon from one ``Config``.
+
+Nothing else constructs the engine, the storage backend, the pool groups, the
+core or the server; tests and the CLI go through :class:`Daemon`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
+
+from hicached.config import Config
+from hicached.core.groups import GroupRegistry, GroupState
+from hicached.core.keyed import KeyedCache
+from hicached.core.service import CoreHooks, HiCacheCore
+from hicached.core.sessions import Session
+from hicached.l3.base import StorageBackend
+from hicached.l3.registry import create_backend
+from hicached.metrics import Metrics, MetricsServer, serve_metrics
+from hicached.server.app import Server
+from hicached.server.servicer import AdminServicer, CacheServicer
+from hicached.transfer.engine import CopyEngine
+from hicached.transfer.plan import CopyPlan, Direction
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsHooks(CoreHooks):
+    """Feeds the core's events into Prometheus metrics."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    def on_session(self, event: str, session: Session) -> None:
+        if event == "attach":
+            self._m.sessions.inc()
+        else:
+            self._m.sessions.dec()
+
+    def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float) -> None:
+        model = ""
+        tokens, nbytes = (
+            (self._m.write_tokens, self._m.write_bytes)
+            if direction is Direction.D2H
+            else (self._m.load_tokens, self._m.load_bytes)
+        )
+        for pool, n in plan.tokens_by_pool.items():
+            tokens.labels(model=model, pool=pool).inc(n)
+        for pool, n in plan.bytes_by_pool.items():
+            nbytes.labels(model=model, pool=pool).inc(n)
+        self._m.transfer_duration.labels(direction=self._m.direction(direction.value)).observe(seconds)
+
+
+def l3_backend(config: Config) -> StorageBackend | None:
+    """The configured L3 backend (None for ``l3.backend = "none"``)."""
+    l3 = config.l3
+    if l3.backend == "none":
+        return None
+    options: dict[str, object] = {
+        "file": {"path": l3.path, "capacity_bytes": l3.capacity},
+        "redis": {"url": l3.url or "redis://127.0.0.1:6379/0"},
+        "s3": {"endpoint_url": l3.url, "bucket": l3.bucket},
+        "mooncake": {"master": l3.url},
+    }[l3.backend]
+    return create_backend(l3.backend, options)  # type: ignore[arg-type]
+
+
+class Daemon:
+    """Everything one ``hicached serve`` runs, built from ``config``."""
+
+    def __init__(self, config: Config, *, daemon_id: str | None = None) -> None:
+        self.config = config
+        self.daemon_id = daemon_id or f"{os.getpid():x}{uuid.uuid4().hex[:4]}"
+        self.metrics = Metrics()
+        self.engine = CopyEngine(workers=config.copy.workers, max_queued_bytes=config.copy.max_queued)
+        self.backend = l3_backend(config)
+        self.groups = GroupRegistry(config.host, daemon_id=self.daemon_id)
+        self.keyed = KeyedCache(config, backend=self.backend, metrics=self.metrics)
+        self.core = HiCacheCore(
+            config,
+            groups=self.groups,
+            engine=self.engine,
+            attach_index=self._attach_index,
+            hooks=MetricsHooks(self.metrics),
+        )
+        self.keyed.bind(self.core)
+        self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="hicached-rpc")
+        token = (
+            Path(config.server.auth_token_file).read_text().strip() if config.server.auth_token_file else None
+        )
+        observe = self._observe_rpc
+        self.servicer = CacheServicer(
+            self.core, self.executor, observe=observe, token=token, keyed=self.keyed
+        )
+        self.admin = AdminServicer(self.core, self.executor, observe=observe, token=token, keyed=self.keyed)
+        registrations: list[Callable[[grpc.aio.Server], None]] = [
+            lambda s: pb_grpc.add_HiCacheServiceServicer_to_server(self.servicer, s),
+            lambda s: pb_grpc.add_AdminServiceServicer_to_server(self.admin, s),
+        ]
+        self.server = Server(config, self.core, registrations, executor=self.executor)
+        self.metrics_server: MetricsServer | None = None
+
+    def _attach_index(self, state: GroupState) -> None:
+        self.keyed.attach_group(state)
+
+    def _observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        self.metrics.rpcs.labels(method=method, code=code.name).inc()
+        self.metrics.rpc_duration.labels(method=method).observe(seconds)
+
+    def refresh_gauges(self) -> None:
+        """Host usage and queue depths (cheap; called by the lease reaper)."""
+        m = self.metrics
+        for state in self.groups.all():
+            for p in state.states():
+                labels = {"model": state.model_name, "pool": p.name}
+                used = p.total_pages - p.free_pages
+                m.host_used_tokens.labels(**labels).set(used * p.page_size)
+                m.host_total_tokens.labels(**labels).set(p.total_pages * p.page_size)
+                m.host_used_bytes.labels(**labels).set(used * p.page_bytes)
+                m.host_total_bytes.labels(**labels).set(p.total_pages * p.page_bytes)
+        for priority, depth in self.engine.queue_depth().items():
+            m.queue_depth.labels(priority=m.priority(priority.name.lower())).set(depth)
+
+    async def start(self) -> None:
+        await self.server.start()
+        port = self.config.server.metrics_port
+        if port >= 0:
+            self.metrics_server = serve_metrics(self.metrics, self.config.server.metrics_host, port)
+            logger.info(
+                "metrics",
+                extra={
+                    "event": "metrics",
+                    "url": f"http://{self.config.server.metrics_host}:{self.metrics_server.port}/metrics",
+                },
+            )
+
+    async def stop(self) -> None:
+        """Stop serving, finish or cancel in-flight work, release every mapping and page."""
+        await self.server.stop(self.config.server.grace_s)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.close)
+
+    def close(self) -> None:
+        self.core.close()
+        self.keyed.close()
+        self.engine.close()
+        if self.backend is not None:
+            self.backend.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; exit code 0 after a clean shutdown."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        gauges = asyncio.create_task(self._refresh_loop())
+        await stop.wait()
+        logger.info("shutting down", extra={"event": "shutdown"})
+        gauges.cancel()
+        await self.stop()
+        return 0
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            self.refresh_gauges()
+            await asyncio.sleep(1.0)
+
+
+def run_daemon(config: Config) -> int:
+    import uvloop
+
+    daemon = Daemon(config)
+    return uvloop.run(daemon.run())

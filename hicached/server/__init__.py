@@ -1,0 +1,1 @@
+"""The gRPC layer: the only package that imports grpc."""

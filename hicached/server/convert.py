@@ -1,0 +1,196 @@
+"""Wire messages (hicached.v1) <-> core types. Pure conversion plus field checks.
+
+Every conversion error is an ``InvalidArgument`` naming the field, so a bad
+message never reaches the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from hicached_client.v1 import hicached_pb2 as pb
+from hicached_client.v1 import types_pb2 as tpb
+
+from hicached.core.types import Ack, PoolRequest, PoolRole, PoolState, WorkerId
+from hicached.errors import InvalidArgument
+from hicached.l2.group import PoolTransfer
+from hicached.l2.layout import HostLayout, KVSpec, PoolKind
+from hicached.transfer.handles import BufferSpec, CudaIpcBufferHandle, ShmBufferHandle
+
+DTYPES: dict[int, torch.dtype] = {
+    tpb.DATA_TYPE_FLOAT16: torch.float16,
+    tpb.DATA_TYPE_BFLOAT16: torch.bfloat16,
+    tpb.DATA_TYPE_FLOAT32: torch.float32,
+    tpb.DATA_TYPE_FLOAT8_E4M3FN: torch.float8_e4m3fn,
+    tpb.DATA_TYPE_FLOAT8_E5M2: torch.float8_e5m2,
+    tpb.DATA_TYPE_UINT8: torch.uint8,
+    tpb.DATA_TYPE_INT8: torch.int8,
+}
+KINDS = {tpb.POOL_KIND_MHA: PoolKind.MHA, tpb.POOL_KIND_MLA: PoolKind.MLA}
+LAYOUTS = {
+    tpb.HOST_LAYOUT_LAYER_FIRST: HostLayout.LAYER_FIRST,
+    tpb.HOST_LAYOUT_PAGE_FIRST: HostLayout.PAGE_FIRST,
+    tpb.HOST_LAYOUT_PAGE_FIRST_DIRECT: HostLayout.PAGE_FIRST_DIRECT,
+}
+ROLES = {
+    tpb.POOL_ROLE_ANCHOR: PoolRole.ANCHOR,
+    tpb.POOL_ROLE_SIDECAR: PoolRole.SIDECAR,
+    tpb.POOL_ROLE_DERIVED: PoolRole.DERIVED,
+}
+LAYOUT_TO_WIRE = {v: k for k, v in LAYOUTS.items()}
+ROLE_TO_WIRE = {v: k for k, v in ROLES.items()}
+
+
+def _enum(table: dict[int, object], value: int, what: str, enum_type: object) -> object:
+    if value in table:
+        return table[value]
+    allowed = ", ".join(enum_type.Name(k) for k in table)  # type: ignore[attr-defined]
+    raise InvalidArgument(f"{what} = {value} is not supported; expected one of {allowed}")
+
+
+def worker_id(identity: tpb.WorkerIdentity) -> WorkerId:
+    return WorkerId(
+        instance_id=identity.instance_id,
+        generation=identity.generation,
+        model_name=identity.model_name,
+        tp_rank=identity.tp_rank,
+        tp_size=max(identity.tp_size, 1),
+        pp_rank=identity.pp_rank,
+        pp_size=max(identity.pp_size, 1),
+    )
+
+
+def buffer_spec(buf: tpb.DeviceBuffer, what: str) -> BufferSpec:
+    dtype = _enum(DTYPES, buf.dtype, f"{what}.dtype", tpb.DataType)
+    kind = buf.handle.WhichOneof("kind")
+    handle: ShmBufferHandle | CudaIpcBufferHandle
+    if kind == "shm":
+        h = buf.handle.shm
+        if not h.name or "/" in h.name:
+            raise InvalidArgument(f"{what}.handle.shm.name {h.name!r} must be a segment name without '/'")
+        handle = ShmBufferHandle(name=h.name, offset=h.offset, size=h.size)
+    elif kind == "cuda_ipc":
+        c = buf.handle.cuda_ipc
+        handle = CudaIpcBufferHandle(
+            handle=bytes(c.handle),
+            device_id=c.device_id,
+            offset=c.offset,
+            size=c.size,
+            device_uuid=c.device_uuid,
+        )
+    else:
+        raise InvalidArgument(f"{what}.handle is empty: set shm or cuda_ipc")
+    return BufferSpec(handle=handle, shape=tuple(int(x) for x in buf.shape), dtype=dtype)  # type: ignore[arg-type]
+
+
+def pool_request(spec: tpb.PoolSpec, index: int) -> PoolRequest:
+    what = f"pools[{index}] ({spec.name!r})"
+    kind = _enum(KINDS, spec.kind, f"{what}.kind", tpb.PoolKind)
+    layout = _enum(LAYOUTS, spec.host_layout, f"{what}.host_layout", tpb.HostLayout)
+    role = _enum(ROLES, spec.role, f"{what}.role", tpb.PoolRole)
+    dtype = _enum(DTYPES, spec.dtype, f"{what}.dtype", tpb.DataType)
+    kv = KVSpec(
+        kind=kind,  # type: ignore[arg-type]
+        dtype=dtype,  # type: ignore[arg-type]
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        page_size=spec.page_size,
+        v_head_dim=spec.v_head_dim,
+    )
+    size = spec.host_size.WhichOneof("size")
+    ratio = spec.host_size.ratio if size == "ratio" else None
+    nbytes = spec.host_size.bytes if size == "bytes" else None
+    return PoolRequest(
+        name=spec.name,
+        role=role,  # type: ignore[arg-type]
+        spec=kv,
+        layout=layout,  # type: ignore[arg-type]
+        k_buffers=tuple(buffer_spec(b, f"{what}.k_buffers[{i}]") for i, b in enumerate(spec.k_buffers)),
+        v_buffers=tuple(buffer_spec(b, f"{what}.v_buffers[{i}]") for i, b in enumerate(spec.v_buffers)),
+        indices_from_pool=spec.indices_from_pool,
+        packed_draft_layers=spec.packed_draft_layers,
+        layer_ids=tuple(spec.layer_ids),
+        host_ratio=ratio,
+        host_bytes=nbytes,
+    )
+
+
+def _pages(values: Iterable[int]) -> np.ndarray:
+    return np.fromiter(values, dtype=np.int64)
+
+
+def transfer_in(t: tpb.PoolTransfer) -> PoolTransfer:
+    host = _pages(t.host_pages)
+    return PoolTransfer(
+        name=t.pool,
+        device_indices=_pages(t.device_pages),
+        host_indices=host if len(host) else None,
+        host_allocated=t.host_allocated,
+    )
+
+
+def batch_in(batch: tpb.TransferBatch, anchor: str) -> list[PoolTransfer]:
+    """Transfers of a batch; the primary pages become the anchor pool's transfer."""
+    out = [transfer_in(t) for t in batch.transfers]
+    if len(batch.primary_device_pages) or len(batch.primary_host_pages):
+        if any(t.name == anchor for t in out):
+            raise InvalidArgument(
+                f"the anchor pool {anchor!r} is given both as primary pages and as a transfer; give it once"
+            )
+        host = _pages(batch.primary_host_pages)
+        out.append(
+            PoolTransfer(
+                name=anchor,
+                device_indices=_pages(batch.primary_device_pages),
+                host_indices=host if len(host) else None,
+            )
+        )
+    return out
+
+
+def transfer_out(t: PoolTransfer) -> tpb.PoolTransfer:
+    return tpb.PoolTransfer(
+        pool=t.name,
+        device_pages=[] if t.device_indices is None else t.device_indices.tolist(),
+        host_pages=[] if t.host_indices is None else t.host_indices.tolist(),
+        host_allocated=t.host_allocated,
+    )
+
+
+def batch_out(transfers: Sequence[PoolTransfer]) -> tpb.TransferBatch:
+    return tpb.TransferBatch(transfers=[transfer_out(t) for t in transfers])
+
+
+def acks_out(acks: Iterable[Ack]) -> list[tpb.PoolAck]:
+    return [tpb.PoolAck(pool=a.pool, pages=a.pages, tokens=a.tokens, bytes=a.bytes) for a in acks]
+
+
+def pool_info(p: PoolState) -> tpb.PoolInfo:
+    return tpb.PoolInfo(
+        name=p.name,
+        role=ROLE_TO_WIRE[p.role],
+        host_layout=LAYOUT_TO_WIRE[p.layout],
+        page_size=p.page_size,
+        total_pages=p.total_pages,
+        free_pages=p.free_pages,
+        page_bytes=p.page_bytes,
+        segment=p.segment,
+    )
+
+
+def identity_out(w: WorkerId) -> tpb.WorkerIdentity:
+    return tpb.WorkerIdentity(
+        instance_id=w.instance_id,
+        generation=w.generation,
+        model_name=w.model_name,
+        tp_rank=w.tp_rank,
+        tp_size=w.tp_size,
+        pp_rank=w.pp_rank,
+        pp_size=w.pp_size,
+    )
+
+
+__all__ = ["pb", "tpb"]

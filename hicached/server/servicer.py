@@ -1,0 +1,537 @@
+"""gRPC servicers: convert messages, run the core on a thread pool, map errors.
+
+Each method is thin: parse -> core call -> build response. The core blocks
+(copies), so calls run on ``executor``; the event loop only parses, schedules
+and streams. Errors become status codes through ``status.status_for`` (one
+table); anything else is a bug and becomes INTERNAL with the error logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+import grpc
+from hicached_client.v1 import hicached_pb2 as pb
+from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
+from hicached_client.v1 import types_pb2 as tpb
+
+from hicached import __version__
+from hicached.cache.types import PrefetchState
+from hicached.core.keyed import KeyedCache
+from hicached.core.service import DaemonStats, HiCacheCore
+from hicached.core.types import Ack
+from hicached.errors import InvalidArgument, Unauthenticated
+from hicached.l3.keys import page_keys
+from hicached.server import convert
+from hicached.server.status import status_for, trailing_metadata_for
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+RpcObserver = Callable[[str, grpc.StatusCode, float], None]
+
+
+def _noop_observer(method: str, code: grpc.StatusCode, seconds: float) -> None:
+    """Default: no metrics."""
+
+
+class _Base:
+    def __init__(
+        self,
+        core: HiCacheCore,
+        executor: Executor,
+        *,
+        observe: RpcObserver | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.core = core
+        self._executor = executor
+        self._observe = observe or _noop_observer
+        self._token = token
+
+    def authorize(self, context: grpc.aio.ServicerContext) -> None:
+        """Calls over TCP must carry ``authorization: Bearer <token>`` when a token is configured."""
+        if self._token is None or context.peer().startswith("unix:"):
+            return
+        got = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not isinstance(got, str) or not hmac.compare_digest(got, f"Bearer {self._token}"):
+            raise Unauthenticated("missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def fail(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+        code = status_for(exc)
+        if code is None:
+            logger.exception("internal error in %s", method, exc_info=exc)
+            code, message = (
+                grpc.StatusCode.INTERNAL,
+                f"internal error in {method}: {type(exc).__name__}: {exc}",
+            )
+        else:
+            message = str(exc)
+        context.set_trailing_metadata(trailing_metadata_for(exc))
+        await context.abort(code, message)
+
+
+def unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Wrap a unary handler: error mapping and the per-RPC observation."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: _Base, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            self.authorize(context)
+            return await method(self, request, context)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            code = status_for(exc) or grpc.StatusCode.INTERNAL
+            await self.fail(context, name, exc)
+        finally:
+            self._observe(name, code, time.perf_counter() - start)
+
+    return wrapper
+
+
+class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
+    """hicached.v1.HiCacheService (session, host-page, data-plane and retraction RPCs)."""
+
+    def _anchor(self, session_id: str) -> str:
+        _, state = self.core.session_group(session_id)
+        return state.group.anchor.name
+
+    # ---- sessions
+
+    @unary
+    async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
+        worker = convert.worker_id(request.identity)
+        pools = [convert.pool_request(p, i) for i, p in enumerate(request.pools)]
+        result = await self.run(self.core.attach, worker, pools, lease_ms=request.lease_ms)
+        return pb.AttachResponse(
+            session_id=result.session_id,
+            lease_ms=result.lease_ms,
+            pools=[convert.pool_info(p) for p in result.pools],
+            joined_existing_group=result.joined_existing_group,
+            replaced_session_id=result.replaced_session_id,
+        )
+
+    @unary
+    async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
+        freed = await self.run(self.core.detach, request.session_id, request.op_id)
+        return pb.DetachResponse(freed_pages=freed)
+
+    @unary
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(lease_expires_unix_ms=self.core.heartbeat(request.session_id))
+
+    # ---- host pages
+
+    @unary
+    async def Alloc(self, request: pb.AllocRequest, context: grpc.aio.ServicerContext) -> pb.AllocResponse:
+        pages = await self.run(
+            self.core.alloc, request.session_id, request.op_id, request.pool, request.num_pages
+        )
+        if pages is None:
+            return pb.AllocResponse(ok=False)
+        return pb.AllocResponse(ok=True, host_pages=pages.tolist())
+
+    @unary
+    async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
+        freed = await self.run(
+            self.core.free, request.session_id, request.op_id, request.pool, list(request.host_pages)
+        )
+        return pb.FreeResponse(freed_pages=freed)
+
+    @unary
+    async def ResolveTransfers(
+        self, request: pb.ResolveTransfersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResolveTransfersResponse:
+        transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
+        result = await self.run(self.core.resolve, request.session_id, request.op_id, transfers)
+        return pb.ResolveTransfersResponse(ok=result.ok, batch=convert.batch_out(result.transfers))
+
+    @unary
+    async def ReleaseTransfers(
+        self, request: pb.ReleaseTransfersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseTransfersResponse:
+        transfers = [convert.transfer_in(t) for t in request.transfers]
+        freed = await self.run(self.core.release, request.session_id, request.op_id, transfers)
+        return pb.ReleaseTransfersResponse(freed_pages=freed)
+
+    # ---- data plane
+
+    @unary
+    async def Write(self, request: pb.WriteRequest, context: grpc.aio.ServicerContext) -> pb.WriteResponse:
+        transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
+        result = await self.run(
+            self.core.write, request.session_id, request.op_id, transfers, allocate=request.allocate
+        )
+        return pb.WriteResponse(
+            ok=result.ok, batch=convert.batch_out(result.transfers), acks=convert.acks_out(result.acks)
+        )
+
+    async def _stream_load(
+        self,
+        name: str,
+        context: grpc.aio.ServicerContext,
+        layer_progress: bool,
+        call: Callable[[Callable[[int], None] | None], tuple[Ack, ...]],
+    ) -> AsyncIterator[pb.LoadProgress]:
+        """Run a layer-by-layer copy and stream one message per finished layer."""
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        loop = asyncio.get_running_loop()
+        layers: asyncio.Queue[int] = asyncio.Queue()
+
+        def on_layer(layer: int) -> None:
+            loop.call_soon_threadsafe(layers.put_nowait, layer)
+
+        try:
+            self.authorize(context)
+            task = asyncio.ensure_future(self.run(call, on_layer if layer_progress else None))
+            while True:
+                getter = asyncio.ensure_future(layers.get())
+                done, _ = await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield pb.LoadProgress(layer=getter.result())
+                    continue
+                getter.cancel()
+                break
+            while not layers.empty():
+                yield pb.LoadProgress(layer=layers.get_nowait())
+            acks = task.result()
+            yield pb.LoadProgress(layer=-1, done=True, acks=convert.acks_out(acks))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            code = status_for(exc) or grpc.StatusCode.INTERNAL
+            await self.fail(context, name, exc)
+        finally:
+            self._observe(name, code, time.perf_counter() - start)
+
+    async def Load(
+        self, request: pb.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LoadProgress]:
+        def call(on_layer: Callable[[int], None] | None) -> tuple[Ack, ...]:
+            transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
+            return self.core.load(request.session_id, request.op_id, transfers, on_layer=on_layer)
+
+        async for msg in self._stream_load("Load", context, request.layer_progress, call):
+            yield msg
+
+    # ---- retraction
+
+    @unary
+    async def RetractBackup(
+        self, request: pb.RetractBackupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RetractBackupResponse:
+        transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
+        result = await self.run(
+            self.core.retract_backup,
+            request.session_id,
+            request.op_id,
+            request.request_id,
+            transfers,
+            num_tokens=request.num_tokens,
+            lease_ms=request.lease_ms,
+        )
+        return pb.RetractBackupResponse(
+            ok=result.ok,
+            backup_id=result.backup_id,
+            lease_expires_unix_ms=result.lease_expires_unix_ms,
+            acks=convert.acks_out(result.acks),
+        )
+
+    async def RetractRestore(
+        self, request: pb.RetractRestoreRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LoadProgress]:
+        def call(on_layer: Callable[[int], None] | None) -> tuple[Ack, ...]:
+            transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
+            return self.core.retract_restore(
+                request.session_id, request.op_id, request.backup_id, transfers, on_layer=on_layer
+            )
+
+        async for msg in self._stream_load("RetractRestore", context, request.layer_progress, call):
+            yield msg
+
+    @unary
+    async def RetractDiscard(
+        self, request: pb.RetractDiscardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RetractDiscardResponse:
+        freed = await self.run(
+            self.core.retract_discard, request.session_id, request.op_id, request.backup_id
+        )
+        return pb.RetractDiscardResponse(freed_pages=freed)
+
+    # ---- observability
+
+    @unary
+    async def GetStats(
+        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStatsResponse:
+        stats = await self.run(self.core.stats, request.session_id)
+        return stats_out(stats, self.backend_infos())
+
+    def backend_infos(self) -> list[tpb.BackendInfo]:
+        """L3 backend stats (filled in by the content-cache servicer)."""
+        return []
+
+    @unary
+    async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
+        return pb.PingResponse(payload=request.payload)
+
+
+def stats_out(stats: DaemonStats, backends: list[tpb.BackendInfo]) -> pb.GetStatsResponse:
+    return pb.GetStatsResponse(
+        sessions=[
+            pb.SessionInfo(
+                session_id=s.session_id,
+                identity=convert.identity_out(s.worker),
+                group=s.group_id,
+                owned_pages=s.owned_pages,
+                lease_expires_unix_ms=s.lease_expires_unix_ms,
+            )
+            for s in stats.sessions
+        ],
+        groups=[
+            pb.GroupInfo(
+                group=g.group_id,
+                model_name=g.model_name,
+                pools=[convert.pool_info(p) for p in g.pools],
+                indexed_pages=g.indexed_pages,
+                sessions=g.sessions,
+            )
+            for g in stats.groups
+        ],
+        backups=[
+            pb.RetractionInfo(
+                backup_id=b.backup_id,
+                session_id=b.session_id,
+                request_id=b.request_id,
+                pages=b.pages,
+                lease_expires_unix_ms=b.lease_expires_unix_ms,
+            )
+            for b in stats.backups
+        ],
+        backends=backends,
+        host_budget_bytes=stats.host_budget_bytes,
+        host_used_bytes=stats.host_used_bytes,
+        draining=stats.draining,
+        version=__version__,
+    )
+
+
+class KeyedServicerMixin(_Base):
+    """The content-addressed RPCs of HiCacheService (see hicached.core.keyed)."""
+
+    keyed: KeyedCache
+
+    def keys_of(self, session_id: str, source: tpb.KeySource) -> tuple[list[str], str]:
+        """(keys, tenant) of a KeySource; token chains are hashed with the group's page size."""
+        kind = source.WhichOneof("source")
+        tenant = source.tenant
+        if kind == "keys":
+            return list(source.keys.keys), tenant
+        if kind == "tokens":
+            chain = source.tokens
+            keys = page_keys(
+                list(chain.token_ids),
+                self.keyed.page_size(session_id),
+                extra_key=chain.extra_key if chain.HasField("extra_key") else None,
+                cache_salt=chain.cache_salt if chain.HasField("cache_salt") else None,
+                include_partial=chain.include_partial_page,
+            )
+            if not tenant and chain.HasField("cache_salt"):
+                tenant = chain.cache_salt
+            return keys, tenant
+        raise InvalidArgument("keys is empty: set keys.keys or keys.tokens")
+
+    def backend_infos(self) -> list[tpb.BackendInfo]:
+        got = self.keyed.backend_stats()
+        if got is None:
+            return []
+        name, s = got
+        return [
+            tpb.BackendInfo(
+                name=name,
+                pages=s.pages,
+                bytes=s.bytes,
+                capacity_bytes=s.capacity_bytes,
+                hits=s.hits,
+                misses=s.misses,
+                corrupt_pages=s.corrupt_pages,
+            )
+        ]
+
+    @unary
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        keys, _ = self.keys_of(request.session_id, request.keys)
+        result = await self.run(self.keyed.lookup, request.session_id, keys)
+        return pb.LookupResponse(
+            keys=keys, l2_hit_pages=result.l2_hit_pages, total_hit_pages=result.total_hit_pages
+        )
+
+    @unary
+    async def Publish(
+        self, request: pb.PublishRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PublishResponse:
+        keys, tenant = self.keys_of(request.session_id, request.keys)
+        transfers = [convert.transfer_in(t) for t in request.transfers]
+        published, existing = await self.run(
+            self.keyed.publish, request.session_id, request.op_id, keys, transfers, tenant
+        )
+        return pb.PublishResponse(published_pages=published, existing_pages=existing)
+
+    @unary
+    async def PutPages(
+        self, request: pb.PutPagesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PutPagesResponse:
+        keys, tenant = self.keys_of(request.session_id, request.keys)
+        transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
+        r = await self.run(self.keyed.put_pages, request.session_id, request.op_id, keys, transfers, tenant)
+        return pb.PutPagesResponse(
+            ok=r.ok,
+            stored_pages=r.stored_pages,
+            existing_pages=r.existing_pages,
+            acks=convert.acks_out(r.acks),
+        )
+
+    @unary
+    async def GetPages(
+        self, request: pb.GetPagesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetPagesResponse:
+        keys, tenant = self.keys_of(request.session_id, request.keys)
+        transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
+        hit, acks = await self.run(
+            self.keyed.get_pages,
+            request.session_id,
+            request.op_id,
+            keys,
+            transfers,
+            include_l3=request.include_l3,
+            tenant=tenant,
+        )
+        return pb.GetPagesResponse(hit_pages=hit, acks=convert.acks_out(acks))
+
+    @unary
+    async def Prefetch(
+        self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefetchResponse:
+        keys, tenant = self.keys_of(request.session_id, request.keys)
+        policy = PREFETCH_POLICIES.get(request.policy)
+        if policy is None:
+            raise InvalidArgument(f"policy = {request.policy} is not a PrefetchPolicy")
+        pid, planned = await self.run(
+            self.keyed.prefetch,
+            request.session_id,
+            keys,
+            policy=policy,
+            timeout_ms=request.timeout_ms,
+            tenant=tenant,
+        )
+        return pb.PrefetchResponse(prefetch_id=pid, planned_pages=planned)
+
+    @unary
+    async def PrefetchStatus(
+        self, request: pb.PrefetchStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefetchStatusResponse:
+        status = await self.run(
+            self.keyed.prefetch_status, request.session_id, request.prefetch_id, wait=request.wait
+        )
+        return pb.PrefetchStatusResponse(
+            state=PREFETCH_STATES[status.state],
+            completed_pages=status.completed_pages,
+            planned_pages=status.planned_pages,
+        )
+
+    @unary
+    async def CancelPrefetch(
+        self, request: pb.CancelPrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CancelPrefetchResponse:
+        done = await self.run(self.keyed.cancel_prefetch, request.session_id, request.prefetch_id)
+        return pb.CancelPrefetchResponse(completed_pages=done)
+
+    @unary
+    async def Backup(self, request: pb.BackupRequest, context: grpc.aio.ServicerContext) -> pb.BackupResponse:
+        keys, _ = self.keys_of(request.session_id, request.keys)
+        r = await self.run(self.keyed.backup, request.session_id, keys, wait=request.wait)
+        return pb.BackupResponse(queued_pages=r.queued, stored_pages=r.stored)
+
+    @unary
+    async def PutBytes(
+        self, request: pb.PutBytesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PutBytesResponse:
+        pages = [(p.key, p.pool, p.data) for p in request.pages]
+        stored, existing = await self.run(self.keyed.put_bytes, request.session_id, request.op_id, pages, "")
+        return pb.PutBytesResponse(stored_pages=stored, existing_pages=existing)
+
+    @unary
+    async def GetBytes(
+        self, request: pb.GetBytesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetBytesResponse:
+        keys, tenant = self.keys_of(request.session_id, request.keys)
+        pages = await self.run(
+            self.keyed.get_bytes, request.session_id, keys, include_l3=request.include_l3, tenant=tenant
+        )
+        hit = len({k for k, _, _ in pages})
+        return pb.GetBytesResponse(
+            pages=[tpb.PageBytes(key=k, pool=p, data=d) for k, p, d in pages], hit_pages=hit
+        )
+
+
+PREFETCH_POLICIES = {
+    pb.PREFETCH_POLICY_UNSPECIFIED: "",
+    pb.PREFETCH_POLICY_BEST_EFFORT: "best_effort",
+    pb.PREFETCH_POLICY_WAIT_COMPLETE: "wait_complete",
+    pb.PREFETCH_POLICY_TIMEOUT: "timeout",
+}
+PREFETCH_STATES = {
+    PrefetchState.RUNNING: pb.PREFETCH_STATE_RUNNING,
+    PrefetchState.DONE: pb.PREFETCH_STATE_DONE,
+    PrefetchState.CANCELLED: pb.PREFETCH_STATE_CANCELLED,
+    PrefetchState.TIMED_OUT: pb.PREFETCH_STATE_TIMED_OUT,
+    PrefetchState.FAILED: pb.PREFETCH_STATE_FAILED,
+}
+
+
+class CacheServicer(KeyedServicerMixin, HiCacheServicer):
+    """The full hicached.v1.HiCacheService: HiCacheServicer plus the content-addressed RPCs."""
+
+    def __init__(self, core: HiCacheCore, executor: Executor, *, keyed: KeyedCache, **kw: Any) -> None:
+        super().__init__(core, executor, **kw)
+        self.keyed = keyed
+
+
+class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
+    """hicached.v1.AdminService."""
+
+    def __init__(self, core: HiCacheCore, executor: Executor, *, keyed: KeyedCache, **kw: Any) -> None:
+        super().__init__(core, executor, **kw)
+        self.keyed = keyed
+
+    @unary
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        self.core.set_draining()
+        flushed = await self.run(self.keyed.drain, wait=request.wait_flush)
+        return pb.DrainResponse(flushed_pages=flushed)
+
+    @unary
+    async def ClearNamespace(
+        self, request: pb.ClearNamespaceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClearNamespaceResponse:
+        l2, l3 = await self.run(self.keyed.clear, request.model_name, request.tenant or None)
+        return pb.ClearNamespaceResponse(l2_pages=l2, l3_pages=l3)

@@ -1,0 +1,42 @@
+"""The one table from daemon exceptions to gRPC status codes.
+
+Every servicer method goes through :func:`status_for`; the client maps codes
+back to its single ``HiCacheError``. Order matters: the first matching class
+wins, so subclasses come before their bases.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from hicached import errors
+
+STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (errors.OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.Cancelled, grpc.StatusCode.CANCELLED),
+)
+
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode | None:
+    """The status code of a daemon error; None for anything else (a bug: INTERNAL)."""
+    for cls, code in STATUS_TABLE:
+        if isinstance(exc, cls):
+            return code
+    return None
+
+
+def trailing_metadata_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    retry = getattr(exc, "retry_after_ms", None)
+    if retry is not None:
+        return ((RETRY_AFTER_KEY, str(int(retry))),)
+    return ()
