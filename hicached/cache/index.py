@@ -93,6 +93,7 @@ class ContentIndex:
         prefetch_timeout_base_s: float = 1.0,
         prefetch_timeout_per_1k_tokens_s: float = 0.25,
         max_finished_prefetches: int = 1024,
+        write_back_free_fraction: float = 0.125,
     ) -> None:
         if not isinstance(namespace, str) or not namespace or namespace.endswith("/"):
             raise InvalidArgument(f"namespace must be a non-empty str not ending in '/', got {namespace!r}")
@@ -110,6 +111,11 @@ class ContentIndex:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
         prefetch_deadline_s(0, prefetch_timeout_base_s, prefetch_timeout_per_1k_tokens_s)  # validates
+        if not 0 <= write_back_free_fraction < 0.5:
+            raise InvalidArgument(
+                f"write_back_free_fraction must be in [0, 0.5), got {write_back_free_fraction!r}"
+            )
+        self.write_back_free_fraction = write_back_free_fraction
         self.namespace = namespace
         self.backend = backend
         self.batch_pages = batch_pages
@@ -132,6 +138,7 @@ class ContentIndex:
         self._prefetch_tenant: dict[str, str] = {}
         self._closed = False
         self._counts = collections.Counter[str]()
+        self._evicting_pages = 0  # write_back: pages of the background eviction in flight
 
         self._io = IoScheduler(io_workers, f"hicache-{namespace}")
         # Installed last: from here on the group may call back into us.
@@ -218,6 +225,8 @@ class ContentIndex:
             self._queue_backup(new, explicit=False)
         elif self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             self._queue_backup(hot, explicit=False)
+        else:
+            self._evict_ahead()
         return mask
 
     def _insert(
@@ -383,7 +392,58 @@ class ContentIndex:
             self._drop_refs_locked(victims, pinned=False)
             self._counts["evicted"] += len(victims)
         self._obs.evicted("l2", "lru", len(victims))
+        if self.write_policy is WritePolicy.WRITE_BACK:
+            self._evict_ahead()
         return len(victims)
+
+    def _evict_ahead(self) -> None:
+        """write_back: when a pool's free share drops below ``write_back_free_fraction``,
+        evict least recently used entries in the background until twice that share
+        is free; each is written to L3 first and its pages are freed once written.
+
+        This keeps a worker's allocation from waiting on L3 in :meth:`reclaim`
+        (which still writes synchronously if the background falls behind).
+        """
+        if self.backend is None or self.write_back_free_fraction <= 0:
+            return
+        fraction = self.write_back_free_fraction
+        allocators = self._view.allocators
+        if all(a.available() >= a.capacity * fraction for a in allocators):
+            return
+        want = max(int(a.capacity * 2 * fraction) - a.available() for a in allocators)
+        with self._lock:
+            if self._closed or self._evicting_pages:
+                return
+            victims: list[Entry] = []
+            for entry in self._entries.values():
+                if len(victims) >= want:
+                    break
+                if entry.refs == 0:
+                    victims.append(entry)
+            for entry in victims:
+                del self._entries[entry.key]
+                entry.detached = True
+                entry.refs += 1
+            dirty = [e for e in victims if not e.in_l3]
+            for entry in dirty:
+                entry.backup_queued = True
+            self._queued_pages += len(dirty)
+            self._evicting_pages = len(dirty)
+            self._counts["evicted"] += len(victims)
+            self._drop_refs_locked([e for e in victims if e.in_l3], pinned=False)
+        if not victims:
+            return
+        self._obs.evicted("l2", "lru", len(victims))
+        if dirty:
+            job: BackupJob[Entry] = BackupJob(
+                batches(dirty, self.batch_pages), store=self._store_batch, release=self._release_evicted
+            )
+            self._io.submit(job, IoPriority.BACKUP)
+
+    def _release_evicted(self, entries: Sequence[Entry], attempted: bool) -> None:
+        self._release_backup(entries, attempted)  # detached: their pages are freed here
+        with self._lock:
+            self._evicting_pages -= len(entries)
 
     def _write_back_now(self, entries: Sequence[Entry]) -> None:
         chunks = batches(entries, self.batch_pages)

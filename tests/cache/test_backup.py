@@ -61,7 +61,8 @@ def test_write_back_writes_only_when_evicted(
 ) -> None:
     backend = Wrapped(create_backend("file", {"path": str(tmp_path / "l3")}))
     group = make_group(8)
-    index = make_index(group, backend, write_policy=WritePolicy.WRITE_BACK)
+    # No eviction ahead of need: the only L3 writes are those of reclaim itself.
+    index = make_index(group, backend, write_policy=WritePolicy.WRITE_BACK, write_back_free_fraction=0)
     keys = keys_of("b", 8)
     index.publish(keys, write_pages(group, 8, seed=3))
     assert backend.set_calls == 0
@@ -232,3 +233,27 @@ def test_clear_during_a_backup_leaves_nothing_of_the_tenant_in_l3(
     assert l3_run(backend, index, keys) == 0
     assert index.lookup(keys) == LookupResult(0, 0)
     backend.inner.close()
+
+
+def test_write_back_evicts_ahead_of_need_in_the_background(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    backend = GatedSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(16)
+    index = make_index(
+        group, backend, write_policy=WritePolicy.WRITE_BACK, write_back_free_fraction=0.25, batch_pages=4
+    )
+    keys = keys_of("e", 14)
+    try:
+        # 2 of 16 pages free < 25%: the 6 least recently used entries leave L2 (deepest
+        # first), written to L3 by the I/O threads; publish itself did not wait.
+        index.publish(keys, write_pages(group, 14, seed=13))
+        assert backend.entered.acquire(timeout=30)
+        assert index.lookup(keys).l2_hit_pages == 8
+        assert group.available() == 2  # freed only once written
+    finally:
+        backend.gate.set()
+    index.flush(timeout_s=30)
+    assert group.available() == 8
+    assert index.lookup(keys) == LookupResult(8, 14)
+    assert index.stats().evicted_pages == 6

@@ -76,7 +76,7 @@ def workers() -> Iterator[list[BigWorker]]:
 def start(path: Path) -> Daemon:
     return start_daemon(
         "--l3", "file", "--l3-path", str(path), "--host-budget", "512MiB",
-        "--set", "l3.write_policy=write_back", "--set", f"server.max_batch_pages={CHUNK}",
+        "--set", "l3.write_policy=write_through_selective", "--set", f"server.max_batch_pages={CHUNK}",
     )  # fmt: skip
 
 
@@ -105,7 +105,7 @@ def test_sigkill_during_backup_loses_no_acknowledged_page(tmp_path: Path, worker
             for lo in range(0, PAGES, CHUNK):
                 put = session.put_pages(keys[lo : lo + CHUNK], [Transfer("kv", list(range(lo, lo + CHUNK)))])
                 assert (put.ok, put.stored_pages) == (True, CHUNK)
-            assert l3_slots(l3) == 0  # write_back: nothing reaches L3 before it is asked
+            assert l3_slots(l3) == 0  # selective: nothing reaches L3 before it is asked
             acked = session.backup(keys[:ACKED], wait=True)
             assert (acked.queued_pages, acked.stored_pages) == (ACKED, ACKED)
             big = session.backup(keys[ACKED:])
