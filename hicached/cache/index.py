@@ -21,7 +21,11 @@ does): an eviction shortens a cached prefix instead of cutting its head.
 L3 keys are ``f"{namespace}/{pool}/{key}"`` (one object per pool per key,
 derived pools included). Backups and prefetches run on the index's I/O
 threads in batches (128 pages by default), prefetches first; neither ever
-blocks the caller unless asked to.
+blocks the caller unless asked to. Under ``write_back`` a page goes to L3
+only when it is evicted; to keep that write off a worker's allocation path,
+the index evicts ahead of need in the background whenever a pool's free
+share drops below ``write_back_free_fraction`` (a reclaim that still finds
+only unwritten victims writes them synchronously, as the reference does).
 
 Thread-safety: every public method may be called from any thread. One lock
 guards the index's state; it is never held during L3 I/O, nor while

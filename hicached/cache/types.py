@@ -37,7 +37,9 @@ class WritePolicy(enum.StrEnum):
 
     * ``WRITE_THROUGH``: on first use, i.e. as soon as it is published.
     * ``WRITE_THROUGH_SELECTIVE``: on its second hit (a pin or a duplicate publish).
-    * ``WRITE_BACK``: only when it is evicted from L2 (or when the index is flushed).
+    * ``WRITE_BACK``: only when it is evicted from L2 (or when the index is flushed);
+      the index evicts ahead of need in the background so the write rarely
+      sits on an allocation's path.
     """
 
     WRITE_THROUGH = "write_through"
