@@ -1,25 +1,26 @@
 """How an SGLang host pool's pages map onto daemon pool specs and staging buffers.
 
-Every supported SGLang host pool is seen as ``chunks``: a byte tensor of shape
-``(groups, pages, chunk_bytes)`` where page ``p`` is the ``groups`` chunks
-``chunks[:, p, :]``, in the order of SGLang's flat data page
-(``get_data_page(index, flat=True)``):
+A staged page is stored *page-major*: for each of ``groups`` planes (K and V
+for MHA, the latent for MLA) one contiguous chunk holding the page's rows of
+every layer, in the byte order of SGLang's flat data page
+(``get_data_page(index, flat=True)``). The daemon is told about the staging
+area as a one-layer pool whose token row spans all layers (heads 1, head_dim
+``layers * heads * dim``), so it moves each page as ``groups`` contiguous
+chunks, and its flat page (PutBytes/GetBytes) equals SGLang's flat data page.
 
-==========================  ==============================  =======  =================
-SGLang pool / layout        kv_buffer                       groups   daemon spec
-==========================  ==============================  =======  =================
-MHA layer_first             (2, L, tokens, H, D)            2 L      MHA, L layers, H, D
-MHA page_first              (2, tokens, L, H, D)            2        MHA, 1 layer, 1, L*H*D
-MHA page_first_direct       (2, pages, L, page, H, D)       2        MHA, 1 layer, 1, L*H*D
-MLA layer_first             (L, tokens, 1, D)               L        MLA, L layers, 1, D
-MLA page_first(_direct)     (tokens, L, 1, D) / (pages,..)  1        MLA, 1 layer, 1, L*D
-any other host pool         (via get_data_page)             1        MLA, 1 layer, uint8 bytes
-==========================  ==============================  =======  =================
+Known host pools are read and written with one strided index op per batch,
+through a 4-d byte view ``(planes, blocks, pages, block)`` of their buffer:
 
-The daemon copies whole pages of each buffer, so a page-major layout can be
-described as one "layer" of ``L*H*D``-wide rows: its pages are the same bytes,
-and the daemon's flat page (PutBytes/GetBytes) equals SGLang's flat data page in
-every row of the table.
+==========================  ==============================  ======  ======
+SGLang pool / layout        kv_buffer                       planes  blocks
+==========================  ==============================  ======  ======
+MHA layer_first             (2, L, tokens, H, D)            2       L
+MHA page_first              (2, tokens, L, H, D)            2       1
+MHA page_first_direct       (2, pages, L, page, H, D)       2       1
+MLA layer_first             (L, tokens, 1, D)               1       L
+MLA page_first(_direct)     (tokens, L, 1, D) / (pages,..)  1       1
+any other host pool         (via get_data_page)             1       (per page)
+==========================  ==============================  ======  ======
 
 Bindings are chosen through a registry keyed by (pool kind, layout); pools that
 match no entry use the generic per-page binding. A binding never owns the host
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,27 +144,37 @@ class PoolBinding(abc.ABC):
 
 
 class ChunkedBinding(PoolBinding):
-    """A pool whose ``kv_buffer`` reshapes to ``(groups, pages, chunk)``: one index op per batch."""
+    """A pool whose ``kv_buffer`` views as ``(planes, blocks, pages, block)``: one index op per batch."""
 
-    def __init__(self, host_pool: Any, geometry: PoolGeometry) -> None:
+    def __init__(self, host_pool: Any, geometry: PoolGeometry, blocks: int) -> None:
         super().__init__(host_pool, geometry)
         buf: torch.Tensor = host_pool.kv_buffer
         if not buf.is_contiguous():
             raise ValueError(f"{type(host_pool).__name__}.kv_buffer must be contiguous")
         total = buf.numel() * buf.element_size()
         num_pages = total // geometry.page_bytes
-        if num_pages * geometry.page_bytes != total:
+        if num_pages * geometry.page_bytes != total or geometry.chunk_bytes % blocks:
             raise ValueError(f"kv_buffer of {total} bytes is not whole pages of {geometry.page_bytes}")
-        self._host = widen(buf.view(torch.uint8).view(geometry.groups, num_pages, geometry.chunk_bytes))
+        self.blocks = blocks
+        self.block_bytes = geometry.chunk_bytes // blocks
+        self._host = widen(buf.view(torch.uint8).view(geometry.groups, blocks, num_pages, self.block_bytes))
         self.num_pages = num_pages
+
+    def _page_major(self, chunks: torch.Tensor) -> torch.Tensor:
+        """``(planes, n, chunk)`` staging bytes as the host view's ``(planes, blocks, n, block)``."""
+        g = self.geometry
+        n = chunks.shape[1]
+        return _same_type(chunks.view(g.groups, n, self.blocks, self.block_bytes), self._host).permute(
+            0, 2, 1, 3
+        )
 
     def gather(self, host_pages: torch.Tensor, out: torch.Tensor) -> None:
         n = host_pages.numel()
-        torch.index_select(self._host, 1, host_pages, out=_same_type(out[:, :n], self._host))
+        torch.index_select(self._host, 2, host_pages, out=self._page_major(out[:, :n]))
 
     def scatter(self, host_pages: torch.Tensor, src: torch.Tensor) -> None:
         n = host_pages.numel()
-        self._host.index_copy_(1, host_pages, _same_type(src[:, :n], self._host))
+        self._host.index_copy_(2, host_pages, self._page_major(src[:, :n]))
 
     def host_bytes(self) -> int:
         return self.num_pages * self.geometry.page_bytes
@@ -215,72 +225,40 @@ class FlatPageBinding(PoolBinding):
 # ------------------------------------------------------------------ registry
 
 
-def _mha(layer_major: bool) -> Callable[[Any], PoolGeometry]:
-    def describe(pool: Any) -> PoolGeometry:
-        layers, heads, dim, ps = (
-            int(pool.layer_num),
-            int(pool.head_num),
-            int(pool.head_dim),
-            int(pool.page_size),
-        )
+@dataclass(frozen=True)
+class ChunkedLayout:
+    """How one (kind, layout) of SGLang host pool splits into planes and per-layer blocks."""
+
+    layer_major: bool
+
+    def describe(self, pool: Any, kind: str) -> tuple[PoolGeometry, int]:
+        """(geometry, blocks per chunk) of ``pool``."""
+        layers, ps = int(pool.layer_num), int(pool.page_size)
         dtype: torch.dtype = pool.dtype
-        if layer_major:
-            return PoolGeometry(
-                kind=PoolKind.MHA,
-                dtype=dtype,
-                host_layout=HostLayout.LAYER_FIRST,
-                groups=2 * layers,
-                chunk_bytes=ps * heads * dim * dtype.itemsize,
-                rows_per_page=ps,
-                num_layers=layers,
-                heads=heads,
-                head_dim=dim,
-                page_size=ps,
-            )
-        return PoolGeometry(
-            kind=PoolKind.MHA,
+        if kind == "mla":
+            planes, row = 1, int(pool.kv_cache_dim)
+        else:
+            planes, row = 2, int(pool.head_num) * int(pool.head_dim)
+        geometry = PoolGeometry(
+            kind=PoolKind.MLA if kind == "mla" else PoolKind.MHA,
             dtype=dtype,
             host_layout=HostLayout.PAGE_FIRST,
-            groups=2,
-            chunk_bytes=ps * layers * heads * dim * dtype.itemsize,
+            groups=planes,
+            chunk_bytes=ps * layers * row * dtype.itemsize,
             rows_per_page=ps,
             num_layers=1,
             heads=1,
-            head_dim=layers * heads * dim,
+            head_dim=layers * row,
             page_size=ps,
         )
-
-    return describe
-
-
-def _mla(layer_major: bool) -> Callable[[Any], PoolGeometry]:
-    def describe(pool: Any) -> PoolGeometry:
-        layers, dim, ps = int(pool.layer_num), int(pool.kv_cache_dim), int(pool.page_size)
-        dtype: torch.dtype = pool.dtype
-        return PoolGeometry(
-            kind=PoolKind.MLA,
-            dtype=dtype,
-            host_layout=HostLayout.LAYER_FIRST if layer_major else HostLayout.PAGE_FIRST,
-            groups=layers if layer_major else 1,
-            chunk_bytes=ps * dim * dtype.itemsize * (1 if layer_major else layers),
-            rows_per_page=ps,
-            num_layers=layers if layer_major else 1,
-            heads=1,
-            head_dim=dim if layer_major else layers * dim,
-            page_size=ps,
-        )
-
-    return describe
+        return geometry, layers if self.layer_major else 1
 
 
-# (pool kind, SGLang layout) -> geometry of a ChunkedBinding.
-CHUNKED_LAYOUTS: dict[tuple[str, str], Callable[[Any], PoolGeometry]] = {
-    ("mha", "layer_first"): _mha(layer_major=True),
-    ("mha", "page_first"): _mha(layer_major=False),
-    ("mha", "page_first_direct"): _mha(layer_major=False),
-    ("mla", "layer_first"): _mla(layer_major=True),
-    ("mla", "page_first"): _mla(layer_major=False),
-    ("mla", "page_first_direct"): _mla(layer_major=False),
+# (pool kind, SGLang layout) -> how a ChunkedBinding views the pool.
+CHUNKED_LAYOUTS: dict[tuple[str, str], ChunkedLayout] = {
+    (kind, layout): ChunkedLayout(layer_major=layout == "layer_first")
+    for kind in ("mha", "mla")
+    for layout in ("layer_first", "page_first", "page_first_direct")
 }
 
 
@@ -300,15 +278,15 @@ def pool_kind(pool: Any) -> str | None:
 def bind_host_pool(pool: Any) -> PoolBinding:
     """The binding for an SGLang host pool: chunked when its layout is known, else per page."""
     kind = pool_kind(pool)
-    describe = CHUNKED_LAYOUTS.get((kind or "", str(getattr(pool, "layout", ""))))
-    page_size = int(getattr(pool, "page_size", 1) or 1)
-    if describe is not None:
-        binding = ChunkedBinding(pool, describe(pool))
-        log.debug("hicached: %s bound as %s", type(pool).__name__, binding.geometry)
+    layout = CHUNKED_LAYOUTS.get((kind or "", str(getattr(pool, "layout", ""))))
+    if kind is not None and layout is not None:
+        geometry, blocks = layout.describe(pool, kind)
+        binding = ChunkedBinding(pool, geometry, blocks)
+        log.debug("hicached: %s bound as %s", type(pool).__name__, geometry)
         return binding
     log.info(
         "hicached: %s (layout %r) has no chunked binding; using its per-page flat API",
         type(pool).__name__,
         getattr(pool, "layout", None),
     )
-    return FlatPageBinding(pool, page_size)
+    return FlatPageBinding(pool, int(getattr(pool, "page_size", 1) or 1))
