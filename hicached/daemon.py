@@ -65,11 +65,11 @@ def l3_backend(config: Config) -> StorageBackend | None:
     l3 = config.l3
     if l3.backend == "none":
         return None
-    options: dict[str, object] = {
+    options: dict[str, object] = {  # type: ignore[assignment]
         "file": {"path": l3.path, "capacity_bytes": l3.capacity},
         "redis": {"url": l3.url or "redis://127.0.0.1:6379/0"},
         "s3": {"endpoint_url": l3.url, "bucket": l3.bucket},
-        "mooncake": {"master": l3.url},
+        "mooncake": {"master_addr": l3.url},
     }[l3.backend]
     return create_backend(l3.backend, options)  # type: ignore[arg-type]
 
@@ -103,8 +103,8 @@ class Daemon:
         )
         self.admin = AdminServicer(self.core, self.executor, observe=observe, token=token, keyed=self.keyed)
         registrations: list[Callable[[grpc.aio.Server], None]] = [
-            lambda s: pb_grpc.add_HiCacheServiceServicer_to_server(self.servicer, s),
-            lambda s: pb_grpc.add_AdminServiceServicer_to_server(self.admin, s),
+            lambda s: pb_grpc.add_HiCacheServiceServicer_to_server(self.servicer, s),  # type: ignore[no-untyped-call]
+            lambda s: pb_grpc.add_AdminServiceServicer_to_server(self.admin, s),  # type: ignore[no-untyped-call]
         ]
         self.server = Server(config, self.core, registrations, executor=self.executor)
         self.metrics_server: MetricsServer | None = None

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -31,11 +32,12 @@ from hicached.core.types import (
     AttachResult,
     PoolRequest,
     PoolRole,
+    PoolState,
     RetractResult,
     TransferResult,
     WorkerId,
 )
-from hicached.errors import InvalidArgument, NotFound, OutOfRange, PermissionDenied, Unavailable
+from hicached.errors import DoubleFree, InvalidArgument, NotFound, OutOfRange, PermissionDenied, Unavailable
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine, Priority
 from hicached.transfer.handles import DeviceMappings, medium_of
@@ -59,7 +61,7 @@ class SessionStats:
 class GroupStats:
     group_id: str
     model_name: str
-    pools: tuple[object, ...]
+    pools: tuple[PoolState, ...]
     indexed_pages: int
     sessions: int
 
@@ -118,6 +120,7 @@ class HiCacheCore:
         self._sessions = SessionTable()
         self._backups: dict[str, Backup] = {}
         self._backups_lock = threading.Lock()
+        self._detached: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._draining = threading.Event()
         self._closed = False
 
@@ -208,8 +211,22 @@ class HiCacheCore:
         return views
 
     def detach(self, session_id: str, op_id: str = "") -> int:
-        session = self._sessions.get(session_id)
-        return session.once(op_id, lambda: self._end(session, "detach"))
+        try:
+            session = self._sessions.get(session_id)
+        except NotFound:
+            # A retried detach whose first attempt succeeded gets the first answer.
+            with self._backups_lock:
+                done = self._detached.get((session_id, op_id)) if op_id else None
+            if done is None:
+                raise
+            return done
+        freed = session.once(op_id, lambda: self._end(session, "detach"))
+        if op_id:
+            with self._backups_lock:
+                self._detached[(session_id, op_id)] = freed
+                while len(self._detached) > self._cfg.sessions.op_cache_size:
+                    self._detached.popitem(last=False)
+        return freed
 
     def heartbeat(self, session_id: str) -> int:
         session = self._sessions.get(session_id)
@@ -334,6 +351,10 @@ class HiCacheCore:
             if t.host_indices is None or len(t.host_indices) == 0:
                 continue
             owner_pool = state.group.get_entry(t.name).indices_from_pool or t.name
+            allocated = state.pool(owner_pool).allocator.is_allocated(t.host_indices)
+            if not allocated.all():
+                page = int(t.host_indices[~allocated][0])
+                raise DoubleFree(f"host page {page} of pool {owner_pool!r} is not allocated (already freed?)")
             owned = session.ledger.owns(owner_pool, t.host_indices)
             if not owned.all():
                 page = int(t.host_indices[~owned][0])
@@ -593,10 +614,12 @@ class HiCacheCore:
                     f"restore must name the same pools as the backup: backup has {sorted(saved)}, got {sorted(given)}"
                 )
             for name, t in given.items():
-                want = len(saved[name].host_indices) if saved[name].host_indices is not None else 0
-                if len(t.device_indices) != want:  # type: ignore[arg-type]
+                saved_pages = saved[name].host_indices
+                want = 0 if saved_pages is None else len(saved_pages)
+                got = 0 if t.device_indices is None else len(t.device_indices)
+                if got != want:
                     raise InvalidArgument(
-                        f"restore of pool {name!r}: backup holds {want} pages, got {len(t.device_indices)} device pages"  # type: ignore[arg-type]
+                        f"restore of pool {name!r}: backup holds {want} pages, got {got} device pages"
                     )
             bound = [replace(t, host_indices=saved[t.name].host_indices) for t in checked]
             with self._backups_lock:

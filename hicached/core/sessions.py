@@ -46,7 +46,8 @@ class PageLedger:
         self._owned[pool][pages] = False
 
     def owns(self, pool: str, pages: np.ndarray) -> np.ndarray:
-        return self._owned[pool][pages]
+        owned: np.ndarray = self._owned[pool][pages]
+        return owned
 
     def take_all(self) -> dict[str, np.ndarray]:
         out = {}

@@ -49,7 +49,7 @@ class Server:
         self._registrations = registrations
         self._executor = executor
         self._server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._reaper: asyncio.Task[None] | None = None
         self.tcp_port: int | None = None
 

@@ -6,7 +6,8 @@ message never reaches the core.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -18,6 +19,8 @@ from hicached.errors import InvalidArgument
 from hicached.l2.group import PoolTransfer
 from hicached.l2.layout import HostLayout, KVSpec, PoolKind
 from hicached.transfer.handles import BufferSpec, CudaIpcBufferHandle, ShmBufferHandle
+
+T = TypeVar("T")
 
 DTYPES: dict[int, torch.dtype] = {
     tpb.DATA_TYPE_FLOAT16: torch.float16,
@@ -43,7 +46,7 @@ LAYOUT_TO_WIRE = {v: k for k, v in LAYOUTS.items()}
 ROLE_TO_WIRE = {v: k for k, v in ROLES.items()}
 
 
-def _enum(table: dict[int, object], value: int, what: str, enum_type: object) -> object:
+def _enum(table: Mapping[Any, T], value: int, what: str, enum_type: object) -> T:
     if value in table:
         return table[value]
     allowed = ", ".join(enum_type.Name(k) for k in table)  # type: ignore[attr-defined]
@@ -82,7 +85,7 @@ def buffer_spec(buf: tpb.DeviceBuffer, what: str) -> BufferSpec:
         )
     else:
         raise InvalidArgument(f"{what}.handle is empty: set shm or cuda_ipc")
-    return BufferSpec(handle=handle, shape=tuple(int(x) for x in buf.shape), dtype=dtype)  # type: ignore[arg-type]
+    return BufferSpec(handle=handle, shape=tuple(int(x) for x in buf.shape), dtype=dtype)
 
 
 def pool_request(spec: tpb.PoolSpec, index: int) -> PoolRequest:
@@ -92,8 +95,8 @@ def pool_request(spec: tpb.PoolSpec, index: int) -> PoolRequest:
     role = _enum(ROLES, spec.role, f"{what}.role", tpb.PoolRole)
     dtype = _enum(DTYPES, spec.dtype, f"{what}.dtype", tpb.DataType)
     kv = KVSpec(
-        kind=kind,  # type: ignore[arg-type]
-        dtype=dtype,  # type: ignore[arg-type]
+        kind=kind,
+        dtype=dtype,
         num_layers=spec.num_layers,
         num_heads=spec.num_heads,
         head_dim=spec.head_dim,
@@ -105,9 +108,9 @@ def pool_request(spec: tpb.PoolSpec, index: int) -> PoolRequest:
     nbytes = spec.host_size.bytes if size == "bytes" else None
     return PoolRequest(
         name=spec.name,
-        role=role,  # type: ignore[arg-type]
+        role=role,
         spec=kv,
-        layout=layout,  # type: ignore[arg-type]
+        layout=layout,
         k_buffers=tuple(buffer_spec(b, f"{what}.k_buffers[{i}]") for i, b in enumerate(spec.k_buffers)),
         v_buffers=tuple(buffer_spec(b, f"{what}.v_buffers[{i}]") for i, b in enumerate(spec.v_buffers)),
         indices_from_pool=spec.indices_from_pool,

@@ -35,6 +35,7 @@ from hicached.server.status import status_for, trailing_metadata_for
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 RpcObserver = Callable[[str, grpc.StatusCode, float], None]
+Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
 def _noop_observer(method: str, code: grpc.StatusCode, seconds: float) -> None:
@@ -55,7 +56,7 @@ class _Base:
         self._observe = observe or _noop_observer
         self._token = token
 
-    def authorize(self, context: grpc.aio.ServicerContext) -> None:
+    def authorize(self, context: Ctx) -> None:
         """Calls over TCP must carry ``authorization: Bearer <token>`` when a token is configured."""
         if self._token is None or context.peer().startswith("unix:"):
             return
@@ -63,11 +64,15 @@ class _Base:
         if not isinstance(got, str) or not hmac.compare_digest(got, f"Bearer {self._token}"):
             raise Unauthenticated("missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
 
+    def _anchor(self, session_id: str) -> str:
+        _, state = self.core.session_group(session_id)
+        return state.group.anchor.name
+
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def fail(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    async def fail(self, context: Ctx, method: str, exc: BaseException) -> None:
         code = status_for(exc)
         if code is None:
             logger.exception("internal error in %s", method, exc_info=exc)
@@ -86,7 +91,7 @@ def unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]
     name = method.__name__
 
     @functools.wraps(method)
-    async def wrapper(self: _Base, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(self: _Base, request: Any, context: Ctx) -> Any:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -107,14 +112,10 @@ def unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]
 class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
     """hicached.v1.HiCacheService (session, host-page, data-plane and retraction RPCs)."""
 
-    def _anchor(self, session_id: str) -> str:
-        _, state = self.core.session_group(session_id)
-        return state.group.anchor.name
-
     # ---- sessions
 
     @unary
-    async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
+    async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
         worker = convert.worker_id(request.identity)
         pools = [convert.pool_request(p, i) for i, p in enumerate(request.pools)]
         result = await self.run(self.core.attach, worker, pools, lease_ms=request.lease_ms)
@@ -127,20 +128,18 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
         )
 
     @unary
-    async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
+    async def Detach(self, request: pb.DetachRequest, context: Ctx) -> pb.DetachResponse:
         freed = await self.run(self.core.detach, request.session_id, request.op_id)
         return pb.DetachResponse(freed_pages=freed)
 
     @unary
-    async def Heartbeat(
-        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
-    ) -> pb.HeartbeatResponse:
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.HeartbeatResponse:
         return pb.HeartbeatResponse(lease_expires_unix_ms=self.core.heartbeat(request.session_id))
 
     # ---- host pages
 
     @unary
-    async def Alloc(self, request: pb.AllocRequest, context: grpc.aio.ServicerContext) -> pb.AllocResponse:
+    async def Alloc(self, request: pb.AllocRequest, context: Ctx) -> pb.AllocResponse:
         pages = await self.run(
             self.core.alloc, request.session_id, request.op_id, request.pool, request.num_pages
         )
@@ -149,7 +148,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
         return pb.AllocResponse(ok=True, host_pages=pages.tolist())
 
     @unary
-    async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
+    async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
         freed = await self.run(
             self.core.free, request.session_id, request.op_id, request.pool, list(request.host_pages)
         )
@@ -157,7 +156,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
 
     @unary
     async def ResolveTransfers(
-        self, request: pb.ResolveTransfersRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ResolveTransfersRequest, context: Ctx
     ) -> pb.ResolveTransfersResponse:
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
         result = await self.run(self.core.resolve, request.session_id, request.op_id, transfers)
@@ -165,7 +164,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
 
     @unary
     async def ReleaseTransfers(
-        self, request: pb.ReleaseTransfersRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ReleaseTransfersRequest, context: Ctx
     ) -> pb.ReleaseTransfersResponse:
         transfers = [convert.transfer_in(t) for t in request.transfers]
         freed = await self.run(self.core.release, request.session_id, request.op_id, transfers)
@@ -174,7 +173,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
     # ---- data plane
 
     @unary
-    async def Write(self, request: pb.WriteRequest, context: grpc.aio.ServicerContext) -> pb.WriteResponse:
+    async def Write(self, request: pb.WriteRequest, context: Ctx) -> pb.WriteResponse:
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
         result = await self.run(
             self.core.write, request.session_id, request.op_id, transfers, allocate=request.allocate
@@ -186,7 +185,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
     async def _stream_load(
         self,
         name: str,
-        context: grpc.aio.ServicerContext,
+        context: Ctx,
         layer_progress: bool,
         call: Callable[[Callable[[int], None] | None], tuple[Ack, ...]],
     ) -> AsyncIterator[pb.LoadProgress]:
@@ -223,9 +222,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
         finally:
             self._observe(name, code, time.perf_counter() - start)
 
-    async def Load(
-        self, request: pb.LoadRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.LoadProgress]:
+    async def Load(self, request: pb.LoadRequest, context: Ctx) -> AsyncIterator[pb.LoadProgress]:
         def call(on_layer: Callable[[int], None] | None) -> tuple[Ack, ...]:
             transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
             return self.core.load(request.session_id, request.op_id, transfers, on_layer=on_layer)
@@ -236,9 +233,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
     # ---- retraction
 
     @unary
-    async def RetractBackup(
-        self, request: pb.RetractBackupRequest, context: grpc.aio.ServicerContext
-    ) -> pb.RetractBackupResponse:
+    async def RetractBackup(self, request: pb.RetractBackupRequest, context: Ctx) -> pb.RetractBackupResponse:
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
         result = await self.run(
             self.core.retract_backup,
@@ -257,7 +252,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
         )
 
     async def RetractRestore(
-        self, request: pb.RetractRestoreRequest, context: grpc.aio.ServicerContext
+        self, request: pb.RetractRestoreRequest, context: Ctx
     ) -> AsyncIterator[pb.LoadProgress]:
         def call(on_layer: Callable[[int], None] | None) -> tuple[Ack, ...]:
             transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
@@ -270,7 +265,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
 
     @unary
     async def RetractDiscard(
-        self, request: pb.RetractDiscardRequest, context: grpc.aio.ServicerContext
+        self, request: pb.RetractDiscardRequest, context: Ctx
     ) -> pb.RetractDiscardResponse:
         freed = await self.run(
             self.core.retract_discard, request.session_id, request.op_id, request.backup_id
@@ -280,22 +275,20 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
     # ---- observability
 
     @unary
-    async def GetStats(
-        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetStatsResponse:
+    async def GetStats(self, request: pb.GetStatsRequest, context: Ctx) -> pb.GetStatsResponse:
         stats = await self.run(self.core.stats, request.session_id)
         return stats_out(stats, self.backend_infos())
 
-    def backend_infos(self) -> list[tpb.BackendInfo]:
+    def backend_infos(self) -> list[pb.BackendInfo]:
         """L3 backend stats (filled in by the content-cache servicer)."""
         return []
 
     @unary
-    async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
+    async def Ping(self, request: pb.PingRequest, context: Ctx) -> pb.PingResponse:
         return pb.PingResponse(payload=request.payload)
 
 
-def stats_out(stats: DaemonStats, backends: list[tpb.BackendInfo]) -> pb.GetStatsResponse:
+def stats_out(stats: DaemonStats, backends: list[pb.BackendInfo]) -> pb.GetStatsResponse:
     return pb.GetStatsResponse(
         sessions=[
             pb.SessionInfo(
@@ -360,13 +353,13 @@ class KeyedServicerMixin(_Base):
             return keys, tenant
         raise InvalidArgument("keys is empty: set keys.keys or keys.tokens")
 
-    def backend_infos(self) -> list[tpb.BackendInfo]:
+    def backend_infos(self) -> list[pb.BackendInfo]:
         got = self.keyed.backend_stats()
         if got is None:
             return []
         name, s = got
         return [
-            tpb.BackendInfo(
+            pb.BackendInfo(
                 name=name,
                 pages=s.pages,
                 bytes=s.bytes,
@@ -378,7 +371,7 @@ class KeyedServicerMixin(_Base):
         ]
 
     @unary
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
         keys, _ = self.keys_of(request.session_id, request.keys)
         result = await self.run(self.keyed.lookup, request.session_id, keys)
         return pb.LookupResponse(
@@ -386,9 +379,7 @@ class KeyedServicerMixin(_Base):
         )
 
     @unary
-    async def Publish(
-        self, request: pb.PublishRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PublishResponse:
+    async def Publish(self, request: pb.PublishRequest, context: Ctx) -> pb.PublishResponse:
         keys, tenant = self.keys_of(request.session_id, request.keys)
         transfers = [convert.transfer_in(t) for t in request.transfers]
         published, existing = await self.run(
@@ -397,9 +388,7 @@ class KeyedServicerMixin(_Base):
         return pb.PublishResponse(published_pages=published, existing_pages=existing)
 
     @unary
-    async def PutPages(
-        self, request: pb.PutPagesRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PutPagesResponse:
+    async def PutPages(self, request: pb.PutPagesRequest, context: Ctx) -> pb.PutPagesResponse:
         keys, tenant = self.keys_of(request.session_id, request.keys)
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
         r = await self.run(self.keyed.put_pages, request.session_id, request.op_id, keys, transfers, tenant)
@@ -411,9 +400,7 @@ class KeyedServicerMixin(_Base):
         )
 
     @unary
-    async def GetPages(
-        self, request: pb.GetPagesRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetPagesResponse:
+    async def GetPages(self, request: pb.GetPagesRequest, context: Ctx) -> pb.GetPagesResponse:
         keys, tenant = self.keys_of(request.session_id, request.keys)
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
         hit, acks = await self.run(
@@ -428,9 +415,7 @@ class KeyedServicerMixin(_Base):
         return pb.GetPagesResponse(hit_pages=hit, acks=convert.acks_out(acks))
 
     @unary
-    async def Prefetch(
-        self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PrefetchResponse:
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Ctx) -> pb.PrefetchResponse:
         keys, tenant = self.keys_of(request.session_id, request.keys)
         policy = PREFETCH_POLICIES.get(request.policy)
         if policy is None:
@@ -447,7 +432,7 @@ class KeyedServicerMixin(_Base):
 
     @unary
     async def PrefetchStatus(
-        self, request: pb.PrefetchStatusRequest, context: grpc.aio.ServicerContext
+        self, request: pb.PrefetchStatusRequest, context: Ctx
     ) -> pb.PrefetchStatusResponse:
         status = await self.run(
             self.keyed.prefetch_status, request.session_id, request.prefetch_id, wait=request.wait
@@ -460,29 +445,25 @@ class KeyedServicerMixin(_Base):
 
     @unary
     async def CancelPrefetch(
-        self, request: pb.CancelPrefetchRequest, context: grpc.aio.ServicerContext
+        self, request: pb.CancelPrefetchRequest, context: Ctx
     ) -> pb.CancelPrefetchResponse:
         done = await self.run(self.keyed.cancel_prefetch, request.session_id, request.prefetch_id)
         return pb.CancelPrefetchResponse(completed_pages=done)
 
     @unary
-    async def Backup(self, request: pb.BackupRequest, context: grpc.aio.ServicerContext) -> pb.BackupResponse:
+    async def Backup(self, request: pb.BackupRequest, context: Ctx) -> pb.BackupResponse:
         keys, _ = self.keys_of(request.session_id, request.keys)
         r = await self.run(self.keyed.backup, request.session_id, keys, wait=request.wait)
         return pb.BackupResponse(queued_pages=r.queued, stored_pages=r.stored)
 
     @unary
-    async def PutBytes(
-        self, request: pb.PutBytesRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PutBytesResponse:
+    async def PutBytes(self, request: pb.PutBytesRequest, context: Ctx) -> pb.PutBytesResponse:
         pages = [(p.key, p.pool, p.data) for p in request.pages]
         stored, existing = await self.run(self.keyed.put_bytes, request.session_id, request.op_id, pages, "")
         return pb.PutBytesResponse(stored_pages=stored, existing_pages=existing)
 
     @unary
-    async def GetBytes(
-        self, request: pb.GetBytesRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetBytesResponse:
+    async def GetBytes(self, request: pb.GetBytesRequest, context: Ctx) -> pb.GetBytesResponse:
         keys, tenant = self.keys_of(request.session_id, request.keys)
         pages = await self.run(
             self.keyed.get_bytes, request.session_id, keys, include_l3=request.include_l3, tenant=tenant
@@ -524,14 +505,14 @@ class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
         self.keyed = keyed
 
     @unary
-    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+    async def Drain(self, request: pb.DrainRequest, context: Ctx) -> pb.DrainResponse:
         self.core.set_draining()
         flushed = await self.run(self.keyed.drain, wait=request.wait_flush)
         return pb.DrainResponse(flushed_pages=flushed)
 
     @unary
     async def ClearNamespace(
-        self, request: pb.ClearNamespaceRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ClearNamespaceRequest, context: Ctx
     ) -> pb.ClearNamespaceResponse:
         l2, l3 = await self.run(self.keyed.clear, request.model_name, request.tenant or None)
         return pb.ClearNamespaceResponse(l2_pages=l2, l3_pages=l3)

@@ -63,11 +63,12 @@ def ctx(daemon: Daemon) -> Iterator[Ctx]:
             WorkerIdentity(instance, generation=GENERATION, model_name=MODEL), pools.specs()
         )
         held = list(session.alloc("kv", 8).host_pages)
+        backup = session.retract_backup("req-matrix", transfers([100, 101, 102, 103]), 16)
+        assert backup.ok
+        # Freed last: the allocator reuses freed pages first, so nothing may allocate after this.
         freed = held[-2:]
         assert session.free("kv", freed) == 2
         held = held[:-2]
-        backup = session.retract_backup("req-matrix", transfers([100, 101, 102, 103]), 16)
-        assert backup.ok
         host_pages = session.info.pool("kv").total_pages
         free_page = host_pages - 1  # a dozen of its pages were allocated, from the bottom
         yield Ctx(client, session, pools, instance, held, free_page, freed, backup.backup_id, host_pages)
@@ -100,18 +101,6 @@ def _misaligned(buf: tpb.DeviceBuffer) -> None:
 def _past_end(buf: tpb.DeviceBuffer) -> None:
     _shm(buf).offset += 1 << 30
 
-
-# Known daemon bug, kept visible: strict, so the test fails once the daemon is fixed (then drop the mark).
-DAEMON_BUG_FREE = pytest.mark.xfail(
-    strict=True,
-    reason="daemon answers PERMISSION_DENIED for freeing a page that is not allocated: HiCacheCore.free/"
-    "release check ownership before allocation state; the contract says FAILED_PRECONDITION",
-)
-BUGS: dict[str, pytest.MarkDecorator] = {
-    "free-unallocated-page": DAEMON_BUG_FREE,
-    "double-free": DAEMON_BUG_FREE,
-    "release-unallocated-page": DAEMON_BUG_FREE,
-}
 
 # (case id, expected code, regex the message must match, the bad call)
 CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
@@ -294,10 +283,7 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
 ]
 
 
-PARAMS = [
-    pytest.param(code, pattern, call, id=name, marks=BUGS.get(name, ()))
-    for name, code, pattern, call in CASES
-]
+PARAMS = [pytest.param(code, pattern, call, id=name) for name, code, pattern, call in CASES]
 
 
 @pytest.mark.parametrize(("code", "pattern", "call"), PARAMS)
