@@ -134,11 +134,11 @@ def test_timeout_uses_the_formula_and_stops_further_batches(
     while backend.entered.acquire(blocking=False):
         pass
 
+    created = time.monotonic()
     task = index.prefetch(keys, policy=PrefetchPolicy.TIMEOUT, timeout_s=0.2)
     assert backend.entered.acquire(timeout=30)  # first batch is in flight and held
-    started = time.monotonic()
     status = task.wait()
-    assert 0.1 < time.monotonic() - started < 5
+    assert 0.2 <= time.monotonic() - created < 10  # waited for the deadline, not for the batch
     assert status == PrefetchStatus(PrefetchState.TIMED_OUT, 0, 8)
     calls = backend.get_calls
     backend.gate.set()
