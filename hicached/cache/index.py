@@ -532,7 +532,9 @@ class ContentIndex(BackupMixin):
     # ---------------------------------------------------------- maintenance
 
     def clear(self, tenant: str | None = None) -> tuple[int, int]:
-        """Drop every entry (or one tenant's) from L2 and L3; (L2 keys dropped, L3 objects deleted).
+        """Drop every entry (or one tenant's) from L2 and L3; (L2 keys dropped, L3 keys deleted).
+
+        Both counts are content keys (each is one page per pool of the group).
 
         Pinned entries leave the index now and their pages are freed at their
         last unpin. Running prefetches of the tenant are cancelled first.
@@ -571,8 +573,10 @@ class ContentIndex(BackupMixin):
                 deleted = self.backend.clear(f"{self.namespace}/")
             elif l3_keys:
                 deleted = self.backend.delete(self._view.l3_keys(self.namespace, sorted(l3_keys)))
+            # The backend counts objects: one per pool of each key.
+            deleted = -(-deleted // len(self._view.slots))
             if deleted:
-                self._obs.evicted("l3", "clear", deleted // len(self._view.slots))
+                self._obs.evicted("l3", "clear", deleted)
         return len(targets), deleted
 
     def stats(self) -> IndexStats:

@@ -169,7 +169,7 @@ def test_l3_pages_survive_the_index_and_read_back_exactly(
 def test_clear_deletes_l3_pages(
     make_group: MakeGroup, make_index: MakeIndex, l3_backend: StorageBackend
 ) -> None:
-    group = make_group(16)
+    group = make_group(16, derived=("draft",))
     index = make_index(group, l3_backend)
     index.publish(keys_of("x", 3), write_pages(group, 3, seed=8), tenant="x")
     index.publish(keys_of("y", 2), write_pages(group, 2, seed=9), tenant="y")
