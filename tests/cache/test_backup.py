@@ -257,3 +257,18 @@ def test_write_back_evicts_ahead_of_need_in_the_background(
     assert group.available() == 8
     assert index.lookup(keys) == LookupResult(8, 14)
     assert index.stats().evicted_pages == 6
+
+
+def test_models_never_match_even_on_a_shared_backend(
+    make_group: MakeGroup, make_index: MakeIndex, l3_backend: StorageBackend
+) -> None:
+    group_a, group_b = make_group(8), make_group(8)
+    model_a = make_index(group_a, l3_backend, namespace="hicached/model-a")
+    model_b = make_index(group_b, l3_backend, namespace="hicached/model-b")
+    keys = keys_of("same-tokens", 4)  # identical keys, as for the same prompt
+    model_a.publish(keys, write_pages(group_a, 4, seed=14))
+    model_a.flush(timeout_s=30)
+    assert model_a.lookup(keys) == LookupResult(4, 4)
+    assert model_b.lookup(keys) == LookupResult(0, 0)
+    assert model_b.prefetch(keys, policy="wait_complete").planned_pages == 0
+    assert model_b.fetch_into_l2(keys) == 0
