@@ -20,13 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicached", description="HiCache tiering daemon for LLM inference")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"hicached.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"hicached.commands.{name}":
-                raise
-            continue  # not built yet
-        module.register(subparsers)
+        importlib.import_module(f"hicached.commands.{name}").register(subparsers)
     return parser
 
 

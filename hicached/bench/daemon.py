@@ -1,0 +1,206 @@
+"""End-to-end benchmark: a real daemon process and this process as its worker.
+
+The worker's "device" KV pool lives in POSIX shared memory (the CPU data
+plane). In the same run it measures the machine's own limits beside the
+daemon's figures: a plain in-process page gather of the same pages
+(``memcpy_gbps``) and a bare gRPC echo on the same server and socket
+(``echo_rtt_us``). Every loaded byte is compared with what was written
+(``verified``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from hicached_client import HiCacheClient, Session, Transfer, WorkerIdentity, pool_spec
+from hicached_client.export import ShmKVPool
+
+# 2 layers x K/V x 16 tokens x 4 heads x 128 dims x bf16 = 64 KiB per page.
+LAYERS, HEADS, HEAD_DIM, PAGE = 2, 4, 128, 16
+PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
+
+
+@contextlib.contextmanager
+def running_daemon(workdir: Path, *, host_budget: str, l3: str = "file") -> Iterator[str]:
+    """A ``hicached serve`` subprocess on a socket in ``workdir``; yields its target."""
+    sock = workdir / "bench.sock"
+    args = [
+        sys.executable,
+        "-m",
+        "hicached",
+        "serve",
+        "--socket",
+        str(sock),
+        "--host-budget",
+        host_budget,
+        "--l3",
+        l3,
+        "--l3-path",
+        str(workdir / "l3"),
+        "--log-level",
+        "warning",
+        "--set",
+        f"host.shm_prefix=hcbench{os.getpid()}",
+    ]
+    log = (workdir / "daemon.log").open("wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    target = f"unix://{sock}"
+    try:
+        with HiCacheClient(target, timeout_s=30.0) as probe:
+            probe.wait_ready(60.0)
+        yield target
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _rtt_us(fn: Callable[[], object], n: int) -> float:
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+def _gather_gbps(pool: ShmKVPool, pages: np.ndarray, reps: int) -> float:
+    """The machine's page-gather speed on the same buffers: one index_select per buffer."""
+    idx = torch.from_numpy(pages)
+    bufs = [t.view(torch.int64).view(t.shape[0] // PAGE, -1) for t in pool.k + pool.v]
+    outs = [torch.empty((len(pages), b.shape[1]), dtype=torch.int64) for b in bufs]
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for b, o in zip(bufs, outs, strict=True):
+            torch.index_select(b, 0, idx, out=o)
+        best = min(best, time.perf_counter() - t0)
+    return len(pages) * PAGE_BYTES / best / 1e9
+
+
+def run(quick: bool) -> dict[str, float]:
+    pages_n = 1000
+    reps = 3 if quick else 7
+    rtt_n = 200 if quick else 1000
+    device_pages = 2 * pages_n + 64
+    rng = np.random.default_rng(0)
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="hicached-bench-") as tmp:
+        workdir = Path(tmp)
+        budget = f"{(3 * pages_n + 256) * PAGE_BYTES // (1 << 20) + 64}MiB"
+        pool = ShmKVPool(
+            f"hcbench-{uuid.uuid4().hex[:8]}",
+            num_layers=LAYERS,
+            tokens=device_pages * PAGE,
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            dtype=torch.bfloat16,
+        )
+        try:
+            for t in (*pool.k, *pool.v):
+                t.view(torch.int16).copy_(torch.randint(-30000, 30000, t.shape, dtype=torch.int16))
+            with running_daemon(workdir, host_budget=budget) as target, HiCacheClient(target) as client:
+                spec = pool_spec(
+                    "kv",
+                    role="anchor",
+                    kind="mha",
+                    dtype="bfloat16",
+                    page_size=PAGE,
+                    num_layers=LAYERS,
+                    num_heads=HEADS,
+                    head_dim=HEAD_DIM,
+                    k_buffers=pool.k_buffers(),
+                    v_buffers=pool.v_buffers(),
+                    host_ratio=1.5,
+                )
+                session = client.attach(WorkerIdentity("bench", 1, "bench-model"), [spec])
+                out.update(_data_plane(session, pool, rng, pages_n, device_pages, reps))
+                out["echo_rtt_us"] = _rtt_us(lambda: client.ping(b""), rtt_n)
+                out["resolve_rtt_us"] = _resolve_rtt(session, rtt_n)
+                out.update(_keyed(session, pool, rng, pages_n, device_pages))
+                session.detach()
+        finally:
+            pool.close()
+            pool.unlink()
+    return out
+
+
+def _data_plane(
+    session: Session, pool: ShmKVPool, rng: np.random.Generator, n: int, device_pages: int, reps: int
+) -> dict[str, float]:
+    s = session
+    src = np.sort(rng.choice(device_pages // 2, size=n, replace=False)).astype(np.int64)
+    dst = (np.sort(rng.choice(device_pages // 2, size=n, replace=False)) + device_pages // 2).astype(np.int64)
+    memcpy = _gather_gbps(pool, rng.permutation(src), reps)
+    write_t: list[float] = []
+    load_t: list[float] = []
+    verified = True
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        w = s.write([Transfer("kv", rng.permutation(src))], allocate=True)
+        write_t.append(time.perf_counter() - t0)
+        assert w.ok, "bench host pool too small"
+        host = np.asarray(w.transfers[0].host_pages, dtype=np.int64)
+        order = np.asarray(w.transfers[0].device_pages, dtype=np.int64)
+        t0 = time.perf_counter()
+        s.load_wait([Transfer("kv", dst, host)])
+        load_t.append(time.perf_counter() - t0)
+        for t in (*pool.k, *pool.v):
+            pages = t.view(torch.int16).view(t.shape[0] // PAGE, -1)  # bit patterns: random bf16 has NaNs
+            verified &= bool(torch.equal(pages[torch.from_numpy(dst)], pages[torch.from_numpy(order)]))
+        s.free("kv", host)
+    nbytes = n * PAGE_BYTES
+    return {
+        "memcpy_gbps": memcpy,
+        "write_gbps": nbytes / min(write_t) / 1e9,
+        "load_gbps": nbytes / min(load_t) / 1e9,
+        "verified": float(verified),
+    }
+
+
+def _resolve_rtt(session: Session, n: int) -> float:
+    """ResolveTransfers of one scheduler step (8 pages) and its release, per call."""
+    s = session
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = s.resolve_transfers([Transfer("kv", list(range(8)))])
+        samples.append(time.perf_counter() - t0)
+        s.release_transfers(r.transfers)
+    return statistics.median(samples) * 1e6
+
+
+def _keyed(
+    session: Session, pool: ShmKVPool, rng: np.random.Generator, n: int, device_pages: int
+) -> dict[str, float]:
+    """PutPages/GetPages of n pages addressed by content keys."""
+    s = session
+    keys = [uuid.uuid4().hex for _ in range(n)]
+    src = rng.choice(device_pages // 2, size=n, replace=False).astype(np.int64)
+    dst = (rng.choice(device_pages // 2, size=n, replace=False) + device_pages // 2).astype(np.int64)
+    t0 = time.perf_counter()
+    put = s.put_pages(keys, [Transfer("kv", src)])
+    put_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = s.get_pages(keys, [Transfer("kv", dst)])
+    get_s = time.perf_counter() - t0
+    ok = put.ok and got.hit_pages == n
+    return {
+        "key_put_gbps": n * PAGE_BYTES / put_s / 1e9 if ok else 0.0,
+        "key_get_gbps": n * PAGE_BYTES / get_s / 1e9 if ok else 0.0,
+    }

@@ -1,0 +1,104 @@
+"""``hicached status``: what a running daemon holds (sessions, pools, L3), or only its health."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hicached_client import HiCacheClient, HiCacheError
+from hicached_client._channel import default_target
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "status", help="show a running daemon's sessions, pools and L3 state"
+    )
+    parser.add_argument("--socket", help="daemon Unix socket (default: the daemon's default path)")
+    parser.add_argument("--target", help="gRPC target instead of --socket (host:port or unix:///path)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--health-only",
+        action="store_true",
+        help="only check the gRPC health service; exit 0 when SERVING (for probes and HEALTHCHECK)",
+    )
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    parser.set_defaults(func=run)
+
+
+def _target(args: argparse.Namespace) -> str:
+    if args.target:
+        return str(args.target)
+    if args.socket:
+        return f"unix://{args.socket}"
+    return default_target()
+
+
+def _health(target: str, timeout: float) -> int:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        except grpc.RpcError as exc:
+            print(f"hicached: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    target = _target(args)
+    if args.health_only:
+        return _health(target, args.timeout)
+    try:
+        with HiCacheClient(target, timeout_s=args.timeout) as client:
+            stats = client.get_stats()
+    except HiCacheError as exc:
+        print(f"hicached: {target}: {exc.code.name}: {exc.message}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(_as_json(stats), default=str))
+        return 0
+    print(f"hicached {stats.version} at {target}{'  (draining)' if stats.draining else ''}")
+    used, budget = stats.host_used_bytes, stats.host_budget_bytes
+    print(f"host memory: {used / 2**20:.1f} MiB of {budget / 2**20:.1f} MiB budget")
+    print(f"\nsessions ({len(stats.sessions)}):")
+    for s in stats.sessions:
+        w = s.identity
+        print(
+            f"  {s.session_id}  {w.instance_id} gen {w.generation}  model {w.model_name!r} "
+            f"tp {w.tp_rank}/{w.tp_size} pp {w.pp_rank}/{w.pp_size}  owns {s.owned_pages} pages"
+        )
+    print(f"\npool groups ({len(stats.groups)}):")
+    for g in stats.groups:
+        print(f"  {g.group}  model {g.model_name!r}  sessions {g.sessions}  indexed pages {g.indexed_pages}")
+        for p in g.pools:
+            print(
+                f"    {p.name:12} {p.total_pages - p.free_pages:>8}/{p.total_pages:<8} pages used"
+                f"  {p.page_bytes} B/page  {p.segment}"
+            )
+    print(f"\nretraction backups ({len(stats.backups)}):")
+    for b in stats.backups:
+        print(f"  {b.backup_id}  request {b.request_id!r}  {b.pages} pages  session {b.session_id}")
+    print("\nL3:")
+    for be in stats.backends:
+        print(
+            f"  {be.name}: {be.pages} pages, {be.bytes / 2**20:.1f} MiB"
+            f" hits {be.hits} misses {be.misses} corrupt {be.corrupt_pages}"
+        )
+    if not stats.backends:
+        print("  none")
+    return 0
+
+
+def _as_json(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: _as_json(getattr(value, k)) for k in value.__dataclass_fields__}
+    if isinstance(value, list | tuple):
+        return [_as_json(v) for v in value]
+    return value
