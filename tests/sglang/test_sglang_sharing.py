@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hicached_client import HiCacheClient
 from hicached_client.sglang import HiCachedStorage
 
 from tests.integration.daemon import Daemon, start_daemon
@@ -180,3 +181,34 @@ def test_a_daemon_outage_reads_as_misses_and_failed_writes() -> None:
     finally:
         factory.close_all()
         d.stop()
+
+
+def test_a_lost_session_is_attached_again(daemon: Daemon, storages: StorageFactory) -> None:
+    pool = make_host_pool(PoolShape())
+    storage: HiCachedStorage = storages.make(pool, model=unique_model())
+    keys = sglang_keys(4, 4)
+    src = pool.alloc(16)
+    assert storage.batch_set_v1(keys[:2], src[:8]) == [True, True]
+    lost = storage.links["kv"].session.session_id
+    with HiCacheClient(daemon.target) as client:
+        client.session(lost).detach()  # as a daemon restart or an expired lease would
+    assert storage.batch_set_v1(keys[2:], src[8:]) == [True, True]
+    assert storage.links["kv"].session.session_id != lost
+    dst = pool.alloc(16)
+    # The model's pool group (and its pages) outlived the session.
+    assert storage.batch_get_v1(keys, dst) == [True] * 4
+    assert page_bits(pool, dst) == page_bits(pool, src)
+
+
+def test_pages_survive_a_restart_of_sglang(daemon: Daemon, storages: StorageFactory) -> None:
+    model = unique_model()
+    keys = sglang_keys(3, 4)
+    first = make_host_pool(PoolShape(layout="page_first"))
+    src = first.alloc(12)
+    storages.make(first, model=model).batch_set_v1(keys, src)
+    storages.close_all()  # the server goes away (its sessions detach)
+    second = make_host_pool(PoolShape(layout="page_first"))
+    restarted = storages.make(second, model=model)
+    dst = second.alloc(12)
+    assert restarted.batch_get_v1(keys, dst) == [True] * 3
+    assert page_bits(second, dst) == page_bits(first, src)

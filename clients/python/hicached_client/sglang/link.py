@@ -19,10 +19,13 @@ import abc
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
+import grpc
 import torch
 
 from hicached_client import pool_spec
+from hicached_client.errors import HiCacheError
 from hicached_client.sglang.config import AdapterConfig, Transport
 from hicached_client.sglang.layouts import PoolBinding
 from hicached_client.sglang.namespace import KeySpace
@@ -35,6 +38,10 @@ log = logging.getLogger(__name__)
 
 # The daemon's name for the single pool of every adapter session.
 DAEMON_POOL = "kv"
+
+T = TypeVar("T")
+# The daemon does not know the session (any more): restarted daemon, expired lease.
+SESSION_GONE = frozenset({grpc.StatusCode.NOT_FOUND})
 
 Fill = Callable[[torch.Tensor], None]
 Drain = Callable[[torch.Tensor], None]
@@ -123,7 +130,12 @@ class BytesTransport(PageTransport):
 
 
 class PoolLink:
-    """A daemon session for one SGLang host pool (see the module docstring)."""
+    """A daemon session for one SGLang host pool (see the module docstring).
+
+    When the daemon no longer knows the session (it restarted, or the lease
+    ran out), the link attaches again with a fresh staging area and retries
+    the call once; other errors propagate to the caller.
+    """
 
     def __init__(
         self,
@@ -137,19 +149,27 @@ class PoolLink:
     ) -> None:
         self.binding = binding
         self.keys = keys
+        self._client = client
         self._config = config
+        self._identity = identity
+        self._segment_prefix = segment_name
+        self._attaches = 0
         self._closed = False
-        self._close_lock = threading.Lock()
-        g = binding.geometry
+        self._lock = threading.Lock()
+        self.session, self._staging, self.transport = self._connect()
+
+    def _connect(self) -> tuple[Session, StagingArea, PageTransport]:
+        config, g = self._config, self.binding.geometry
         # The bytes transport only needs a staging area for the attach itself.
         half = (
             max(1, min(config.staging_pages, config.staging_bytes // g.page_bytes))
             if config.transport is Transport.SHM
             else 1
         )
-        self._staging = StagingArea(segment_name, g, half)
+        self._attaches += 1
+        staging = StagingArea(f"{self._segment_prefix}-{self._attaches}", g, half)
         try:
-            k_bufs, v_bufs = self._staging.device_buffers()
+            k_bufs, v_bufs = staging.device_buffers()
             spec = pool_spec(
                 DAEMON_POOL,
                 role=PoolRole.ANCHOR,
@@ -162,29 +182,58 @@ class PoolLink:
                 k_buffers=k_bufs,
                 v_buffers=v_bufs,
                 host_layout=g.host_layout,
-                host_bytes=config.host_bytes or max(binding.host_bytes(), g.page_bytes),
+                host_bytes=config.host_bytes or max(self.binding.host_bytes(), g.page_bytes),
             )
-            self.session = client.attach(
-                identity, [spec], lease_ms=config.lease_ms, timeout_s=config.timeout_s
+            session = self._client.attach(
+                self._identity, [spec], lease_ms=config.lease_ms, timeout_s=config.timeout_s
             )
         except BaseException:
-            self._staging.close()
+            staging.close()
             raise
         # The daemon has mapped the segment: its name is no longer needed.
-        self._staging.unlink()
-        self.transport: PageTransport = (
-            ShmTransport(self.session, self._staging, config)
+        staging.unlink()
+        transport: PageTransport = (
+            ShmTransport(session, staging, config)
             if config.transport is Transport.SHM
-            else BytesTransport(self.session, binding, config)
+            else BytesTransport(session, self.binding, config)
         )
         log.info(
             "hicached: pool %s attached (session %s, %s transport, %d-byte pages, joined=%s)",
-            keys.pool,
-            self.session.session_id,
+            self.keys.pool,
+            session.session_id,
             config.transport.value,
             g.page_bytes,
-            self.session.info.joined_existing_group,
+            session.info.joined_existing_group,
         )
+        return session, staging, transport
+
+    def _call(self, op: Callable[[Session, PageTransport], T]) -> T:
+        session, transport = self.session, self.transport
+        try:
+            return op(session, transport)
+        except HiCacheError as exc:
+            if exc.code not in SESSION_GONE:
+                raise
+            log.warning(
+                "hicached: pool %s lost session %s (%s); attaching again",
+                self.keys.pool,
+                session.session_id,
+                exc,
+            )
+        self._reconnect(session)
+        return op(self.session, self.transport)
+
+    def _reconnect(self, lost: Session) -> None:
+        with self._lock:
+            if self._closed:
+                raise HiCacheError(grpc.StatusCode.CANCELLED, f"pool {self.keys.pool} link is closed")
+            if self.session is not lost:
+                return  # another thread already attached again
+            old_staging = self._staging
+            self.session, self._staging, self.transport = self._connect()
+        lost.stop_heartbeat()
+        # Views still in use by another thread keep the old mapping alive until they go.
+        old_staging.close()
 
     # ------------------------------------------------------------- queries
 
@@ -192,7 +241,7 @@ class PoolLink:
         """Leading run of ``keys`` cached (L2, and L3 when ``include_l3``)."""
         if not keys:
             return 0
-        result = self.session.lookup(list(keys), tenant=self._config.tenant)
+        result = self._call(lambda session, _: session.lookup(list(keys), tenant=self._config.tenant))
         return result.total_hit_pages if self._config.include_l3 else result.l2_hit_pages
 
     def membership(self, keys: Sequence[str]) -> list[bool]:
@@ -255,7 +304,8 @@ class PoolLink:
         cap = self.transport.capacity
         for lo in range(0, len(keys), cap):
             hi = min(lo + cap, len(keys))
-            ok = self.transport.put(keys[lo:hi], filler(lo, hi))
+            batch, fill = keys[lo:hi], filler(lo, hi)
+            ok = self._call(lambda _, transport: transport.put(batch, fill))  # noqa: B023 - called at once
             results.extend([ok] * (hi - lo))
         return results
 
@@ -264,7 +314,8 @@ class PoolLink:
         cap = self.transport.capacity
         for lo in range(0, len(keys), cap):
             hi = min(lo + cap, len(keys))
-            hits = self.transport.get(keys[lo:hi], drainer(lo, hi))
+            batch, drain = keys[lo:hi], drainer(lo, hi)
+            hits = self._call(lambda _, transport: transport.get(batch, drain))  # noqa: B023 - called at once
             loaded += hits
             if hits < hi - lo:
                 break
@@ -272,7 +323,7 @@ class PoolLink:
 
     def close(self) -> None:
         """Detach the session and free the staging area (idempotent)."""
-        with self._close_lock:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
