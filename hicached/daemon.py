@@ -13,18 +13,20 @@ import signal
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 
-from hicached.config import Config
+from hicached.config import Config, ConfigError, as_dict
 from hicached.core.groups import GroupRegistry, GroupState
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import CoreHooks, HiCacheCore
 from hicached.core.sessions import Session
 from hicached.l3.base import StorageBackend
 from hicached.l3.registry import create_backend
+from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
 from hicached.server.app import Server
 from hicached.server.servicer import AdminServicer, CacheServicer
@@ -32,6 +34,9 @@ from hicached.transfer.engine import CopyEngine
 from hicached.transfer.plan import CopyPlan, Direction
 
 logger = logging.getLogger(__name__)
+
+# Sections whose keys SIGHUP applies to a running daemon.
+RELOADABLE_SECTIONS = frozenset({"log"})
 
 
 class MetricsHooks(CoreHooks):
@@ -159,12 +164,39 @@ class Daemon:
             self.metrics_server.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def run(self) -> int:
-        """Serve until SIGTERM/SIGINT; exit code 0 after a clean shutdown."""
+    def reload(self, fresh: Config) -> list[str]:
+        """Apply the safe settings of a re-read configuration (SIGHUP); returns the keys applied.
+
+        Only logging is reloadable; every other changed key is logged as needing a
+        restart (pools, sockets and backends are built once).
+        """
+        applied = []
+        old, new = as_dict(self.config), as_dict(fresh)
+        for section, values in new.items():
+            for key, value in values.items():
+                if old[section][key] == value:
+                    continue
+                if section in RELOADABLE_SECTIONS:
+                    applied.append(f"{section}.{key}")
+                else:
+                    logger.warning(
+                        "config change needs a restart",
+                        extra={"event": "reload", "key": f"{section}.{key}", "value": value},
+                    )
+        if applied:
+            setup_logging(fresh.log.level, fresh.log.format)
+            self.config = replace(self.config, log=fresh.log)
+        logger.info("configuration reloaded", extra={"event": "reload", "applied": applied})
+        return applied
+
+    async def run(self, reload: Callable[[], Config] | None = None) -> int:
+        """Serve until SIGTERM/SIGINT (SIGHUP re-reads the config); exit 0 after a clean shutdown."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if reload is not None:
+            loop.add_signal_handler(signal.SIGHUP, lambda: self._on_sighup(reload))
         await self.start()
         gauges = asyncio.create_task(self._refresh_loop())
         await stop.wait()
@@ -173,14 +205,20 @@ class Daemon:
         await self.stop()
         return 0
 
+    def _on_sighup(self, reload: Callable[[], Config]) -> None:
+        try:
+            self.reload(reload())
+        except ConfigError as exc:
+            logger.error("config reload rejected: %s", exc, extra={"event": "reload"})
+
     async def _refresh_loop(self) -> None:
         while True:
             self.refresh_gauges()
             await asyncio.sleep(1.0)
 
 
-def run_daemon(config: Config) -> int:
+def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> int:
     import uvloop
 
     daemon = Daemon(config)
-    return uvloop.run(daemon.run())
+    return uvloop.run(daemon.run(reload))

@@ -30,4 +30,4 @@ def run(args: argparse.Namespace) -> int:
     from hicached.logs import setup_logging
 
     setup_logging(config.log.level, config.log.format)
-    return run_daemon(config)
+    return run_daemon(config, reload=lambda: config_from_args(args))
