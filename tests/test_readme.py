@@ -1,0 +1,54 @@
+"""The README stays true: quick start, configuration reference, and its worker example runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from hicached.config import describe
+from tests.integration.daemon import start_daemon
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def _section(title: str) -> str:
+    start = README.index(f"## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end > 0 else None]
+
+
+def test_quick_start_is_two_commands_and_ci_runs_the_test_one() -> None:
+    block = re.search(r"```bash\n(.*?)```", _section("Quick start"), re.S)
+    assert block is not None
+    commands = [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+    assert commands == ["./dev serve", "./dev test"]
+    assert "./dev test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_configuration_key_is_documented_with_its_env_var() -> None:
+    reference = _section("Configuration")
+    for key, _default, env, _help in describe():
+        assert f"| `{key}` |" in reference, key
+        assert f"`{env}`" in reference, env
+
+
+def test_worker_example_runs_against_a_live_daemon(tmp_path: Path) -> None:
+    code = re.search(r"## A worker in ten lines\n\n```python\n(.*?)```", README, re.S)
+    assert code is not None
+    segment = f"readme-{os.getpid()}"
+    script = code.group(1).replace('"my-worker-kv"', repr(segment))
+    script += "\nkv.close(); kv.unlink()\nprint('ok', w.acks[0].pages)\n"
+    daemon = start_daemon("--l3", "none", "--host-budget", "256MiB")
+    try:
+        env = {**os.environ, "HICACHED_SOCKET": daemon.target}
+        result = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+    finally:
+        daemon.stop()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok 3"
