@@ -8,13 +8,14 @@ import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicached.cache import ContentIndex, Pin, WritePolicy
-from hicached.l2 import HostLayout, HostPoolGroup, PoolEntry, create_host_pool
+from hicached.l2 import HostKVPool, HostLayout, HostPoolGroup, PoolEntry, create_host_pool
 from hicached.l3 import create_backend
 
 from .conftest import keys_of, mha_spec, page_pattern, read_page, write_pages
@@ -31,7 +32,7 @@ op = st.one_of(
 )
 
 
-def build_group() -> tuple[HostPoolGroup, list[object]]:
+def build_group() -> tuple[HostPoolGroup, list[HostKVPool]]:
     pools = []
     for layout in (HostLayout.PAGE_FIRST, HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST):
         name = f"hicached-cache-prop-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -43,7 +44,7 @@ def build_group() -> tuple[HostPoolGroup, list[object]]:
             PoolEntry("draft", pools[2], indices_from_pool="kv"),
         ]
     )
-    return group, pools  # type: ignore[return-value]
+    return group, pools
 
 
 def check_invariants(
@@ -65,7 +66,7 @@ def check_invariants(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(op, max_size=25), policy=st.sampled_from(list(WritePolicy)))
 def test_random_sequences_free_every_page_exactly_once(
-    tmp_path: Path, ops: list[tuple], policy: WritePolicy
+    tmp_path: Path, ops: list[tuple[Any, ...]], policy: WritePolicy
 ) -> None:
     group, pools = build_group()
     backend = create_backend("file", {"path": str(tmp_path / uuid.uuid4().hex)})
@@ -116,8 +117,8 @@ def test_random_sequences_free_every_page_exactly_once(
             assert allocator.available() == CAPACITY
         backend.close()
         for pool in pools:
-            pool.close()  # type: ignore[attr-defined]
-            pool.unlink()  # type: ignore[attr-defined]
+            pool.close()
+            pool.unlink()
 
 
 def test_threads_racing_publish_pin_reclaim_and_backup_leak_nothing(

@@ -123,7 +123,7 @@ def test_progress_can_be_followed_batch_by_batch() -> None:
     try:
         scheduler.submit(task, IoPriority.PREFETCH)
         assert task.next_status(0, timeout_s=0.01) == PrefetchStatus(PrefetchState.RUNNING, 0, 5)
-        seen = []
+        seen: list[PrefetchStatus] = []
         for gate in gates:
             gate.set()
             status = task.next_status(seen[-1].completed_pages if seen else 0, timeout_s=30)
