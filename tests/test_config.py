@@ -1,0 +1,334 @@
+"""Issue 5: configuration precedence per key, every validation error, ``config show``, ``serve``.
+
+``resolve`` is called directly with explicit ``env`` dicts (never the test
+process's environment) and a real TOML file in a temp dir; the CLI checks run
+``python -m hicached`` as a subprocess with every ``HICACHED_*`` variable removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicached.config import Config, ConfigError, as_dict, describe, env_var, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Keys whose valid values are constrained by another key: the three layers use values inside the bounds.
+_SPECIAL: dict[str, tuple[Any, Any, Any]] = {
+    "sessions.lease_ms": (1000, 2000, 3000),
+    "sessions.min_lease_ms": (100, 200, 300),
+    "sessions.max_lease_ms": (20_000, 30_000, 40_000),
+    "server.metrics_port": (9001, 9002, 9003),
+    "server.socket_mode": (0o600, 0o640, 0o644),
+    "l3.backend": ("none", "redis", "s3"),
+    "l3.write_policy": ("write_back", "write_through_selective", "write_through"),
+    "l3.prefetch_policy": ("timeout", "wait_complete", "best_effort"),
+    "log.level": ("debug", "warning", "error"),
+    "log.format": ("json", "text", "json"),
+    "host.prefault": (False, True, False),
+}
+# server.tls_cert and server.tls_key must be set together: each is layered with its partner in the file.
+_PARTNER = {"server.tls_cert": ("tls_key", "/k.pem"), "server.tls_key": ("tls_cert", "/c.pem")}
+
+
+def _field(key: str) -> dataclasses.Field[Any]:
+    section, _, name = key.partition(".")
+    return next(f for f in dataclasses.fields(getattr(Config(), section)) if f.name == name)
+
+
+def _layer_values(key: str) -> tuple[Any, Any, Any]:
+    """Three valid values (file, env, cli) for ``key``, each different from the layer below."""
+    if key in _SPECIAL:
+        return _SPECIAL[key]
+    f = _field(key)
+    if "parse" in f.metadata:
+        return ("1MiB", "2MiB", "3MiB")
+    kind = str(f.type)
+    if kind == "int":
+        return (7, 8, 9)
+    if kind == "float":
+        return (0.125, 0.25, 0.5)
+    if kind == "Path":
+        return ("/tmp/f.sock", "/tmp/e.sock", "/tmp/c.sock")
+    if kind == "str":
+        tail = key.replace(".", "-")
+        return (f"/f/{tail}", f"/e/{tail}", f"/c/{tail}")
+    raise AssertionError(f"no layer values for {key} of type {kind}: add it to _SPECIAL")
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return f'"{value}"'
+
+
+def _env_text(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, _, name = key.partition(".")
+    value = getattr(getattr(cfg, section), name)
+    return str(value) if isinstance(value, Path) else value
+
+
+def _expected(key: str, raw: Any) -> Any:
+    f = _field(key)
+    if "parse" in f.metadata:
+        return f.metadata["parse"](raw)
+    return raw
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / f"hicached-{uuid.uuid4().hex[:8]}.toml"
+    path.write_text(text)
+    return path
+
+
+ALL_KEYS = [row[0] for row in describe()]
+
+
+@pytest.mark.parametrize("key", ALL_KEYS)
+def test_flag_beats_env_beats_file_beats_default(key: str, tmp_path: Path) -> None:
+    section, _, name = key.partition(".")
+    file_value, env_value, cli_value = _layer_values(key)
+    partner = _PARTNER.get(key)
+    lines = [f"[{section}]", f"{name} = {_toml(file_value)}"]
+    if partner is not None:
+        lines.append(f"{partner[0]} = {_toml(partner[1])}")
+    path = _write(tmp_path, "\n".join(lines) + "\n")
+    env = {env_var(key): _env_text(env_value)}
+    if partner is None:
+        default = _get(resolve(env={}), key)
+        assert default != _expected(key, file_value), "the file value must differ from the default"
+
+    from_file = resolve(env={}, file=path)
+    assert _get(from_file, key) == _expected(key, file_value)
+    from_env = resolve(env=env, file=path)
+    assert _get(from_env, key) == _expected(key, env_value)
+    from_cli = resolve(cli={key: _env_text(cli_value)}, env=env, file=path)
+    assert _get(from_cli, key) == _expected(key, cli_value)
+    # Every other key keeps its default: a layer sets one key, not its section.
+    others = {
+        k: _get(resolve(env={}), k) for k in ALL_KEYS if k != key and k.split(".")[1] != (partner or ("",))[0]
+    }
+    assert {k: _get(from_cli, k) for k in others} == others
+
+
+def test_config_file_from_hicached_config_env(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[copy]\nworkers = 5\n")
+    assert resolve(env={"HICACHED_CONFIG": str(path)}).copy.workers == 5
+    # An explicit file wins over $HICACHED_CONFIG.
+    other = _write(tmp_path, "[copy]\nworkers = 6\n")
+    assert resolve(env={"HICACHED_CONFIG": str(path)}, file=other).copy.workers == 6
+
+
+def test_no_layer_gives_the_defaults() -> None:
+    assert resolve(env={}) == Config()
+
+
+# (source, key or section, bad value as it appears in the message, TOML text / env / cli setting)
+BAD_FILE = {
+    "unknown section": ("[nosuch]\nx = 1\n", ["nosuch"]),
+    "section not a table": ('server = "x"\n', ["server"]),
+    "unknown key": ("[server]\nsocket_path = '/x'\n", ["server.socket_path"]),
+    "bad type int": ("[copy]\nworkers = 'many'\n", ["copy.workers", "'many'", "an integer"]),
+    "bad type bool as int": ("[copy]\nworkers = true\n", ["copy.workers", "True", "an integer"]),
+    "bad type bool": ("[host]\nprefault = 'maybe'\n", ["host.prefault", "'maybe'", "true or false"]),
+    "bad type float": ("[server]\ngrace_s = 'soon'\n", ["server.grace_s", "'soon'", "a number"]),
+    "bad choice": ("[l3]\nbackend = 'ftp'\n", ["l3.backend", "'ftp'", "file, redis, s3, mooncake, none"]),
+    "bad choice log": ("[log]\nformat = 'xml'\n", ["log.format", "'xml'", "text, json"]),
+    "non-positive int": ("[copy]\nworkers = 0\n", ["copy.workers", "0", "> 0"]),
+    "non-positive size": ("[l3]\ncapacity = '0B'\n", ["l3.capacity", "'0B'", "> 0"]),
+    "non-positive float": ("[host]\ndefault_ratio = -1.0\n", ["host.default_ratio", "-1.0", "> 0"]),
+    "lease below min": ("[sessions]\nlease_ms = 100\n", ["sessions.lease_ms", "100", "500"]),
+    "lease above max": (
+        "[sessions]\nlease_ms = 400000\n",
+        ["sessions.lease_ms", "400000", "300000"],
+    ),
+    "min above max": (
+        "[sessions]\nmin_lease_ms = 5000\nmax_lease_ms = 4000\nlease_ms = 4500\n",
+        ["sessions.lease_ms", "5000", "4000"],
+    ),
+    "budget fraction zero": ("[host]\nbudget_fraction = 0.0\n", ["host.budget_fraction", "0.0", "(0, 1]"]),
+    "budget fraction above one": (
+        "[host]\nbudget_fraction = 1.5\n",
+        ["host.budget_fraction", "1.5", "(0, 1]"],
+    ),
+    "metrics port too big": ("[server]\nmetrics_port = 70000\n", ["server.metrics_port", "70000"]),
+    "metrics port below -1": ("[server]\nmetrics_port = -2\n", ["server.metrics_port", "-2"]),
+    "bad size string": ("[l3]\ncapacity = '12XB'\n", ["l3.capacity", "'12XB'", "512MiB"]),
+    "negative size string": ("[host]\nbudget = '-1GiB'\n", ["host.budget", "'-1GiB'"]),
+    "size of wrong type": ("[copy]\nmax_queued = 1.5\n", ["copy.max_queued", "1.5"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILE))
+def test_invalid_file_value_names_key_and_value(case: str, tmp_path: Path) -> None:
+    text, needles = BAD_FILE[case]
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        resolve(env={}, file=path)
+    for needle in needles:
+        assert needle in str(info.value), (case, needle, str(info.value))
+
+
+# Values of the wrong TOML type that the documented contract ("an invalid value stops startup...
+# there is no silent fallback") rejects: an int key given a fraction, a size given a negative
+# count, a string key given a boolean.
+SILENTLY_COERCED = {
+    "float for int key": ("[copy]\nworkers = 2.5\n", ["copy.workers", "2.5"]),
+    "float for octal mode": ("[server]\nsocket_mode = 1.5\n", ["server.socket_mode", "1.5"]),
+    "negative byte count": ("[host]\nbudget = -5\n", ["host.budget", "-5"]),
+    "bool for string key": ("[server]\nmetrics_host = true\n", ["server.metrics_host", "True"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SILENTLY_COERCED))
+def test_wrong_toml_type_is_rejected_not_coerced(case: str, tmp_path: Path) -> None:
+    text, needles = SILENTLY_COERCED[case]
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        resolve(env={}, file=path)
+    for needle in needles:
+        assert needle in str(info.value), (case, needle, str(info.value))
+
+
+BAD_ENV = {
+    "HICACHED_COPY_WORKERS": ("2.5", ["copy.workers", "'2.5'", "an integer"]),
+    "HICACHED_HOST_PREFAULT": ("perhaps", ["host.prefault", "'perhaps'"]),
+    "HICACHED_L3_WRITE_POLICY": ("sometimes", ["l3.write_policy", "'sometimes'", "write_back"]),
+    "HICACHED_SESSIONS_OP_CACHE_SIZE": ("-3", ["sessions.op_cache_size", "'-3'", "> 0"]),
+    "HICACHED_SERVER_MAX_MESSAGE_BYTES": ("lots", ["server.max_message_bytes", "'lots'", "512MiB"]),
+    "HICACHED_HOST_BUDGET_FRACTION": ("2", ["host.budget_fraction", "2.0", "(0, 1]"]),
+    "HICACHED_SERVER_METRICS_PORT": ("65536", ["server.metrics_port", "65536"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ENV))
+def test_invalid_env_value_names_key_and_value(name: str) -> None:
+    value, needles = BAD_ENV[name]
+    with pytest.raises(ConfigError) as info:
+        resolve(env={name: value})
+    for needle in needles:
+        assert needle in str(info.value), (name, needle, str(info.value))
+
+
+BAD_CLI = {
+    "unknown section": ({"nosuch.key": "1"}, ["'nosuch.key'", "command line"]),
+    "unknown key": ({"l3.nosuch": "1"}, ["'l3.nosuch'", "command line", "l3.backend"]),
+    "key without section": ({"workers": "2"}, ["'workers'"]),
+    "bad choice": ({"log.level": "loud"}, ["log.level", "'loud'", "debug, info, warning, error"]),
+    "bad size": ({"host.budget": "a lot"}, ["host.budget", "'a lot'"]),
+    "bad int": ({"server.max_batch_pages": "1e3"}, ["server.max_batch_pages", "'1e3'"]),
+    "non-positive": ({"l3.io_workers": "0"}, ["l3.io_workers", "'0'", "> 0"]),
+    "lease below min": ({"sessions.lease_ms": "499"}, ["sessions.lease_ms", "499", "500"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CLI))
+def test_invalid_flag_names_key_and_value(case: str) -> None:
+    cli, needles = BAD_CLI[case]
+    with pytest.raises(ConfigError) as info:
+        resolve(cli=cli, env={})
+    for needle in needles:
+        assert needle in str(info.value), (case, needle, str(info.value))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("server.tls_cert", "/etc/c.pem"), ("server.tls_key", "/etc/k.pem")]
+)
+def test_tls_cert_and_key_must_come_together(key: str, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve(cli={key: value}, env={})
+    message = str(info.value)
+    assert "server.tls_cert" in message and "server.tls_key" in message
+    assert value in message, f"the message does not name the value that was set: {message!r}"
+
+
+def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.toml"
+    with pytest.raises(ConfigError) as info:
+        resolve(env={}, file=missing)
+    assert str(missing) in str(info.value) and "No such file" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        resolve(env={}, file=tmp_path)  # a directory
+    assert str(tmp_path) in str(info.value)
+
+
+def test_bad_toml_names_the_file_and_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[server]\nsocket = \n")
+    with pytest.raises(ConfigError) as info:
+        resolve(env={}, file=path)
+    assert str(path) in str(info.value) and "not valid TOML" in str(info.value)
+    assert "line 2" in str(info.value)
+
+
+def _cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    clean.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "hicached", *args],
+        cwd=ROOT,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_config_show_prints_toml_that_round_trips(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[l3]\nbackend = 'none'\ncapacity = '3GiB'\n[host]\nprefault = false\n")
+    shown = _cli(
+        "config", "show", "--config", str(path), "--lease-ms", "4000", "--set", "copy.workers=3",
+        env={"HICACHED_LOG_FORMAT": "json"},
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    data = tomllib.loads(shown.stdout)
+    expected = resolve(
+        cli={"sessions.lease_ms": "4000", "copy.workers": "3"}, env={"HICACHED_LOG_FORMAT": "json"}, file=path
+    )
+    assert data == as_dict(expected)
+    assert (data["l3"]["capacity"], data["host"]["prefault"], data["log"]["format"]) == (
+        3 << 30,
+        False,
+        "json",
+    )
+    again = resolve(env={}, file=_write(tmp_path, shown.stdout))
+    assert again == expected
+
+
+def test_config_show_rejects_an_invalid_value_with_exit_2() -> None:
+    shown = _cli("config", "show", "--set", "copy.workers=-1")
+    assert shown.returncode == 2
+    assert "copy.workers" in shown.stderr and "'-1'" in shown.stderr
+    assert shown.stdout == ""
+
+
+def test_serve_with_an_invalid_value_exits_2_and_starts_nothing(tmp_path: Path) -> None:
+    sock = tmp_path / "d.sock"
+    prefix = f"hcdcfg{os.getpid()}{uuid.uuid4().hex[:6]}"
+    result = _cli(
+        "serve", "--socket", str(sock), "--l3", "file", "--l3-path", str(tmp_path / "l3"),
+        "--set", f"host.shm_prefix={prefix}", "--set", "l3.write_policy=eventually",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "configuration error" in result.stderr
+    assert "l3.write_policy" in result.stderr and "'eventually'" in result.stderr
+    assert not sock.exists(), "no socket was created"
+    assert not (tmp_path / "l3").exists(), "no L3 directory was created"
+    assert not list(Path("/dev/shm").glob(f"{prefix}*")), "no shared memory was created"
