@@ -284,16 +284,14 @@ class PoolLink:
 
     def get_flat(self, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> int:
         """Load the leading run of cached ``keys`` into flat data pages ``outs``."""
-        views = [self.binding.flat_to_chunks(o) if o.is_contiguous() else None for o in outs]
-        if any(v is None for v in views):
+        if not all(o.is_contiguous() for o in outs):
             raise ValueError("flat target pages must be contiguous tensors")
+        views = [self.binding.flat_to_chunks(o) for o in outs]
 
         def drainer(lo: int, hi: int) -> Drain:
             def drain(src: torch.Tensor) -> None:
                 for i in range(src.shape[1]):
-                    view = views[lo + i]
-                    assert view is not None
-                    view.copy_(src[:, i])
+                    views[lo + i].copy_(src[:, i])
 
             return drain
 
