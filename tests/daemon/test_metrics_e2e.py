@@ -1,0 +1,88 @@
+"""Issue 5: ``/metrics`` after a bench-like workload shows the data-plane and L3 counters moving.
+
+Daemon A stores a prefix and backs it up to the file L3, then stops; daemon B starts on the
+same L3 directory with ``/metrics`` on a free port and runs the workload: write (D2H), load
+(H2D), put_pages, backup(wait) and a prefetch of A's prefix, which only L3 holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hicached_client import HiCacheClient, PrefetchState, TokenChain, WorkerIdentity
+
+from tests.daemon.conftest import free_port, new_pools, scrape, start_file_daemon, total
+from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, host_pages_of, transfers
+
+MODEL = "m-metrics"
+PAGES = 32
+
+
+def chain(salt: str, offset: int = 0) -> TokenChain:
+    return TokenChain(list(range(offset, offset + PAGES * PAGE_SIZE)), cache_salt=salt)
+
+
+def test_metrics_after_a_bench_like_workload(l3_dir: Path, worker_pools: list[WorkerPools]) -> None:
+    old_prefix = chain("tenant-old")
+    tag_a, pools_a = new_pools(worker_pools, seed=51)
+    first = start_file_daemon(l3_dir)
+    try:
+        with HiCacheClient(first.target, timeout_s=30.0) as client:
+            ident = WorkerIdentity(tag_a, generation=1, model_name=MODEL)
+            with client.attach(ident, pools_a.specs()) as a:
+                assert a.put_pages(old_prefix, transfers(range(PAGES))).stored_pages == PAGES
+                backed = a.backup(old_prefix, wait=True)
+                assert backed.stored_pages == backed.queued_pages
+    finally:
+        first.stop()
+
+    port = free_port()
+    tag_b, pools_b = new_pools(worker_pools, seed=52)
+    second = start_file_daemon(l3_dir, "--metrics-port", str(port))
+    try:
+        with HiCacheClient(second.target, timeout_s=30.0) as client:
+            ident = WorkerIdentity(tag_b, generation=1, model_name=MODEL)
+            with client.attach(ident, pools_b.specs()) as b:
+                before = scrape(port)
+                assert total(before, "hicached_write_bytes_total") == 0
+                src, dst = list(range(PAGES)), list(range(500, 500 + PAGES))
+                written = b.write(transfers(src), allocate=True)
+                assert written.ok
+                loaded = b.load_wait(transfers(dst, host_pages_of(written.transfers)))
+                for pool in POOLS:
+                    assert pools_b.digest(pool, dst) == pools_b.digest(pool, src), pool
+                after_copy = scrape(port)
+                # The counters count exactly the bytes the daemon acknowledged moving.
+                assert (
+                    total(after_copy, "hicached_write_bytes_total") == sum(a.bytes for a in written.acks) > 0
+                )
+                assert total(after_copy, "hicached_load_bytes_total") == sum(a.bytes for a in loaded.acks) > 0
+                for pool in POOLS:
+                    assert total(after_copy, "hicached_write_bytes_total", pool=pool) > 0, pool
+
+                new_prefix = chain("tenant-new", offset=7)
+                assert b.put_pages(new_prefix, transfers(range(100, 100 + PAGES))).stored_pages == PAGES
+                backed = b.backup(new_prefix, wait=True)
+                assert backed.stored_pages == backed.queued_pages
+
+                seen = b.lookup(old_prefix)
+                assert (seen.l2_hit_pages, seen.total_hit_pages) == (0, PAGES), "only L3 holds A's prefix"
+                ticket = b.prefetch(old_prefix, policy="wait_complete")
+                assert ticket.planned_pages == PAGES
+                status = b.prefetch_status(ticket.prefetch_id, wait=True)
+                assert (status.state, status.completed_pages) == (PrefetchState.DONE, PAGES)
+                assert b.lookup(old_prefix).l2_hit_pages == PAGES
+
+                end = scrape(port)
+                assert total(end, "hicached_write_bytes_total") > total(
+                    after_copy, "hicached_write_bytes_total"
+                )
+                assert total(end, "hicached_load_bytes_total") > 0
+                assert total(end, "hicached_backup_pages_total") >= PAGES
+                assert total(end, "hicached_prefetch_pages_total") >= PAGES
+                assert total(end, "hicached_rpcs_total", method="Write", code="OK") >= 1
+                assert total(end, "hicached_rpcs_total", method="Attach", code="OK") == 1
+                assert total(end, "hicached_lookup_hit_pages_total", tier="l3") >= PAGES
+                assert total(end, "hicached_sessions") == 1
+    finally:
+        second.stop()

@@ -1,0 +1,99 @@
+"""Issue 5: ``hicached status`` against a live daemon (text, ``--json``, ``--health-only``)
+and against a socket nobody serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hicached_client import HiCacheClient, Session, WorkerIdentity
+
+from tests.daemon.conftest import new_pools, start_file_daemon
+from tests.integration.daemon import ROOT, Daemon
+from tests.integration.kv import WorkerPools, transfers
+
+MODEL = "m-status"
+
+
+def hicached(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    return subprocess.run(
+        [sys.executable, "-m", "hicached", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def socket_of(daemon: Daemon) -> str:
+    return daemon.target.removeprefix("unix://")
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = start_file_daemon(tmp_path_factory.mktemp("status") / "l3")
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def attached(daemon: Daemon, worker_pools: list[WorkerPools]) -> Iterator[tuple[Session, WorkerIdentity]]:
+    tag, pools = new_pools(worker_pools, seed=61)
+    identity = WorkerIdentity(tag, generation=3, model_name=MODEL, tp_rank=1, tp_size=2)
+    with HiCacheClient(daemon.target, timeout_s=30.0) as client, client.attach(identity, pools.specs()) as s:
+        assert s.write(transfers(range(5)), allocate=True).ok  # 5 pages in each of two pools
+        yield s, identity
+
+
+def test_status_shows_the_session_and_its_pools(
+    daemon: Daemon, attached: tuple[Session, WorkerIdentity]
+) -> None:
+    session, identity = attached
+    shown = hicached("status", "--socket", socket_of(daemon))
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout
+    assert f"at {daemon.target}" in out
+    assert "sessions (1):" in out and "pool groups (1):" in out
+    line = next(ln for ln in out.splitlines() if session.session_id in ln)
+    assert identity.instance_id in line and "gen 3" in line and f"model '{MODEL}'" in line
+    assert "tp 1/2" in line and "owns 10 pages" in line
+    for pool in ("kv", "draft"):
+        pool_line = next(ln for ln in out.splitlines() if ln.strip().startswith(pool + " "))
+        assert "5/" in pool_line and "pages used" in pool_line, pool_line
+    assert "file:" in out, "the file L3 backend is listed"
+
+
+def test_status_json_parses(daemon: Daemon, attached: tuple[Session, WorkerIdentity]) -> None:
+    session, identity = attached
+    shown = hicached("status", "--socket", socket_of(daemon), "--json")
+    assert shown.returncode == 0, shown.stderr
+    data = json.loads(shown.stdout)
+    (s,) = data["sessions"]
+    assert (s["session_id"], s["owned_pages"]) == (session.session_id, 10)
+    assert s["identity"]["instance_id"] == identity.instance_id
+    (group,) = data["groups"]
+    assert group["model_name"] == MODEL and group["sessions"] == 1
+    pools = {p["name"]: p for p in group["pools"]}
+    assert set(pools) == {"kv", "draft"}
+    assert all(p["total_pages"] - p["free_pages"] == 5 for p in pools.values())
+    assert [b["name"] for b in data["backends"]] == ["file"]
+    assert data["draining"] is False and data["host_used_bytes"] > 0
+
+
+def test_health_only_prints_serving(daemon: Daemon) -> None:
+    shown = hicached("status", "--socket", socket_of(daemon), "--health-only")
+    assert (shown.returncode, shown.stdout.strip()) == (0, "SERVING"), shown.stderr
+
+
+@pytest.mark.parametrize("flags", [(), ("--health-only",), ("--json",)])
+def test_missing_socket_exits_1(tmp_path: Path, flags: tuple[str, ...]) -> None:
+    missing = tmp_path / "nobody.sock"
+    shown = hicached("status", "--socket", str(missing), "--timeout", "1", *flags)
+    assert shown.returncode == 1
+    assert str(missing) in shown.stderr and "UNAVAILABLE" in shown.stderr
+    assert shown.stdout == ""
