@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**{k: _json_value(k, v) for k, v in results.items()}, "suite_seconds": seconds}))
         return 0
     print(f"{'figure':24} {'value':>10}   {'machine limit':24} {'value':>10}  {'ratio':>6}  meaning")
-    shown = set()
+    shown: set[str] = set()
     for fig, limit, meaning in RATIOS:
         if fig in results and limit in results:
             ratio = results[fig] / results[limit] if results[limit] else float("nan")

@@ -693,6 +693,12 @@ class HiCacheCore:
         return self._session(session_id)
 
     @property
+    def allocation_may_block(self) -> bool:
+        """True when an allocation can wait on L3 I/O (write_back eviction writes before freeing)."""
+        l3 = self._cfg.l3
+        return l3.backend != "none" and l3.write_policy == "write_back"
+
+    @property
     def config(self) -> Config:
         return self._cfg
 
