@@ -467,7 +467,9 @@ class KeyedServicerMixin(_Base):
     @unary
     async def PutBytes(self, request: pb.PutBytesRequest, context: Ctx) -> pb.PutBytesResponse:
         pages = [(p.key, p.pool, p.data) for p in request.pages]
-        stored, existing = await self.run(self.keyed.put_bytes, request.session_id, request.op_id, pages, "")
+        stored, existing = await self.run(
+            self.keyed.put_bytes, request.session_id, request.op_id, pages, request.tenant
+        )
         return pb.PutBytesResponse(stored_pages=stored, existing_pages=existing)
 
     @unary

@@ -303,8 +303,12 @@ def backup(session_id: str, op_id: str, keys: Keys, tenant: str, wait: bool) -> 
     return Call("Backup", req, cv.backup_result)
 
 
-def put_bytes(session_id: str, op_id: str, pages: Sequence[PageBytes]) -> Call[PutBytesResult]:
-    req = pb.PutBytesRequest(session_id=session_id, op_id=op_id, pages=cv.page_bytes_to_wire(pages))
+def put_bytes(
+    session_id: str, op_id: str, pages: Sequence[PageBytes], tenant: str = ""
+) -> Call[PutBytesResult]:
+    req = pb.PutBytesRequest(
+        session_id=session_id, op_id=op_id, pages=cv.page_bytes_to_wire(pages), tenant=tenant
+    )
     return Call("PutBytes", req, cv.put_bytes_result)
 
 

@@ -616,9 +616,16 @@ class AsyncSession:
         )
 
     async def put_bytes(
-        self, pages: Sequence[PageBytes], *, op_id: str | None = None, timeout_s: float | None = None
+        self,
+        pages: Sequence[PageBytes],
+        *,
+        tenant: str = "",
+        op_id: str | None = None,
+        timeout_s: float | None = None,
     ) -> PutBytesResult:
-        return await self._invoke(_calls.put_bytes(self.session_id, self._op(op_id), pages), timeout_s)
+        return await self._invoke(
+            _calls.put_bytes(self.session_id, self._op(op_id), pages, tenant), timeout_s
+        )
 
     async def get_bytes(
         self, keys: Keys, *, include_l3: bool = False, tenant: str = "", timeout_s: float | None = None

@@ -635,9 +635,14 @@ class Session:
         return self._invoke(_calls.backup(self.session_id, self._op(op_id), keys, tenant, wait), timeout_s)
 
     def put_bytes(
-        self, pages: Sequence[PageBytes], *, op_id: str | None = None, timeout_s: float | None = None
+        self,
+        pages: Sequence[PageBytes],
+        *,
+        tenant: str = "",
+        op_id: str | None = None,
+        timeout_s: float | None = None,
     ) -> PutBytesResult:
-        return self._invoke(_calls.put_bytes(self.session_id, self._op(op_id), pages), timeout_s)
+        return self._invoke(_calls.put_bytes(self.session_id, self._op(op_id), pages, tenant), timeout_s)
 
     def get_bytes(
         self, keys: Keys, *, include_l3: bool = False, tenant: str = "", timeout_s: float | None = None

@@ -113,7 +113,8 @@ class BytesTransport(PageTransport):
         fill(chunks)
         pages = chunks.permute(1, 0, 2).contiguous().numpy()
         self._session.put_bytes(
-            [PageBytes(key, DAEMON_POOL, pages[i].tobytes()) for i, key in enumerate(keys)]
+            [PageBytes(key, DAEMON_POOL, pages[i].tobytes()) for i, key in enumerate(keys)],
+            tenant=self._tenant,
         )
         return True
 

@@ -441,14 +441,16 @@ class BackupResponse(_message.Message):
     def __init__(self, queued_pages: _Optional[int] = ..., stored_pages: _Optional[int] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
-    __slots__ = ("session_id", "op_id", "pages")
+    __slots__ = ("session_id", "op_id", "pages", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     op_id: str
     pages: _containers.RepeatedCompositeFieldContainer[_types_pb2.PageBytes]
-    def __init__(self, session_id: _Optional[str] = ..., op_id: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[_types_pb2.PageBytes, _Mapping]]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., op_id: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[_types_pb2.PageBytes, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PutBytesResponse(_message.Message):
     __slots__ = ("stored_pages", "existing_pages")
