@@ -1,0 +1,63 @@
+"""TCP listener with a bearer token: calls without it are UNAUTHENTICATED and change nothing,
+the Unix socket needs no token, and the health service answers probes without one."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hicached_client import HiCacheClient, HiCacheError
+
+from tests.integration.daemon import Daemon, start_daemon
+
+TOKEN = "s3cret-token"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def tcp_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, str]]:
+    token_file = Path(tmp_path_factory.mktemp("token")) / "token"
+    token_file.write_text(TOKEN + "\n")
+    port = _free_port()
+    daemon = start_daemon("--listen", f"127.0.0.1:{port}", "--set", f"server.auth_token_file={token_file}")
+    try:
+        yield daemon, f"127.0.0.1:{port}"
+    finally:
+        daemon.stop()
+
+
+def test_tcp_without_token_is_unauthenticated(tcp_daemon: tuple[Daemon, str]) -> None:
+    _, tcp = tcp_daemon
+    with HiCacheClient(tcp, timeout_s=10) as client, pytest.raises(HiCacheError) as info:
+        client.get_stats()
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert "bearer token" in info.value.message
+    with HiCacheClient(tcp, token="wrong", timeout_s=10) as client, pytest.raises(HiCacheError) as info:
+        client.ping(b"x")
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_tcp_with_token_and_unix_socket_without(tcp_daemon: tuple[Daemon, str]) -> None:
+    daemon, tcp = tcp_daemon
+    with HiCacheClient(tcp, token=TOKEN, timeout_s=10) as client:
+        assert client.ping(b"hello") == b"hello"
+        assert client.get_stats().sessions == ()
+    with HiCacheClient(daemon.target, timeout_s=10) as client:
+        assert client.ping(b"unix") == b"unix"
+
+
+def test_health_answers_probes_without_token(tcp_daemon: tuple[Daemon, str]) -> None:
+    _, tcp = tcp_daemon
+    with grpc.insecure_channel(tcp) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
