@@ -146,6 +146,7 @@ BAD_FILE = {
     "bad type int": ("[copy]\nworkers = 'many'\n", ["copy.workers", "'many'", "an integer"]),
     "bad type bool as int": ("[copy]\nworkers = true\n", ["copy.workers", "True", "an integer"]),
     "bad type bool": ("[host]\nprefault = 'maybe'\n", ["host.prefault", "'maybe'", "true or false"]),
+    "bad type path": ("[server]\nsocket = 5\n", ["server.socket", "5", "a path"]),
     "bad type float": ("[server]\ngrace_s = 'soon'\n", ["server.grace_s", "'soon'", "a number"]),
     "bad choice": ("[l3]\nbackend = 'ftp'\n", ["l3.backend", "'ftp'", "file, redis, s3, mooncake, none"]),
     "bad choice log": ("[log]\nformat = 'xml'\n", ["log.format", "'xml'", "text, json"]),
@@ -319,16 +320,26 @@ def test_config_show_rejects_an_invalid_value_with_exit_2() -> None:
     assert shown.stdout == ""
 
 
-def test_serve_with_an_invalid_value_exits_2_and_starts_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["flag", "env", "file"])
+def test_serve_with_an_invalid_value_exits_2_and_starts_nothing(source: str, tmp_path: Path) -> None:
     sock = tmp_path / "d.sock"
     prefix = f"hcdcfg{os.getpid()}{uuid.uuid4().hex[:6]}"
-    result = _cli(
+    args = [
         "serve", "--socket", str(sock), "--l3", "file", "--l3-path", str(tmp_path / "l3"),
-        "--set", f"host.shm_prefix={prefix}", "--set", "l3.write_policy=eventually",
-    )  # fmt: skip
+        "--metrics-port", "0", "--set", f"host.shm_prefix={prefix}",
+    ]  # fmt: skip
+    env: dict[str, str] = {}
+    if source == "flag":
+        args += ["--set", "l3.write_policy=eventually"]
+    elif source == "env":
+        env["HICACHED_L3_WRITE_POLICY"] = "eventually"
+    else:
+        args += ["--config", str(_write(tmp_path, "[l3]\nwrite_policy = 'eventually'\n"))]
+    result = _cli(*args, env=env)
     assert result.returncode == 2
     assert "configuration error" in result.stderr
     assert "l3.write_policy" in result.stderr and "'eventually'" in result.stderr
+    assert result.stdout == ""
     assert not sock.exists(), "no socket was created"
     assert not (tmp_path / "l3").exists(), "no L3 directory was created"
     assert not list(Path("/dev/shm").glob(f"{prefix}*")), "no shared memory was created"

@@ -7,6 +7,7 @@ same L3 directory with ``/metrics`` on a free port and runs the workload: write 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from hicached_client import HiCacheClient, PrefetchState, TokenChain, WorkerIdentity
@@ -48,7 +49,8 @@ def test_metrics_after_a_bench_like_workload(l3_dir: Path, worker_pools: list[Wo
                 src, dst = list(range(PAGES)), list(range(500, 500 + PAGES))
                 written = b.write(transfers(src), allocate=True)
                 assert written.ok
-                loaded = b.load_wait(transfers(dst, host_pages_of(written.transfers)))
+                host: dict[str, Sequence[int]] = dict(host_pages_of(written.transfers))
+                loaded = b.load_wait(transfers(dst, host))
                 for pool in POOLS:
                     assert pools_b.digest(pool, dst) == pools_b.digest(pool, src), pool
                 after_copy = scrape(port)

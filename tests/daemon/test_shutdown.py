@@ -31,7 +31,7 @@ from hicached_client.v1 import types_pb2 as tpb
 
 from tests.daemon.conftest import start_file_daemon
 from tests.integration.daemon import Daemon
-from tests.integration.kv import unique_tag
+from tests.integration.kv import host_pages_of, unique_tag
 
 PAGE_SIZE = 4
 LAYERS, HEADS, DIM = 16, 4, 32  # float16 K and V: 32 KiB per page, 2 KiB per page and layer
@@ -144,10 +144,10 @@ def test_sigterm_during_a_large_load_exits_0_and_keeps_l3(tmp_path: Path, worker
 
             written = session.write([Transfer("kv", list(range(LOAD_PAGES)))], allocate=True)
             assert written.ok
-            host = written.transfers[0].host_pages
-            assert host is not None and len(host) == LOAD_PAGES
+            host = host_pages_of(written.transfers)["kv"]
+            assert len(host) == LOAD_PAGES
             dst = list(range(LOAD_PAGES, 2 * LOAD_PAGES))
-            stream = session.load([Transfer("kv", dst, list(host))], layer_progress=True)
+            stream = session.load([Transfer("kv", dst, host)], layer_progress=True)
             load = LoadInFlight(stream, first.process.pid)
             load.start()
             assert load.signalled.wait(timeout=60), "the load reported no progress"
