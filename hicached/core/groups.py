@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hicached.cache.index import ContentIndex
 from hicached.config import HostConfig
 from hicached.core.types import PoolRequest, PoolRole, PoolState, WorkerId
 from hicached.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -105,7 +106,7 @@ class GroupState:
     model_name: str
     group: HostPoolGroup
     nbytes: int
-    index: object | None = None  # hicached.cache.ContentIndex, set by the core
+    index: ContentIndex | None = None  # set by the composition root (KeyedCache.attach_group)
     last_used: float = field(default_factory=time.monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _busy: dict[str, np.ndarray] = field(default_factory=dict)
@@ -200,9 +201,7 @@ class GroupState:
 
     def close(self) -> None:
         if self.index is not None:
-            close = getattr(self.index, "close", None)
-            if close is not None:
-                close()
+            self.index.close()
         pools = [e.host_pool for e in self.group.entries]
         self.group.close()
         for pool in pools:  # the daemon owns the names (no warm-restart journal yet)

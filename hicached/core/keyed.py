@@ -84,10 +84,9 @@ class KeyedCache:
 
     def _ctx(self, session_id: str) -> tuple[Session, GroupState, ContentIndex]:
         session, state = self.core.session_group(session_id)
-        index = state.index
-        if not isinstance(index, ContentIndex):
+        if state.index is None:
             raise FailedPrecondition(f"pool group {state.group_id} has no content index")
-        return session, state, index
+        return session, state, state.index
 
     def page_size(self, session_id: str) -> int:
         _, state, _ = self._ctx(session_id)
@@ -149,7 +148,7 @@ class KeyedCache:
         """Device -> new host pages -> published; keys already cached are skipped."""
         session, state, index = self._ctx(session_id)
         core = self.core
-        checked = core._check_transfers(session, state, transfers, host="forbidden")
+        checked = core.check_transfers(session, state, transfers, host="forbidden")
         self._columns(state, keys, checked, side="device")
 
         def run() -> PutResult:
@@ -158,15 +157,17 @@ class KeyedCache:
             new_keys = list(keys[skip:])
             if not new_keys:
                 return PutResult(ok=True, existing_pages=len(keys))
-            resolved = core._resolve(session, state, todo)
+            resolved = core.allocate(session, state, todo)
             if not resolved.ok:
                 return PutResult(ok=False)
             try:
-                acks = core._copy(session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND)
+                acks = core.copy_pages(
+                    session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND
+                )
                 pages = {t.name: t.host_indices for t in resolved.transfers if t.host_allocated}
                 mask = index.publish(new_keys, pages, tenant=tenant)  # type: ignore[arg-type]
             except BaseException:
-                core._unresolve(session, state, resolved.transfers)
+                core.release_owned(session, state, resolved.transfers)
                 raise
             for name, arr in pages.items():
                 session.ledger.remove(name, arr[mask])  # type: ignore[index]
@@ -175,7 +176,7 @@ class KeyedCache:
                 for t in resolved.transfers
                 if t.host_allocated
             ]
-            core._unresolve(session, state, leftovers)
+            core.release_owned(session, state, leftovers)
             stored = int(mask.sum())
             return PutResult(ok=True, stored_pages=stored, existing_pages=len(keys) - stored, acks=acks)
 
@@ -195,7 +196,7 @@ class KeyedCache:
         """Host -> device copy of the keys' longest cached prefix."""
         session, state, index = self._ctx(session_id)
         core = self.core
-        checked = core._check_transfers(session, state, transfers, host="forbidden")
+        checked = core.check_transfers(session, state, transfers, host="forbidden")
         self._columns(state, keys, checked, side="device")
 
         def run() -> tuple[int, tuple[Ack, ...]]:
@@ -214,7 +215,7 @@ class KeyedCache:
                     )
                     for t in checked
                 ]
-                acks = core._copy(session, state, Direction.H2D, bound, priority=Priority.DEMAND)
+                acks = core.copy_pages(session, state, Direction.H2D, bound, priority=Priority.DEMAND)
             finally:
                 index.unpin(pin)
             return hit, acks
@@ -345,7 +346,7 @@ class KeyedCache:
         return [
             s.index
             for s in self.core.groups.all()
-            if isinstance(s.index, ContentIndex) and (model is None or s.model_name == model)
+            if s.index is not None and (model is None or s.model_name == model)
         ]
 
     def drain(self, *, wait: bool) -> int:

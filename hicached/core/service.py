@@ -268,7 +268,7 @@ class HiCacheCore:
         for pid in list(session.prefetches):
             if index is not None:
                 with contextlib.suppress(NotFound):
-                    index.get_prefetch(pid).cancel()  # type: ignore[attr-defined]
+                    index.get_prefetch(pid).cancel()
         session.mappings.close()
         self._hooks.on_session(reason, session)
         logger.info(
@@ -286,7 +286,7 @@ class HiCacheCore:
         session = self._sessions.get(session_id)
         return session, self._groups.get(session.group_id)
 
-    def _check_transfers(
+    def check_transfers(
         self,
         session: Session,
         state: GroupState,
@@ -331,7 +331,7 @@ class HiCacheCore:
         return out
 
     @staticmethod
-    def _bind_derived(state: GroupState, transfers: Sequence[PoolTransfer]) -> list[PoolTransfer]:
+    def bind_derived(state: GroupState, transfers: Sequence[PoolTransfer]) -> list[PoolTransfer]:
         """Give derived pools without pages their source's device and host pages."""
         by_name = {t.name: t for t in transfers}
         out = []
@@ -346,7 +346,7 @@ class HiCacheCore:
             out.append(bound)
         return out
 
-    def _check_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> None:
+    def check_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> None:
         for t in transfers:
             if t.host_indices is None or len(t.host_indices) == 0:
                 continue
@@ -364,7 +364,7 @@ class HiCacheCore:
 
     # ----------------------------------------------------------------- the copies
 
-    def _copy(
+    def copy_pages(
         self,
         session: Session,
         state: GroupState,
@@ -401,7 +401,7 @@ class HiCacheCore:
             for t in transfers
         )
 
-    def _resolve(
+    def allocate(
         self, session: Session, state: GroupState, transfers: Sequence[PoolTransfer]
     ) -> TransferResult:
         """Allocate missing host pages across the group (atomic); record ownership."""
@@ -413,7 +413,7 @@ class HiCacheCore:
                 session.ledger.add(t.name, t.host_indices)
         return TransferResult(ok=True, transfers=tuple(result.transfers))
 
-    def _unresolve(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> int:
+    def release_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> int:
         owned = [t for t in transfers if t.host_allocated and t.host_indices is not None]
         for t in owned:
             session.ledger.remove(t.name, t.host_indices)  # type: ignore[arg-type]
@@ -456,7 +456,7 @@ class HiCacheCore:
 
         def run() -> int:
             _check_indices(pool, "host", arr, state.pool(pool).num_pages)
-            self._check_owned(session, state, [PoolTransfer(pool, arr, arr)])
+            self.check_owned(session, state, [PoolTransfer(pool, arr, arr)])
             freed = state.free(pool, arr)
             session.ledger.remove(pool, arr)
             return freed
@@ -466,20 +466,20 @@ class HiCacheCore:
 
     def resolve(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> TransferResult:
         session, state = self._session(session_id)
-        checked = self._check_transfers(session, state, transfers)
-        self._check_owned(session, state, checked)
+        checked = self.check_transfers(session, state, transfers)
+        self.check_owned(session, state, checked)
         with session.operation():
-            return session.once(op_id, lambda: self._resolve(session, state, checked))
+            return session.once(op_id, lambda: self.allocate(session, state, checked))
 
     def release(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> int:
         session, state = self._session(session_id)
-        checked = self._check_transfers(session, state, transfers, need_device=False, host="required")
+        checked = self.check_transfers(session, state, transfers, need_device=False, host="required")
         flagged = [
             replace(c, host_allocated=t.host_allocated) for c, t in zip(checked, transfers, strict=True)
         ]
-        self._check_owned(session, state, [t for t in flagged if t.host_allocated])
+        self.check_owned(session, state, [t for t in flagged if t.host_allocated])
         with session.operation():
-            return session.once(op_id, lambda: self._unresolve(session, state, flagged))
+            return session.once(op_id, lambda: self.release_owned(session, state, flagged))
 
     # ---------------------------------------------------------------- data plane
 
@@ -487,23 +487,23 @@ class HiCacheCore:
         self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer], *, allocate: bool
     ) -> TransferResult:
         session, state = self._session(session_id)
-        checked = self._check_transfers(
-            session, state, transfers, host="optional" if allocate else "required"
-        )
+        checked = self.check_transfers(session, state, transfers, host="optional" if allocate else "required")
         if not allocate:
-            checked = self._bind_derived(state, checked)
-        self._check_owned(session, state, checked)
+            checked = self.bind_derived(state, checked)
+        self.check_owned(session, state, checked)
 
         def run() -> TransferResult:
             resolved = (
-                self._resolve(session, state, checked) if allocate else TransferResult(True, tuple(checked))
+                self.allocate(session, state, checked) if allocate else TransferResult(True, tuple(checked))
             )
             if not resolved.ok:
                 return resolved
             try:
-                acks = self._copy(session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND)
+                acks = self.copy_pages(
+                    session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND
+                )
             except BaseException:
-                self._unresolve(session, state, resolved.transfers)
+                self.release_owned(session, state, resolved.transfers)
                 raise
             return TransferResult(ok=True, transfers=resolved.transfers, acks=acks)
 
@@ -519,12 +519,12 @@ class HiCacheCore:
         on_layer: LayerCallback | None = None,
     ) -> tuple[Ack, ...]:
         session, state = self._session(session_id)
-        checked = self._bind_derived(state, self._check_transfers(session, state, transfers, host="required"))
-        self._check_owned(session, state, checked)
+        checked = self.bind_derived(state, self.check_transfers(session, state, transfers, host="required"))
+        self.check_owned(session, state, checked)
         with session.operation():
             return session.once(
                 op_id,
-                lambda: self._copy(
+                lambda: self.copy_pages(
                     session, state, Direction.H2D, checked, priority=Priority.DEMAND, on_layer=on_layer
                 ),
             )
@@ -542,7 +542,7 @@ class HiCacheCore:
         lease_ms: int = 0,
     ) -> RetractResult:
         session, state = self._session(session_id)
-        checked = self._check_transfers(session, state, transfers, host="forbidden")
+        checked = self.check_transfers(session, state, transfers, host="forbidden")
         anchor = state.group.anchor.name
         if not any(t.name == anchor for t in checked):
             raise InvalidArgument(f"a retraction backup must include the anchor pool {anchor!r}")
@@ -560,7 +560,9 @@ class HiCacheCore:
                 logger.info("retraction backup declined: no host room", extra={"session": session_id})
                 return RetractResult(ok=False)
             try:
-                acks = self._copy(session, state, Direction.D2H, result.transfers, priority=Priority.DEMAND)
+                acks = self.copy_pages(
+                    session, state, Direction.D2H, result.transfers, priority=Priority.DEMAND
+                )
             except BaseException:
                 state.release_transfers(result.transfers)
                 raise
@@ -604,8 +606,8 @@ class HiCacheCore:
 
         def run() -> tuple[Ack, ...]:
             backup = self._backup_of(session, backup_id)
-            checked = self._bind_derived(
-                state, self._check_transfers(session, state, transfers, host="forbidden")
+            checked = self.bind_derived(
+                state, self.check_transfers(session, state, transfers, host="forbidden")
             )
             saved = {t.name: t for t in backup.transfers}
             given = {t.name: t for t in checked}
@@ -628,7 +630,7 @@ class HiCacheCore:
                         f"unknown retraction backup {backup_id!r} (restored or discarded concurrently)"
                     )
             try:
-                acks = self._copy(
+                acks = self.copy_pages(
                     session, state, Direction.H2D, bound, priority=Priority.RESTORE, on_layer=on_layer
                 )
             except BaseException:
@@ -733,10 +735,7 @@ class HiCacheCore:
 
 
 def _indexed(state: GroupState) -> int:
-    stats = getattr(state.index, "stats", None)
-    if stats is None:
-        return 0
-    return int(getattr(stats(), "pages", 0))
+    return 0 if state.index is None else state.index.stats().entries
 
 
 def _check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique: bool = True) -> None:
