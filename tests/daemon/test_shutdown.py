@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -29,9 +30,9 @@ from hicached_client import (
 from hicached_client.export import ShmKVPool
 from hicached_client.v1 import types_pb2 as tpb
 
-from tests.daemon.conftest import start_file_daemon
+from tests.daemon.conftest import free_port, scrape, start_file_daemon, total
 from tests.integration.daemon import Daemon
-from tests.integration.kv import host_pages_of, unique_tag
+from tests.integration.kv import WorkerPools, host_pages_of, transfers, unique_tag
 
 PAGE_SIZE = 4
 LAYERS, HEADS, DIM = 16, 4, 32  # float16 K and V: 32 KiB per page, 2 KiB per page and layer
@@ -184,3 +185,31 @@ def test_sigterm_during_a_large_load_exits_0_and_keeps_l3(tmp_path: Path, worker
                 assert torch.equal(worker.pages(0, ACKED), expected_acked), "L3 pages read back wrong"
     finally:
         second.stop()
+
+
+def test_sigint_with_an_attached_session_exits_0_and_releases_everything(tmp_path: Path) -> None:
+    pools = WorkerPools.create(unique_tag("sigint"))
+    port = free_port()
+    daemon = start_file_daemon(tmp_path / "l3", "--metrics-port", str(port))
+    sock = Path(daemon.target.removeprefix("unix://"))
+    try:
+        with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+            ident = WorkerIdentity(unique_tag("sigint"), generation=1, model_name=MODEL)
+            session = client.attach(ident, pools.specs(), heartbeat=False)
+            assert session.write(transfers(range(8)), allocate=True).ok
+            assert list(Path("/dev/shm").glob(f"{daemon.shm_prefix}*")), "the daemon's host pools exist"
+            assert total(scrape(port), "hicached_sessions") == 1
+            sent = time.monotonic()
+            daemon.process.send_signal(signal.SIGINT)
+            code = daemon.process.wait(timeout=30)
+            took = time.monotonic() - sent
+        assert code == 0, f"exit code {code}\n{daemon.log}"
+        assert took < EXIT_WITHIN_S, f"exit took {took:.2f} s"
+        assert not sock.exists(), "the socket file was left behind"
+        left = sorted(p.name for p in Path("/dev/shm").glob(f"{daemon.shm_prefix}*"))
+        assert not left, f"shared-memory segments left behind: {left}"
+        with pytest.raises(ConnectionRefusedError):  # /metrics stopped listening
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        daemon.stop()
+        pools.close()
