@@ -51,6 +51,19 @@ def chunks_nbytes(chunks: Sequence[memoryview]) -> int:
     return sum(c.nbytes for c in chunks)
 
 
+def scatter_into(page: bytes | memoryview | None, chunks: Sequence[memoryview]) -> bool:
+    """Copy ``page`` across the writable ``chunks`` (their concatenation); False, and
+    nothing written, for a miss or a length that differs from the destination's."""
+    if page is None or len(page) != chunks_nbytes(chunks):
+        return False
+    offset = 0
+    for chunk in chunks:
+        view = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
+        view[:] = page[offset : offset + view.nbytes]
+        offset += view.nbytes
+    return True
+
+
 def check_batch(keys: Sequence[str], values: Sequence[object], what: str) -> None:
     """Reject a batch whose keys and values do not pair up, naming the lengths."""
     if len(keys) != len(values):
@@ -104,18 +117,7 @@ class StorageBackend(ABC):
         differs from the destination's.
         """
         check_batch(keys, dests, "destinations")
-        pages = self.get(keys)
-        results: list[bool] = []
-        for page, chunks in zip(pages, dests, strict=True):
-            if page is None or len(page) != chunks_nbytes(chunks):
-                results.append(False)
-                continue
-            offset = 0
-            for chunk in chunks:
-                chunk.cast("B")[:] = page[offset : offset + chunk.nbytes]
-                offset += chunk.nbytes
-            results.append(True)
-        return results
+        return [scatter_into(page, chunks) for page, chunks in zip(self.get(keys), dests, strict=True)]
 
     def set_from(self, keys: Sequence[str], srcs: Sequence[Sequence[memoryview]]) -> list[bool]:
         """Store page ``i`` from the concatenation of the chunks ``srcs[i]``."""

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hicached.errors import InvalidArgument, Unavailable
-from hicached.l3.base import BackendStats, StorageBackend, check_batch
+from hicached.l3.base import BackendStats, StorageBackend, check_batch, scatter_into
 from hicached.l3.framing import frame, unframe
 from hicached.l3.registry import register_backend
 
@@ -185,18 +185,9 @@ class RedisBackend(StorageBackend):
 
     def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
         check_batch(keys, dests, "destinations")
-        results: list[bool] = []
-        for payload, chunks in zip(self._fetch(keys), dests, strict=True):
-            if payload is None or payload.nbytes != sum(c.nbytes for c in chunks):
-                results.append(False)
-                continue
-            offset = 0
-            for chunk in chunks:
-                view = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
-                view[:] = payload[offset : offset + view.nbytes]
-                offset += view.nbytes
-            results.append(True)
-        return results
+        return [
+            scatter_into(payload, chunks) for payload, chunks in zip(self._fetch(keys), dests, strict=True)
+        ]
 
     # ----------------------------------------------------------------- writes
 

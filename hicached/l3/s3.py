@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote
 
 from hicached.errors import InvalidArgument, Unavailable
-from hicached.l3.base import BackendStats, StorageBackend, check_batch, chunks_nbytes
+from hicached.l3.base import BackendStats, StorageBackend, check_batch, scatter_into
 from hicached.l3.framing import FRAME_HEADER, frame, unframe
 from hicached.l3.registry import register_backend
 
@@ -382,19 +382,8 @@ class S3Backend(StorageBackend):
     def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
         check_batch(keys, dests, "destinations")
         names = self._object_names(keys)
-        sizes = [chunks_nbytes(chunks) for chunks in dests]
         payloads = self._map(self._fetch, zip(keys, names, strict=True))
-        ok: list[bool] = []
-        for payload, chunks, size in zip(payloads, dests, sizes, strict=True):
-            if payload is None or payload.nbytes != size:
-                ok.append(False)
-                continue
-            offset = 0
-            for chunk in chunks:
-                view = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
-                view[:] = payload[offset : offset + view.nbytes]
-                offset += view.nbytes
-            ok.append(True)
+        ok = [scatter_into(payload, chunks) for payload, chunks in zip(payloads, dests, strict=True)]
         self._count(ok)
         return ok
 
