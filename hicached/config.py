@@ -35,7 +35,11 @@ _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 <
 
 def parse_size(text: str | int) -> int:
     """``"256MiB"`` / ``"4G"`` / ``1024`` -> bytes (binary units)."""
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise ValueError(f"not a size: {text!r}")
     if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"negative size: {text}")
         return text
     m = _SIZE_RE.match(text)
     if not m:
@@ -240,15 +244,17 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any) -> Any:
             else:
                 raise ValueError(value)
         elif kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int | str):
+                raise ValueError(value)  # 2.5 is not silently 2
+            out = int(value, 0) if isinstance(value, str) else value
+        elif kind == "float":
             if isinstance(value, bool):
                 raise ValueError(value)
-            out = int(value, 0) if isinstance(value, str) else int(value)
-        elif kind == "float":
             out = float(value)
-        elif kind == "Path":
-            out = Path(value)
+        elif isinstance(value, str):
+            out = Path(value) if kind == "Path" else value
         else:
-            out = str(value)
+            raise ValueError(value)  # a TOML number or boolean where text is expected
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid {key} = {value!r}: expected {_allowed(key, f)}") from exc
     if key in _CHOICES and out not in _CHOICES[key]:
@@ -272,7 +278,20 @@ def _check_cross(cfg: Config) -> None:
     if not 0 < cfg.host.budget_fraction <= 1:
         raise ConfigError(f"invalid host.budget_fraction = {cfg.host.budget_fraction}: must lie in (0, 1]")
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
-        raise ConfigError("server.tls_cert and server.tls_key must be set together")
+        given, missing = (
+            ("server.tls_cert", "server.tls_key")
+            if cfg.server.tls_cert
+            else ("server.tls_key", "server.tls_cert")
+        )
+        value = cfg.server.tls_cert or cfg.server.tls_key
+        raise ConfigError(f"{given} = {value!r} is set but {missing} is not: TLS needs both")
+    for key, number in (
+        ("server.grace_s", cfg.server.grace_s),
+        ("l3.prefetch_timeout_base_s", cfg.l3.prefetch_timeout_base_s),
+        ("l3.prefetch_timeout_per_1k_tokens_s", cfg.l3.prefetch_timeout_per_1k_tokens_s),
+    ):
+        if number < 0:
+            raise ConfigError(f"invalid {key} = {number}: must be >= 0")
     if cfg.server.metrics_port < -1 or cfg.server.metrics_port > 65535:
         raise ConfigError(
             f"invalid server.metrics_port = {cfg.server.metrics_port}: expected -1, 0 or a port"

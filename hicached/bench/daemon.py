@@ -26,6 +26,8 @@ import torch
 from hicached_client import HiCacheClient, Session, Transfer, WorkerIdentity, pool_spec
 from hicached_client.export import ShmKVPool
 
+from hicached.bench.timing import timed
+
 # 2 layers x K/V x 16 tokens x 4 heads x 128 dims x bf16 = 64 KiB per page.
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 4, 128, 16
 PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
@@ -94,12 +96,6 @@ class _Gather:
         torch.index_select(self.src, 0, self.idx, out=self.dst)
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def run(quick: bool) -> dict[str, float]:
     pages_n = 1000
     reps = 5 if quick else 15
@@ -159,7 +155,7 @@ def _data_plane(
     for rep in range(reps + 1):  # rep 0 warms up: the daemon's first pass over a new mapping faults
         src = rng.choice(device_pages // 2, size=n, replace=False).astype(np.int64)
         dst = (rng.choice(device_pages // 2, size=n, replace=False) + device_pages // 2).astype(np.int64)
-        times["memcpy"].append(_timed(gather))
+        times["memcpy"].append(timed(gather))
         t0 = time.perf_counter()
         w = s.write([Transfer("kv", src)], allocate=True)
         times["write"].append(time.perf_counter() - t0)

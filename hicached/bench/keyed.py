@@ -24,14 +24,14 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hicached.bench.timing import timed
 from hicached.cache import ContentIndex, PrefetchPolicy, PrefetchState, WritePolicy
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.l3 import create_backend
@@ -47,12 +47,6 @@ TINY_SPEC = KVSpec(PoolKind.MHA, torch.float16, num_layers=1, num_heads=1, head_
 
 def _rate(count: int, seconds: float) -> float:
     return count / seconds if seconds > 0 else 0.0
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 @contextlib.contextmanager
@@ -96,9 +90,9 @@ def _index_ops(num_pages: int) -> dict[str, float]:
             # Best of three rounds; the first also pays one-off costs (imports, first touch).
             publish_s = pin_s = lookup_s = float("inf")
             for _ in range(3):
-                publish_s = min(publish_s, _timed(publish))
-                pin_s = min(pin_s, _timed(pin))
-                lookup_s = min(lookup_s, _timed(lookup))
+                publish_s = min(publish_s, timed(publish))
+                pin_s = min(pin_s, timed(pin))
+                lookup_s = min(lookup_s, timed(lookup))
                 index.clear()
                 fresh = allocator.alloc(num_pages)
                 assert fresh is not None
@@ -110,7 +104,7 @@ def _index_ops(num_pages: int) -> dict[str, float]:
                     for key, page in zip(batch_keys, batch_pages.tolist(), strict=True):
                         table[key] = (page,)
 
-            dict_s = min(_timed(dict_insert) for _ in range(3))
+            dict_s = min(timed(dict_insert) for _ in range(3))
             allocator.free(np.concatenate([p for _, p in batches]))
         finally:
             index.close()
@@ -148,13 +142,13 @@ def _l3_paths(num_pages: int, root: Path, rounds: int = 3) -> dict[str, float]:
                 spans = range(0, num_pages, BATCH)
                 best["set"] = min(
                     best["set"],
-                    _timed(
+                    timed(
                         lambda: [backend.set_from(keys[i : i + BATCH], chunks[i : i + BATCH]) for i in spans]
                     ),
                 )
                 best["get"] = min(
                     best["get"],
-                    _timed(
+                    timed(
                         lambda: [backend.get_into(keys[i : i + BATCH], chunks[i : i + BATCH]) for i in spans]
                     ),
                 )
@@ -169,7 +163,7 @@ def _l3_paths(num_pages: int, root: Path, rounds: int = 3) -> dict[str, float]:
                         index.publish(content[i : i + BATCH], {"kv": owned[i : i + BATCH]})
                     index.flush()
 
-                best["backup"] = min(best["backup"], _timed(backup))
+                best["backup"] = min(best["backup"], timed(backup))
                 index.reclaim("kv", num_pages)
 
                 def prefetch() -> None:
@@ -177,7 +171,7 @@ def _l3_paths(num_pages: int, root: Path, rounds: int = 3) -> dict[str, float]:
                     if task.wait().state is not PrefetchState.DONE:
                         raise RuntimeError(f"bench prefetch ended {task.status()}")
 
-                best["prefetch"] = min(best["prefetch"], _timed(prefetch))
+                best["prefetch"] = min(best["prefetch"], timed(prefetch))
                 index.reclaim("kv", num_pages)
 
             for r in range(rounds):

@@ -35,10 +35,11 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hicached.bench.timing import gbps, timed
 from hicached.l3.file import FileBackend, FileBackendConfig
 
 log = logging.getLogger(__name__)
@@ -46,16 +47,6 @@ log = logging.getLogger(__name__)
 PAGE_BYTES = 64 << 10
 BATCH = 128
 DISTINCT_PAGES = 512  # source pages cycled through; keys are all distinct
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _drop_cache(paths: list[Path]) -> None:
@@ -103,7 +94,7 @@ def _raw_disk(pages: _Pages, path: Path) -> dict[str, float]:
         finally:
             os.close(fd)
 
-    write_s = _timed(write)
+    write_s = timed(write)
     _drop_cache([path])
 
     def read() -> None:
@@ -116,8 +107,8 @@ def _raw_disk(pages: _Pages, path: Path) -> dict[str, float]:
         finally:
             os.close(fd)
 
-    read_s = _timed(read)
-    return {"disk_write_gbps": _gbps(pages.nbytes, write_s), "disk_read_gbps": _gbps(pages.nbytes, read_s)}
+    read_s = timed(read)
+    return {"disk_write_gbps": gbps(pages.nbytes, write_s), "disk_read_gbps": gbps(pages.nbytes, read_s)}
 
 
 def _l3_file(pages: _Pages, root: Path) -> dict[str, float]:
@@ -132,7 +123,7 @@ def _l3_file(pages: _Pages, root: Path) -> dict[str, float]:
                     raise RuntimeError("file backend refused a page during the benchmark")
             backend.sync()
 
-        write_s = _timed(write)
+        write_s = timed(write)
         _drop_cache(sorted(root.glob("slab-*.dat")))
 
         def read() -> None:
@@ -141,12 +132,12 @@ def _l3_file(pages: _Pages, root: Path) -> dict[str, float]:
                 if not all(backend.get_into([keys[i] for i in batch], dests)):
                     raise RuntimeError("file backend missed a page during the benchmark")
 
-        read_s = _timed(read)
+        read_s = timed(read)
     finally:
         backend.close()
     return {
-        "l3_file_write_gbps": _gbps(pages.nbytes, write_s),
-        "l3_file_read_gbps": _gbps(pages.nbytes, read_s),
+        "l3_file_write_gbps": gbps(pages.nbytes, write_s),
+        "l3_file_read_gbps": gbps(pages.nbytes, read_s),
     }
 
 
@@ -168,7 +159,7 @@ def _per_page_files(pages: _Pages, root: Path) -> dict[str, float]:
             finally:
                 os.close(fd)
 
-    return {"l3_file_per_page_write_gbps": _gbps(pages.nbytes, _timed(write))}
+    return {"l3_file_per_page_write_gbps": gbps(pages.nbytes, timed(write))}
 
 
 @contextlib.contextmanager
@@ -232,8 +223,8 @@ def _redis(pages: _Pages, workdir: Path) -> dict[str, float]:
                 if any(v is None for v in pipe.execute()):
                     raise RuntimeError("redis lost a page during the benchmark")
 
-        out["redis_set_gbps"] = _gbps(pages.nbytes, _timed(raw_set))
-        out["redis_get_gbps"] = _gbps(pages.nbytes, _timed(raw_get))
+        out["redis_set_gbps"] = gbps(pages.nbytes, timed(raw_set))
+        out["redis_get_gbps"] = gbps(pages.nbytes, timed(raw_get))
         client.flushdb()
         client.close()
 
@@ -252,8 +243,8 @@ def _redis(pages: _Pages, workdir: Path) -> dict[str, float]:
                     if not all(backend.get_into([lkeys[i] for i in batch], dests)):
                         raise RuntimeError("redis backend missed a page during the benchmark")
 
-            out["l3_redis_set_gbps"] = _gbps(pages.nbytes, _timed(l3_set))
-            out["l3_redis_get_gbps"] = _gbps(pages.nbytes, _timed(l3_get))
+            out["l3_redis_set_gbps"] = gbps(pages.nbytes, timed(l3_set))
+            out["l3_redis_get_gbps"] = gbps(pages.nbytes, timed(l3_get))
         finally:
             backend.close()
     return out

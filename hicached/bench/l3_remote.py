@@ -38,22 +38,14 @@ from typing import Any
 
 import numpy as np
 
+from hicached.bench.timing import gbps, timed
+
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 64 << 10
 BATCH = 128
 S3_THREADS = 8
 _LOOPBACK = "127.0.0.1"
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _executable(name: str) -> str | None:
@@ -143,10 +135,10 @@ def _through_backend(backend: Any, pages: _Pages, prefix: str) -> tuple[float, f
             if not all(backend.get_into([keys[i] for i in batch], dests)):
                 raise RuntimeError(f"{backend.name} backend missed a page during the benchmark")
 
-    put_s, get_s = _timed(put), _timed(get)
+    put_s, get_s = timed(put), timed(get)
     if pages.dest != pages.source:
         raise RuntimeError(f"{backend.name} backend returned wrong bytes during the benchmark")
-    return _gbps(pages.nbytes, put_s), _gbps(pages.nbytes, get_s)
+    return gbps(pages.nbytes, put_s), gbps(pages.nbytes, get_s)
 
 
 # ------------------------------------------------------------------------ S3
@@ -247,15 +239,15 @@ def _s3(pages: _Pages, workdir: Path) -> dict[str, float]:
                 )
             )
 
-        out["s3_raw_put_gbps"] = _gbps(pages.nbytes, _timed(raw_put))
-        out["s3_raw_get_gbps"] = _gbps(pages.nbytes, _timed(raw_get))
+        out["s3_raw_put_gbps"] = gbps(pages.nbytes, timed(raw_put))
+        out["s3_raw_get_gbps"] = gbps(pages.nbytes, timed(raw_get))
         big = bytes(pages.source[: 1 << 20])
         count = max(1, pages.nbytes // len(big))
 
         def raw_put_1mib() -> None:
             list(pool.map(lambda i: client.put_object(Bucket=bucket, Key=f"big/{i}", Body=big), range(count)))
 
-        out["s3_1mib_raw_put_gbps"] = _gbps(count * len(big), _timed(raw_put_1mib))
+        out["s3_1mib_raw_put_gbps"] = gbps(count * len(big), timed(raw_put_1mib))
         pool.shutdown()
         client.close()
         config = S3BackendConfig(
@@ -350,8 +342,8 @@ def _mooncake_bench(pages: _Pages, workdir: Path) -> dict[str, float]:
                     if any(rc != PAGE_BYTES for rc in rcs):
                         raise RuntimeError("mooncake missed a page during the benchmark")
 
-            out["mooncake_raw_put_gbps"] = _gbps(pages.nbytes, _timed(raw_put))
-            out["mooncake_raw_get_gbps"] = _gbps(pages.nbytes, _timed(raw_get))
+            out["mooncake_raw_put_gbps"] = gbps(pages.nbytes, timed(raw_put))
+            out["mooncake_raw_get_gbps"] = gbps(pages.nbytes, timed(raw_get))
             store.unregister_buffer(addr)
         finally:
             store.close()

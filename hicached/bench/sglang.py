@@ -23,21 +23,17 @@ is printed.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from hicached_client import HiCacheClient, HiCacheError
 from hicached_client.sglang.cpu_compat import ensure_sglang_importable
+
+from hicached.bench.daemon import running_daemon
+from hicached.bench.timing import gbps, timed
 
 __all__ = ["run"]
 
@@ -45,50 +41,6 @@ BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
 LAYERS, HEADS, HEAD_DIM, PAGE_SIZE = 8, 8, 64, 4
 DTYPE = torch.float16
 PAGE_BYTES = 2 * LAYERS * HEADS * HEAD_DIM * PAGE_SIZE * DTYPE.itemsize  # 64 KiB
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-@contextlib.contextmanager
-def _daemon(workdir: Path, host_budget: str) -> Iterator[str]:
-    sock = workdir / "d.sock"
-    log = (workdir / "daemon.log").open("wb")
-    cmd = [sys.executable, "-m", "hicached", "serve", "--socket", str(sock), "--l3", "none"]
-    cmd += ["--host-budget", host_budget, "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    target = f"unix://{sock}"
-    try:
-        with HiCacheClient(target, timeout_s=5.0) as client:
-            deadline = time.monotonic() + 60
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"daemon exited with {proc.returncode}: {(workdir / 'daemon.log').read_text()}"
-                    )
-                try:
-                    client.ping(timeout_s=1.0)
-                    break
-                except HiCacheError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)  # readiness poll with a deadline
-        yield target
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def _host_pool(num_pages: int) -> Any:
@@ -191,7 +143,7 @@ def _hicached(
                 if not all(storage.batch_get_v1(keys[lo:hi], dst[lo * PAGE_SIZE : hi * PAGE_SIZE])):
                     raise RuntimeError("hicached batch_get_v1 missed")
 
-        t_set, t_get = _timed(put), _timed(get)
+        t_set, t_get = timed(put), timed(get)
         _check_same(pool, src, dst)
         return t_set, t_get
     finally:
@@ -223,7 +175,7 @@ def _hicachefile(pool: Any, keys: list[str], src: torch.Tensor, directory: Path)
                         raise RuntimeError("HiCacheFile batch_get missed")
                     pool.set_from_flat_data_page(int(dst[i * PAGE_SIZE]), page)
 
-        t_set, t_get = _timed(put), _timed(get)
+        t_set, t_get = timed(put), timed(get)
         _check_same(pool, src, dst)
         return t_set, t_get
     finally:
@@ -236,11 +188,11 @@ def _check_same(pool: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
             raise RuntimeError(f"page read back from host slot {b} differs from slot {a}")
 
 
-def _memcpy_gbps(nbytes: int) -> float:
+def _memcpygbps(nbytes: int) -> float:
     a = torch.ones(nbytes, dtype=torch.uint8)
     b = torch.zeros(nbytes, dtype=torch.uint8)
     b.copy_(a)  # warm
-    return _gbps(nbytes, min(_timed(lambda: b.copy_(a)) for _ in range(3)))
+    return gbps(nbytes, min(timed(lambda: b.copy_(a)) for _ in range(3)))
 
 
 def run(quick: bool) -> dict[str, float]:
@@ -254,7 +206,7 @@ def run(quick: bool) -> dict[str, float]:
     workdir = Path(tempfile.mkdtemp(prefix="hicached-bench-sglang-"))
     try:
         budget = f"{max(256, 3 * nbytes >> 20)}MiB"
-        with _daemon(workdir, budget) as target:
+        with running_daemon(workdir, host_budget=budget, l3="none") as target:
             h_set, h_get = _hicached(pool, target, keys, src, "shm")
             b_set, b_get = _hicached(pool, target, keys, src, "bytes")
         f_set, f_get = _hicachefile(pool, keys, src, workdir / "file")
@@ -263,13 +215,13 @@ def run(quick: bool) -> dict[str, float]:
     results = {
         "pages": float(num_pages),
         "page_bytes": float(PAGE_BYTES),
-        "hicached_set_gbps": _gbps(nbytes, h_set),
-        "hicached_get_gbps": _gbps(nbytes, h_get),
-        "hicached_bytes_set_gbps": _gbps(nbytes, b_set),
-        "hicached_bytes_get_gbps": _gbps(nbytes, b_get),
-        "hicachefile_set_gbps": _gbps(nbytes, f_set),
-        "hicachefile_get_gbps": _gbps(nbytes, f_get),
-        "memcpy_gbps": _memcpy_gbps(nbytes),
+        "hicached_set_gbps": gbps(nbytes, h_set),
+        "hicached_get_gbps": gbps(nbytes, h_get),
+        "hicached_bytes_set_gbps": gbps(nbytes, b_set),
+        "hicached_bytes_get_gbps": gbps(nbytes, b_get),
+        "hicachefile_set_gbps": gbps(nbytes, f_set),
+        "hicachefile_get_gbps": gbps(nbytes, f_get),
+        "memcpy_gbps": _memcpygbps(nbytes),
     }
     results["set_ratio"] = f_set / h_set if h_set > 0 else 0.0
     results["get_ratio"] = f_get / h_get if h_get > 0 else 0.0
