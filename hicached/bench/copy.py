@@ -4,7 +4,7 @@ The device pool is a real shared-memory "device" pool exported by a worker helpe
 opened through :class:`~hicached.transfer.DeviceMappings`; the host pool is a real
 layer_first L2 pool. One page = 2 layers x K/V x 16 tokens x 4 heads x 128 dims x bf16
 = 64 KiB. Device pages are random, host pages a contiguous range (what a fresh host
-allocator hands out). ``memcpy_gbps`` is the machine's limit for the same work: one
+allocator hands out). ``engine_memcpy_gbps`` is the machine's limit for the same work: one
 ``index_select`` of the same random 64 KiB pages into a preallocated buffer.
 """
 
@@ -71,7 +71,7 @@ def _open_device_pool(pool: ShmKVPool, mappings: DeviceMappings) -> DevicePoolVi
 
 
 def run(quick: bool) -> dict[str, float]:
-    """Throughputs in GB/s (1e9 bytes/s) and their ratios to ``memcpy_gbps``."""
+    """Throughputs in GB/s (1e9 bytes/s) and their ratios to ``engine_memcpy_gbps``."""
     reps = 5 if quick else 21
     tag = f"hicached-bench-copy-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     rng = np.random.default_rng(1234)
@@ -126,9 +126,9 @@ def run(quick: bool) -> dict[str, float]:
     d2h = nbytes / seconds["d2h"] / 1e9
     h2d = nbytes / seconds["h2d"] / 1e9
     return {
-        "pages": float(PAGES),
-        "page_kib": SPEC.page_bytes / 1024,
-        "memcpy_gbps": memcpy,
+        "engine_pages": float(PAGES),
+        "engine_page_kib": SPEC.page_bytes / 1024,
+        "engine_memcpy_gbps": memcpy,
         "engine_d2h_gbps": d2h,
         "engine_h2d_gbps": h2d,
         "d2h_vs_memcpy": d2h / memcpy,

@@ -6,7 +6,7 @@ Pairs to compare (same run, same bytes):
   ``/dev/shm``) vs ``memset_fresh_s`` (``memset`` of the same number of fresh
   anonymous bytes: the first-touch floor) and ``memset_warm_s`` (the same
   memset again, pages already mapped: the memory-bandwidth floor);
-* ``memcpy_gbps``: a warm copy of ``memcpy_gib`` GiB, the machine's copy limit,
+* ``pool_memcpy_gbps``: a warm copy of ``memcpy_gib`` GiB, the machine's copy limit,
   vs ``get_page_flat_gbps`` (a fresh 2 MiB result per page),
   ``get_page_flat_out_gbps`` (into a reused buffer) and ``set_page_flat_gbps``
   (one page at a time, layer_first, i.e. 16 extents per page);
@@ -126,7 +126,7 @@ def _memcpy(gib: float) -> dict[str, float]:
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.zeros(nbytes, dtype=np.uint8)
     seconds = _best(lambda: np.copyto(dst, src), reps=3)
-    return {"memcpy_gib": gib, "memcpy_gbps": nbytes / seconds / 1e9}
+    return {"memcpy_gib": gib, "pool_memcpy_gbps": nbytes / seconds / 1e9}
 
 
 def _allocation(reps: int) -> dict[str, float]:

@@ -14,7 +14,7 @@ SGLang's batches of 128, the way its cache controller calls them:
   / ``batch_get`` of flat data pages (SGLang's generic page path for the file
   backend: one file per page) in a temporary directory.
 * ``set_ratio`` / ``get_ratio``: hicached over HiCacheFile (higher is better).
-* ``memcpy_gbps``: one contiguous copy of the same bytes, the machine's limit.
+* ``sglang_memcpy_gbps``: one contiguous copy of the same bytes, the machine's limit.
 
 Reads are checked byte-exact (a mismatch raises). GB/s are 10**9 bytes per
 second. Needs SGLang installed (the ``sglang`` extra of the client); nothing
@@ -213,15 +213,15 @@ def run(quick: bool) -> dict[str, float]:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results = {
-        "pages": float(num_pages),
-        "page_bytes": float(PAGE_BYTES),
+        "sglang_pages": float(num_pages),
+        "sglang_page_bytes": float(PAGE_BYTES),
         "hicached_set_gbps": gbps(nbytes, h_set),
         "hicached_get_gbps": gbps(nbytes, h_get),
         "hicached_bytes_set_gbps": gbps(nbytes, b_set),
         "hicached_bytes_get_gbps": gbps(nbytes, b_get),
         "hicachefile_set_gbps": gbps(nbytes, f_set),
         "hicachefile_get_gbps": gbps(nbytes, f_get),
-        "memcpy_gbps": _memcpygbps(nbytes),
+        "sglang_memcpy_gbps": _memcpygbps(nbytes),
     }
     results["set_ratio"] = f_set / h_set if h_set > 0 else 0.0
     results["get_ratio"] = f_get / h_get if h_get > 0 else 0.0

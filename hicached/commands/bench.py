@@ -31,12 +31,20 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("write_gbps", "memcpy_gbps", "D2H write of 1,000 x 64 KiB pages vs plain page gather"),
     ("load_gbps", "memcpy_gbps", "H2D load (per-layer stream) vs plain page gather"),
     ("resolve_rtt_us", "echo_rtt_us", "ResolveTransfers round trip vs bare gRPC echo (lower is better)"),
-    ("engine_d2h_gbps", "memcpy_gbps", "copy engine D2H (no gRPC) vs plain page gather"),
+    ("engine_d2h_gbps", "engine_memcpy_gbps", "copy engine D2H (no gRPC) vs plain page gather"),
+    ("engine_h2d_gbps", "engine_memcpy_gbps", "copy engine H2D (no gRPC) vs plain page gather"),
+    ("pool_create_gbps", "pool_memcpy_gbps", "creating (reserving + prefaulting) a host pool vs a warm copy"),
+    ("hicached_set_gbps", "hicachefile_set_gbps", "SGLang batch_set via hicached vs HiCacheFile"),
+    ("hicached_get_gbps", "hicachefile_get_gbps", "SGLang batch_get via hicached vs HiCacheFile"),
     ("l3_file_write_gbps", "disk_write_gbps", "L3 file backend write vs raw sequential write"),
     ("l3_file_read_gbps", "disk_read_gbps", "L3 file backend read vs raw sequential read"),
     ("key_put_gbps", "redis_set_gbps", "keyed PutPages through the daemon vs redis-py pipelined SET"),
     ("key_get_gbps", "redis_get_gbps", "keyed GetPages through the daemon vs redis-py pipelined GET"),
+    ("s3_put_gbps", "s3_raw_put_gbps", "s3 backend PUT vs bare boto3 (same threads)"),
+    ("mooncake_put_gbps", "mooncake_raw_put_gbps", "mooncake backend put vs bare Mooncake client"),
+    ("mooncake_get_gbps", "mooncake_raw_get_gbps", "mooncake backend get vs bare Mooncake client"),
 )
+# Every suite names its own baseline; a key two suites both return would overwrite one.
 
 
 def register(subparsers: Any) -> None:
@@ -70,7 +78,13 @@ def run(args: argparse.Namespace) -> int:
         _progress(f"[{i}/{len(suites)}] {name} ...")
         module = importlib.import_module(SUITES[name])
         t0 = time.perf_counter()
-        results.update(module.run(args.quick))
+        figures = module.run(args.quick)
+        clash = set(figures) & set(results)
+        if clash:
+            raise RuntimeError(
+                f"benchmark suite {name!r} returns figures another suite already did: {sorted(clash)}"
+            )
+        results.update(figures)
         seconds[name] = time.perf_counter() - t0
     _progress("")
     if args.json:
