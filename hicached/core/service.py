@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hicached.config import Config
-from hicached.core.groups import GroupRegistry, GroupState
+from hicached.core.groups import GroupRegistry, GroupState, validate_pool_requests
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
 from hicached.core.types import (
     Ack,
@@ -134,6 +134,7 @@ class HiCacheCore:
         if not worker.model_name:
             raise InvalidArgument("identity.model_name must not be empty")
         lease = self._lease(lease_ms)
+        validate_pool_requests(pools)  # before any mapping is opened
         replaced = self._sessions.check_generation(worker)
         mappings = DeviceMappings()
         try:
