@@ -285,6 +285,7 @@ class HiCacheCore:
 
     def _session(self, session_id: str) -> tuple[Session, GroupState]:
         session = self._sessions.get(session_id)
+        session.touch()  # any call proves the worker alive, not only heartbeats
         return session, self._groups.get(session.group_id)
 
     def check_transfers(
