@@ -106,7 +106,14 @@ class Daemon:
         self.servicer = CacheServicer(
             self.core, self.executor, observe=observe, token=token, keyed=self.keyed
         )
-        self.admin = AdminServicer(self.core, self.executor, observe=observe, token=token, keyed=self.keyed)
+        self.admin = AdminServicer(
+            self.core,
+            self.executor,
+            observe=observe,
+            token=token,
+            keyed=self.keyed,
+            on_drain=lambda: self.server.mark_draining(),  # noqa: PLW0108 - self.server is built below
+        )
         registrations: list[Callable[[grpc.aio.Server], None]] = [
             lambda s: pb_grpc.add_HiCacheServiceServicer_to_server(self.servicer, s),  # type: ignore[no-untyped-call]
             lambda s: pb_grpc.add_AdminServiceServicer_to_server(self.admin, s),  # type: ignore[no-untyped-call]
@@ -152,6 +159,8 @@ class Daemon:
         """Stop serving, finish or cancel in-flight work, release every mapping and page."""
         await self.server.stop(self.config.server.grace_s)
         loop = asyncio.get_running_loop()
+        flushed = await loop.run_in_executor(None, self.keyed.flush_for_shutdown, self.config.server.grace_s)
+        logger.info("flushed pending L3 backups", extra={"event": "shutdown", "pages": flushed})
         await loop.run_in_executor(None, self.close)
 
     def close(self) -> None:

@@ -349,10 +349,21 @@ class KeyedCache:
             if s.index is not None and (model is None or s.model_name == model)
         ]
 
-    def drain(self, *, wait: bool) -> int:
+    def drain(self, *, wait: bool, timeout_s: float | None = None) -> int:
+        """Flush queued L3 backups of every group (and, under write_back, every unwritten page)."""
         if not wait:
             return 0
-        return sum(index.flush() for index in self.indexes())
+        return sum(index.flush(timeout_s) for index in self.indexes())
+
+    def flush_for_shutdown(self, timeout_s: float) -> int:
+        """Best-effort drain on SIGTERM: what L3 acknowledges within ``timeout_s`` survives."""
+        flushed = 0
+        for index in self.indexes():
+            try:
+                flushed += index.flush(timeout_s)
+            except ResourceExhausted as exc:
+                logger.warning("shutdown flush incomplete: %s", exc, extra={"event": "shutdown"})
+        return flushed
 
     def clear(self, model: str, tenant: str | None) -> tuple[int, int]:
         if not model:

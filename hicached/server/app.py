@@ -106,6 +106,11 @@ class Server:
             except Exception:
                 logger.exception("lease reaper failed")
 
+    async def mark_draining(self) -> None:
+        """Readiness: the services stop SERVING (no new sessions); ``""`` (liveness) stays SERVING."""
+        for name in SERVICE_NAMES:
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight RPCs finish for ``grace_s``, then cancel them."""
         if self._reaper is not None:

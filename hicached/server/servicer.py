@@ -510,13 +510,24 @@ class CacheServicer(KeyedServicerMixin, HiCacheServicer):
 class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
     """hicached.v1.AdminService."""
 
-    def __init__(self, core: HiCacheCore, executor: Executor, *, keyed: KeyedCache, **kw: Any) -> None:
+    def __init__(
+        self,
+        core: HiCacheCore,
+        executor: Executor,
+        *,
+        keyed: KeyedCache,
+        on_drain: Callable[[], Awaitable[None]] | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(core, executor, **kw)
         self.keyed = keyed
+        self._on_drain = on_drain
 
     @unary
     async def Drain(self, request: pb.DrainRequest, context: Ctx) -> pb.DrainResponse:
         self.core.set_draining()
+        if self._on_drain is not None:
+            await self._on_drain()
         flushed = await self.run(self.keyed.drain, wait=request.wait_flush)
         return pb.DrainResponse(flushed_pages=flushed)
 

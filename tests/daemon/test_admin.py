@@ -7,6 +7,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hicached_client import HiCacheClient, HiCacheError, TokenChain, WorkerIdentity
 
 from tests.daemon.conftest import new_pools, start_file_daemon
@@ -23,6 +24,14 @@ def l3_pages(client: HiCacheClient) -> int:
     (backend,) = client.get_stats().backends
     assert backend.name == "file"
     return backend.pages
+
+
+def health_status(target: str, service: str) -> str:
+    with grpc.insecure_channel(target) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=10
+        )
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
 def test_drain_flushes_backups_then_refuses_new_sessions(
@@ -44,6 +53,9 @@ def test_drain_flushes_backups_then_refuses_new_sessions(
                     "every pending page is in L3 when Drain returns"
                 )
                 assert client.get_stats().draining
+                # Readiness (the worker-facing service) goes NOT_SERVING; liveness ("") stays SERVING.
+                assert health_status(daemon.target, "hicached.v1.HiCacheService") == "NOT_SERVING"
+                assert health_status(daemon.target, "") == "SERVING"
 
                 _, other = new_pools(worker_pools, seed=None)
                 with pytest.raises(HiCacheError) as refused:

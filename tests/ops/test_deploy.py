@@ -229,8 +229,13 @@ def test_service_monitor_service_and_daemonset_point_at_each_other(
     flags = flag_values(daemon["args"])
     assert int(flags["--metrics-port"]) == port_names["metrics"] == service_ports["metrics"]["port"]
     assert int(flags["--listen"].rsplit(":", 1)[1]) == port_names["grpc"]
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert daemon[probe]["grpc"] == {"port": port_names["grpc"], "service": ""}, probe
+    # Liveness and startup ask for the daemon as a whole; readiness for the worker-facing
+    # service, which goes NOT_SERVING while draining (a drain must not trip liveness).
+    from hicached.server.app import SERVICE_NAMES
+
+    probes = {"startupProbe": "", "livenessProbe": "", "readinessProbe": SERVICE_NAMES[0]}
+    for probe, service in probes.items():
+        assert daemon[probe]["grpc"] == {"port": port_names["grpc"], "service": service}, probe
 
     config_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "config")
     configmap = only(docs, "ConfigMap")
