@@ -60,10 +60,13 @@ def gated(l3_path: str) -> Iterator[Callable[[], GatedGets]]:
 
 
 def wait_finished(task: PrefetchTask, timeout_s: float = 30.0) -> PrefetchStatus:
+    """Block on the task's progress condition (no polling) until it leaves RUNNING."""
     deadline = time.monotonic() + timeout_s
-    while (status := task.status()).state is PrefetchState.RUNNING:
-        assert time.monotonic() < deadline, f"prefetch still running: {status}"
-        time.sleep(0.005)
+    status = task.status()
+    while status.state is PrefetchState.RUNNING:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"prefetch still running: {status}"
+        status = task.next_status(status.completed_pages, remaining)
     return status
 
 
