@@ -4,6 +4,7 @@ the Unix socket needs no token, and the health service answers probes without on
 from __future__ import annotations
 
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,3 +62,37 @@ def test_health_answers_probes_without_token(tcp_daemon: tuple[Daemon, str]) -> 
     with grpc.insecure_channel(tcp) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A throwaway certificate for localhost, made with the openssl CLI."""
+    key, cert = directory / "key.pem", directory / "cert.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+            "-addext", "subjectAltName=DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return key, cert
+
+
+def test_tls_listener_serves_clients_that_trust_its_certificate(tmp_path: Path) -> None:
+    key, cert = _self_signed(tmp_path)
+    port = _free_port()
+    daemon = start_daemon(
+        "--listen", f"localhost:{port}",
+        "--set", f"server.tls_cert={cert}",
+        "--set", f"server.tls_key={key}",
+    )  # fmt: skip
+    try:
+        trusted = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with HiCacheClient(f"localhost:{port}", credentials=trusted, timeout_s=10) as client:
+            assert client.ping(b"tls") == b"tls"
+        with HiCacheClient(f"localhost:{port}", timeout_s=5) as plain, pytest.raises(HiCacheError) as info:
+            plain.ping(b"plaintext")  # a plaintext client cannot talk to the TLS port
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        daemon.stop()
