@@ -129,6 +129,15 @@ class HostConfig:
     )
     shm_prefix: str = _f("hicached", "Prefix of the daemon's shared-memory segment names.")
     prefault: bool = _f(True, "Prefault host pools at creation (first touch is ~8x slower than a warm copy).")
+    warm_restart: bool = _f(
+        False,
+        "Keep host pools and the content index across a clean restart (segments stay in /dev/shm; "
+        "the next daemon with the same shm_prefix re-maps them).",
+    )
+    journal_dir: str = _f(
+        lambda: str(_cache_dir() / "l2"),
+        "Directory of the warm-restart journals (one per pool group, written on clean shutdown).",
+    )
 
     def budget_bytes(self) -> int:
         return self.budget if self.budget > 0 else int(available_memory_bytes() * self.budget_fraction)

@@ -35,6 +35,7 @@ _SPECIAL: dict[str, tuple[Any, Any, Any]] = {
     "log.level": ("debug", "warning", "error"),
     "log.format": ("json", "text", "json"),
     "host.prefault": (False, True, False),
+    "host.warm_restart": (True, False, True),
 }
 # server.tls_cert and server.tls_key must be set together: each is layered with its partner in the file.
 _PARTNER = {"server.tls_cert": ("tls_key", "/k.pem"), "server.tls_key": ("tls_cert", "/c.pem")}

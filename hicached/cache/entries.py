@@ -12,7 +12,7 @@ from hicached.cache.pools import GroupView
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicached.l2.allocator import PageArray, as_page_array
 
-__all__ = ["SELECTIVE_HITS", "Entry", "batches", "check_keys", "check_rows"]
+__all__ = ["SELECTIVE_HITS", "Entry", "EntryRecord", "batches", "check_keys", "check_records", "check_rows"]
 
 SELECTIVE_HITS = 2  # write_through_selective backs a page up on its second hit
 
@@ -32,6 +32,57 @@ class Entry:
     detached: bool = False  # no longer findable; pages freed when refs drops to 0
     cleared: bool = False  # detached by clear(): do not write it to L3 any more
     freed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryRecord:
+    """A cached key as a warm-restart journal keeps it: no pins, refs or queued work.
+
+    Immutable; ``pages`` maps every independent pool of the group to the key's
+    one page there (the record owns nothing: the index that restores it takes
+    the pages).
+    """
+
+    key: str
+    pages: Mapping[str, int]
+    tenant: str = ""
+    in_l3: bool = False
+
+
+def check_records(view: GroupView, records: Sequence[EntryRecord]) -> list[PageArray]:
+    """One page column per independent pool of ``view`` for ``records``; raises before any change.
+
+    InvalidArgument for a bad or repeated key, a non-str tenant, a record whose pools differ
+    from the group's, a page out of range or listed twice; FailedPrecondition for a page
+    that is already allocated.
+    """
+    check_keys([r.key for r in records], unique=True)
+    names = view.alloc_names
+    for r in records:
+        if not isinstance(r.tenant, str) or not isinstance(r.in_l3, bool):
+            raise InvalidArgument(f"record of key {r.key!r}: tenant must be a str and in_l3 a bool")
+        if sorted(r.pages) != sorted(names):
+            raise InvalidArgument(
+                f"record of key {r.key!r} has pages of pools {sorted(r.pages)}; the group's are {sorted(names)}"
+            )
+    columns = []
+    for name, allocator in zip(names, view.allocators, strict=True):
+        arr = as_page_array([r.pages[name] for r in records], f"journaled pages of pool {name!r}")
+        if arr.size:
+            bad = arr[(arr < 0) | (arr >= allocator.capacity)]
+            if bad.size:
+                raise InvalidArgument(
+                    f"journaled page {int(bad[0])} of pool {name!r} is outside [0, {allocator.capacity})"
+                )
+            if np.unique(arr).size != arr.size:
+                raise InvalidArgument(f"pool {name!r}: a journaled page is listed twice")
+            taken = arr[allocator.is_allocated(arr)]
+            if taken.size:
+                raise FailedPrecondition(
+                    f"journaled page {int(taken[0])} of pool {name!r} is already allocated"
+                )
+        columns.append(arr)
+    return columns
 
 
 def check_keys(keys: Sequence[str], *, unique: bool = False) -> list[str]:

@@ -48,7 +48,15 @@ import numpy as np
 import numpy.typing as npt
 
 from hicached.cache.backup import BackupMixin
-from hicached.cache.entries import SELECTIVE_HITS, Entry, batches, check_keys, check_rows
+from hicached.cache.entries import (
+    SELECTIVE_HITS,
+    Entry,
+    EntryRecord,
+    batches,
+    check_keys,
+    check_records,
+    check_rows,
+)
 from hicached.cache.jobs import IoPriority, IoScheduler, PrefetchTask
 from hicached.cache.observer import CacheObserver
 from hicached.cache.pools import GroupView
@@ -62,7 +70,7 @@ from hicached.cache.types import (
     prefetch_deadline_s,
 )
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from hicached.l2.allocator import PageArray
+from hicached.l2.allocator import PageAllocator, PageArray
 from hicached.l2.group import HostPoolGroup
 from hicached.l3.base import StorageBackend
 
@@ -141,6 +149,7 @@ class ContentIndex(BackupMixin):
         self._prefetches: collections.OrderedDict[str, PrefetchTask] = collections.OrderedDict()
         self._prefetch_tenant: dict[str, str] = {}
         self._closed = False
+        self._frozen = False  # export_entries() took the final snapshot: no more changes
         self._counts = collections.Counter[str]()
         self._evicting_pages = 0  # write_back: pages of the background eviction in flight
 
@@ -251,7 +260,7 @@ class ContentIndex(BackupMixin):
         new: list[Entry] = []
         hot: list[Entry] = []
         with self._lock:
-            if self._closed:
+            if self._closed or self._frozen:
                 raise Unavailable("the content index is closed")
             if strict:
                 for col, (owned, column) in enumerate(zip(self._owned, columns, strict=True)):
@@ -376,7 +385,7 @@ class ContentIndex(BackupMixin):
         if isinstance(pages_needed, bool) or not isinstance(pages_needed, int) or pages_needed < 0:
             raise InvalidArgument(f"pages_needed must be a non-negative int, got {pages_needed!r}")
         with self._lock:
-            if self._closed:
+            if self._closed or self._frozen:
                 return 0
             victims: list[Entry] = []
             for entry in self._entries.values():
@@ -603,6 +612,80 @@ class ContentIndex(BackupMixin):
                 for name, owned in zip(self._view.alloc_names, self._owned, strict=True)
             }
 
+    # ---------------------------------------------------------- warm restart
+
+    def export_entries(self) -> list[EntryRecord]:
+        """Freeze the index and return its entries, least recently used first (a journal's content).
+
+        Background I/O stops first (queued backups are dropped, prefetches
+        cancelled: :meth:`flush` before to keep them), so no page of a
+        returned entry can change or be recycled after the snapshot; from
+        then on the index takes no new entries and evicts nothing. Pinned
+        entries are included (their pages are the index's). Call
+        :meth:`close` afterwards: it still frees every page in this process.
+        Unavailable after :meth:`close`.
+        """
+        self._stop_io()
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the content index is closed")
+            self._frozen = True
+            names = self._view.alloc_names
+            return [
+                EntryRecord(e.key, dict(zip(names, e.pages, strict=True)), e.tenant, e.in_l3)
+                for e in self._entries.values()
+            ]
+
+    def restore(self, records: Sequence[EntryRecord]) -> int:
+        """Re-install journaled entries (least recently used first) into an empty index.
+
+        Each record's pages are marked allocated in their pools (exactly once)
+        and owned by the index, as if published; its tenant and L3 flag are
+        kept. Under ``write_through`` the entries not yet in L3 are queued for
+        backup. Returns the entries restored. Validates everything first:
+        InvalidArgument for a bad record, FailedPrecondition when the index
+        already holds entries or a page is already allocated; nothing changes then.
+        Call it before any session can reach the group (the registry does).
+        """
+        records = list(records)
+        with self._lock:
+            if self._closed or self._frozen:
+                raise Unavailable("the content index is closed")
+            if self._entries:
+                raise FailedPrecondition(
+                    f"restore needs an empty index; it holds {len(self._entries)} entries"
+                )
+        columns = check_records(self._view, records)
+        marked: list[tuple[PageAllocator, PageArray]] = []
+        try:
+            for allocator, column in zip(self._view.allocators, columns, strict=True):
+                allocator.mark_allocated(column)
+                marked.append((allocator, column))
+        except BaseException:
+            for allocator, column in marked:
+                allocator.free(column)
+            raise
+        restored = [
+            Entry(r.key, tuple(int(c[i]) for c in columns), r.tenant, in_l3=r.in_l3)
+            for i, r in enumerate(records)
+        ]
+        with self._lock:
+            for entry in restored:
+                self._entries[entry.key] = entry
+            for owned, column in zip(self._owned, columns, strict=True):
+                owned[column] = True
+            self._counts["restored"] += len(restored)
+        if self.write_policy is WritePolicy.WRITE_THROUGH:
+            self._queue_backup([e for e in restored if not e.in_l3], explicit=False)
+        return len(restored)
+
+    def _stop_io(self) -> None:
+        with self._lock:
+            tasks = list(self._prefetches.values())
+        for task in tasks:
+            task.cancel()
+        self._io.close()
+
     def close(self) -> None:
         """Stop I/O (queued backups are dropped: call :meth:`flush` first to keep them),
         free every page the index owns, pinned or not, exactly once, and give the
@@ -612,10 +695,7 @@ class ContentIndex(BackupMixin):
         with self._lock:
             if self._closed:
                 return
-            tasks = list(self._prefetches.values())
-        for task in tasks:
-            task.cancel()
-        self._io.close()
+        self._stop_io()
         with self._lock:
             self._closed = True
             alive = list(self._entries.values())

@@ -6,14 +6,21 @@ all-MLA group ignores the TP rank) and the exact pool specs. A restarted or
 replicated worker with the same key re-joins the group, so its warm L2 pages
 (and the content index over them) outlive the worker.
 
+With ``host.warm_restart`` the pools also outlive the daemon: segments get
+deterministic names, a clean shutdown journals each group's content index
+(:mod:`hicached.core.journal`) and keeps the segments, and the next daemon
+re-maps them when a worker recreates the group.
+
 Thread-safety: ``GroupRegistry`` has one lock for its map and the budget;
 ``GroupState`` has one lock for the in-flight page counts that defer frees.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -23,11 +30,20 @@ import numpy as np
 
 from hicached.cache.index import ContentIndex
 from hicached.config import HostConfig
+from hicached.core.journal import GroupJournal, JournalStore, PoolRecord
 from hicached.core.types import PoolRequest, PoolRole, PoolState, WorkerId
-from hicached.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hicached.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    HiCacheError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from hicached.l2.group import HostPoolGroup, PoolEntry, PoolTransfer
-from hicached.l2.host_pool import HostKVPool, create_host_pool
+from hicached.l2.host_pool import HostKVPool, create_host_pool, open_host_pool
 from hicached.l2.layout import PoolKind, host_pages_for
+from hicached.l2.shm import SHM_DIR, SharedSegment
 
 logger = logging.getLogger(__name__)
 
@@ -199,13 +215,39 @@ class GroupState:
                 freed += self.free(t.name, t.host_indices)
         return freed
 
-    def close(self) -> None:
+    def journal(self) -> GroupJournal:
+        """Freeze the content index and describe the group for a warm restart (see export_entries)."""
+        entries = self.index.export_entries() if self.index is not None else []
+        pools = tuple(
+            PoolRecord(e.name, e.host_pool.num_pages, e.host_pool.segment.name) for e in self.group.entries
+        )
+        return GroupJournal(self.group_id, pools, tuple(entries))
+
+    def close(self, journal: JournalStore | None = None) -> None:
+        """Close the index (freeing its pages) and the pools.
+
+        With ``journal`` (a clean warm-restart shutdown; sessions already ended)
+        the group's journal is written first and the segments keep their names
+        for the next daemon; without it, or when the journal cannot be
+        written, the segments are unlinked.
+        """
+        kept = False
+        if journal is not None:
+            try:
+                path = journal.write(self.journal())
+                kept = True
+                logger.info("journaled pool group %s for a warm restart (%s)", self.group_id, path)
+            except (OSError, HiCacheError) as exc:
+                logger.warning(
+                    "pool group %s: warm-restart journal not written (%s); dropping it", self.group_id, exc
+                )
         if self.index is not None:
             self.index.close()
         pools = [e.host_pool for e in self.group.entries]
         self.group.close()
-        for pool in pools:  # the daemon owns the names (no warm-restart journal yet)
-            pool.unlink()
+        if not kept:
+            for pool in pools:
+                pool.unlink()
 
 
 class GroupRegistry:
@@ -217,6 +259,15 @@ class GroupRegistry:
         self._daemon_id = daemon_id
         self._lock = threading.Lock()
         self._groups: dict[str, GroupState] = {}
+        self._journals: JournalStore | None = None
+        if host.warm_restart:
+            self._journals = JournalStore(host.journal_dir, host.shm_prefix)
+            self._journals.lock()
+
+    def _segment_name(self, gid: str, pool: str) -> str:
+        if self._journals is not None:
+            return f"{self._host.shm_prefix}-{gid}-{pool}"  # the next daemon must find it
+        return f"{self._host.shm_prefix}-{self._daemon_id}-{gid}-{pool}"
 
     @property
     def budget_bytes(self) -> int:
@@ -261,13 +312,20 @@ class GroupRegistry:
             plan = self._plan(pools)
             need = sum(nbytes for _, _, nbytes in plan)
             retired = self._make_room(need, idle)
-            state = self._build(gid, worker.model_name, pools, plan)
+            state, journal = self._build(gid, worker.model_name, pools, plan)
             on_create(state)
+            restored = journal is not None and self._restore(state, journal)
             self._groups[gid] = state
         for old in retired:
             old.close()
-        logger.info("created pool group %s for model %r (%d bytes)", gid, worker.model_name, need)
-        return state, False
+        logger.info(
+            "%s pool group %s for model %r (%d bytes)",
+            "re-mapped" if restored else "created",
+            gid,
+            worker.model_name,
+            need,
+        )
+        return state, restored
 
     def _plan(self, pools: Sequence[PoolRequest]) -> list[tuple[PoolRequest, int, int]]:
         by_name = {p.name: p for p in pools}
@@ -311,20 +369,95 @@ class GroupRegistry:
             logger.info("retired idle pool group %s to make room", g.group_id)
         return retired
 
+    def _take_journal(
+        self, gid: str, plan: list[tuple[PoolRequest, int, int]]
+    ) -> tuple[GroupJournal, list[HostKVPool]] | None:
+        """The group's journal and its re-mapped pools in ``plan`` order (consuming the
+        journal), or None and no stale segment of the group's names left.
+
+        Whatever does not match the attach exactly (pool names, page counts,
+        segment names, segment headers) falls back to a fresh group, logged.
+        """
+        store = self._journals
+        if store is None:
+            return None
+        names = [self._segment_name(gid, p.name) for p, _, _ in plan]
+        try:
+            journal = store.read(gid)
+        except FailedPrecondition as exc:
+            logger.warning("pool group %s: %s; starting it cold", gid, exc)
+            journal = None
+        store.remove(gid)  # consumed now: a later crash must never replay it
+        opened: list[HostKVPool] = []
+        if journal is not None:
+            wanted = sorted((p.name, n, seg) for (p, n, _), seg in zip(plan, names, strict=True))
+            stored = sorted((r.name, r.num_pages, r.segment) for r in journal.pools)
+            if wanted != stored:
+                logger.warning(
+                    "pool group %s: the warm-restart journal's pools %s do not match the attach's %s; "
+                    "starting it cold",
+                    gid,
+                    stored,
+                    wanted,
+                )
+            else:
+                try:
+                    for (p, num_pages, _), seg in zip(plan, names, strict=True):
+                        opened.append(
+                            open_host_pool(
+                                p.spec, p.layout, num_pages, segment_name=seg, prefault=self._host.prefault
+                            )
+                        )
+                except HiCacheError as exc:
+                    logger.warning("pool group %s: cannot re-map its pools (%s); starting it cold", gid, exc)
+                    for pool in opened:
+                        pool.close()
+                    opened = []
+                else:
+                    return journal, opened
+        for seg in names:
+            if SharedSegment.exists(seg):
+                # No usable journal: a crashed daemon's pages may be half written.
+                logger.warning("pool group %s: removing segment %s left without a journal", gid, seg)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, seg))
+        return None
+
+    def _restore(self, state: GroupState, journal: GroupJournal) -> bool:
+        """Replay the journal's entries into the new index; False (logged) leaves the group cold."""
+        if state.index is None:
+            logger.warning("pool group %s has no content index; its journal is dropped", state.group_id)
+            return False
+        try:
+            restored = state.index.restore(journal.entries)
+        except HiCacheError as exc:
+            logger.warning(
+                "pool group %s: journal replay refused (%s); starting it cold", state.group_id, exc
+            )
+            return False
+        logger.info("pool group %s: restored %d cached pages after a warm restart", state.group_id, restored)
+        return True
+
     def _build(
         self, gid: str, model: str, pools: Sequence[PoolRequest], plan: list[tuple[PoolRequest, int, int]]
-    ) -> GroupState:
+    ) -> tuple[GroupState, GroupJournal | None]:
+        """A new group (its journal when its pools were re-mapped from one)."""
+        taken = self._take_journal(gid, plan)
+        journal, reopened = taken if taken is not None else (None, None)
         group = HostPoolGroup()
         created: list[HostKVPool] = []
         try:
-            for p, num_pages, _ in plan:
-                pool = create_host_pool(
-                    p.spec,
-                    p.layout,
-                    num_pages,
-                    segment_name=f"{self._host.shm_prefix}-{self._daemon_id}-{gid}-{p.name}",
-                    prefault=self._host.prefault,
-                )
+            for i, (p, num_pages, _) in enumerate(plan):
+                if reopened is not None:
+                    pool = reopened[i]
+                else:
+                    pool = create_host_pool(
+                        p.spec,
+                        p.layout,
+                        num_pages,
+                        segment_name=self._segment_name(gid, p.name),
+                        prefault=self._host.prefault,
+                    )
                 created.append(pool)
                 group.add_entry(
                     PoolEntry(
@@ -337,11 +470,13 @@ class GroupRegistry:
                     )
                 )
         except BaseException:
-            for pool in created:
+            for pool in (*created, *(reopened or ())[len(created) :]):
                 pool.close()
                 pool.unlink()
             raise
-        return GroupState(group_id=gid, model_name=model, group=group, nbytes=sum(n for *_, n in plan))
+        return GroupState(
+            group_id=gid, model_name=model, group=group, nbytes=sum(n for *_, n in plan)
+        ), journal
 
     def retire(self, group_id: str) -> None:
         with self._lock:
@@ -350,8 +485,12 @@ class GroupRegistry:
             state.close()
 
     def close(self) -> None:
+        """Release every group (shutdown: sessions have ended). Under warm restart each
+        group is journaled and its segments kept; then the prefix is released."""
         with self._lock:
             states = list(self._groups.values())
             self._groups.clear()
         for s in states:
-            s.close()
+            s.close(self._journals)
+        if self._journals is not None:
+            self._journals.unlock()

@@ -1,0 +1,216 @@
+"""Warm-restart journals: what a cleanly stopped daemon leaves for the next one.
+
+With ``host.warm_restart`` on, a pool group's host pools live in segments
+named ``{shm_prefix}-{group_id}-{pool}`` that outlive the daemon. On a clean
+shutdown the daemon writes one journal per group,
+``{journal_dir}/{shm_prefix}-{group_id}.json``: a format version, the pools
+(name, usable pages, segment) and the content index's entries, least
+recently used first. The next daemon re-maps the segments when a worker
+recreates the group, replays the entries and deletes the journal at once: a
+journal is consumed exactly once, so a later crash never replays stale state.
+
+A crash writes no journal; segments found without one are unlinked (their
+pages may have been half written). Only one daemon may use a prefix's
+journals at a time; :meth:`JournalStore.lock` enforces that with an
+advisory lock the kernel drops when the holder dies.
+
+Thread-safety: the methods are independent file operations; the caller
+serialises work on one group (the group registry's lock does).
+Atomicity: :meth:`JournalStore.write` replaces a journal atomically (tmp
+file, fsync, rename, fsync of the directory); readers never see half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hicached.cache.entries import EntryRecord
+from hicached.errors import FailedPrecondition
+
+__all__ = ["JOURNAL_FORMAT", "JOURNAL_VERSION", "GroupJournal", "JournalStore", "PoolRecord"]
+
+JOURNAL_FORMAT = "hicached-l2-journal"
+JOURNAL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PoolRecord:
+    """One host pool of a journaled group (immutable)."""
+
+    name: str
+    num_pages: int
+    segment: str
+
+
+@dataclass(frozen=True)
+class GroupJournal:
+    """A group's pools and its content index entries (least recently used first)."""
+
+    group_id: str
+    pools: tuple[PoolRecord, ...]
+    entries: tuple[EntryRecord, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        # Columns rather than one object per entry: a big index journals in a fraction of the bytes.
+        alloc = sorted(self.entries[0].pages) if self.entries else []
+        return {
+            "format": JOURNAL_FORMAT,
+            "version": JOURNAL_VERSION,
+            "group_id": self.group_id,
+            "pools": [{"name": p.name, "num_pages": p.num_pages, "segment": p.segment} for p in self.pools],
+            "entries": {
+                "keys": [e.key for e in self.entries],
+                "tenants": [e.tenant for e in self.entries],
+                "in_l3": [e.in_l3 for e in self.entries],
+                "pages": {name: [e.pages[name] for e in self.entries] for name in alloc},
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, *, where: str) -> GroupJournal:
+        """Parse :meth:`to_json`'s form; FailedPrecondition naming ``where`` and the fault."""
+        try:
+            if data.get("format") != JOURNAL_FORMAT or data.get("version") != JOURNAL_VERSION:
+                raise ValueError(
+                    f"format {data.get('format')!r} v{data.get('version')!r}, "
+                    f"expected {JOURNAL_FORMAT!r} v{JOURNAL_VERSION}"
+                )
+            pools = tuple(
+                PoolRecord(_str(p["name"]), _int(p["num_pages"]), _str(p["segment"])) for p in data["pools"]
+            )
+            cols = data["entries"]
+            keys, tenants, in_l3 = list(cols["keys"]), list(cols["tenants"]), list(cols["in_l3"])
+            pages = {_str(name): list(col) for name, col in cols["pages"].items()}
+            if not len(keys) == len(tenants) == len(in_l3) or any(
+                len(c) != len(keys) for c in pages.values()
+            ):
+                raise ValueError("entry columns differ in length")
+            entries = tuple(
+                EntryRecord(
+                    _str(key),
+                    {name: _int(col[i]) for name, col in pages.items()},
+                    _str(tenants[i]),
+                    _bool(in_l3[i]),
+                )
+                for i, key in enumerate(keys)
+            )
+            return cls(_str(data["group_id"]), pools, entries)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise FailedPrecondition(f"warm-restart journal {where} is not valid: {exc}") from None
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r}")
+    return value
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected a boolean, got {value!r}")
+    return value
+
+
+class JournalStore:
+    """The journals of one ``shm_prefix`` in one directory (see the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str], prefix: str) -> None:
+        self.directory = Path(directory)
+        self.prefix = prefix
+        self._lock_fd: int | None = None
+
+    def path(self, group_id: str) -> Path:
+        return self.directory / f"{self.prefix}-{group_id}.json"
+
+    def lock(self) -> None:
+        """Claim the prefix for this process (creates the directory).
+
+        FailedPrecondition if the directory cannot be made or another live
+        daemon holds the prefix (two daemons re-mapping one set of segments
+        would corrupt each other).
+        """
+        if self._lock_fd is not None:
+            return
+        lock_path = self.directory / f"{self.prefix}.lock"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"host.journal_dir {str(self.directory)!r} is not usable: {exc}"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise FailedPrecondition(
+                f"another daemon holds warm-restart prefix {self.prefix!r} ({lock_path}); "
+                f"give each daemon its own host.shm_prefix"
+            ) from None
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        """Release :meth:`lock`. Idempotent."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def write(self, journal: GroupJournal) -> Path:
+        """Replace the group's journal atomically; OSError if the disk refuses."""
+        final = self.path(journal.group_id)
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        try:
+            with tmp.open("w", encoding="utf-8") as f:
+                json.dump(journal.to_json(), f, separators=(",", ":"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return final
+
+    def read(self, group_id: str) -> GroupJournal | None:
+        """The group's journal, or None when there is none.
+
+        FailedPrecondition when it is unreadable, of another format version or
+        of another group.
+        """
+        path = self.path(group_id)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise FailedPrecondition(f"warm-restart journal {path} is unreadable: {exc}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise FailedPrecondition(f"warm-restart journal {path} is not JSON: {exc}") from None
+        journal = GroupJournal.from_json(data, where=str(path))
+        if journal.group_id != group_id:
+            raise FailedPrecondition(f"warm-restart journal {path} belongs to group {journal.group_id!r}")
+        return journal
+
+    def remove(self, group_id: str) -> None:
+        """Delete the group's journal (it is consumed). Idempotent."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path(group_id).unlink()

@@ -1,0 +1,327 @@
+"""Warm restart: with ``host.warm_restart`` a cleanly stopped daemon leaves its host pools in
+/dev/shm plus a journal of its content index, and the next daemon with the same prefix re-maps
+them, so L2 hits survive the restart. A crash (no journal) or a journal that does not match the
+attach falls back to a cold group, leaving no stale segment. ``--l3 none``: hits can only come
+from L2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hicached_client import HiCacheClient, TokenChain, WorkerIdentity
+
+from hicached.cache import ContentIndex
+from hicached.cache.entries import EntryRecord
+from hicached.core.journal import GroupJournal, JournalStore, PoolRecord
+from hicached.errors import FailedPrecondition, InvalidArgument, Unavailable
+from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
+from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+
+MODEL = "m-warm"
+N = 48  # keys put before the restart
+TIMEOUT_S = 30.0
+
+
+@dataclass
+class Warm:
+    """The shm prefix and journal directory two successive daemons share."""
+
+    prefix: str
+    journal_dir: Path
+
+    def start(self) -> Daemon:
+        return start_daemon(
+            "--set", "host.warm_restart=true",
+            "--set", f"host.journal_dir={self.journal_dir}",
+            "--set", f"host.shm_prefix={self.prefix}",
+        )  # fmt: skip
+
+    def segments(self) -> set[str]:
+        return {p.name for p in Path("/dev/shm").glob(f"{self.prefix}-*")}
+
+    def journals(self) -> list[Path]:
+        return sorted(self.journal_dir.glob(f"{self.prefix}-*.json"))
+
+
+@pytest.fixture
+def warm(tmp_path: Path) -> Iterator[Warm]:
+    w = Warm(prefix=f"hcwr{uuid.uuid4().hex[:10]}", journal_dir=tmp_path / "journal")
+    try:
+        yield w
+    finally:
+        # Warm-restart segments outlive their daemon by design; these are test-only.
+        for seg in Path("/dev/shm").glob(f"{w.prefix}*"):
+            with contextlib.suppress(FileNotFoundError):
+                seg.unlink()
+
+
+@pytest.fixture
+def pools() -> Iterator[WorkerPools]:
+    p = WorkerPools.create(unique_tag("warm"))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def stop_with(daemon: Daemon, sig: signal.Signals) -> int:
+    daemon.process.send_signal(sig)
+    code = daemon.process.wait(timeout=TIMEOUT_S)
+    daemon.stop()  # the process is gone: removes its workdir only (our prefix is not its own)
+    return code
+
+
+def put_keys(daemon: Daemon, pools: WorkerPools, ident: WorkerIdentity, chain: TokenChain) -> None:
+    with HiCacheClient(daemon.target, timeout_s=TIMEOUT_S) as client:
+        session = client.attach(ident, pools.specs(), heartbeat=False)
+        assert not session.info.joined_existing_group
+        put = session.put_pages(chain, transfers(range(N)))
+        assert (put.ok, put.stored_pages) == (True, N)
+        assert session.lookup(chain).l2_hit_pages == N
+        session.detach()
+
+
+def chain_of(tag: str) -> TokenChain:
+    return TokenChain(list(range(N * PAGE_SIZE)), cache_salt=f"tenant-{tag}")
+
+
+def test_clean_restart_keeps_published_pages(warm: Warm, pools: WorkerPools) -> None:
+    pools.fill_random(23)
+    expected = {name: pools.pages(name, range(N)) for name in POOLS}
+    ident = WorkerIdentity(unique_tag("w"), generation=1, model_name=MODEL)
+    chain = chain_of("clean")
+
+    first = warm.start()
+    put_keys(first, pools, ident, chain)
+    assert stop_with(first, signal.SIGTERM) == 0, first.log
+    kept = warm.segments()
+    assert len(kept) == len(POOLS), f"host pools not kept: {kept}"
+    (journal,) = warm.journals()
+    data = json.loads(journal.read_text())
+    assert len(data["entries"]["keys"]) == N
+    assert {p["segment"] for p in data["pools"]} == kept
+
+    pools.clobber()
+    second = warm.start()
+    try:
+        assert warm.journals() == [journal], "a journal is consumed by its group's first attach"
+        with HiCacheClient(second.target, timeout_s=TIMEOUT_S) as client:
+            session = client.attach(ident, pools.specs(), heartbeat=False)
+            info = session.info
+            assert info.joined_existing_group, second.log
+            assert not warm.journals(), "the journal must be consumed when the group is re-mapped"
+            assert {p.segment for p in info.pools} == kept
+            for p in info.pools:
+                assert p.free_pages == p.total_pages - N, (p.name, p.free_pages, p.total_pages)
+            found = session.lookup(chain)
+            assert (found.l2_hit_pages, found.total_hit_pages) == (N, N)
+            got = session.get_pages(chain, transfers(range(N)))
+            assert got.hit_pages == N
+            for name in POOLS:
+                assert torch.equal(pools.pages(name, range(N)), expected[name]), f"pool {name} differs"
+            session.detach()
+        assert stop_with(second, signal.SIGTERM) == 0, second.log
+        (again,) = warm.journals()
+        assert len(json.loads(again.read_text())["entries"]["keys"]) == N
+        assert warm.segments() == kept
+    finally:
+        second.stop()
+
+
+def test_crash_leaves_no_journal_and_restarts_cold(warm: Warm, pools: WorkerPools) -> None:
+    pools.fill_random(29)
+    ident = WorkerIdentity(unique_tag("w"), generation=1, model_name=MODEL)
+    chain = chain_of("crash")
+
+    first = warm.start()
+    put_keys(first, pools, ident, chain)
+    stop_with(first, signal.SIGKILL)
+    stale = warm.segments()
+    assert len(stale) == len(POOLS)
+    assert not warm.journals(), "a crash must not leave a journal"
+
+    second = warm.start()
+    try:
+        with HiCacheClient(second.target, timeout_s=TIMEOUT_S) as client:
+            session = client.attach(ident, pools.specs(), heartbeat=False)
+            info = session.info
+            assert not info.joined_existing_group
+            assert "left without a journal" in second.log
+            assert warm.segments() == {p.segment for p in info.pools}, "a stale segment was left"
+            for p in info.pools:
+                assert p.free_pages == p.total_pages, (p.name, p.free_pages)
+            found = session.lookup(chain)
+            assert (found.l2_hit_pages, found.total_hit_pages) == (0, 0)
+            session.detach()
+        assert stop_with(second, signal.SIGTERM) == 0, second.log
+        # Nothing leaked: the cold group journals empty, with exactly its own segments.
+        (journal,) = warm.journals()
+        data = json.loads(journal.read_text())
+        assert data["entries"]["keys"] == []
+        assert {p["segment"] for p in data["pools"]} == warm.segments()
+    finally:
+        second.stop()
+
+
+def test_journal_of_another_pool_shape_starts_cold(warm: Warm, pools: WorkerPools) -> None:
+    pools.fill_random(31)
+    ident = WorkerIdentity(unique_tag("w"), generation=1, model_name=MODEL)
+    chain = chain_of("shape")
+
+    first = warm.start()
+    put_keys(first, pools, ident, chain)
+    assert stop_with(first, signal.SIGTERM) == 0, first.log
+    assert len(warm.journals()) == 1
+
+    second = warm.start()
+    try:
+        with HiCacheClient(second.target, timeout_s=TIMEOUT_S) as client:
+            # Same group (the host size is not part of its key), half the host pages.
+            session = client.attach(ident, pools.specs(host_ratio=0.5), heartbeat=False)
+            info = session.info
+            assert not info.joined_existing_group
+            assert "do not match" in second.log
+            assert not warm.journals(), "a mismatching journal must be removed"
+            assert warm.segments() == {p.segment for p in info.pools}
+            for p in info.pools:
+                assert p.free_pages == p.total_pages
+            assert session.lookup(chain).total_hit_pages == 0
+            session.detach()
+    finally:
+        second.stop()
+
+
+# ---------------------------------------------------------------- in-process parts
+
+
+@pytest.fixture
+def group() -> Iterator[HostPoolGroup]:
+    """A real two-pool group (anchor ``kv``, sidecar ``draft``) in test-only segments."""
+    spec = KVSpec(PoolKind.MHA, torch.float16, 2, 2, 4, PAGE_SIZE)
+    made = [
+        create_host_pool(spec, layout, 16, segment_name=f"hcwr-unit-{unique_tag(name)}", pin=False)
+        for name, layout in (("kv", HostLayout.PAGE_FIRST), ("draft", HostLayout.LAYER_FIRST))
+    ]
+    try:
+        yield HostPoolGroup(
+            [PoolEntry("kv", made[0], is_primary_index_anchor=True), PoolEntry("draft", made[1])]
+        )
+    finally:
+        for pool in made:
+            pool.close()
+            pool.unlink()
+
+
+def allocated(group: HostPoolGroup) -> dict[str, int]:
+    return {e.name: e.host_pool.allocator.allocated_count() for e in group.entries}
+
+
+def publish(index: ContentIndex, group: HostPoolGroup, keys: list[str], tenant: str) -> None:
+    pages = {e.name: e.host_pool.allocator.alloc(len(keys)) for e in group.entries}
+    assert index.publish(keys, pages, tenant=tenant).all()
+
+
+def test_export_and_restore_keep_pages_lru_order_and_flags(group: HostPoolGroup) -> None:
+    first = ContentIndex(group, namespace="m", backend=None)
+    keys = [f"k{i}" for i in range(5)]
+    publish(first, group, keys, "t1")
+    first.unpin(first.pin(["k4"]))  # k4 becomes the most recently used
+    owned = first.owned_pages()
+    records = first.export_entries()
+    late = {e.name: e.host_pool.allocator.alloc(1) for e in group.entries}
+    with pytest.raises(Unavailable):  # frozen: nothing changes after the snapshot
+        first.publish(["late"], late)
+    for name, page in late.items():
+        group.get_pool(name).allocator.free(page)
+    first.close()
+    assert allocated(group) == {"kv": 0, "draft": 0}
+    assert [r.key for r in records][-1] == "k4"
+    assert {r.tenant for r in records} == {"t1"}
+
+    second = ContentIndex(group, namespace="m", backend=None)
+    try:
+        assert second.restore(records) == 5
+        assert allocated(group) == {"kv": 5, "draft": 5}
+        got = second.owned_pages()
+        assert all(np.array_equal(got[name], owned[name]) for name in ("kv", "draft"))
+        assert second.lookup(keys).l2_hit_pages == 5
+        with pytest.raises(FailedPrecondition):  # only into an empty index
+            second.restore(records)
+        assert second.reclaim("kv", 1) == 1  # the least recently used entry leaves first
+        assert second.lookup(["k4"]).l2_hit_pages == 1
+        assert [r.key for r in second.export_entries()] == [r.key for r in records[1:]]
+    finally:
+        second.close()
+    assert allocated(group) == {"kv": 0, "draft": 0}
+
+
+@pytest.mark.parametrize(
+    ("pages", "error"),
+    [
+        ({"kv": [16, 1], "draft": [0, 1]}, InvalidArgument),  # out of range
+        ({"kv": [3, 3], "draft": [0, 1]}, InvalidArgument),  # listed twice
+        ({"kv": [0, 1]}, InvalidArgument),  # a pool is missing
+        ({"kv": [0, 1], "draft": [0, 1], "x": [0, 1]}, InvalidArgument),  # an unknown pool
+        ({"kv": [0, 1], "draft": [5, 1]}, FailedPrecondition),  # draft page 5 is taken
+    ],
+)
+def test_restore_refuses_bad_records_and_changes_nothing(
+    group: HostPoolGroup, pages: dict[str, list[int]], error: type[Exception]
+) -> None:
+    group.get_pool("draft").allocator.mark_allocated([5])
+    records = [EntryRecord(f"k{i}", {name: col[i] for name, col in pages.items()}) for i in range(2)]
+    index = ContentIndex(group, namespace="m", backend=None)
+    try:
+        with pytest.raises(error):
+            index.restore(records)
+        assert allocated(group) == {"kv": 0, "draft": 1}
+        assert index.stats().entries == 0
+    finally:
+        index.close()
+        group.get_pool("draft").allocator.free([5])
+
+
+def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
+    store = JournalStore(tmp_path / "j", "hcwr-unit")
+    store.lock()
+    try:
+        with pytest.raises(FailedPrecondition, match="another daemon"):
+            JournalStore(tmp_path / "j", "hcwr-unit").lock()
+        journal = GroupJournal(
+            "g1",
+            (PoolRecord("kv", 16, "seg-kv"),),
+            (EntryRecord("a", {"kv": 3}, "t", True), EntryRecord("b", {"kv": 0})),
+        )
+        assert store.read("g1") is None
+        path = store.write(journal)
+        assert store.read("g1") == journal
+        assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
+        data = json.loads(path.read_text())
+        data["version"] = 99
+        path.write_text(json.dumps(data))
+        with pytest.raises(FailedPrecondition, match="v99"):
+            store.read("g1")
+        path.write_text("{not json")
+        with pytest.raises(FailedPrecondition, match="not JSON"):
+            store.read("g1")
+        store.write(journal)
+        path.rename(store.path("g2"))
+        with pytest.raises(FailedPrecondition, match="belongs to group"):
+            store.read("g2")
+        store.remove("g2")
+        store.remove("g2")  # idempotent
+        assert store.read("g2") is None
+    finally:
+        store.unlock()
+    JournalStore(tmp_path / "j", "hcwr-unit").lock()  # released: the next daemon may take it
