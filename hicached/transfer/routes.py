@@ -19,6 +19,7 @@ import importlib
 import itertools
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -245,6 +246,44 @@ def few_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None, *, n: i
     return _runs_at(starts, src_pages, dst_pages)
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """How a (source pages, destination pages) pair is copied: the same for every layer."""
+
+    both: list[Run] | None
+    dst_runs: list[Run] | None
+    src_runs: list[Run] | None
+
+
+# A plan's copies of one pool share their page arrays across every layer (2 x layers
+# copies), so the run analysis is done once per pair. Entries hold the arrays
+# themselves, so an id() in a key can never be reused by another array while cached.
+_SHAPES_MAX = 64
+
+
+def _shape_of(
+    ctx: CopyContext, sp: np.ndarray, dp: np.ndarray, limits: tuple[int, int], dst_contiguous: bool
+) -> _Shape:
+    cache = ctx.resources.setdefault("copy_shapes", OrderedDict())
+    assert isinstance(cache, OrderedDict)
+    key = (id(sp), id(dp), limits, dst_contiguous)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is sp and hit[1] is dp:
+        shape: _Shape = hit[2]
+        return shape
+    n = len(sp)
+    check_bounds("source", sp, limits[0])
+    check_bounds("destination", dp, limits[1])
+    both = few_runs(sp, dp, n=n)
+    dst_runs = few_runs(dp, n=n) if both is None and dst_contiguous else None
+    src_runs = few_runs(sp, n=n) if both is None and dst_runs is None else None
+    shape = _Shape(both, dst_runs, src_runs)
+    cache[key] = (sp, dp, shape)
+    while len(cache) > _SHAPES_MAX:
+        cache.popitem(last=False)
+    return shape
+
+
 def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
     """CPU pages to CPU pages in one pass when either side is made of runs, else via staging.
 
@@ -255,23 +294,19 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
     n = len(sp)
     if n == 0:
         return
-    check_bounds("source", sp, src.shape[0])
-    check_bounds("destination", dp, dst.shape[0])
-    both = few_runs(sp, dp, n=n)
-    if both is not None:
-        for r in both:
+    shape = _shape_of(ctx, sp, dp, (src.shape[0], dst.shape[0]), dst.is_contiguous())
+    if shape.both is not None:
+        for r in shape.both:
             dst[r.dst : r.dst + r.count].copy_(src[r.src : r.src + r.count])
         return
-    dst_runs = few_runs(dp, n=n) if dst.is_contiguous() else None
-    if dst_runs is not None:
+    if shape.dst_runs is not None:
         # Gather straight into each destination run (one pass).
-        for r in dst_runs:
+        for r in shape.dst_runs:
             gather_rows(src, sp[r.pos : r.pos + r.count], dst[r.dst : r.dst + r.count], ctx)
         return
-    src_runs = few_runs(sp, n=n)
-    if src_runs is not None:
+    if shape.src_runs is not None:
         # Scatter each source run straight into place (one pass).
-        for r in src_runs:
+        for r in shape.src_runs:
             scatter_rows(dst, dp[r.pos : r.pos + r.count], src[r.src : r.src + r.count], ctx)
         return
     # Scattered on both sides: gather into staging, scatter from it, chunk by chunk.

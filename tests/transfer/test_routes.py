@@ -193,3 +193,25 @@ def test_out_of_range_pages_fail_before_any_write(sp: list[int], dp: list[int], 
             PageCopy(src, dst, np.array(sp, dtype=np.int64), np.array(dp, dtype=np.int64)), CopyContext()
         )
     assert torch.count_nonzero(dst) == 0
+
+
+def test_run_analysis_is_shared_across_layers_and_never_stale() -> None:
+    """Copies of every layer share one page-array pair (analysed once per context); a new
+    pair, even equal in length, is analysed afresh — results are byte-exact either way."""
+    ctx = CopyContext()
+    layers_src = [rand_pages(32, 4, 8, seed=s) for s in range(3)]
+    layers_dst = [torch.zeros(32, 4, 8, dtype=torch.bfloat16) for _ in range(3)]
+    for pairs in (([1, 2, 3, 9], [20, 21, 22, 23]), ([9, 3, 2, 1], [5, 17, 11, 30])):
+        sp, dp = (np.array(x, dtype=np.int64) for x in pairs)
+        for src, dst in zip(layers_src, layers_dst, strict=True):
+            copy_cpu_cpu(PageCopy(src=src, dst=dst, src_pages=sp, dst_pages=dp), ctx)
+        for src, dst in zip(layers_src, layers_dst, strict=True):
+            assert torch.equal(dst[dp].view(torch.int16), src[sp].view(torch.int16))
+    with pytest.raises(OutOfRange):  # bounds are part of the cached analysis: checked per tensor size
+        copy_cpu_cpu(
+            PageCopy(
+                src=layers_src[0], dst=torch.zeros(8, 4, 8, dtype=torch.bfloat16), src_pages=sp, dst_pages=dp
+            ),
+            ctx,
+        )
+    ctx.close()
