@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -263,6 +264,23 @@ class GroupRegistry:
         if host.warm_restart:
             self._journals = JournalStore(host.journal_dir, host.shm_prefix)
             self._journals.lock()
+            self._remove_orphans()
+
+    def _remove_orphans(self) -> None:
+        """Unlink this prefix's warm-restart segments that no journal covers (a crash left them).
+
+        Journaled groups keep theirs until a worker re-creates the group. Names
+        of daemons without warm restart (``prefix-<daemon id>-...``) never match.
+        """
+        assert self._journals is not None
+        pattern = re.compile(rf"{re.escape(self._host.shm_prefix)}-([0-9a-f]{{16}})-[^/]+")
+        with contextlib.suppress(FileNotFoundError):
+            for name in sorted(os.listdir(SHM_DIR)):
+                m = pattern.fullmatch(name)
+                if m and not self._journals.path(m.group(1)).exists():
+                    logger.warning("removing segment %s left without a journal (no clean shutdown)", name)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(SHM_DIR, name))
 
     def _segment_name(self, gid: str, pool: str) -> str:
         if self._journals is not None:

@@ -153,11 +153,12 @@ def test_crash_leaves_no_journal_and_restarts_cold(warm: Warm, pools: WorkerPool
 
     second = warm.start()
     try:
+        assert not warm.segments(), "a crashed daemon's segments must be removed at startup"
+        assert "left without a journal" in second.log
         with HiCacheClient(second.target, timeout_s=TIMEOUT_S) as client:
             session = client.attach(ident, pools.specs(), heartbeat=False)
             info = session.info
             assert not info.joined_existing_group
-            assert "left without a journal" in second.log
             assert warm.segments() == {p.segment for p in info.pools}, "a stale segment was left"
             for p in info.pools:
                 assert p.free_pages == p.total_pages, (p.name, p.free_pages)
