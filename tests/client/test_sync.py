@@ -30,15 +30,6 @@ def _client(server: ScriptedServer, **kwargs: object) -> HiCacheClient:
     return HiCacheClient(server.target, timeout_s=10.0, **kwargs)  # type: ignore[arg-type]
 
 
-def _wait_until(predicate: object, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.005)  # polling interval with a deadline, not synchronisation
-    return False
-
-
 def test_error_is_one_type_with_code_and_server_message(scripted_server: ScriptedServer) -> None:
     with _client(scripted_server) as client:
         session = client.session(SESSION)
@@ -170,7 +161,10 @@ def test_attach_heartbeats_at_a_third_of_the_lease_and_stops_on_detach(
 def test_heartbeat_stops_when_the_lease_is_lost(scripted_server: ScriptedServer) -> None:
     with _client(scripted_server) as client:
         session = client.session(GONE_SESSION, lease_ms=30, heartbeat=True)
-        assert _wait_until(lambda: not session.heartbeat_running)
+        thread = session._thread  # the heartbeat thread ends by itself once the lease is lost
+        assert thread is not None
+        thread.join(timeout=5.0)
+        assert not session.heartbeat_running
         assert session.lease_lost is not None
         assert session.lease_lost.code == grpc.StatusCode.NOT_FOUND
         assert GONE_SESSION in session.lease_lost.message
@@ -267,8 +261,9 @@ def test_stats_and_admin_results_are_typed(scripted_server: ScriptedServer) -> N
 
 def test_closing_the_client_stops_session_heartbeats(scripted_server: ScriptedServer) -> None:
     client = _client(scripted_server)
+    scripted_server.servicer.heartbeat_target = 1
     session = client.attach(WorkerIdentity("w"), [], lease_ms=60)
-    assert _wait_until(lambda: session.heartbeats >= 1)
+    assert scripted_server.servicer.heartbeat_event.wait(timeout=5.0)  # the server saw one
     client.close()
     assert not session.heartbeat_running
     assert session.lease_lost is None

@@ -55,21 +55,24 @@ class Daemon:
 
 
 def wait_serving(target: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Block on the health service's Watch stream (gRPC itself waits for the socket to
+    accept) until SERVING; each attempt is bounded so a daemon that died is noticed."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"daemon exited with {process.returncode} before serving")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass  # not listening yet
             if time.monotonic() > deadline:
                 raise TimeoutError(f"daemon at {target} not SERVING within {timeout_s} s")
-            time.sleep(0.05)  # poll interval of a deadline-bounded wait
+            try:
+                for reply in stub.Watch(
+                    health_pb2.HealthCheckRequest(service=""), timeout=1.0, wait_for_ready=True
+                ):
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError:
+                pass  # not accepting yet (the attempt timed out): check the process, go again
 
 
 def start_daemon(*extra: str, timeout_s: float = 60.0) -> Daemon:
