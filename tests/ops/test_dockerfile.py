@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.daemon import wait_serving
+
 from .dockerfile import Instruction, Stage, dockerignore_excludes, parse, read_dockerignore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,13 +208,11 @@ def test_entrypoint_starts_the_daemon_and_stops_on_sigterm(short_tmp: Path) -> N
     log = (short_tmp / "daemon.log").open("w+")
     proc = subprocess.Popen(argv, cwd=short_tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + STARTUP_DEADLINE_S
-        while not sock.exists():
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"{argv} exited with {proc.returncode} before creating its socket:\n{log.read()}")
-            assert time.monotonic() < deadline, f"no socket {sock} after {STARTUP_DEADLINE_S}s"
-            time.sleep(0.05)  # polling a file with a deadline, not synchronisation by sleep
+        try:
+            wait_serving(f"unix://{sock}", proc, STARTUP_DEADLINE_S)  # blocks on the health Watch stream
+        except (RuntimeError, TimeoutError) as exc:
+            log.seek(0)
+            pytest.fail(f"{argv} did not start serving on {sock}: {exc}\n{log.read()}")
 
         healthcheck = runtime.last("HEALTHCHECK")
         assert healthcheck is not None
