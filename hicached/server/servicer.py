@@ -1,8 +1,8 @@
 """gRPC servicers: convert messages, run the core on a thread pool, map errors.
 
 Each method is thin: parse -> core call -> build response. The core blocks
-(copies), so calls run on ``executor``; the event loop only parses, schedules
-and streams. Errors become status codes through ``status.status_for`` (one
+(copies), so calls run on ``executor`` (page bookkeeping excepted: see
+``run_bookkeeping``); the event loop only parses, schedules and streams. Errors become status codes through ``status.status_for`` (one
 table); anything else is a bug and becomes INTERNAL with the error logged.
 """
 
