@@ -101,6 +101,13 @@ def validate_pool_requests(pools: Sequence[PoolRequest]) -> None:
             raise InvalidArgument(
                 f"pool {p.name!r}: packed_draft_layers={p.packed_draft_layers} exceeds num_layers={p.spec.num_layers}"
             )
+        if p.byte_only:
+            if p.host_bytes is None:
+                raise InvalidArgument(
+                    f"pool {p.name!r} has no device buffers (a byte-only pool for PutBytes/GetBytes): "
+                    "its host size must be given in bytes (host_size.bytes), a ratio has no device pool to scale"
+                )
+            continue
         want_v = p.spec.num_kv == 2
         if len(p.k_buffers) != p.spec.num_layers or len(p.v_buffers) != (p.spec.num_layers if want_v else 0):
             raise InvalidArgument(
@@ -356,7 +363,7 @@ class GroupRegistry:
                 # Same page ids as the source, so the same page count.
                 n = pages_of(by_name[p.indices_from_pool])
             else:
-                device_tokens = p.k_buffers[0].shape[0]
+                device_tokens = 0 if p.byte_only else p.k_buffers[0].shape[0]
                 ratio = p.host_ratio if p.host_bytes is None else None
                 if ratio is None and p.host_bytes is None:
                     ratio = self._host.default_ratio

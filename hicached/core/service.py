@@ -37,7 +37,15 @@ from hicached.core.types import (
     TransferResult,
     WorkerId,
 )
-from hicached.errors import DoubleFree, InvalidArgument, NotFound, OutOfRange, PermissionDenied, Unavailable
+from hicached.errors import (
+    DoubleFree,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    PermissionDenied,
+    Unavailable,
+)
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine, Priority
 from hicached.transfer.handles import DeviceMappings, medium_of
@@ -194,6 +202,8 @@ class HiCacheCore:
     def _open_views(mappings: DeviceMappings, pools: Sequence[PoolRequest]) -> dict[str, DevicePoolView]:
         views = {}
         for p in pools:
+            if p.byte_only:
+                continue
             k = [mappings.open(b) for b in p.k_buffers]
             v = [mappings.open(b) for b in p.v_buffers]
             for i, t in enumerate((*k, *v)):
@@ -302,12 +312,10 @@ class HiCacheCore:
         seen: set[str] = set()
         total = 0
         for t in transfers:
-            if t.name not in session.views:
-                raise NotFound(f"unknown pool {t.name!r} (this session's pools: {sorted(session.views)})")
+            view = self._view(session, state, t.name)
             if t.name in seen:
                 raise InvalidArgument(f"pool {t.name!r} appears twice in one batch")
             seen.add(t.name)
-            view = session.views[t.name]
             dev = as_pages(t.device_indices, "device pages")
             hst = None if t.host_indices is None or len(t.host_indices) == 0 else as_pages(t.host_indices, "")
             total += len(dev)
@@ -331,6 +339,24 @@ class HiCacheCore:
                 "split it into several calls"
             )
         return out
+
+    @staticmethod
+    def _known_pool(state: GroupState, name: str) -> None:
+        if name not in {e.name for e in state.group.entries}:
+            raise NotFound(
+                f"unknown pool {name!r} (this session's pools: {sorted(e.name for e in state.group.entries)})"
+            )
+
+    def _view(self, session: Session, state: GroupState, name: str) -> DevicePoolView:
+        """The session's device view of a pool; byte-only pools have none."""
+        self._known_pool(state, name)
+        view = session.views.get(name)
+        if view is None:
+            raise FailedPrecondition(
+                f"pool {name!r} has no device buffers in this session (byte-only): use PutBytes/GetBytes, "
+                "or attach with device buffers to move pages by index"
+            )
+        return view
 
     @staticmethod
     def bind_derived(state: GroupState, transfers: Sequence[PoolTransfer]) -> list[PoolTransfer]:
@@ -425,8 +451,7 @@ class HiCacheCore:
 
     def alloc(self, session_id: str, op_id: str, pool: str, num_pages: int) -> np.ndarray | None:
         session, state = self._session(session_id)
-        if pool not in session.views:
-            raise NotFound(f"unknown pool {pool!r} (this session's pools: {sorted(session.views)})")
+        self._known_pool(state, pool)
         entry = state.group.get_entry(pool)
         if entry.indices_from_pool:
             raise InvalidArgument(
@@ -452,8 +477,7 @@ class HiCacheCore:
 
     def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
         session, state = self._session(session_id)
-        if pool not in session.views:
-            raise NotFound(f"unknown pool {pool!r} (this session's pools: {sorted(session.views)})")
+        self._known_pool(state, pool)
         arr = as_pages(pages, "host pages")
 
         def run() -> int:

@@ -61,6 +61,11 @@ class PoolRequest:
     host_ratio: float | None = None
     host_bytes: int | None = None
 
+    @property
+    def byte_only(self) -> bool:
+        """No device buffers: the session moves this pool's pages only as bytes (PutBytes/GetBytes)."""
+        return not self.k_buffers and not self.v_buffers
+
     def signature(self) -> tuple[object, ...]:
         """What must match for two workers to share this pool's host pages."""
         s = self.spec
