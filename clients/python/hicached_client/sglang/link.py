@@ -19,7 +19,7 @@ import abc
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -159,18 +159,21 @@ class PoolLink:
         self._lock = threading.Lock()
         self.session, self._staging, self.transport = self._connect()
 
-    def _connect(self) -> tuple[Session, StagingArea, PageTransport]:
+    def _connect(self) -> tuple[Session, StagingArea | None, PageTransport]:
         config, g = self._config, self.binding.geometry
-        # The bytes transport only needs a staging area for the attach itself.
-        half = (
-            max(1, min(config.staging_pages, config.staging_bytes // g.page_bytes))
-            if config.transport is Transport.SHM
-            else 1
-        )
+        shm = config.transport is Transport.SHM
+        staging: StagingArea | None = None
+        k_bufs: list[Any] = []
+        v_bufs: list[Any] = []
         self._attaches += 1
-        staging = StagingArea(f"{self._segment_prefix}-{self._attaches}", g, half)
+        if shm:
+            half = max(1, min(config.staging_pages, config.staging_bytes // g.page_bytes))
+            staging = StagingArea(f"{self._segment_prefix}-{self._attaches}", g, half)
         try:
-            k_bufs, v_bufs = staging.device_buffers()
+            if staging is not None:
+                k_bufs, v_bufs = staging.device_buffers()
+            # Without buffers the session is byte-only (PutBytes/GetBytes): no shared
+            # memory with the daemon at all, so the daemon may run on another host.
             spec = pool_spec(
                 DAEMON_POOL,
                 role=PoolRole.ANCHOR,
@@ -189,15 +192,16 @@ class PoolLink:
                 self._identity, [spec], lease_ms=config.lease_ms, timeout_s=config.timeout_s
             )
         except BaseException:
-            staging.close()
+            if staging is not None:
+                staging.close()
             raise
-        # The daemon has mapped the segment: its name is no longer needed.
-        staging.unlink()
-        transport: PageTransport = (
-            ShmTransport(session, staging, config)
-            if config.transport is Transport.SHM
-            else BytesTransport(session, self.binding, config)
-        )
+        transport: PageTransport
+        if staging is not None:
+            # The daemon has mapped the segment: its name is no longer needed.
+            staging.unlink()
+            transport = ShmTransport(session, staging, config)
+        else:
+            transport = BytesTransport(session, self.binding, config)
         log.info(
             "hicached: pool %s attached (session %s, %s transport, %d-byte pages, joined=%s)",
             self.keys.pool,
@@ -234,7 +238,8 @@ class PoolLink:
             self.session, self._staging, self.transport = self._connect()
         lost.stop_heartbeat()
         # Views still in use by another thread keep the old mapping alive until they go.
-        old_staging.close()
+        if old_staging is not None:
+            old_staging.close()
 
     # ------------------------------------------------------------- queries
 
@@ -329,4 +334,5 @@ class PoolLink:
         try:
             self.session.close()
         finally:
-            self._staging.close()
+            if self._staging is not None:
+                self._staging.close()
