@@ -46,6 +46,7 @@ from hicached.errors import (
     PermissionDenied,
     Unavailable,
 )
+from hicached.l2.allocator import as_page_array
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine, Priority
 from hicached.transfer.handles import DeviceMappings, medium_of
@@ -101,11 +102,6 @@ class CoreHooks:
 
     def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float) -> None:
         """A copy finished."""
-
-
-def as_pages(values: object, what: str) -> np.ndarray:
-    arr = np.asarray(values if values is not None else [], dtype=np.int64).reshape(-1)
-    return arr.copy()
 
 
 class HiCacheCore:
@@ -316,8 +312,14 @@ class HiCacheCore:
             if t.name in seen:
                 raise InvalidArgument(f"pool {t.name!r} appears twice in one batch")
             seen.add(t.name)
-            dev = as_pages(t.device_indices, "device pages")
-            hst = None if t.host_indices is None or len(t.host_indices) == 0 else as_pages(t.host_indices, "")
+            dev = as_page_array(
+                () if t.device_indices is None else t.device_indices, f"pool {t.name!r} device pages"
+            )
+            hst = (
+                None
+                if t.host_indices is None or len(t.host_indices) == 0
+                else as_page_array(t.host_indices, f"pool {t.name!r} host pages")
+            )
             total += len(dev)
             if need_device:
                 _check_indices(t.name, "device", dev, view.num_pages, unique=True)
@@ -478,7 +480,7 @@ class HiCacheCore:
     def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
         session, state = self._session(session_id)
         self._known_pool(state, pool)
-        arr = as_pages(pages, "host pages")
+        arr = as_page_array(pages, f"pool {pool!r} host pages")
 
         def run() -> int:
             _check_indices(pool, "host", arr, state.pool(pool).num_pages)
