@@ -62,5 +62,9 @@ class Unavailable(HiCacheError):
     """The daemon is draining or shutting down."""
 
 
+class Unimplemented(HiCacheError):
+    """A valid request for something this build does not do yet."""
+
+
 class Cancelled(HiCacheError):
     """The operation was cancelled (session ended, prefetch cancelled)."""

@@ -27,7 +27,7 @@ from hicached.cache.types import PrefetchState
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import DaemonStats, HiCacheCore
 from hicached.core.types import Ack
-from hicached.errors import InvalidArgument, Unauthenticated
+from hicached.errors import InvalidArgument, Unauthenticated, Unimplemented
 from hicached.l3.keys import page_keys
 from hicached.server import convert
 from hicached.server.status import status_for, trailing_metadata_for
@@ -92,6 +92,16 @@ class _Base:
             message = str(exc)
         context.set_trailing_metadata(trailing_metadata_for(exc))
         await context.abort(code, message)
+
+
+def no_fence(ready: tpb.Fence) -> None:
+    """Ready fences are not wired to the copy engine yet: refuse one rather than copy
+    memory the worker may still be writing (a worker synchronises before the call)."""
+    if ready.WhichOneof("kind") is not None:
+        raise Unimplemented(
+            "ready fences (cuda_ipc_event) are not supported yet: synchronise the worker's stream "
+            "before Write/RetractBackup/PutPages and send no fence"
+        )
 
 
 def unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -182,6 +192,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
 
     @unary
     async def Write(self, request: pb.WriteRequest, context: Ctx) -> pb.WriteResponse:
+        no_fence(request.ready)
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
         result = await self.run(
             self.core.write, request.session_id, request.op_id, transfers, allocate=request.allocate
@@ -242,6 +253,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
 
     @unary
     async def RetractBackup(self, request: pb.RetractBackupRequest, context: Ctx) -> pb.RetractBackupResponse:
+        no_fence(request.ready)
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
         result = await self.run(
             self.core.retract_backup,
@@ -397,6 +409,7 @@ class KeyedServicerMixin(_Base):
 
     @unary
     async def PutPages(self, request: pb.PutPagesRequest, context: Ctx) -> pb.PutPagesResponse:
+        no_fence(request.ready)
         keys, tenant = self.keys_of(request.session_id, request.keys)
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
         r = await self.run(self.keyed.put_pages, request.session_id, request.op_id, keys, transfers, tenant)

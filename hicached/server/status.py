@@ -21,6 +21,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
     (errors.Cancelled, grpc.StatusCode.CANCELLED),
 )
 

@@ -113,6 +113,12 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
     ),
     ("unknown-pool-alloc", C.NOT_FOUND, "'nope'", lambda c: c.session.alloc("nope", 1)),
     (
+        "ready-fence-not-supported",
+        C.UNIMPLEMENTED,
+        "fence",
+        lambda c: c.session.write([Transfer("kv", [0])], allocate=True, ready=b"\x00" * 64),
+    ),
+    (
         "unknown-pool-write",
         C.NOT_FOUND,
         "'nope'",
