@@ -116,6 +116,10 @@ class ServerConfig:
     metrics_host: str = _f("127.0.0.1", "Address of the Prometheus /metrics HTTP server.")
     metrics_port: int = _f(-1, "Port of /metrics (-1 = disabled, 0 = any free port).")
     grace_s: float = _f(10.0, "Seconds in-flight RPCs get to finish on SIGTERM.")
+    handoff_max_fds: int = _f(64, "Most file descriptors one fd handoff (socket <socket>.fds) may carry.")
+    handoff_ticket_ttl_s: float = _f(30.0, "Seconds an fd handoff ticket waits for its Attach.")
+    handoff_max_pending: int = _f(256, "Most unused fd handoff tickets in total.")
+    handoff_max_pending_per_uid: int = _f(32, "Most unused fd handoff tickets per client uid.")
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,10 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "log.format": ("text", "json"),
 }
 _POSITIVE = {
+    "server.handoff_max_fds",
+    "server.handoff_ticket_ttl_s",
+    "server.handoff_max_pending",
+    "server.handoff_max_pending_per_uid",
     "server.max_batch_pages",
     "server.max_message_bytes",
     "sessions.lease_ms",

@@ -29,6 +29,7 @@ from hicached.l3.registry import create_backend
 from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
 from hicached.server.app import Server
+from hicached.server.handoff import HandoffRegistry, HandoffServer, handoff_path
 from hicached.server.servicer import AdminServicer, CacheServicer
 from hicached.transfer.engine import CopyEngine
 from hicached.transfer.plan import CopyPlan, Direction
@@ -103,8 +104,17 @@ class Daemon:
             Path(config.server.auth_token_file).read_text().strip() if config.server.auth_token_file else None
         )
         observe = self._observe_rpc
+        srv = config.server
+        self.handoff = HandoffRegistry(
+            ttl_s=srv.handoff_ticket_ttl_s,
+            max_pending=srv.handoff_max_pending,
+            max_per_uid=srv.handoff_max_pending_per_uid,
+        )
+        self.handoff_server = HandoffServer(
+            self.handoff, handoff_path(srv.socket), mode=srv.socket_mode, max_fds=srv.handoff_max_fds
+        )
         self.servicer = CacheServicer(
-            self.core, self.executor, observe=observe, token=token, keyed=self.keyed
+            self.core, self.executor, observe=observe, token=token, keyed=self.keyed, handoff=self.handoff
         )
         self.admin = AdminServicer(
             self.core,
@@ -144,6 +154,7 @@ class Daemon:
 
     async def start(self) -> None:
         await self.server.start()
+        self.handoff_server.start()
         port = self.config.server.metrics_port
         if port >= 0:
             self.metrics_server = serve_metrics(self.metrics, self.config.server.metrics_host, port)
@@ -157,13 +168,16 @@ class Daemon:
 
     async def stop(self) -> None:
         """Stop serving, finish or cancel in-flight work, release every mapping and page."""
+        self.handoff_server.close()
         await self.server.stop(self.config.server.grace_s)
+        self.handoff.close()
         loop = asyncio.get_running_loop()
         flushed = await loop.run_in_executor(None, self.keyed.flush_for_shutdown, self.config.server.grace_s)
         logger.info("flushed pending L3 backups", extra={"event": "shutdown", "pages": flushed})
         await loop.run_in_executor(None, self.close)
 
     def close(self) -> None:
+        self.handoff.close()
         self.core.close()
         self.keyed.close()
         self.engine.close()

@@ -29,9 +29,9 @@ from hicached.transfer import (
     DeviceMappings,
     DevicePoolView,
     Direction,
+    FdBufferHandle,
     Medium,
     Priority,
-    ShmBufferHandle,
     build_plan,
 )
 
@@ -55,8 +55,8 @@ def _interleaved_medians(fns: dict[str, Callable[[], None]], reps: int) -> dict[
 
 def _open_device_pool(pool: ShmKVPool, mappings: DeviceMappings) -> DevicePoolView:
     def open_buf(buf: types_pb2.DeviceBuffer) -> torch.Tensor:
-        shm = buf.handle.shm
-        handle = ShmBufferHandle(name=shm.name, offset=shm.offset, size=shm.size)
+        fd = buf.handle.fd  # in-process: fd_index is this process's own fd (see export_fd_tensor)
+        handle = FdBufferHandle(fd=fd.fd_index, offset=fd.offset, size=fd.size)
         spec = BufferSpec(handle=handle, shape=tuple(buf.shape), dtype=dtype_from_wire(buf.dtype))
         return mappings.open(spec)
 

@@ -30,6 +30,7 @@ from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, no
 from hicached.core.types import (
     Ack,
     AttachResult,
+    PeerCred,
     PoolRequest,
     PoolRole,
     PoolState,
@@ -130,7 +131,14 @@ class HiCacheCore:
 
     # ------------------------------------------------------------------ sessions
 
-    def attach(self, worker: WorkerId, pools: Sequence[PoolRequest], *, lease_ms: int = 0) -> AttachResult:
+    def attach(
+        self,
+        worker: WorkerId,
+        pools: Sequence[PoolRequest],
+        *,
+        lease_ms: int = 0,
+        peer: PeerCred | None = None,
+    ) -> AttachResult:
         if self._draining.is_set():
             raise Unavailable("daemon is draining: no new sessions; attach to the replacement daemon")
         if not worker.instance_id:
@@ -163,6 +171,7 @@ class HiCacheCore:
             views=views,
             ledger=PageLedger({e.name: e.host_pool.total_pages for e in state.group.entries}),
             op_cache_size=self._cfg.sessions.op_cache_size,
+            peer=peer,
         )
         self._sessions.add(session)
         self._hooks.on_session("attach", session)
@@ -176,6 +185,8 @@ class HiCacheCore:
                 "model": worker.model_name,
                 "group": state.group_id,
                 "joined": joined,
+                "peer_uid": peer.uid if peer else None,
+                "peer_pid": peer.pid if peer else None,
             },
         )
         return AttachResult(
@@ -184,6 +195,7 @@ class HiCacheCore:
             pools=state.states(),
             joined_existing_group=joined,
             replaced_session_id=replaced.session_id if replaced else "",
+            session_secret=session.secret,
         )
 
     def _lease(self, lease_ms: int) -> int:
@@ -717,6 +729,10 @@ class HiCacheCore:
             host_used_bytes=self._groups.used_bytes(),
             draining=self._draining.is_set(),
         )
+
+    def check_secret(self, session_id: str, secret: str) -> None:
+        """PermissionDenied unless ``secret`` is session ``session_id``'s secret (unknown ids pass)."""
+        self._sessions.check_secret(session_id, secret)
 
     def session_group(self, session_id: str) -> tuple[Session, GroupState]:
         """For the content-cache operations (``hicached.core.keyed``)."""

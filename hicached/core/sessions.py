@@ -8,6 +8,8 @@ back exactly what it held, once.
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import threading
 import time
 import uuid
@@ -20,7 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from hicached.core.types import WorkerId
+from hicached.core.types import PeerCred, WorkerId
 from hicached.errors import Cancelled, FailedPrecondition, NotFound, PermissionDenied
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.handles import DeviceMappings
@@ -96,6 +98,10 @@ class Session:
     in_flight: int = 0
     idle: threading.Condition = field(init=False)
     prefetches: set[str] = field(default_factory=set)
+    # The capability a caller must present to act as this session (hex, 128 bits).
+    secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    # Who attached it, from the kernel (fd handoff); None for TCP / no-handoff attaches.
+    peer: PeerCred | None = None
 
     def __post_init__(self) -> None:
         self.idle = threading.Condition(self.lock)
@@ -197,6 +203,26 @@ class SessionTable:
         if session is None:
             raise NotFound(f"unknown session {session_id!r} (expired, detached or never attached)")
         return session
+
+    def check_secret(self, session_id: str, secret: str) -> None:
+        """PermissionDenied unless ``secret`` is the secret of session ``session_id``.
+
+        An unknown id passes: the handler then answers NOT_FOUND (or a retried
+        detach's first answer), which reveals nothing a secret would protect.
+        Constant-time compare, so timing does not leak the secret.
+        """
+        with self._lock:
+            session = self._by_id.get(session_id)
+        if session is None:
+            return
+        if not isinstance(secret, str) or not hmac.compare_digest(
+            secret.encode("utf-8", "surrogateescape"), session.secret.encode()
+        ):
+            what = "no session secret" if not secret else "a wrong session secret"
+            raise PermissionDenied(
+                f"{what} for session {session_id[:16]!r}: send the session_secret Attach returned "
+                "as metadata 'x-hicached-session-secret'"
+            )
 
     def expired(self, now: int) -> list[Session]:
         with self._lock:

@@ -103,6 +103,20 @@ class AttachResult:
     pools: tuple[PoolState, ...]
     joined_existing_group: bool
     replaced_session_id: str = ""
+    # The session's capability: every later call naming session_id must present it.
+    session_secret: str = ""
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    """Credentials of a Unix-socket peer as the kernel reported them (SO_PEERCRED).
+
+    Bound to a session at attach; never taken from anything the client says.
+    """
+
+    uid: int
+    gid: int
+    pid: int
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from hicached.core.types import Ack, PoolRequest, PoolRole, PoolState, WorkerId
 from hicached.errors import InvalidArgument
 from hicached.l2.group import PoolTransfer
 from hicached.l2.layout import HostLayout, KVSpec, PoolKind
-from hicached.transfer.handles import BufferSpec, CudaIpcBufferHandle, ShmBufferHandle
+from hicached.transfer.handles import BufferSpec, CudaIpcBufferHandle, FdBufferHandle
 
 T = TypeVar("T")
 
@@ -65,15 +65,28 @@ def worker_id(identity: tpb.WorkerIdentity) -> WorkerId:
     )
 
 
-def buffer_spec(buf: tpb.DeviceBuffer, what: str) -> BufferSpec:
+def buffer_spec(buf: tpb.DeviceBuffer, what: str, fds: Sequence[int] = ()) -> BufferSpec:
+    """``fds``: the descriptors of this attach's handoff, indexed by ``FdHandle.fd_index``."""
     dtype = _enum(DTYPES, buf.dtype, f"{what}.dtype", tpb.DataType)
     kind = buf.handle.WhichOneof("kind")
-    handle: ShmBufferHandle | CudaIpcBufferHandle
+    handle: FdBufferHandle | CudaIpcBufferHandle
     if kind == "shm":
-        h = buf.handle.shm
-        if not h.name or "/" in h.name:
-            raise InvalidArgument(f"{what}.handle.shm.name {h.name!r} must be a segment name without '/'")
-        handle = ShmBufferHandle(name=h.name, offset=h.offset, size=h.size)
+        # Never open a name a client chose: see ShmHandle in types.proto.
+        raise InvalidArgument(
+            f"{what}.handle.shm (a /dev/shm name) is refused: hand buffers over as file descriptors "
+            "(FdHandle + AttachRequest.handoff_ticket; hicached_client does this for ShmKVPool)"
+        )
+    if kind == "fd":
+        f = buf.handle.fd
+        if not fds:
+            raise InvalidArgument(
+                f"{what}.handle.fd needs the fds handed over first: set AttachRequest.handoff_ticket"
+            )
+        if f.fd_index >= len(fds):
+            raise InvalidArgument(
+                f"{what}.handle.fd.fd_index {f.fd_index} is beyond the {len(fds)} fds handed over"
+            )
+        handle = FdBufferHandle(fd=fds[f.fd_index], offset=f.offset, size=f.size, index=f.fd_index)
     elif kind == "cuda_ipc":
         c = buf.handle.cuda_ipc
         handle = CudaIpcBufferHandle(
@@ -84,11 +97,11 @@ def buffer_spec(buf: tpb.DeviceBuffer, what: str) -> BufferSpec:
             device_uuid=c.device_uuid,
         )
     else:
-        raise InvalidArgument(f"{what}.handle is empty: set shm or cuda_ipc")
+        raise InvalidArgument(f"{what}.handle is empty: set fd or cuda_ipc")
     return BufferSpec(handle=handle, shape=tuple(int(x) for x in buf.shape), dtype=dtype)
 
 
-def pool_request(spec: tpb.PoolSpec, index: int) -> PoolRequest:
+def pool_request(spec: tpb.PoolSpec, index: int, fds: Sequence[int] = ()) -> PoolRequest:
     what = f"pools[{index}] ({spec.name!r})"
     kind = _enum(KINDS, spec.kind, f"{what}.kind", tpb.PoolKind)
     layout = _enum(LAYOUTS, spec.host_layout, f"{what}.host_layout", tpb.HostLayout)
@@ -111,8 +124,8 @@ def pool_request(spec: tpb.PoolSpec, index: int) -> PoolRequest:
         role=role,
         spec=kv,
         layout=layout,
-        k_buffers=tuple(buffer_spec(b, f"{what}.k_buffers[{i}]") for i, b in enumerate(spec.k_buffers)),
-        v_buffers=tuple(buffer_spec(b, f"{what}.v_buffers[{i}]") for i, b in enumerate(spec.v_buffers)),
+        k_buffers=tuple(buffer_spec(b, f"{what}.k_buffers[{i}]", fds) for i, b in enumerate(spec.k_buffers)),
+        v_buffers=tuple(buffer_spec(b, f"{what}.v_buffers[{i}]", fds) for i, b in enumerate(spec.v_buffers)),
         indices_from_pool=spec.indices_from_pool,
         packed_draft_layers=spec.packed_draft_layers,
         layer_ids=tuple(spec.layer_ids),

@@ -9,9 +9,11 @@ table); anything else is a bug and becomes INTERNAL with the error logged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
@@ -26,16 +28,25 @@ from hicached import __version__
 from hicached.cache.types import PrefetchState
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import DaemonStats, HiCacheCore
-from hicached.core.types import Ack
-from hicached.errors import InvalidArgument, Unauthenticated, Unimplemented
+from hicached.core.types import Ack, PeerCred
+from hicached.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    Unimplemented,
+)
 from hicached.l3.keys import page_keys
 from hicached.server import convert
+from hicached.server.handoff import HandoffRegistry
 from hicached.server.status import status_for, trailing_metadata_for
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 RpcObserver = Callable[[str, grpc.StatusCode, float], None]
 Ctx = grpc.aio.ServicerContext[Any, Any]
+# Metadata key of the session capability (AttachResponse.session_secret).
+SESSION_SECRET_METADATA = "x-hicached-session-secret"
 
 
 def _noop_observer(method: str, code: grpc.StatusCode, seconds: float) -> None:
@@ -50,11 +61,13 @@ class _Base:
         *,
         observe: RpcObserver | None = None,
         token: str | None = None,
+        handoff: HandoffRegistry | None = None,
     ) -> None:
         self.core = core
         self._executor = executor
         self._observe = observe or _noop_observer
         self._token = token
+        self._handoff = handoff
 
     def authorize(self, context: Ctx) -> None:
         """Calls over TCP must carry ``authorization: Bearer <token>`` when a token is configured."""
@@ -63,6 +76,19 @@ class _Base:
         got = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not isinstance(got, str) or not hmac.compare_digest(got, f"Bearer {self._token}"):
             raise Unauthenticated("missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
+
+    def check_session(self, request: Any, context: Ctx) -> None:
+        """The one place a session's capability is checked: a request that names a
+        ``session_id`` must carry that session's secret (PermissionDenied otherwise,
+        before the handler runs, so nothing changes)."""
+        session_id = getattr(request, "session_id", "")
+        if not session_id:
+            return
+        secret = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == SESSION_SECRET_METADATA and isinstance(value, str):
+                secret = value
+        self.core.check_secret(session_id, secret)
 
     def _anchor(self, session_id: str) -> str:
         _, state = self.core.session_group(session_id)
@@ -114,6 +140,7 @@ def unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]
         code = grpc.StatusCode.OK
         try:
             self.authorize(context)
+            self.check_session(request, context)
             return await method(self, request, context)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -134,16 +161,43 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
 
     @unary
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
-        worker = convert.worker_id(request.identity)
-        pools = [convert.pool_request(p, i) for i, p in enumerate(request.pools)]
-        result = await self.run(self.core.attach, worker, pools, lease_ms=request.lease_ms)
+        peer, fds = self._take_handoff(request.handoff_ticket, context)
+        try:
+            worker = convert.worker_id(request.identity)
+            pools = [convert.pool_request(p, i, fds) for i, p in enumerate(request.pools)]
+            result = await self.run(self.core.attach, worker, pools, lease_ms=request.lease_ms, peer=peer)
+        finally:
+            # Mapped buffers keep their memory; the descriptors are not needed after the attach.
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         return pb.AttachResponse(
+            session_secret=result.session_secret,
             session_id=result.session_id,
             lease_ms=result.lease_ms,
             pools=[convert.pool_info(p) for p in result.pools],
             joined_existing_group=result.joined_existing_group,
             replaced_session_id=result.replaced_session_id,
         )
+
+    def _take_handoff(self, ticket: str, context: Ctx) -> tuple[PeerCred | None, list[int]]:
+        """The peer and fds of an attach's handoff ticket (consumed); the caller closes the fds."""
+        if not ticket:
+            return None, []
+        if not context.peer().startswith("unix:"):
+            raise InvalidArgument(
+                "handoff_ticket over TCP: file descriptors can only be handed over on the Unix socket; "
+                "attach byte-only (no device buffers) from another host"
+            )
+        if self._handoff is None:
+            raise FailedPrecondition("this server has no fd handoff socket; attach without handoff_ticket")
+        taken = self._handoff.take(ticket)
+        if taken is None:
+            raise PermissionDenied(
+                f"handoff ticket {ticket[:8]!r}... is unknown, expired or already used: hand the fds "
+                "over again right before Attach (each ticket serves one Attach)"
+            )
+        return taken
 
     @unary
     async def Detach(self, request: pb.DetachRequest, context: Ctx) -> pb.DetachResponse:
@@ -207,6 +261,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
         context: Ctx,
         layer_progress: bool,
         call: Callable[[Callable[[int], None] | None], tuple[Ack, ...]],
+        request: Any = None,
     ) -> AsyncIterator[pb.LoadProgress]:
         """Run a layer-by-layer copy and stream one message per finished layer."""
         start = time.perf_counter()
@@ -219,6 +274,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
 
         try:
             self.authorize(context)
+            self.check_session(request, context)
             task = asyncio.ensure_future(self.run(call, on_layer if layer_progress else None))
             while True:
                 getter = asyncio.ensure_future(layers.get())
@@ -246,7 +302,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
             transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
             return self.core.load(request.session_id, request.op_id, transfers, on_layer=on_layer)
 
-        async for msg in self._stream_load("Load", context, request.layer_progress, call):
+        async for msg in self._stream_load("Load", context, request.layer_progress, call, request):
             yield msg
 
     # ---- retraction
@@ -280,7 +336,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
                 request.session_id, request.op_id, request.backup_id, transfers, on_layer=on_layer
             )
 
-        async for msg in self._stream_load("RetractRestore", context, request.layer_progress, call):
+        async for msg in self._stream_load("RetractRestore", context, request.layer_progress, call, request):
             yield msg
 
     @unary

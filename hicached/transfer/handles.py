@@ -1,7 +1,9 @@
 """Device-memory handles a worker exports, and the daemon-side mappings that open them.
 
-A worker hands the daemon one handle per KV buffer at attach time (POSIX shared
-memory on CPU workers, CUDA IPC memory handles on NVIDIA GPUs). The daemon opens
+A worker hands the daemon one handle per KV buffer at attach time (a byte range of
+a file descriptor it handed over -- a sealed memfd -- on CPU workers, CUDA IPC
+memory handles on NVIDIA GPUs). Memory is never named: the daemon opens no path a
+client chose, so a client can only give it memory it already holds. The daemon opens
 every allocation once per worker session through :class:`DeviceMappings` and from
 then on only uses the tensor views it handed out. Openers sit in a registry keyed
 by handle type, so callers never branch on the kind of handle.
@@ -14,7 +16,11 @@ from __future__ import annotations
 
 import abc
 import enum
+import fcntl
 import math
+import mmap
+import os
+import stat
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -57,12 +63,19 @@ def medium_of(tensor: torch.Tensor) -> Medium:
 
 
 @dataclass(frozen=True)
-class ShmBufferHandle:
-    """A byte range of a POSIX shared-memory segment (``/dev/shm/<name>``)."""
+class FdBufferHandle:
+    """A byte range of memory behind a file descriptor the worker handed over.
 
-    name: str
+    ``fd`` is the daemon's own descriptor (received with SCM_RIGHTS); the caller of
+    :meth:`DeviceMappings.open` owns it and may close it once the attach is over
+    (the mapping keeps the memory). ``index`` is its position in the handoff, for
+    messages only.
+    """
+
+    fd: int
     offset: int
     size: int
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,7 @@ class CudaIpcBufferHandle:
     device_uuid: str = ""
 
 
-DeviceHandle = ShmBufferHandle | CudaIpcBufferHandle
+DeviceHandle = FdBufferHandle | CudaIpcBufferHandle
 
 
 @dataclass(frozen=True)
@@ -94,7 +107,7 @@ class BufferSpec:
 
 
 class OpenedAllocation(abc.ABC):
-    """One mapped allocation (a shm segment, an IPC allocation).
+    """One mapped allocation (a handed-over memfd, an IPC allocation).
 
     Owned by the :class:`DeviceMappings` that opened it; closed exactly once by it.
     """
@@ -133,21 +146,56 @@ class HandleOpener(abc.ABC, Generic[H]):
         """Map the allocation; NotFound when it does not exist."""
 
 
-class ShmOpener(HandleOpener[ShmBufferHandle]):
+class FdOpener(HandleOpener[FdBufferHandle]):
+    """Maps a memfd sealed against shrinking; refuses every other fd.
+
+    Why only sealed memfds: a mapping of memory whose size can shrink under the
+    daemon raises SIGBUS on the next copy and kills the process (every session
+    lost). With ``F_SEAL_SHRINK`` the kernel refuses any ``ftruncate`` to a
+    smaller size, so the mapped range stays backed for the life of the mapping
+    (holes punched in it read back as zeros, never fault). Copying unsealed fds
+    with ``preadv``/``pwritev`` instead would be SIGBUS-safe too, but halves the
+    copy speed and keeps two data paths; a worker can always seal its own memfd.
+    """
+
     medium = Medium.CPU
 
-    def check(self, handle: ShmBufferHandle) -> None:
-        name = handle.name
-        if not isinstance(name, str) or not name or "/" in name or "\x00" in name or len(name) > 250:
-            raise InvalidArgument(f"invalid shared-memory segment name {name!r}")
+    def check(self, handle: FdBufferHandle) -> None:
+        if type(handle.fd) is not int or handle.fd < 0:
+            raise InvalidArgument(f"invalid file descriptor {handle.fd!r}")
 
-    def key(self, handle: ShmBufferHandle) -> Hashable:
-        return ("shm", handle.name)
+    def key(self, handle: FdBufferHandle) -> Hashable:
+        return ("fd", handle.fd)
 
-    def open(self, handle: ShmBufferHandle) -> OpenedAllocation:
+    def open(self, handle: FdBufferHandle) -> OpenedAllocation:
         from hicached.l2.shm import SharedSegment
 
-        return _ShmAllocation(SharedSegment.open(handle.name))
+        what = f"handed-over fd #{handle.index}"
+        try:
+            seals = fcntl.fcntl(handle.fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise InvalidArgument(
+                f"{what} is not a memfd ({exc.strerror}): hand over a memfd created with "
+                "MFD_ALLOW_SEALING and sealed with F_SEAL_SHRINK"
+            ) from None
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise InvalidArgument(
+                f"{what} can still shrink: seal it with F_SEAL_SHRINK (memfd_create with "
+                "MFD_ALLOW_SEALING, then fcntl(F_ADD_SEALS)) so that truncating it cannot crash the daemon"
+            )
+        st = os.fstat(handle.fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
+            raise InvalidArgument(f"{what} is empty or not a memory file (size {st.st_size})")
+        try:
+            mm = mmap.mmap(
+                handle.fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        except OSError as exc:
+            raise InvalidArgument(
+                f"{what} cannot be mapped read-write ({exc.strerror}): send an O_RDWR memfd without "
+                "F_SEAL_WRITE / F_SEAL_FUTURE_WRITE"
+            ) from None
+        return _ShmAllocation(SharedSegment(f"fd#{handle.index}", mm, st.st_size, writable=True))
 
 
 class _ShmAllocation(OpenedAllocation):
@@ -198,7 +246,7 @@ class CudaIpcOpener(HandleOpener[CudaIpcBufferHandle]):
 
 
 _OPENERS: dict[type, HandleOpener[Any]] = {
-    ShmBufferHandle: ShmOpener(),
+    FdBufferHandle: FdOpener(),
     CudaIpcBufferHandle: CudaIpcOpener(),
 }
 
@@ -260,7 +308,7 @@ def validate_spec(spec: BufferSpec) -> int:
 class DeviceMappings:
     """The device buffers of one worker session.
 
-    Opens each segment / IPC allocation once (several buffers may live in one),
+    Opens each handed-over fd / IPC allocation once (several buffers may live in one),
     hands out validated tensor views, and closes every mapping exactly once in
     :meth:`close`. The views borrow the worker's memory: they are valid until
     :meth:`close`, and the worker keeps owning (and eventually freeing) the memory.

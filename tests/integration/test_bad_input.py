@@ -78,8 +78,8 @@ def ctx(daemon: Daemon) -> Iterator[Ctx]:
         pools.close()
 
 
-def _shm(buf: tpb.DeviceBuffer) -> tpb.ShmHandle:
-    return buf.handle.shm
+def _fd(buf: tpb.DeviceBuffer) -> tpb.FdHandle:
+    return buf.handle.fd
 
 
 def _set_dtype(buf: tpb.DeviceBuffer) -> None:
@@ -90,16 +90,20 @@ def _set_heads(buf: tpb.DeviceBuffer) -> None:
     buf.shape[1] = 3
 
 
-def _missing_segment(buf: tpb.DeviceBuffer) -> None:
-    _shm(buf).name = f"hct-missing-{uuid.uuid4().hex[:8]}"
+def _named_segment(buf: tpb.DeviceBuffer) -> None:
+    """A buffer named by /dev/shm segment instead of handed over (refused since the fd handoff)."""
+    fd = _fd(buf)
+    buf.handle.shm.CopyFrom(
+        tpb.ShmHandle(name=f"hct-named-{uuid.uuid4().hex[:8]}", offset=fd.offset, size=fd.size)
+    )
 
 
 def _misaligned(buf: tpb.DeviceBuffer) -> None:
-    _shm(buf).offset += 3
+    _fd(buf).offset += 3
 
 
 def _past_end(buf: tpb.DeviceBuffer) -> None:
-    _shm(buf).offset += 1 << 30
+    _fd(buf).offset += 1 << 30
 
 
 # (case id, expected code, regex the message must match, the bad call)
@@ -251,16 +255,16 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
         lambda c: c.attach(c.specs_with(_past_end)),
     ),
     (
-        "missing-shm-segment",
-        C.NOT_FOUND,
-        "hct-missing-",
-        lambda c: c.attach(c.specs_with(_missing_segment)),
+        "named-shm-segment",
+        C.INVALID_ARGUMENT,
+        "handle.shm .*refused",
+        lambda c: c.attach(c.specs_with(_named_segment)),
     ),
     (
-        "missing-shm-segment-new-model",
-        C.NOT_FOUND,
-        "hct-missing-",
-        lambda c: c.attach(c.specs_with(_missing_segment), model_name="m-matrix-never"),
+        "named-shm-segment-new-model",
+        C.INVALID_ARGUMENT,
+        "handle.shm .*refused",
+        lambda c: c.attach(c.specs_with(_named_segment), model_name="m-matrix-never"),
     ),
     (
         "lease-out-of-bounds",

@@ -194,7 +194,7 @@ def test_close_detaches_every_session(daemon: Daemon, storages: StorageFactory) 
     storage = storages.make(pool, model=unique_model())
     session_id = storage.links["kv"].session.session_id
     with HiCacheClient(daemon.target) as client:
-        probe = client.session(session_id)
+        probe = client.session(session_id, session_secret=storage.links["kv"].session.info.session_secret)
         probe.heartbeat()
         storage.close()
         storage.close()

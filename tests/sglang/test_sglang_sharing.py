@@ -119,7 +119,8 @@ def test_clear_of_one_tenant_keeps_the_other(storages: StorageFactory) -> None:
 
 def _worker(daemon: Daemon, **args: Any) -> subprocess.Popen[str]:
     payload = json.dumps({"target": daemon.target, **args})
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # This checkout's daemon AND client (an installed hicached_client may be another checkout's).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")])}
     return subprocess.Popen(
         [sys.executable, "-m", "tests.sglang.worker", payload],
         cwd=ROOT,
@@ -191,7 +192,8 @@ def test_a_lost_session_is_attached_again(daemon: Daemon, storages: StorageFacto
     assert storage.batch_set_v1(keys[:2], src[:8]) == [True, True]
     lost = storage.links["kv"].session.session_id
     with HiCacheClient(daemon.target) as client:
-        client.session(lost).detach()  # as a daemon restart or an expired lease would
+        secret = storage.links["kv"].session.info.session_secret
+        client.session(lost, session_secret=secret).detach()  # as a daemon restart or an expired lease would
     assert storage.batch_set_v1(keys[2:], src[8:]) == [True, True]
     assert storage.links["kv"].session.session_id != lost
     dst = pool.alloc(16)

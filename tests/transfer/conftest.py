@@ -1,4 +1,4 @@
-"""Fixtures of the data-plane tests: real shm segments, real host pools, unique names."""
+"""Fixtures of the data-plane tests: real memfd device pools, real host pools, unique names."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hicached_client.v1 import types_pb2
 
 from hicached.l2.host_pool import HostKVPool, create_host_pool
 from hicached.l2.layout import HostLayout, KVSpec, PoolKind
-from hicached.transfer import BufferSpec, DeviceMappings, DevicePoolView, Medium, ShmBufferHandle
+from hicached.transfer import BufferSpec, DeviceMappings, DevicePoolView, FdBufferHandle, Medium
 
 PAGE = 4
 HEADS = 2
@@ -26,11 +26,17 @@ def spec_of(kind: PoolKind = PoolKind.MHA, layers: int = 2, dtype: torch.dtype =
     return KVSpec(kind=kind, dtype=dtype, num_layers=layers, num_heads=heads, head_dim=DIM, page_size=PAGE)
 
 
-def buffer_spec(buf: types_pb2.DeviceBuffer) -> BufferSpec:
-    """The server's wire -> BufferSpec conversion, for shm buffers (tests only)."""
-    shm = buf.handle.shm
+def buffer_spec(buf: types_pb2.DeviceBuffer, fd_map: dict[int, int] | None = None) -> BufferSpec:
+    """The server's wire -> BufferSpec conversion, for fd buffers (tests only).
+
+    Before attach, ``fd_index`` holds the exporting process's fd number: in this
+    process that IS the fd; ``fd_map`` translates another process's numbers to the
+    fds received from it.
+    """
+    h = buf.handle.fd
+    fd = h.fd_index if fd_map is None else fd_map[h.fd_index]
     return BufferSpec(
-        handle=ShmBufferHandle(name=shm.name, offset=shm.offset, size=shm.size),
+        handle=FdBufferHandle(fd=fd, offset=h.offset, size=h.size),
         shape=tuple(buf.shape),
         dtype=dtype_from_wire(buf.dtype),
     )

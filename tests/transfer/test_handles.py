@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
+from hicached_client.export import sealed_memfd
 
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicached.l2.shm import SharedSegment
-from hicached.transfer import BufferSpec, CudaIpcBufferHandle, DeviceMappings, ShmBufferHandle
+from hicached.transfer import BufferSpec, CudaIpcBufferHandle, DeviceMappings, FdBufferHandle
 from hicached.transfer.handles import (
     DTYPE_BY_NAME,
     NAME_BY_DTYPE,
@@ -26,77 +29,136 @@ from hicached.transfer.handles import (
 SEG_BYTES = 64 * 1024
 
 
+class Memfd(SharedSegment):
+    """A worker-side sealed memfd and this test's own mapping of it (``fd`` stays open)."""
+
+    fd: int
+
+
 @pytest.fixture
-def segment(unique: Callable[[str], str]) -> SharedSegment:
-    seg = SharedSegment.create(unique("seg"), SEG_BYTES)
+def segment(unique: Callable[[str], str]) -> Iterator[Memfd]:
+    name = unique("seg")
+    fd = sealed_memfd(name, SEG_BYTES)
+    mm = mmap.mmap(fd, SEG_BYTES, flags=mmap.MAP_SHARED)
+    seg = Memfd(name, mm, SEG_BYTES, writable=True)
+    seg.fd = fd
     yield seg
     seg.close()
-    seg.unlink()
+    os.close(fd)
 
 
 def maps_of(name: str) -> int:
-    """How many memory mappings of /dev/shm/<name> this process holds."""
+    """How many memory mappings of memfd <name> this process holds."""
     with open("/proc/self/maps") as f:
-        return sum(1 for line in f if line.rstrip().endswith(f"/dev/shm/{name}"))
+        return sum(1 for line in f if f"/memfd:{name} " in line)
 
 
-def shm(
-    seg: SharedSegment, offset: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float16
-) -> BufferSpec:
+def shm(seg: Memfd, offset: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float16) -> BufferSpec:
     size = dtype.itemsize
     for d in shape:
         size *= d
-    return BufferSpec(ShmBufferHandle(seg.name, offset, size), shape, dtype)
+    return BufferSpec(FdBufferHandle(seg.fd, offset, size), shape, dtype)
 
 
-BAD_SHM: list[tuple[str, Callable[[str], BufferSpec], str]] = [
-    ("size mismatch", lambda n: BufferSpec(ShmBufferHandle(n, 0, 100), (4, 2, 8), torch.float16), "size 100"),
-    ("misaligned", lambda n: BufferSpec(ShmBufferHandle(n, 8, 128), (4, 2, 8), torch.float16), "offset 8"),
-    ("negative offset", lambda n: BufferSpec(ShmBufferHandle(n, -16, 128), (4, 2, 8), torch.float16), "-16"),
-    ("empty shape", lambda n: BufferSpec(ShmBufferHandle(n, 0, 0), (), torch.float16), "shape"),
-    ("zero dim", lambda n: BufferSpec(ShmBufferHandle(n, 0, 0), (4, 0, 8), torch.float16), "(4, 0, 8)"),
-    ("float dim", lambda n: BufferSpec(ShmBufferHandle(n, 0, 128), (4, 2.0, 8), torch.float16), "shape"),  # type: ignore[arg-type]
-    ("list shape", lambda n: BufferSpec(ShmBufferHandle(n, 0, 128), [4, 2, 8], torch.float16), "shape"),  # type: ignore[arg-type]
-    ("float64", lambda n: BufferSpec(ShmBufferHandle(n, 0, 512), (4, 2, 8), torch.float64), "float64"),
-    ("not a dtype", lambda n: BufferSpec(ShmBufferHandle(n, 0, 128), (4, 2, 8), "float16"), "dtype"),  # type: ignore[arg-type]
-    ("empty name", lambda n: BufferSpec(ShmBufferHandle("", 0, 128), (4, 2, 8), torch.float16), "name"),
-    ("slash name", lambda n: BufferSpec(ShmBufferHandle("a/b", 0, 128), (4, 2, 8), torch.float16), "a/b"),
+BAD_FD: list[tuple[str, Callable[[int], BufferSpec], str]] = [
+    ("size mismatch", lambda n: BufferSpec(FdBufferHandle(n, 0, 100), (4, 2, 8), torch.float16), "size 100"),
+    ("misaligned", lambda n: BufferSpec(FdBufferHandle(n, 8, 128), (4, 2, 8), torch.float16), "offset 8"),
+    ("negative offset", lambda n: BufferSpec(FdBufferHandle(n, -16, 128), (4, 2, 8), torch.float16), "-16"),
+    ("empty shape", lambda n: BufferSpec(FdBufferHandle(n, 0, 0), (), torch.float16), "shape"),
+    ("zero dim", lambda n: BufferSpec(FdBufferHandle(n, 0, 0), (4, 0, 8), torch.float16), "(4, 0, 8)"),
+    ("float dim", lambda n: BufferSpec(FdBufferHandle(n, 0, 128), (4, 2.0, 8), torch.float16), "shape"),  # type: ignore[arg-type]
+    ("list shape", lambda n: BufferSpec(FdBufferHandle(n, 0, 128), [4, 2, 8], torch.float16), "shape"),  # type: ignore[arg-type]
+    ("float64", lambda n: BufferSpec(FdBufferHandle(n, 0, 512), (4, 2, 8), torch.float64), "float64"),
+    ("not a dtype", lambda n: BufferSpec(FdBufferHandle(n, 0, 128), (4, 2, 8), "float16"), "dtype"),  # type: ignore[arg-type]
+    (
+        "negative fd",
+        lambda n: BufferSpec(FdBufferHandle(-1, 0, 128), (4, 2, 8), torch.float16),
+        "descriptor -1",
+    ),
     (
         "beyond segment",
-        lambda n: BufferSpec(ShmBufferHandle(n, SEG_BYTES - 64, 128), (4, 2, 8), torch.float16),
+        lambda n: BufferSpec(FdBufferHandle(n, SEG_BYTES - 64, 128), (4, 2, 8), torch.float16),
         "exceeds",
     ),
     (
         "huge",
-        lambda n: BufferSpec(ShmBufferHandle(n, 0, 2 * SEG_BYTES), (SEG_BYTES,), torch.float16),
+        lambda n: BufferSpec(FdBufferHandle(n, 0, 2 * SEG_BYTES), (SEG_BYTES,), torch.float16),
         "exceeds",
     ),
 ]
 
 
-@pytest.mark.parametrize(("case", "make", "needle"), BAD_SHM, ids=[c[0] for c in BAD_SHM])
-def test_bad_shm_handle_is_rejected_and_leaves_nothing_open(
-    segment: SharedSegment, case: str, make: Callable[[str], BufferSpec], needle: str
+@pytest.mark.parametrize(("case", "make", "needle"), BAD_FD, ids=[c[0] for c in BAD_FD])
+def test_bad_fd_handle_is_rejected_and_leaves_nothing_open(
+    segment: Memfd, case: str, make: Callable[[int], BufferSpec], needle: str
 ) -> None:
     mappings = DeviceMappings()
     before = maps_of(segment.name)
     with pytest.raises(InvalidArgument) as info:
-        mappings.open(make(segment.name))
+        mappings.open(make(segment.fd))
     assert needle in str(info.value), (case, str(info.value))
     assert mappings.open_count == 0
-    assert maps_of(segment.name) == before  # nothing of the segment stayed mapped
+    assert maps_of(segment.name) == before  # nothing of the memfd stayed mapped
     mappings.close()
 
 
-def test_missing_segment_is_not_found(unique: Callable[[str], str]) -> None:
+def _unsealed_memfd(name: str) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, SEG_BYTES)
+    return fd
+
+
+def _dev_shm_file(name: str) -> int:
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.unlink(path)
+    os.ftruncate(fd, SEG_BYTES)
+    return fd
+
+
+def _read_only_memfd(name: str) -> int:
+    fd = sealed_memfd(name, SEG_BYTES)
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    finally:
+        os.close(fd)
+
+
+def _closed_fd(name: str) -> int:
+    fd = sealed_memfd(name, SEG_BYTES)
+    os.close(fd)
+    return fd
+
+
+# Fds a worker could hand over that the daemon must not map: each can shrink under
+# its mapping (SIGBUS), or cannot be mapped read-write.
+BAD_KINDS: list[tuple[str, Callable[[str], int], str]] = [
+    ("unsealed memfd", _unsealed_memfd, "seal it with F_SEAL_SHRINK"),
+    ("/dev/shm file", _dev_shm_file, "seal it with F_SEAL_SHRINK"),
+    ("read-only memfd", _read_only_memfd, "cannot be mapped read-write"),
+    ("closed fd", _closed_fd, "not a memfd"),
+]
+
+
+@pytest.mark.parametrize(("case", "make", "needle"), BAD_KINDS, ids=[c[0] for c in BAD_KINDS])
+def test_fd_that_could_shrink_or_cannot_be_written_is_refused(
+    unique: Callable[[str], str], case: str, make: Callable[[str], int], needle: str
+) -> None:
+    name = unique("bad")
+    fd = make(name)
     mappings = DeviceMappings()
-    spec = BufferSpec(ShmBufferHandle(unique("absent"), 0, 128), (4, 2, 8), torch.float16)
-    with pytest.raises(NotFound, match="does not exist"):
-        mappings.open(spec)
-    assert mappings.open_count == 0
+    try:
+        with pytest.raises(InvalidArgument, match=needle):
+            mappings.open(BufferSpec(FdBufferHandle(fd, 0, 128), (4, 2, 8), torch.float16))
+        assert mappings.open_count == 0
+        assert maps_of(name) == 0
+    finally:
+        mappings.close()
+        if case != "closed fd":
+            os.close(fd)
 
 
-def test_failed_open_keeps_earlier_mappings(segment: SharedSegment) -> None:
+def test_failed_open_keeps_earlier_mappings(segment: Memfd) -> None:
     mappings = DeviceMappings()
     good = mappings.open(shm(segment, 0, (4, 2, 8)))
     with pytest.raises(InvalidArgument):
@@ -108,7 +170,7 @@ def test_failed_open_keeps_earlier_mappings(segment: SharedSegment) -> None:
     mappings.close()
 
 
-def test_buffers_in_one_segment_share_one_mapping_and_alias_its_memory(segment: SharedSegment) -> None:
+def test_buffers_in_one_segment_share_one_mapping_and_alias_its_memory(segment: Memfd) -> None:
     mappings = DeviceMappings()
     a = mappings.open(shm(segment, 0, (4, 2, 8)))
     b = mappings.open(shm(segment, 4096, (16, 16), torch.float32))
@@ -122,7 +184,7 @@ def test_buffers_in_one_segment_share_one_mapping_and_alias_its_memory(segment: 
     assert mappings.open_count == 0
 
 
-def test_close_is_idempotent_and_final(segment: SharedSegment) -> None:
+def test_close_is_idempotent_and_final(segment: Memfd) -> None:
     mappings = DeviceMappings()
     view = mappings.open(shm(segment, 0, (4, 2, 8)))
     del view
@@ -135,7 +197,7 @@ def test_close_is_idempotent_and_final(segment: SharedSegment) -> None:
     assert mappings.open_count == 0
 
 
-def test_concurrent_opens_map_a_segment_once(segment: SharedSegment) -> None:
+def test_concurrent_opens_map_a_segment_once(segment: Memfd) -> None:
     mappings = DeviceMappings()
     start = threading.Barrier(8)
     views: list[torch.Tensor] = []

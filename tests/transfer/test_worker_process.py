@@ -1,8 +1,10 @@
-"""A real worker process exports its shm KV pool; the daemon side maps it and copies byte-exact."""
+"""A real worker process hands its memfd KV pool over; the daemon side maps it and copies byte-exact."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,6 @@ import torch
 from hicached_client.v1 import types_pb2
 
 from hicached.l2.host_pool import HostKVPool
-from hicached.l2.shm import SharedSegment
 from hicached.transfer import (
     CopyEngine,
     DeviceMappings,
@@ -29,10 +30,12 @@ from .conftest import PAGE, buffer_spec, pages_of, spec_of
 TOKENS = 12 * PAGE
 CHILD = textwrap.dedent(
     """
-    import hashlib, sys, torch
+    import hashlib, socket, sys, torch
     from hicached_client.export import ShmKVPool
-    name, seed, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    name, seed, tokens, sock_fd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     pool = ShmKVPool(name, num_layers=2, tokens=tokens, heads=2, head_dim=8, dtype=torch.bfloat16)
+    with socket.socket(fileno=sock_fd) as sock:
+        socket.send_fds(sock, [b"fd"], [pool.fd])
     gen = torch.Generator().manual_seed(seed)
     for t in pool.k + pool.v:
         t.view(torch.int16).copy_(
@@ -50,7 +53,6 @@ CHILD = textwrap.dedent(
         else:
             break
     pool.close()
-    pool.unlink()
     """
 )
 
@@ -66,12 +68,18 @@ def test_child_exports_shm_pool_and_daemon_copies_byte_exact(
     unique: Callable[[str], str], make_host: Callable[..., HostKVPool]
 ) -> None:
     name, seed = unique("worker"), 77
+    ours, theirs = socket.socketpair()
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, name, str(seed), str(TOKENS)],
+        [sys.executable, "-c", CHILD, name, str(seed), str(TOKENS), str(theirs.fileno())],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        pass_fds=[theirs.fileno()],
     )
+    theirs.close()
+    # The child hands its pool over as a file descriptor, as a worker does to the daemon.
+    _, (received,), _, _ = socket.recv_fds(ours, 16, 1)
+    ours.close()
     mappings = DeviceMappings()
     engine = CopyEngine(workers=2)
     try:
@@ -86,8 +94,10 @@ def test_child_exports_shm_pool_and_daemon_copies_byte_exact(
                 types_pb2.DeviceBuffer.FromString(bytes.fromhex(payload))
             )
         assert len(k_msgs) == 2 and len(v_msgs) == 2
-        k = [mappings.open(buffer_spec(b)) for b in k_msgs]
-        v = [mappings.open(buffer_spec(b)) for b in v_msgs]
+        fd_map = {k_msgs[0].handle.fd.fd_index: received}
+        k = [mappings.open(buffer_spec(b, fd_map)) for b in k_msgs]
+        v = [mappings.open(buffer_spec(b, fd_map)) for b in v_msgs]
+        os.close(received)  # the mapping keeps the memory, as in the daemon after an attach
         assert mappings.open_count == 1
         expected = expected_buffers(seed)
         for got, want in zip([*k, *v], expected, strict=True):
@@ -120,16 +130,13 @@ def test_child_exports_shm_pool_and_daemon_copies_byte_exact(
         del k, v, view, plan
         mappings.close()
         with open("/proc/self/maps") as f:
-            assert not [line for line in f if f"/dev/shm/{name}" in line]
+            assert not [line for line in f if f"/memfd:{name}" in line]
         child.stdin.write("exit\n")
         child.stdin.flush()
         assert child.wait(timeout=30) == 0
-        assert not SharedSegment.exists(name)
     finally:
         engine.close()
         mappings.close()
         if child.poll() is None:
             child.kill()
             child.wait()
-        if SharedSegment.exists(name):
-            SharedSegment.open(name).unlink()

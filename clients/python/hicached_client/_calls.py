@@ -9,13 +9,14 @@ call does no I/O; invoking it is the client's job.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
 
 from hicached_client import _convert as cv
+from hicached_client._handoff import SESSION_SECRET_METADATA
 from hicached_client.types import (
     AllocResult,
     AttachResult,
@@ -61,16 +62,32 @@ class Call(Generic[T]):
     request: Message
     convert: Callable[[Any], T]
     service: Service = Service.HICACHE
+    # Call-specific metadata (the session secret), sent after the channel's own.
+    metadata: tuple[tuple[str, str], ...] = ()
+
+    def signed(self, session_secret: str) -> Call[T]:
+        """This call carrying a session's capability (unchanged when the secret is empty)."""
+        if not session_secret:
+            return self
+        return replace(self, metadata=(*self.metadata, (SESSION_SECRET_METADATA, session_secret)))
 
 
 # ---------------------------------------------------------------- sessions
 
 
 def attach(
-    op_id: str, identity: WorkerIdentity, pools: Sequence[tpb.PoolSpec], lease_ms: int
+    op_id: str,
+    identity: WorkerIdentity,
+    pools: Sequence[tpb.PoolSpec],
+    lease_ms: int,
+    handoff_ticket: str = "",
 ) -> Call[AttachResult]:
     req = pb.AttachRequest(
-        op_id=op_id, identity=cv.identity_to_wire(identity), pools=list(pools), lease_ms=lease_ms
+        op_id=op_id,
+        identity=cv.identity_to_wire(identity),
+        pools=list(pools),
+        lease_ms=lease_ms,
+        handoff_ticket=handoff_ticket,
     )
     return Call("Attach", req, cv.attach_result)
 

@@ -235,6 +235,7 @@ def attach_result(msg: pb.AttachResponse) -> AttachResult:
         pools=tuple(pool_info(p) for p in msg.pools),
         joined_existing_group=msg.joined_existing_group,
         replaced_session_id=msg.replaced_session_id,
+        session_secret=msg.session_secret,
     )
 
 

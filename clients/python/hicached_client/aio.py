@@ -20,7 +20,7 @@ from typing import Any, Self, TypeVar
 import grpc
 from grpc.aio import EOF  # type: ignore[attr-defined]
 
-from hicached_client import _calls
+from hicached_client import _calls, _handoff
 from hicached_client._calls import Call, Service
 from hicached_client._channel import ChannelConfig, RetryPolicy
 from hicached_client.errors import HiCacheError, from_rpc_error
@@ -140,7 +140,9 @@ class AsyncHiCacheClient:
         attempt = 1
         while True:
             try:
-                reply = await method(call.request, timeout=self._remaining(deadline), metadata=self._metadata)
+                reply = await method(
+                    call.request, timeout=self._remaining(deadline), metadata=self._metadata + call.metadata
+                )
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc, call.method)
                 delay = self._retry_delay(attempt, error, deadline)
@@ -157,7 +159,9 @@ class AsyncHiCacheClient:
 
     def _start_stream(self, call: Call[Any], deadline: float | None) -> Any:
         method = getattr(self._stubs[call.service], call.method)
-        return method(call.request, timeout=self._remaining(deadline), metadata=self._metadata)
+        return method(
+            call.request, timeout=self._remaining(deadline), metadata=self._metadata + call.metadata
+        )
 
     # ------------------------------------------------------------- sessions
 
@@ -172,17 +176,52 @@ class AsyncHiCacheClient:
         timeout_s: float | None = None,
     ) -> AsyncSession:
         """Register a worker and its device pools; returns its :class:`AsyncSession`."""
-        info = await self.invoke(_calls.attach(op_id or new_op_id(), identity, pools, lease_ms), timeout_s)
-        return AsyncSession(self, info, heartbeat=heartbeat)
+        wire_pools, fds = _handoff.prepare(pools)
+        path = _handoff.handoff_path(self.target)
+        if path is None and fds:
+            raise ValueError(f"fd-exported buffers need a Unix socket target, not {self.target!r}")
+        op = op_id or new_op_id()
+        stub = self._stubs[Service.HICACHE]
+        deadline = self._deadline(timeout_s)
+        attempt = 1
+        while True:
+            try:
+                # A ticket serves one Attach: every attempt hands the fds over afresh.
+                ticket = ""
+                if path is not None:
+                    remaining = self._remaining(deadline)
+                    ticket = await asyncio.to_thread(_handoff.hand_over, path, fds, remaining) or ""
+                call = _calls.attach(op, identity, wire_pools, lease_ms, ticket)
+                try:
+                    reply = await stub.Attach(
+                        call.request, timeout=self._remaining(deadline), metadata=self._metadata
+                    )
+                except grpc.RpcError as exc:
+                    raise from_rpc_error(exc, call.method) from None
+            except HiCacheError as error:
+                delay = self._retry_delay(attempt, error, deadline)
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)  # backoff between retries, not synchronisation
+                attempt += 1
+                continue
+            return AsyncSession(self, call.convert(reply), heartbeat=heartbeat)
 
-    def session(self, session_id: str, *, lease_ms: int = 0, heartbeat: bool = False) -> AsyncSession:
-        """A handle on an existing session id (no call is made; no heartbeat by default)."""
+    def session(
+        self, session_id: str, *, lease_ms: int = 0, heartbeat: bool = False, session_secret: str = ""
+    ) -> AsyncSession:
+        """A handle on an existing session (no call is made; no heartbeat by default).
+
+        ``session_secret`` is the one its Attach returned: without it the daemon refuses
+        every call of the session (PERMISSION_DENIED).
+        """
         info = AttachResult(
             session_id=session_id,
             lease_ms=lease_ms,
             pools=(),
             joined_existing_group=False,
             replaced_session_id="",
+            session_secret=session_secret,
         )
         return AsyncSession(self, info, heartbeat=heartbeat)
 
@@ -330,7 +369,7 @@ class AsyncSession:
         return op_id or new_op_id()
 
     async def _invoke(self, call: Call[T], timeout_s: float | None) -> T:
-        return await self.client.invoke(call, timeout_s)
+        return await self.client.invoke(call.signed(self.info.session_secret), timeout_s)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -448,7 +487,7 @@ class AsyncSession:
             primary_host_pages=primary_host_pages,
             layer_progress=layer_progress,
         )
-        return self.client.stream(call, timeout_s)
+        return self.client.stream(call.signed(self.info.session_secret), timeout_s)
 
     async def load_wait(self, transfers: Sequence[Transfer], **kwargs: Any) -> LoadResult:
         """:meth:`load` and wait for the end."""
@@ -498,7 +537,7 @@ class AsyncSession:
             primary_device_pages=primary_device_pages,
             layer_progress=layer_progress,
         )
-        return self.client.stream(call, timeout_s)
+        return self.client.stream(call.signed(self.info.session_secret), timeout_s)
 
     async def retract_restore_wait(
         self, backup_id: str, transfers: Sequence[Transfer], **kwargs: Any

@@ -1,11 +1,12 @@
 """Helpers for a worker to export its KV buffers to the daemon.
 
 A worker exports each KV buffer once, at attach time, as a ``DeviceBuffer`` wire
-message: a POSIX shared-memory range for CPU workers (:class:`ShmKVPool`,
-:func:`export_shm_tensor`) or a CUDA IPC memory handle on NVIDIA GPUs
-(:func:`export_cuda_ipc`). The worker keeps owning the memory: it must keep the
-exported tensors alive (and the shm segment linked) for as long as its session
-with the daemon lasts.
+message: a byte range of a sealed memfd for CPU workers (:class:`ShmKVPool`,
+:func:`export_fd_tensor`; the client's attach hands the fd over with SCM_RIGHTS)
+or a CUDA IPC memory handle on NVIDIA GPUs (:func:`export_cuda_ipc`). Memory is
+never named: the daemon refuses /dev/shm names. The worker keeps owning the
+memory: it must keep the exported tensors alive for as long as its session with
+the daemon lasts.
 
 Needs torch (the ``torch`` extra); CUDA is only touched by :func:`export_cuda_ipc`.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import math
 import mmap
@@ -24,8 +26,7 @@ import torch
 
 from hicached_client.v1 import types_pb2
 
-SHM_DIR = "/dev/shm"
-# Buffers start on OS-page boundaries inside a ShmKVPool segment; the daemon
+# Buffers start on OS-page boundaries inside a ShmKVPool memfd; the daemon
 # requires at least 16-byte alignment.
 _ALIGN = 4096
 _IPC_HANDLE_BYTES = 64
@@ -58,36 +59,61 @@ def dtype_from_wire(value: int) -> torch.dtype:
         raise ValueError(f"unknown wire DataType {value}") from None
 
 
-def export_shm_tensor(segment_name: str, base_offset: int, tensor: torch.Tensor) -> types_pb2.DeviceBuffer:
-    """Describe a contiguous CPU tensor that lives in shm segment ``segment_name``.
+def export_fd_tensor(fd: int, base_offset: int, tensor: torch.Tensor) -> types_pb2.DeviceBuffer:
+    """Describe a contiguous CPU tensor that lives in the memory behind ``fd`` (a sealed memfd).
 
-    ``base_offset`` is the byte offset in the segment where the tensor's storage
-    begins (the tensor's own storage offset is added).
+    ``base_offset`` is the byte offset in the fd's memory where the tensor's storage
+    begins (the tensor's own storage offset is added). The returned handle's
+    ``fd_index`` holds the LOCAL fd number: ``attach`` hands the fd over and
+    renumbers it to its position in the handoff (the wire meaning). Keep ``fd`` open
+    until the attach returned.
     """
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(f"only contiguous CPU tensors can be exported as shm, got {tensor.device}")
+        raise ValueError(f"only contiguous CPU tensors can be exported by fd, got {tensor.device}")
     if base_offset < 0:
         raise ValueError(f"base_offset must be >= 0, got {base_offset}")
+    if fd < 0:
+        raise ValueError(f"invalid file descriptor {fd}")
     offset = base_offset + int(tensor.storage_offset()) * tensor.element_size()
     return types_pb2.DeviceBuffer(
         handle=types_pb2.DeviceHandle(
-            shm=types_pb2.ShmHandle(
-                name=segment_name, offset=offset, size=tensor.numel() * tensor.element_size()
-            )
+            fd=types_pb2.FdHandle(fd_index=fd, offset=offset, size=tensor.numel() * tensor.element_size())
         ),
         shape=list(tensor.shape),
         dtype=dtype_to_wire(tensor.dtype),
     )
 
 
+def sealed_memfd(name: str, size: int) -> int:
+    """A new memfd of ``size`` bytes (memory reserved), sealed so its size can never change.
+
+    The daemon maps only memfds sealed with ``F_SEAL_SHRINK``: a mapping whose file can
+    shrink would SIGBUS it. ``name`` is only a label (``/proc/PID/fd``); nothing can open
+    the memory by name. The caller owns (and closes) the returned fd.
+    """
+    if size <= 0:
+        raise ValueError(f"memfd size must be > 0, got {size}")
+    fd = os.memfd_create(name or "hicached", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class ShmKVPool:
-    """A CPU worker's "device" KV pool living in one POSIX shm segment owned by the worker.
+    """A CPU worker's "device" KV pool living in one sealed memfd owned by the worker.
 
     Layer ``i``'s K (and V, unless ``mla``) is a (tokens, heads, head_dim) tensor at
-    a page-aligned offset. The segment is created here and never registered with a
-    resource tracker: it lives until :meth:`unlink`, whatever happens to this
-    process. :meth:`close` unmaps (once the last view is gone); both are idempotent.
-    Not thread-safe for close/unlink; the tensors may be used from any thread.
+    a page-aligned offset. The memory has no name in ``/dev/shm``: it is handed to the
+    daemon as a file descriptor at attach (see :meth:`k_buffers`) and freed when the
+    last process holding it (this pool, the daemon's mapping) lets go, so no crash can
+    leave it behind. ``name`` is a label only. :meth:`close` unmaps (once the last view
+    is gone) and closes the fd; idempotent. Not thread-safe for close; the tensors may
+    be used from any thread.
     """
 
     def __init__(
@@ -110,7 +136,7 @@ class ShmKVPool:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ShmKVPool {field} must be a positive int, got {value!r}")
         if not name or "/" in name:
-            raise ValueError(f"invalid shm segment name {name!r}")
+            raise ValueError(f"invalid pool name {name!r}")
         dtype_to_wire(dtype)
         self.name = name
         self.shape = (tokens, heads, head_dim)
@@ -119,18 +145,15 @@ class ShmKVPool:
         self._stride = math.ceil(buf_bytes / _ALIGN) * _ALIGN
         num_bufs = num_layers * (1 if mla else 2)
         size = self._stride * num_bufs
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = sealed_memfd(name, size)
         try:
-            os.posix_fallocate(fd, 0, size)
             self._mmap: mmap.mmap | None = mmap.mmap(
                 fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             )
         except BaseException:
             os.close(fd)
-            os.unlink(path)
             raise
-        os.close(fd)
+        self._fd: int | None = fd
         self.size = size
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -147,10 +170,17 @@ class ShmKVPool:
                 (self.k if is_k else self.v).append(t.view(self.shape))
                 (self._k_offsets if is_k else self._v_offsets).append(offset)
 
+    @property
+    def fd(self) -> int:
+        """The memfd holding the pool (owned by this pool; closed by :meth:`close`)."""
+        if self._fd is None:
+            raise ValueError(f"ShmKVPool {self.name!r} is closed")
+        return self._fd
+
     def _export(self, tensors: list[torch.Tensor], offsets: list[int]) -> list[types_pb2.DeviceBuffer]:
         if self._mmap is None:
             raise ValueError(f"ShmKVPool {self.name!r} is closed")
-        return [export_shm_tensor(self.name, off, t) for t, off in zip(tensors, offsets, strict=True)]
+        return [export_fd_tensor(self.fd, off, t) for t, off in zip(tensors, offsets, strict=True)]
 
     def k_buffers(self) -> list[types_pb2.DeviceBuffer]:
         return self._export(self.k, self._k_offsets)
@@ -159,24 +189,24 @@ class ShmKVPool:
         return self._export(self.v, self._v_offsets)
 
     def close(self) -> None:
-        """Drop this pool's views and mapping (deferred while the caller still holds views)."""
+        """Drop this pool's views, mapping and fd (unmapping deferred while the caller holds views)."""
         mm, self._mmap = self._mmap, None
+        fd, self._fd = self._fd, None
         self.k, self.v = [], []
         if mm is not None:
             with contextlib.suppress(BufferError):  # unmapped when the last view dies
                 mm.close()
+        if fd is not None:
+            os.close(fd)
 
     def unlink(self) -> None:
-        """Remove the segment name; the daemon's existing mapping stays valid."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, self.name))
+        """Nothing to do: a memfd has no name (kept so callers of the named-segment pool still work)."""
 
     def __enter__(self) -> ShmKVPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-        self.unlink()
 
 
 class _IpcMemHandle(ctypes.Structure):

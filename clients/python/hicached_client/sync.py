@@ -19,7 +19,7 @@ from typing import Any, Self, TypeVar
 
 import grpc
 
-from hicached_client import _calls
+from hicached_client import _calls, _handoff
 from hicached_client._calls import Call, Service
 from hicached_client._channel import ChannelConfig, RetryPolicy
 from hicached_client.errors import HiCacheError, from_rpc_error
@@ -163,7 +163,9 @@ class HiCacheClient:
         attempt = 1
         while True:
             try:
-                reply = method(call.request, timeout=self._remaining(deadline), metadata=self._metadata)
+                reply = method(
+                    call.request, timeout=self._remaining(deadline), metadata=self._metadata + call.metadata
+                )
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc, call.method)
                 delay = self._retry_delay(attempt, error, deadline)
@@ -180,7 +182,9 @@ class HiCacheClient:
 
     def _start_stream(self, call: Call[Any], deadline: float | None) -> Any:
         method = getattr(self._stubs[call.service], call.method)
-        return method(call.request, timeout=self._remaining(deadline), metadata=self._metadata)
+        return method(
+            call.request, timeout=self._remaining(deadline), metadata=self._metadata + call.metadata
+        )
 
     # ------------------------------------------------------------- sessions
 
@@ -199,17 +203,51 @@ class HiCacheClient:
         With ``heartbeat`` the session renews its lease every ``lease_ms / 3``
         on a daemon thread until it is detached or closed.
         """
-        info = self.invoke(_calls.attach(op_id or new_op_id(), identity, pools, lease_ms), timeout_s)
-        return Session(self, info, heartbeat=heartbeat)
+        wire_pools, fds = _handoff.prepare(pools)
+        path = _handoff.handoff_path(self.target)
+        if path is None and fds:
+            raise ValueError(f"fd-exported buffers need a Unix socket target, not {self.target!r}")
+        op = op_id or new_op_id()
+        stub = self._stubs[Service.HICACHE]
+        deadline = self._deadline(timeout_s)
+        attempt = 1
+        while True:
+            try:
+                # A ticket serves one Attach: every attempt hands the fds over afresh.
+                ticket = (
+                    "" if path is None else _handoff.hand_over(path, fds, self._remaining(deadline)) or ""
+                )
+                call = _calls.attach(op, identity, wire_pools, lease_ms, ticket)
+                try:
+                    reply = stub.Attach(
+                        call.request, timeout=self._remaining(deadline), metadata=self._metadata
+                    )
+                except grpc.RpcError as exc:
+                    raise from_rpc_error(exc, call.method) from None
+            except HiCacheError as error:
+                delay = self._retry_delay(attempt, error, deadline)
+                if delay is None:
+                    raise
+                time.sleep(delay)  # backoff between retries, not synchronisation
+                attempt += 1
+                continue
+            return Session(self, call.convert(reply), heartbeat=heartbeat)
 
-    def session(self, session_id: str, *, lease_ms: int = 0, heartbeat: bool = False) -> Session:
-        """A handle on an existing session id (no call is made; no heartbeat by default)."""
+    def session(
+        self, session_id: str, *, lease_ms: int = 0, heartbeat: bool = False, session_secret: str = ""
+    ) -> Session:
+        """A handle on an existing session (no call is made; no heartbeat by default).
+
+        ``session_secret`` is the one its Attach returned: without it the daemon refuses
+        every call of the session (PERMISSION_DENIED).
+        """
         info = AttachResult(
             session_id=session_id,
             lease_ms=lease_ms,
             pools=(),
             joined_existing_group=False,
             replaced_session_id="",
+            session_secret=session_secret,
         )
         return Session(self, info, heartbeat=heartbeat)
 
@@ -355,7 +393,7 @@ class Session:
         return op_id or new_op_id()
 
     def _invoke(self, call: Call[T], timeout_s: float | None) -> T:
-        return self.client.invoke(call, timeout_s)
+        return self.client.invoke(call.signed(self.info.session_secret), timeout_s)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -473,7 +511,7 @@ class Session:
             primary_host_pages=primary_host_pages,
             layer_progress=layer_progress,
         )
-        return self.client.stream(call, timeout_s)
+        return self.client.stream(call.signed(self.info.session_secret), timeout_s)
 
     def load_wait(self, transfers: Sequence[Transfer], **kwargs: Any) -> LoadResult:
         """:meth:`load` and wait for the end."""
@@ -523,7 +561,7 @@ class Session:
             primary_device_pages=primary_device_pages,
             layer_progress=layer_progress,
         )
-        return self.client.stream(call, timeout_s)
+        return self.client.stream(call.signed(self.info.session_secret), timeout_s)
 
     def retract_restore_wait(
         self, backup_id: str, transfers: Sequence[Transfer], **kwargs: Any

@@ -14,7 +14,7 @@ caller's buffer.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
@@ -167,6 +167,8 @@ class AttachResult:
     pools: tuple[PoolInfo, ...]
     joined_existing_group: bool
     replaced_session_id: str
+    # The session's capability, sent as metadata on every call of the session (never logged).
+    session_secret: str = field(default="", repr=False)
 
     def pool(self, name: str) -> PoolInfo:
         """The pool called ``name``; ``KeyError`` naming it when absent."""

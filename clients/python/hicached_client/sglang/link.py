@@ -197,7 +197,7 @@ class PoolLink:
             raise
         transport: PageTransport
         if staging is not None:
-            # The daemon has mapped the segment: its name is no longer needed.
+            # The daemon has mapped the memfd; unlink() is a no-op kept for symmetry.
             staging.unlink()
             transport = ShmTransport(session, staging, config)
         else:

@@ -1,11 +1,11 @@
 """The shared-memory staging area an adapter exports to the daemon as its "device" pool.
 
-One POSIX shm segment holds ``groups`` regions (4 KiB aligned), each
+One sealed memfd holds ``groups`` regions (4 KiB aligned), each
 ``pages`` chunks of ``chunk_bytes``. Pages ``[0, half)`` stage writes and
 ``[half, 2 * half)`` stage reads, so SGLang's backup and prefetch threads never
-share a page. The segment is created, populated and mapped once, at attach; its
-name is unlinked as soon as the daemon has mapped it, so no crash can leave it
-behind. The adapter owns the mapping; the daemon holds its own.
+share a page. The memfd is created, populated and mapped once, at attach, and
+handed to the daemon as a file descriptor; it has no name, so no crash can leave
+it behind. The adapter owns the mapping and the fd; the daemon holds its own mapping.
 
 Thread-safety: the tensors may be used from any thread; callers serialise
 each half (see :class:`~hicached_client.sglang.link.PoolLink`). ``close`` and
@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from hicached_client.export import SHM_DIR, export_shm_tensor
+from hicached_client.export import export_fd_tensor, sealed_memfd
 from hicached_client.sglang.layouts import PoolGeometry
 from hicached_client.v1 import types_pb2
 
@@ -35,7 +35,7 @@ class StagingArea:
         if half < 1:
             raise ValueError(f"staging area needs at least one page per half, got {half}")
         if not name or "/" in name:
-            raise ValueError(f"invalid shm segment name {name!r}")
+            raise ValueError(f"invalid staging area name {name!r}")
         self.name = name
         self.geometry = geometry
         self.half = half
@@ -43,20 +43,16 @@ class StagingArea:
         region = -(-pages * geometry.chunk_bytes // _ALIGN) * _ALIGN
         self._region = region
         size = region * geometry.groups
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        self._linked = True
+        fd = sealed_memfd(name, size)
         try:
-            os.posix_fallocate(fd, 0, size)
             # Populated now: first touch of fresh memory runs at fault speed.
             self._mmap: mmap.mmap | None = mmap.mmap(
                 fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             )
         except BaseException:
             os.close(fd)
-            self.unlink()
             raise
-        os.close(fd)
+        self._fd: int | None = fd
         self.size = size
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch warns about mmap-backed buffers
@@ -86,19 +82,24 @@ class StagingArea:
         bufs = []
         for group in range(g.groups):
             region = self.chunks[group].reshape(-1).view(g.dtype).view(rows, g.heads, g.head_dim)
-            bufs.append(export_shm_tensor(self.name, 0, region))
+            bufs.append(export_fd_tensor(self.fd, 0, region))
         return bufs[: g.num_layers], bufs[g.num_layers :]
 
+    @property
+    def fd(self) -> int:
+        """The memfd (owned here; closed by :meth:`close`)."""
+        if self._fd is None:
+            raise ValueError(f"staging area {self.name!r} is closed")
+        return self._fd
+
     def unlink(self) -> None:
-        """Remove the segment's name (mappings stay valid)."""
-        if self._linked:
-            self._linked = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, self.name))
+        """Nothing to do: a memfd has no name (kept for callers of the named-segment version)."""
 
     def close(self) -> None:
-        """Unlink, drop the views and unmap (deferred while a caller still holds a view)."""
-        self.unlink()
+        """Close the fd, drop the views and unmap (deferred while a caller still holds a view)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
         mm, self._mmap = self._mmap, None
         self.chunks = torch.empty(0, dtype=torch.uint8)
         if mm is not None:

@@ -47,30 +47,34 @@ PREFETCH_STATE_TIMED_OUT: PrefetchState
 PREFETCH_STATE_FAILED: PrefetchState
 
 class AttachRequest(_message.Message):
-    __slots__ = ("op_id", "identity", "pools", "lease_ms")
+    __slots__ = ("op_id", "identity", "pools", "lease_ms", "handoff_ticket")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TICKET_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     identity: _types_pb2.WorkerIdentity
     pools: _containers.RepeatedCompositeFieldContainer[_types_pb2.PoolSpec]
     lease_ms: int
-    def __init__(self, op_id: _Optional[str] = ..., identity: _Optional[_Union[_types_pb2.WorkerIdentity, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolSpec, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    handoff_ticket: str
+    def __init__(self, op_id: _Optional[str] = ..., identity: _Optional[_Union[_types_pb2.WorkerIdentity, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolSpec, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., handoff_ticket: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session_id", "lease_ms", "pools", "joined_existing_group", "replaced_session_id")
+    __slots__ = ("session_id", "lease_ms", "pools", "joined_existing_group", "replaced_session_id", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     JOINED_EXISTING_GROUP_FIELD_NUMBER: _ClassVar[int]
     REPLACED_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_ms: int
     pools: _containers.RepeatedCompositeFieldContainer[_types_pb2.PoolInfo]
     joined_existing_group: bool
     replaced_session_id: str
-    def __init__(self, session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolInfo, _Mapping]]] = ..., joined_existing_group: _Optional[bool] = ..., replaced_session_id: _Optional[str] = ...) -> None: ...
+    session_secret: str
+    def __init__(self, session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolInfo, _Mapping]]] = ..., joined_existing_group: _Optional[bool] = ..., replaced_session_id: _Optional[str] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("session_id", "op_id")

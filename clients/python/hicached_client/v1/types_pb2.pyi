@@ -68,6 +68,16 @@ class ShmHandle(_message.Message):
     size: int
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
+class FdHandle(_message.Message):
+    __slots__ = ("fd_index", "offset", "size")
+    FD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    fd_index: int
+    offset: int
+    size: int
+    def __init__(self, fd_index: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
 class CudaIpcHandle(_message.Message):
     __slots__ = ("handle", "device_id", "offset", "size", "device_uuid")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -83,12 +93,14 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class DeviceHandle(_message.Message):
-    __slots__ = ("shm", "cuda_ipc")
+    __slots__ = ("shm", "cuda_ipc", "fd")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
     shm: ShmHandle
     cuda_ipc: CudaIpcHandle
-    def __init__(self, shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    fd: FdHandle
+    def __init__(self, shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., fd: _Optional[_Union[FdHandle, _Mapping]] = ...) -> None: ...
 
 class DeviceBuffer(_message.Message):
     __slots__ = ("handle", "shape", "dtype")

@@ -1,0 +1,109 @@
+"""The client half of the fd handoff and of the session capability.
+
+Shared by the sync and the asyncio client. Buffers are never named: a worker
+exports them as :class:`~hicached_client.v1.types_pb2.FdHandle` whose ``fd_index``
+holds the worker's LOCAL fd number (see :func:`hicached_client.export.export_fd_tensor`);
+:func:`prepare` collects those fds in order, renumbers ``fd_index`` to their position
+(the wire meaning) and :func:`hand_over` sends them to ``<socket>.fds`` with
+SCM_RIGHTS, which answers with a one-use ticket for the AttachRequest.
+
+Thread-safety: pure functions; :func:`hand_over` blocks for one round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+
+import grpc
+
+from hicached_client.errors import HiCacheError
+from hicached_client.v1 import types_pb2 as tpb
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"hicached-fds-v1"
+SUFFIX = ".fds"
+# Metadata key carrying AttachResponse.session_secret on every call of a session.
+SESSION_SECRET_METADATA = "x-hicached-session-secret"
+_MAX_REPLY = 512
+
+
+def handoff_path(target: str) -> str | None:
+    """The handoff socket next to a ``unix:`` target's socket; None for TCP targets."""
+    if not target.startswith("unix:"):
+        return None
+    path = target[len("unix:") :]
+    if path.startswith("//"):
+        path = path[2:]
+    return path + SUFFIX
+
+
+def prepare(pools: Sequence[tpb.PoolSpec]) -> tuple[list[tpb.PoolSpec], list[int]]:
+    """Copies of ``pools`` whose FdHandles index the returned fd list (the caller's pools are untouched)."""
+    fds: list[int] = []
+    position: dict[int, int] = {}
+    out: list[tpb.PoolSpec] = []
+    for pool in pools:
+        copy = tpb.PoolSpec()
+        copy.CopyFrom(pool)
+        for buf in (*copy.k_buffers, *copy.v_buffers):
+            if buf.handle.WhichOneof("kind") != "fd":
+                continue
+            local = buf.handle.fd.fd_index
+            if local not in position:
+                position[local] = len(fds)
+                fds.append(local)
+            buf.handle.fd.fd_index = position[local]
+        out.append(copy)
+    return out, fds
+
+
+def hand_over(path: str, fds: Sequence[int], timeout_s: float | None) -> str | None:
+    """Send ``fds`` (may be empty) to the daemon's handoff socket; returns the ticket.
+
+    Without fds, a daemon that has no handoff socket is not an error (None: attach
+    without a ticket). The fds stay open here: the daemon received duplicates.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            if not fds:
+                log.debug("no fd handoff socket at %s (%s); attaching without a ticket", path, exc)
+                return None
+            raise HiCacheError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"cannot hand buffers over: no daemon handoff socket at {path} ({exc})",
+            ) from None
+        socket.send_fds(sock, [MAGIC], list(fds))
+        reply = b""
+        while not reply.endswith(b"\n") and len(reply) < _MAX_REPLY:
+            chunk = sock.recv(_MAX_REPLY)
+            if not chunk:
+                break
+            reply += chunk
+    except TimeoutError:
+        raise HiCacheError(grpc.StatusCode.DEADLINE_EXCEEDED, f"fd handoff to {path} timed out") from None
+    except OSError as exc:
+        raise HiCacheError(grpc.StatusCode.UNAVAILABLE, f"fd handoff to {path} failed: {exc}") from None
+    finally:
+        sock.close()
+    text = reply.decode("utf-8", "replace").strip()
+    if text.startswith("ok "):
+        return text[3:]
+    reason = text[len("error ") :] if text.startswith("error ") else (text or "connection closed")
+    raise HiCacheError(grpc.StatusCode.INVALID_ARGUMENT, f"the daemon refused the fd handoff: {reason}")
+
+
+def check_owned(fds: Sequence[int]) -> None:
+    """ValueError naming the first fd that is not open in this process."""
+    for fd in fds:
+        try:
+            os.fstat(fd)
+        except OSError:
+            raise ValueError(f"exported fd {fd} is not open (was its pool closed?)") from None

@@ -1,0 +1,331 @@
+"""The fd handoff: how a worker gives the daemon its buffers without naming them.
+
+A worker connects to ``<grpc socket>.fds`` (a Unix stream socket next to the gRPC
+socket, same mode), sends ONE message whose payload is :data:`MAGIC` and whose
+ancillary data carries 0..``max_fds`` file descriptors (``SCM_RIGHTS``). The
+daemon reads the peer's credentials from the kernel (``SO_PEERCRED``: pid, uid,
+gid -- they cannot be forged by the client), stores the fds and the credentials
+under a fresh random ticket, replies ``ok <ticket>\\n`` (or ``error <reason>\\n``)
+and closes the connection. The worker then calls Attach with the ticket; the
+servicer :meth:`HandoffRegistry.take` s it exactly once.
+
+Why a second socket: gRPC cannot carry file descriptors, and its Unix-socket
+peer string carries no credentials. Why tickets: they bind the fds and the
+kernel-verified identity to the one Attach that presents them.
+
+Fd ownership: every fd received here is owned by the registry until
+:meth:`HandoffRegistry.take` hands it to the caller (who must close it), and is
+otherwise closed exactly once by the registry (ticket expiry, refusal, close).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hicached.core.types import PeerCred
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HandoffRegistry", "HandoffServer", "PeerCred", "TicketRefused", "handoff_path", "peer_cred"]
+
+MAGIC = b"hicached-fds-v1"
+SUFFIX = ".fds"
+# A handoff connection that has not sent its message within this time is dropped,
+# so idle connections cannot pin daemon resources.
+CONNECTION_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 64
+_INT = array.array("i").itemsize
+
+
+def handoff_path(grpc_socket: str | Path) -> Path:
+    """The handoff socket of a daemon serving gRPC on ``grpc_socket``."""
+    return Path(f"{grpc_socket}{SUFFIX}")
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+@dataclass
+class _Pending:
+    cred: PeerCred
+    fds: list[int]
+    expires: float
+
+
+class TicketRefused(Exception):
+    """A handoff the registry does not accept (too many pending tickets); the message says why."""
+
+
+class HandoffRegistry:
+    """Pending handoffs by ticket. Thread-safe (one lock; every method is O(1) amortised).
+
+    Bounds: at most ``max_pending`` tickets in total and ``max_per_uid`` per uid; a
+    ticket lives ``ttl_s`` seconds. Expired tickets are swept on every put/take and
+    by :meth:`expire`; their fds are closed.
+    """
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 30.0,
+        max_pending: int = 256,
+        max_per_uid: int = 32,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ttl_s = ttl_s
+        self._max_pending = max_pending
+        self._max_per_uid = max_per_uid
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._closed = False
+
+    def put(self, cred: PeerCred, fds: list[int]) -> str:
+        """Store ``fds`` (ownership moves here) under a fresh ticket; returns the ticket.
+
+        TicketRefused (and the fds are closed) when a bound is reached or the registry is closed.
+        """
+        stale: list[int] = []
+        try:
+            with self._lock:
+                stale = self._sweep_locked()
+                if self._closed:
+                    raise TicketRefused("the daemon is shutting down")
+                if len(self._pending) >= self._max_pending:
+                    raise TicketRefused(f"too many pending handoffs ({self._max_pending}); retry shortly")
+                mine = sum(1 for p in self._pending.values() if p.cred.uid == cred.uid)
+                if mine >= self._max_per_uid:
+                    raise TicketRefused(
+                        f"uid {cred.uid} has {mine} unused handoff tickets (limit {self._max_per_uid}); "
+                        "attach with them or let them expire"
+                    )
+                ticket = secrets.token_hex(16)
+                self._pending[ticket] = _Pending(cred, list(fds), self._clock() + self._ttl_s)
+                return ticket
+        except TicketRefused:
+            _close_all(fds)
+            raise
+        finally:
+            _close_all(stale)
+
+    def take(self, ticket: str) -> tuple[PeerCred, list[int]] | None:
+        """Consume a ticket: its credentials and fds (the caller now owns and must close them).
+
+        None when the ticket is unknown, already used or expired.
+        """
+        with self._lock:
+            stale = self._sweep_locked()
+            got = self._pending.pop(ticket, None) if isinstance(ticket, str) else None
+        _close_all(stale)
+        return None if got is None else (got.cred, got.fds)
+
+    def expire(self) -> int:
+        """Drop expired tickets (closing their fds); returns how many."""
+        with self._lock:
+            before = len(self._pending)
+            stale = self._sweep_locked()
+            dropped = before - len(self._pending)
+        _close_all(stale)
+        return dropped
+
+    def _sweep_locked(self) -> list[int]:
+        now = self._clock()
+        fds: list[int] = []
+        # Tickets are inserted in expiry order (constant ttl), so the oldest come first.
+        while self._pending:
+            ticket, pending = next(iter(self._pending.items()))
+            if pending.expires > now:
+                break
+            del self._pending[ticket]
+            fds.extend(pending.fds)
+        return fds
+
+    @property
+    def ttl_s(self) -> float:
+        return self._ttl_s
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        """Refuse new handoffs and close the fds of every pending ticket. Idempotent."""
+        with self._lock:
+            self._closed = True
+            fds = [fd for p in self._pending.values() for fd in p.fds]
+            self._pending.clear()
+        _close_all(fds)
+
+
+def peer_cred(sock: socket.socket) -> PeerCred:
+    """SO_PEERCRED of a connected Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return PeerCred(uid=uid, gid=gid, pid=pid)
+
+
+def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - (len(data) % _INT)])
+            fds.extend(arr)
+    return fds
+
+
+class HandoffServer:
+    """Accepts handoff connections on the event loop without ever blocking it.
+
+    Every socket is non-blocking and driven by ``add_reader``; a connection sends one
+    message, gets one line back and is closed (or is dropped after
+    :data:`CONNECTION_TIMEOUT_S`). At most :data:`MAX_CONNECTIONS` are open at once.
+    ``start``/``close`` must be called on the loop's thread.
+    """
+
+    def __init__(self, registry: HandoffRegistry, path: Path, *, mode: int, max_fds: int) -> None:
+        self._registry = registry
+        self._path = path
+        self._mode = mode
+        self._max_fds = max_fds
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conns: dict[socket.socket, asyncio.TimerHandle] = {}
+        self._inode: tuple[int, int] | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()  # a stale socket of a dead daemon (the gRPC socket was free too)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            old = os.umask(0o177)  # never reachable with wider permissions than configured
+            try:
+                listener.bind(str(self._path))
+            finally:
+                os.umask(old)
+            os.chmod(self._path, self._mode)
+            st = os.stat(self._path)
+            self._inode = (st.st_dev, st.st_ino)
+            listener.listen(MAX_CONNECTIONS)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._loop = loop
+        loop.add_reader(listener.fileno(), self._accept)
+        self._sweep()
+        logger.info("fd handoff listening", extra={"event": "handoff", "socket": str(self._path)})
+
+    def _sweep(self) -> None:
+        """Close the fds of expired tickets even when nobody hands over or attaches."""
+        self._registry.expire()
+        assert self._loop is not None
+        self._sweeper = self._loop.call_later(max(0.05, self._registry.ttl_s / 4), self._sweep)
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._loop is not None
+        while len(self._conns) < MAX_CONNECTIONS:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                logger.warning("fd handoff accept failed: %s", exc)
+                return
+            conn.setblocking(False)
+            timer = self._loop.call_later(CONNECTION_TIMEOUT_S, self._drop, conn)
+            self._conns[conn] = timer
+            self._loop.add_reader(conn.fileno(), self._serve, conn)
+        # Full: stop accepting until a connection finishes (the kernel backlog holds the rest).
+        self._loop.remove_reader(self._listener.fileno())
+
+    def _drop(self, conn: socket.socket) -> None:
+        timer = self._conns.pop(conn, None)
+        if timer is None:
+            return
+        timer.cancel()
+        assert self._loop is not None
+        self._loop.remove_reader(conn.fileno())
+        conn.close()
+        if self._listener is not None and len(self._conns) == MAX_CONNECTIONS - 1:
+            self._loop.add_reader(self._listener.fileno(), self._accept)
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            data, ancdata, flags, _ = conn.recvmsg(
+                len(MAGIC) + 1, socket.CMSG_SPACE(self._max_fds * _INT), socket.MSG_CMSG_CLOEXEC
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            logger.debug("fd handoff read failed: %s", exc)
+            self._drop(conn)
+            return
+        fds = _received_fds(ancdata)
+        reply = self._handle(conn, data, fds, flags)
+        with contextlib.suppress(OSError):
+            conn.send(reply)  # a few bytes on a fresh socket: never blocks
+        self._drop(conn)
+
+    def _handle(self, conn: socket.socket, data: bytes, fds: list[int], flags: int) -> bytes:
+        if flags & socket.MSG_CTRUNC:
+            _close_all(fds)
+            return f"error more than {self._max_fds} fds in one handoff (server.handoff_max_fds)\n".encode()
+        if data != MAGIC:
+            _close_all(fds)
+            return b"error expected one message with payload " + MAGIC + b"\n"
+        try:
+            cred = peer_cred(conn)
+        except OSError as exc:
+            _close_all(fds)
+            return f"error cannot read peer credentials: {exc.strerror}\n".encode()
+        try:
+            ticket = self._registry.put(cred, fds)
+        except TicketRefused as exc:
+            return f"error {exc}\n".encode()
+        logger.debug(
+            "fd handoff", extra={"event": "handoff", "uid": cred.uid, "pid": cred.pid, "fds": len(fds)}
+        )
+        return f"ok {ticket}\n".encode()
+
+    def close(self) -> None:
+        """Stop accepting, drop open connections, unlink our socket (only if it is still ours)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        if self._loop is not None:
+            for conn in list(self._conns):
+                self._drop(conn)
+            if self._listener is not None:
+                self._loop.remove_reader(self._listener.fileno())
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(OSError):
+                st = os.stat(self._path)
+                if (st.st_dev, st.st_ino) == self._inode:
+                    self._path.unlink()
