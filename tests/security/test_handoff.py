@@ -1,0 +1,192 @@
+"""The fd handoff server and its ticket registry, on real Unix sockets.
+
+The server runs on its own event loop thread; clients are this process's
+``hicached_client._handoff`` (or raw sockets, for malformed messages) and, for
+the identity test, a client process running as a second uid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hicached_client import HiCacheError
+from hicached_client._handoff import MAGIC, hand_over
+from hicached_client.export import sealed_memfd
+
+from hicached.server.handoff import HandoffRegistry, HandoffServer, PeerCred
+
+from .users import other_user, run_as_other
+
+
+def fd_is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def inode(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+@dataclass
+class Served:
+    registry: HandoffRegistry
+    path: Path
+    loop: asyncio.AbstractEventLoop
+
+
+@pytest.fixture
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    # Short path (AF_UNIX limit); mode 0777 directory so the second uid can reach the socket.
+    workdir = Path("/tmp") / f"hcho-{uuid.uuid4().hex[:8]}"
+    workdir.mkdir()
+    os.chmod(workdir, 0o755)
+    registry = HandoffRegistry(ttl_s=30.0, max_pending=4, max_per_uid=2)
+    server = HandoffServer(registry, workdir / "d.sock.fds", mode=0o666, max_fds=4)
+    loop = asyncio.new_event_loop()
+    started: Future[None] = Future()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+
+        async def start() -> None:
+            server.start()
+            started.set_result(None)
+
+        loop.run_until_complete(start())
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    started.result(timeout=10)
+    try:
+        yield Served(registry, server.path, loop)
+    finally:
+        done: Future[None] = Future()
+
+        def stop() -> None:
+            server.close()
+            done.set_result(None)
+            loop.stop()
+
+        loop.call_soon_threadsafe(stop)
+        done.result(timeout=10)
+        thread.join(timeout=10)
+        loop.close()
+        registry.close()
+        for p in workdir.iterdir():
+            p.unlink()
+        workdir.rmdir()
+
+
+def test_handoff_gives_the_fds_and_the_kernel_credentials_to_one_attach(served: Served) -> None:
+    fd = sealed_memfd("ho", 4096)
+    try:
+        ticket = hand_over(str(served.path), [fd], timeout_s=10)
+        assert ticket is not None and len(ticket) == 32  # 128 random bits, hex
+        taken = served.registry.take(ticket)
+        assert taken is not None
+        cred, fds = taken
+        assert cred == PeerCred(uid=os.getuid(), gid=os.getgid(), pid=os.getpid())
+        assert len(fds) == 1 and fds[0] != fd and inode(fds[0]) == inode(fd)  # the same memory, our own fd
+        os.close(fds[0])
+        assert served.registry.take(ticket) is None  # one use only
+    finally:
+        os.close(fd)
+
+
+def test_too_many_fds_are_refused_and_none_is_kept(served: Served) -> None:
+    fds = [sealed_memfd("many", 4096) for _ in range(6)]
+    try:
+        with pytest.raises(HiCacheError, match="more than 4 fds"):
+            hand_over(str(served.path), fds, timeout_s=10)
+        assert served.registry.pending == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_malformed_message_is_refused_and_its_fds_closed(served: Served) -> None:
+    fd = sealed_memfd("bad", 4096)
+    before = len(os.listdir("/proc/self/fd"))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(served.path))
+        socket.send_fds(s, [b"not-the-magic"], [fd])
+        reply = s.recv(256)
+    assert reply.startswith(b"error expected one message with payload " + MAGIC)
+    assert served.registry.pending == 0
+    assert len(os.listdir("/proc/self/fd")) == before  # the daemon side closed what it received
+    os.close(fd)
+
+
+def test_pending_tickets_are_bounded_per_uid(served: Served) -> None:
+    tickets = [hand_over(str(served.path), [], timeout_s=10) for _ in range(2)]
+    with pytest.raises(HiCacheError, match="unused handoff tickets"):
+        hand_over(str(served.path), [], timeout_s=10)
+    for t in tickets:
+        assert t is not None and served.registry.take(t) is not None
+    assert hand_over(str(served.path), [], timeout_s=10) is not None  # room again
+
+
+def test_expired_tickets_close_their_fds_exactly_once() -> None:
+    now = [0.0]
+    registry = HandoffRegistry(ttl_s=30.0, max_pending=8, max_per_uid=8, clock=lambda: now[0])
+    fd = sealed_memfd("exp", 4096)
+    dup = os.dup(fd)
+    ticket = registry.put(PeerCred(1, 1, 1), [dup])
+    now[0] = 29.0
+    assert registry.expire() == 0 and fd_is_open(dup)
+    now[0] = 30.0
+    assert registry.expire() == 1
+    assert not fd_is_open(dup)
+    assert registry.take(ticket) is None
+    assert registry.expire() == 0
+    registry.close()
+    os.close(fd)
+
+
+def test_close_closes_every_pending_fd_and_refuses_new_handoffs() -> None:
+    registry = HandoffRegistry()
+    fd = sealed_memfd("close", 4096)
+    dup = os.dup(fd)
+    registry.put(PeerCred(1, 1, 1), [dup])
+    registry.close()
+    assert not fd_is_open(dup)
+    dup2 = os.dup(fd)
+    with pytest.raises(Exception, match="shutting down"):
+        registry.put(PeerCred(1, 1, 1), [dup2])
+    assert not fd_is_open(dup2)  # a refused handoff's fds are closed too
+    os.close(fd)
+
+
+def test_the_ticket_carries_the_uid_of_the_process_that_sent_the_fds(served: Served) -> None:
+    """SO_PEERCRED: a client running as a second uid is identified as that uid by the kernel,
+    whatever it claims. (Skips only when not root; CI runs as root.)"""
+    uid = other_user()
+    code = (
+        "import sys\n"
+        "from hicached_client._handoff import hand_over\n"
+        "from hicached_client.export import sealed_memfd\n"
+        "print(hand_over(sys.argv[1], [sealed_memfd('other', 4096)], timeout_s=10))\n"
+    )
+    proc = run_as_other(code, str(served.path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    taken = served.registry.take(proc.stdout.strip())
+    assert taken is not None
+    cred, fds = taken
+    assert cred.uid == uid and cred.uid != os.getuid()
+    assert len(fds) == 1
+    os.close(fds[0])

@@ -1,0 +1,75 @@
+"""A second, unprivileged uid for the security tests (CI runs as root).
+
+``other_user()`` creates the user ``hicached-sec`` with ``useradd`` when it is
+missing and returns its uid; tests that need it skip only when this process is
+not root (then it cannot run code as another uid at all).
+
+``run_as_other`` runs a Python client as that uid with ``runuser``. Where the
+interpreter lives under a directory the user cannot traverse (a pyenv under a
+0700 /root), it uses ``setpriv`` with the one capability CAP_DAC_READ_SEARCH so
+the interpreter and its packages can be read: the process still has the other
+uid and gid, which is all the daemon looks at (SO_PEERCRED, socket permissions).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+USER = "hicached-sec"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def other_user() -> int:
+    """The uid of the unprivileged test user (created if missing); skips unless root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as a second uid (CI runs the suite as root)")
+    try:
+        return pwd.getpwnam(USER).pw_uid
+    except KeyError:
+        pass
+    useradd = shutil.which("useradd")
+    assert useradd, "useradd is missing: cannot create the second user"
+    subprocess.run(
+        [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER], check=True
+    )
+    return pwd.getpwnam(USER).pw_uid
+
+
+def _as_other_prefix() -> list[str]:
+    runuser = shutil.which("runuser")
+    assert runuser, "runuser is missing"
+    probe = subprocess.run(
+        [runuser, "-u", USER, "--", sys.executable, "-c", "pass"], capture_output=True, check=False
+    )
+    if probe.returncode == 0:
+        return [runuser, "-u", USER, "--"]
+    setpriv = shutil.which("setpriv")
+    assert setpriv, f"{sys.executable} is not readable by {USER} and setpriv is missing"
+    return [
+        setpriv, f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
+        "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search",
+    ]  # fmt: skip
+
+
+def run_as_other(code: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code args`` as the test user with this checkout on the path."""
+    other_user()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")])
+    env["HOME"] = "/tmp"
+    return subprocess.run(
+        [*_as_other_prefix(), sys.executable, "-c", code, *args],
+        check=False,  # callers assert on the return code with stderr in the message
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        cwd="/",
+    )
