@@ -305,17 +305,17 @@ def test_pod_args_are_accepted_by_hicached_serve(
     assert config.log.format == "json"
 
 
-def test_daemonset_is_as_tight_as_cuda_ipc_allows(rendered: dict[str, list[Manifest]]) -> None:
+def test_daemonset_shares_only_the_socket_directory(rendered: dict[str, list[Manifest]]) -> None:
     pod_spec = only(rendered["base"], "DaemonSet")["spec"]["template"]["spec"]
     assert pod_spec["securityContext"]["runAsNonRoot"] is True
     assert pod_spec["securityContext"]["runAsUser"] != 0
     assert pod_spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert pod_spec["automountServiceAccountToken"] is False
-    assert "hostNetwork" not in pod_spec
-    # The two host namespaces CUDA IPC needs between pods, and nothing else of the host.
-    assert pod_spec["hostIPC"] is True and pod_spec["hostPID"] is True
+    # Buffers travel as fds over the socket: no host namespace at all.
+    for key in ("hostNetwork", "hostIPC", "hostPID"):
+        assert key not in pod_spec, key
     host_paths = {v["hostPath"]["path"] for v in pod_spec["volumes"] if "hostPath" in v}
-    assert host_paths == {"/run/hicached", "/var/lib/hicached"}
+    assert host_paths == {"/run/hicached", "/var/lib/hicached", "/dev/shm/hicached"}
     for container in pod_containers(pod_spec):
         sc = container["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False, container["name"]
