@@ -15,12 +15,13 @@ import logging
 import math
 import mmap
 import os
+import stat
 import warnings
 
 import numpy as np
 import torch
 
-from hicached.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from hicached.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class SharedSegment:
         if not isinstance(size, int) or size <= 0:
             raise InvalidArgument(f"segment size must be a positive number of bytes, got {size!r}")
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             raise AlreadyExists(f"shared memory segment {name!r} already exists") from None
         try:
@@ -131,17 +132,30 @@ class SharedSegment:
 
     @classmethod
     def open(cls, name: str, *, writable: bool = True, prefault: bool = False) -> SharedSegment:
-        """Map an existing segment (warm restart, or a worker's exported pool).
+        """Map an existing segment of the daemon's own (warm restart). Never a client's: workers
+        hand their buffers over as fds (see hicached.transfer.handles).
 
-        Raises NotFound if no segment has this name.
+        Raises NotFound if no segment has this name, PermissionDenied for a symlink or a
+        segment another user owns (planted to make the daemon map a file it chose).
         """
         path = _path_for(name)
         try:
-            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise NotFound(f"shared memory segment {name!r} does not exist") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise PermissionDenied(
+                    f"shared memory segment {name!r} is a symlink; refusing to follow it"
+                ) from None
+            raise
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise PermissionDenied(
+                    f"shared memory segment {name!r} is not a regular file owned by uid {os.geteuid()}"
+                )
+            size = st.st_size
             if size <= 0:
                 raise InvalidArgument(f"shared memory segment {name!r} is empty")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)

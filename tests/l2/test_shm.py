@@ -6,11 +6,12 @@ import gc
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
-from hicached.errors import AlreadyExists, InvalidArgument, NotFound
+from hicached.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 from hicached.l2 import SharedSegment
 
 
@@ -38,6 +39,24 @@ def test_open_missing_segment_raises_not_found(shm_name: Callable[[], str]) -> N
     name = shm_name()
     with pytest.raises(NotFound, match=name):
         SharedSegment.open(name)
+
+
+def test_open_refuses_a_symlink_planted_under_the_daemons_name(
+    shm_name: Callable[[], str], tmp_path: Path
+) -> None:
+    """Before: open() followed the link and mapped the target read-write (issue 9, attack 1)."""
+    target = tmp_path / "secret"
+    target.write_bytes(b"s" * 4096)
+    link = Path("/dev/shm") / shm_name()
+    link.symlink_to(target)
+    try:
+        with pytest.raises(PermissionDenied, match="symlink"):
+            SharedSegment.open(link.name)
+        with pytest.raises(AlreadyExists):
+            SharedSegment.create(link.name, 4096)  # O_EXCL | O_NOFOLLOW: never through the link
+    finally:
+        link.unlink()
+    assert target.read_bytes() == b"s" * 4096
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", "..", "x" * 300])

@@ -254,7 +254,8 @@ class HiCacheClient:
     # --------------------------------------------------- daemon-wide calls
 
     def get_stats(self, session_id: str = "", *, timeout_s: float | None = None) -> Stats:
-        """The daemon's state (``session_id`` = only that session's view)."""
+        """The daemon's state (``session_id`` = only that session's view; that needs the
+        session's secret, so use :meth:`Session.stats` -- PERMISSION_DENIED otherwise)."""
         return self.invoke(_calls.get_stats(session_id), timeout_s)
 
     def ping(self, payload: bytes = b"", *, timeout_s: float | None = None) -> bytes:
