@@ -190,7 +190,8 @@ class AsyncHiCacheClient:
                 ticket = ""
                 if path is not None:
                     remaining = self._remaining(deadline)
-                    ticket = await asyncio.to_thread(_handoff.hand_over, path, fds, remaining) or ""
+                    got: str | None = await asyncio.to_thread(_handoff.hand_over, path, fds, remaining)
+                    ticket = got or ""
                 call = _calls.attach(op, identity, wire_pools, lease_ms, ticket)
                 try:
                     reply = await stub.Attach(
