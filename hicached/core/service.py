@@ -148,6 +148,16 @@ class HiCacheCore:
         lease = self._lease(lease_ms)
         validate_pool_requests(pools)  # before any mapping is opened
         replaced = self._sessions.check_generation(worker)
+        if (
+            replaced is not None
+            and replaced.peer is not None
+            and (peer is None or peer.uid != replaced.peer.uid)
+        ):
+            # A worker slot belongs to the uid that attached it: another peer may not end it.
+            raise PermissionDenied(
+                f"worker {worker.instance_id[:64]!r} (tp_rank={worker.tp_rank}, pp_rank={worker.pp_rank}) "
+                f"is attached by uid {replaced.peer.uid}; only that uid may replace it"
+            )
         mappings = DeviceMappings()
         try:
             views = self._open_views(mappings, pools)

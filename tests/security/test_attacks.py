@@ -54,6 +54,7 @@ class Worker:
     client: HiCacheClient
     pools: WorkerPools
     session: Session
+    identity: WorkerIdentity
 
 
 @pytest.fixture
@@ -61,11 +62,10 @@ def victim(daemon: Daemon) -> Iterator[Worker]:
     client = HiCacheClient(daemon.target, timeout_s=30.0)
     pools = WorkerPools.create(unique_tag("victim"))
     pools.fill_random(3)
-    session = client.attach(
-        WorkerIdentity(unique_tag("victim"), generation=1, model_name="m-sec"), pools.specs(), heartbeat=False
-    )
+    ident = WorkerIdentity(unique_tag("victim"), generation=1, model_name="m-sec")
+    session = client.attach(ident, pools.specs(), heartbeat=False)
     try:
-        yield Worker(client, pools, session)
+        yield Worker(client, pools, session, ident)
     finally:
         try:
             session.close()
@@ -346,3 +346,32 @@ def test_a_used_or_forged_ticket_is_refused_also_for_another_uid(daemon: Daemon)
             client.session(session.session_id, session_secret=session.session_secret).detach()
     finally:
         pools.close()
+
+
+REPLACE = """
+import sys
+from hicached_client import HiCacheClient, HiCacheError, WorkerIdentity, pool_spec
+target, instance = sys.argv[1], sys.argv[2]
+spec = pool_spec("kv", role="anchor", kind="mha", dtype="float16", page_size=4, num_layers=1,
+                 num_heads=2, head_dim=16, k_buffers=[], host_bytes=1 << 20)
+with HiCacheClient(target) as c:
+    try:
+        c.attach(WorkerIdentity(instance, 2, "m-sec"), [spec], heartbeat=False)
+        print("REPLACED")
+    except HiCacheError as e:
+        print(e.code.name, e.message)
+"""
+
+
+def test_another_uid_cannot_replace_a_workers_session_by_generation(daemon: Daemon, victim: Worker) -> None:
+    """Before: any client attaching the victim's instance id with a higher generation ended the
+    victim's session. The slot now belongs to the uid the kernel reported at its handoff."""
+    other_user()
+    with HiCacheClient(daemon.target) as client:
+        before = state(client)
+        proc = run_as_other(REPLACE, daemon.target, victim.identity.instance_id)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = proc.stdout.strip()
+        assert out.startswith("PERMISSION_DENIED") and "only that uid may replace it" in out, out
+        assert state(client) == before
+    assert victim.session.heartbeat() > 0
