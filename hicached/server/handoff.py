@@ -5,7 +5,7 @@ socket, same mode), sends ONE message whose payload is :data:`MAGIC` and whose
 ancillary data carries 0..``max_fds`` file descriptors (``SCM_RIGHTS``). The
 daemon reads the peer's credentials from the kernel (``SO_PEERCRED``: pid, uid,
 gid -- they cannot be forged by the client), stores the fds and the credentials
-under a fresh random ticket, replies ``ok <ticket>\\n`` (or ``error <reason>\\n``)
+under a fresh random ticket, replies ``ok <ticket>\\n`` (or ``error <STATUS_CODE> <reason>\\n``, a gRPC status name)
 and closes the connection. The worker then calls Attach with the ticket; the
 servicer :meth:`HandoffRegistry.take` s it exactly once.
 
@@ -69,7 +69,11 @@ class _Pending:
 
 
 class TicketRefused(Exception):
-    """A handoff the registry does not accept (too many pending tickets); the message says why."""
+    """A handoff the registry does not accept; ``code`` is the gRPC status name the client reports."""
+
+    def __init__(self, message: str, code: str = "RESOURCE_EXHAUSTED") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class HandoffRegistry:
@@ -106,7 +110,7 @@ class HandoffRegistry:
             with self._lock:
                 stale = self._sweep_locked()
                 if self._closed:
-                    raise TicketRefused("the daemon is shutting down")
+                    raise TicketRefused("the daemon is shutting down", "UNAVAILABLE")
                 if len(self._pending) >= self._max_pending:
                     raise TicketRefused(f"too many pending handoffs ({self._max_pending}); retry shortly")
                 mine = sum(1 for p in self._pending.values() if p.cred.uid == cred.uid)
@@ -294,19 +298,19 @@ class HandoffServer:
     def _handle(self, conn: socket.socket, data: bytes, fds: list[int], flags: int) -> bytes:
         if flags & socket.MSG_CTRUNC:
             _close_all(fds)
-            return f"error more than {self._max_fds} fds in one handoff (server.handoff_max_fds)\n".encode()
+            return f"error INVALID_ARGUMENT more than {self._max_fds} fds in one handoff (server.handoff_max_fds)\n".encode()
         if data != MAGIC:
             _close_all(fds)
-            return b"error expected one message with payload " + MAGIC + b"\n"
+            return b"error INVALID_ARGUMENT expected one message with payload " + MAGIC + b"\n"
         try:
             cred = peer_cred(conn)
         except OSError as exc:
             _close_all(fds)
-            return f"error cannot read peer credentials: {exc.strerror}\n".encode()
+            return f"error INTERNAL cannot read peer credentials: {exc.strerror}\n".encode()
         try:
             ticket = self._registry.put(cred, fds)
         except TicketRefused as exc:
-            return f"error {exc}\n".encode()
+            return f"error {exc.code} {exc}\n".encode()
         logger.debug(
             "fd handoff", extra={"event": "handoff", "uid": cred.uid, "pid": cred.pid, "fds": len(fds)}
         )

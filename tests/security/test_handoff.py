@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 from hicached_client import HiCacheError
 from hicached_client._handoff import MAGIC, hand_over
@@ -110,8 +111,9 @@ def test_handoff_gives_the_fds_and_the_kernel_credentials_to_one_attach(served: 
 def test_too_many_fds_are_refused_and_none_is_kept(served: Served) -> None:
     fds = [sealed_memfd("many", 4096) for _ in range(6)]
     try:
-        with pytest.raises(HiCacheError, match="more than 4 fds"):
+        with pytest.raises(HiCacheError, match="more than 4 fds") as info:
             hand_over(str(served.path), fds, timeout_s=10)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert served.registry.pending == 0
     finally:
         for fd in fds:
@@ -125,8 +127,10 @@ def test_a_malformed_message_is_refused_and_its_fds_closed(served: Served) -> No
         s.settimeout(10)
         s.connect(str(served.path))
         socket.send_fds(s, [b"not-the-magic"], [fd])
-        reply = s.recv(256)
-    assert reply.startswith(b"error expected one message with payload " + MAGIC)
+        reply = b""
+        while chunk := s.recv(256):  # until EOF: the server has closed its end (and the fds) by then
+            reply += chunk
+    assert reply.startswith(b"error INVALID_ARGUMENT expected one message with payload " + MAGIC)
     assert served.registry.pending == 0
     assert len(os.listdir("/proc/self/fd")) == before  # the daemon side closed what it received
     os.close(fd)
@@ -134,8 +138,9 @@ def test_a_malformed_message_is_refused_and_its_fds_closed(served: Served) -> No
 
 def test_pending_tickets_are_bounded_per_uid(served: Served) -> None:
     tickets = [hand_over(str(served.path), [], timeout_s=10) for _ in range(2)]
-    with pytest.raises(HiCacheError, match="unused handoff tickets"):
+    with pytest.raises(HiCacheError, match="unused handoff tickets") as info:
         hand_over(str(served.path), [], timeout_s=10)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     for t in tickets:
         assert t is not None and served.registry.take(t) is not None
     assert hand_over(str(served.path), [], timeout_s=10) is not None  # room again

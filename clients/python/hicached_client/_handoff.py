@@ -96,8 +96,13 @@ def hand_over(path: str, fds: Sequence[int], timeout_s: float | None) -> str | N
     text = reply.decode("utf-8", "replace").strip()
     if text.startswith("ok "):
         return text[3:]
-    reason = text[len("error ") :] if text.startswith("error ") else (text or "connection closed")
-    raise HiCacheError(grpc.StatusCode.INVALID_ARGUMENT, f"the daemon refused the fd handoff: {reason}")
+    code = grpc.StatusCode.UNAVAILABLE  # no answer at all: the daemon went away mid-handoff
+    reason = text or "connection closed without an answer"
+    if text.startswith("error "):
+        name, _, reason = text[len("error ") :].partition(" ")
+        got = getattr(grpc.StatusCode, name, None) if name.isupper() else None
+        code = got if isinstance(got, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+    raise HiCacheError(code, f"the daemon refused the fd handoff: {reason}")
 
 
 def check_owned(fds: Sequence[int]) -> None:
