@@ -97,14 +97,16 @@ def start(
         log.close()
 
 
-def serve(cwd: Path, config_text: str, *extra: str, timeout_s: float = 90.0) -> Served:
+def serve(
+    cwd: Path, config_text: str, *extra: str, env: dict[str, str] | None = None, timeout_s: float = 90.0
+) -> Served:
     """``hicached serve`` from ``config_text`` (plus a short socket path and a unique shm
     prefix appended as flags), waited for until SERVING."""
     sockdir = Path("/tmp") / f"hca-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # AF_UNIX paths are short
     sockdir.mkdir()
     prefix = f"hca{uuid.uuid4().hex[:10]}"
     flags = ("--socket", str(sockdir / "d.sock"), "--set", f"host.shm_prefix={prefix}", *extra)
-    process = start(cwd, config_text, *flags)
+    process = start(cwd, config_text, *flags, env=env)
     n = len(list(cwd.glob("serve-*.log"))) - 1
     served = Served(process, sockdir / "d.sock", cwd / f"serve-{n}.log", prefix)
     try:
