@@ -7,7 +7,6 @@ line and exits 2, no traceback). Pure functions apart from opening the backend.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -94,7 +93,6 @@ def banner(
         auth = "token" if server.auth_token_file else "none"
         tls = "mtls" if server.tls_client_ca else "on" if server.tls_cert else "off"
         tcp = f"{address} auth={auth} tls={tls}"
-    file_cfg: Any = config.l3.backend_config()
     fields: dict[str, Any] = {
         "event": "started",
         "version": __version__,
@@ -108,6 +106,6 @@ def banner(
         "l3_target": l3_target(config),
         "warm_restart": f"on (journals in {config.host.journal_dir})" if config.host.warm_restart else "off",
     }
-    if config.l3.backend == "file" and dataclasses.is_dataclass(file_cfg):
-        fields["l3_capacity_bytes"] = file_cfg.capacity_bytes
+    if config.l3.backend == "file":
+        fields["l3_capacity_bytes"] = config.l3.file.capacity_bytes
     return fields
