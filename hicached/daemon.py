@@ -185,15 +185,20 @@ class Daemon:
         applied = []
         old, new = as_dict(self.config), as_dict(fresh)
         for section, values in new.items():
-            for key, value in values.items():
-                if old[section][key] == value:
+            for key, value in _leaves(values):
+                if _leaf(old[section], key) == value:
                     continue
                 if section in RELOADABLE_SECTIONS:
                     applied.append(f"{section}.{key}")
                 else:
+                    secret = any(word in key for word in ("password", "secret"))
                     logger.warning(
                         "config change needs a restart",
-                        extra={"event": "reload", "key": f"{section}.{key}", "value": value},
+                        extra={
+                            "event": "reload",
+                            "key": f"{section}.{key}",
+                            "value": "***" if secret else value,
+                        },
                     )
         if applied:
             setup_logging(fresh.log.level, fresh.log.format)
@@ -229,6 +234,24 @@ class Daemon:
             self.reload(reload())
         except ConfigError as exc:
             logger.error("config reload rejected: %s", exc, extra={"event": "reload"})
+
+
+def _leaves(values: dict[str, object], prefix: str = "") -> list[tuple[str, object]]:
+    """``{"redis": {"host": h}}`` -> ``[("redis.host", h)]`` (backend tables are nested)."""
+    out: list[tuple[str, object]] = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.extend(_leaves(value, f"{prefix}{key}."))
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def _leaf(values: dict[str, object], dotted: str) -> object:
+    node: object = values
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> int:
