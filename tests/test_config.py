@@ -177,6 +177,26 @@ def test_no_layer_gives_the_defaults() -> None:
     assert resolve(env={}) == Config()
 
 
+def test_text_modes_are_octal_and_toml_modes_need_an_octal_literal(tmp_path: Path) -> None:
+    for text in ("660", "0660", "0o660"):
+        assert resolve(cli={"server.socket_mode": text}, env={}).server.socket_mode == 0o660
+        assert resolve(env={"HICACHED_SERVER_SOCKET_MODE": text}).server.socket_mode == 0o660
+    for literal in ("0o660", '"660"', "'0660'"):
+        path = _write(tmp_path, f"[server]\nsocket_mode = {literal}\n")
+        assert resolve(env={}, file=path).server.socket_mode == 0o660, literal
+
+
+def test_backend_tables_build_the_backends_own_config(tmp_path: Path) -> None:
+    from hicached.l3.redis import RedisBackendConfig
+    from hicached.l3.s3 import S3BackendConfig
+
+    path = _write(tmp_path, "[l3]\nbackend = 'redis'\n[l3.redis]\nhost = 'h'\nport = 7000\n")
+    cfg = resolve(env={"HICACHED_L3_REDIS_DB": "3"}, cli={"l3.redis.password": "pw"}, file=path)
+    assert cfg.l3.backend_config() == RedisBackendConfig(host="h", port=7000, db=3, password="pw")
+    assert cfg.l3.s3 == S3BackendConfig(bucket="hicached"), "the other tables keep their defaults"
+    assert resolve(cli={"l3.backend": "none"}, env={}).l3.backend_config() is None
+
+
 # (source, key or section, bad value as it appears in the message, TOML text / env / cli setting)
 BAD_FILE = {
     "unknown section": ("[nosuch]\nx = 1\n", ["nosuch"]),
@@ -211,6 +231,18 @@ BAD_FILE = {
     "bad size string": ("[l3]\ncapacity = '12XB'\n", ["l3.file.capacity_bytes", "'12XB'", "512MiB"]),
     "negative size string": ("[host]\nbudget = '-1GiB'\n", ["host.budget", "'-1GiB'"]),
     "size of wrong type": ("[copy]\nmax_queued = 1.5\n", ["copy.max_queued", "1.5"]),
+    "backend option of wrong type": (
+        "[l3.redis]\nport = '6379'\n",
+        ["l3.redis.port", "'6379'", "an integer"],
+    ),
+    "unknown backend option": ("[l3.redis]\nhots = 'h'\n", ["l3.redis.hots", "l3.redis.host"]),
+    "backend option cross-check": ("[l3.redis]\nport = 70000\n", ["[l3.redis]", "'port'", "70000"]),
+    "backend size option": (
+        "[l3.mooncake]\nstaging_bytes = 'lots'\n",
+        ["l3.mooncake.staging_bytes", "512MiB"],
+    ),
+    "removed loose key": ("[l3]\nurl = 'redis://h'\n", ["l3.url", "l3.redis.host", "l3.s3.endpoint_url"]),
+    "decimal mode": ("[server]\nsocket_mode = 660\n", ["server.socket_mode", "0o660"]),
 }
 
 
@@ -274,6 +306,9 @@ BAD_CLI = {
     "bad int": ({"server.max_batch_pages": "1e3"}, ["server.max_batch_pages", "'1e3'"]),
     "non-positive": ({"l3.io_workers": "0"}, ["l3.io_workers", "'0'", "> 0"]),
     "lease below min": ({"sessions.lease_ms": "499"}, ["sessions.lease_ms", "499", "500"]),
+    "backend option": ({"l3.s3.threads": "many"}, ["l3.s3.threads", "'many'", "an integer"]),
+    "mode beyond permission bits": ({"server.socket_mode": "1777"}, ["server.socket_mode", "'1777'"]),
+    "mode not octal": ({"server.socket_mode": "689"}, ["server.socket_mode", "'689'"]),
 }
 
 
