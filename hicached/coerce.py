@@ -28,7 +28,7 @@ from typing import Any
 
 from hicached.errors import InvalidArgument
 
-__all__ = ["coerce", "format_mode", "parse_mode", "parse_size", "type_hints"]
+__all__ = ["coerce", "format_mode", "option", "parse_mode", "parse_size", "type_hints"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -164,11 +164,6 @@ def coerce(
         return _convert(value, tp, text)
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"invalid {label} = {value!r}: expected {_describe(tp, meta)}") from exc
-
-
-def field_metadata(cls: type[Any]) -> dict[str, typing.Mapping[str, Any]]:
-    """``{field name: metadata}`` of a dataclass."""
-    return {f.name: f.metadata for f in dataclasses.fields(cls)}
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, **meta: Any) -> Any:

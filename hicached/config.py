@@ -9,6 +9,14 @@ the value and what is allowed — there is no silent fallback.
 Each field's ``metadata["help"]`` documents it; ``hicached config show`` and the
 README's configuration reference are generated from the same table
 (``describe()``).
+
+The L3 backends' options are tables (``[l3.redis]``, ``HICACHED_L3_REDIS_HOST``,
+``--set l3.redis.host=...``) that resolve straight into each backend's own frozen
+config dataclass (``hicached/l3/<backend>.py``). Every value, the daemon's and the
+backends', goes through one typed coercer (:mod:`hicached.coerce`): TOML values
+must have the field's type, environment and command-line text is parsed.
+Permission modes are octal everywhere: ``0o660`` in TOML (a bare decimal literal
+is refused as ambiguous), ``660``/``0660``/``0o660`` as text.
 """
 
 from __future__ import annotations
@@ -317,10 +325,6 @@ def _tables(section: str) -> dict[str, type[Any]]:
         for f in dataclasses.fields(_SECTION_TYPES[section])
         if dataclasses.is_dataclass(hints[f.name])
     }
-
-
-def _scalar_keys(section: str) -> list[str]:
-    return [name for name in _fields(section) if name not in _tables(section)]
 
 
 def _all_keys() -> list[tuple[str, dataclasses.Field[Any], Any]]:
