@@ -13,12 +13,15 @@ import importlib
 import os
 import sys
 
+from hicached import __version__
+
 # Module names under hicached.commands, in --help order.
 COMMANDS = ("serve", "status", "bench", "keys", "config")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicached", description="HiCache tiering daemon for LLM inference")
+    parser.add_argument("--version", action="version", version=f"hicached {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"hicached.commands.{name}").register(subparsers)

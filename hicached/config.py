@@ -9,11 +9,21 @@ the value and what is allowed — there is no silent fallback.
 Each field's ``metadata["help"]`` documents it; ``hicached config show`` and the
 README's configuration reference are generated from the same table
 (``describe()``).
+
+The L3 backends' options are tables (``[l3.redis]``, ``HICACHED_L3_REDIS_HOST``,
+``--set l3.redis.host=...``) that resolve straight into each backend's own frozen
+config dataclass (``hicached/l3/<backend>.py``). Every value, the daemon's and the
+backends', goes through one typed coercer (:mod:`hicached.coerce`): TOML values
+must have the field's type, environment and command-line text is parsed.
+Permission modes are octal everywhere: ``0o660`` in TOML (a bare decimal literal
+is refused as ambiguous), ``660``/``0660``/``0o660`` as text.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import os
 import re
 import tomllib
@@ -22,30 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicached.coerce import coerce, format_mode, parse_size, type_hints
 from hicached.errors import InvalidArgument
+from hicached.l3.file import FileBackendConfig
+from hicached.l3.mooncake import MooncakeBackendConfig
+from hicached.l3.redis import RedisBackendConfig
+from hicached.l3.s3 import S3BackendConfig
+
+__all__ = ["Config", "ConfigError", "parse_size", "resolve"]
 
 
 class ConfigError(InvalidArgument):
     """An invalid configuration value (names key, value and what is allowed)."""
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """``"256MiB"`` / ``"4G"`` / ``1024`` -> bytes (binary units)."""
-    if isinstance(text, bool) or not isinstance(text, int | str):
-        raise ValueError(f"not a size: {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"negative size: {text}")
-        return text
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 4GiB, 1048576)")
-    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
 def _runtime_dir() -> Path:
@@ -93,10 +91,14 @@ def available_memory_bytes() -> int:
     return avail
 
 
-def _f(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None, **kw: Any) -> Any:
+def _f(
+    default: Any, help: str, *, parse: Callable[[Any], Any] | None = None, mode: bool = False, **kw: Any
+) -> Any:
     meta: dict[str, Any] = {"help": help}
     if parse is not None:
         meta["parse"] = parse
+    if mode:
+        meta["mode"] = True  # octal permission bits: text is octal, written back as 0o660
     if callable(default) and not isinstance(default, type):
         return field(default_factory=default, metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -105,7 +107,9 @@ def _f(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None, **
 @dataclass(frozen=True)
 class ServerConfig:
     socket: Path = _f(lambda: _runtime_dir() / "hicached.sock", "Unix socket path the daemon listens on.")
-    socket_mode: int = _f(0o660, "Permission bits of the socket file (octal in TOML: 0o660).")
+    socket_mode: int = _f(
+        0o660, "Permission bits of the socket file (octal: 0o660 in TOML, 660 in env/--set).", mode=True
+    )
     listen: str = _f("", "Also listen on TCP HOST:PORT (empty = Unix socket only).")
     auth_token_file: str = _f("", "File holding the bearer token required on TCP (empty = none).")
     tls_cert: str = _f("", "PEM certificate for TCP (with tls_key enables TLS).")
@@ -164,18 +168,38 @@ class CopyConfig:
     )
 
 
+def _default_file_backend() -> FileBackendConfig:
+    return FileBackendConfig(path=str(_cache_dir() / "l3"), capacity_bytes=16 << 30)
+
+
+# Each backend's table ([l3.file], [l3.redis], ...) is that backend's own config dataclass;
+# the daemon's defaults for the options a backend requires are given here.
+_BACKEND_HELP = "Options of the {} backend (table [l3.{}]; see the l3.{}.* keys)."
+
+
 @dataclass(frozen=True)
 class L3Config:
     backend: str = _f("file", "Storage backend: file, redis, s3, mooncake, or none.")
-    path: str = _f(lambda: str(_cache_dir() / "l3"), "Directory of the file backend.")
-    capacity: int = _f(16 << 30, "Capacity of the file backend in bytes (LRU beyond).", parse=parse_size)
-    url: str = _f("", "Address of a remote backend (redis://..., http://s3-endpoint, mooncake master).")
-    bucket: str = _f("hicached", "Bucket of the s3 backend.")
     write_policy: str = _f("write_through", "write_through, write_through_selective or write_back.")
     prefetch_policy: str = _f("best_effort", "best_effort, wait_complete or timeout.")
     prefetch_timeout_base_s: float = _f(1.0, "Timeout policy: base seconds.")
     prefetch_timeout_per_1k_tokens_s: float = _f(0.25, "Timeout policy: seconds per 1024 tokens.")
     io_workers: int = _f(2, "Threads doing L3 I/O.")
+    file: FileBackendConfig = _f(_default_file_backend, _BACKEND_HELP.format("file", "file", "file"))
+    redis: RedisBackendConfig = field(
+        default_factory=RedisBackendConfig, metadata={"help": _BACKEND_HELP.format("redis", "redis", "redis")}
+    )
+    s3: S3BackendConfig = _f(
+        lambda: S3BackendConfig(bucket="hicached"), _BACKEND_HELP.format("s3", "s3", "s3")
+    )
+    mooncake: MooncakeBackendConfig = _f(
+        lambda: MooncakeBackendConfig(master_addr="127.0.0.1:50051"),
+        _BACKEND_HELP.format("mooncake", "mooncake", "mooncake"),
+    )
+
+    def backend_config(self) -> Any:
+        """The selected backend's config dataclass (None for ``backend = "none"``)."""
+        return None if self.backend == "none" else getattr(self, self.backend)
 
 
 @dataclass(frozen=True)
@@ -215,7 +239,6 @@ _POSITIVE = {
     "sessions.op_cache_size",
     "copy.workers",
     "copy.max_queued",
-    "l3.capacity",
     "l3.io_workers",
     "host.default_ratio",
 }
@@ -231,51 +254,17 @@ _SECTION_TYPES: dict[str, type[Any]] = {
 }
 
 
-def _allowed(key: str, f: dataclasses.Field[Any]) -> str:
-    if key in _CHOICES:
-        return "one of " + ", ".join(_CHOICES[key])
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    if "parse" in f.metadata:
-        return "a size such as 512MiB, 4GiB or a byte count"
-    return {
-        "int": "an integer",
-        "float": "a number",
-        "bool": "true or false",
-        "str": "a string",
-        "Path": "a path",
-    }.get(str(kind), str(kind))
-
-
-def _coerce(key: str, f: dataclasses.Field[Any], value: Any) -> Any:
-    kind = str(f.type)
+def _coerce(key: str, f: dataclasses.Field[Any], value: Any, tp: Any = None, *, text: bool = True) -> Any:
+    """``value`` for the field ``f`` of ``key``, by the one typed coercer (:mod:`hicached.coerce`)."""
+    if tp is None:
+        section, _, name = key.partition(".")
+        tp = type_hints(_SECTION_TYPES[section])[name]
+    if key in _CHOICES and not (isinstance(value, str) and value in _CHOICES[key]):
+        raise ConfigError(f"invalid {key} = {value!r}: expected one of {', '.join(_CHOICES[key])}")
     try:
-        if "parse" in f.metadata:
-            out = f.metadata["parse"](value)
-        elif kind == "bool":
-            if isinstance(value, bool):
-                out = value
-            elif str(value).lower() in ("1", "true", "yes", "on"):
-                out = True
-            elif str(value).lower() in ("0", "false", "no", "off"):
-                out = False
-            else:
-                raise ValueError(value)
-        elif kind == "int":
-            if isinstance(value, bool) or not isinstance(value, int | str):
-                raise ValueError(value)  # 2.5 is not silently 2
-            out = int(value, 0) if isinstance(value, str) else value
-        elif kind == "float":
-            if isinstance(value, bool):
-                raise ValueError(value)
-            out = float(value)
-        elif isinstance(value, str):
-            out = Path(value) if kind == "Path" else value
-        else:
-            raise ValueError(value)  # a TOML number or boolean where text is expected
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid {key} = {value!r}: expected {_allowed(key, f)}") from exc
-    if key in _CHOICES and out not in _CHOICES[key]:
-        raise ConfigError(f"invalid {key} = {value!r}: expected {_allowed(key, f)}")
+        out = coerce(value, tp, label=key, metadata=f.metadata, text=text)
+    except InvalidArgument as exc:
+        raise ConfigError(str(exc)) from exc
     if key in _POSITIVE and out <= 0:
         raise ConfigError(f"invalid {key} = {value!r}: must be > 0")
     return out
@@ -316,8 +305,77 @@ def _check_cross(cfg: Config) -> None:
 
 
 def env_var(key: str) -> str:
-    """``server.socket`` -> ``HICACHED_SERVER_SOCKET``."""
+    """``server.socket`` -> ``HICACHED_SERVER_SOCKET``; ``l3.redis.host`` -> ``HICACHED_L3_REDIS_HOST``."""
     return "HICACHED_" + key.replace(".", "_").upper()
+
+
+# Documented aliases of backend options (the loose [l3] keys of earlier versions).
+ALIASES: dict[str, str] = {"l3.path": "l3.file.path", "l3.capacity": "l3.file.capacity_bytes"}
+# Keys that were removed, with what replaces them (an error names the replacement).
+_REMOVED: dict[str, str] = {
+    "l3.url": "l3.redis.host/l3.redis.port, l3.s3.endpoint_url or l3.mooncake.master_addr",
+    "l3.bucket": "l3.s3.bucket",
+}
+# HICACHED_* variables that are not configuration keys but are read elsewhere.
+OTHER_ENV: dict[str, str] = {
+    "HICACHED_CONFIG": "the configuration file",
+    "HICACHED_SOCKET": "the daemon address clients connect to",
+    "HICACHED_PYTHON": "the Python ./dev uses",
+    "HICACHED_TORCH": "the torch wheel ./dev installs",
+}
+
+
+def _tables(section: str) -> dict[str, type[Any]]:
+    """``{table name: config dataclass}`` of the sub-tables of ``section`` (``[l3.redis]``...)."""
+    hints = type_hints(_SECTION_TYPES[section])
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(_SECTION_TYPES[section])
+        if dataclasses.is_dataclass(hints[f.name])
+    }
+
+
+def _all_keys() -> list[tuple[str, dataclasses.Field[Any], Any]]:
+    """``(dotted key, field, type)`` of every settable key, tables' options included."""
+    out = []
+    for section, cls in _SECTION_TYPES.items():
+        hints = type_hints(cls)
+        tables = _tables(section)
+        for f in dataclasses.fields(cls):
+            if f.name not in tables:
+                out.append((f"{section}.{f.name}", f, hints[f.name]))
+                continue
+            table_hints = type_hints(tables[f.name])
+            for g in dataclasses.fields(tables[f.name]):
+                out.append((f"{section}.{f.name}.{g.name}", g, table_hints[g.name]))
+    return out
+
+
+def _flatten(prefix: str, data: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """TOML tables -> dotted keys (``{"l3": {"redis": {"host": h}}}`` -> ``l3.redis.host``)."""
+    out: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict) and dotted.count(".") < 2 and dotted not in _KEYS:
+            out.extend(_flatten(dotted, value))
+        else:
+            out.append((dotted, value))
+    return out
+
+
+_MODE_LITERAL = re.compile(r"^\s*(\w+)\s*=\s*([^\s#]+)", re.MULTILINE)
+
+
+def _check_mode_literals(text: str, file: Path) -> None:
+    """A mode written as a bare decimal in TOML (``socket_mode = 660``) is refused, not
+    taken as decimal: TOML has no implicit octal, so write ``0o660`` or ``"660"``."""
+    modes = {key.rpartition(".")[2]: key for key, f, _ in _all_keys() if f.metadata.get("mode")}
+    for name, literal in _MODE_LITERAL.findall(text):
+        if name in modes and literal[:1].isdigit() and not literal.lower().startswith("0o"):
+            raise ConfigError(
+                f"invalid {modes[name]} = {literal} in {file}: a permission mode must be written "
+                f'in octal, e.g. {name} = 0o660 (or "660")'
+            )
 
 
 def resolve(
@@ -328,6 +386,8 @@ def resolve(
     """Build the configuration: ``cli`` (dotted keys) > ``env`` > ``file`` > defaults.
 
     ``env`` defaults to ``os.environ``; ``file`` defaults to ``$HICACHED_CONFIG`` if set.
+    Backend tables (``[l3.redis]``, ``HICACHED_L3_REDIS_HOST``, ``--set l3.redis.host=...``)
+    go through the same coercer and end as that backend's own config dataclass.
     """
     env = os.environ if env is None else env
     if file is None and env.get("HICACHED_CONFIG"):
@@ -335,61 +395,163 @@ def resolve(
     layered: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_TYPES}
     if file is not None:
         try:
-            data = tomllib.loads(file.read_text())
+            text = file.read_text()
+            data = tomllib.loads(text)
         except OSError as exc:
             raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+        _check_mode_literals(text, file)
         for section, values in data.items():
             if section not in _SECTION_TYPES or not isinstance(values, dict):
                 raise ConfigError(
                     f"unknown section [{section}] in {file}: expected one of {', '.join(_SECTION_TYPES)}"
                 )
-            for key, value in values.items():
-                _set(layered, f"{section}.{key}", value, origin=str(file))
-    for section in _SECTION_TYPES:
-        for key in _fields(section):
-            name = env_var(f"{section}.{key}")
-            if name in env:
-                _set(layered, f"{section}.{key}", env[name], origin=name)
+            for dotted, value in _flatten(section, values):
+                _set(layered, dotted, value, origin=str(file), text=False)
+    for alias in ALIASES:
+        if env_var(alias) in env:
+            _set(layered, alias, env[env_var(alias)], origin=env_var(alias))
+    for key in _KEYS:
+        name = env_var(key)
+        if name in env:
+            _set(layered, key, env[name], origin=name)
     for dotted, value in (cli or {}).items():
         if value is not None:
             _set(layered, dotted, value, origin="command line")
-    cfg = Config(**{name: _SECTION_TYPES[name](**vals) for name, vals in layered.items()})
+    defaults = Config()
+    sections = {}
+    for name, vals in layered.items():
+        tables = {
+            table: _build_table(name, table, getattr(getattr(defaults, name), table), vals.pop(table))
+            for table in _tables(name)
+            if table in vals
+        }
+        sections[name] = _SECTION_TYPES[name](**vals, **tables)
+    cfg = Config(**sections)
     _check_cross(cfg)
     return cfg
 
 
-def _set(layered: dict[str, dict[str, Any]], dotted: str, value: Any, *, origin: str) -> None:
-    section, _, key = dotted.partition(".")
-    fields = _fields(section) if section in _SECTION_TYPES else {}
-    if key not in fields:
-        known = ", ".join(f"{section}.{k}" for k in fields) if fields else ", ".join(_SECTION_TYPES)
-        raise ConfigError(f"unknown configuration key {dotted!r} (from {origin}); known: {known}")
-    layered[section][key] = _coerce(dotted, fields[key], value)
+def _build_table(section: str, table: str, default: Any, values: Mapping[str, Any]) -> Any:
+    try:
+        return dataclasses.replace(default, **values)
+    except InvalidArgument as exc:  # the backend's own cross-checks (__post_init__)
+        raise ConfigError(f"invalid [{section}.{table}]: {exc}") from exc
+
+
+def _set(
+    layered: dict[str, dict[str, Any]], dotted: str, value: Any, *, origin: str, text: bool = True
+) -> None:
+    dotted = ALIASES.get(dotted, dotted)
+    if dotted in _REMOVED:
+        raise ConfigError(f"configuration key {dotted!r} (from {origin}) was removed: use {_REMOVED[dotted]}")
+    entry = _KEYS.get(dotted)
+    if entry is None:
+        section, _, rest = dotted.partition(".")
+        table = rest.partition(".")[0]
+        if section in _SECTION_TYPES and table in _tables(section):
+            scope = f"{section}.{table}."
+        elif section in _SECTION_TYPES:
+            scope = f"{section}."
+        else:
+            scope = ""
+        known = ", ".join(k for k in _KEYS if k.startswith(scope) and k.count(".") == scope.count("."))
+        raise ConfigError(
+            f"unknown configuration key {dotted!r} (from {origin}); known: "
+            + (known if scope else ", ".join(_SECTION_TYPES))
+        )
+    f, tp = entry
+    coerced = _coerce(dotted, f, value, tp, text=text)
+    parts = dotted.split(".")
+    if len(parts) == 3:
+        layered[parts[0]].setdefault(parts[1], {})[parts[2]] = coerced
+    else:
+        layered[parts[0]][parts[1]] = coerced
+
+
+def _plain(value: Any) -> Any:
+    return str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
 
 
 def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    """TOML-ready nested dict (paths as strings)."""
+    """TOML-ready nested dict (paths as strings; backend tables as nested dicts, unset options left out)."""
     out: dict[str, dict[str, Any]] = {}
     for name in _SECTION_TYPES:
         section = getattr(cfg, name)
-        out[name] = {
-            f.name: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
-            for f in dataclasses.fields(section)
-            for v in [getattr(section, f.name)]
-        }
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(section):
+            v = getattr(section, f.name)
+            if dataclasses.is_dataclass(v):
+                values[f.name] = {
+                    g.name: _plain(getattr(v, g.name))
+                    for g in dataclasses.fields(v)
+                    if getattr(v, g.name) is not None
+                }
+            else:
+                values[f.name] = _plain(v)
+        out[name] = values
     return out
 
 
+def toml_value(key: str, value: Any) -> str:
+    """``value`` of ``key`` as TOML text (modes in octal: ``0o660``)."""
+    entry = _KEYS.get(key)
+    if entry is not None and entry[0].metadata.get("mode") and isinstance(value, int):
+        return format_mode(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value("", v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def to_toml(cfg: Config) -> str:
+    """The configuration as a TOML document that :func:`resolve` reads back to ``cfg``."""
+    lines: list[str] = []
+    for section, values in as_dict(cfg).items():
+        lines.append(f"[{section}]")
+        tables = {k: v for k, v in values.items() if isinstance(v, dict)}
+        lines += [f"{k} = {toml_value(f'{section}.{k}', v)}" for k, v in values.items() if k not in tables]
+        lines.append("")
+        for table, options in tables.items():
+            lines.append(f"[{section}.{table}]")
+            lines += [f"{k} = {toml_value(f'{section}.{table}.{k}', v)}" for k, v in options.items()]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """One warning per ``HICACHED_*`` variable that is no configuration key (a typo is never silent)."""
+    env = os.environ if env is None else env
+    known = {env_var(k) for k in _KEYS} | {env_var(a) for a in ALIASES} | set(OTHER_ENV)
+    warnings = []
+    for name in sorted(env):
+        if not name.startswith("HICACHED_") or name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else "; see `hicached config show --keys`"
+        warnings.append(f"environment variable {name} is not a hicached setting and is ignored{hint}")
+    return warnings
+
+
 def describe() -> list[tuple[str, str, str, str]]:
-    """(key, default, env var, help) for every key, for docs and ``config show --keys``."""
+    """(key, default, env var, help) for every key, for docs and ``config show --keys``.
+
+    Defaults are written as in TOML (``0o660``, ``"text"``, ``true``); an option without
+    a value (``None``) is ``unset``.
+    """
     rows = []
-    defaults = Config()
-    for name, cls in _SECTION_TYPES.items():
-        for f in dataclasses.fields(cls):
-            key = f"{name}.{f.name}"
-            rows.append(
-                (key, repr(getattr(getattr(defaults, name), f.name)), env_var(key), f.metadata["help"])
-            )
+    defaults = as_dict(Config())
+    for key, f, _ in _all_keys():
+        value: Any = defaults
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        shown = "unset" if value is None else toml_value(key, value)
+        rows.append((key, shown, env_var(key), f.metadata.get("help", "")))
     return rows
+
+
+_KEYS: dict[str, tuple[dataclasses.Field[Any], Any]] = {key: (f, tp) for key, f, tp in _all_keys()}

@@ -7,6 +7,7 @@ core or the server; tests and the CLI go through :class:`Daemon`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -25,12 +26,13 @@ from hicached.core.keyed import KeyedCache
 from hicached.core.service import CoreHooks, HiCacheCore
 from hicached.core.sessions import Session
 from hicached.l3.base import StorageBackend
-from hicached.l3.registry import create_backend
 from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
 from hicached.server.app import Server
 from hicached.server.handoff import HandoffRegistry, HandoffServer, handoff_path
 from hicached.server.servicer import AdminServicer, CacheServicer
+from hicached.startup import banner, open_l3
+from hicached.tasks import supervise
 from hicached.transfer.engine import CopyEngine
 from hicached.transfer.plan import CopyPlan, Direction
 
@@ -52,8 +54,7 @@ class MetricsHooks(CoreHooks):
         else:
             self._m.sessions.dec()
 
-    def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float) -> None:
-        model = ""
+    def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float, model: str = "") -> None:
         tokens, nbytes = (
             (self._m.write_tokens, self._m.write_bytes)
             if direction is Direction.D2H
@@ -67,17 +68,9 @@ class MetricsHooks(CoreHooks):
 
 
 def l3_backend(config: Config) -> StorageBackend | None:
-    """The configured L3 backend (None for ``l3.backend = "none"``)."""
-    l3 = config.l3
-    if l3.backend == "none":
-        return None
-    options: dict[str, object] = {  # type: ignore[assignment]
-        "file": {"path": l3.path, "capacity_bytes": l3.capacity},
-        "redis": {"url": l3.url or "redis://127.0.0.1:6379/0"},
-        "s3": {"endpoint_url": l3.url, "bucket": l3.bucket},
-        "mooncake": {"master_addr": l3.url},
-    }[l3.backend]
-    return create_backend(l3.backend, options)  # type: ignore[arg-type]
+    """The configured L3 backend (None for ``l3.backend = "none"``); raises
+    :class:`~hicached.startup.StartupError` (one line naming the key) when it cannot start."""
+    return open_l3(config)
 
 
 class Daemon:
@@ -87,8 +80,8 @@ class Daemon:
         self.config = config
         self.daemon_id = daemon_id or f"{os.getpid():x}{uuid.uuid4().hex[:4]}"
         self.metrics = Metrics()
+        self.backend = l3_backend(config)  # first: a backend that cannot start leaves nothing behind
         self.engine = CopyEngine(workers=config.copy.workers, max_queued_bytes=config.copy.max_queued)
-        self.backend = l3_backend(config)
         self.groups = GroupRegistry(config.host, daemon_id=self.daemon_id)
         self.keyed = KeyedCache(config, backend=self.backend, metrics=self.metrics)
         self.core = HiCacheCore(
@@ -130,6 +123,7 @@ class Daemon:
         ]
         self.server = Server(config, self.core, registrations, executor=self.executor)
         self.metrics_server: MetricsServer | None = None
+        self._gauge_labels: set[tuple[str, str]] = set()
 
     def _attach_index(self, state: GroupState) -> None:
         self.keyed.attach_group(state)
@@ -141,30 +135,39 @@ class Daemon:
     def refresh_gauges(self) -> None:
         """Host usage and queue depths (cheap; called by the lease reaper)."""
         m = self.metrics
+        seen: set[tuple[str, str]] = set()
         for state in self.groups.all():
             for p in state.states():
                 labels = {"model": state.model_name, "pool": p.name}
+                seen.add((state.model_name, p.name))
                 used = p.total_pages - p.free_pages
                 m.host_used_tokens.labels(**labels).set(used * p.page_size)
                 m.host_total_tokens.labels(**labels).set(p.total_pages * p.page_size)
                 m.host_used_bytes.labels(**labels).set(used * p.page_bytes)
                 m.host_total_bytes.labels(**labels).set(p.total_pages * p.page_bytes)
+        for model, pool in self._gauge_labels - seen:  # a retired group's series go with it
+            for gauge in (m.host_used_tokens, m.host_total_tokens, m.host_used_bytes, m.host_total_bytes):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(model, pool)
+        self._gauge_labels = seen
         for priority, depth in self.engine.queue_depth().items():
-            m.queue_depth.labels(priority=m.priority(priority.name.lower())).set(depth)
+            m.queue_depth.labels(priority=m.priority(priority)).set(depth)
 
     async def start(self) -> None:
         await self.server.start()
         self.handoff_server.start()
         port = self.config.server.metrics_port
+        url = None
         if port >= 0:
             self.metrics_server = serve_metrics(self.metrics, self.config.server.metrics_host, port)
-            logger.info(
-                "metrics",
-                extra={
-                    "event": "metrics",
-                    "url": f"http://{self.config.server.metrics_host}:{self.metrics_server.port}/metrics",
-                },
-            )
+            url = f"http://{self.config.server.metrics_host}:{self.metrics_server.port}/metrics"
+        fields = banner(
+            self.config,
+            budget_bytes=self.groups.budget_bytes,
+            metrics_url=url,
+            tcp_port=getattr(self.server, "tcp_port", None),
+        )
+        logger.info("hicached %s started", fields["version"], extra=fields)
 
     async def stop(self) -> None:
         """Stop serving, finish or cancel in-flight work, release every mapping and page."""
@@ -196,15 +199,20 @@ class Daemon:
         applied = []
         old, new = as_dict(self.config), as_dict(fresh)
         for section, values in new.items():
-            for key, value in values.items():
-                if old[section][key] == value:
+            for key, value in _leaves(values):
+                if _leaf(old[section], key) == value:
                     continue
                 if section in RELOADABLE_SECTIONS:
                     applied.append(f"{section}.{key}")
                 else:
+                    secret = any(word in key for word in ("password", "secret"))
                     logger.warning(
                         "config change needs a restart",
-                        extra={"event": "reload", "key": f"{section}.{key}", "value": value},
+                        extra={
+                            "event": "reload",
+                            "key": f"{section}.{key}",
+                            "value": "***" if secret else value,
+                        },
                     )
         if applied:
             setup_logging(fresh.log.level, fresh.log.format)
@@ -221,7 +229,14 @@ class Daemon:
         if reload is not None:
             loop.add_signal_handler(signal.SIGHUP, lambda: self._on_sighup(reload))
         await self.start()
-        gauges = asyncio.create_task(self._refresh_loop())
+        gauges = asyncio.create_task(
+            supervise(
+                "gauges",
+                self.refresh_gauges,
+                interval_s=1.0,
+                on_failure=lambda task: self.metrics.task_failures.labels(task=self.metrics.task(task)).inc(),
+            )
+        )
         await stop.wait()
         logger.info("shutting down", extra={"event": "shutdown"})
         gauges.cancel()
@@ -234,13 +249,27 @@ class Daemon:
         except ConfigError as exc:
             logger.error("config reload rejected: %s", exc, extra={"event": "reload"})
 
-    async def _refresh_loop(self) -> None:
-        while True:
-            self.refresh_gauges()
-            await asyncio.sleep(1.0)
+
+def _leaves(values: dict[str, object], prefix: str = "") -> list[tuple[str, object]]:
+    """``{"redis": {"host": h}}`` -> ``[("redis.host", h)]`` (backend tables are nested)."""
+    out: list[tuple[str, object]] = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.extend(_leaves(value, f"{prefix}{key}."))
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def _leaf(values: dict[str, object], dotted: str) -> object:
+    node: object = values
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """Build and serve a daemon; a :class:`~hicached.startup.StartupError` propagates (exit 2)."""
     import uvloop
 
     daemon = Daemon(config)

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import start_http_server
 
 from hicached.errors import InvalidArgument
+from hicached.transfer.engine import Priority
 
 __all__ = [
     "BANDWIDTH_BUCKETS_GBPS",
@@ -37,6 +38,7 @@ __all__ = [
     "PREFIX",
     "PRIORITIES",
     "RPC_CODES",
+    "TASKS",
     "TIERS",
     "Metrics",
     "MetricsServer",
@@ -52,7 +54,11 @@ PREFIX = "hicached"
 # dashboard's ratios then work before the first event.
 TIERS = ("l2", "l3")
 DIRECTIONS = ("d2h", "h2d", "l3_to_l2", "l2_to_l3")
-PRIORITIES = ("restore", "load", "prefetch", "writeback")
+# The copy engine's own priority classes, spelled in lower case: the producer and the
+# metric share one vocabulary (``Priority.WRITE_BACK`` -> ``write_back``).
+PRIORITIES = tuple(p.name.lower() for p in Priority)
+# Periodic background tasks of the daemon (bounded: names are code constants).
+TASKS = ("gauges",)
 # gRPC status code names (grpc.StatusCode.X.name); spelled out here because
 # only hicached.server may import grpc.
 RPC_CODES = (
@@ -259,6 +265,12 @@ class Metrics:
             ("priority",),
             registry=r,
         )
+        self.task_failures = Counter(
+            f"{p}_background_task_failures",
+            "Failures of a periodic background task (each is logged with its traceback and retried).",
+            ("task",),
+            registry=r,
+        )
         self.retraction_backups = Gauge(
             f"{p}_retraction_backups", "Retracted requests whose backup is held on the host.", registry=r
         )
@@ -269,6 +281,8 @@ class Metrics:
             self.transfer_duration.labels(direction=direction)
         for priority in PRIORITIES:
             self.queue_depth.labels(priority=priority)
+        for task in TASKS:
+            self.task_failures.labels(task=task)
 
     # Checked accessors for the closed vocabularies.
     @staticmethod
@@ -280,8 +294,15 @@ class Metrics:
         return _check_vocabulary("direction", value, DIRECTIONS)
 
     @staticmethod
-    def priority(value: str) -> str:
+    def priority(value: str | Priority) -> str:
+        """The label of a copy priority (a :class:`Priority` or its lower-case name)."""
+        if isinstance(value, Priority):
+            value = value.name.lower()
         return _check_vocabulary("priority", value, PRIORITIES)
+
+    @staticmethod
+    def task(value: str) -> str:
+        return _check_vocabulary("task", value, TASKS)
 
     @staticmethod
     def code(value: str) -> str:

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from hicached.config import Config, ConfigError, as_dict, describe, env_var, resolve
+from hicached.coerce import type_hints
+from hicached.config import ALIASES, Config, ConfigError, as_dict, describe, env_var, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,14 +37,42 @@ _SPECIAL: dict[str, tuple[Any, Any, Any]] = {
     "log.format": ("json", "text", "json"),
     "host.prefault": (False, True, False),
     "host.warm_restart": (True, False, True),
+    "l3.redis.port": (7001, 7002, 7003),
+    "l3.s3.endpoint_url": ("http://f:1", "http://e:2", "https://c:3"),
+    "l3.s3.prefix": ("f/", "e/", "c/"),
+    "l3.s3.addressing_style": ("path", "virtual", "path"),
+    "l3.mooncake.master_addr": ("f:1", "e:2", "c:3"),
+    "l3.mooncake.protocol": ("rdma", "tcp", "rdma"),
+    "l3.file.fsync": (True, False, True),
+    "l3.s3.create_bucket": (True, False, True),
+    "l3.s3.conditional_put": (False, True, False),
 }
 # server.tls_cert and server.tls_key must be set together: each is layered with its partner in the file.
-_PARTNER = {"server.tls_cert": ("tls_key", "/k.pem"), "server.tls_key": ("tls_cert", "/c.pem")}
+_PARTNER = {
+    "server.tls_cert": ("tls_key", "/k.pem"),
+    "server.tls_key": ("tls_cert", "/c.pem"),
+    "l3.s3.access_key_id": ("s3.secret_access_key", "secret"),
+    "l3.s3.secret_access_key": ("s3.access_key_id", "key"),
+}
+
+
+def _owner(key: str) -> tuple[Any, str]:
+    """(the dataclass instance holding ``key`` in the defaults, the field name)."""
+    *path, name = key.split(".")
+    obj: Any = Config()
+    for part in path:
+        obj = getattr(obj, part)
+    return obj, name
 
 
 def _field(key: str) -> dataclasses.Field[Any]:
-    section, _, name = key.partition(".")
-    return next(f for f in dataclasses.fields(getattr(Config(), section)) if f.name == name)
+    obj, name = _owner(key)
+    return next(f for f in dataclasses.fields(obj) if f.name == name)
+
+
+def _kind(key: str) -> str:
+    obj, name = _owner(key)
+    return str(type_hints(type(obj))[name]).replace("<class '", "").replace("'>", "").split(".")[-1]
 
 
 def _layer_values(key: str) -> tuple[Any, Any, Any]:
@@ -53,7 +82,9 @@ def _layer_values(key: str) -> tuple[Any, Any, Any]:
     f = _field(key)
     if "parse" in f.metadata:
         return ("1MiB", "2MiB", "3MiB")
-    kind = str(f.type)
+    kind = _kind(key)
+    if kind in ("str | None", "typing.Optional[str]"):
+        kind = "str"
     if kind == "int":
         return (7, 8, 9)
     if kind == "float":
@@ -66,7 +97,9 @@ def _layer_values(key: str) -> tuple[Any, Any, Any]:
     raise AssertionError(f"no layer values for {key} of type {kind}: add it to _SPECIAL")
 
 
-def _toml(value: Any) -> str:
+def _toml(value: Any, key: str = "") -> str:
+    if key == "server.socket_mode":
+        return f"0o{value:o}"  # modes are octal literals in TOML (a bare decimal is refused)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
@@ -74,13 +107,16 @@ def _toml(value: Any) -> str:
     return f'"{value}"'
 
 
-def _env_text(value: Any) -> str:
+def _env_text(value: Any, key: str = "") -> str:
+    if key == "server.socket_mode":
+        return f"{value:o}"  # text modes are octal, as with chmod: "640"
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def _get(cfg: Config, key: str) -> Any:
-    section, _, name = key.partition(".")
-    value = getattr(getattr(cfg, section), name)
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
     return str(value) if isinstance(value, Path) else value
 
 
@@ -102,14 +138,16 @@ ALL_KEYS = [row[0] for row in describe()]
 
 @pytest.mark.parametrize("key", ALL_KEYS)
 def test_flag_beats_env_beats_file_beats_default(key: str, tmp_path: Path) -> None:
+    """Every key, backend tables' options included (``[l3] redis.host = ...`` is the
+    ``[l3.redis]`` table in TOML's dotted-key form)."""
     section, _, name = key.partition(".")
     file_value, env_value, cli_value = _layer_values(key)
     partner = _PARTNER.get(key)
-    lines = [f"[{section}]", f"{name} = {_toml(file_value)}"]
+    lines = [f"[{section}]", f"{name} = {_toml(file_value, key)}"]
     if partner is not None:
         lines.append(f"{partner[0]} = {_toml(partner[1])}")
     path = _write(tmp_path, "\n".join(lines) + "\n")
-    env = {env_var(key): _env_text(env_value)}
+    env = {env_var(key): _env_text(env_value, key)}
     defaults = resolve(env={})
     assert _get(defaults, key) != _expected(key, file_value), "the file value must differ from the default"
 
@@ -117,10 +155,12 @@ def test_flag_beats_env_beats_file_beats_default(key: str, tmp_path: Path) -> No
     assert _get(from_file, key) == _expected(key, file_value)
     from_env = resolve(env=env, file=path)
     assert _get(from_env, key) == _expected(key, env_value)
-    from_cli = resolve(cli={key: _env_text(cli_value)}, env=env, file=path)
+    from_cli = resolve(cli={key: _env_text(cli_value, key)}, env=env, file=path)
     assert _get(from_cli, key) == _expected(key, cli_value)
     # Every other key keeps its default: a layer sets one key, not its whole section.
     layered = {key} | ({f"{section}.{partner[0]}"} if partner else set())
+    if key.startswith("l3.") and key.count(".") == 2:  # the aliases of l3.file.* follow it
+        layered |= {alias for alias, target in ALIASES.items() if target == key}
     others = [k for k in ALL_KEYS if k not in layered]
     assert {k: _get(from_cli, k) for k in others} == {k: _get(defaults, k) for k in others}
 
@@ -137,6 +177,26 @@ def test_no_layer_gives_the_defaults() -> None:
     assert resolve(env={}) == Config()
 
 
+def test_text_modes_are_octal_and_toml_modes_need_an_octal_literal(tmp_path: Path) -> None:
+    for text in ("660", "0660", "0o660"):
+        assert resolve(cli={"server.socket_mode": text}, env={}).server.socket_mode == 0o660
+        assert resolve(env={"HICACHED_SERVER_SOCKET_MODE": text}).server.socket_mode == 0o660
+    for literal in ("0o660", '"660"', "'0660'"):
+        path = _write(tmp_path, f"[server]\nsocket_mode = {literal}\n")
+        assert resolve(env={}, file=path).server.socket_mode == 0o660, literal
+
+
+def test_backend_tables_build_the_backends_own_config(tmp_path: Path) -> None:
+    from hicached.l3.redis import RedisBackendConfig
+    from hicached.l3.s3 import S3BackendConfig
+
+    path = _write(tmp_path, "[l3]\nbackend = 'redis'\n[l3.redis]\nhost = 'h'\nport = 7000\n")
+    cfg = resolve(env={"HICACHED_L3_REDIS_DB": "3"}, cli={"l3.redis.password": "pw"}, file=path)
+    assert cfg.l3.backend_config() == RedisBackendConfig(host="h", port=7000, db=3, password="pw")
+    assert cfg.l3.s3 == S3BackendConfig(bucket="hicached"), "the other tables keep their defaults"
+    assert resolve(cli={"l3.backend": "none"}, env={}).l3.backend_config() is None
+
+
 # (source, key or section, bad value as it appears in the message, TOML text / env / cli setting)
 BAD_FILE = {
     "unknown section": ("[nosuch]\nx = 1\n", ["nosuch"]),
@@ -150,7 +210,7 @@ BAD_FILE = {
     "bad choice": ("[l3]\nbackend = 'ftp'\n", ["l3.backend", "'ftp'", "file, redis, s3, mooncake, none"]),
     "bad choice log": ("[log]\nformat = 'xml'\n", ["log.format", "'xml'", "text, json"]),
     "non-positive int": ("[copy]\nworkers = 0\n", ["copy.workers", "0", "> 0"]),
-    "non-positive size": ("[l3]\ncapacity = '0B'\n", ["l3.capacity", "'0B'", "> 0"]),
+    "non-positive size": ("[l3]\ncapacity = '0B'\n", ["[l3.file]", "'capacity_bytes'", ">= 512, got 0"]),
     "non-positive float": ("[host]\ndefault_ratio = -1.0\n", ["host.default_ratio", "-1.0", "> 0"]),
     "lease below min": ("[sessions]\nlease_ms = 100\n", ["sessions.lease_ms", "100", "500"]),
     "lease above max": (
@@ -168,9 +228,21 @@ BAD_FILE = {
     ),
     "metrics port too big": ("[server]\nmetrics_port = 70000\n", ["server.metrics_port", "70000"]),
     "metrics port below -1": ("[server]\nmetrics_port = -2\n", ["server.metrics_port", "-2"]),
-    "bad size string": ("[l3]\ncapacity = '12XB'\n", ["l3.capacity", "'12XB'", "512MiB"]),
+    "bad size string": ("[l3]\ncapacity = '12XB'\n", ["l3.file.capacity_bytes", "'12XB'", "512MiB"]),
     "negative size string": ("[host]\nbudget = '-1GiB'\n", ["host.budget", "'-1GiB'"]),
     "size of wrong type": ("[copy]\nmax_queued = 1.5\n", ["copy.max_queued", "1.5"]),
+    "backend option of wrong type": (
+        "[l3.redis]\nport = '6379'\n",
+        ["l3.redis.port", "'6379'", "an integer"],
+    ),
+    "unknown backend option": ("[l3.redis]\nhots = 'h'\n", ["l3.redis.hots", "l3.redis.host"]),
+    "backend option cross-check": ("[l3.redis]\nport = 70000\n", ["[l3.redis]", "'port'", "70000"]),
+    "backend size option": (
+        "[l3.mooncake]\nstaging_bytes = 'lots'\n",
+        ["l3.mooncake.staging_bytes", "512MiB"],
+    ),
+    "removed loose key": ("[l3]\nurl = 'redis://h'\n", ["l3.url", "l3.redis.host", "l3.s3.endpoint_url"]),
+    "decimal mode": ("[server]\nsocket_mode = 660\n", ["server.socket_mode", "0o660"]),
 }
 
 
@@ -234,6 +306,9 @@ BAD_CLI = {
     "bad int": ({"server.max_batch_pages": "1e3"}, ["server.max_batch_pages", "'1e3'"]),
     "non-positive": ({"l3.io_workers": "0"}, ["l3.io_workers", "'0'", "> 0"]),
     "lease below min": ({"sessions.lease_ms": "499"}, ["sessions.lease_ms", "499", "500"]),
+    "backend option": ({"l3.s3.threads": "many"}, ["l3.s3.threads", "'many'", "an integer"]),
+    "mode beyond permission bits": ({"server.socket_mode": "1777"}, ["server.socket_mode", "'1777'"]),
+    "mode not octal": ({"server.socket_mode": "689"}, ["server.socket_mode", "'689'"]),
 }
 
 
@@ -303,7 +378,7 @@ def test_config_show_prints_toml_that_round_trips(tmp_path: Path) -> None:
         cli={"sessions.lease_ms": "4000", "copy.workers": "3"}, env={"HICACHED_LOG_FORMAT": "json"}, file=path
     )
     assert data == as_dict(expected)
-    assert (data["l3"]["capacity"], data["host"]["prefault"], data["log"]["format"]) == (
+    assert (data["l3"]["file"]["capacity_bytes"], data["host"]["prefault"], data["log"]["format"]) == (
         3 << 30,
         False,
         "json",

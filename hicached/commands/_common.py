@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from hicached.config import Config, resolve
+from hicached.config import Config, describe, resolve
 
 # flag dest -> dotted configuration key
 CONFIG_FLAGS: dict[str, tuple[str, str]] = {
@@ -15,8 +15,7 @@ CONFIG_FLAGS: dict[str, tuple[str, str]] = {
     "metrics_port": ("server.metrics_port", "serve Prometheus /metrics on this port (0 = any)"),
     "host_budget": ("host.budget", "node-wide host memory budget, e.g. 8GiB"),
     "l3": ("l3.backend", "L3 backend: file, redis, s3, mooncake or none"),
-    "l3_path": ("l3.path", "directory of the file backend"),
-    "l3_url": ("l3.url", "address of a remote L3 backend"),
+    "l3_path": ("l3.file.path", "directory of the file backend"),
     "lease_ms": ("sessions.lease_ms", "default session lease in milliseconds"),
     "log_level": ("log.level", "debug, info, warning or error"),
     "log_format": ("log.format", "text or json"),
@@ -25,16 +24,21 @@ CONFIG_FLAGS: dict[str, tuple[str, str]] = {
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML configuration file (default: $HICACHED_CONFIG)")
+    defaults = {key: default for key, default, _env, _help in describe()}
     for dest, (key, help_text) in CONFIG_FLAGS.items():
         parser.add_argument(
-            "--" + dest.replace("_", "-"), dest=dest, metavar=key.split(".")[1].upper(), help=help_text
+            "--" + dest.replace("_", "-"),
+            dest=dest,
+            metavar=key.split(".")[-1].upper(),
+            help=f"{help_text} (key {key}; default: {defaults[key]})",
         )
     parser.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="set any configuration key (repeatable)",
+        help="set any configuration key, e.g. l3.redis.host=10.0.0.5 (repeatable; "
+        "see `hicached config show --keys`)",
     )
 
 

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any
 
 from hicached.commands._common import add_config_flags, config_from_args
-from hicached.config import ConfigError
+from hicached.config import ConfigError, unknown_env
+
+logger = logging.getLogger("hicached.serve")
 
 
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
         help="run the daemon",
-        description="Run the hicached daemon (gRPC on a Unix socket by default) until SIGTERM/SIGINT.",
+        description="Run the hicached daemon (gRPC on a Unix socket by default) until SIGTERM/SIGINT. "
+        "Configuration: flags > HICACHED_* environment > --config TOML > defaults; "
+        "`hicached config show --keys` lists every key.",
     )
     add_config_flags(parser)
     parser.set_defaults(func=run)
@@ -28,6 +33,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from hicached.daemon import run_daemon
     from hicached.logs import setup_logging
+    from hicached.startup import StartupError
 
     setup_logging(config.log.level, config.log.format)
-    return run_daemon(config, reload=lambda: config_from_args(args))
+    for warning in unknown_env():
+        logger.warning(warning, extra={"event": "config"})
+    try:
+        return run_daemon(config, reload=lambda: config_from_args(args))
+    except StartupError as exc:
+        print(f"hicached: {exc}", file=sys.stderr)
+        return 2

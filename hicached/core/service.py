@@ -101,8 +101,8 @@ class CoreHooks:
     def on_session(self, event: str, session: Session) -> None:
         """A session was attached, detached, replaced or expired."""
 
-    def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float) -> None:
-        """A copy finished."""
+    def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float, model: str = "") -> None:
+        """A copy finished (``model``: the pool group's model name, for per-model metrics)."""
 
 
 class HiCacheCore:
@@ -442,7 +442,7 @@ class HiCacheCore:
             result = future.result()
         finally:
             state.release(busy)
-        self._hooks.on_copy(direction, plan, result.seconds)
+        self._hooks.on_copy(direction, plan, result.seconds, model=state.model_name)
         return tuple(
             Ack(
                 pool=t.name,

@@ -56,6 +56,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
+from hicached.coerce import option, parse_size
 from hicached.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hicached.l3.base import BackendStats, StorageBackend, check_batch
 from hicached.l3.framing import payload_checksum
@@ -96,10 +97,12 @@ class FileBackendConfig:
     concurrently (random cold reads gain from queue depth; 1 = caller only).
     """
 
-    path: str
-    capacity_bytes: int = 64 << 30
-    fsync: bool = False
-    io_threads: int = 4
+    path: str = option(help="Directory of the slot files (created if missing; one daemon at a time).")
+    capacity_bytes: int = option(
+        64 << 30, help="Bound on the bytes of stored pages (LRU eviction beyond).", parse=parse_size
+    )
+    fsync: bool = option(False, help="fdatasync each set batch before acknowledging it (power-loss safe).")
+    io_threads: int = option(4, help="Threads issuing one batch's syscalls concurrently (1 = caller only).")
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:

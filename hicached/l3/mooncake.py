@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from hicached.coerce import option, parse_size
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, chunks_nbytes
 from hicached.l3.framing import FRAME_HEADER, pack_header, payload_checksum, unframe
@@ -95,17 +96,23 @@ class MooncakeBackendConfig:
     this time at start (the Mooncake client itself retries for ~90 s).
     """
 
-    master_addr: str
-    metadata_server: str = "P2PHANDSHAKE"
-    local_hostname: str = "127.0.0.1"
-    protocol: str = "tcp"
-    rdma_devices: str = ""
-    global_segment_bytes: int = 0
-    local_buffer_bytes: int = 64 << 20
-    staging_bytes: int = 64 << 20
-    replicas: int = 1
-    key_prefix: str = "hicached/"
-    connect_timeout_s: float = 5.0
+    master_addr: str = option(help="host:port of mooncake_master.")
+    metadata_server: str = option(
+        "P2PHANDSHAKE", help="Transfer-engine metadata (P2PHANDSHAKE needs no server)."
+    )
+    local_hostname: str = option("127.0.0.1", help="Address other Mooncake clients use to reach this one.")
+    protocol: str = option("tcp", help="tcp or rdma.")
+    rdma_devices: str = option("", help="RDMA NICs (protocol = rdma).")
+    global_segment_bytes: int = option(
+        0, help="Memory this daemon lends to the store (0 = store into others' segments).", parse=parse_size
+    )
+    local_buffer_bytes: int = option(64 << 20, help="The client's own transfer buffer.", parse=parse_size)
+    staging_bytes: int = option(
+        64 << 20, help="Registered buffer for batched set/get; one page frame must fit.", parse=parse_size
+    )
+    replicas: int = option(1, help="Copies per page.")
+    key_prefix: str = option("hicached/", help="Prepended to every object key.")
+    connect_timeout_s: float = option(5.0, help="Seconds the master has to accept a connection at start.")
 
     def __post_init__(self) -> None:
         host, sep, port = self.master_addr.rpartition(":")
@@ -123,19 +130,19 @@ class MooncakeBackendConfig:
                 f"mooncake backend option 'protocol' must be one of {', '.join(_PROTOCOLS)}, "
                 f"got {self.protocol!r}"
             )
-        for option in ("global_segment_bytes", "local_buffer_bytes"):
-            if getattr(self, option) < 0:
-                value = getattr(self, option)
-                raise InvalidArgument(f"mooncake backend option {option!r} must be >= 0, got {value}")
+        for opt in ("global_segment_bytes", "local_buffer_bytes"):
+            if getattr(self, opt) < 0:
+                value = getattr(self, opt)
+                raise InvalidArgument(f"mooncake backend opt {opt!r} must be >= 0, got {value}")
         if self.staging_bytes < 4096:
             raise InvalidArgument(
-                f"mooncake backend option 'staging_bytes' must be >= 4096, got {self.staging_bytes}"
+                f"mooncake backend opt 'staging_bytes' must be >= 4096, got {self.staging_bytes}"
             )
         if self.replicas < 1:
-            raise InvalidArgument(f"mooncake backend option 'replicas' must be >= 1, got {self.replicas}")
+            raise InvalidArgument(f"mooncake backend opt 'replicas' must be >= 1, got {self.replicas}")
         if not self.connect_timeout_s > 0:
             raise InvalidArgument(
-                f"mooncake backend option 'connect_timeout_s' must be > 0, got {self.connect_timeout_s}"
+                f"mooncake backend opt 'connect_timeout_s' must be > 0, got {self.connect_timeout_s}"
             )
 
 

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hicached.coerce import option
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, scatter_into
 from hicached.l3.framing import frame, unframe
@@ -56,17 +57,17 @@ class RedisBackendConfig:
     command fails as unavailable.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 6379
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-    unix_socket: str | None = None
-    key_prefix: str = ""
-    socket_timeout_s: float = 5.0
-    ttl_s: int = 0
-    batch_pages: int = 128
-    retries: int = 2
+    host: str = option("127.0.0.1", help="Redis/Valkey server host.")
+    port: int = option(6379, help="Redis/Valkey server port.")
+    db: int = option(0, help="Database number.")
+    username: str | None = option(None, help="ACL user name (unset = default user).")
+    password: str | None = option(None, help="Password (unset = none).")
+    unix_socket: str | None = option(None, help="Unix socket path; overrides host and port.")
+    key_prefix: str = option("", help="Prepended to every key (several daemons can share a database).")
+    socket_timeout_s: float = option(5.0, help="Connect and command timeout in seconds.")
+    ttl_s: int = option(0, help="Expiry of each page in seconds (0 = never).")
+    batch_pages: int = option(128, help="Commands per pipeline.")
+    retries: int = option(2, help="Reconnect attempts before a command fails as unavailable.")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

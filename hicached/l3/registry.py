@@ -18,11 +18,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import threading
-import types
-import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
+from hicached.coerce import coerce, type_hints
 from hicached.errors import AlreadyExists, InvalidArgument
 from hicached.l3.base import StorageBackend
 
@@ -31,7 +30,9 @@ __all__ = [
     "BackendEntry",
     "backend_names",
     "build_config",
+    "config_type",
     "create_backend",
+    "open_backend",
     "register_backend",
 ]
 
@@ -106,53 +107,21 @@ def _entry(name: str) -> BackendEntry:
     return entry
 
 
-def _type_name(tp: object) -> str:
-    return getattr(tp, "__name__", None) or str(tp)
+def config_type(name: str) -> type[Any]:
+    """The config dataclass of backend ``name`` (``InvalidArgument`` for an unknown name)."""
+    return _entry(name).config_type
 
 
-def _coerce(backend: str, option: str, value: object, tp: object) -> object:
-    """``value`` checked against the annotation ``tp`` (ints are accepted for floats)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        members = typing.get_args(tp)
-        if value is None and type(None) in members:
-            return None
-        errors = []
-        for member in members:
-            if member is type(None):
-                continue
-            try:
-                return _coerce(backend, option, value, member)
-            except InvalidArgument as exc:
-                errors.append(str(exc))
-        raise InvalidArgument(
-            f"option {option!r} of storage backend {backend!r} must be "
-            f"{' or '.join(_type_name(m) for m in members)}, got {value!r}"
-        )
-    if tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok:
-            value = float(cast(float, value))
-    elif isinstance(tp, type):
-        ok = isinstance(value, tp)
-    else:  # pragma: no cover - configs only use plain types
-        raise InvalidArgument(f"option {option!r} of {backend!r} has unsupported type {tp!r}")
-    if not ok:
-        raise InvalidArgument(
-            f"option {option!r} of storage backend {backend!r} must be {_type_name(tp)}, got {value!r}"
-        )
-    return value
-
-
-def build_config(name: str, options: Mapping[str, object]) -> Any:
+def build_config(name: str, options: Mapping[str, object], *, text: bool = False) -> Any:
     """The backend's config dataclass built from ``options`` (checked, nothing defaulted silently
-    except the dataclass's own documented defaults)."""
+    except the dataclass's own documented defaults).
+
+    Values are checked by the daemon's one coercer (:func:`hicached.coerce.coerce`): typed
+    values must have the field's type; with ``text`` (values from an environment or a
+    command line) strings are parsed.
+    """
     entry = _entry(name)
-    hints = typing.get_type_hints(entry.config_type)
+    hints = type_hints(entry.config_type)
     fields = {f.name: f for f in dataclasses.fields(entry.config_type)}
     unknown = sorted(set(options) - set(fields))
     if unknown:
@@ -160,7 +129,16 @@ def build_config(name: str, options: Mapping[str, object]) -> Any:
             f"unknown option(s) {', '.join(map(repr, unknown))} for storage backend {name!r}; "
             f"allowed: {', '.join(fields)}"
         )
-    kwargs = {key: _coerce(name, key, value, hints[key]) for key, value in options.items()}
+    kwargs = {
+        key: coerce(
+            value,
+            hints[key],
+            label=f"option {key!r} of storage backend {name!r}",
+            metadata=fields[key].metadata,
+            text=text,
+        )
+        for key, value in options.items()
+    }
     missing = [
         f.name
         for f in fields.values()
@@ -175,5 +153,14 @@ def build_config(name: str, options: Mapping[str, object]) -> Any:
 
 def create_backend(name: str, options: Mapping[str, object]) -> StorageBackend:
     """A new backend named ``name`` configured by ``options``; the caller owns it (``close()``)."""
-    config = build_config(name, options)
-    return _entry(name).factory(config)
+    return open_backend(name, build_config(name, options))
+
+
+def open_backend(name: str, config: Any) -> StorageBackend:
+    """A new backend named ``name`` from its built config dataclass; the caller owns it (``close()``)."""
+    entry = _entry(name)
+    if not isinstance(config, entry.config_type):
+        raise InvalidArgument(
+            f"storage backend {name!r} takes a {entry.config_type.__name__}, got {type(config).__name__}"
+        )
+    return entry.factory(config)

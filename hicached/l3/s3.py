@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
+from hicached.coerce import option
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, scatter_into
 from hicached.l3.framing import FRAME_HEADER, frame, unframe
@@ -103,20 +104,20 @@ class S3BackendConfig:
     while a listing fails).
     """
 
-    bucket: str
-    endpoint_url: str = ""
-    region: str = "us-east-1"
-    prefix: str = ""
-    access_key_id: str = ""
-    secret_access_key: str = ""
-    threads: int = 8
-    create_bucket: bool = False
-    conditional_put: bool = True
-    addressing_style: str = "auto"
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 30.0
-    max_attempts: int = 3
-    stats_ttl_s: float = 30.0
+    bucket: str = option(help="Bucket name.")
+    endpoint_url: str = option("", help="S3 endpoint, e.g. http://127.0.0.1:8333 (empty = AWS for region).")
+    region: str = option("us-east-1", help="Region.")
+    prefix: str = option("", help="Prepended to every object name (deployments can share a bucket).")
+    access_key_id: str = option("", help="Access key (with secret_access_key; empty = boto3's chain).")
+    secret_access_key: str = option("", help="Secret key (with access_key_id).")
+    threads: int = option(8, help="Concurrent requests (and pooled connections) per call.")
+    create_bucket: bool = option(False, help="Create the bucket at start when it is missing.")
+    conditional_put: bool = option(True, help="Skip existing keys with If-None-Match: * in one request.")
+    addressing_style: str = option("auto", help="auto, path or virtual.")
+    connect_timeout_s: float = option(5.0, help="Per-request connect timeout in seconds.")
+    read_timeout_s: float = option(30.0, help="Per-request read timeout in seconds.")
+    max_attempts: int = option(3, help="Attempts per request, boto3's retries included.")
+    stats_ttl_s: float = option(30.0, help="Seconds a bucket listing's page/byte counts are reused.")
 
     def __post_init__(self) -> None:
         if not self.bucket:
@@ -142,15 +143,13 @@ class S3BackendConfig:
                 f"s3 backend option 'addressing_style' must be one of {', '.join(_ADDRESSING)}, "
                 f"got {self.addressing_style!r}"
             )
-        for option in ("connect_timeout_s", "read_timeout_s"):
-            if not getattr(self, option) > 0:
-                raise InvalidArgument(
-                    f"s3 backend option {option!r} must be > 0, got {getattr(self, option)}"
-                )
+        for opt in ("connect_timeout_s", "read_timeout_s"):
+            if not getattr(self, opt) > 0:
+                raise InvalidArgument(f"s3 backend opt {opt!r} must be > 0, got {getattr(self, opt)}")
         if self.max_attempts < 1:
-            raise InvalidArgument(f"s3 backend option 'max_attempts' must be >= 1, got {self.max_attempts}")
+            raise InvalidArgument(f"s3 backend opt 'max_attempts' must be >= 1, got {self.max_attempts}")
         if self.stats_ttl_s < 0:
-            raise InvalidArgument(f"s3 backend option 'stats_ttl_s' must be >= 0, got {self.stats_ttl_s}")
+            raise InvalidArgument(f"s3 backend opt 'stats_ttl_s' must be >= 0, got {self.stats_ttl_s}")
 
 
 def _error_code(exc: BaseException) -> str | None:

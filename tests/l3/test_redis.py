@@ -76,7 +76,7 @@ def test_closed_backend_is_unavailable(redis_srv: RedisServer) -> None:
     ("options", "message"),
     [
         ({"port": 0}, "'port' must be in 1..65535"),
-        ({"port": "6379"}, "'port' of storage backend 'redis' must be int"),
+        ({"port": "6379"}, "'port' of storage backend 'redis' = '6379': expected an integer"),
         ({"batch_pages": 0}, "'batch_pages' must be > 0"),
         ({"hots": "x"}, "unknown option"),
     ],

@@ -33,10 +33,10 @@ def test_unknown_option_lists_allowed(tmp_path: Path) -> None:
     ("options", "message"),
     [
         ({}, "needs option"),
-        ({"path": 3}, "'path' of storage backend 'file' must be str, got 3"),
-        ({"path": "x", "capacity_bytes": True}, "must be int, got True"),
-        ({"path": "x", "capacity_bytes": 1.5}, "must be int, got 1.5"),
-        ({"path": "x", "fsync": "yes"}, "must be bool, got 'yes'"),
+        ({"path": 3}, "'path' of storage backend 'file' = 3: expected a string"),
+        ({"path": "x", "capacity_bytes": True}, "= True: expected a size"),
+        ({"path": "x", "capacity_bytes": 1.5}, "= 1.5: expected a size"),
+        ({"path": "x", "fsync": "yes"}, "= 'yes': expected true or false"),
         ({"path": ""}, "non-empty"),
     ],
 )
@@ -51,7 +51,7 @@ def test_configs_are_owned_and_typed(tmp_path: Path) -> None:
     redis_config = build_config("redis", {"password": None, "socket_timeout_s": 2})
     assert isinstance(redis_config, RedisBackendConfig)
     assert redis_config.socket_timeout_s == 2.0 and redis_config.password is None
-    with pytest.raises(InvalidArgument, match=r"'password'.*must be str"):
+    with pytest.raises(InvalidArgument, match=r"'password'.*expected a string"):
         build_config("redis", {"password": 5})
     backend = create_backend("file", {"path": str(tmp_path / "d")})
     try:

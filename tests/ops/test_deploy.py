@@ -268,7 +268,7 @@ def test_config_loads_and_matches_the_flags(
     volumes = {v["name"]: v for v in pod_spec["volumes"]}
     token_dir = str(Path(config.server.auth_token_file).parent)
     assert "secret" in volumes[mounts[token_dir]], "the TCP port's token comes from a Secret"
-    assert config.l3.backend == "file" and config.l3.path.startswith(
+    assert config.l3.backend == "file" and config.l3.file.path.startswith(
         next(p for p in mounts if mounts[p] == "l3")
     )
 
@@ -507,5 +507,7 @@ def test_dashboard_covers_the_main_metrics() -> None:
         "hicached_backuped_tokens",
         "hicached_prefetch_batch_pages",
         "hicached_backup_batch_pages",
+        # Zero in a healthy daemon; each failure is also logged with its traceback.
+        "hicached_background_task_failures",
     }
     assert families - used_families == not_drawn

@@ -1,0 +1,171 @@
+"""The one typed coercer of configuration values (the daemon's and every L3 backend's).
+
+A value arrives either *typed* (a TOML value, a Python object) or as *text*
+(an environment variable, ``--set KEY=VALUE``). Typed values must already have
+the field's type (``2.5`` is not silently ``2``, ``true`` is not ``1``); text is
+parsed. Two field kinds are marked in the dataclass field's metadata:
+
+* ``parse``: a custom parser (``parse_size``: ``"4GiB"`` / ``1024``), used for
+  typed and text values alike.
+* ``mode``: a permission mode. Text is always octal (``660``, ``0660`` and
+  ``0o660`` are all ``0o660``, as with ``chmod``); a typed integer is taken as
+  is and must lie in ``0..0o777`` (write ``0o660`` in TOML).
+
+Errors are :class:`~hicached.errors.InvalidArgument` whose message names the
+key (the caller's ``label``), quotes the value and says what is allowed. Pure
+functions; thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hicached.errors import InvalidArgument
+
+__all__ = ["coerce", "format_mode", "option", "parse_mode", "parse_size", "type_hints"]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_MODE_RE = re.compile(r"^(?:0o|0)?([0-7]{1,3})$", re.IGNORECASE)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_size(text: str | int) -> int:
+    """``"256MiB"`` / ``"4G"`` / ``1024`` -> bytes (binary units)."""
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise ValueError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"negative size: {text}")
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 4GiB, 1048576)")
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_mode(value: str | int) -> int:
+    """A permission mode: text is octal (``"660"``, ``"0660"``, ``"0o660"``); an int is taken as is."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(value)
+    if isinstance(value, str):
+        m = _MODE_RE.match(value.strip())
+        if m is None:
+            raise ValueError(value)
+        value = int(m.group(1), 8)
+    if not 0 <= value <= 0o777:
+        raise ValueError(value)
+    return value
+
+
+def format_mode(mode: int) -> str:
+    """``432`` -> ``"0o660"`` (how modes are written back, e.g. by ``config show``)."""
+    return f"0o{mode:03o}"
+
+
+def type_hints(cls: type[Any]) -> dict[str, Any]:
+    """The resolved annotations of a dataclass's fields (string annotations evaluated)."""
+    return typing.get_type_hints(cls)
+
+
+def _describe(tp: Any, meta: typing.Mapping[str, Any]) -> str:
+    if meta.get("mode"):
+        return "an octal permission mode such as 0o660 (TOML) or 660 (text)"
+    if meta.get("parse") is parse_size:
+        return "a size such as 512MiB, 4GiB or a byte count"
+    if "parse" in meta:
+        return str(meta.get("expect", "a valid value"))
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(m, {}) for m in typing.get_args(tp) if m is not type(None))
+    return {
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        str: "a string",
+        Path: "a path",
+    }.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(value: Any, tp: Any, text: bool) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        members = [m for m in typing.get_args(tp) if m is not type(None)]
+        if value is None and len(members) < len(typing.get_args(tp)):
+            return None
+        if text and value == "" and len(members) < len(typing.get_args(tp)):
+            return None  # an empty variable unsets an optional value
+        for member in members:
+            try:
+                return _convert(value, member, text)
+            except (TypeError, ValueError):
+                continue
+        raise ValueError(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if text and isinstance(value, str):
+            if value.strip().lower() in _TRUE:
+                return True
+            if value.strip().lower() in _FALSE:
+                return False
+        raise ValueError(value)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if text and isinstance(value, str):
+            return int(value.strip(), 10)
+        raise ValueError(value)  # 2.5 is not silently 2
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if text and isinstance(value, str):
+            return float(value)
+        raise ValueError(value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(value)  # a TOML number or boolean where text is expected
+    if tp is Path:
+        if isinstance(value, str | Path):
+            return Path(value)
+        raise ValueError(value)
+    raise TypeError(f"unsupported configuration type {tp!r}")
+
+
+def coerce(
+    value: Any,
+    tp: Any,
+    *,
+    label: str,
+    metadata: typing.Mapping[str, Any] | None = None,
+    text: bool = False,
+) -> Any:
+    """``value`` converted to the annotation ``tp`` (or by ``metadata``'s ``parse``/``mode``).
+
+    ``text``: the value came from an environment variable or the command line
+    and may be parsed from a string. Raises ``InvalidArgument`` naming ``label``.
+    """
+    meta = metadata or {}
+    parse: Callable[[Any], Any] | None = meta.get("parse")
+    try:
+        if meta.get("mode"):
+            return parse_mode(value)
+        if parse is not None:
+            return parse(value)
+        return _convert(value, tp, text)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"invalid {label} = {value!r}: expected {_describe(tp, meta)}") from exc
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, **meta: Any) -> Any:
+    """A dataclass field with its documentation (``help``) and coercion metadata (``parse``, ``mode``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})

@@ -1,0 +1,111 @@
+"""What ``hicached serve`` says and checks at start: the L3 backend opened with a one-line
+error naming the key to fix, and the startup banner.
+
+:class:`StartupError` is an expected failure (the command prints its message as one
+line and exits 2, no traceback). Pure functions apart from opening the backend.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hicached import __version__
+from hicached.config import Config
+from hicached.errors import HiCacheError
+from hicached.l3.base import StorageBackend
+from hicached.l3.registry import open_backend
+
+__all__ = ["StartupError", "banner", "l3_target", "open_l3"]
+
+# The keys an operator fixes when a backend cannot start.
+_BACKEND_KEYS = {
+    "file": "l3.file.path",
+    "redis": "l3.redis.host/l3.redis.port (or l3.redis.unix_socket)",
+    "s3": "l3.s3.endpoint_url, l3.s3.bucket and the credentials (l3.s3.access_key_id)",
+    "mooncake": "l3.mooncake.master_addr",
+}
+
+
+class StartupError(Exception):
+    """The daemon cannot start as configured; the message is one actionable line."""
+
+
+def l3_target(config: Config) -> str:
+    """Where the configured backend keeps its pages, for the banner and errors."""
+    c: Any = config.l3.backend_config()
+    backend = config.l3.backend
+    if backend == "file":
+        return f"{c.path} (capacity {_human(c.capacity_bytes)})"
+    if backend == "redis":
+        return f"unix:{c.unix_socket}" if c.unix_socket else f"{c.host}:{c.port}/{c.db}"
+    if backend == "s3":
+        return f"{c.endpoint_url or 'aws:' + c.region}/{c.bucket}/{c.prefix}"
+    if backend == "mooncake":
+        return f"master {c.master_addr}"
+    return "none"
+
+
+def open_l3(config: Config) -> StorageBackend | None:
+    """The configured L3 backend (None for ``l3.backend = "none"``); the caller owns it.
+
+    A backend that cannot start (missing package, unreachable server, unwritable or
+    busy directory, bad bucket) raises :class:`StartupError` naming the key to fix.
+    """
+    name = config.l3.backend
+    if name == "none":
+        return None
+    options = config.l3.backend_config()
+    keys = _BACKEND_KEYS.get(name, f"[l3.{name}]")
+    try:
+        return open_backend(name, options)
+    except (HiCacheError, OSError) as exc:
+        reason = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise StartupError(
+            f"L3 backend {name!r} at {l3_target(config)} cannot start: {reason.rstrip('.')}. "
+            f'Fix {keys}, or run without L3 (l3.backend = "none").'
+        ) from exc
+
+
+def _human(nbytes: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _budget_source(config: Config) -> str:
+    host = config.host
+    if host.budget > 0:
+        return "host.budget"
+    return f"host.budget_fraction={host.budget_fraction} of available memory"
+
+
+def banner(
+    config: Config, *, budget_bytes: int, metrics_url: str | None, tcp_port: int | None
+) -> dict[str, Any]:
+    """The fields of the one structured startup line (no secrets: only whether auth/TLS are on)."""
+    server = config.server
+    tcp = "off"
+    if server.listen:
+        host = server.listen.rpartition(":")[0]
+        address = f"{host}:{tcp_port}" if tcp_port else server.listen
+        auth = "token" if server.auth_token_file else "none"
+        tls = "mtls" if server.tls_client_ca else "on" if server.tls_cert else "off"
+        tcp = f"{address} auth={auth} tls={tls}"
+    fields: dict[str, Any] = {
+        "event": "started",
+        "version": __version__,
+        "pid": os.getpid(),
+        "socket": str(server.socket),
+        "tcp": tcp,
+        "metrics": metrics_url or "off",
+        "host_budget_bytes": budget_bytes,
+        "host_budget": f"{_human(budget_bytes)} from {_budget_source(config)}",
+        "l3": config.l3.backend,
+        "l3_target": l3_target(config),
+        "warm_restart": f"on (journals in {config.host.journal_dir})" if config.host.warm_restart else "off",
+    }
+    if config.l3.backend == "file":
+        fields["l3_capacity_bytes"] = config.l3.file.capacity_bytes
+    return fields

@@ -1,0 +1,140 @@
+"""Issue 11 item 5: the configuration as a user meets it on the command line, run in a fresh
+working directory: ``config show`` round-trips (modes in octal), octal modes are accepted
+and written as such, a bare decimal mode in TOML is refused, unknown ``HICACHED_*``
+variables are warned about, ``--keys`` prints no Python reprs, ``--version`` and help
+texts with defaults.
+
+Before this change ``config show`` printed ``socket_mode = 432``, ``--set
+server.socket_mode=660`` was silently decimal (mode 0o1224), a typo'd variable was
+ignored, ``--keys`` printed ``PosixPath(...)`` and there was no ``--version``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import hicached
+from hicached.config import resolve
+from tests.acceptance.cfg_serve import hicached as run
+from tests.acceptance.cfg_serve import serve
+
+CONFIG = """
+[server]
+socket_mode = 0o600
+
+[l3]
+backend = "redis"
+
+[l3.redis]
+host = "10.1.2.3"
+port = 7000
+key_prefix = "team-a/"
+
+[l3.s3]
+bucket = "pages"
+prefix = "hicached/prod/"
+"""
+
+
+def test_config_show_round_trips_with_backend_tables_and_octal_modes(tmp_path: Path) -> None:
+    (tmp_path / "in.toml").write_text(CONFIG)
+    shown = run("config", "show", "--config", "in.toml", "--set", "l3.redis.db=2", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "socket_mode = 0o600\n" in shown.stdout
+    assert "[l3.redis]\n" in shown.stdout
+    data = tomllib.loads(shown.stdout)
+    assert data["l3"]["redis"] == {**data["l3"]["redis"], "host": "10.1.2.3", "port": 7000, "db": 2}
+    assert data["l3"]["s3"]["prefix"] == "hicached/prod/"
+    (tmp_path / "out.toml").write_text(shown.stdout)
+    again = run("config", "show", "--config", "out.toml", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == shown.stdout
+    assert resolve(env={}, file=tmp_path / "out.toml") == resolve(
+        cli={"l3.redis.db": "2"}, env={}, file=tmp_path / "in.toml"
+    )
+
+
+@pytest.mark.parametrize("text", ["660", "0660", "0o660"])
+def test_text_modes_are_octal(text: str, tmp_path: Path) -> None:
+    shown = run("config", "show", "--set", f"server.socket_mode={text}", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "socket_mode = 0o660\n" in shown.stdout
+    env = run("config", "show", cwd=tmp_path, env={"HICACHED_SERVER_SOCKET_MODE": text})
+    assert "socket_mode = 0o660\n" in env.stdout
+
+
+@pytest.mark.parametrize("literal", ["660", "432", "0x1b0"])
+def test_a_bare_number_mode_in_toml_is_refused(literal: str, tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text(f"[server]\nsocket_mode = {literal}\n")
+    shown = run("config", "show", "--config", "c.toml", cwd=tmp_path)
+    assert shown.returncode == 2 and shown.stdout == ""
+    assert "server.socket_mode" in shown.stderr and "0o660" in shown.stderr, shown.stderr
+
+
+def test_mode_outside_permission_bits_is_refused(tmp_path: Path) -> None:
+    shown = run("config", "show", "--set", "server.socket_mode=1777", cwd=tmp_path)
+    assert shown.returncode == 2 and "server.socket_mode" in shown.stderr, shown.stderr
+
+
+def test_unknown_hicached_variable_is_warned_about(tmp_path: Path) -> None:
+    shown = run(
+        "config", "show", cwd=tmp_path, env={"HICACHED_L3_PAHT": "/x", "HICACHED_SOCKET": "unix:///y"}
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "HICACHED_L3_PAHT" in shown.stderr and "did you mean HICACHED_L3_PATH" in shown.stderr
+    assert "HICACHED_SOCKET" not in shown.stderr, "a client variable is no typo"
+
+
+def test_serve_logs_the_unknown_variable_warning(tmp_path: Path) -> None:
+    served = serve(
+        tmp_path, '[l3]\nbackend = "none"\n[host]\nbudget = "64MiB"\n', env={"HICACHED_L3_REDIS_PROT": "1"}
+    )
+    try:
+        assert "HICACHED_L3_REDIS_PROT" in served.log and "HICACHED_L3_REDIS_PORT" in served.log, served.log
+    finally:
+        assert served.stop() == 0
+        served.cleanup()
+
+
+def test_removed_loose_key_names_its_replacement(tmp_path: Path) -> None:
+    shown = run("config", "show", "--set", "l3.url=redis://h:1/0", cwd=tmp_path)
+    assert shown.returncode == 2
+    assert "l3.url" in shown.stderr and "l3.redis.host" in shown.stderr, shown.stderr
+
+
+def test_aliases_of_the_file_backend_keep_working(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text('[l3]\npath = "/data/l3"\ncapacity = "2GiB"\n')
+    shown = run("config", "show", "--config", "c.toml", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    data = tomllib.loads(shown.stdout)
+    assert data["l3"]["file"]["path"] == "/data/l3" and data["l3"]["file"]["capacity_bytes"] == 2 << 30
+
+
+def test_keys_lists_every_key_without_python_reprs(tmp_path: Path) -> None:
+    keys = run("config", "show", "--keys", cwd=tmp_path)
+    assert keys.returncode == 0, keys.stderr
+    assert "PosixPath" not in keys.stdout
+    lines = {line.split()[0]: line for line in keys.stdout.splitlines()}
+    defaults = {key: line.split()[1] for key, line in lines.items()}
+    assert not [d for d in defaults.values() if d.startswith("'")], "defaults are TOML values, not reprs"
+    assert "0o660" in lines["server.socket_mode"]
+    for key in ("l3.redis.host", "l3.s3.access_key_id", "l3.mooncake.master_addr", "l3.file.path"):
+        assert key in lines, key
+    assert "HICACHED_L3_REDIS_HOST" in lines["l3.redis.host"]
+
+
+def test_version_and_help(tmp_path: Path) -> None:
+    version = run("--version", cwd=tmp_path)
+    assert version.returncode == 0 and version.stdout.strip() == f"hicached {hicached.__version__}"
+    for command in (["serve", "--help"], ["config", "show", "--help"]):
+        helped = run(*command, cwd=tmp_path)
+        assert helped.returncode == 0, helped.stderr
+        assert "default" in helped.stdout
+        assert "``" not in helped.stdout and ":func:" not in helped.stdout, "no internal docstrings"
+    serve_help = run("serve", "--help", cwd=tmp_path).stdout
+    assert "l3.file.path" in serve_help and "default: 10000" in serve_help.replace("\n", " ").replace(
+        "  ", " "
+    )

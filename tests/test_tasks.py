@@ -1,0 +1,63 @@
+"""A periodic background task never dies silently: a failing step is logged with its
+traceback, counted and retried with backoff; a fatal task stops instead of retrying."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from hicached.tasks import supervise
+
+
+def test_failing_step_is_logged_with_traceback_and_retried(caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[int] = []
+    failures: list[str] = []
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        def step() -> None:
+            calls.append(1)
+            if len(calls) <= 2:
+                raise KeyError(f"boom {len(calls)}")
+            done.set()
+
+        task = asyncio.create_task(
+            supervise("gauges", step, interval_s=0.001, max_backoff_s=0.01, on_failure=failures.append)
+        )
+        await asyncio.wait_for(done.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.INFO, logger="hicached.tasks"):
+        asyncio.run(main())
+    assert len(calls) == 3 and failures == ["gauges", "gauges"]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and all(r.exc_info is not None for r in errors)
+    assert "boom 1" in caplog.text and "Traceback" in caplog.text
+    assert any("recovered after 2 failures" in r.getMessage() for r in caplog.records)
+
+
+def test_fatal_task_calls_on_fatal_once_and_ends() -> None:
+    seen: list[tuple[str, str]] = []
+
+    def step() -> None:
+        raise RuntimeError("state is wrong")
+
+    async def main() -> None:
+        await asyncio.wait_for(
+            supervise(
+                "journal",
+                step,
+                interval_s=0.001,
+                fatal=True,
+                on_fatal=lambda name, exc: seen.append((name, str(exc))),
+            ),
+            10,
+        )
+
+    asyncio.run(main())
+    assert seen == [("journal", "state is wrong")]
