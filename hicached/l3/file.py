@@ -28,7 +28,13 @@ Capacity. ``capacity_bytes`` bounds the bytes of occupied slots; a ``set``
 that needs room evicts least-recently-used pages that no reader is using. A
 freed slot is reused by later pages of its size; files never shrink, so when
 the mix of page sizes changes, disk usage can exceed ``capacity_bytes`` by
-the free slots of sizes no longer written.
+the free slots of sizes no longer written. A disk that fills up first (ENOSPC)
+is treated as the real capacity: it is lowered to the bytes stored, LRU pages
+are evicted and the failed pages written once more into slots that already
+have disk blocks (it is not raised again while the process runs). Keys of more
+than ``MAX_KEY_BYTES`` are refused (``max_key_bytes``; callers check up front).
+A slot header that fails verification at the start-up scan is dropped, cleared
+and counted in ``corrupt_pages``.
 
 Thread-safety: one lock guards index, allocator and counters; file I/O runs
 outside it (the GIL is released during syscalls). A slot being read is pinned,
