@@ -625,13 +625,16 @@ class FileBackend(StorageBackend):
                 entry.dead = True
                 entry.tomb = entry.slab.offset(entry.slot + 1) <= os.fstat(entry.slab.fd).st_size
                 self._maybe_free(entry)
-            lowered = max(self._used, SLOT_ALIGN)
+            # What the disk holds for us is what the slab files already occupy (free slots
+            # included: their blocks exist); beyond that the filesystem has no room.
+            on_disk = sum(os.fstat(slab.fd).st_size for slab in self._slabs.values())
+            lowered = max(on_disk, SLOT_ALIGN)
             if lowered < self._capacity:
                 log.warning(
-                    "file backend %s: the disk is full at %d bytes of pages; capacity lowered from %d "
-                    "to %d bytes (LRU eviction makes room from now on)",
+                    "file backend %s: the disk is full at %d bytes of slab files; capacity lowered "
+                    "from %d to %d bytes (LRU eviction makes room from now on)",
                     self.root,
-                    self._used,
+                    on_disk,
                     self._capacity,
                     lowered,
                 )
@@ -641,6 +644,8 @@ class FileBackend(StorageBackend):
                 if self._used + size > self._capacity and not self._evict_for(size):
                     continue
                 slot = entry.slab.alloc_on_disk()
+                while slot is None and self._evict_same_slab(entry.slab):
+                    slot = entry.slab.alloc_on_disk()
                 if slot is None:
                     continue
                 self._seq += 1
@@ -650,6 +655,16 @@ class FileBackend(StorageBackend):
                 )
         done, _ = self._write_runs(retry, srcs, encoded)
         return [(i, e) for i, e in fresh if i in written] + retry, done
+
+    def _evict_same_slab(self, slab: _Slab) -> bool:
+        """Evict the least recently used unpinned page of ``slab`` (lock held): on a full disk
+        only a slot of the same size has blocks a new page can use. False when there is none."""
+        for victim in self._index.values():
+            if victim.slab is slab and victim.pins == 0:
+                self._drop(victim, tombstone=True)
+                self._evicted += 1
+                return True
+        return False
 
     def _write_run(
         self, run: list[tuple[int, _Entry]], srcs: list[list[memoryview]], encoded: list[bytes]

@@ -76,11 +76,37 @@ def test_disk_full_before_capacity_evicts_and_keeps_backing_up(small_disk: Path)
         ]
         stats = backend.stats()
         assert stats.evicted_pages > 0
-        assert stats.capacity_bytes < 2 << 20, "the effective capacity is lowered to what the disk holds"
+        assert stats.capacity_bytes <= 2 << 20, "the effective capacity is lowered to what the disk holds"
         assert backend.get([f"k{total - 1}", f"k{total - 1}b"]) == [page(total - 1), page(total - 1 + 10_000)]
         assert backend.exists(["k0"]) == 0, "the oldest pages made room"
     finally:
         backend.close()
+
+
+def test_daemon_keeps_backing_up_when_the_l3_disk_fills_before_its_capacity(small_disk: Path) -> None:
+    """Fails before the fix: with ``l3.capacity`` (16 GiB) far above the 2 MiB disk, backups
+    stopped for good once the disk was full (every later page a failed backup, LRU never ran)."""
+    daemon = start_daemon("--l3", "file", "--l3-path", str(small_disk / "l3"))
+    pools = WorkerPools.create(unique_tag("fulldisk"))
+    batch = 256  # about 2.5 KiB of slots per key: the disk holds ~800 keys, 8 rounds need 2,048
+    try:
+        with HiCacheClient(daemon.target, timeout_s=60.0) as client:
+            ident = WorkerIdentity(unique_tag("w"), generation=1, model_name="m-fulldisk")
+            session = client.attach(ident, pools.specs(), heartbeat=True)
+            for r in range(8):
+                keys = [f"r{r}-k{i}" for i in range(batch)]
+                assert session.put_pages(keys, transfers(range(batch))).ok
+                backed = session.backup(keys, wait=True)
+                assert backed.stored_pages == backed.queued_pages, (r, backed, daemon.log)
+                assert session.lookup(keys).total_hit_pages == batch
+            (l3,) = client.get_stats().backends
+            assert l3.capacity_bytes <= 2 << 20, "the disk's real size became the capacity"
+            assert 0 < l3.pages < 8 * batch * 2, "old pages were evicted to make room"
+            session.detach()
+        assert daemon.log.count(" WARNING ") <= 3, daemon.log  # not one warning per page
+    finally:
+        daemon.stop()
+        pools.close()
 
 
 def test_a_key_too_long_for_the_file_backend_is_refused_up_front(tmp_path: Path) -> None:
