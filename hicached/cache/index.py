@@ -231,7 +231,7 @@ class ContentIndex(BackupMixin):
         keys = check_keys(keys, unique=True)
         if not isinstance(tenant, str):
             raise InvalidArgument(f"tenant must be a str, got {tenant!r}")
-        self._check_l3_key_length(keys)
+        self.check_storable(keys)
         columns = check_rows(self._view, len(keys), pages)
         mask, new, hot = self._insert(keys, columns, tenant, in_l3=False, strict=True)
         self._counts["published"] += len(new)
@@ -243,11 +243,12 @@ class ContentIndex(BackupMixin):
             self._evict_ahead()
         return mask
 
-    def _check_l3_key_length(self, keys: Sequence[str]) -> None:
+    def check_storable(self, keys: Sequence[str]) -> None:
         """InvalidArgument when a key's L3 name would be longer than the backend stores.
 
-        Refused here, before anything changes: accepted, the key would only fail
-        later in the backup thread, once per attempt.
+        :meth:`publish` checks it; callers that allocate or copy first call it before
+        that, so a refused key changes nothing. Accepted, such a key would only fail
+        later in the backup thread, once per attempt. Thread-safe (reads only).
         """
         backend = self.backend
         limit = None if backend is None else backend.max_key_bytes

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, WorkerIdentity
+from hicached_client import HiCacheClient, PageBytes, WorkerIdentity
 from hicached_client.errors import HiCacheError
 
 from hicached.l3.file import HEADER_BYTES, MAX_KEY_BYTES, FileBackend, FileBackendConfig, slot_bytes_for
 from tests.integration.daemon import start_daemon
-from tests.integration.kv import WorkerPools, transfers, unique_tag
+from tests.integration.kv import POOLS, WorkerPools, transfers, unique_tag
 
 PAGE = 64 << 10
 KEY_OFFSET = 44  # magic..checksum (36 bytes) and the header's own checksum (8) precede the key
@@ -119,12 +119,19 @@ def test_a_key_too_long_for_the_file_backend_is_refused_up_front(tmp_path: Path)
             ident = WorkerIdentity(unique_tag("w"), generation=1, model_name="m-longkey")
             session = client.attach(ident, pools.specs(), heartbeat=False)
             long_key = "k" * MAX_KEY_BYTES
+            page_bytes = {p.name: p.page_bytes for p in session.info.pools}
+            before = client.get_stats().free_pages()
             with pytest.raises(HiCacheError) as refused:
                 session.put_pages([long_key], transfers([0]))
             assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
             assert f"at most {MAX_KEY_BYTES} bytes" in refused.value.message, refused.value.message
             assert len(refused.value.message) < 400, "the message quotes only a prefix of the key"
             assert session.lookup([long_key]).total_hit_pages == 0, "a refused put changes nothing"
+            with pytest.raises(HiCacheError) as by_bytes:
+                session.put_bytes([PageBytes(long_key, name, bytes(page_bytes[name])) for name in POOLS])
+            assert by_bytes.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert f"at most {MAX_KEY_BYTES} bytes" in by_bytes.value.message
+            assert client.get_stats().free_pages() == before, "no host page was taken"
             short = session.put_pages(["short-key"], transfers([1]))
             assert short.ok
             backed = session.backup(["short-key"], wait=True)
