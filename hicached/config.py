@@ -395,12 +395,19 @@ def resolve(
     layered: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_TYPES}
     if file is not None:
         try:
-            text = file.read_text()
+            text = file.read_bytes().decode("utf-8")
             data = tomllib.loads(text)
         except OSError as exc:
             raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {file} is not valid UTF-8 (byte {exc.start}: {exc.reason})"
+            ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+        except RecursionError:
+            # tomllib recurses per nesting level; a deep file is a config error, not a crash.
+            raise ConfigError(f"config file {file} is nested too deeply to be a configuration") from None
         _check_mode_literals(text, file)
         for section, values in data.items():
             if section not in _SECTION_TYPES or not isinstance(values, dict):

@@ -231,6 +231,7 @@ class ContentIndex(BackupMixin):
         keys = check_keys(keys, unique=True)
         if not isinstance(tenant, str):
             raise InvalidArgument(f"tenant must be a str, got {tenant!r}")
+        self.check_storable(keys)
         columns = check_rows(self._view, len(keys), pages)
         mask, new, hot = self._insert(keys, columns, tenant, in_l3=False, strict=True)
         self._counts["published"] += len(new)
@@ -241,6 +242,28 @@ class ContentIndex(BackupMixin):
         else:
             self._evict_ahead()
         return mask
+
+    def check_storable(self, keys: Sequence[str]) -> None:
+        """InvalidArgument when a key's L3 name would be longer than the backend stores.
+
+        :meth:`publish` checks it; callers that allocate or copy first call it before
+        that, so a refused key changes nothing. Accepted, such a key would only fail
+        later in the backup thread, once per attempt. Thread-safe (reads only).
+        """
+        backend = self.backend
+        limit = None if backend is None else backend.max_key_bytes
+        if backend is None or limit is None or not keys:
+            return
+        longest = max(self._view.l3_keys(self.namespace, ["x"]), key=lambda k: len(k.encode("utf-8")))
+        overhead = len(longest.encode("utf-8")) - 1
+        for key in keys:
+            size = len(key.encode("utf-8")) + overhead
+            if size > limit:
+                raise InvalidArgument(
+                    f"content key {key[:32]!r}... is too long: {len(key.encode('utf-8'))} bytes "
+                    f"(its L3 name {size} bytes); the {backend.name!r} L3 backend stores names of "
+                    f"at most {limit} bytes, i.e. keys of at most {limit - overhead} bytes here"
+                )
 
     def _insert(
         self,

@@ -44,6 +44,7 @@ from hicached.errors import (
 from hicached.l2.group import HostPoolGroup, PoolEntry, PoolTransfer
 from hicached.l2.host_pool import HostKVPool, create_host_pool, open_host_pool
 from hicached.l2.layout import PoolKind, host_pages_for
+from hicached.l2.owners import OwnerRecord, reclaim_dead
 from hicached.l2.shm import SHM_DIR, SharedSegment
 
 logger = logging.getLogger(__name__)
@@ -272,6 +273,11 @@ class GroupRegistry:
             self._journals = JournalStore(host.journal_dir, host.shm_prefix)
             self._journals.lock()
             self._remove_orphans()
+        # Cold-mode segments carry their daemon's id; its locked record proves it alive, and
+        # the records of dead daemons of this prefix (a SIGKILL leaves them) free theirs now.
+        # Warm-restart names carry no daemon id: the journal lock above owns those.
+        reclaim_dead(host.shm_prefix)
+        self._owner = None if host.warm_restart else OwnerRecord(host.shm_prefix, daemon_id)
 
     def _remove_orphans(self) -> None:
         """Unlink this prefix's warm-restart segments that no journal covers (a crash left them).
@@ -517,5 +523,7 @@ class GroupRegistry:
             self._groups.clear()
         for s in states:
             s.close(self._journals)
+        if self._owner is not None:
+            self._owner.release()
         if self._journals is not None:
             self._journals.unlock()

@@ -101,8 +101,8 @@ class GroupJournal:
                 for i, key in enumerate(keys)
             )
             return cls(_str(data["group_id"]), pools, entries)
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise FailedPrecondition(f"warm-restart journal {where} is not valid: {exc}") from None
+        except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as exc:
+            raise FailedPrecondition(f"warm-restart journal {where} is not valid: {str(exc)[:200]}") from None
 
 
 def _str(value: Any) -> str:
@@ -191,20 +191,29 @@ class JournalStore:
     def read(self, group_id: str) -> GroupJournal | None:
         """The group's journal, or None when there is none.
 
-        FailedPrecondition when it is unreadable, of another format version or
-        of another group.
+        FailedPrecondition when it is unreadable, not UTF-8, not JSON, nested too
+        deeply, of the wrong types, of another format version or of another group
+        (the caller then starts the group cold and removes the journal).
         """
         path = self.path(group_id)
         try:
-            text = path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise FailedPrecondition(f"warm-restart journal {path} is unreadable: {exc}") from None
         try:
-            data = json.loads(text)
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise FailedPrecondition(
+                f"warm-restart journal {path} is not UTF-8 (byte {exc.start}: {exc.reason})"
+            ) from None
         except json.JSONDecodeError as exc:
             raise FailedPrecondition(f"warm-restart journal {path} is not JSON: {exc}") from None
+        except RecursionError:
+            # The json module recurses per nesting level: a hostile or corrupt file must not
+            # make every attach of the group fail.
+            raise FailedPrecondition(f"warm-restart journal {path} is nested too deeply") from None
         journal = GroupJournal.from_json(data, where=str(path))
         if journal.group_id != group_id:
             raise FailedPrecondition(f"warm-restart journal {path} belongs to group {journal.group_id!r}")

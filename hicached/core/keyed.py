@@ -147,6 +147,7 @@ class KeyedCache:
     ) -> PutResult:
         """Device -> new host pages -> published; keys already cached are skipped."""
         session, state, index = self._ctx(session_id)
+        index.check_storable(keys)  # before any allocation or eviction
         core = self.core
         checked = core.check_transfers(session, state, transfers, host="forbidden")
         self._columns(state, keys, checked, side="device")
@@ -250,6 +251,7 @@ class KeyedCache:
             raise InvalidArgument(
                 f"{len(keys)} keys exceed server.max_batch_pages={self._cfg.server.max_batch_pages}"
             )
+        index.check_storable(keys)  # before any allocation or eviction
 
         def run() -> tuple[int, int]:
             allocated: dict[str, np.ndarray] = {}

@@ -97,6 +97,9 @@ class StorageBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Longest key (UTF-8 bytes) the backend can store; None = no limit it knows of. Callers
+    # refuse longer keys up front, so a key is never accepted and then failed in the I/O thread.
+    max_key_bytes: ClassVar[int | None] = None
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> int:

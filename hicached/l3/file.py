@@ -28,7 +28,13 @@ Capacity. ``capacity_bytes`` bounds the bytes of occupied slots; a ``set``
 that needs room evicts least-recently-used pages that no reader is using. A
 freed slot is reused by later pages of its size; files never shrink, so when
 the mix of page sizes changes, disk usage can exceed ``capacity_bytes`` by
-the free slots of sizes no longer written.
+the free slots of sizes no longer written. A disk that fills up first (ENOSPC)
+is treated as the real capacity: it is lowered to the bytes stored, LRU pages
+are evicted and the failed pages written once more into slots that already
+have disk blocks (it is not raised again while the process runs). Keys of more
+than ``MAX_KEY_BYTES`` are refused (``max_key_bytes``; callers check up front).
+A slot header that fails verification at the start-up scan is dropped, cleared
+and counted in ``corrupt_pages``.
 
 Thread-safety: one lock guards index, allocator and counters; file I/O runs
 outside it (the GIL is released during syscalls). A slot being read is pinned,
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import errno
 import fcntl
 import functools
 import heapq
@@ -141,6 +148,13 @@ class _Slab:
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes
 
+    def alloc_on_disk(self) -> int | None:
+        """A free slot that lies wholly inside the file (its blocks exist: a write there needs
+        no new disk space), or None."""
+        if self.free and self.offset(self.free[0] + 1) <= os.fstat(self.fd).st_size:
+            return heapq.heappop(self.free)
+        return None
+
 
 @dataclasses.dataclass(eq=False, slots=True)
 class _Entry:
@@ -217,6 +231,7 @@ class FileBackend(StorageBackend):
     """Pages in slot files under one directory; see the module docstring."""
 
     name = "file"
+    max_key_bytes = MAX_KEY_BYTES
 
     def __init__(self, config: FileBackendConfig) -> None:
         self.config = config
@@ -232,6 +247,9 @@ class FileBackend(StorageBackend):
         self._ops = 0
         self._idle = threading.Condition(self._lock)
         self._pool: ThreadPoolExecutor | None = None
+        # The configured capacity, lowered when the disk fills up first (ENOSPC): from then
+        # on LRU eviction makes room instead of every write failing.
+        self._capacity = config.capacity_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -258,6 +276,7 @@ class FileBackend(StorageBackend):
 
     def _rebuild(self) -> None:
         found: dict[str, _Entry] = {}
+        corrupt: list[tuple[_Slab, int]] = []
         for path in sorted(self.root.iterdir()):
             match = _SLAB_NAME.match(path.name)
             if match is None or int(match.group(1)) % SLOT_ALIGN:
@@ -267,12 +286,15 @@ class FileBackend(StorageBackend):
             nslots = -(-size // slab.slot_bytes)
             used: set[int] = set()
             for slot in range(nslots):
-                parsed = _parse_header(os.pread(slab.fd, HEADER_BYTES, slab.offset(slot)))
-                if parsed is None:
+                header = os.pread(slab.fd, HEADER_BYTES, slab.offset(slot))
+                parsed = _parse_header(header)
+                if parsed is None or slot_bytes_for(parsed[2]) != slab.slot_bytes:
+                    # A never-written or cleared slot starts with a zero magic; anything else
+                    # that does not verify is a damaged page, dropped and counted.
+                    if header[: len(_MAGIC)].strip(b"\0"):
+                        corrupt.append((slab, slot))
                     continue
                 key, seq, length, checksum = parsed
-                if slot_bytes_for(length) != slab.slot_bytes:
-                    continue
                 entry = _Entry(key, slab, slot, length, checksum, seq)
                 old = found.get(key)
                 if old is not None and old.seq > seq:
@@ -291,6 +313,15 @@ class FileBackend(StorageBackend):
             self._used += entry.slab.slot_bytes
             self._payload += entry.length
             self._seq = max(self._seq, entry.seq)
+        if corrupt:
+            self._corrupt += len(corrupt)
+            log.warning(
+                "file backend %s: dropped %d page(s) whose slot header failed verification",
+                self.root,
+                len(corrupt),
+            )
+            for slab, slot in corrupt:  # cleared: counted once, not again at every start
+                self._tombstone(_Entry("", slab, slot, 0, 0, 0))
         self._evict_for(0)  # a smaller capacity than last time: trim the oldest
         if self._index:
             log.info("file backend %s: rebuilt index of %d pages", self.root, len(self._index))
@@ -338,11 +369,11 @@ class FileBackend(StorageBackend):
 
     def _evict_for(self, need: int) -> list[_Entry]:
         """Evict LRU unpinned pages until ``need`` more bytes fit (lock held)."""
-        if self._used + need <= self.config.capacity_bytes:
+        if self._used + need <= self._capacity:
             return []
         victims: list[_Entry] = []
         freed = 0
-        excess = self._used + need - self.config.capacity_bytes
+        excess = self._used + need - self._capacity
         for entry in self._index.values():
             if freed >= excess:
                 break
@@ -546,9 +577,9 @@ class FileBackend(StorageBackend):
                     continue
                 first[key] = i
                 size = slot_bytes_for(lengths[i])
-                if size > self.config.capacity_bytes:
+                if size > self._capacity:
                     continue
-                if self._used + size > self.config.capacity_bytes and not self._evict_for(size):
+                if self._used + size > self._capacity and not self._evict_for(size):
                     continue
                 slab = self._slab(size)
                 self._seq += 1
@@ -556,7 +587,10 @@ class FileBackend(StorageBackend):
                 fresh.append((i, _Entry(key, slab, slab.alloc(), lengths[i], checksums[i], self._seq)))
         written: builtins.set[int] = builtins.set()
         try:
-            written = self._write_runs(fresh, srcs, encoded)
+            written, full = self._write_runs(fresh, srcs, encoded)
+            if full:
+                fresh, retried = self._retry_when_full(fresh, written, srcs, encoded)
+                written |= retried
         finally:
             with self._lock:
                 for i, entry in fresh:
@@ -576,10 +610,70 @@ class FileBackend(StorageBackend):
             results[i] = results[j]
         return results
 
+    def _retry_when_full(
+        self,
+        fresh: list[tuple[int, _Entry]],
+        written: builtins.set[int],
+        srcs: list[list[memoryview]],
+        encoded: list[bytes],
+    ) -> tuple[list[tuple[int, _Entry]], builtins.set[int]]:
+        """The disk filled before the capacity did: lower the capacity to what is stored, evict
+        LRU pages for the pages that failed and write them once more into slots that already
+        have disk blocks. Returns the batch's entries (failed ones replaced) and those written."""
+        retry: list[tuple[int, _Entry]] = []
+        with self._lock:
+            failed = [(i, e) for i, e in fresh if i not in written]
+            for _, entry in failed:
+                # Its slot may lie past the end of the file: clearing its header would need disk too.
+                entry.dead = True
+                entry.tomb = entry.slab.offset(entry.slot + 1) <= os.fstat(entry.slab.fd).st_size
+                self._maybe_free(entry)
+            # What the disk holds for us is what the slab files already occupy (free slots
+            # included: their blocks exist); beyond that the filesystem has no room.
+            on_disk = sum(os.fstat(slab.fd).st_size for slab in self._slabs.values())
+            lowered = max(on_disk, SLOT_ALIGN)
+            if lowered < self._capacity:
+                log.warning(
+                    "file backend %s: the disk is full at %d bytes of slab files; capacity lowered "
+                    "from %d to %d bytes (LRU eviction makes room from now on)",
+                    self.root,
+                    on_disk,
+                    self._capacity,
+                    lowered,
+                )
+                self._capacity = lowered
+            for i, entry in failed:
+                size = entry.slab.slot_bytes
+                if self._used + size > self._capacity and not self._evict_for(size):
+                    continue
+                slot = entry.slab.alloc_on_disk()
+                while slot is None and self._evict_same_slab(entry.slab):
+                    slot = entry.slab.alloc_on_disk()
+                if slot is None:
+                    continue
+                self._seq += 1
+                self._used += size
+                retry.append(
+                    (i, _Entry(entry.key, entry.slab, slot, entry.length, entry.checksum, self._seq))
+                )
+        done, _ = self._write_runs(retry, srcs, encoded)
+        return [(i, e) for i, e in fresh if i in written] + retry, done
+
+    def _evict_same_slab(self, slab: _Slab) -> bool:
+        """Evict the least recently used unpinned page of ``slab`` (lock held): on a full disk
+        only a slot of the same size has blocks a new page can use. False when there is none."""
+        for victim in self._index.values():
+            if victim.slab is slab and victim.pins == 0:
+                self._drop(victim, tombstone=True)
+                self._evicted += 1
+                return True
+        return False
+
     def _write_run(
         self, run: list[tuple[int, _Entry]], srcs: list[list[memoryview]], encoded: list[bytes]
-    ) -> list[int]:
-        """Write one run of adjacent slots in one vectored call; the batch indices written whole."""
+    ) -> tuple[list[int], bool]:
+        """Write one run of adjacent slots in one vectored call: the batch indices written whole,
+        and whether the disk was full (ENOSPC/EDQUOT or a short write)."""
         slab = run[0][1].slab
         iov: list[bytes | memoryview] = []
         ends: list[tuple[int, int]] = []
@@ -596,23 +690,27 @@ class FileBackend(StorageBackend):
         try:
             done = _vectored(os.pwritev, slab.fd, iov, slab.offset(run[0][1].slot))
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return [], True  # a full disk is a capacity, not a fault (the caller evicts)
             log.warning("file backend %s: write of %d pages failed: %s", self.root, len(run), exc)
-            return []
+            return [], False
         written = [i for i, end in ends if end <= done]
         if written and self.config.fsync:
             try:
                 os.fdatasync(slab.fd)
             except OSError as exc:
                 log.warning("file backend %s: fdatasync failed: %s", self.root, exc)
-                return []
-        return written
+                return [], exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        return written, done < pos
 
     def _write_runs(
         self, fresh: list[tuple[int, _Entry]], srcs: list[list[memoryview]], encoded: list[bytes]
-    ) -> builtins.set[int]:
+    ) -> tuple[builtins.set[int], bool]:
+        """The batch indices written whole, and whether any run found the disk full."""
         runs = list(self._runs(fresh))
         write = functools.partial(self._write_run, srcs=srcs, encoded=encoded)
-        return {i for written in self._parallel(write, runs) for i in written}
+        results = self._parallel(write, runs)
+        return {i for written, _ in results for i in written}, any(full for _, full in results)
 
     # ------------------------------------------------------------- management
 
@@ -640,7 +738,7 @@ class FileBackend(StorageBackend):
             return BackendStats(
                 pages=len(self._index),
                 bytes=self._payload,
-                capacity_bytes=self.config.capacity_bytes,
+                capacity_bytes=self._capacity,
                 hits=self._hits,
                 misses=self._misses,
                 corrupt_pages=self._corrupt,
