@@ -39,6 +39,8 @@ class PutResult:
     stored_pages: int = 0
     existing_pages: int = 0
     acks: tuple[Ack, ...] = ()
+    # With ok False: why the daemon refused (sent to the worker).
+    reason: str = ""
 
 
 class KeyedCache:
@@ -160,7 +162,7 @@ class KeyedCache:
                 return PutResult(ok=True, existing_pages=len(keys))
             resolved = core.allocate(session, state, todo)
             if not resolved.ok:
-                return PutResult(ok=False)
+                return PutResult(ok=False, reason=resolved.reason or "no host room")
             try:
                 acks = core.copy_pages(
                     session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND

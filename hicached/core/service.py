@@ -459,7 +459,7 @@ class HiCacheCore:
         """Allocate missing host pages across the group (atomic); record ownership."""
         result = state.group.resolve_all(list(transfers))
         if not result.ok:
-            return TransferResult(ok=False)
+            return TransferResult(ok=False, reason=result.reason)
         for t in result.transfers:
             if t.host_allocated and t.host_indices is not None:
                 session.ledger.add(t.name, t.host_indices)

@@ -134,6 +134,8 @@ class TransferResult:
     ok: bool
     transfers: tuple[PoolTransfer, ...] = ()
     acks: tuple[Ack, ...] = ()
+    # With ok False: why (the allocator's words, for the worker's log).
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -474,6 +474,7 @@ class KeyedServicerMixin(_Base):
             stored_pages=r.stored_pages,
             existing_pages=r.existing_pages,
             acks=convert.acks_out(r.acks),
+            reason=r.reason,
         )
 
     @unary

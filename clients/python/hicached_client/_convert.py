@@ -286,7 +286,11 @@ def publish_result(msg: pb.PublishResponse) -> PublishResult:
 
 def put_pages_result(msg: pb.PutPagesResponse) -> PutPagesResult:
     return PutPagesResult(
-        ok=msg.ok, stored_pages=msg.stored_pages, existing_pages=msg.existing_pages, acks=acks(msg.acks)
+        ok=msg.ok,
+        stored_pages=msg.stored_pages,
+        existing_pages=msg.existing_pages,
+        acks=acks(msg.acks),
+        reason=msg.reason,
     )
 
 

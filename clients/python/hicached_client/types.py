@@ -262,6 +262,8 @@ class PutPagesResult:
     stored_pages: int
     existing_pages: int
     acks: tuple[PoolAck, ...]
+    # With ok False: the daemon's reason for refusing (no room, over budget, ...).
+    reason: str = ""
 
 
 @dataclass(frozen=True)

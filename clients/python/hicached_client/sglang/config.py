@@ -30,6 +30,8 @@ EXTRA_CONFIG_KEY = "hicached"
 DEFAULT_STAGING_PAGES = 128
 # Per direction: bounds the staging area for models with large pages.
 DEFAULT_STAGING_BYTES = 64 << 20
+# L2 of the byte-path pool group (tensors stored by key when no host pool fits).
+DEFAULT_BLOB_HOST_BYTES = 16 << 20
 
 
 class Transport(enum.StrEnum):
@@ -53,7 +55,8 @@ class AdapterConfig:
     holds twice that: one half for writes, one for reads), at most
     ``staging_bytes`` per half (but at least one page). ``host_bytes``: the
     daemon-side L2 size asked for each pool group (0 = the size of SGLang's own
-    host pool). ``include_l3``: reads and existence checks also consult the
+    host pool). ``blob_host_bytes``: the L2 size asked for the group that holds
+    tensors stored by key when no registered host pool fits them. ``include_l3``: reads and existence checks also consult the
     daemon's L3. ``instance_id``: names this worker's slots in the daemon
     (default: host, pid and a random suffix, so two processes never collide).
     """
@@ -65,6 +68,7 @@ class AdapterConfig:
     staging_pages: int = DEFAULT_STAGING_PAGES
     staging_bytes: int = DEFAULT_STAGING_BYTES
     host_bytes: int = 0
+    blob_host_bytes: int = DEFAULT_BLOB_HOST_BYTES
     include_l3: bool = True
     lease_ms: int = 0
     timeout_s: float = 30.0
@@ -80,6 +84,7 @@ class AdapterConfig:
         _check_int("staging_pages", self.staging_pages, minimum=1)
         _check_int("staging_bytes", self.staging_bytes, minimum=1)
         _check_int("host_bytes", self.host_bytes, minimum=0)
+        _check_int("blob_host_bytes", self.blob_host_bytes, minimum=1)
         _check_int("lease_ms", self.lease_ms, minimum=0)
         if not isinstance(self.include_l3, bool):
             raise ValueError(f"hicached.include_l3 must be true or false, got {self.include_l3!r}")

@@ -29,6 +29,7 @@ from hicached_client.errors import HiCacheError
 from hicached_client.sglang.config import AdapterConfig, Transport
 from hicached_client.sglang.layouts import PoolBinding
 from hicached_client.sglang.namespace import KeySpace
+from hicached_client.sglang.refusals import RefusalLog
 from hicached_client.sglang.staging import StagingArea
 from hicached_client.sync import HiCacheClient, Session
 from hicached_client.types import PageBytes, PoolRole, WorkerIdentity
@@ -51,14 +52,15 @@ class PageTransport(abc.ABC):
     """Moves one batch (at most ``capacity`` pages) between chunk tensors and the daemon.
 
     ``put`` calls ``fill(out)`` with a ``(groups, n, chunk_bytes)`` tensor to
-    fill, then stores it; ``get`` loads the leading run of hits and calls
+    fill, then stores it, returning None, or the daemon's reason when it
+    refused the write (no room, over budget: nothing stored); ``get`` loads the leading run of hits and calls
     ``drain(src)`` with a ``(groups, hits, chunk_bytes)`` tensor. Thread-safe.
     """
 
     capacity: int
 
     @abc.abstractmethod
-    def put(self, keys: Sequence[str], fill: Fill) -> bool: ...
+    def put(self, keys: Sequence[str], fill: Fill) -> str | None: ...
 
     @abc.abstractmethod
     def get(self, keys: Sequence[str], drain: Drain) -> int: ...
@@ -76,13 +78,13 @@ class ShmTransport(PageTransport):
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
 
-    def put(self, keys: Sequence[str], fill: Fill) -> bool:
+    def put(self, keys: Sequence[str], fill: Fill) -> str | None:
         n = len(keys)
         with self._write_lock:
             fill(self._staging.write_half()[:, :n])
             pages = list(self._staging.write_pages[:n])
             result = self._session.put_pages(keys, [WireTransfer(DAEMON_POOL, pages)], tenant=self._tenant)
-        return result.ok
+        return None if result.ok else result.reason
 
     def get(self, keys: Sequence[str], drain: Drain) -> int:
         n = len(keys)
@@ -107,16 +109,22 @@ class BytesTransport(PageTransport):
         self._include_l3 = config.include_l3
         self.capacity = config.staging_pages
 
-    def put(self, keys: Sequence[str], fill: Fill) -> bool:
+    def put(self, keys: Sequence[str], fill: Fill) -> str | None:
         g = self._geometry
         chunks = torch.empty((g.groups, len(keys), g.chunk_bytes), dtype=torch.uint8)
         fill(chunks)
         pages = chunks.permute(1, 0, 2).contiguous().numpy()
-        self._session.put_bytes(
-            [PageBytes(key, DAEMON_POOL, pages[i].tobytes()) for i, key in enumerate(keys)],
-            tenant=self._tenant,
-        )
-        return True
+        try:
+            self._session.put_bytes(
+                [PageBytes(key, DAEMON_POOL, pages[i].tobytes()) for i, key in enumerate(keys)],
+                tenant=self._tenant,
+            )
+        except HiCacheError as exc:
+            # PutBytes refuses with RESOURCE_EXHAUSTED, the reason in the message.
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            return exc.message
+        return None
 
     def get(self, keys: Sequence[str], drain: Drain) -> int:
         g = self._geometry
@@ -147,8 +155,10 @@ class PoolLink:
         binding: PoolBinding,
         keys: KeySpace,
         segment_name: str,
+        refusals: RefusalLog | None = None,
     ) -> None:
         self.binding = binding
+        self._refusals = refusals
         self.keys = keys
         self._client = client
         self._config = config
@@ -309,8 +319,10 @@ class PoolLink:
         for lo in range(0, len(keys), cap):
             hi = min(lo + cap, len(keys))
             batch, fill = keys[lo:hi], filler(lo, hi)
-            ok = self._call(lambda _, transport: transport.put(batch, fill))  # noqa: B023 - called at once
-            results.extend([ok] * (hi - lo))
+            refused = self._call(lambda _, transport: transport.put(batch, fill))  # noqa: B023 - called at once
+            if refused is not None and self._refusals is not None:
+                self._refusals.refused(self.keys.pool, hi - lo, refused)
+            results.extend([refused is None] * (hi - lo))
         return results
 
     def _get(self, keys: Sequence[str], drainer: Callable[[int, int], Drain]) -> int:

@@ -10,11 +10,20 @@ the daemon to store them (``PutPages``); a read asks the daemon to load the
 leading run of hits into it (``GetPages``) and copies them into the host pool.
 Page bytes never travel in gRPC messages unless ``transport`` is ``bytes``.
 
-Semantics kept from SGLang's backends: a second set of an existing key
-succeeds without rewriting; a missing key reads as a miss, never an error;
-a daemon failure during I/O is logged and reads as a miss / failed write
-(SGLang's threads must not die on it). Keys are namespaced by model, TP/PP
-rank, tenant and pool (see :mod:`hicached_client.sglang.namespace`).
+Semantics kept from SGLang's backends (``HiCacheFile`` is the reference, see
+``tests/sglang/test_sglang_hicachefile_parity.py``): a second set of an
+existing key succeeds without rewriting; a missing key reads as a miss, never
+an error; a daemon failure during I/O is logged and reads as a miss / failed
+write (SGLang's threads must not die on it). Keys are namespaced by model,
+TP/PP rank, tenant and pool (see :mod:`hicached_client.sglang.namespace`).
+
+The generic ``get``/``set``/``exists`` take any tensor, as ``HiCacheFile``
+does: a tensor the size of a registered KV pool's page goes through that pool;
+any other tensor, and every tensor before a pool is registered, goes through
+the byte path (:mod:`hicached_client.sglang.blobs`). A v1/v2 call naming a pool
+that is not registered is logged and answers misses / failed writes. A write
+the daemon refuses (no room, over budget) is ``False`` to SGLang and logged,
+rate-limited, with the daemon's reason (:mod:`hicached_client.sglang.refusals`).
 
 Thread-safety: SGLang calls the I/O methods from its prefetch and backup
 threads concurrently; every method is safe for that. Pool registration and
@@ -43,10 +52,12 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untype
 )
 
 from hicached_client.errors import HiCacheError
+from hicached_client.sglang.blobs import BLOB_POOL, BlobStore
 from hicached_client.sglang.config import AdapterConfig
 from hicached_client.sglang.layouts import bind_host_pool
 from hicached_client.sglang.link import PoolLink
 from hicached_client.sglang.namespace import KV_POOL, KeySpace, key_space
+from hicached_client.sglang.refusals import RefusalLog
 from hicached_client.sync import HiCacheClient
 from hicached_client.types import WorkerIdentity
 
@@ -101,6 +112,9 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         self._metrics_enabled = bool(storage_config.enable_storage_metrics)
         self._io = _IoCounters()
         self._generation = time.time_ns()
+        self.refusals = RefusalLog(log)
+        self._unregistered = RefusalLog(log, template="hicached: %d keys for pool %s: %s%s")
+        self._blobs = self._new_blob_store()
         log.info(
             "hicached storage for model %r rank tp%d/%d pp%d/%d at %s",
             self.model_name,
@@ -178,13 +192,42 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
             binding=binding,
             keys=keys,
             segment_name=segment,
+            refusals=self.refusals,
         )
 
-    def _link(self, name: str) -> PoolLink:
+    def _new_blob_store(self) -> BlobStore:
+        cfg = self.storage_config
+        keys = key_space(
+            BLOB_POOL,
+            tenant=self.config.tenant,
+            tp_rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            # The byte-path group is rank-shared; MLA models share by-key tensors
+            # across TP ranks as HiCacheFile's config_suffix does, others do not.
+            tp_sharded_in_key=not cfg.is_mla_model,
+            attn_cp_rank=cfg.attn_cp_rank,
+            attn_cp_size=cfg.attn_cp_size,
+            dcp_rank=getattr(cfg, "dcp_rank", 0),
+            dcp_size=getattr(cfg, "dcp_size", 1),
+            logical_page_size=getattr(cfg, "logical_page_size", None),
+        )
+        identity = WorkerIdentity(
+            instance_id=f"{self.config.instance_id}.{BLOB_POOL}",
+            generation=self._generation,
+            model_name=self.model_name,
+            pp_rank=cfg.pp_rank,
+            pp_size=cfg.pp_size,
+        )
+        return BlobStore(
+            self._client, config=self.config, identity=identity, keys=keys, refusals=self.refusals
+        )
+
+    def _link(self, name: str) -> PoolLink | None:
+        """The link of pool ``name``; None (logged, rate-limited) when it is not registered."""
         link = self._links.get(name)
         if link is None:
-            raise ValueError(
-                f"pool {name!r} is not registered with HiCachedStorage (registered: {sorted(self._links)})"
+            self._unregistered.refused(
+                name, 0, f"not registered (registered: {sorted(self._links)}); answered as misses"
             )
         return link
 
@@ -211,6 +254,8 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return []
         link = self._link(pool)
+        if link is None:
+            return [False] * len(keys)
         pages = link.binding.host_pages_of(host_indices, len(keys))
         start = time.perf_counter()
         try:
@@ -225,6 +270,8 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return []
         link = self._link(pool)
+        if link is None:
+            return [False] * len(keys)
         pages = link.binding.host_pages_of(host_indices, len(keys))
         start = time.perf_counter()
         try:
@@ -255,7 +302,14 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
             if not restorable:
                 break
             name = str(transfer.name)
-            link = self._link(name)
+            link = self._links.get(name)
+            if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+                raise ValueError(f"unsupported pool hit policy {transfer.hit_policy!r} for pool {name!r}")
+            if link is None:
+                # Nothing of an unregistered pool can be restored.
+                self._link(name)
+                restorable = []
+                break
             prefix = link.keys.daemon_keys(keys[:kv_pages])
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
                 boundary = self._safe(lambda: link.exists(prefix), 0)  # noqa: B023 - called at once
@@ -293,6 +347,9 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
             name = str(transfer.name)
             keys = list(transfer.keys or [])
             link = self._link(name)
+            if link is None:
+                results[name] = [False] * len(keys)
+                continue
             want = len(keys) * link.binding.geometry.page_size
             got = transfer.host_indices.numel() if transfer.host_indices is not None else 0
             if got != want:
@@ -306,65 +363,101 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
 
     # ------------------------------------------------- generic page interface
 
+    def _fits(self, tensor: torch.Tensor | None) -> PoolLink | None:
+        """The KV pool link when ``tensor`` (None: any) is exactly one of its flat pages."""
+        link = self._links.get(KV_POOL)
+        if link is None or tensor is None:
+            return link
+        nbytes = tensor.numel() * tensor.element_size()
+        return link if nbytes == link.binding.geometry.page_bytes and tensor.is_contiguous() else None
+
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
-        """The flat data page of ``key`` (written into ``target_location`` when given), or None."""
+        """The tensor stored under ``key`` (written into ``target_location`` when given), or None."""
         got = self.batch_get([key], [target_location])
         return got[0]
 
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        """Per key: its flat data page, or None when it is not cached."""
+        """Per key: its tensor (a flat KV page without a target), or None when it is not cached."""
         if not keys:
             return []
-        link = self._link(KV_POOL)
-        outs = [
-            t if t is not None else link.binding.empty_flat_page()
-            for t in (target_locations or [None] * len(keys))
-        ]
-        daemon_keys = link.keys.daemon_keys(keys)
+        targets = list(target_locations or [None] * len(keys))
         found: list[torch.Tensor | None] = [None] * len(keys)
-        start = 0
-        # Leading runs: after each miss, go on with the key after it.
-        while start < len(keys):
-            try:
-                hits = link.get_flat(daemon_keys[start:], outs[start:])
-            except HiCacheError as exc:
-                log.warning("hicached: get of %d pages failed: %s", len(keys) - start, exc)
-                break
-            for i in range(start, start + hits):
-                found[i] = outs[i]
-            start += hits + 1
+        link = self._links.get(KV_POOL)
+        paged = [i for i, t in enumerate(targets) if link is not None and self._fits(t) is link]
+        if link is not None and paged:
+            outs = [targets[i] if targets[i] is not None else link.binding.empty_flat_page() for i in paged]
+            daemon_keys = link.keys.daemon_keys([keys[i] for i in paged])
+            start = 0
+            # Leading runs: after each miss, go on with the key after it.
+            while start < len(paged):
+                try:
+                    hits = link.get_flat(daemon_keys[start:], outs[start:])
+                except HiCacheError as exc:
+                    log.warning("hicached: get of %d pages failed: %s", len(paged) - start, exc)
+                    break
+                for j in range(start, start + hits):
+                    found[paged[j]] = outs[j]
+                start += hits + 1
+        for i, key in enumerate(keys):
+            # Not a page of the pool, or not found there: the byte path.
+            if found[i] is None:
+                found[i] = self._safe(lambda: self._blobs.get(key, targets[i]), None)  # noqa: B023
         return found
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
-        """Store flat data page ``value`` under ``key`` (True also when it was already stored)."""
+        """Store tensor ``value`` under ``key`` (True also when it was already stored)."""
         return self.batch_set([key], [value])
 
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
-        """Store flat data pages; True when every key is stored (or already was)."""
+        """Store tensors; True when every key is stored (or already was), False from the first failure."""
         if not keys:
             return True
         if values is None or len(values) != len(keys):
             raise ValueError(f"batch_set needs one value per key: {len(keys)} keys")
-        link = self._link(KV_POOL)
-        try:
-            return all(link.put_flat(link.keys.daemon_keys(keys), list(values)))
-        except HiCacheError as exc:
-            log.warning("hicached: set of %d pages failed: %s", len(keys), exc)
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            log.error("hicached: batch_set values must be tensors; nothing stored")
             return False
+        link = self._links.get(KV_POOL)
+        if link is not None and all(self._fits(v) is link for v in values):
+            try:
+                return all(link.put_flat(link.keys.daemon_keys(keys), list(values)))
+            except HiCacheError as exc:
+                log.warning("hicached: set of %d pages failed: %s", len(keys), exc)
+                return False
+        for key, value in zip(keys, values, strict=True):
+            if self._fits(value) is not None and link is not None:
+                ok = self.batch_set([key], [value])
+            else:
+                ok = self._safe(lambda: self._blobs.put(key, value), False)  # noqa: B023
+            if not ok:
+                return False
+        return True
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """Leading run of ``keys`` cached in the daemon (L2, and L3 unless disabled)."""
-        if not keys:
-            return 0
-        link = self._link(KV_POOL)
-        return self._safe(lambda: link.exists(link.keys.daemon_keys(keys)), 0)
+        """Leading run of ``keys`` cached in the daemon (L2, and L3 unless disabled).
+
+        A key counts when it is a page of the KV pool or a tensor stored by key
+        (the byte path), as every key is one file for ``HiCacheFile``.
+        """
+        link = self._links.get(KV_POOL)
+        run = 0
+        while run < len(keys):
+            if link is not None:
+                rest = link.keys.daemon_keys(keys[run:])
+                run += self._safe(lambda: link.exists(rest), 0)  # noqa: B023
+                if run == len(keys):
+                    break
+            if not self._safe(lambda: self._blobs.exists(keys[run]), False):  # noqa: B023
+                break
+            run += 1
+        return run
 
     # ----------------------------------------------------------- management
 
@@ -400,11 +493,15 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
                 link.close()
             except HiCacheError as exc:
                 log.warning("hicached: detaching pool %s failed: %s", link.keys.pool, exc)
+        try:
+            self._blobs.close()
+        except HiCacheError as exc:
+            log.warning("hicached: detaching the byte-path store failed: %s", exc)
         self._client.close()
 
     def key_space(self, pool: str = KV_POOL) -> KeySpace:
-        """The daemon key space of a registered pool."""
-        return self._link(pool).keys
+        """The daemon key space of a registered pool (KeyError when it is not registered)."""
+        return self._links[pool].keys
 
     @staticmethod
     def _safe(fn: Callable[[], T], default: T) -> T:

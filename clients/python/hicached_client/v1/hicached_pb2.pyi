@@ -333,16 +333,18 @@ class PutPagesRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., op_id: _Optional[str] = ..., keys: _Optional[_Union[_types_pb2.KeySource, _Mapping]] = ..., batch: _Optional[_Union[_types_pb2.TransferBatch, _Mapping]] = ..., ready: _Optional[_Union[_types_pb2.Fence, _Mapping]] = ...) -> None: ...
 
 class PutPagesResponse(_message.Message):
-    __slots__ = ("ok", "stored_pages", "existing_pages", "acks")
+    __slots__ = ("ok", "stored_pages", "existing_pages", "acks", "reason")
     OK_FIELD_NUMBER: _ClassVar[int]
     STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
     EXISTING_PAGES_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     stored_pages: int
     existing_pages: int
     acks: _containers.RepeatedCompositeFieldContainer[_types_pb2.PoolAck]
-    def __init__(self, ok: _Optional[bool] = ..., stored_pages: _Optional[int] = ..., existing_pages: _Optional[int] = ..., acks: _Optional[_Iterable[_Union[_types_pb2.PoolAck, _Mapping]]] = ...) -> None: ...
+    reason: str
+    def __init__(self, ok: _Optional[bool] = ..., stored_pages: _Optional[int] = ..., existing_pages: _Optional[int] = ..., acks: _Optional[_Iterable[_Union[_types_pb2.PoolAck, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GetPagesRequest(_message.Message):
     __slots__ = ("session_id", "op_id", "keys", "batch", "include_l3")

@@ -1,0 +1,243 @@
+"""Arbitrary tensors by key, for SGLang's generic ``get``/``set`` when no host pool fits.
+
+``HiCacheFile`` stores any tensor under any key; a daemon pool stores pages of
+one fixed size. ``BlobStore`` bridges the two over a *byte-only* session
+(``PutBytes``/``GetBytes``, no shared memory) of a pool of ``chunk_bytes``
+pages: a tensor becomes ``ceil((HEADER + nbytes) / chunk_bytes)`` chunks under
+the keys ``<daemon key>#c<i>``, chunk 0 starting with a header (magic, byte
+count, dtype, shape). Chunk 0 is stored *last*, so a visible header means every
+chunk was stored; ``exists`` looks at chunk 0 only. A later eviction of a data
+chunk makes ``get`` a miss (never a wrong tensor: the byte count and chunk run
+are checked).
+
+The session is attached on first use (so a storage that never sees such a
+tensor costs the daemon nothing) and again when the daemon no longer knows it
+(restart, lease lost). Its pool group is per model and shared by every process
+of that model, so a tensor stored by one worker is found by another.
+
+Thread-safety: every method may be called from any thread. Ownership: tensors
+passed in are only read; ``get`` writes into the caller's ``target`` or returns
+a new tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import torch
+
+from hicached_client import pool_spec
+from hicached_client.errors import HiCacheError
+from hicached_client.sglang.config import AdapterConfig
+from hicached_client.sglang.namespace import KeySpace
+from hicached_client.sglang.refusals import RefusalLog
+from hicached_client.sync import HiCacheClient, Session
+from hicached_client.types import PageBytes, PoolRole, WorkerIdentity
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+BLOB_POOL = "blob"
+DAEMON_POOL = "kv"
+# Small enough that a scalar does not waste much, large enough that a page-sized
+# tensor is a few dozen chunks.
+DEFAULT_CHUNK_BYTES = 16 << 10
+# Chunks per PutBytes / GetBytes message (1 MiB at the default chunk size).
+CHUNKS_PER_CALL = 64
+MAGIC = b"hcblob01"
+MAX_DIMS = 8
+# magic, nbytes, dtype name (24 bytes), ndim, shape[MAX_DIMS]
+_HEADER = struct.Struct(f"<8sQ24sI{MAX_DIMS}q")
+HEADER_BYTES = _HEADER.size
+
+
+def encode_header(value: torch.Tensor) -> bytes:
+    if value.dim() > MAX_DIMS:
+        raise ValueError(f"tensor has {value.dim()} dims; at most {MAX_DIMS} can be stored by key")
+    dtype = str(value.dtype).removeprefix("torch.").encode()
+    shape = list(value.shape) + [0] * (MAX_DIMS - value.dim())
+    return _HEADER.pack(MAGIC, value.numel() * value.element_size(), dtype, value.dim(), *shape)
+
+
+def decode_header(raw: bytes) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+    """(nbytes, dtype, shape) of a stored tensor, or None when ``raw`` is no header of ours."""
+    magic, nbytes, dtype_name, ndim, *shape = _HEADER.unpack_from(raw)
+    dtype = getattr(torch, dtype_name.rstrip(b"\0").decode(errors="replace"), None)
+    if magic != MAGIC or not isinstance(dtype, torch.dtype) or ndim > MAX_DIMS:
+        return None
+    return nbytes, dtype, tuple(shape[:ndim])
+
+
+class BlobStore:
+    """Tensors by key in the daemon (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: HiCacheClient,
+        *,
+        config: AdapterConfig,
+        identity: WorkerIdentity,
+        keys: KeySpace,
+        refusals: RefusalLog,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if chunk_bytes <= HEADER_BYTES:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must exceed the {HEADER_BYTES}-byte header")
+        self.keys = keys
+        self.chunk_bytes = chunk_bytes
+        self._client = client
+        self._config = config
+        self._identity = identity
+        self._refusals = refusals
+        self._lock = threading.Lock()
+        self._session: Session | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------------- session
+
+    def _attach(self) -> Session:
+        spec = pool_spec(
+            DAEMON_POOL,
+            role=PoolRole.ANCHOR,
+            kind="mla",
+            dtype=torch.uint8,
+            page_size=1,
+            num_layers=1,
+            num_heads=1,
+            head_dim=self.chunk_bytes,
+            k_buffers=[],
+            host_layout="page_first",
+            host_bytes=max(self._config.blob_host_bytes, self.chunk_bytes),
+        )
+        session = self._client.attach(
+            self._identity, [spec], lease_ms=self._config.lease_ms, timeout_s=self._config.timeout_s
+        )
+        log.info("hicached: byte-path store attached (session %s)", session.session_id)
+        return session
+
+    def _current(self) -> Session:
+        with self._lock:
+            if self._closed:
+                raise HiCacheError(grpc.StatusCode.CANCELLED, "HiCachedStorage is closed")
+            if self._session is None:
+                self._session = self._attach()
+            return self._session
+
+    def _call(self, op: Callable[[Session], T]) -> T:
+        session = self._current()
+        try:
+            return op(session)
+        except HiCacheError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            log.warning("hicached: byte-path session %s lost (%s); attaching again", session.session_id, exc)
+        with self._lock:
+            if self._session is session:
+                self._session = None
+        session.stop_heartbeat()
+        return op(self._current())
+
+    # -------------------------------------------------------------------- I/O
+
+    def chunk_keys(self, key: str, nbytes: int) -> list[str]:
+        count = max(1, math.ceil((HEADER_BYTES + nbytes) / self.chunk_bytes))
+        base = self.keys.daemon_key(key)
+        return [f"{base}#c{i}" for i in range(count)]
+
+    def put(self, key: str, value: torch.Tensor) -> bool:
+        """Store ``value`` under ``key``; True also when ``key`` was already stored."""
+        if self.exists(key):
+            return True  # HiCacheFile: an existing key is not rewritten
+        try:
+            header = encode_header(value)
+        except ValueError as exc:
+            log.error("hicached: cannot store key %.64r: %s", key, exc)
+            return False
+        raw = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        blob = header + raw
+        keys = self.chunk_keys(key, len(raw))
+        blob += bytes(len(keys) * self.chunk_bytes - len(blob))
+        chunks = [
+            PageBytes(k, DAEMON_POOL, blob[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
+            for i, k in enumerate(keys)
+        ]
+        # Header last: once it is visible, every chunk was stored.
+        order = chunks[1:] + chunks[:1]
+        for lo in range(0, len(order), CHUNKS_PER_CALL):
+            batch = order[lo : lo + CHUNKS_PER_CALL]
+            try:
+                self._call(lambda s: s.put_bytes(batch, tenant=self._config.tenant))  # noqa: B023
+            except HiCacheError as exc:
+                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                self._refusals.refused(BLOB_POOL, len(keys), exc.message)
+                return False
+        return True
+
+    def exists(self, key: str) -> bool:
+        head = self.chunk_keys(key, 0)[:1]
+        found = self._call(lambda s: s.lookup(head, tenant=self._config.tenant))
+        hits = found.total_hit_pages if self._config.include_l3 else found.l2_hit_pages
+        return hits >= 1
+
+    def get(self, key: str, target: torch.Tensor | None) -> torch.Tensor | None:
+        """The tensor stored under ``key`` (copied into ``target`` when given), or None.
+
+        A stored tensor whose byte count differs from ``target``'s is a miss
+        (logged): the caller's buffer is never partly written.
+        """
+        want = None if target is None else target.numel() * target.element_size()
+        keys = self.chunk_keys(key, want if want is not None else 0)
+        data = self._fetch(keys[:CHUNKS_PER_CALL])
+        if not data:
+            return None
+        header = decode_header(data[:HEADER_BYTES])
+        if header is None:
+            log.warning("hicached: key %.64r holds no tensor header; reading as a miss", key)
+            return None
+        nbytes, dtype, shape = header
+        if want is not None and nbytes != want:
+            log.warning(
+                "hicached: key %.64r holds %d bytes, the target tensor %d; reading as a miss",
+                key,
+                nbytes,
+                want,
+            )
+            return None
+        keys = self.chunk_keys(key, nbytes)
+        while len(data) < len(keys) * self.chunk_bytes:
+            lo = len(data) // self.chunk_bytes
+            more = self._fetch(keys[lo : lo + CHUNKS_PER_CALL])
+            if len(more) < min(CHUNKS_PER_CALL, len(keys) - lo) * self.chunk_bytes:
+                return None  # a data chunk was evicted after the header was written
+            data += more
+        out = target if target is not None else torch.empty(shape, dtype=dtype)
+        if nbytes:
+            payload = torch.frombuffer(
+                bytearray(data[HEADER_BYTES : HEADER_BYTES + nbytes]), dtype=torch.uint8
+            )
+            out.copy_(payload.view(out.dtype).view(out.shape))
+        return out
+
+    def _fetch(self, keys: list[str]) -> bytes:
+        """Bytes of the leading run of ``keys`` that is cached (whole chunks)."""
+        got = self._call(
+            lambda s: s.get_bytes(keys, include_l3=self._config.include_l3, tenant=self._config.tenant)
+        )
+        return b"".join(p.data for p in got.pages[: got.hit_pages])
+
+    def close(self) -> None:
+        """Detach the session, if one was attached (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            session, self._session = self._session, None
+        if session is not None:
+            session.close()
