@@ -1,0 +1,119 @@
+"""A real model served from the cache: transformers workers in separate processes, a real daemon.
+
+Worker A prefills a prompt on a small seeded Llama (float32, CPU) and stores
+its page-aligned KV prefix; worker B, another process, restores it into a new
+``DynamicCache`` and continues. The reference is a full recompute in this
+process with the same seeded weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engines.conftest import run_hf_worker, unique_model
+from tests.engines.model import GENERATE, PAGE_SIZE, PROMPT_TOKENS, full_run, prompt, tiny_llama
+from tests.integration.daemon import Daemon, start_daemon
+
+PREFIX = (PROMPT_TOKENS - 1) // PAGE_SIZE * PAGE_SIZE  # 96 tokens in 6 pages
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[torch.Tensor, list[int]]:
+    return full_run(tiny_llama(), prompt())
+
+
+def assert_continues_like_a_full_run(
+    report: dict[str, object], reference: tuple[torch.Tensor, list[int]]
+) -> None:
+    logits, tokens = reference
+    assert report["hit_tokens"] == PREFIX
+    got = torch.tensor(report["logits"])
+    assert torch.allclose(got, logits, atol=1e-5, rtol=1e-5), float((got - logits).abs().max())
+    assert report["tokens"] == tokens and len(tokens) == GENERATE
+
+
+def test_worker_b_continues_from_worker_as_prefix(
+    daemon: Daemon, reference: tuple[torch.Tensor, list[int]]
+) -> None:
+    model = unique_model()
+    cold = run_hf_worker(daemon, "continue", model)
+    assert cold["hit_tokens"] == 0 and cold["cached_tokens"] == 0  # nothing cached yet: a full prefill
+    assert cold["tokens"] == reference[1]
+    published = run_hf_worker(daemon, "publish", model)
+    assert published["saved_pages"] == PROMPT_TOKENS // PAGE_SIZE
+    report = run_hf_worker(daemon, "continue", model)
+    assert report["cached_tokens"] == PROMPT_TOKENS // PAGE_SIZE * PAGE_SIZE
+    assert_continues_like_a_full_run(report, reference)
+
+
+def test_another_models_pages_do_not_hit(daemon: Daemon) -> None:
+    model = unique_model()
+    run_hf_worker(daemon, "publish", model)
+    assert run_hf_worker(daemon, "continue", unique_model())["hit_tokens"] == 0
+    # Another prompt of the same model shares no page (the first token differs).
+    assert run_hf_worker(daemon, "continue", model, prompt_seed=2)["hit_tokens"] == 0
+
+
+def test_retraction_mid_generation_gives_the_uninterrupted_tokens(
+    daemon: Daemon, reference: tuple[torch.Tensor, list[int]]
+) -> None:
+    report = run_hf_worker(daemon, "retract", unique_model())
+    assert report["retracted_tokens"] == PROMPT_TOKENS + 9  # a partial last page included
+    assert report["restored_tokens"] == PROMPT_TOKENS + 9
+    assert report["tokens"] == reference[1]
+
+
+@dataclass
+class Warm:
+    """What two successive daemons share for a warm restart."""
+
+    prefix: str
+    journal_dir: Path
+
+    def start(self) -> Daemon:
+        return start_daemon(
+            "--set", "host.warm_restart=true",
+            "--set", f"host.journal_dir={self.journal_dir}",
+            "--set", f"host.shm_prefix={self.prefix}",
+        )  # fmt: skip
+
+
+@pytest.fixture
+def warm(tmp_path: Path) -> Iterator[Warm]:
+    w = Warm(prefix=f"hcengine{uuid.uuid4().hex[:8]}", journal_dir=tmp_path / "journal")
+    try:
+        yield w
+    finally:
+        # Warm-restart segments outlive their daemon by design; these are test-only.
+        for seg in Path("/dev/shm").glob(f"{w.prefix}*"):
+            with contextlib.suppress(FileNotFoundError):
+                seg.unlink()
+
+
+def test_prefix_hits_after_worker_and_daemon_restarts(
+    warm: Warm, reference: tuple[torch.Tensor, list[int]]
+) -> None:
+    model = unique_model()
+    first = warm.start()
+    try:
+        run_hf_worker(first, "publish", model)
+        # Worker B, then B restarted (a new process, a new generation): both hit.
+        assert_continues_like_a_full_run(run_hf_worker(first, "continue", model), reference)
+        assert_continues_like_a_full_run(run_hf_worker(first, "continue", model), reference)
+    finally:
+        first.process.send_signal(signal.SIGTERM)
+        assert first.process.wait(timeout=30) == 0
+        first.stop()
+    second = warm.start()
+    try:
+        assert_continues_like_a_full_run(run_hf_worker(second, "continue", model), reference)
+    finally:
+        second.stop()
