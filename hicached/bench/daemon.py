@@ -34,8 +34,13 @@ PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
 
 
 @contextlib.contextmanager
-def running_daemon(workdir: Path, *, host_budget: str, l3: str = "file") -> Iterator[str]:
-    """A ``hicached serve`` subprocess on a socket in ``workdir``; yields its target."""
+def running_daemon(
+    workdir: Path, *, host_budget: str, l3: str = "file", l3_path: Path | None = None
+) -> Iterator[str]:
+    """A ``hicached serve`` subprocess on a socket in ``workdir``; yields its target.
+
+    ``l3_path`` (default ``workdir/l3``) lets a second daemon find the first one's L3.
+    """
     sock = workdir / "bench.sock"
     args = [
         sys.executable,
@@ -49,7 +54,7 @@ def running_daemon(workdir: Path, *, host_budget: str, l3: str = "file") -> Iter
         "--l3",
         l3,
         "--l3-path",
-        str(workdir / "l3"),
+        str(l3_path or workdir / "l3"),
         "--log-level",
         "warning",
         "--set",

@@ -23,6 +23,7 @@ SUITES: dict[str, str] = {
     "keyed": "hicached.bench.keyed",
     "l3_remote": "hicached.bench.l3_remote",
     "sglang": "hicached.bench.sglang",
+    "engine": "hicached.bench.engine",
 }
 DEFAULT_SUITES = ("daemon", "pools", "l3")
 
@@ -43,6 +44,16 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("s3_put_gbps", "s3_raw_put_gbps", "s3 backend PUT vs bare boto3 (same threads)"),
     ("mooncake_put_gbps", "mooncake_raw_put_gbps", "mooncake backend put vs bare Mooncake client"),
     ("mooncake_get_gbps", "mooncake_raw_get_gbps", "mooncake backend get vs bare Mooncake client"),
+    (
+        "engine_ttft_l2_hit_ms",
+        "engine_ttft_prefill_ms",
+        "TTFT, prompt prefix from L2 vs full prefill (lower is better)",
+    ),
+    (
+        "engine_ttft_l3_hit_ms",
+        "engine_ttft_prefill_ms",
+        "TTFT, prefix from L3 after a restart vs full prefill (lower)",
+    ),
 )
 # Every suite names its own baseline; a key two suites both return would overwrite one.
 
