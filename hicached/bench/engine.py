@@ -58,7 +58,7 @@ def _model(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, voca
         max_position_embeddings=4096,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()  # type: ignore[no-untyped-call]
 
 
 def _new_cache() -> Any:
