@@ -2,7 +2,8 @@
 
 :class:`HFKVCache` gives a transformers worker (batch 1, full attention) a
 "device" KV area in POSIX shared memory shaped like the model's KV
-(``ShmKVPool``: per layer ``(slots, kv_heads, head_dim)`` K and V) and one
+(``ShmKVPool``, a sealed memfd handed to the daemon at attach: per layer
+``(slots, kv_heads, head_dim)`` K and V) and one
 daemon session over it. Pages are ``page_size`` tokens; their keys are the
 daemon's hash chain of the token ids (``TokenChain``), so any worker of the
 same model and KV layout that saw the same tokens finds them:
@@ -130,9 +131,9 @@ class HFKVCache:
                 model_name=model_name,
             )
             self.session: Session = client.attach(identity, [spec])
-        finally:
-            # The daemon has mapped the segment (or failed to): the name is not needed.
-            self.pool.unlink()
+        except BaseException:
+            self.pool.close()
+            raise
 
     # ----------------------------------------------------------------- staging
 
