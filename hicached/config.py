@@ -158,6 +158,9 @@ class SessionConfig:
     max_lease_ms: int = _f(300_000, "Largest lease a worker may ask for.")
     retraction_lease_ms: int = _f(60_000, "Default time a retraction backup is guaranteed resident.")
     op_cache_size: int = _f(4096, "Operation ids remembered per session for idempotent retries.")
+    op_cache_bytes: int = _f(
+        4 << 20, "Bytes of remembered answers per session for idempotent retries (LRU).", parse=parse_size
+    )
 
 
 @dataclass(frozen=True)
@@ -237,6 +240,7 @@ _POSITIVE = {
     "sessions.max_lease_ms",
     "sessions.retraction_lease_ms",
     "sessions.op_cache_size",
+    "sessions.op_cache_bytes",
     "copy.workers",
     "copy.max_queued",
     "l3.io_workers",

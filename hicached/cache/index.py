@@ -156,9 +156,14 @@ class ContentIndex(BackupMixin):
         self._io = IoScheduler(io_workers, f"hicache-{namespace}")
         # Installed last: from here on the group may call back into us.
         self._previous_reclaim: dict[str, Callable[[int], int] | None] = {}
+        self._previous_reclaimable: dict[str, Callable[[int], int] | None] = {}
         for entry in group.entries:
             if entry.indices_from_pool is None:
                 self._previous_reclaim[entry.name] = entry.reclaim
+                self._previous_reclaimable[entry.name] = entry.reclaimable
+                entry.reclaimable = functools.partial(
+                    self._reclaimable_callback, entry.name, entry.reclaim, entry.reclaimable
+                )
                 entry.reclaim = functools.partial(self._reclaim_callback, entry.name, entry.reclaim)
 
     # ------------------------------------------------------------- lookups
@@ -395,6 +400,36 @@ class ContentIndex(BackupMixin):
             freed += previous(pages_needed - freed)
         return freed
 
+    def _reclaimable_callback(
+        self,
+        pool: str,
+        previous: Callable[[int], int] | None,
+        previous_estimate: Callable[[int], int] | None,
+        wanted: int,
+    ) -> int:
+        able = self.reclaimable(pool, wanted)
+        if able < wanted and previous is not None:
+            able += wanted - able if previous_estimate is None else previous_estimate(wanted - able)
+        return able
+
+    def reclaimable(self, pool: str, wanted: int) -> int:
+        """How many of ``wanted`` pages of ``pool`` :meth:`reclaim` could free now (evicts nothing).
+
+        Counts unreferenced entries from the LRU end, stopping at ``wanted``
+        (each entry holds one page of every independent pool).
+        """
+        self._view.column(pool)
+        with self._lock:
+            if self._closed or self._frozen:
+                return 0
+            able = 0
+            for entry in self._entries.values():
+                if able >= wanted:
+                    break
+                if entry.refs == 0:
+                    able += 1
+            return able
+
     def reclaim(self, pool: str, pages_needed: int) -> int:
         """Evict least recently used unreferenced entries until ``pages_needed`` pages of
         ``pool`` are free again; returns the pages of ``pool`` freed (0 when
@@ -435,19 +470,10 @@ class ContentIndex(BackupMixin):
     # ------------------------------------------------------------- prefetch
 
     def _alloc_rows(self, n: int) -> list[PageArray] | None:
-        """``n`` pages of every independent pool (reclaim once per pool), or None and nothing."""
-        got: list[PageArray] = []
-        for name, allocator in zip(self._view.alloc_names, self._view.allocators, strict=True):
-            pages = allocator.alloc(n)
-            if pages is None:
-                self.reclaim(name, n - allocator.available())
-                pages = allocator.alloc(n)
-            if pages is None:
-                for allocator_done, done in zip(self._view.allocators, got, strict=False):
-                    allocator_done.free(done)
-                return None
-            got.append(pages)
-        return got
+        """``n`` pages of every independent pool, or None and nothing (the group's one
+        allocation path: it evicts only when all of them will then fit)."""
+        got = self._view.group.allocate(dict.fromkeys(self._view.alloc_names, n))
+        return [got.pages[name] for name in self._view.alloc_names] if got.ok else None
 
     def _fetch_batch(self, tenant: str, keys: Sequence[str], discard: Callable[[], bool]) -> tuple[int, bool]:
         """L3 -> fresh L2 pages -> published; (keys now in L2, whole batch succeeded)."""
@@ -732,6 +758,7 @@ class ContentIndex(BackupMixin):
         for entry in self._view.group.entries:
             if entry.name in self._previous_reclaim:
                 entry.reclaim = self._previous_reclaim[entry.name]
+                entry.reclaimable = self._previous_reclaimable[entry.name]
 
     def __enter__(self) -> ContentIndex:
         return self

@@ -72,6 +72,14 @@ def _layer_mapper(layer_ids: Sequence[int], num_layers: int) -> Callable[[int], 
     return table.get
 
 
+def validate_worker(worker: WorkerId) -> None:
+    """The worker's position must lie inside its parallel layout (checked on every attach)."""
+    if not 0 <= worker.tp_rank < worker.tp_size:
+        raise InvalidArgument(f"identity.tp_rank={worker.tp_rank} must lie in [0, tp_size={worker.tp_size})")
+    if not 0 <= worker.pp_rank < worker.pp_size:
+        raise InvalidArgument(f"identity.pp_rank={worker.pp_rank} must lie in [0, pp_size={worker.pp_size})")
+
+
 def validate_pool_requests(pools: Sequence[PoolRequest]) -> None:
     """Group-level rules checked before anything is allocated."""
     if not pools:
@@ -97,6 +105,13 @@ def validate_pool_requests(pools: Sequence[PoolRequest]) -> None:
         if p.layer_ids and len(p.layer_ids) != p.spec.num_layers:
             raise InvalidArgument(
                 f"pool {p.name!r}: layer_ids has {len(p.layer_ids)} entries, expected num_layers={p.spec.num_layers}"
+            )
+        mapped = [g for g in p.layer_ids if g != -1]
+        if any(g < -1 for g in p.layer_ids) or len(set(mapped)) != len(mapped):
+            bad = next((g for g in p.layer_ids if g < -1 or mapped.count(g) > 1), None)
+            raise InvalidArgument(
+                f"pool {p.name!r}: layer id {bad} is invalid (each must be a distinct global layer id >= 0, "
+                "or -1 for a layer not driven by progress)"
             )
         if not 0 <= p.packed_draft_layers <= p.spec.num_layers:
             raise InvalidArgument(
@@ -199,30 +214,56 @@ class GroupState:
 
     def free(self, name: str, pages: np.ndarray) -> int:
         """Free pages now, or when their in-flight copies finish. Validates first."""
-        alloc = self.pool(name).allocator
         if len(pages) == 0:
             return 0
         with self._lock:
-            if len(np.unique(pages)) != len(pages):
-                raise InvalidArgument(f"duplicate host pages in free of pool {name!r}")
-            allocated = alloc.is_allocated(pages)
-            pending = self._pending[name][pages]
-            bad = pages[~allocated | pending]
-            if len(bad):
-                raise FailedPrecondition(
-                    f"host page {int(bad[0])} of pool {name!r} is not allocated (double free?)"
-                )
-            busy = self._busy[name][pages] > 0
-            self._pending[name][pages[busy]] = True
-            return alloc.free(pages[~busy])
+            self._check_free_locked(name, pages)
+            return self._free_locked(name, pages)
+
+    def _check_free_locked(self, name: str, pages: np.ndarray) -> None:
+        if len(np.unique(pages)) != len(pages):
+            raise InvalidArgument(f"duplicate host pages in free of pool {name!r}")
+        allocated = self.pool(name).allocator.is_allocated(pages)
+        pending = self._pending[name][pages]
+        bad = pages[~allocated | pending]
+        if len(bad):
+            raise FailedPrecondition(
+                f"host page {int(bad[0])} of pool {name!r} is not allocated (double free?)"
+            )
+
+    def _free_locked(self, name: str, pages: np.ndarray) -> int:
+        busy = self._busy[name][pages] > 0
+        self._pending[name][pages[busy]] = True
+        return self.pool(name).allocator.free(pages[~busy])
+
+    def allocated_transfers(self, transfers: Iterable[PoolTransfer]) -> list[PoolTransfer]:
+        """The transfers whose pages a release frees: marked ``host_allocated``, with pages,
+        of a pool that allocates (a derived pool shares its source's pages: skipped by role)."""
+        return [
+            t
+            for t in transfers
+            if t.host_allocated
+            and t.host_indices is not None
+            and len(t.host_indices)
+            and not self.group.get_entry(t.name).indices_from_pool
+        ]
 
     def release_transfers(self, transfers: Iterable[PoolTransfer]) -> int:
-        """Free what a resolve allocated (exactly once; derived and given pages untouched)."""
-        freed = 0
-        for t in transfers:
-            if t.host_allocated and t.host_indices is not None and len(t.host_indices):
-                freed += self.free(t.name, t.host_indices)
-        return freed
+        """Free what a resolve allocated (exactly once; derived and given pages untouched).
+
+        Atomic: the whole batch is validated (unknown pool: NotFound; a page
+        not allocated, listed twice or already being freed: FailedPrecondition
+        or InvalidArgument) before any page is freed.
+        """
+        owned = self.allocated_transfers(transfers)
+        with self._lock:
+            merged: dict[str, list[np.ndarray]] = {}
+            for t in owned:
+                merged.setdefault(t.name, []).append(np.asarray(t.host_indices, dtype=np.int64))
+            batch = {name: np.concatenate(arrays) for name, arrays in merged.items()}
+            for name, pages in batch.items():
+                self._check_free_locked(name, pages)
+            return sum(self._free_locked(name, pages) for name, pages in batch.items())
 
     def journal(self) -> GroupJournal:
         """Freeze the content index and describe the group for a warm restart (see export_entries)."""
@@ -257,6 +298,23 @@ class GroupState:
         if not kept:
             for pool in pools:
                 pool.unlink()
+
+
+def _check_join(state: GroupState, plan: Sequence[tuple[PoolRequest, int, int]]) -> None:
+    """A joining worker gets the group's pools; refuse one that asks for more host pages.
+
+    Asking for fewer is fine (the worker gets more than it asked for). Asking
+    for more would silently give it the smaller pool, so it is refused.
+    """
+    for p, pages, _ in plan:
+        have = state.pool(p.name).num_pages
+        if pages > have:
+            raise FailedPrecondition(
+                f"pool {p.name!r} asks for {pages} host pages but pool group {state.group_id} already exists "
+                f"with {have} and sessions attached; attach with at most {have} pages, or end every "
+                "session of the group (detach, or let the leases expire): the next attach then "
+                "recreates it at the new size"
+            )
 
 
 class GroupRegistry:
@@ -332,15 +390,27 @@ class GroupRegistry:
         ``idle(group_id)`` tells whether a group has no sessions (it may then be
         retired to make room); ``on_create`` attaches the content index.
         """
+        validate_worker(worker)
         validate_pool_requests(pools)
         key = group_key(worker, pools)
         gid = group_id_for(key)
+        plan = self._plan(pools)  # sizes are checked on a join too (a NaN ratio is refused either way)
         with self._lock:
             existing = self._groups.get(gid)
             if existing is not None:
-                existing.last_used = time.monotonic()
-                return existing, True
-            plan = self._plan(pools)
+                try:
+                    _check_join(existing, plan)
+                except FailedPrecondition:
+                    if not idle(gid):
+                        raise
+                    # Nobody uses the smaller group: recreate it at the new size (its segment
+                    # names are reused, so it is closed first; its cached pages are dropped).
+                    logger.info("pool group %s is recreated with larger host pools", gid)
+                    del self._groups[gid]
+                    existing.close()
+                else:
+                    existing.last_used = time.monotonic()
+                    return existing, True
             need = sum(nbytes for _, _, nbytes in plan)
             retired = self._make_room(need, idle)
             state, journal = self._build(gid, worker.model_name, pools, plan)

@@ -20,7 +20,7 @@ from hicached.cache.observer import CacheObserver, MetricsObserver
 from hicached.cache.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
 from hicached.config import Config
 from hicached.core.groups import GroupState
-from hicached.core.service import HiCacheCore
+from hicached.core.service import HiCacheCore, check_indices
 from hicached.core.sessions import Session
 from hicached.core.types import Ack
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
@@ -105,21 +105,20 @@ class KeyedCache:
     ) -> tuple[int, int]:
         session, state, index = self._ctx(session_id)
         pages = self._columns(state, keys, transfers, side="host")
-        for name, arr in pages.items():
-            owned = session.ledger.owns(name, arr)
-            if not owned.all():
-                raise PermissionDenied(
-                    f"host page {int(arr[~owned][0])} of pool {name!r} is not owned by session {session_id}"
-                )
 
         def run() -> tuple[int, int]:
+            for name, arr in pages.items():  # inside: a replay must not re-check
+                owned = session.ledger.owns(name, arr)
+                if not owned.all():
+                    raise PermissionDenied(
+                        f"host page {int(arr[~owned][0])} of pool {name!r} is not owned by session {session_id}"
+                    )
             mask = index.publish(keys, pages, tenant=tenant)
             for name, arr in pages.items():
                 session.ledger.remove(name, arr[mask])
             return int(mask.sum()), int((~mask).sum())
 
-        with session.operation():
-            return session.once(op_id, run)
+        return session.run("Publish", op_id, (list(keys), pages, tenant), run)
 
     def _columns(
         self, state: GroupState, keys: Sequence[str], transfers: Sequence[PoolTransfer], *, side: str
@@ -139,6 +138,8 @@ class KeyedCache:
                 raise InvalidArgument(
                     f"pool {name!r}: {len(arr)} {side} pages for {len(keys)} keys (must match)"
                 )
+            if side == "host":  # device pages were range-checked with their session's views
+                check_indices(name, "host", arr, state.pool(name).num_pages)
             out[name] = arr
         return out
 
@@ -183,8 +184,7 @@ class KeyedCache:
             stored = int(mask.sum())
             return PutResult(ok=True, stored_pages=stored, existing_pages=len(keys) - stored, acks=acks)
 
-        with session.operation():
-            return session.once(op_id, run)
+        return session.run("PutPages", op_id, (list(keys), checked, tenant), run)
 
     def get_pages(
         self,
@@ -223,8 +223,7 @@ class KeyedCache:
                 index.unpin(pin)
             return hit, acks
 
-        with session.operation():
-            return session.once(op_id, run)
+        return session.run("GetPages", op_id, (list(keys), checked, include_l3, tenant), run)
 
     def put_bytes(
         self, session_id: str, op_id: str, pages: Sequence[tuple[str, str, bytes]], tenant: str
@@ -256,24 +255,18 @@ class KeyedCache:
         index.check_storable(keys)  # before any allocation or eviction
 
         def run() -> tuple[int, int]:
-            allocated: dict[str, np.ndarray] = {}
+            # One allocation for every pool: it evicts only when all of them will then fit,
+            # so a PutBytes without room leaves the pools and the index as they were.
+            got = state.group.allocate(dict.fromkeys(pools, len(keys)))
+            if not got.ok:
+                raise ResourceExhausted(f"no host room for {len(keys)} keys: {got.reason}")
+            allocated = got.pages
             try:
-                for pool in pools:
-                    got = state.group.get_entry(pool)
-                    arr = got.host_pool.allocator.alloc(len(keys))
-                    if arr is None and got.reclaim is not None:
-                        got.reclaim(len(keys))
-                        arr = got.host_pool.allocator.alloc(len(keys))
-                    if arr is None:
-                        raise _NoRoom(pool)
-                    allocated[pool] = arr
-                    for key, page in zip(keys, arr.tolist(), strict=True):
-                        got.host_pool.set_page_flat(page, data[(key, pool)])
-                mask = index.publish(keys, allocated, tenant=tenant)
-            except _NoRoom as exc:
                 for pool, arr in allocated.items():
-                    state.free(pool, arr)
-                raise ResourceExhausted(f"no host room for {len(keys)} pages in pool {exc.pool!r}") from None
+                    host_pool = state.pool(pool)
+                    for key, page in zip(keys, arr.tolist(), strict=True):
+                        host_pool.set_page_flat(page, data[(key, pool)])
+                mask = index.publish(keys, allocated, tenant=tenant)
             except BaseException:
                 for pool, arr in allocated.items():
                     state.free(pool, arr)
@@ -283,8 +276,7 @@ class KeyedCache:
                     state.free(pool, arr[~mask])
             return int(mask.sum()), int((~mask).sum())
 
-        with session.operation():
-            return session.once(op_id, run)
+        return session.run("PutBytes", op_id, (list(pages), tenant), run)
 
     def get_bytes(
         self, session_id: str, keys: Sequence[str], *, include_l3: bool, tenant: str = ""
@@ -386,12 +378,6 @@ class KeyedCache:
 
     def close(self) -> None:
         """The indexes are closed with their groups (GroupState.close)."""
-
-
-class _NoRoom(Exception):
-    def __init__(self, pool: str) -> None:
-        super().__init__(pool)
-        self.pool = pool
 
 
 def replace_slice(t: PoolTransfer, start: int) -> PoolTransfer:

@@ -6,8 +6,8 @@ engine), so the servicer runs them on a thread pool.
 
 Atomicity: each mutating call validates everything first, then allocates,
 then copies; when a later step fails, what the call allocated is freed before
-the error propagates. ``Session.once`` makes a retried op_id return the first
-outcome. Ownership: a host page is owned by exactly one holder at a time — a
+the error propagates. ``Session.run`` makes a retried (rpc, op_id) return
+the first remembered outcome (see :mod:`hicached.core.sessions`). Ownership: a host page is owned by exactly one holder at a time — a
 session's ledger, a retraction backup, or the content index — and is freed by
 that holder exactly once (``GroupState.free`` defers frees that race a copy).
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hicached.config import Config
-from hicached.core.groups import GroupRegistry, GroupState, validate_pool_requests
+from hicached.core.groups import GroupRegistry, GroupState, validate_pool_requests, validate_worker
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
 from hicached.core.types import (
     Ack,
@@ -146,6 +146,7 @@ class HiCacheCore:
         if not worker.model_name:
             raise InvalidArgument("identity.model_name must not be empty")
         lease = self._lease(lease_ms)
+        validate_worker(worker)
         validate_pool_requests(pools)  # before any mapping is opened
         replaced = self._sessions.check_generation(worker)
         if (
@@ -182,6 +183,7 @@ class HiCacheCore:
             ledger=PageLedger({e.name: e.host_pool.total_pages for e in state.group.entries}),
             op_cache_size=self._cfg.sessions.op_cache_size,
             peer=peer,
+            op_cache_bytes=self._cfg.sessions.op_cache_bytes,
         )
         self._sessions.add(session)
         self._hooks.on_session("attach", session)
@@ -249,7 +251,7 @@ class HiCacheCore:
             if done is None:
                 raise
             return done
-        freed = session.once(op_id, lambda: self._end(session, "detach"))
+        freed = session.run("Detach", op_id, (), lambda: self._end(session, "detach"), in_flight=False)
         if op_id:
             with self._backups_lock:
                 self._detached[(session_id, op_id)] = freed
@@ -344,7 +346,7 @@ class HiCacheCore:
             )
             total += len(dev)
             if need_device:
-                _check_indices(t.name, "device", dev, view.num_pages, unique=True)
+                check_indices(t.name, "device", dev, view.num_pages, unique=True)
             derived = state.group.get_entry(t.name).indices_from_pool
             if host == "required" and hst is None and len(dev) and not derived:
                 raise InvalidArgument(f"pool {t.name!r}: host_pages are required for this call")
@@ -355,7 +357,7 @@ class HiCacheCore:
                     raise InvalidArgument(
                         f"pool {t.name!r}: {len(dev)} device pages but {len(hst)} host pages (must match)"
                     )
-                _check_indices(t.name, "host", hst, state.pool(t.name).num_pages)
+                check_indices(t.name, "host", hst, state.pool(t.name).num_pages)
             out.append(PoolTransfer(name=t.name, device_indices=dev, host_indices=hst))
         if total > self._cfg.server.max_batch_pages:
             raise InvalidArgument(
@@ -466,10 +468,16 @@ class HiCacheCore:
         return TransferResult(ok=True, transfers=tuple(result.transfers))
 
     def release_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> int:
-        owned = [t for t in transfers if t.host_allocated and t.host_indices is not None]
+        """Free the session's allocated pages of ``transfers`` (derived ones skipped by role).
+
+        Atomic: ``state.release_transfers`` validates the whole batch before
+        freeing; the ledger forgets the pages only once they are freed.
+        """
+        owned = state.allocated_transfers(transfers)
+        freed = state.release_transfers(owned)
         for t in owned:
             session.ledger.remove(t.name, t.host_indices)  # type: ignore[arg-type]
-        return state.release_transfers(owned)
+        return freed
 
     # ---------------------------------------------------------------- host pages
 
@@ -487,17 +495,14 @@ class HiCacheCore:
             )
 
         def run() -> np.ndarray | None:
-            allocator = entry.host_pool.allocator
-            pages = allocator.alloc(num_pages)
-            if pages is None and entry.reclaim is not None:
-                entry.reclaim(num_pages - allocator.available())
-                pages = allocator.alloc(num_pages)
-            if pages is not None:
-                session.ledger.add(pool, pages)
+            got = state.group.allocate({pool: num_pages})
+            if not got.ok:
+                return None
+            pages = got.pages[pool]
+            session.ledger.add(pool, pages)
             return pages
 
-        with session.operation():
-            return session.once(op_id, run)
+        return session.run("Alloc", op_id, (pool, num_pages), run)
 
     def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
         session, state = self._session(session_id)
@@ -505,21 +510,23 @@ class HiCacheCore:
         arr = as_page_array(pages, f"pool {pool!r} host pages")
 
         def run() -> int:
-            _check_indices(pool, "host", arr, state.pool(pool).num_pages)
+            check_indices(pool, "host", arr, state.pool(pool).num_pages)
             self.check_owned(session, state, [PoolTransfer(pool, arr, arr)])
             freed = state.free(pool, arr)
             session.ledger.remove(pool, arr)
             return freed
 
-        with session.operation():
-            return session.once(op_id, run)
+        return session.run("Free", op_id, (pool, arr), run)
 
     def resolve(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> TransferResult:
         session, state = self._session(session_id)
         checked = self.check_transfers(session, state, transfers)
-        self.check_owned(session, state, checked)
-        with session.operation():
-            return session.once(op_id, lambda: self.allocate(session, state, checked))
+
+        def run() -> TransferResult:
+            self.check_owned(session, state, checked)  # inside: a replay must not re-check
+            return self.allocate(session, state, checked)
+
+        return session.run("ResolveTransfers", op_id, checked, run)
 
     def release(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> int:
         session, state = self._session(session_id)
@@ -527,9 +534,12 @@ class HiCacheCore:
         flagged = [
             replace(c, host_allocated=t.host_allocated) for c, t in zip(checked, transfers, strict=True)
         ]
-        self.check_owned(session, state, [t for t in flagged if t.host_allocated])
-        with session.operation():
-            return session.once(op_id, lambda: self.release_owned(session, state, flagged))
+
+        def run() -> int:
+            self.check_owned(session, state, state.allocated_transfers(flagged))  # the whole batch first
+            return self.release_owned(session, state, flagged)
+
+        return session.run("ReleaseTransfers", op_id, flagged, run)
 
     # ---------------------------------------------------------------- data plane
 
@@ -540,9 +550,9 @@ class HiCacheCore:
         checked = self.check_transfers(session, state, transfers, host="optional" if allocate else "required")
         if not allocate:
             checked = self.bind_derived(state, checked)
-        self.check_owned(session, state, checked)
 
         def run() -> TransferResult:
+            self.check_owned(session, state, checked)
             resolved = (
                 self.allocate(session, state, checked) if allocate else TransferResult(True, tuple(checked))
             )
@@ -557,8 +567,7 @@ class HiCacheCore:
                 raise
             return TransferResult(ok=True, transfers=resolved.transfers, acks=acks)
 
-        with session.operation():
-            return session.once(op_id, run)
+        return session.run("Write", op_id, (checked, allocate), run)
 
     def load(
         self,
@@ -570,14 +579,14 @@ class HiCacheCore:
     ) -> tuple[Ack, ...]:
         session, state = self._session(session_id)
         checked = self.bind_derived(state, self.check_transfers(session, state, transfers, host="required"))
-        self.check_owned(session, state, checked)
-        with session.operation():
-            return session.once(
-                op_id,
-                lambda: self.copy_pages(
-                    session, state, Direction.H2D, checked, priority=Priority.DEMAND, on_layer=on_layer
-                ),
+
+        def run() -> tuple[Ack, ...]:
+            self.check_owned(session, state, checked)
+            return self.copy_pages(
+                session, state, Direction.H2D, checked, priority=Priority.DEMAND, on_layer=on_layer
             )
+
+        return session.run("Load", op_id, checked, run)
 
     # ---------------------------------------------------------------- retraction
 
@@ -631,8 +640,7 @@ class HiCacheCore:
                 ok=True, backup_id=backup.backup_id, lease_expires_unix_ms=backup.expires_ms, acks=acks
             )
 
-        with session.operation():
-            return session.once(op_id, run)
+        return session.run("RetractBackup", op_id, (request_id, checked, num_tokens, lease), run)
 
     def _backup_of(self, session: Session, backup_id: str) -> Backup:
         with self._backups_lock:
@@ -690,8 +698,7 @@ class HiCacheCore:
             state.release_transfers(backup.transfers)
             return acks
 
-        with session.operation():
-            return session.once(op_id, run)
+        return session.run("RetractRestore", op_id, (backup_id, transfers), run)
 
     def retract_discard(self, session_id: str, op_id: str, backup_id: str) -> int:
         session, state = self._session(session_id)
@@ -703,8 +710,7 @@ class HiCacheCore:
                     raise NotFound(f"unknown retraction backup {backup_id!r}")
             return state.release_transfers(backup.transfers)
 
-        with session.operation():
-            return session.once(op_id, run)
+        return session.run("RetractDiscard", op_id, backup_id, run)
 
     # ------------------------------------------------------------------- admin
 
@@ -792,7 +798,8 @@ def _indexed(state: GroupState) -> int:
     return 0 if state.index is None else state.index.stats().entries
 
 
-def _check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique: bool = True) -> None:
+def check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique: bool = True) -> None:
+    """Negative or repeated pages: InvalidArgument; a page >= ``limit``: OutOfRange."""
     if len(pages) == 0:
         return
     lo, hi = int(pages.min()), int(pages.max())

@@ -22,6 +22,11 @@ Differences from the reference (sglang ``pool_host/group.py``), on purpose:
   host indices, which double-frees indices a caller set itself;
 * derivation can be declared once on the entry (``PoolEntry.indices_from_pool``)
   as well as per transfer (``PoolTransfer.indices_from_pool``, the reference's);
+* one allocation path (:meth:`HostPoolGroup.allocate`) serves every caller:
+  it computes each pool's shortfall and asks the reclaimers whether they can
+  free that much (``PoolEntry.reclaimable``) before evicting anything, so a
+  request that cannot fit evicts nothing (the reference reclaims pool by pool
+  and may evict for a request that then fails);
 * bad input (duplicate transfer names, malformed indices, unknown pools on
   release) raises before anything changes. ``resolve_host_transfers`` keeps
   the reference's rule of skipping transfers for unknown pools;
@@ -72,10 +77,13 @@ def layer_map(mapping: Mapping[int, int]) -> LayerMapper:
 class PoolEntry:
     """One pool of the group and how it takes part in transfers.
 
-    ``reclaim(pages_needed)`` is called at most once per failed allocation,
-    with the group lock held; it evicts and returns the pages it freed. It may
-    free pages of this group from the same thread, but must not wait for
-    another thread that uses the group.
+    ``reclaim(pages_needed)`` is called at most once per allocation, with
+    the group lock held, and only after ``reclaimable`` said the shortfall can
+    be freed; it evicts and returns the pages it freed. It may free pages of
+    this group from the same thread, but must not wait for another thread
+    that uses the group. ``reclaimable(wanted)`` says how many of ``wanted``
+    pages ``reclaim`` could free now, without freeing any (None: the group
+    assumes any allocated page may be reclaimed).
     """
 
     name: str
@@ -85,6 +93,7 @@ class PoolEntry:
     indices_from_pool: str | None = None
     reclaim: Callable[[int], int] | None = None
     packed_draft_layers: int = 0
+    reclaimable: Callable[[int], int] | None = None
 
     @property
     def target_layers(self) -> int:
@@ -143,6 +152,19 @@ class ResolveResult:
     ok: bool
     transfers: list[PoolTransfer] = field(default_factory=list)
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Outcome of :meth:`HostPoolGroup.allocate`: fresh pages per pool, or nothing and why."""
+
+    ok: bool
+    pages: dict[str, PageArray] = field(default_factory=dict)
+    reason: str = ""
+
+
+Reclaim = Callable[[int], object]
+Reclaimers = Mapping[str, tuple[Reclaim | None, Callable[[int], int] | None]]
 
 
 @dataclass(frozen=True)
@@ -270,14 +292,82 @@ class HostPoolGroup:
     def alloc(
         self, n: int, *, pool: str | None = None, reclaim: Callable[[int], object] | None = None
     ) -> PageArray | None:
-        """``n`` pages of one pool (the anchor by default); one reclaim-then-retry; None if no room."""
+        """``n`` pages of one pool (the anchor by default), or None if no room.
+
+        Reclaims only through the given ``reclaim`` (none by default), under
+        the rules of :meth:`allocate`.
+        """
         entry = self.anchor if pool is None else self.get_entry(pool)
         with self._lock:
-            pages = entry.host_pool.allocator.alloc(n)
-            if pages is None and reclaim is not None:
-                reclaim(n)
-                pages = entry.host_pool.allocator.alloc(n)
-            return pages
+            estimate = entry.reclaimable if reclaim is not None and reclaim == entry.reclaim else None
+            got = self._allocate_locked({entry.name: n}, {entry.name: (reclaim, estimate)})
+            return got.pages[entry.name] if got.ok else None
+
+    def allocate(self, needs: Mapping[str, int]) -> Allocation:
+        """``needs[pool]`` fresh pages of each named pool, all or nothing: the one allocation path.
+
+        Pools short of room are reclaimed (their entries' ``reclaim``) only
+        when every pool's shortfall can be freed, as the entries'
+        ``reclaimable`` report; otherwise nothing is evicted and the result
+        is a failure naming the pool. If a pool still lacks room after
+        reclaiming (a page was pinned in between), what this call allocated
+        is freed and the result is a failure. Unknown pools: NotFound;
+        derived pools or negative counts: InvalidArgument (nothing changes).
+        Thread-safe (the group lock); the returned arrays belong to the caller.
+        """
+        with self._lock:
+            entries = {name: self.get_entry(name) for name in needs}
+            return self._allocate_locked(needs, {n: (e.reclaim, e.reclaimable) for n, e in entries.items()})
+
+    def _allocate_locked(self, needs: Mapping[str, int], reclaimers: Reclaimers) -> Allocation:
+        wanted: dict[str, int] = {}
+        for name in sorted(needs):
+            entry = self.get_entry(name)
+            n = needs[name]
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+                raise InvalidArgument(f"pool {name!r}: page count must be a non-negative integer, got {n!r}")
+            if entry.indices_from_pool is not None:
+                raise InvalidArgument(
+                    f"pool {name!r} is derived from {entry.indices_from_pool!r}: it allocates nothing"
+                )
+            wanted[name] = int(n)
+        free = {name: self._entries[name].host_pool.allocator.available() for name in wanted}
+        short = {name: n - free[name] for name, n in wanted.items() if n > free[name]}
+        # Ask before evicting: a request that cannot fit must leave the cache untouched.
+        for name, gap in short.items():
+            allocator = self._entries[name].host_pool.allocator
+            reclaim, estimate = reclaimers.get(name, (None, None))
+            able = 0 if reclaim is None else allocator.allocated_count()
+            if reclaim is not None and estimate is not None:
+                able = min(able, estimate(gap))
+            if able < gap:
+                return Allocation(
+                    False,
+                    reason=f"pool {name!r}: no room for {wanted[name]} pages "
+                    f"({free[name]} free, {able} reclaimable)",
+                )
+        for name in short:  # in name order; one eviction may free pages of several pools
+            gap = wanted[name] - self._entries[name].host_pool.allocator.available()
+            reclaim = reclaimers[name][0]
+            if gap > 0 and reclaim is not None:
+                freed = reclaim(gap)
+                logger.debug("pool %s: reclaim for %d pages freed %s", name, gap, freed)
+        got: dict[str, PageArray] = {}
+        for name, n in wanted.items():
+            allocator = self._entries[name].host_pool.allocator
+            pages = allocator.alloc(n)
+            if pages is None:
+                self._free_pages(got)
+                return Allocation(
+                    False,
+                    reason=f"pool {name!r}: no room for {n} pages ({allocator.available()} free after reclaim)",
+                )
+            got[name] = pages
+        return Allocation(True, got)
+
+    def _free_pages(self, pages: Mapping[str, PageArray]) -> None:
+        for name, arr in pages.items():
+            self._entries[name].host_pool.allocator.free(arr)
 
     def free(self, pages: PagesLike, *, pool: str | None = None) -> int:
         entry = self.anchor if pool is None else self.get_entry(pool)
@@ -295,15 +385,6 @@ class HostPoolGroup:
             return transfer.indices_from_pool
         entry = self._entries.get(transfer.name)
         return None if entry is None else entry.indices_from_pool
-
-    def _alloc_entry(self, entry: PoolEntry, n: int) -> PageArray | None:
-        allocator = entry.host_pool.allocator
-        pages = allocator.alloc(n)
-        if pages is None and entry.reclaim is not None:
-            freed = entry.reclaim(n)
-            logger.debug("pool %s: reclaim for %d pages freed %s", entry.name, n, freed)
-            pages = allocator.alloc(n)
-        return pages
 
     def _rollback(self, allocated: list[PoolTransfer]) -> None:
         for transfer in allocated:
@@ -330,11 +411,11 @@ class HostPoolGroup:
 
         In pool-name order: derived transfers wait; transfers that already have
         host indices, have no device indices, or name an unknown pool are
-        skipped; every other one gets ``len(device_indices)`` fresh pages (one
-        reclaim, then one retry). If one cannot, everything this call allocated
-        is freed and the result is a failure. Then derived transfers are bound
-        to the primary indices (source = anchor) or to their source transfer's;
-        a missing source is a failure too, with the same rollback.
+        skipped; every other one gets ``len(device_indices)`` fresh pages from
+        one allocation (all or nothing, see :meth:`allocate`). Then derived
+        transfers are bound to the primary indices (source = anchor) or to
+        their source transfer's; a missing source is a failure that frees what
+        this call allocated.
         """
         primary_dev = _copy_indices(primary_device_indices, "primary_device_indices")
         primary_host = _copy_indices(primary_host_indices, "primary_host_indices")
@@ -360,24 +441,25 @@ class HostPoolGroup:
     ) -> str:
         """Run the algorithm on ``work`` in place; return a failure reason or ''."""
         derived: list[tuple[PoolTransfer, str]] = []
+        todo: list[PoolTransfer] = []
         for transfer in sorted(work, key=lambda t: t.name):
             source = self._derived_source(transfer)
             if source is not None:
                 derived.append((transfer, source))
-                continue
-            if transfer.host_indices is not None or transfer.device_indices is None:
-                continue
-            entry = self._entries.get(transfer.name)
-            if entry is None:
-                continue
-            need = int(transfer.device_indices.size)
-            pages = self._alloc_entry(entry, need)
-            if pages is None:
-                return (
-                    f"pool {entry.name!r}: no room for {need} pages "
-                    f"({entry.host_pool.allocator.available()} free after reclaim)"
-                )
-            transfer.host_indices = pages
+            elif (
+                transfer.host_indices is None
+                and transfer.device_indices is not None
+                and transfer.name in self._entries
+            ):
+                todo.append(transfer)
+        got = self._allocate_locked(
+            {t.name: int(t.device_indices.size) for t in todo if t.device_indices is not None},
+            {t.name: (self._entries[t.name].reclaim, self._entries[t.name].reclaimable) for t in todo},
+        )
+        if not got.ok:
+            return got.reason
+        for transfer in todo:
+            transfer.host_indices = got.pages[transfer.name]
             transfer.host_allocated = True
             allocated.append(transfer)
 
@@ -398,10 +480,12 @@ class HostPoolGroup:
     def resolve_all(self, transfers: Sequence[PoolTransfer]) -> ResolveResult:
         """The daemon's resolve: the anchor's transfer (if any) is the primary.
 
-        Unknown pools raise NotFound. The anchor's host pages are allocated
-        first when missing (one reclaim, one retry); then
-        :meth:`resolve_host_transfers` runs with them as the primary indices.
-        On any failure everything allocated here is freed.
+        Unknown pools raise NotFound. Every missing host page (the anchor's
+        and the sidecars') comes from one :meth:`allocate`, so nothing is
+        evicted unless the whole batch fits; then
+        :meth:`resolve_host_transfers` binds the derived transfers, with the
+        anchor's pages as the primary indices. On any failure everything
+        allocated here is freed.
         """
         work = self._copies(transfers)
         for t in work:
@@ -413,18 +497,19 @@ class HostPoolGroup:
                 raise InvalidArgument(
                     f"the anchor's transfer {anchor.name!r} cannot derive from {primary.indices_from_pool!r}"
                 )
-            owned: PageArray | None = None
-            if primary is not None and primary.host_indices is None and primary.device_indices is not None:
-                need = int(primary.device_indices.size)
-                owned = self._alloc_entry(anchor, need)
-                if owned is None:
-                    reason = (
-                        f"pool {anchor.name!r}: no room for {need} pages "
-                        f"({anchor.host_pool.allocator.available()} free after reclaim)"
-                    )
-                    return ResolveResult(False, [t.copy() for t in transfers], reason)
-                primary.host_indices = owned
-                primary.host_allocated = True
+            todo = [
+                t
+                for t in work
+                if self._derived_source(t) is None and t.host_indices is None and t.device_indices is not None
+            ]
+            got = self.allocate(
+                {t.name: int(t.device_indices.size) for t in todo if t.device_indices is not None}
+            )
+            if not got.ok:
+                return ResolveResult(False, [t.copy() for t in transfers], got.reason)
+            for t in todo:
+                t.host_indices = got.pages[t.name]
+                t.host_allocated = True
             try:
                 result = self.resolve_host_transfers(
                     work,
@@ -432,12 +517,10 @@ class HostPoolGroup:
                     None if primary is None else primary.host_indices,
                 )
             except BaseException:
-                if owned is not None:
-                    anchor.host_pool.allocator.free(owned)
+                self._free_pages(got.pages)
                 raise
             if not result.ok:
-                if owned is not None:
-                    anchor.host_pool.allocator.free(owned)
+                self._free_pages(got.pages)
                 return ResolveResult(False, [t.copy() for t in transfers], result.reason)
             return result
 

@@ -251,9 +251,9 @@ def test_reclaim_once_then_retry(group: HostPoolGroup) -> None:
 
     group.get_entry("swa").reclaim = reclaim_enough
     result = group.resolve_host_transfers([PoolTransfer("swa", _pages(3))])
-    assert result.ok and calls == [3, 3]
+    assert result.ok and calls == [3, 2]  # asked for the shortfall only (one page was free)
     got = result.transfers[0].host_indices
-    assert got is not None and set(got.tolist()) <= {0, 1, 2, 3} and group.available("swa") == 1
+    assert got is not None and set(got.tolist()) == {0, 1, 2} and group.available("swa") == 0
 
 
 def test_reclaim_that_raises_rolls_back(group: HostPoolGroup) -> None:
@@ -384,7 +384,8 @@ def test_group_alloc_free_available_default_to_the_anchor(group: HostPoolGroup) 
     assert group.free(pages) == 4
     assert group.alloc(17) is None
     calls: list[int] = []
-    assert group.alloc(17, reclaim=calls.append) is None and calls == [17]
+    # 17 pages can never fit in 16: the reclaimer is not even asked (nothing is evicted).
+    assert group.alloc(17, reclaim=calls.append) is None and calls == []
 
 
 def test_concurrent_resolves_and_releases_end_at_full_capacity(group: HostPoolGroup) -> None:

@@ -1,0 +1,162 @@
+"""One op-id mechanism (Session.run): keyed by (RPC, op_id), checked by a digest of the call,
+remembering only answers no retry could change, bounded in bytes. In-process core, no gRPC."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from hicached.core.sessions import OpCache, op_digest
+from hicached.errors import InvalidArgument, OutOfRange, ResourceExhausted
+from hicached.l2.group import PoolTransfer
+from tests.core.conftest import Core, pages
+
+
+def test_a_retry_with_the_same_op_id_gets_the_first_answer_and_allocates_once(
+    make_core: Callable[..., Core],
+) -> None:
+    c = make_core()
+    sid = c.attach()
+    free_before = c.pools(sid)["kv"][0]
+    first = c.core.alloc(sid, "op-1", "kv", 3)
+    again = c.core.alloc(sid, "op-1", "kv", 3)
+    assert first is not None and again is not None
+    assert first.tolist() == again.tolist()
+    assert c.pools(sid)["kv"][0] == free_before - 3 and c.owned(sid) == 3
+
+
+def test_the_same_op_id_on_another_rpc_is_a_separate_operation(make_core: Callable[..., Core]) -> None:
+    """Fails before the fix: one namespace for every RPC, so Free with Alloc's op_id returned
+    Alloc's stored page array (an INTERNAL TypeError once the servicer built its answer)."""
+    c = make_core()
+    sid = c.attach()
+    got = c.core.alloc(sid, "shared", "kv", 2)
+    assert got is not None
+    freed = c.core.free(sid, "shared", "kv", got)
+    assert freed == 2 and isinstance(freed, int)
+    assert c.owned(sid) == 0
+    assert c.core.free(sid, "shared", "kv", got) == 2  # Free's own replay, not a double free
+
+
+def test_the_same_op_id_with_another_body_is_invalid_argument_quoting_a_short_prefix(
+    make_core: Callable[..., Core],
+) -> None:
+    """Fails before the fix: the second body silently got the first body's answer."""
+    c = make_core()
+    sid = c.attach()
+    op = "x" * 40 + "TAIL-NOT-QUOTED" + "y" * 10_000
+    assert c.core.alloc(sid, op, "kv", 1) is not None
+    with pytest.raises(InvalidArgument) as err:
+        c.core.alloc(sid, op, "kv", 2)
+    message = str(err.value)
+    assert "x" * 32 in message and "TAIL-NOT-QUOTED" not in message and len(message) < 300
+    assert c.owned(sid) == 1  # nothing allocated for the refused body
+
+
+def test_a_transient_no_room_answer_is_not_remembered(make_core: Callable[..., Core]) -> None:
+    """Fails before the fix: the first "no room" answer was replayed to every retry."""
+    c = make_core()
+    sid = c.attach()
+    total = c.pools(sid)["kv"][1]
+    held = c.core.alloc(sid, "", "kv", total)
+    assert held is not None
+    assert c.core.alloc(sid, "retry-me", "kv", 2) is None  # full, nothing to reclaim
+    c.core.free(sid, "", "kv", held[:2])
+    again = c.core.alloc(sid, "retry-me", "kv", 2)
+    assert again is not None and sorted(again.tolist()) == sorted(held[:2].tolist())
+
+
+def test_a_put_bytes_retried_after_resource_exhausted_succeeds_once_room_exists(
+    make_core: Callable[..., Core],
+) -> None:
+    """Fails before the fix: the RESOURCE_EXHAUSTED outcome was cached under the op_id."""
+    c = make_core()
+    sid = c.attach(derived=False)
+    total = c.pools(sid)["kv"][1]
+    _, state = c.core.session_group(sid)
+    sizes = {p: state.pool(p).page_bytes for p in ("kv", "swa")}
+    held = c.core.alloc(sid, "", "kv", total)
+    assert held is not None
+    body = [(f"k{i}", p, bytes([i]) * sizes[p]) for i in range(2) for p in ("kv", "swa")]
+    with pytest.raises(ResourceExhausted):
+        c.keyed.put_bytes(sid, "put-1", body, "")
+    c.core.free(sid, "", "kv", held)
+    assert c.keyed.put_bytes(sid, "put-1", body, "") == (2, 0)
+    assert c.keyed.put_bytes(sid, "put-1", body, "") == (2, 0)  # replayed, not stored twice
+    assert c.indexed(sid) == 2
+
+
+def test_a_permanent_error_is_replayed_without_keeping_the_exception(make_core: Callable[..., Core]) -> None:
+    c = make_core()
+    sid = c.attach()
+    with pytest.raises(OutOfRange):
+        c.core.free(sid, "bad", "kv", [10**6])
+    session, _ = c.core.session_group(sid)
+    assert len(session.ops) == 1  # remembered (as class and message)
+    with pytest.raises(OutOfRange, match="out of range"):
+        c.core.free(sid, "bad", "kv", [10**6])
+
+
+def test_remembered_errors_do_not_hold_their_traceback() -> None:
+    """Fails before the fix: the op cache kept each exception, whose traceback kept every
+    frame's locals (here 8 MB) alive for as long as the op_id was remembered."""
+    cache = OpCache(max_entries=100, max_bytes=1 << 20)
+
+    class Big:
+        blob = np.zeros(1 << 20)
+
+    ref: list[weakref.ref[Big]] = []
+
+    def failing() -> None:
+        big = Big()
+        ref.append(weakref.ref(big))
+        raise InvalidArgument("bad request")
+
+    with pytest.raises(InvalidArgument):
+        cache.run("Free", "op", (), failing)
+    gc.collect()
+    assert ref[0]() is None
+    with pytest.raises(InvalidArgument, match="bad request"):
+        cache.run("Free", "op", (), failing)
+    assert len(ref) == 1  # replayed, not run again
+
+
+def test_400_alloc_free_rounds_stay_within_the_byte_bound(make_core: Callable[..., Core]) -> None:
+    """Fails before the fix: every answer was kept (the issue measured 211 MB for 400 rounds
+    of 65,536-page answers); the bound is now in bytes (sessions.op_cache_bytes)."""
+    bound = 64 << 10
+    c = make_core(op_cache_bytes=bound)
+    sid = c.attach()
+    session, _ = c.core.session_group(sid)
+    n = c.pools(sid)["kv"][1]
+    peak = 0
+    for i in range(400):
+        got = c.core.alloc(sid, f"a{i}", "kv", n)
+        assert got is not None
+        assert c.core.free(sid, f"f{i}", "kv", got) == n
+        peak = max(peak, session.ops.nbytes)
+    assert 0 < peak <= bound
+    assert len(session.ops) < 800  # old answers were evicted
+    assert c.owned(sid) == 0
+
+
+def test_digest_is_canonical_and_tells_bodies_apart() -> None:
+    t = [PoolTransfer("kv", pages([1, 2]))]
+    assert op_digest((t, True)) == op_digest(([PoolTransfer("kv", np.array([1, 2], dtype=np.int32))], True))
+    assert op_digest((t, True)) != op_digest((t, False))
+    assert op_digest(("ab", "c")) != op_digest(("a", "bc"))
+    assert op_digest([b"\x00"]) != op_digest([b"\x00\x00"])
+
+
+def test_a_write_replay_returns_the_first_result(make_core: Callable[..., Core]) -> None:
+    c = make_core()
+    sid = c.attach()
+    batch = [PoolTransfer("kv", pages([0, 1])), PoolTransfer("swa", pages([0, 1])), PoolTransfer("draft")]
+    first = c.core.write(sid, "w1", batch, allocate=True)
+    second = c.core.write(sid, "w1", batch, allocate=True)
+    assert first.ok and second is first
+    assert c.owned(sid) == 4
