@@ -193,11 +193,10 @@ class OpCache:
         try:
             value = fn()
         except BaseException as exc:
-            permanent = isinstance(exc, PERMANENT_ERRORS)
-            self._finish(
-                key,
-                _Remembered(digest, 200 + len(str(exc)), error=(type(exc), str(exc))) if permanent else None,
-            )
+            remembered = None
+            if isinstance(exc, PERMANENT_ERRORS):
+                remembered = _Remembered(digest, 200 + len(str(exc)), error=(type(exc), str(exc)))
+            self._finish(key, remembered)
             fut.set_exception(exc)
             del fut  # the traceback must not outlive this call
             raise
