@@ -309,9 +309,11 @@ class HostPoolGroup:
         Pools short of room are reclaimed (their entries' ``reclaim``) only
         when every pool's shortfall can be freed, as the entries'
         ``reclaimable`` report; otherwise nothing is evicted and the result
-        is a failure naming the pool. If a pool still lacks room after
-        reclaiming (a page was pinned in between), what this call allocated
-        is freed and the result is a failure. Unknown pools: NotFound;
+        is a failure naming the pool. The estimate and the eviction are two
+        steps: an entry pinned by another thread in between can make the
+        reclaim fall short; then what this call allocated is freed and the
+        result is a failure, and what was evicted stays evicted (the only
+        case where a failed allocation changes the cache). Unknown pools: NotFound;
         derived pools or negative counts: InvalidArgument (nothing changes).
         Thread-safe (the group lock); the returned arrays belong to the caller.
         """

@@ -4,6 +4,7 @@ remembering only answers no retry could change, bounded in bytes. In-process cor
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -160,3 +161,28 @@ def test_a_write_replay_returns_the_first_result(make_core: Callable[..., Core])
     second = c.core.write(sid, "w1", batch, allocate=True)
     assert first.ok and second is first
     assert c.owned(sid) == 4
+
+
+def test_a_concurrent_duplicate_runs_nothing_and_gets_the_first_answer() -> None:
+    cache = OpCache(max_entries=10, max_bytes=1 << 20)
+    started, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def slow() -> int:
+        calls.append(1)
+        started.set()
+        assert release.wait(10)
+        return 7
+
+    results: list[int] = []
+    first = threading.Thread(target=lambda: results.append(cache.run("Alloc", "op", (), slow)))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=lambda: results.append(cache.run("Alloc", "op", (), slow)))
+    second.start()  # waits on the first call's outcome, or replays it if that already finished
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert results == [7, 7] and calls == [1]
+    with pytest.raises(InvalidArgument, match="different Alloc request"):
+        cache.run("Alloc", "op", ("other",), slow)
