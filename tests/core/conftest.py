@@ -8,6 +8,7 @@ uses, so the core sees exactly what a daemon would.
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class Core:
     core: HiCacheCore
     keyed: KeyedCache
     device: dict[str, ShmKVPool]
+    dups: list[int] = dataclasses.field(default_factory=list)
 
     def specs(self, *, ratio: float = 0.25, derived: bool = True, **kv: Any) -> list[PoolRequest]:
         """kv (anchor), swa (sidecar) and, with ``derived``, draft (derived from kv)."""
@@ -63,7 +65,14 @@ class Core:
         specs = [spec("kv", "anchor", **kv), spec("swa", "sidecar")]
         if derived:
             specs.append(spec("draft", "derived", indices_from_pool="kv"))
-        return [convert.pool_request(s, i) for i, s in enumerate(specs)]
+        # In-process handoff: each handle's fd_index is the local fd (see export_fd_tensor);
+        # the core gets a duplicate at that index, as a daemon gets the handed-over fds.
+        local = {b.handle.fd.fd_index for s in specs for b in (*s.k_buffers, *s.v_buffers)}
+        fds = [-1] * (max(local) + 1)
+        for fd in local:
+            fds[fd] = os.dup(fd)
+            self.dups.append(fds[fd])
+        return [convert.pool_request(s, i, fds) for i, s in enumerate(specs)]
 
     def attach(self, instance: str = "w", **kw: Any) -> str:
         worker = WorkerId(instance_id=instance, generation=1, model_name=kw.pop("model", "m"))
@@ -127,6 +136,8 @@ def make_core() -> Iterator[Callable[..., Core]]:
         for pool in c.device.values():
             pool.close()
             pool.unlink()
+        for fd in c.dups:
+            os.close(fd)  # the caller closes the handed-over fds, as the servicer does
 
 
 def pages(values: Any) -> np.ndarray:
