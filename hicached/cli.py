@@ -16,7 +16,10 @@ import sys
 from hicached import __version__
 
 # Module names under hicached.commands, in --help order.
-COMMANDS = ("serve", "status", "bench", "keys", "config")
+COMMANDS = ("serve", "status", "lookup", "bench", "keys", "config")
+# Exit codes of a process ended by SIGPIPE / SIGINT in a shell (128 + signal number).
+EXIT_BROKEN_PIPE = 141
+EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    result: int = func(args)
+    try:
+        result: int = func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`hicached keys ... | head`): stop quietly like other Unix
+        # tools; stdout goes to /dev/null so the interpreter's final flush cannot fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     return result
 
 

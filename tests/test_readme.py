@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 from hicached.config import describe
-from tests.integration.daemon import start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -34,21 +30,3 @@ def test_every_configuration_key_is_documented_with_its_env_var() -> None:
     for key, _default, env, _help in describe():
         assert f"| `{key}` |" in reference, key
         assert f"`{env}`" in reference, env
-
-
-def test_worker_example_runs_against_a_live_daemon(tmp_path: Path) -> None:
-    code = re.search(r"## A worker in ten lines\n\n```python\n(.*?)```", README, re.S)
-    assert code is not None
-    segment = f"readme-{os.getpid()}"
-    script = code.group(1).replace('"my-worker-kv"', repr(segment))
-    script += "\nkv.close(); kv.unlink()\nprint('ok', w.acks[0].pages)\n"
-    daemon = start_daemon("--l3", "none", "--host-budget", "256MiB")
-    try:
-        env = {**os.environ, "HICACHED_SOCKET": daemon.target}
-        result = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
-        )
-    finally:
-        daemon.stop()
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok 3"

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hicached_client import HiCacheClient, Session, Transfer, WorkerIdentity, pool_spec
+from hicached_client import HiCacheClient, HiCacheError, Session, Transfer, WorkerIdentity, pool_spec
 from hicached_client.export import ShmKVPool
 
 from hicached.bench.timing import timed
@@ -33,15 +34,47 @@ LAYERS, HEADS, HEAD_DIM, PAGE = 2, 4, 128, 16
 PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
 
 
+class DaemonDied(RuntimeError):
+    """The benchmark's daemon exited; the message carries the end of its log."""
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of the daemon child: it imports the very hicached and hicached_client
+    this process runs, whatever the working directory (a checkout named ``hicached`` in the
+    current directory would otherwise shadow the package for ``python -m hicached``)."""
+    import hicached_client
+
+    import hicached
+
+    roots = [str(Path(m.__file__).resolve().parent.parent) for m in (hicached, hicached_client)]
+    inherited = os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*roots, *filter(None, inherited.split(os.pathsep))]))
+    return env
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:]) or "(empty)"
+
+
 @contextlib.contextmanager
 def running_daemon(
-    workdir: Path, *, host_budget: str, l3: str = "file", l3_path: Path | None = None
+    workdir: Path,
+    *,
+    host_budget: str,
+    l3: str = "file",
+    l3_path: Path | None = None,
+    ready_timeout_s: float = 60.0,
 ) -> Iterator[str]:
     """A ``hicached serve`` subprocess on a socket in ``workdir``; yields its target.
 
     ``l3_path`` (default ``workdir/l3``) lets a second daemon find the first one's L3.
+    Waits until the daemon answers; if it exits first (or while the body runs), raises
+    :class:`DaemonDied` with the end of its log (the log lives in ``workdir``).
     """
     sock = workdir / "bench.sock"
+    log_path = workdir / "daemon.log"
     args = [
         sys.executable,
         "-m",
@@ -60,13 +93,48 @@ def running_daemon(
         "--set",
         f"host.shm_prefix=hcbench{os.getpid()}",
     ]
-    log = (workdir / "daemon.log").open("wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=workdir,
+            env=_child_env(),
+        )
+
+    def died(when: str) -> DaemonDied:
+        return DaemonDied(
+            f"the benchmark's daemon exited with code {proc.returncode} {when}; "
+            f"the end of its log ({log_path}):\n{_log_tail(log_path)}"
+        )
+
+    exited = threading.Event()
+    threading.Thread(
+        target=lambda: (proc.wait(), exited.set()), name="bench-daemon-watch", daemon=True
+    ).start()
     target = f"unix://{sock}"
     try:
         with HiCacheClient(target, timeout_s=30.0) as probe:
-            probe.wait_ready(60.0)
-        yield target
+            deadline = time.monotonic() + ready_timeout_s
+            while True:
+                try:
+                    probe.wait_ready(1.0)  # in slices, so a daemon that died is seen within one
+                    break
+                except HiCacheError:
+                    if exited.is_set():
+                        raise died("before it was ready") from None
+                    if time.monotonic() > deadline:
+                        raise DaemonDied(
+                            f"the benchmark's daemon did not answer within {ready_timeout_s} s; "
+                            f"the end of its log:\n{_log_tail(log_path)}"
+                        ) from None
+        try:
+            yield target
+        except Exception as exc:
+            if exited.is_set():
+                raise died("while the benchmark ran") from exc
+            raise
     finally:
         proc.terminate()
         try:
@@ -74,7 +142,6 @@ def running_daemon(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
 
 
 def _rtt_us(fn: Callable[[], object], n: int) -> float:

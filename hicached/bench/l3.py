@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hicached.bench import missing_package, missing_program
 from hicached.bench.timing import gbps, timed
 from hicached.l3.file import FileBackend, FileBackendConfig
 
@@ -289,8 +290,9 @@ def run(quick: bool, workdir: Path | None = None) -> dict[str, float]:
     try:
         results.update(_paired_file_runs(pages, scratch, reps=3))
         results.update(_per_page_files(per_page, scratch / "per-page"))
-        if shutil.which("redis-server") is None:
-            log.warning("redis-server is not installed: redis_* figures omitted (Debian redis-server)")
+        why_not = missing_program("redis-server", "Debian package redis-server") or missing_package("redis")
+        if why_not:
+            log.warning("redis_* figures omitted: %s", why_not)
         else:
             results.update(_redis(pages, scratch))
     finally:

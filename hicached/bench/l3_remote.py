@@ -371,7 +371,7 @@ def run(quick: bool, workdir: Path | None = None, pages_count: int | None = None
         try:
             results.update(bench(pages, folder))
         except (FileNotFoundError, ImportError) as exc:
-            log.warning("%s figures omitted: %s is not installed", name, exc)
+            log.warning("%s figures omitted (not installed here): %s", name, exc)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(scratch, ignore_errors=True)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from hicached_client.sglang.cpu_compat import ensure_sglang_importable
 
+from hicached.bench import SuiteSkipped, missing_package
 from hicached.bench.daemon import running_daemon
 from hicached.bench.timing import gbps, timed
 
@@ -197,6 +198,9 @@ def _memcpygbps(nbytes: int) -> float:
 
 def run(quick: bool) -> dict[str, float]:
     """Throughput of SGLang's storage calls through the daemon vs HiCacheFile (GB/s, ratios)."""
+    why_not = missing_package("sglang") or missing_package("transformers")
+    if why_not:
+        raise SuiteSkipped(why_not)
     ensure_sglang_importable()
     num_pages = 256 if quick else 2000
     nbytes = num_pages * PAGE_BYTES

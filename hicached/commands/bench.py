@@ -1,8 +1,10 @@
 """``hicached bench``: the daemon's figures beside the machine's own limits, in one run.
 
 Each suite is a ``run(quick) -> dict[str, float]`` in ``hicached.bench``; this
-command runs the chosen suites, then prints a table of (figure, machine limit,
-ratio) or, with ``--json``, one JSON object with every figure.
+command runs the chosen suites (a skipped or failing one does not stop the
+others), then prints a table of (figure, machine limit, ratio) or, with
+``--json``, one JSON object with every figure plus ``skipped``, ``failed`` and
+``notes``.
 """
 
 from __future__ import annotations
@@ -10,9 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
 import time
+import traceback
+from dataclasses import dataclass, field
 from typing import Any
+
+from hicached.bench import OPTIONAL_PACKAGES, SuiteSkipped, missing_package
 
 # suite name -> module under hicached.bench (each exposes run(quick) -> dict[str, float])
 SUITES: dict[str, str] = {
@@ -58,11 +65,24 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
 # Every suite names its own baseline; a key two suites both return would overwrite one.
 
 
+DESCRIPTION = """\
+Measure the daemon beside the machine's own limits, in one run: each figure is printed next
+to the limit measured the same way on the same machine, with their ratio.
+
+Suites: daemon (a real daemon process: D2H/H2D pages, RPC round trips, keyed pages), copy (the
+copy engine without gRPC), pools (host pool creation and page copies), l3 (file backend vs raw
+disk; redis vs redis-py when redis-server and the redis extra are installed), keyed (the
+content index and L3 paths), l3_remote (S3 via SeaweedFS, Mooncake), sglang (SGLang's storage
+calls through the daemon vs HiCacheFile). A suite or part whose packages or servers are missing
+is skipped with the reason; a failing suite is reported and the others still run (exit 1).
+"""
+
+
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
         help="measure the daemon beside the machine's limits",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes; under a minute on 2 cores")
@@ -81,26 +101,85 @@ def _progress(message: str) -> None:
         print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
 
 
+class _Notes(logging.Handler):
+    """Collects the WARNINGs suites log for the parts they leave out (shown after the table)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.name.rsplit('.', 1)[-1]}: {record.getMessage()}")
+
+
+@dataclass
+class _Outcome:
+    results: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def _run_suite(name: str, quick: bool, out: _Outcome) -> None:
+    """Run one suite into ``out``: its figures, or why it was skipped, or how it failed."""
+    t0 = time.perf_counter()
+    try:
+        module = importlib.import_module(SUITES[name])
+        figures: dict[str, float] = module.run(quick)
+    except SuiteSkipped as exc:
+        out.skipped[name] = str(exc)
+        return
+    except ModuleNotFoundError as exc:
+        root = (exc.name or "").split(".")[0]
+        if root not in OPTIONAL_PACKAGES:
+            out.failed[name] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc(file=sys.stderr)
+            return
+        out.skipped[name] = missing_package(root) or str(exc)
+        return
+    except Exception as exc:  # a failing suite must not discard the others' figures
+        out.failed[name] = f"{type(exc).__name__}: {exc}"
+        print(f"\nhicached bench: suite {name!r} failed:", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        return
+    clash = set(figures) & set(out.results)
+    if clash:
+        out.failed[name] = f"returns figures another suite already did: {sorted(clash)}"
+        return
+    out.results.update(figures)
+    out.seconds[name] = time.perf_counter() - t0
+
+
 def run(args: argparse.Namespace) -> int:
     suites = args.suite or list(DEFAULT_SUITES)
-    results: dict[str, float] = {}
-    seconds: dict[str, float] = {}
-    for i, name in enumerate(suites, 1):
-        _progress(f"[{i}/{len(suites)}] {name} ...")
-        module = importlib.import_module(SUITES[name])
-        t0 = time.perf_counter()
-        figures = module.run(args.quick)
-        clash = set(figures) & set(results)
-        if clash:
-            raise RuntimeError(
-                f"benchmark suite {name!r} returns figures another suite already did: {sorted(clash)}"
-            )
-        results.update(figures)
-        seconds[name] = time.perf_counter() - t0
+    out = _Outcome()
+    notes = _Notes()
+    bench_log = logging.getLogger("hicached.bench")
+    bench_log.addHandler(notes)
+    bench_log.propagate = False  # shown once, as notes, instead of on stderr mid-table
+    try:
+        for i, name in enumerate(suites, 1):
+            _progress(f"[{i}/{len(suites)}] {name} ...")
+            _run_suite(name, args.quick, out)
+    finally:
+        bench_log.removeHandler(notes)
+        bench_log.propagate = True
     _progress("")
+    results = out.results
+    ok = not out.failed and results.get("verified", 1.0) == 1.0
     if args.json:
-        print(json.dumps({**{k: _json_value(k, v) for k, v in results.items()}, "suite_seconds": seconds}))
-        return 0
+        print(
+            json.dumps(
+                {
+                    **{k: _json_value(k, v) for k, v in results.items()},
+                    "suite_seconds": out.seconds,
+                    "skipped": out.skipped,
+                    "failed": out.failed,
+                    "notes": notes.messages,
+                }
+            )
+        )
+        return 0 if ok else 1
     print(f"{'figure':24} {'value':>10}   {'machine limit':24} {'value':>10}  {'ratio':>6}  meaning")
     shown: set[str] = set()
     for fig, limit, meaning in RATIOS:
@@ -113,7 +192,13 @@ def run(args: argparse.Namespace) -> int:
     print()
     for key in sorted(set(results) - shown):
         print(f"{key:40} {_json_value(key, results[key])}")
-    return 0 if results.get("verified", 1.0) == 1.0 else 1
+    for name, reason in out.skipped.items():
+        print(f"skipped suite {name}: {reason}")
+    for message in notes.messages:
+        print(f"note: {message}")
+    for name, error in out.failed.items():
+        print(f"FAILED suite {name}: {error}")
+    return 0 if ok else 1
 
 
 def _json_value(key: str, value: float) -> float | bool:

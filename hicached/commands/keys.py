@@ -14,7 +14,7 @@ from hicached.errors import InvalidArgument
 from hicached.l3.keys import page_keys
 
 
-def _parse_tokens(text: str) -> list[int]:
+def parse_tokens(text: str) -> list[int]:
     tokens: list[int] = []
     for raw in text.split(","):
         part = raw.strip()
@@ -31,8 +31,12 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "keys",
         help="print the L3 page keys of a token sequence",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Print the L3 page keys of a token sequence, one hex key per line: the chained SHA-256 "
+            "keys SGLang's HiCache storage computes for the same tokens, page size and namespace "
+            "(extra_key, cache_salt). Use them with `hicached lookup --keys` or to find a prefix in L3."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--page-size", type=int, required=True, help="tokens per page")
     parser.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
@@ -47,7 +51,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         keys = page_keys(
-            _parse_tokens(args.tokens),
+            parse_tokens(args.tokens),
             args.page_size,
             extra_key=args.extra_key,
             cache_salt=args.cache_salt,

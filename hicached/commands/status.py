@@ -10,31 +10,22 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hicached_client import HiCacheClient, HiCacheError
-from hicached_client._channel import default_target
+
+from hicached.commands._target import add_target_flags, failure_message, target_of
 
 
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "status", help="show a running daemon's sessions, pools and L3 state"
     )
-    parser.add_argument("--socket", help="daemon Unix socket (default: the daemon's default path)")
-    parser.add_argument("--target", help="gRPC target instead of --socket (host:port or unix:///path)")
+    add_target_flags(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--health-only",
         action="store_true",
         help="only check the gRPC health service; exit 0 when SERVING (for probes and HEALTHCHECK)",
     )
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     parser.set_defaults(func=run)
-
-
-def _target(args: argparse.Namespace) -> str:
-    if args.target:
-        return str(args.target)
-    if args.socket:
-        return f"unix://{args.socket}"
-    return default_target()
 
 
 def _health(target: str, timeout: float) -> int:
@@ -44,7 +35,7 @@ def _health(target: str, timeout: float) -> int:
                 health_pb2.HealthCheckRequest(), timeout=timeout
             )
         except grpc.RpcError as exc:
-            print(f"hicached: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(failure_message(target, exc.code(), exc.details() or ""), file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(status)
@@ -52,14 +43,14 @@ def _health(target: str, timeout: float) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    target = _target(args)
+    target = target_of(args)
     if args.health_only:
         return _health(target, args.timeout)
     try:
         with HiCacheClient(target, timeout_s=args.timeout) as client:
             stats = client.get_stats()
     except HiCacheError as exc:
-        print(f"hicached: {target}: {exc.code.name}: {exc.message}", file=sys.stderr)
+        print(failure_message(target, exc.code, exc.message), file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(_as_json(stats), default=str))

@@ -1,0 +1,42 @@
+"""Flags and messages shared by the commands that talk to a running daemon (status, lookup)."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+from hicached_client._channel import SOCKET_ENV, default_target, normalize_target
+
+
+def add_target_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--socket", help=f"daemon Unix socket (default: ${SOCKET_ENV}, else the daemon's default path)"
+    )
+    parser.add_argument("--target", help="gRPC target instead of --socket (host:port or unix:///path)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+
+
+def target_of(args: argparse.Namespace) -> str:
+    if args.target:
+        return normalize_target(str(args.target))
+    if args.socket:
+        return normalize_target(str(args.socket))
+    return default_target()
+
+
+def failure_message(target: str, code: grpc.StatusCode, details: str) -> str:
+    """One line for a failed call; for an unreachable daemon, how to start one there."""
+    if code is not grpc.StatusCode.UNAVAILABLE:
+        return f"hicached: {target}: {code.name}: {details}"
+    where = target.removeprefix("unix://")
+    reason = details.rsplit("error: ", 1)[-1] if "error: " in details else details
+    start = (
+        f"hicached serve --socket {where}"
+        if target.startswith("unix:")
+        else "hicached serve --listen HOST:PORT"
+    )
+    return (
+        f"hicached: no daemon is answering at {where} ({reason}).\n"
+        f"Start one with `{start}` (or `./dev serve` in a checkout), or point --socket / "
+        f"${SOCKET_ENV} at the running one."
+    )

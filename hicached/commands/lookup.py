@@ -1,0 +1,183 @@
+"""``hicached lookup``: which tiers of a running daemon hold a prefix (L2 host memory, L3).
+
+The Lookup RPC answers for one pool group, and a group is named by what its workers
+share: the model, the TP/PP position and the exact pool layout. So this command takes
+the worker's pool layout, checks (with GetStats) that the daemon has that group, then
+attaches a byte-only session to it (no shared memory, nothing allocated: the group
+exists), asks Lookup and detaches. A layout the daemon has no group for is reported
+without attaching, so the command never creates a group. Groups of more than one pool
+(sidecars, draft pools) are out of reach of its flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from hicached_client import HiCacheClient, HiCacheError, TokenChain, WorkerIdentity, pool_spec
+
+from hicached.commands._target import add_target_flags, failure_message, target_of
+from hicached.commands.keys import parse_tokens
+from hicached.core.groups import group_id_for, group_key
+from hicached.core.types import WorkerId
+from hicached.errors import InvalidArgument
+from hicached.server.convert import pool_request
+
+EXIT_MISS = 1
+EXIT_USAGE = 2
+
+DESCRIPTION = """\
+Ask a running daemon which tiers hold a prefix: how many leading pages are in L2 (host
+memory) and how many in L2 or L3, for the pool group of the worker layout you give.
+
+Give the layout the worker attached with (--model, --page-size, --layers, --heads,
+--head-dim, --dtype, ...) and the prefix as token ids (--tokens, with the request's
+--extra-key/--cache-salt) or as page keys (--keys, e.g. from `hicached keys`). The command
+attaches a byte-only session to that group, asks, and detaches; it never creates a group.
+Exit 0 when every page is cached somewhere, 1 when some are not (or the group is unknown),
+2 for bad arguments.
+"""
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "lookup",
+        help="which tiers (L2, L3) of a running daemon hold a prefix",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_target_flags(parser)
+    layout = parser.add_argument_group("the worker's pool group (as it attached)")
+    layout.add_argument("--model", required=True, help="model_name of the worker identity")
+    layout.add_argument("--page-size", type=int, required=True, help="tokens per page")
+    layout.add_argument("--layers", type=int, required=True, help="num_layers of the pool")
+    layout.add_argument("--heads", type=int, required=True, help="KV heads per rank (1 for MLA)")
+    layout.add_argument("--head-dim", type=int, required=True, help="head dim (MLA: latent dim)")
+    layout.add_argument("--dtype", default="bfloat16", help="KV dtype (default: %(default)s)")
+    layout.add_argument(
+        "--kind", default="mha", choices=("mha", "mla"), help="pool kind (default: %(default)s)"
+    )
+    layout.add_argument("--pool", default="kv", help="pool name (default: %(default)s)")
+    layout.add_argument(
+        "--host-layout", default="layer_first", help="host layout of the pool (default: %(default)s)"
+    )
+    for name in ("tp-rank", "tp-size", "pp-rank", "pp-size"):
+        layout.add_argument(f"--{name}", type=int, default=1 if name.endswith("size") else 0)
+    prefix = parser.add_argument_group("the prefix (one of)")
+    which = prefix.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
+    which.add_argument("--keys", help="comma-separated hex page keys in prefix order")
+    prefix.add_argument("--extra-key", default=None, help="request extra_key (with --tokens)")
+    prefix.add_argument("--cache-salt", default=None, help="request cache_salt (with --tokens)")
+    prefix.add_argument("--tenant", default="", help="tenant label of the request")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def _specs(args: argparse.Namespace) -> tuple[WorkerIdentity, Any]:
+    identity = WorkerIdentity(
+        f"hicached-lookup-{os.getpid()}",
+        generation=1,
+        model_name=args.model,
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+        pp_rank=args.pp_rank,
+        pp_size=args.pp_size,
+    )
+    try:
+        spec = pool_spec(
+            args.pool,
+            role="anchor",
+            kind=args.kind,
+            dtype=args.dtype,
+            page_size=args.page_size,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            head_dim=args.head_dim,
+            host_layout=args.host_layout,
+            k_buffers=(),
+            # Only used if the group vanished between the check and the attach: one page's worth.
+            host_bytes=1,
+        )
+    except (ValueError, KeyError) as exc:
+        raise InvalidArgument(str(exc)) from None
+    return identity, spec
+
+
+def _group_id(identity: WorkerIdentity, spec: Any) -> str:
+    worker = WorkerId(
+        identity.instance_id,
+        identity.generation,
+        identity.model_name,
+        identity.tp_rank,
+        identity.tp_size,
+        identity.pp_rank,
+        identity.pp_size,
+    )
+    return group_id_for(group_key(worker, [pool_request(spec, 0)]))
+
+
+def run(args: argparse.Namespace) -> int:
+    target = target_of(args)
+    try:
+        if args.keys is not None:
+            if args.extra_key is not None or args.cache_salt is not None:
+                raise InvalidArgument("--extra-key/--cache-salt go with --tokens (keys already include them)")
+            keys: Any = [k.strip() for k in args.keys.split(",") if k.strip()]
+        else:
+            keys = TokenChain(parse_tokens(args.tokens), extra_key=args.extra_key, cache_salt=args.cache_salt)
+        identity, spec = _specs(args)
+        gid = _group_id(identity, spec)
+    except InvalidArgument as exc:
+        print(f"hicached lookup: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with HiCacheClient(target, timeout_s=args.timeout) as client:
+            groups = client.get_stats().groups
+            if gid not in {g.group for g in groups}:
+                same_model = [g for g in groups if g.model_name == args.model]
+                print(
+                    f"hicached lookup: the daemon has no pool group for this layout (group {gid}).",
+                    file=sys.stderr,
+                )
+                for g in same_model:
+                    pools = ", ".join(
+                        f"{p.name} (page_size {p.page_size}, {p.page_bytes} B/page)" for p in g.pools
+                    )
+                    print(f"  group {g.group} of model {g.model_name!r}: {pools}", file=sys.stderr)
+                if not same_model:
+                    print(f"  no group of model {args.model!r}; groups: {len(groups)}", file=sys.stderr)
+                return EXIT_MISS
+            session = client.attach(identity, [spec], heartbeat=False)
+            try:
+                result = session.lookup(keys, tenant=args.tenant)
+            finally:
+                session.detach()
+    except HiCacheError as exc:
+        print(failure_message(target, exc.code, exc.message), file=sys.stderr)
+        return EXIT_USAGE if exc.code.name == "INVALID_ARGUMENT" else EXIT_MISS
+    n, l2, total = len(result.keys), result.l2_hit_pages, result.total_hit_pages
+    tiers = ["L2" if i < l2 else "L3" if i < total else "-" for i in range(n)]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "group": gid,
+                    "pages": n,
+                    "l2_hit_pages": l2,
+                    "total_hit_pages": total,
+                    "keys": list(result.keys),
+                    "tiers": tiers,
+                }
+            )
+        )
+    else:
+        print(f"group {gid} (model {args.model!r}): {n} pages asked")
+        print(f"  leading pages in L2 (host memory): {l2}")
+        print(f"  leading pages in L2 or L3:         {total}")
+        for i, (key, tier) in enumerate(zip(result.keys, tiers, strict=True)):
+            print(f"  {i:6}  {key}  {tier}")
+    return 0 if total == n else EXIT_MISS

@@ -1,0 +1,73 @@
+"""``hicached bench`` on an install without the optional extras: suites and parts whose
+packages are missing are skipped with the reason, a failing suite does not discard the
+others, and a daemon that dies is reported with its log."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HIDDEN = ("redis", "hiredis", "boto3", "botocore", "mooncake", "sglang")
+
+
+def hide_optional_packages(folder: Path) -> str:
+    """A PYTHONPATH entry whose sitecustomize makes the optional packages unimportable
+    (``sys.modules[name] = None``: importing raises ModuleNotFoundError), as on an install
+    without the extras. Inherited by child processes (the bench's daemon)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        f"import sys\nfor name in {HIDDEN!r}:\n    sys.modules[name] = None\n"
+    )
+    return str(folder)
+
+
+def bench(*args: str, cwd: Path, env: dict[str, str]) -> tuple[int, dict[str, object], str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "hicached", "bench", "--quick", "--json", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    return result.returncode, json.loads(result.stdout), result.stderr
+
+
+def user_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    paths = [hide_optional_packages(tmp_path / "hide"), *filter(None, env.get("PYTHONPATH", "").split(":"))]
+    env["PYTHONPATH"] = ":".join(paths)
+    return env
+
+
+def test_missing_extras_are_skipped_with_the_reason(tmp_path: Path) -> None:
+    """Before: the l3 suite crashed with `No module named 'redis'` and nothing was printed."""
+    code, out, err = bench("--suite", "l3", "--suite", "sglang", cwd=tmp_path, env=user_env(tmp_path))
+    assert code == 0, err
+    assert out["l3_file_write_gbps"] > 0 and out["disk_write_gbps"] > 0  # what can run, ran
+    assert "redis_set_gbps" not in out
+    skipped = out["skipped"]
+    assert (
+        isinstance(skipped, dict) and "sglang" in skipped and "hicached-client[sglang]" in skipped["sglang"]
+    )
+    notes = out["notes"]
+    assert isinstance(notes, list) and any("redis" in n and "hicached[redis]" in n for n in notes), notes
+    assert out["failed"] == {}
+
+
+def test_a_dead_daemon_is_shown_with_its_log_and_the_other_suites_still_report(tmp_path: Path) -> None:
+    """Before: the bench waited 60 s for a daemon that had exited, deleted its log, raised an
+    unrelated error and printed no figure of the suites that had finished."""
+    env = user_env(tmp_path)
+    env["HICACHED_SERVER_GRACE_S"] = "not-a-number"  # the bench's daemon refuses to start (exit 2)
+    code, out, err = bench("--suite", "daemon", "--suite", "l3", cwd=tmp_path, env=env)
+    assert code == 1
+    failed = out["failed"]
+    assert isinstance(failed, dict) and set(failed) == {"daemon"}
+    assert "exited with code 2 before it was ready" in failed["daemon"]
+    assert "server.grace_s" in err  # the end of the daemon's log, shown
+    assert out["l3_file_read_gbps"] > 0  # the l3 suite's figures are kept

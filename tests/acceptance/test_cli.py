@@ -1,0 +1,131 @@
+"""The command line as a user meets it: help without internals, no tracebacks for expected
+failures (a daemon that is not running, a reader that went away), and ``hicached lookup``
+answering which tiers hold a prefix a worker published."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hicached_client import HiCacheClient
+
+from tests.acceptance.served import ROOT, Served, served
+
+HICACHED = [sys.executable, "-m", "hicached"]
+# The layout examples/sync_worker.py attaches with, and the prefix it publishes.
+LAYOUT = [
+    "--model",
+    "example-model",
+    "--page-size",
+    "16",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--head-dim",
+    "64",
+]
+PREFIX = ",".join(str(t) for t in range(7000, 7000 + 48))
+
+
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*HICACHED, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with served(tmp_path_factory.mktemp("served")) as d:
+        yield d
+
+
+def test_status_against_a_dead_socket_says_how_to_start_the_daemon(tmp_path: Path) -> None:
+    """Before: an UNAVAILABLE line with gRPC's connect error and no hint."""
+    sock = tmp_path / "nobody.sock"
+    for extra in ((), ("--health-only",)):
+        result = cli("status", "--socket", str(sock), "--timeout", "2", *extra, cwd=tmp_path)
+        assert result.returncode == 1
+        assert f"no daemon is answering at {sock}" in result.stderr
+        assert f"hicached serve --socket {sock}" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["keys", "--page-size", "1", "--tokens", "1,2,3"], ["config", "show", "--keys"]]
+)
+def test_a_reader_that_went_away_ends_the_output_quietly(args: list[str], tmp_path: Path) -> None:
+    """`hicached keys ... | head -1`: before, a BrokenPipeError traceback and exit 1. The
+    reading end is closed before the command writes, so its first write fails every time."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    proc = subprocess.Popen(
+        [*HICACHED, *args], cwd=tmp_path, stdout=write_end, stderr=subprocess.PIPE, text=True
+    )
+    os.close(write_end)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141  # as a process ended by SIGPIPE
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+@pytest.mark.parametrize("command", ["bench", "keys", "lookup", "status"])
+def test_help_is_for_users_not_internals(command: str, tmp_path: Path) -> None:
+    """Before: `bench --help` and `keys --help` printed the modules' docstrings (``rst``, run(quick))."""
+    result = cli(command, "--help", cwd=tmp_path)
+    assert result.returncode == 0
+    assert "``" not in result.stdout and "run(quick)" not in result.stdout, result.stdout
+    assert "usage: hicached " + command in result.stdout
+
+
+def test_lookup_reports_the_tiers_of_a_published_prefix(daemon: Served, tmp_path: Path) -> None:
+    worker = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "sync_worker.py")],
+        cwd=tmp_path,
+        env=daemon.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert worker.returncode == 0, worker.stderr
+    env = daemon.env()
+    # The whole published prefix, by token ids.
+    result = cli("lookup", *LAYOUT, "--tokens", PREFIX, "--json", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert (found["pages"], found["l2_hit_pages"], found["total_hit_pages"]) == (3, 3, 3)
+    assert found["tiers"] == ["L2", "L2", "L2"]
+    # The same prefix by keys (from `hicached keys`), plus one page nobody wrote: exit 1.
+    keys = cli("keys", "--page-size", "16", "--tokens", PREFIX + ",1,2", cwd=tmp_path).stdout.split()
+    assert keys[:3] == found["keys"]
+    result = cli("lookup", *LAYOUT, "--keys", ",".join(keys), cwd=tmp_path, env=env)
+    assert result.returncode == 1, result.stderr
+    assert "leading pages in L2 (host memory): 3" in result.stdout
+    assert result.stdout.rstrip().endswith("-")
+
+
+def test_lookup_of_an_unknown_layout_creates_nothing(daemon: Served, tmp_path: Path) -> None:
+    with HiCacheClient(daemon.target) as client:
+        before = client.get_stats()
+    model = f"nobody-{uuid.uuid4().hex[:6]}"
+    args = ["--model", model, "--page-size", "16", "--layers", "2", "--heads", "4", "--head-dim", "64"]
+    result = cli("lookup", *args, "--tokens", PREFIX, cwd=tmp_path, env=daemon.env())
+    assert result.returncode == 1
+    assert "no pool group for this layout" in result.stderr and "Traceback" not in result.stderr
+    with HiCacheClient(daemon.target) as client:
+        after = client.get_stats()
+    assert len(after.groups) == len(before.groups) and after.host_used_bytes == before.host_used_bytes
+    assert not [s for s in after.sessions if s.identity.model_name == model]
+
+
+def test_lookup_bad_arguments_exit_2_without_traceback(tmp_path: Path) -> None:
+    result = cli("lookup", *LAYOUT, "--tokens", "1,x", "--socket", "/nonexistent.sock", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "'x' is not a decimal integer" in result.stderr and "Traceback" not in result.stderr
+    assert os.path.exists("/nonexistent.sock") is False
