@@ -46,7 +46,7 @@ def _child_env() -> dict[str, str]:
 
     import hicached
 
-    roots = [str(Path(m.__file__).resolve().parent.parent) for m in (hicached, hicached_client)]
+    roots = [str(Path(str(m.__file__)).resolve().parent.parent) for m in (hicached, hicached_client)]
     inherited = os.environ.get("PYTHONPATH", "")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*roots, *filter(None, inherited.split(os.pathsep))]))
@@ -110,9 +110,12 @@ def running_daemon(
         )
 
     exited = threading.Event()
-    threading.Thread(
-        target=lambda: (proc.wait(), exited.set()), name="bench-daemon-watch", daemon=True
-    ).start()
+
+    def watch() -> None:
+        proc.wait()
+        exited.set()
+
+    threading.Thread(target=watch, name="bench-daemon-watch", daemon=True).start()
     target = f"unix://{sock}"
     try:
         with HiCacheClient(target, timeout_s=30.0) as probe:
