@@ -99,8 +99,9 @@ def _specs(args: argparse.Namespace) -> tuple[WorkerIdentity, Any]:
             head_dim=args.head_dim,
             host_layout=args.host_layout,
             k_buffers=(),
-            # Only used if the group vanished between the check and the attach: one page's worth.
-            host_bytes=1,
+            # Only used if the group vanished between the check and the attach: a few pages'
+            # worth (the daemon refuses a pool of no page, and joins a group at least this big).
+            host_bytes=4 * args.page_size * args.layers * args.heads * args.head_dim * 2 * 8,
         )
     except (ValueError, KeyError) as exc:
         raise InvalidArgument(str(exc)) from None
