@@ -75,6 +75,8 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
     CMD ["hicached", "status", "--health-only", "--socket", "/run/hicached/hicached.sock"]
 
 # Embedded defaults unless a config is mounted and passed: the DaemonSet replaces CMD
-# with --config=/etc/hicached/hicached.toml and the same flags.
+# with --config=/etc/hicached/hicached.toml (which names the TCP token file) and adds
+# --listen=0.0.0.0:50051. TCP fails closed (no token, no listener), so the default is
+# the Unix socket only.
 ENTRYPOINT ["hicached", "serve"]
-CMD ["--socket", "/run/hicached/hicached.sock", "--listen", "0.0.0.0:50051", "--metrics-port", "9400", "--log-format", "json"]
+CMD ["--socket", "/run/hicached/hicached.sock", "--metrics-port", "9400", "--log-format", "json"]

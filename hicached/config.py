@@ -110,6 +110,20 @@ class ServerConfig:
     socket_mode: int = _f(
         0o660, "Permission bits of the socket file (octal: 0o660 in TOML, 660 in env/--set).", mode=True
     )
+    admin_socket: str = _f(
+        "",
+        "Unix socket of the admin role (Drain, Resume, ClearNamespace, full GetStats); empty = "
+        "admin.sock next to server.socket. Mode 0600, or 0660 with group server.admin_group.",
+    )
+    admin_group: str = _f(
+        "", "Group (name or gid) whose members may use the admin socket (empty = the daemon's user only)."
+    )
+    admin_token_file: str = _f(
+        "", "File holding the bearer token of the admin role on TCP (must differ from the worker token)."
+    )
+    insecure_tcp: bool = _f(
+        False, "Serve server.listen without a token or mTLS (every TCP client is a worker; logs a warning)."
+    )
     listen: str = _f("", "Also listen on TCP HOST:PORT (empty = Unix socket only).")
     auth_token_file: str = _f("", "File holding the bearer token required on TCP (empty = none).")
     tls_cert: str = _f("", "PEM certificate for TCP (with tls_key enables TLS).")
@@ -124,6 +138,10 @@ class ServerConfig:
     handoff_ticket_ttl_s: float = _f(30.0, "Seconds an fd handoff ticket waits for its Attach.")
     handoff_max_pending: int = _f(256, "Most unused fd handoff tickets in total.")
     handoff_max_pending_per_uid: int = _f(32, "Most unused fd handoff tickets per client uid.")
+
+    def admin_socket_path(self) -> Path:
+        """The admin socket: ``admin_socket``, or ``admin.sock`` next to the worker socket."""
+        return Path(self.admin_socket) if self.admin_socket else Path(self.socket).parent / "admin.sock"
 
 
 @dataclass(frozen=True)
@@ -295,6 +313,7 @@ def _check_cross(cfg: Config) -> None:
         )
         value = cfg.server.tls_cert or cfg.server.tls_key
         raise ConfigError(f"{given} = {value!r} is set but {missing} is not: TLS needs both")
+    _check_tcp(cfg.server)
     for key, number in (
         ("server.grace_s", cfg.server.grace_s),
         ("l3.prefetch_timeout_base_s", cfg.l3.prefetch_timeout_base_s),
@@ -306,6 +325,22 @@ def _check_cross(cfg: Config) -> None:
         raise ConfigError(
             f"invalid server.metrics_port = {cfg.server.metrics_port}: expected -1, 0 or a port"
         )
+
+
+def _check_tcp(server: ServerConfig) -> None:
+    """TCP fails closed: a listener needs a token or mTLS unless insecure_tcp says otherwise."""
+    if server.tls_client_ca and not server.tls_cert:
+        raise ConfigError(
+            f"server.tls_client_ca = {server.tls_client_ca!r} is set but server.tls_cert is not: "
+            "mTLS needs server.tls_cert and server.tls_key (without them TCP would be plaintext)"
+        )
+    if server.listen and not (server.auth_token_file or server.tls_client_ca or server.insecure_tcp):
+        raise ConfigError(
+            f"server.listen = {server.listen!r} needs server.auth_token_file or server.tls_client_ca "
+            "(mTLS); set server.insecure_tcp = true to serve TCP without authentication"
+        )
+    if server.admin_socket and Path(server.admin_socket) == Path(server.socket):
+        raise ConfigError(f"server.admin_socket = {server.admin_socket!r} must differ from server.socket")
 
 
 def env_var(key: str) -> str:

@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
 import grpc
 from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
@@ -28,8 +27,10 @@ from hicached.core.sessions import Session
 from hicached.l3.base import StorageBackend
 from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
-from hicached.server.app import Server
+from hicached.server import credentials
+from hicached.server.app import Server, claim_sockets
 from hicached.server.handoff import HandoffRegistry, HandoffServer, handoff_path
+from hicached.server.roles import Access
 from hicached.server.servicer import AdminServicer, CacheServicer
 from hicached.startup import banner, open_l3
 from hicached.tasks import supervise
@@ -78,6 +79,10 @@ class Daemon:
 
     def __init__(self, config: Config, *, daemon_id: str | None = None) -> None:
         self.config = config
+        # Before anything takes a resource: bad credentials and a socket another daemon
+        # serves (or another user could swap) stop startup here, naming the cause.
+        creds = credentials.load(config.server)
+        admin_gid = claim_sockets(config)
         self.daemon_id = daemon_id or f"{os.getpid():x}{uuid.uuid4().hex[:4]}"
         self.metrics = Metrics()
         self.backend = l3_backend(config)  # first: a backend that cannot start leaves nothing behind
@@ -93,10 +98,6 @@ class Daemon:
         )
         self.keyed.bind(self.core)
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="hicached-rpc")
-        token = (
-            Path(config.server.auth_token_file).read_text().strip() if config.server.auth_token_file else None
-        )
-        observe = self._observe_rpc
         srv = config.server
         self.handoff = HandoffRegistry(
             ttl_s=srv.handoff_ticket_ttl_s,
@@ -106,24 +107,36 @@ class Daemon:
         self.handoff_server = HandoffServer(
             self.handoff, handoff_path(srv.socket), mode=srv.socket_mode, max_fds=srv.handoff_max_fds
         )
-        self.servicer = CacheServicer(
-            self.core, self.executor, observe=observe, token=token, keyed=self.keyed, handoff=self.handoff
+        self.server = Server(
+            config,
+            self.core,
+            self._registrations,
+            executor=self.executor,
+            credentials=creds,
+            admin_gid=admin_gid,
         )
-        self.admin = AdminServicer(
+        self.metrics_server: MetricsServer | None = None
+        self._gauge_labels: set[tuple[str, str]] = set()
+
+    def _registrations(self, access: Access) -> list[Callable[[grpc.aio.Server], None]]:
+        """The services of one listener, their servicers bound to its role."""
+        observe = self._observe_rpc
+        cache = CacheServicer(
+            self.core, self.executor, observe=observe, access=access, keyed=self.keyed, handoff=self.handoff
+        )
+        admin = AdminServicer(
             self.core,
             self.executor,
             observe=observe,
-            token=token,
+            access=access,
             keyed=self.keyed,
-            on_drain=lambda: self.server.mark_draining(),  # noqa: PLW0108 - self.server is built below
+            on_drain=self.server.mark_draining,
+            on_resume=self.server.mark_serving,
         )
-        registrations: list[Callable[[grpc.aio.Server], None]] = [
-            lambda s: pb_grpc.add_HiCacheServiceServicer_to_server(self.servicer, s),  # type: ignore[no-untyped-call]
-            lambda s: pb_grpc.add_AdminServiceServicer_to_server(self.admin, s),  # type: ignore[no-untyped-call]
+        return [
+            lambda s: pb_grpc.add_HiCacheServiceServicer_to_server(cache, s),  # type: ignore[no-untyped-call]
+            lambda s: pb_grpc.add_AdminServiceServicer_to_server(admin, s),  # type: ignore[no-untyped-call]
         ]
-        self.server = Server(config, self.core, registrations, executor=self.executor)
-        self.metrics_server: MetricsServer | None = None
-        self._gauge_labels: set[tuple[str, str]] = set()
 
     def _attach_index(self, state: GroupState) -> None:
         self.keyed.attach_group(state)

@@ -46,13 +46,17 @@ _SPECIAL: dict[str, tuple[Any, Any, Any]] = {
     "l3.file.fsync": (True, False, True),
     "l3.s3.create_bucket": (True, False, True),
     "l3.s3.conditional_put": (False, True, False),
+    "server.insecure_tcp": (True, False, True),
 }
 # server.tls_cert and server.tls_key must be set together: each is layered with its partner in the file.
-_PARTNER = {
-    "server.tls_cert": ("tls_key", "/k.pem"),
-    "server.tls_key": ("tls_cert", "/c.pem"),
-    "l3.s3.access_key_id": ("s3.secret_access_key", "secret"),
-    "l3.s3.secret_access_key": ("s3.access_key_id", "key"),
+_PARTNER: dict[str, tuple[str, str]] = {
+    "server.tls_cert": ("tls_key", '"/k.pem"'),
+    "server.tls_key": ("tls_cert", '"/c.pem"'),
+    # TCP fails closed: a listener is layered with insecure_tcp, mTLS with its certificate.
+    "server.listen": ("insecure_tcp", "true"),
+    "server.tls_client_ca": ("tls_cert", '"/c.pem"\ntls_key = "/k.pem"'),
+    "l3.s3.access_key_id": ("s3.secret_access_key", '"secret"'),
+    "l3.s3.secret_access_key": ("s3.access_key_id", '"key"'),
 }
 
 
@@ -145,7 +149,7 @@ def test_flag_beats_env_beats_file_beats_default(key: str, tmp_path: Path) -> No
     partner = _PARTNER.get(key)
     lines = [f"[{section}]", f"{name} = {_toml(file_value, key)}"]
     if partner is not None:
-        lines.append(f"{partner[0]} = {_toml(partner[1])}")
+        lines.append(f"{partner[0]} = {partner[1]}")
     path = _write(tmp_path, "\n".join(lines) + "\n")
     env = {env_var(key): _env_text(env_value, key)}
     defaults = resolve(env={})
@@ -161,6 +165,8 @@ def test_flag_beats_env_beats_file_beats_default(key: str, tmp_path: Path) -> No
     layered = {key} | ({f"{section}.{partner[0]}"} if partner else set())
     if key.startswith("l3.") and key.count(".") == 2:  # the aliases of l3.file.* follow it
         layered |= {alias for alias, target in ALIASES.items() if target == key}
+    if key == "server.tls_client_ca":
+        layered.add("server.tls_key")  # the certificate's key comes with it
     others = [k for k in ALL_KEYS if k not in layered]
     assert {k: _get(from_cli, k) for k in others} == {k: _get(defaults, k) for k in others}
 

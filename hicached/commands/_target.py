@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import grpc
 from hicached_client._channel import SOCKET_ENV, default_target, normalize_target
@@ -16,12 +17,12 @@ def add_target_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
 
 
-def target_of(args: argparse.Namespace) -> str:
+def target_of(args: argparse.Namespace, default: Callable[[], str] = default_target) -> str:
     if args.target:
         return normalize_target(str(args.target))
     if args.socket:
         return normalize_target(str(args.socket))
-    return default_target()
+    return default()
 
 
 def failure_message(target: str, code: grpc.StatusCode, details: str) -> str:

@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from hicached.daemon import run_daemon
     from hicached.logs import setup_logging
+    from hicached.server.sockets import StartupError as SocketError
     from hicached.startup import StartupError
 
     setup_logging(config.log.level, config.log.format)
@@ -40,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
         logger.warning(warning, extra={"event": "config"})
     try:
         return run_daemon(config, reload=lambda: config_from_args(args))
-    except StartupError as exc:
+    except ConfigError as exc:  # a credential file (token, PEM) read at startup
+        print(f"hicached: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except (StartupError, SocketError) as exc:  # L3 cannot start; the socket is another daemon's
         print(f"hicached: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hicached_client import HiCacheClient, HiCacheError
+from hicached_client._channel import default_admin_target
 
 from hicached.commands._target import add_target_flags, failure_message, target_of
 
@@ -43,7 +44,8 @@ def _health(target: str, timeout: float) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    target = target_of(args)
+    # Default: the admin socket, which shows every session (a worker socket: aggregates only).
+    target = target_of(args, default=default_admin_target)
     if args.health_only:
         return _health(target, args.timeout)
     try:

@@ -4,10 +4,18 @@ The index owns published pages; sessions own what they allocate. This module
 moves ownership between the two (publish), and runs the keyed copies
 (PutPages, GetPages, PutBytes, GetBytes) with the core's copy engine while a
 pin keeps the index from evicting the pages being read.
+
+Tenants: a session's tenant is fixed at attach (``WorkerId.tenant``) and every
+keyed call works in it. The index sees tenant-scoped keys (:func:`scoped_keys`):
+a client key ``k`` of tenant ``t`` is ``k~<tag(t)>`` inside the daemon (``k`` itself
+for the default tenant ``""``), and client keys may not contain ``~``, so two
+tenants' keys never meet in L2 or L3 even when a client names another tenant's
+raw key, and a page fetched back from L3 can only land in its own tenant.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -41,6 +49,37 @@ class PutResult:
     acks: tuple[Ack, ...] = ()
     # With ok False: why the daemon refused (sent to the worker).
     reason: str = ""
+
+
+TENANT_SEP = "~"
+
+
+def tenant_tag(tenant: str) -> str:
+    """A fixed-length, collision-resistant tag of a tenant name (no '/' nor '~')."""
+    return hashlib.sha256(b"hicached-tenant\0" + tenant.encode("utf-8")).hexdigest()[:32]
+
+
+def scoped_keys(tenant: str, keys: Sequence[str]) -> list[str]:
+    """Client keys -> the index's keys of ``tenant`` (unchanged for the default tenant).
+
+    InvalidArgument for a key holding the reserved separator ``~``, so no client
+    key of one tenant can spell another tenant's scoped key.
+    """
+    if isinstance(keys, str):
+        raise InvalidArgument(f"keys must be a sequence of str, got the single str {keys[:64]!r}")
+    out = list(keys)
+    for key in out:
+        if isinstance(key, str) and TENANT_SEP in key:
+            raise InvalidArgument(f"content key {key[:64]!r} contains {TENANT_SEP!r}, which is reserved")
+    if not tenant:
+        return out
+    suffix = TENANT_SEP + tenant_tag(tenant)
+    return [k + suffix if isinstance(k, str) else k for k in out]
+
+
+def client_key(key: str) -> str:
+    """The client's key of an index key (drops the tenant scope)."""
+    return key.partition(TENANT_SEP)[0]
 
 
 class KeyedCache:
@@ -90,6 +129,17 @@ class KeyedCache:
             raise FailedPrecondition(f"pool group {state.group_id} has no content index")
         return session, state, state.index
 
+    def tenant(self, session_id: str) -> str:
+        """The session's tenant (fixed at attach)."""
+        session, _, _ = self._ctx(session_id)
+        return session.worker.tenant
+
+    def _scoped(
+        self, session_id: str, keys: Sequence[str]
+    ) -> tuple[Session, GroupState, ContentIndex, list[str]]:
+        session, state, index = self._ctx(session_id)
+        return session, state, index, scoped_keys(session.worker.tenant, keys)
+
     def page_size(self, session_id: str) -> int:
         _, state, _ = self._ctx(session_id)
         return state.group.anchor.host_pool.page_size
@@ -97,13 +147,14 @@ class KeyedCache:
     # ------------------------------------------------------------------ queries
 
     def lookup(self, session_id: str, keys: Sequence[str]) -> LookupResult:
-        _, _, index = self._ctx(session_id)
+        _, _, index, keys = self._scoped(session_id, keys)
         return index.lookup(keys)
 
     def publish(
-        self, session_id: str, op_id: str, keys: Sequence[str], transfers: Sequence[PoolTransfer], tenant: str
+        self, session_id: str, op_id: str, keys: Sequence[str], transfers: Sequence[PoolTransfer]
     ) -> tuple[int, int]:
-        session, state, index = self._ctx(session_id)
+        session, state, index, keys = self._scoped(session_id, keys)
+        tenant = session.worker.tenant
         pages = self._columns(state, keys, transfers, side="host")
 
         def run() -> tuple[int, int]:
@@ -146,11 +197,12 @@ class KeyedCache:
     # ------------------------------------------------------------- keyed copies
 
     def put_pages(
-        self, session_id: str, op_id: str, keys: Sequence[str], transfers: Sequence[PoolTransfer], tenant: str
+        self, session_id: str, op_id: str, keys: Sequence[str], transfers: Sequence[PoolTransfer]
     ) -> PutResult:
         """Device -> new host pages -> published; keys already cached are skipped."""
-        session, state, index = self._ctx(session_id)
+        session, state, index, keys = self._scoped(session_id, keys)
         index.check_storable(keys)  # before any allocation or eviction
+        tenant = session.worker.tenant
         core = self.core
         checked = core.check_transfers(session, state, transfers, host="forbidden")
         self._columns(state, keys, checked, side="device")
@@ -194,10 +246,10 @@ class KeyedCache:
         transfers: Sequence[PoolTransfer],
         *,
         include_l3: bool,
-        tenant: str = "",
     ) -> tuple[int, tuple[Ack, ...]]:
         """Host -> device copy of the keys' longest cached prefix."""
-        session, state, index = self._ctx(session_id)
+        session, state, index, keys = self._scoped(session_id, keys)
+        tenant = session.worker.tenant
         core = self.core
         checked = core.check_transfers(session, state, transfers, host="forbidden")
         self._columns(state, keys, checked, side="device")
@@ -226,10 +278,15 @@ class KeyedCache:
         return session.run("GetPages", op_id, (list(keys), checked, include_l3, tenant), run)
 
     def put_bytes(
-        self, session_id: str, op_id: str, pages: Sequence[tuple[str, str, bytes]], tenant: str
+        self, session_id: str, op_id: str, pages: Sequence[tuple[str, str, bytes]]
     ) -> tuple[int, int]:
         """Byte fallback: (key, pool, data) for every allocating pool of each key."""
         session, state, index = self._ctx(session_id)
+        tenant = session.worker.tenant
+        scoped = dict(
+            zip((k for k, _, _ in pages), scoped_keys(tenant, [k for k, _, _ in pages]), strict=True)
+        )
+        pages = [(scoped[k], pool, blob) for k, pool, blob in pages]
         pools = state.owning_pools()
         keys: list[str] = []
         data: dict[tuple[str, str], bytes] = {}
@@ -279,9 +336,11 @@ class KeyedCache:
         return session.run("PutBytes", op_id, (list(pages), tenant), run)
 
     def get_bytes(
-        self, session_id: str, keys: Sequence[str], *, include_l3: bool, tenant: str = ""
+        self, session_id: str, keys: Sequence[str], *, include_l3: bool
     ) -> list[tuple[str, str, bytes]]:
-        _, state, index = self._ctx(session_id)
+        """(client key, pool, bytes) of the keys' leading cached run, every pool of each key."""
+        session, state, index, keys = self._scoped(session_id, keys)
+        tenant = session.worker.tenant
         if include_l3:
             index.fetch_into_l2(keys, tenant=tenant)
         pin = index.pin(keys)
@@ -289,7 +348,8 @@ class KeyedCache:
             out = []
             for i, key in enumerate(pin.keys):
                 for pool, arr in pin.pages.items():
-                    out.append((key, pool, state.pool(pool).get_page_flat(int(arr[i])).numpy().tobytes()))
+                    data = state.pool(pool).get_page_flat(int(arr[i])).numpy().tobytes()
+                    out.append((client_key(key), pool, data))
             return out
         finally:
             index.unpin(pin)
@@ -303,9 +363,9 @@ class KeyedCache:
         *,
         policy: str,
         timeout_ms: int,
-        tenant: str,
     ) -> tuple[str, int]:
-        session, _, index = self._ctx(session_id)
+        session, _, index, keys = self._scoped(session_id, keys)
+        tenant = session.worker.tenant
         chosen = policy or self._cfg.l3.prefetch_policy
         task = index.prefetch(
             keys,
@@ -333,7 +393,7 @@ class KeyedCache:
         return int(task.cancel())  # type: ignore[attr-defined]
 
     def backup(self, session_id: str, keys: Sequence[str], *, wait: bool) -> BackupResult:
-        _, _, index = self._ctx(session_id)
+        _, _, index, keys = self._scoped(session_id, keys)
         return index.backup(keys, wait=wait)
 
     # -------------------------------------------------------------------- admin

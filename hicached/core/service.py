@@ -775,6 +775,12 @@ class HiCacheCore:
     def set_draining(self) -> None:
         self._draining.set()
 
+    def resume(self) -> bool:
+        """Undo :meth:`set_draining` (new sessions are accepted again); True if it was draining."""
+        was = self._draining.is_set()
+        self._draining.clear()
+        return was
+
     @property
     def draining(self) -> bool:
         return self._draining.is_set()

@@ -39,6 +39,8 @@ class WorkerId:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    # Fixed at attach: every keyed call of the session uses this tenant's pages only.
+    tenant: str = ""
 
     @property
     def slot(self) -> tuple[str, int, int]:

@@ -1,20 +1,28 @@
-"""The asyncio gRPC server: listeners, health, reflection, auth, lease reaper.
+"""The asyncio gRPC servers: listeners, health, reflection, auth, lease reaper.
 
-The Unix socket is the default listener (mode ``server.socket_mode``; the
-socket directory's permissions are the access control). TCP is optional; it
-uses TLS (optionally mutual) when certificates are configured and requires a
-bearer token when ``server.auth_token_file`` is set.
+Three listeners, each its own grpc.aio server with servicers bound to one
+role (:mod:`hicached.server.roles`):
+
+* the worker socket ``server.socket`` (mode ``server.socket_mode``);
+* the admin socket ``server.admin_socket`` (0600, or 0660 with
+  ``server.admin_group``): Drain, Resume, ClearNamespace, full GetStats;
+* TCP ``server.listen`` (optional): TLS when certificates are configured,
+  and it fails closed: a token (worker or admin) or mTLS is required unless
+  ``server.insecure_tcp``; reflection needs the token, health stays open.
+
+Both sockets are claimed before anything else starts
+(:mod:`hicached.server.sockets`): directory checks, live-daemon probe,
+restrictive umask, inode-exact unlink at stop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,6 +31,9 @@ from hicached_client.v1 import hicached_pb2 as pb
 
 from hicached.config import Config
 from hicached.core.service import HiCacheCore
+from hicached.server import sockets
+from hicached.server.credentials import TcpCredentials
+from hicached.server.roles import Access, TokenInterceptor
 from hicached.server.servicer import RpcObserver
 
 logger = logging.getLogger(__name__)
@@ -33,67 +44,118 @@ SERVICE_NAMES = (
 )
 
 
+Registrations = Callable[[Access], Sequence[Callable[[grpc.aio.Server], None]]]
+
+
+def claim_sockets(config: Config) -> int | None:
+    """Check the socket directories and probe both socket paths (before the L3 lock, so a
+    second daemon's error names the first one); the admin group's gid. StartupError."""
+    cfg = config.server
+    gid = sockets.group_id(cfg.admin_group) if cfg.admin_group else None
+    sockets.claim(Path(cfg.socket), gid=gid)
+    sockets.claim(cfg.admin_socket_path(), gid=gid)
+    return gid
+
+
 class Server:
-    """Owns the grpc.aio server and the RPC thread pool; ``start``/``stop`` once each."""
+    """Owns the grpc.aio servers of the listeners; ``start``/``stop`` once each.
+
+    ``registrations(access)`` returns the servicer registrations of one listener,
+    built for that listener's role.
+    """
 
     def __init__(
         self,
         config: Config,
         core: HiCacheCore,
-        registrations: Sequence[Callable[[grpc.aio.Server], None]],
+        registrations: Registrations,
         *,
         executor: ThreadPoolExecutor,
+        credentials: TcpCredentials,
+        admin_gid: int | None = None,
     ) -> None:
         self._cfg = config
         self._core = core
         self._registrations = registrations
         self._executor = executor
-        self._server: grpc.aio.Server | None = None
+        self._creds = credentials
+        self._admin_gid = admin_gid
+        self._servers: list[grpc.aio.Server] = []
+        self._bound: list[sockets.BoundSocket] = []
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._reaper: asyncio.Task[None] | None = None
         self.tcp_port: int | None = None
 
-    async def start(self) -> None:
+    def _new_server(
+        self, access: Access, interceptors: Sequence[grpc.aio.ServerInterceptor[Any, Any]] = ()
+    ) -> grpc.aio.Server:
         cfg = self._cfg.server
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.aio.server(options=options)
-        for register in self._registrations:
+        server = grpc.aio.server(options=options, interceptors=interceptors)
+        for register in self._registrations(access):
             register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
+        self._servers.append(server)
+        return server
+
+    async def start(self) -> None:
+        cfg = self._cfg.server
+        admin_path = cfg.admin_socket_path()
+        worker = self._new_server(Access(str(admin_path)))
+        admin = self._new_server(Access(str(admin_path), admin=True))
         sock = Path(cfg.socket)
-        sock.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            sock.unlink()  # a stale socket of a dead daemon; a live one would hold the name
-        server.add_insecure_port(f"unix:{sock}")
+        Bound = sockets.BoundSocket
+        private = (Bound.private_path(sock, "w"), Bound.private_path(admin_path, "a"))
+        with sockets.restrictive_umask():
+            worker.add_insecure_port(f"unix:{private[0]}")
+            admin.add_insecure_port(f"unix:{private[1]}")
+            await worker.start()
+            await admin.start()
+        self._bound.append(Bound.publish(private[0], sock, cfg.socket_mode))
+        admin_mode = 0o660 if self._admin_gid is not None else 0o600
+        self._bound.append(Bound.publish(private[1], admin_path, admin_mode, self._admin_gid))
         if cfg.listen:
-            self.tcp_port = (
-                server.add_secure_port(cfg.listen, self._tls())
-                if cfg.tls_cert
-                else (server.add_insecure_port(cfg.listen))
-            )
-        await server.start()
-        os.chmod(sock, cfg.socket_mode)
-        self._server = server
+            await self._start_tcp(str(admin_path))
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap())
-        logger.info("serving", extra={"event": "serving", "socket": str(sock), "listen": cfg.listen or None})
-
-    def _tls(self) -> grpc.ServerCredentials:
-        cfg = self._cfg.server
-        key = Path(cfg.tls_key).read_bytes()
-        cert = Path(cfg.tls_cert).read_bytes()
-        ca = Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
-        return grpc.ssl_server_credentials(
-            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        logger.info(
+            "serving",
+            extra={
+                "event": "serving",
+                "socket": str(sock),
+                "admin_socket": str(admin_path),
+                "listen": cfg.listen or None,
+            },
         )
+
+    async def _start_tcp(self, admin_path: str) -> None:
+        cfg, creds = self._cfg.server, self._creds
+        access = Access(admin_path, tcp=True, worker_token=creds.worker_token, admin_token=creds.admin_token)
+        if cfg.insecure_tcp and creds.worker_token is None and creds.tls_client_ca is None:
+            logger.warning(
+                "server.insecure_tcp: TCP %s serves every client without authentication",
+                cfg.listen,
+                extra={"event": "insecure_tcp", "listen": cfg.listen},
+            )
+        tcp = self._new_server(access, (TokenInterceptor(access),))
+        if creds.tls_cert is not None and creds.tls_key is not None:
+            tls = grpc.ssl_server_credentials(
+                [(creds.tls_key, creds.tls_cert)],
+                root_certificates=creds.tls_client_ca,
+                require_client_auth=creds.tls_client_ca is not None,
+            )
+            self.tcp_port = tcp.add_secure_port(cfg.listen, tls)
+        else:
+            self.tcp_port = tcp.add_insecure_port(cfg.listen)
+        await tcp.start()
 
     async def _reap(self) -> None:
         """End sessions whose lease ran out (and backups past their lease)."""
@@ -111,19 +173,22 @@ class Server:
         for name in SERVICE_NAMES:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
+    async def mark_serving(self) -> None:
+        """Readiness back to SERVING (Resume undid a Drain)."""
+        for name in SERVICE_NAMES:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight RPCs finish for ``grace_s``, then cancel them."""
         if self._reaper is not None:
             self._reaper.cancel()
         await self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            await self._server.stop(grace_s)
-        with contextlib.suppress(FileNotFoundError):
-            Path(self._cfg.server.socket).unlink()
+        await asyncio.gather(*(server.stop(grace_s) for server in self._servers))
+        for bound in self._bound:
+            bound.unlink()
 
     async def wait(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()
+        await asyncio.gather(*(server.wait_for_termination() for server in self._servers))
 
 
 __all__ = ["RpcObserver", "Server"]

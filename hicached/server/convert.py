@@ -62,6 +62,7 @@ def worker_id(identity: tpb.WorkerIdentity) -> WorkerId:
         tp_size=max(identity.tp_size, 1),
         pp_rank=identity.pp_rank,
         pp_size=max(identity.pp_size, 1),
+        tenant=identity.tenant,
     )
 
 
@@ -206,6 +207,7 @@ def identity_out(w: WorkerId) -> tpb.WorkerIdentity:
         tp_size=w.tp_size,
         pp_rank=w.pp_rank,
         pp_size=w.pp_size,
+        tenant=w.tenant,
     )
 
 

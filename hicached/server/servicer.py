@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import os
 import time
@@ -29,16 +28,11 @@ from hicached.cache.types import PrefetchState
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import DaemonStats, HiCacheCore
 from hicached.core.types import Ack, PeerCred
-from hicached.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    PermissionDenied,
-    Unauthenticated,
-    Unimplemented,
-)
+from hicached.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented
 from hicached.l3.keys import page_keys
 from hicached.server import convert
 from hicached.server.handoff import HandoffRegistry
+from hicached.server.roles import Access
 from hicached.server.status import status_for, trailing_metadata_for
 
 logger = logging.getLogger(__name__)
@@ -60,22 +54,21 @@ class _Base:
         executor: Executor,
         *,
         observe: RpcObserver | None = None,
-        token: str | None = None,
+        access: Access,
         handoff: HandoffRegistry | None = None,
     ) -> None:
         self.core = core
         self._executor = executor
         self._observe = observe or _noop_observer
-        self._token = token
+        self.access = access
         self._handoff = handoff
 
     def authorize(self, context: Ctx) -> None:
-        """Calls over TCP must carry ``authorization: Bearer <token>`` when a token is configured."""
-        if self._token is None or context.peer().startswith("unix:"):
-            return
-        got = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not isinstance(got, str) or not hmac.compare_digest(got, f"Bearer {self._token}"):
-            raise Unauthenticated("missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
+        """TCP calls carry a configured bearer token (the listener's interceptor checks it too)."""
+        self.access.authenticate(context.invocation_metadata())
+
+    def is_admin(self, context: Ctx) -> bool:
+        return self.access.is_admin(context.invocation_metadata())
 
     def check_session(self, request: Any, context: Ctx) -> None:
         """The one place a session's capability is checked: a request that names a
@@ -164,6 +157,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
         peer, fds = self._take_handoff(request.handoff_ticket, context)
         try:
             worker = convert.worker_id(request.identity)
+            check_tenant(worker.tenant)
             pools = [convert.pool_request(p, i, fds) for i, p in enumerate(request.pools)]
             result = await self.run(self.core.attach, worker, pools, lease_ms=request.lease_ms, peer=peer)
         finally:
@@ -353,7 +347,9 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
     @unary
     async def GetStats(self, request: pb.GetStatsRequest, context: Ctx) -> pb.GetStatsResponse:
         stats = await self.run(self.core.stats, request.session_id)
-        return stats_out(stats, self.backend_infos())
+        if self.is_admin(context):
+            return stats_out(stats, self.backend_infos())
+        return worker_view(stats_out(stats, self.backend_infos()), own=bool(request.session_id))
 
     def backend_infos(self) -> list[pb.BackendInfo]:
         """L3 backend stats (filled in by the content-cache servicer)."""
@@ -362,6 +358,40 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
     @unary
     async def Ping(self, request: pb.PingRequest, context: Ctx) -> pb.PingResponse:
         return pb.PingResponse(payload=request.payload)
+
+
+MAX_TENANT_BYTES = 256
+
+
+def check_tenant(tenant: str) -> None:
+    if len(tenant.encode()) > MAX_TENANT_BYTES or not tenant.isprintable():
+        raise InvalidArgument(
+            f"identity.tenant {tenant[:32]!r} must be printable and at most {MAX_TENANT_BYTES} bytes"
+        )
+
+
+def same_tenant(session_tenant: str, given: str, field: str) -> None:
+    """A per-call tenant (deprecated) must be empty or the session's own."""
+    if given and given != session_tenant:
+        raise PermissionDenied(
+            f"{field} {given[:32]!r} is not this session's tenant {session_tenant[:32]!r}: "
+            "a session works only in the tenant it attached with (identity.tenant)"
+        )
+
+
+def worker_view(full: pb.GetStatsResponse, *, own: bool) -> pb.GetStatsResponse:
+    """What a non-admin may see: aggregates and group counts; no other session's ids,
+    identities or backups, and no segment names. ``own``: the request named one
+    session (the caller's), whose entry and backups stay."""
+    view = pb.GetStatsResponse()
+    view.CopyFrom(full)
+    if not own:
+        del view.sessions[:]
+        del view.backups[:]
+    for group in view.groups:
+        for pool in group.pools:
+            pool.segment = ""
+    return view
 
 
 def stats_out(stats: DaemonStats, backends: list[pb.BackendInfo]) -> pb.GetStatsResponse:
@@ -410,9 +440,13 @@ class KeyedServicerMixin(_Base):
     keyed: KeyedCache
 
     def keys_of(self, session_id: str, source: tpb.KeySource) -> tuple[list[str], str]:
-        """(keys, tenant) of a KeySource; token chains are hashed with the group's page size."""
+        """(keys, tenant) of a KeySource; token chains are hashed with the group's page size.
+
+        The tenant is the session's; a KeySource.tenant naming another is PERMISSION_DENIED.
+        """
         kind = source.WhichOneof("source")
-        tenant = source.tenant
+        tenant = self.keyed.tenant(session_id)
+        same_tenant(tenant, source.tenant, "keys.tenant")
         if kind == "keys":
             return list(source.keys.keys), tenant
         if kind == "tokens":
@@ -424,8 +458,6 @@ class KeyedServicerMixin(_Base):
                 cache_salt=chain.cache_salt if chain.HasField("cache_salt") else None,
                 include_partial=chain.include_partial_page,
             )
-            if not tenant and chain.HasField("cache_salt"):
-                tenant = chain.cache_salt
             return keys, tenant
         raise InvalidArgument("keys is empty: set keys.keys or keys.tokens")
 
@@ -456,19 +488,19 @@ class KeyedServicerMixin(_Base):
 
     @unary
     async def Publish(self, request: pb.PublishRequest, context: Ctx) -> pb.PublishResponse:
-        keys, tenant = self.keys_of(request.session_id, request.keys)
+        keys, _ = self.keys_of(request.session_id, request.keys)
         transfers = [convert.transfer_in(t) for t in request.transfers]
         published, existing = await self.run(
-            self.keyed.publish, request.session_id, request.op_id, keys, transfers, tenant
+            self.keyed.publish, request.session_id, request.op_id, keys, transfers
         )
         return pb.PublishResponse(published_pages=published, existing_pages=existing)
 
     @unary
     async def PutPages(self, request: pb.PutPagesRequest, context: Ctx) -> pb.PutPagesResponse:
         no_fence(request.ready)
-        keys, tenant = self.keys_of(request.session_id, request.keys)
+        keys, _ = self.keys_of(request.session_id, request.keys)
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
-        r = await self.run(self.keyed.put_pages, request.session_id, request.op_id, keys, transfers, tenant)
+        r = await self.run(self.keyed.put_pages, request.session_id, request.op_id, keys, transfers)
         return pb.PutPagesResponse(
             ok=r.ok,
             stored_pages=r.stored_pages,
@@ -479,7 +511,7 @@ class KeyedServicerMixin(_Base):
 
     @unary
     async def GetPages(self, request: pb.GetPagesRequest, context: Ctx) -> pb.GetPagesResponse:
-        keys, tenant = self.keys_of(request.session_id, request.keys)
+        keys, _ = self.keys_of(request.session_id, request.keys)
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
         hit, acks = await self.run(
             self.keyed.get_pages,
@@ -488,13 +520,12 @@ class KeyedServicerMixin(_Base):
             keys,
             transfers,
             include_l3=request.include_l3,
-            tenant=tenant,
         )
         return pb.GetPagesResponse(hit_pages=hit, acks=convert.acks_out(acks))
 
     @unary
     async def Prefetch(self, request: pb.PrefetchRequest, context: Ctx) -> pb.PrefetchResponse:
-        keys, tenant = self.keys_of(request.session_id, request.keys)
+        keys, _ = self.keys_of(request.session_id, request.keys)
         policy = PREFETCH_POLICIES.get(request.policy)
         if policy is None:
             raise InvalidArgument(f"policy = {request.policy} is not a PrefetchPolicy")
@@ -504,7 +535,6 @@ class KeyedServicerMixin(_Base):
             keys,
             policy=policy,
             timeout_ms=request.timeout_ms,
-            tenant=tenant,
         )
         return pb.PrefetchResponse(prefetch_id=pid, planned_pages=planned)
 
@@ -536,18 +566,15 @@ class KeyedServicerMixin(_Base):
 
     @unary
     async def PutBytes(self, request: pb.PutBytesRequest, context: Ctx) -> pb.PutBytesResponse:
+        same_tenant(self.keyed.tenant(request.session_id), request.tenant, "tenant")
         pages = [(p.key, p.pool, p.data) for p in request.pages]
-        stored, existing = await self.run(
-            self.keyed.put_bytes, request.session_id, request.op_id, pages, request.tenant
-        )
+        stored, existing = await self.run(self.keyed.put_bytes, request.session_id, request.op_id, pages)
         return pb.PutBytesResponse(stored_pages=stored, existing_pages=existing)
 
     @unary
     async def GetBytes(self, request: pb.GetBytesRequest, context: Ctx) -> pb.GetBytesResponse:
-        keys, tenant = self.keys_of(request.session_id, request.keys)
-        pages = await self.run(
-            self.keyed.get_bytes, request.session_id, keys, include_l3=request.include_l3, tenant=tenant
-        )
+        keys, _ = self.keys_of(request.session_id, request.keys)
+        pages = await self.run(self.keyed.get_bytes, request.session_id, keys, include_l3=request.include_l3)
         hit = len({k for k, _, _ in pages})
         return pb.GetBytesResponse(
             pages=[tpb.PageBytes(key=k, pool=p, data=d) for k, p, d in pages], hit_pages=hit
@@ -578,7 +605,8 @@ class CacheServicer(KeyedServicerMixin, HiCacheServicer):
 
 
 class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
-    """hicached.v1.AdminService."""
+    """hicached.v1.AdminService: admin only (see :mod:`hicached.server.roles`), except a
+    worker's ClearNamespace of its own tenant."""
 
     def __init__(
         self,
@@ -587,14 +615,20 @@ class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
         *,
         keyed: KeyedCache,
         on_drain: Callable[[], Awaitable[None]] | None = None,
+        on_resume: Callable[[], Awaitable[None]] | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(core, executor, **kw)
         self.keyed = keyed
         self._on_drain = on_drain
+        self._on_resume = on_resume
+
+    def require_admin(self, context: Ctx, what: str) -> None:
+        self.access.require_admin(context.invocation_metadata(), what)
 
     @unary
     async def Drain(self, request: pb.DrainRequest, context: Ctx) -> pb.DrainResponse:
+        self.require_admin(context, "Drain")
         self.core.set_draining()
         if self._on_drain is not None:
             await self._on_drain()
@@ -602,8 +636,29 @@ class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
         return pb.DrainResponse(flushed_pages=flushed)
 
     @unary
+    async def Resume(self, request: pb.ResumeRequest, context: Ctx) -> pb.ResumeResponse:
+        self.require_admin(context, "Resume")
+        was = self.core.resume()
+        if self._on_resume is not None:
+            await self._on_resume()
+        return pb.ResumeResponse(was_draining=was)
+
+    @unary
     async def ClearNamespace(
         self, request: pb.ClearNamespaceRequest, context: Ctx
     ) -> pb.ClearNamespaceResponse:
-        l2, l3 = await self.run(self.keyed.clear, request.model_name, request.tenant or None)
+        model, tenant = request.model_name, request.tenant or None
+        if not self.is_admin(context):
+            if not request.session_id:
+                self.require_admin(context, "ClearNamespace without session_id (any tenant)")
+            session, _ = self.core.session_group(request.session_id)
+            own = session.worker
+            same_tenant(own.tenant, request.tenant, "tenant")
+            if model and model != own.model_name:
+                raise PermissionDenied(
+                    f"model_name {model[:64]!r} is not this session's model {own.model_name[:64]!r}: "
+                    "a worker clears only its own model and tenant"
+                )
+            model, tenant = own.model_name, own.tenant
+        l2, l3 = await self.run(self.keyed.clear, model, tenant)
         return pb.ClearNamespaceResponse(l2_pages=l2, l3_pages=l3)

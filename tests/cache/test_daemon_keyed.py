@@ -118,21 +118,29 @@ def test_prefetch_brings_evicted_pages_back_from_l3_for_another_worker(
 
 
 def test_clear_namespace_of_one_tenant_drops_its_l2_and_l3_pages_only(
-    client: HiCacheClient, worker_pools: list[WorkerPools]
+    l3_daemon: Daemon, client: HiCacheClient, worker_pools: list[WorkerPools]
 ) -> None:
-    tag, pools = new_worker(worker_pools, seed=23)
+    tag_g, pools_g = new_worker(worker_pools, seed=23)
+    tag_k, pools_k = new_worker(worker_pools, seed=24)
     model = f"{MODEL}-clear"
     gone, kept = chain(16, "tenant-gone", offset=3), chain(16, "tenant-kept", offset=3)
-    with client.attach(WorkerIdentity(tag, generation=1, model_name=model), pools.specs()) as s:
-        assert s.put_pages(gone, transfers(list(range(16)))).stored_pages == 16
-        assert s.put_pages(kept, transfers(list(range(16, 32)))).stored_pages == 16
-        for keys in (gone, kept):
+    with (
+        client.attach(
+            WorkerIdentity(tag_g, generation=1, model_name=model, tenant="tenant-gone"), pools_g.specs()
+        ) as g,
+        client.attach(
+            WorkerIdentity(tag_k, generation=1, model_name=model, tenant="tenant-kept"), pools_k.specs()
+        ) as k,
+    ):
+        for s, keys in ((g, gone), (k, kept)):
+            assert s.put_pages(keys, transfers(list(range(16)))).stored_pages == 16
             backed = s.backup(keys, wait=True)
             assert backed.stored_pages == backed.queued_pages
             assert s.lookup(keys).total_hit_pages == 16
-        cleared = client.clear_namespace(model, "tenant-gone")
+        with HiCacheClient(l3_daemon.admin_target, timeout_s=30.0) as admin:
+            cleared = admin.clear_namespace(model, "tenant-gone")
         assert (cleared.l2_pages, cleared.l3_pages) == (16, 16)
-        after = s.lookup(gone)
+        after = g.lookup(gone)
         assert (after.l2_hit_pages, after.total_hit_pages) == (0, 0)
-        still = s.lookup(kept)
+        still = k.lookup(kept)
         assert (still.l2_hit_pages, still.total_hit_pages) == (16, 16)

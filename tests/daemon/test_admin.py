@@ -1,5 +1,6 @@
-"""Issue 5, admin: Drain flushes pending L3 backups and refuses new sessions; ClearNamespace
-drops one model's pages from L2 and L3 and leaves another model's."""
+"""Issue 5, admin: Drain flushes pending L3 backups and refuses new sessions (Resume undoes it);
+ClearNamespace drops one model's pages from L2 and L3 and leaves another model's. Admin calls
+go to the admin socket (issue 9)."""
 
 from __future__ import annotations
 
@@ -40,14 +41,17 @@ def test_drain_flushes_backups_then_refuses_new_sessions(
     tag, pools = new_pools(worker_pools, seed=81)
     daemon = start_file_daemon(l3_dir, "--set", "l3.write_policy=write_back")
     try:
-        with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+        with (
+            HiCacheClient(daemon.target, timeout_s=30.0) as client,
+            HiCacheClient(daemon.admin_target, timeout_s=30.0) as admin,
+        ):
             model = "m-drain"
             with client.attach(WorkerIdentity(tag, generation=1, model_name=model), pools.specs()) as s:
                 keys = chain("tenant-drain")
                 assert s.put_pages(keys, transfers(range(PAGES))).stored_pages == PAGES
                 assert l3_pages(client) == 0, "write_back with free host room: the pages wait in L2"
 
-                drained = client.drain(wait_flush=True)
+                drained = admin.drain(wait_flush=True)
                 assert drained.flushed_pages == PAGES
                 assert l3_pages(client) == PAGES * len(POOLS), (
                     "every pending page is in L3 when Drain returns"
@@ -68,6 +72,15 @@ def test_drain_flushes_backups_then_refuses_new_sessions(
                 found = s.lookup(keys)
                 assert (found.l2_hit_pages, found.total_hit_pages) == (PAGES, PAGES)
                 assert s.write(transfers([100, 101]), allocate=True).ok
+
+                assert admin.resume() is True, "Drain is undone by Resume"
+                assert not client.get_stats().draining
+                assert health_status(daemon.target, "hicached.v1.HiCacheService") == "SERVING"
+                _, again = new_pools(worker_pools, seed=None)
+                late = client.attach(
+                    WorkerIdentity(unique_tag("late"), generation=1, model_name=model), again.specs()
+                )
+                late.detach()
     finally:
         daemon.stop()
 
@@ -82,6 +95,7 @@ def test_clear_namespace_drops_one_model_from_l2_and_l3(
     try:
         with (
             HiCacheClient(daemon.target, timeout_s=30.0) as client,
+            HiCacheClient(daemon.admin_target, timeout_s=30.0) as admin,
             client.attach(WorkerIdentity(tag_a, generation=1, model_name="m-gone"), pools_a.specs()) as a,
             client.attach(WorkerIdentity(tag_b, generation=1, model_name="m-kept"), pools_b.specs()) as b,
         ):
@@ -93,7 +107,7 @@ def test_clear_namespace_drops_one_model_from_l2_and_l3(
             in_l3 = l3_pages(client)
             assert in_l3 == 2 * PAGES * len(POOLS), "the backend counts one page per key and pool"
 
-            cleared = client.clear_namespace("m-gone")
+            cleared = admin.clear_namespace("m-gone")
             assert (cleared.l2_pages, cleared.l3_pages) == (PAGES, PAGES)
             gone = a.lookup(keys)
             assert (gone.l2_hit_pages, gone.total_hit_pages) == (0, 0)

@@ -29,7 +29,8 @@ def hicached(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def socket_of(daemon: Daemon) -> str:
-    return daemon.target.removeprefix("unix://")
+    """The admin socket: ``hicached status`` lists sessions only to an admin (issue 9)."""
+    return daemon.admin_target.removeprefix("unix://")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_status_shows_the_session_and_its_pools(
     shown = hicached("status", "--socket", socket_of(daemon))
     assert shown.returncode == 0, shown.stderr
     out = shown.stdout
-    assert f"at {daemon.target}" in out
+    assert f"at {daemon.admin_target}" in out
     assert "sessions (1):" in out and "pool groups (1):" in out
     line = next(ln for ln in out.splitlines() if session.session_id in ln)
     assert identity.instance_id in line and "gen 3" in line and f"model '{MODEL}'" in line

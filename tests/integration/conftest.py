@@ -23,3 +23,10 @@ def daemon() -> Iterator[Daemon]:
 def client(daemon: Daemon) -> Iterator[HiCacheClient]:
     with HiCacheClient(daemon.target, timeout_s=30.0) as c:
         yield c
+
+
+@pytest.fixture
+def admin(daemon: Daemon) -> Iterator[HiCacheClient]:
+    """A client on the admin socket: GetStats lists every session and backup there."""
+    with HiCacheClient(daemon.admin_target, timeout_s=30.0) as c:
+        yield c

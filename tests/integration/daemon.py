@@ -35,6 +35,11 @@ class Daemon:
     shm_prefix: str
 
     @property
+    def admin_target(self) -> str:
+        """The admin socket (the daemon's default: admin.sock next to the worker socket)."""
+        return f"unix://{self.workdir / 'admin.sock'}"
+
+    @property
     def log(self) -> str:
         path = self.workdir / "daemon.log"
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""

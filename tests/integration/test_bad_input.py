@@ -298,15 +298,15 @@ PARAMS = [pytest.param(code, pattern, call, id=name) for name, code, pattern, ca
 
 @pytest.mark.parametrize(("code", "pattern", "call"), PARAMS)
 def test_bad_input_gets_precise_status_and_changes_nothing(
-    ctx: Ctx, code: grpc.StatusCode, pattern: str, call: Callable[[Ctx], Any]
+    ctx: Ctx, admin: HiCacheClient, code: grpc.StatusCode, pattern: str, call: Callable[[Ctx], Any]
 ) -> None:
-    before = state(ctx.client)
+    before = state(admin)
     with pytest.raises(HiCacheError) as info:
         call(ctx)
     err = info.value
     assert err.code == code, f"expected {code.name}, got {err.code.name}: {err.message}"
     assert re.search(pattern, err.message), f"message {err.message!r} does not match {pattern!r}"
-    assert state(ctx.client) == before, "a failed call changed daemon state"
+    assert state(admin) == before, "a failed call changed daemon state"
 
 
 def test_matrix_session_still_works_after_every_bad_call(ctx: Ctx) -> None:

@@ -13,6 +13,7 @@ from hicached_client import (
     PageBytes,
     PoolInfo,
     PrefetchState,
+    Session,
     Stats,
     TokenChain,
     WorkerIdentity,
@@ -25,7 +26,9 @@ from tests.integration.state import poll
 LEASE_MS = 600  # the daemon's minimum is 500
 
 
-def test_heartbeat_keeps_the_session_alive_and_its_absence_ends_it(client: HiCacheClient) -> None:
+def test_heartbeat_keeps_the_session_alive_and_its_absence_ends_it(
+    client: HiCacheClient, admin: HiCacheClient
+) -> None:
     pools = WorkerPools.create(unique_tag("hb"))
     try:
         identity = WorkerIdentity(unique_tag("hb"), generation=1, model_name="m-heartbeat")
@@ -33,12 +36,12 @@ def test_heartbeat_keeps_the_session_alive_and_its_absence_ends_it(client: HiCac
         assert session.info.lease_ms == LEASE_MS
         # Six beats at lease/3 span two leases: only the heartbeat can have kept the session.
         poll(lambda: session.heartbeats, lambda n: n >= 6, timeout_s=10, what="six heartbeats")
-        assert client.get_stats().session(session.session_id) is not None
+        assert admin.get_stats().session(session.session_id) is not None
         assert session.alloc("kv", 2).ok
         session.stop_heartbeat()
         assert not session.heartbeat_running
         stats: Stats = poll(
-            client.get_stats,
+            admin.get_stats,
             lambda s: s.session(session.session_id) is None,
             timeout_s=10,
             what="lease expiry after the heartbeat stopped",
@@ -89,7 +92,8 @@ def test_async_client_round_trip_and_errors(daemon: Daemon) -> None:
                 with pytest.raises(HiCacheError) as info:
                     await session.alloc("nope", 1)
                 assert info.value.code == grpc.StatusCode.NOT_FOUND and "'nope'" in info.value.message
-            assert (await client.get_stats()).session(session.session_id) is None
+            with HiCacheClient(daemon.admin_target) as admin:
+                assert admin.get_stats().session(session.session_id) is None
             assert await client.ping(b"ok") == b"ok"
 
     try:
@@ -102,7 +106,7 @@ def test_content_cache_methods_over_the_wire(client: HiCacheClient) -> None:
     """Every keyed RPC through the typed client: put/lookup/get pages, bytes, publish, prefetch, clear."""
     pools = WorkerPools.create(unique_tag("keyed"))
     try:
-        identity = WorkerIdentity(unique_tag("keyed"), generation=1, model_name="m-keyed")
+        identity = WorkerIdentity(unique_tag("keyed"), generation=1, model_name="m-keyed", tenant="tenant-a")
         with client.attach(identity, pools.specs()) as s:
             pools.fill_random(3)
             chain = TokenChain(list(range(16)), cache_salt="tenant-a")  # 4 pages of 4 tokens
@@ -135,7 +139,9 @@ def test_content_cache_methods_over_the_wire(client: HiCacheClient) -> None:
             assert ticket.planned_pages == 0, "everything is in L2 already"
             status = s.prefetch_status(ticket.prefetch_id, wait=True)
             assert status.state is PrefetchState.DONE
-            cleared = client.clear_namespace("m-keyed")
+            cleared = client.clear_namespace(
+                "m-keyed", session_id=s.session_id, session_secret=s.info.session_secret
+            )  # its own tenant
             assert cleared.l2_pages >= 8 and cleared.l3_pages == 0
             assert s.lookup(chain).l2_hit_pages == 0
     finally:
@@ -157,17 +163,17 @@ def test_resolve_and_release_transfers_are_all_or_nothing(client: HiCacheClient)
                 filler += s.alloc("kv", min(want, 256)).host_pages
             declined = s.resolve_transfers(transfers(range(100, 101)))
             assert not declined.ok
-            free = {p.name: p.free_pages for p in _pools_of(client, s.session_id)}
+            free = {p.name: p.free_pages for p in _pools_of(s)}
             assert free == {"kv": 0, "draft": total - 100}, "the draft allocation was rolled back"
             assert s.release_transfers(resolved.transfers) == 200
-            free = {p.name: p.free_pages for p in _pools_of(client, s.session_id)}
+            free = {p.name: p.free_pages for p in _pools_of(s)}
             assert free == {"kv": 100, "draft": total}
     finally:
         pools.close()
 
 
-def _pools_of(client: HiCacheClient, session_id: str) -> tuple[PoolInfo, ...]:
-    stats = client.get_stats()
-    info = stats.session(session_id)
+def _pools_of(session: Session) -> tuple[PoolInfo, ...]:
+    stats = session.stats()  # a worker sees its own session (its secret goes with the call)
+    info = stats.session(session.session_id)
     assert info is not None
     return next(g.pools for g in stats.groups if g.group == info.group)

@@ -30,13 +30,13 @@ def _group_pools(stats: Stats, group: str) -> dict[str, tuple[int, int]]:
     return {p.name: (p.free_pages, p.total_pages) for g in stats.groups if g.group == group for p in g.pools}
 
 
-def test_worker_killed_mid_write_leaves_no_page_allocated(daemon: Daemon, client: HiCacheClient) -> None:
+def test_worker_killed_mid_write_leaves_no_page_allocated(daemon: Daemon, admin: HiCacheClient) -> None:
     proc, tag = spawn_worker(daemon, "hold_and_write", model="m-kill", pages=128, seed=21)
     try:
         hello = read_report(proc)
         assert hello["held"] and hello["first"]
         session_id, group = hello["session_id"], hello["group"]
-        info = client.get_stats().session(session_id)
+        info = admin.get_stats().session(session_id)
         assert info is not None and info.owned_pages >= 64, "the worker holds pages when it is killed"
         os.kill(proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -52,7 +52,7 @@ def test_worker_killed_mid_write_leaves_no_page_allocated(daemon: Daemon, client
         return stats.session(session_id) is None and all(free == total for free, total in pools.values())
 
     stats = poll(
-        client.get_stats, released, timeout_s=10 * LEASE_MS / 1000, what="lease expiry of the killed worker"
+        admin.get_stats, released, timeout_s=10 * LEASE_MS / 1000, what="lease expiry of the killed worker"
     )
     # The lease, not the kill, ended the session: it lived at least most of a lease after the kill.
     assert time.monotonic() - killed_at >= 0.5 * LEASE_MS / 1000
@@ -69,7 +69,9 @@ def _expect_denied(call: Callable[[], Any], what: str) -> HiCacheError:
     return info.value
 
 
-def test_sessions_cannot_touch_each_others_pages_or_backups(daemon: Daemon, client: HiCacheClient) -> None:
+def test_sessions_cannot_touch_each_others_pages_or_backups(
+    daemon: Daemon, client: HiCacheClient, admin: HiCacheClient
+) -> None:
     proc, tag = spawn_worker(daemon, "owner", model="m-iso", pages=32, seed=31)
     pools_b = WorkerPools.create(unique_tag("iso-b"))
     try:
@@ -91,12 +93,12 @@ def test_sessions_cannot_touch_each_others_pages_or_backups(daemon: Daemon, clie
                 "RetractRestore": lambda: b.retract_restore_wait(a["backup_id"], transfers(dev[:16])),
                 "RetractDiscard": lambda: b.retract_discard(a["backup_id"]),
             }
-            before = state(client)
+            before = state(admin)
             for name, call in cases.items():
                 err = _expect_denied(call, name)
                 owned_by = a["backup_id"] if name.startswith("Retract") else b.session_id
                 assert owned_by in err.message, (name, err.message)
-                assert state(client) == before, f"{name} changed daemon state"
+                assert state(admin) == before, f"{name} changed daemon state"
         assert proc.stdin is not None
         proc.stdin.write("verify\n")
         proc.stdin.flush()
@@ -113,19 +115,21 @@ def test_sessions_cannot_touch_each_others_pages_or_backups(daemon: Daemon, clie
         _unlink_segments(tag)
 
 
-def test_a_new_generation_replaces_the_old_session_and_frees_its_pages(client: HiCacheClient) -> None:
+def test_a_new_generation_replaces_the_old_session_and_frees_its_pages(
+    client: HiCacheClient, admin: HiCacheClient
+) -> None:
     pools = WorkerPools.create(unique_tag("gen"))
     instance = unique_tag("gen")
     try:
         old = client.attach(WorkerIdentity(instance, generation=1, model_name="m-gen"), pools.specs())
         info = old.stats().session(old.session_id)
         assert info is not None
-        free_before = _group_pools(client.get_stats(), info.group)
+        free_before = _group_pools(admin.get_stats(), info.group)
         assert old.alloc("kv", 16).ok and old.write(transfers([1, 2]), allocate=True).ok
         new = client.attach(WorkerIdentity(instance, generation=2, model_name="m-gen"), pools.specs())
         with new:
             assert new.info.replaced_session_id == old.session_id
-            assert _group_pools(client.get_stats(), info.group) == free_before, "the replaced session's pages"
+            assert _group_pools(admin.get_stats(), info.group) == free_before, "the replaced session's pages"
             with pytest.raises(HiCacheError) as gone:
                 old.alloc("kv", 1)
             assert gone.value.code == grpc.StatusCode.NOT_FOUND and old.session_id in gone.value.message

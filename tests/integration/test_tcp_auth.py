@@ -81,15 +81,18 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
 
 def test_tls_listener_serves_clients_that_trust_its_certificate(tmp_path: Path) -> None:
     key, cert = _self_signed(tmp_path)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
     port = _free_port()
     daemon = start_daemon(
         "--listen", f"localhost:{port}",
         "--set", f"server.tls_cert={cert}",
         "--set", f"server.tls_key={key}",
+        "--set", f"server.auth_token_file={token_file}",
     )  # fmt: skip
     try:
         trusted = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
-        with HiCacheClient(f"localhost:{port}", credentials=trusted, timeout_s=10) as client:
+        with HiCacheClient(f"localhost:{port}", credentials=trusted, token=TOKEN, timeout_s=10) as client:
             assert client.ping(b"tls") == b"tls"
         with HiCacheClient(f"localhost:{port}", timeout_s=5) as plain, pytest.raises(HiCacheError) as info:
             plain.ping(b"plaintext")  # a plaintext client cannot talk to the TLS port

@@ -101,7 +101,7 @@ def retract(args: argparse.Namespace, client: HiCacheClient, pools: WorkerPools)
         expected = {p: pools.digest(p, src) for p in POOLS}
         num_tokens = args.pages * 4 - 3  # the last page is partial
         backup = session.retract_backup("req-1", transfers(src), num_tokens)
-        stats = client.get_stats()
+        stats = session.stats()
         listed = [b.pages for b in stats.backups if b.backup_id == backup.backup_id]
         free_backed_up = group_free(client, group)
         pools.clobber()
@@ -116,7 +116,7 @@ def retract(args: argparse.Namespace, client: HiCacheClient, pools: WorkerPools)
             "free_before": free_before,
             "free_backed_up": free_backed_up,
             "free_after": group_free(client, group),
-            "backups_after": [b.backup_id for b in client.get_stats().backups],
+            "backups_after": [b.backup_id for b in session.stats().backups],
             "backup_id": backup.backup_id,
         }
 
@@ -146,7 +146,7 @@ def decline(args: argparse.Namespace, client: HiCacheClient, pools: WorkerPools)
             "free_held": free_held,
             "free_after_backup": free_after_backup,
             "free_after_write": free_after_write,
-            "backups": len(client.get_stats().backups),
+            "backups": len(session.stats().backups),
             "freed": freed,
             "free_end": group_free(client, group),
             "total": total,

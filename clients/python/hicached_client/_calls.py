@@ -353,6 +353,10 @@ def drain(wait_flush: bool) -> Call[DrainResult]:
     return Call("Drain", pb.DrainRequest(wait_flush=wait_flush), cv.drain_result, Service.ADMIN)
 
 
-def clear_namespace(model_name: str, tenant: str) -> Call[ClearNamespaceResult]:
-    req = pb.ClearNamespaceRequest(model_name=model_name, tenant=tenant)
+def resume() -> Call[bool]:
+    return Call("Resume", pb.ResumeRequest(), cv.was_draining, Service.ADMIN)
+
+
+def clear_namespace(model_name: str, tenant: str, session_id: str = "") -> Call[ClearNamespaceResult]:
+    req = pb.ClearNamespaceRequest(model_name=model_name, tenant=tenant, session_id=session_id)
     return Call("ClearNamespace", req, cv.clear_namespace_result, Service.ADMIN)

@@ -47,6 +47,25 @@ def default_target() -> str:
     return normalize_target(str(path))
 
 
+ADMIN_SOCKET_ENV = "HICACHED_ADMIN_SOCKET"
+ADMIN_SOCKET_NAME = "admin.sock"
+
+
+def default_admin_target() -> str:
+    """The daemon's default admin socket, as a gRPC target (for ``hicached status`` and admin tools).
+
+    ``$HICACHED_ADMIN_SOCKET`` wins; else ``admin.sock`` next to the worker socket
+    :func:`default_target` names (the daemon's default ``server.admin_socket``).
+    """
+    env = os.environ.get(ADMIN_SOCKET_ENV)
+    if env:
+        return normalize_target(env)
+    worker = default_target()
+    if not worker.startswith("unix://"):
+        return worker  # a TCP target: the admin role is the admin token there
+    return normalize_target(str(Path(worker.removeprefix("unix://")).parent / ADMIN_SOCKET_NAME))
+
+
 def normalize_target(target: str) -> str:
     """``/path/sock`` -> ``unix:///path/sock``; ``unix:...`` and ``host:port`` unchanged."""
     if not target:

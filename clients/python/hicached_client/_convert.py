@@ -172,6 +172,7 @@ def identity_to_wire(identity: WorkerIdentity) -> tpb.WorkerIdentity:
         tp_size=identity.tp_size,
         pp_rank=identity.pp_rank,
         pp_size=identity.pp_size,
+        tenant=identity.tenant,
     )
 
 
@@ -225,6 +226,7 @@ def identity(msg: tpb.WorkerIdentity) -> WorkerIdentity:
         tp_size=msg.tp_size,
         pp_rank=msg.pp_rank,
         pp_size=msg.pp_size,
+        tenant=msg.tenant,
     )
 
 
@@ -373,6 +375,10 @@ def stats(msg: pb.GetStatsResponse) -> Stats:
 
 def drain_result(msg: pb.DrainResponse) -> DrainResult:
     return DrainResult(flushed_pages=msg.flushed_pages)
+
+
+def was_draining(msg: pb.ResumeResponse) -> bool:
+    return bool(msg.was_draining)
 
 
 def clear_namespace_result(msg: pb.ClearNamespaceResponse) -> ClearNamespaceResult:

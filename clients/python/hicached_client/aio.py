@@ -237,10 +237,22 @@ class AsyncHiCacheClient:
     async def drain(self, *, wait_flush: bool = False, timeout_s: float | None = None) -> DrainResult:
         return await self.invoke(_calls.drain(wait_flush), timeout_s)
 
+    async def resume(self, *, timeout_s: float | None = None) -> bool:
+        """Undo a Drain (admin); True when the daemon was draining."""
+        return await self.invoke(_calls.resume(), timeout_s)
+
     async def clear_namespace(
-        self, model_name: str, tenant: str = "", *, timeout_s: float | None = None
+        self,
+        model_name: str,
+        tenant: str = "",
+        *,
+        session_id: str = "",
+        session_secret: str = "",
+        timeout_s: float | None = None,
     ) -> ClearNamespaceResult:
-        return await self.invoke(_calls.clear_namespace(model_name, tenant), timeout_s)
+        """Admin: any model/tenant. A worker: its own, naming one of its sessions (``session_id``)."""
+        call = _calls.clear_namespace(model_name, tenant, session_id).signed(session_secret)
+        return await self.invoke(call, timeout_s)
 
 
 class AsyncLoadStream(AsyncIterator[LoadProgress]):

@@ -101,6 +101,8 @@ class WorkerIdentity:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    #: The session's tenant, fixed at attach: its keyed calls see only this tenant's pages.
+    tenant: str = ""
 
 
 @dataclass(frozen=True)

@@ -222,6 +222,10 @@ class PoolLink:
         )
         return session, staging, transport
 
+    def call(self, op: Callable[[Session, PageTransport], T]) -> T:
+        """Run ``op`` with the live session (attaching again once if it was lost)."""
+        return self._call(op)
+
     def _call(self, op: Callable[[Session, PageTransport], T]) -> T:
         session, transport = self.session, self.transport
         try:

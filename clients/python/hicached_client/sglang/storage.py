@@ -183,6 +183,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
             tp_size=cfg.tp_size,
             pp_rank=cfg.pp_rank,
             pp_size=cfg.pp_size,
+            tenant=self.config.tenant,
         )
         segment = f"hicached-sgl-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         return PoolLink(
@@ -464,7 +465,21 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
     def clear(self) -> bool:
         """Drop this model's pages (this tenant's only, when a tenant is set) from L2 and L3."""
         try:
-            result = self._client.clear_namespace(self.model_name, self.config.tenant)
+            # A worker clears only its own tenant, naming its session (the daemon checks both).
+            link = self._link(KV_POOL)
+            if link is None:
+                log.error(
+                    "hicached: clear of model %r needs a registered KV pool (a session)", self.model_name
+                )
+                return False
+            result = link.call(
+                lambda session, _: self._client.clear_namespace(
+                    self.model_name,
+                    self.config.tenant,
+                    session_id=session.session_id,
+                    session_secret=session.info.session_secret,
+                )
+            )
         except HiCacheError as exc:
             log.error("hicached: clear of model %r failed: %s", self.model_name, exc)
             return False

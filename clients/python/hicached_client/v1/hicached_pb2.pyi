@@ -594,13 +594,25 @@ class DrainResponse(_message.Message):
     flushed_pages: int
     def __init__(self, flushed_pages: _Optional[int] = ...) -> None: ...
 
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("was_draining",)
+    WAS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    was_draining: bool
+    def __init__(self, was_draining: _Optional[bool] = ...) -> None: ...
+
 class ClearNamespaceRequest(_message.Message):
-    __slots__ = ("model_name", "tenant")
+    __slots__ = ("model_name", "tenant", "session_id")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     tenant: str
-    def __init__(self, model_name: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, model_name: _Optional[str] = ..., tenant: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ClearNamespaceResponse(_message.Message):
     __slots__ = ("l2_pages", "l3_pages")

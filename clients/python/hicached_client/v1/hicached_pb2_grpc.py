@@ -1117,7 +1117,10 @@ class HiCacheService:
 
 
 class AdminServiceStub:
-    """Operator actions.
+    """Operator actions. Admin only: calls on the admin socket (server.admin_socket,
+    guarded by its file permissions) or TCP calls carrying the admin token
+    (server.admin_token_file). Anyone else gets PERMISSION_DENIED naming the
+    admin socket, and nothing changes.
     """
 
     def __init__(self, channel):
@@ -1131,6 +1134,11 @@ class AdminServiceStub:
                 request_serializer=hicached_dot_v1_dot_hicached__pb2.DrainRequest.SerializeToString,
                 response_deserializer=hicached_dot_v1_dot_hicached__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/hicached.v1.AdminService/Resume',
+                request_serializer=hicached_dot_v1_dot_hicached__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=hicached_dot_v1_dot_hicached__pb2.ResumeResponse.FromString,
+                _registered_method=True)
         self.ClearNamespace = channel.unary_unary(
                 '/hicached.v1.AdminService/ClearNamespace',
                 request_serializer=hicached_dot_v1_dot_hicached__pb2.ClearNamespaceRequest.SerializeToString,
@@ -1139,18 +1147,29 @@ class AdminServiceStub:
 
 
 class AdminServiceServicer:
-    """Operator actions.
+    """Operator actions. Admin only: calls on the admin socket (server.admin_socket,
+    guarded by its file permissions) or TCP calls carrying the admin token
+    (server.admin_token_file). Anyone else gets PERMISSION_DENIED naming the
+    admin socket, and nothing changes.
     """
 
     def Drain(self, request, context):
-        """Stops accepting new sessions and flushes pending L3 backups.
+        """Stops accepting new sessions and flushes pending L3 backups. Undone by Resume.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Undoes a Drain: the daemon accepts new sessions again and reports SERVING.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ClearNamespace(self, request, context):
-        """Drops a model (and optionally one tenant) from L2 and L3.
+        """Drops a model (and optionally one tenant) from L2 and L3. The one
+        AdminService call a worker may make: for its own tenant, naming its session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1163,6 +1182,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=hicached_dot_v1_dot_hicached__pb2.DrainRequest.FromString,
                     response_serializer=hicached_dot_v1_dot_hicached__pb2.DrainResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=hicached_dot_v1_dot_hicached__pb2.ResumeRequest.FromString,
+                    response_serializer=hicached_dot_v1_dot_hicached__pb2.ResumeResponse.SerializeToString,
             ),
             'ClearNamespace': grpc.unary_unary_rpc_method_handler(
                     servicer.ClearNamespace,
@@ -1178,7 +1202,10 @@ def add_AdminServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class AdminService:
-    """Operator actions.
+    """Operator actions. Admin only: calls on the admin socket (server.admin_socket,
+    guarded by its file permissions) or TCP calls carrying the admin token
+    (server.admin_token_file). Anyone else gets PERMISSION_DENIED naming the
+    admin socket, and nothing changes.
     """
 
     @staticmethod
@@ -1198,6 +1225,33 @@ class AdminService:
             '/hicached.v1.AdminService/Drain',
             hicached_dot_v1_dot_hicached__pb2.DrainRequest.SerializeToString,
             hicached_dot_v1_dot_hicached__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicached.v1.AdminService/Resume',
+            hicached_dot_v1_dot_hicached__pb2.ResumeRequest.SerializeToString,
+            hicached_dot_v1_dot_hicached__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -163,7 +163,7 @@ class PoolSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[PoolRole, str]] = ..., indices_from_pool: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., host_layout: _Optional[_Union[HostLayout, str]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., packed_draft_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., host_size: _Optional[_Union[HostSizing, _Mapping]] = ..., k_buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., v_buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ...) -> None: ...
 
 class WorkerIdentity(_message.Message):
-    __slots__ = ("instance_id", "generation", "model_name", "tp_rank", "tp_size", "pp_rank", "pp_size")
+    __slots__ = ("instance_id", "generation", "model_name", "tp_rank", "tp_size", "pp_rank", "pp_size", "tenant")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class WorkerIdentity(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     generation: int
     model_name: str
@@ -178,7 +179,8 @@ class WorkerIdentity(_message.Message):
     tp_size: int
     pp_rank: int
     pp_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., generation: _Optional[int] = ..., model_name: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, instance_id: _Optional[str] = ..., generation: _Optional[int] = ..., model_name: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("name", "role", "host_layout", "page_size", "total_pages", "free_pages", "page_bytes", "segment")

@@ -1,0 +1,189 @@
+"""The daemon's Unix sockets belong to it: runtime directory, live-socket probe, inode-exact unlink.
+
+Before binding, :func:`claim` checks the socket's directory (created by the
+daemon with mode 0700, 0750 with an admin group; an existing one owned by
+another user, or writable by others, is refused: whoever can write it can
+swap the socket), then probes the socket path: a live listener there is
+another daemon (its pid comes from ``SO_PEERCRED`` of a probe connection, so
+no pid file can go stale) and startup stops; a dead socket is replaced; any
+other file is refused rather than deleted. The socket is bound under umask
+0o177, so it never exists with looser permissions than 0600, and at stop it
+is unlinked only when the path still names the file this daemon bound.
+
+Not thread-safe (startup and shutdown run once, on one thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import grp
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BoundSocket",
+    "StartupError",
+    "claim",
+    "group_id",
+    "prepare_dir",
+    "probe",
+    "restrictive_umask",
+]
+
+
+class StartupError(Exception):
+    """The daemon cannot take its sockets; the message is one line for the operator (exit 2)."""
+
+
+def group_id(name: str) -> int:
+    """A group name or numeric gid -> gid; StartupError naming ``server.admin_group`` when unknown."""
+    try:
+        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise StartupError(f"server.admin_group = {name!r}: no such group") from None
+
+
+def prepare_dir(directory: Path, *, gid: int | None) -> None:
+    """Create ``directory`` (0700, or 0750 owned by group ``gid``) or check an existing one."""
+    mode = 0o750 if gid is not None else 0o700
+    try:
+        os.mkdir(directory, mode)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(directory, mode)
+    else:
+        os.chmod(directory, mode)  # mkdir applied the umask
+        if gid is not None:
+            os.chown(directory, -1, gid)
+        return
+    st = os.stat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise StartupError(f"socket directory {directory} exists and is not a directory")
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise StartupError(
+            f"socket directory {directory} is owned by uid {st.st_uid}, not by this daemon's uid {me}: "
+            "another user could swap the socket; remove it or choose another server.socket"
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise StartupError(
+            f"socket directory {directory} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
+            "anyone could swap the socket; use a directory only the daemon can write"
+        )
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _, _ = struct.unpack("3i", creds)
+    return int(pid)
+
+
+def probe(path: Path) -> None:
+    """Make ``path`` free for a new socket: refuse a live daemon's, replace a dead one's."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(2.0)
+        try:
+            conn.connect(str(path))
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise StartupError(f"cannot probe the socket {path}: {exc.strerror}") from None
+        else:
+            raise StartupError(f"another hicached (pid {_peer_pid(conn)}) is serving on {path}")
+    logger.info("replacing the dead socket %s", path, extra={"event": "socket", "path": str(path)})
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def claim(path: Path, *, gid: int | None) -> None:
+    """:func:`prepare_dir` of the socket's directory, then :func:`probe` of the socket."""
+    prepare_dir(path.parent, gid=gid)
+    probe(path)
+
+
+@contextlib.contextmanager
+def restrictive_umask() -> Iterator[None]:
+    """Sockets bound inside are created 0600 at most (process-wide umask; startup only)."""
+    old = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@dataclass(frozen=True)
+class BoundSocket:
+    """A socket file this daemon bound: its path and identity (device, inode, ctime).
+
+    The ctime is part of the identity because a freed inode number is reused at
+    once (a socket another process binds after ours was unlinked often gets it).
+    """
+
+    path: Path
+    dev: int
+    ino: int
+    ctime_ns: int
+
+    @staticmethod
+    def private_path(path: Path, role: str) -> Path:
+        """Where gRPC binds the socket before :meth:`publish` links it to ``path``.
+
+        gRPC unlinks the path it bound at stop, whatever file is there by then;
+        binding a private name and serving under a hard link to it keeps the
+        public name in the daemon's hands (:meth:`unlink`)."""
+        return path.parent / f".hc-{os.getpid()}-{role}"
+
+    @classmethod
+    def publish(cls, private: Path, path: Path, mode: int, gid: int | None = None) -> BoundSocket:
+        """Link the socket bound at ``private`` to ``path`` (which must not exist: a daemon that
+        raced us there wins), drop the private name, give it its final mode (and group)."""
+        try:
+            os.link(private, path)
+        except FileExistsError:
+            raise StartupError(f"another hicached took {path} while this one started") from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(private)
+        if gid is not None:
+            try:
+                os.chown(path, -1, gid)
+            except PermissionError:
+                os.unlink(path)
+                raise StartupError(
+                    f"server.admin_group: cannot give {path} to gid {gid} (the daemon is not a member)"
+                ) from None
+        os.chmod(path, mode)
+        st = os.lstat(path)
+        return cls(path, st.st_dev, st.st_ino, st.st_ctime_ns)
+
+    def unlink(self) -> bool:
+        """Unlink the path if it is still our inode (another daemon may have replaced it)."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        if (st.st_dev, st.st_ino, st.st_ctime_ns) != (self.dev, self.ino, self.ctime_ns):
+            logger.warning(
+                "not removing %s: it is no longer this daemon's socket",
+                self.path,
+                extra={"event": "socket", "path": str(self.path)},
+            )
+            return False
+        os.unlink(self.path)
+        return True

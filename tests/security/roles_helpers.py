@@ -1,0 +1,109 @@
+"""Helpers of the trust-roles security tests (issue 9 items 4-7): short-lived ``hicached serve``
+runs that must refuse to start, a second uid, and raw socket connects made as that uid."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.integration.daemon import ROOT, Daemon, wait_serving
+
+OTHER_USER = "hicached-sectest"
+
+
+def serve(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """``hicached serve ARGS`` expected to exit by itself (a refused start); its output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    cmd = [sys.executable, "-m", "hicached", "serve", "--l3", "none", "--host-budget", "64MiB", *args]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    """A refused start: exit 2 and exactly one line on stderr (no traceback); that line."""
+    assert proc.returncode == 2, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def scratch_dir() -> Path:
+    """A short directory under /tmp (AF_UNIX paths are limited to ~107 bytes)."""
+    path = Path("/tmp") / f"hcs-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path.mkdir(mode=0o755)
+    return path
+
+
+def other_user() -> tuple[int, int]:
+    """(uid, gid) of a second, unprivileged user, created when missing (needs root, as CI runs)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create and impersonate a second user")
+    try:
+        entry = pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER],
+            check=True,
+            capture_output=True,
+        )
+        entry = pwd.getpwnam(OTHER_USER)
+    return entry.pw_uid, entry.pw_gid
+
+
+def connect_as(uid: int, gid: int, path: Path) -> int:
+    """Connect to the Unix socket ``path`` from a child running as ``uid``: 0 or the errno.
+
+    The child is forked (the interpreter under /root is not executable by another
+    user) and only makes the raw connect, no gRPC, before ``_exit``.
+    """
+    import socket
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(path))
+        except OSError as exc:
+            code = exc.errno or 255
+        except BaseException:
+            code = 254
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def launch(workdir: Path, *args: str, sock: Path | None = None, timeout_s: float = 60.0) -> Daemon:
+    """A serving daemon whose worker socket is ``sock`` (default ``workdir/d.sock``, admin.sock
+    next to it); ``Daemon.stop`` removes ``workdir``."""
+    sock = sock or workdir / "d.sock"
+    shm_prefix = f"hcds{uuid.uuid4().hex[:8]}"
+    cmd = [
+        sys.executable, "-m", "hicached", "serve", "--socket", str(sock), "--l3", "none",
+        "--host-budget", "64MiB", "--set", f"host.shm_prefix={shm_prefix}", *args,
+    ]  # fmt: skip
+    log = (workdir / "daemon.log").open("wb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log.close()
+    daemon = Daemon(target=f"unix://{sock}", process=process, workdir=workdir, shm_prefix=shm_prefix)
+    try:
+        wait_serving(daemon.target, process, timeout_s)
+    except BaseException as exc:
+        text = daemon.log
+        daemon.stop()
+        raise RuntimeError(f"{exc}\n--- daemon log ---\n{text}") from exc
+    return daemon
+
+
+__all__ = ["OTHER_USER", "connect_as", "launch", "one_line_error", "other_user", "scratch_dir", "serve"]

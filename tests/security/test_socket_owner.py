@@ -1,0 +1,154 @@
+"""Issue 9 item 7: the socket belongs to the daemon.
+
+Attacks tried on main (each test fails there): a second daemon on a live socket
+unlinked it and served in its place, leaving the first unreachable; a runtime
+directory another user created (or anyone may write) was used as is; the
+socket existed for a moment with umask permissions; stop unlinked whatever the
+path named by then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hicached_client import HiCacheClient
+
+from tests.integration.daemon import Daemon
+from tests.security.roles_helpers import launch, one_line_error, other_user, scratch_dir, serve
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = scratch_dir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    d = launch(scratch_dir())
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def ping(target: str) -> bytes:
+    with HiCacheClient(target, timeout_s=10) as client:
+        return client.ping(b"still here")
+
+
+def test_a_second_daemon_on_a_live_socket_exits_2_naming_the_first(daemon: Daemon) -> None:
+    """Before: the second daemon unlinked and rebound the socket; the first ran on unreachable."""
+    sock = Path(daemon.target.removeprefix("unix://"))
+    inode = os.lstat(sock).st_ino
+    second = serve("--socket", str(sock))
+    line = one_line_error(second)
+    assert f"another hicached (pid {daemon.process.pid}) is serving on {sock}" in line, line
+    assert os.lstat(sock).st_ino == inode, "the first daemon's socket was not replaced"
+    assert ping(daemon.target) == b"still here"
+    assert ping(daemon.admin_target) == b"still here"
+
+
+def test_a_second_daemon_on_a_live_admin_socket_exits_2(daemon: Daemon, workdir: Path) -> None:
+    admin = daemon.admin_target.removeprefix("unix://")
+    second = serve("--socket", str(workdir / "other.sock"), "--set", f"server.admin_socket={admin}")
+    line = one_line_error(second)
+    assert f"another hicached (pid {daemon.process.pid}) is serving on {admin}" in line, line
+    assert ping(daemon.admin_target) == b"still here"
+
+
+def test_a_dead_daemons_socket_is_replaced() -> None:
+    workdir = scratch_dir()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(workdir / "d.sock"))  # bound, never listening, closed: what a killed daemon leaves
+    stale.close()
+    d = launch(workdir)
+    try:
+        assert ping(d.target) == b"still here"
+    finally:
+        d.stop()
+
+
+def test_a_file_that_is_not_a_socket_is_refused_and_kept(workdir: Path) -> None:
+    victim = workdir / "d.sock"
+    victim.write_text("precious")
+    line = one_line_error(serve("--socket", str(victim)))
+    assert f"{victim} exists and is not a socket" in line, line
+    assert victim.read_text() == "precious"
+
+
+def test_a_runtime_dir_owned_by_another_user_is_refused(workdir: Path) -> None:
+    """Before: the daemon served from a directory another user created, who could swap the socket."""
+    uid, gid = other_user()
+    squatted = workdir / "run"
+    squatted.mkdir(mode=0o755)
+    os.chown(squatted, uid, gid)
+    line = one_line_error(serve("--socket", str(squatted / "hicached.sock")))
+    assert f"socket directory {squatted} is owned by uid {uid}" in line, line
+    assert list(squatted.iterdir()) == [], "nothing was created in the squatted directory"
+
+
+def test_a_world_writable_runtime_dir_is_refused(workdir: Path) -> None:
+    shared = workdir / "run"
+    shared.mkdir()
+    shared.chmod(0o777)
+    line = one_line_error(serve("--socket", str(shared / "hicached.sock")))
+    assert f"socket directory {shared} is writable by others (mode 0777)" in line, line
+    assert list(shared.iterdir()) == []
+
+
+def test_the_daemon_creates_its_runtime_dir_and_sockets_with_tight_modes(workdir: Path) -> None:
+    run = workdir / "run"
+    d = launch(workdir, "--set", "server.admin_socket=" + str(run / "a.sock"), sock=run / "hicached.sock")
+    try:
+        assert stat.S_IMODE(os.stat(run).st_mode) == 0o700
+        assert stat.S_IMODE(os.lstat(run / "hicached.sock").st_mode) == 0o660  # server.socket_mode
+        assert stat.S_IMODE(os.lstat(run / "a.sock").st_mode) == 0o600
+        assert ping(f"unix://{run / 'a.sock'}") == b"still here"
+    finally:
+        d.stop()
+    assert not (run / "hicached.sock").exists() and not (run / "a.sock").exists(), "stop removes its sockets"
+
+
+def test_an_admin_group_gets_a_0750_dir_and_a_0660_admin_socket(workdir: Path) -> None:
+    _, gid = other_user()
+    run = workdir / "run"
+    d = launch(workdir, "--set", f"server.admin_group={gid}", sock=run / "hicached.sock")
+    try:
+        st_dir, st_admin = os.stat(run), os.lstat(run / "admin.sock")
+        assert (stat.S_IMODE(st_dir.st_mode), st_dir.st_gid) == (0o750, gid)
+        assert (stat.S_IMODE(st_admin.st_mode), st_admin.st_gid) == (0o660, gid)
+    finally:
+        d.stop()
+
+
+def test_an_unknown_admin_group_is_refused(workdir: Path) -> None:
+    line = one_line_error(
+        serve("--socket", str(workdir / "d.sock"), "--set", "server.admin_group=no-such-group-x")
+    )
+    assert "server.admin_group = 'no-such-group-x': no such group" in line, line
+
+
+def test_stop_unlinks_only_the_socket_it_created(daemon: Daemon) -> None:
+    """Before: stop unlinked whatever the path named (another daemon's socket after a takeover)."""
+    sock = Path(daemon.target.removeprefix("unix://"))
+    sock.unlink()
+    with contextlib.closing(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)) as usurper:
+        usurper.bind(str(sock))
+        usurper.listen(1)
+        theirs = os.lstat(sock)
+        daemon.process.terminate()
+        assert daemon.process.wait(timeout=30) == 0
+        assert sock.exists(), "the daemon left the socket it did not create"
+        assert (os.lstat(sock).st_ino, os.lstat(sock).st_ctime_ns) == (theirs.st_ino, theirs.st_ctime_ns)
+    assert not Path(daemon.admin_target.removeprefix("unix://")).exists(), "its own admin socket is gone"

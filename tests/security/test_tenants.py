@@ -1,0 +1,159 @@
+"""Issue 9 item 5: tenants are bound to sessions.
+
+Attacks tried on main (each test fails there): the tenant was whatever a call
+put in ``KeySource.tenant``; the same tokens without a salt, or another
+tenant's raw keys, read that tenant's pages; a page tenant B fetched from L3 was
+relabelled B, so clearing tenant A left it behind.
+
+Now a session's tenant is fixed at attach (``WorkerIdentity.tenant``) and keys
+are scoped by it inside the daemon: another tenant finds nothing, whatever it
+names, and a per-call tenant other than the session's is PERMISSION_DENIED.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session, TokenChain, WorkerIdentity
+
+from tests.integration.daemon import Daemon
+from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+from tests.integration.state import snapshot
+from tests.security.roles_helpers import launch, scratch_dir
+
+MODEL = "m-tenants"
+PAGES = 8
+SRC = list(range(PAGES))
+DST = list(range(100, 100 + PAGES))
+TOKENS = TokenChain(list(range(PAGES * PAGE_SIZE)))  # no salt: both tenants hash the same keys
+
+
+def start(l3: Path) -> Daemon:
+    return launch(scratch_dir(), "--l3", "file", "--l3-path", str(l3))
+
+
+@pytest.fixture
+def l3(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "l3"
+    shutil.rmtree(tmp_path / "l3", ignore_errors=True)
+
+
+@pytest.fixture
+def made() -> Iterator[list[WorkerPools]]:
+    pools: list[WorkerPools] = []
+    yield pools
+    for p in pools:
+        p.close()
+
+
+def pools_of(made: list[WorkerPools], seed: int | None) -> WorkerPools:
+    pools = WorkerPools.create(unique_tag("tn"))
+    made.append(pools)
+    pools.fill_random(seed) if seed is not None else pools.clobber()
+    return pools
+
+
+def attach(client: HiCacheClient, tenant: str, pools: WorkerPools) -> Session:
+    identity = WorkerIdentity(unique_tag("tn"), generation=1, model_name=MODEL, tenant=tenant)
+    return client.attach(identity, pools.specs())
+
+
+def admin_state(daemon: Daemon) -> dict[str, object]:
+    with HiCacheClient(daemon.admin_target, timeout_s=10) as admin:
+        return snapshot(admin.get_stats())
+
+
+def test_tenant_b_reads_nothing_of_tenant_a(l3: Path, made: list[WorkerPools]) -> None:
+    daemon = start(l3)
+    try:
+        with HiCacheClient(daemon.target, timeout_s=30) as client:
+            pools_a, pools_b = pools_of(made, 11), pools_of(made, None)
+            with attach(client, "tenant-a", pools_a) as a, attach(client, "tenant-b", pools_b) as b:
+                assert a.put_pages(TOKENS, transfers(SRC)).stored_pages == PAGES
+                raw = list(a.lookup(TOKENS).keys)  # tenant A's keys, as a client sees them
+                backed = a.backup(raw, wait=True)  # write_through may have stored them already
+                assert backed.stored_pages == backed.queued_pages
+                before = admin_state(daemon)
+
+                for keys in (TOKENS, raw):
+                    found = b.lookup(keys)
+                    assert (found.l2_hit_pages, found.total_hit_pages) == (0, 0)
+                    assert b.get_pages(keys, transfers(DST), include_l3=True).hit_pages == 0
+                    assert b.get_bytes(keys, include_l3=True).pages == ()
+                    assert b.prefetch(keys).planned_pages == 0
+                assert all(pools_b.untouched(p, []) for p in POOLS), "nothing was copied into B's pool"
+                assert admin_state(daemon) == before
+
+                # Naming A's tenant per call is refused, not obeyed.
+                for call in (
+                    lambda: b.lookup(raw, tenant="tenant-a"),
+                    lambda: b.get_bytes(raw, tenant="tenant-a"),
+                    lambda: b.get_pages(raw, transfers(DST), tenant="tenant-a"),
+                    lambda: b.put_bytes([PageBytes(raw[0], "kv", b"x")], tenant="tenant-a"),
+                    lambda: client.clear_namespace(
+                        MODEL, "tenant-a", session_id=b.session_id, session_secret=b.info.session_secret
+                    ),
+                ):
+                    with pytest.raises(HiCacheError) as info:
+                        call()
+                    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+                    assert "tenant" in info.value.message
+                # A key spelling another tenant's scoped key is malformed.
+                with pytest.raises(HiCacheError) as bad:
+                    b.lookup([raw[0] + "~" + "0" * 32])
+                assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                assert admin_state(daemon) == before
+
+                # B writing under A's raw keys lands in B's space; A still reads its own bytes.
+                mine = a.get_bytes(raw[:1])
+                forged = [PageBytes(raw[0], p.pool, bytes(len(p.data))) for p in mine.pages]
+                assert b.put_bytes(forged).stored_pages == 1
+                assert a.get_bytes(raw[:1]).pages == mine.pages
+
+                # B clears its own tenant: A's pages stay.
+                cleared = client.clear_namespace(
+                    MODEL, session_id=b.session_id, session_secret=b.info.session_secret
+                )
+                assert cleared.l2_pages == 1
+                assert a.lookup(raw).l2_hit_pages == PAGES
+    finally:
+        daemon.stop()
+
+
+def test_pages_fetched_from_l3_keep_their_tenant(l3: Path, made: list[WorkerPools]) -> None:
+    """Before: B's fetch from L3 relabelled A's pages B, and clearing tenant A left them in L2."""
+    first = start(l3)
+    try:
+        with (
+            HiCacheClient(first.target, timeout_s=30) as client,
+            attach(client, "tenant-a", pools_of(made, 12)) as a,
+        ):
+            assert a.put_pages(TOKENS, transfers(SRC)).stored_pages == PAGES
+            raw = list(a.lookup(TOKENS).keys)
+            backed = a.backup(raw, wait=True)
+            assert backed.stored_pages == backed.queued_pages
+    finally:
+        first.stop()
+    second = start(l3)  # an empty L2 in front of the same L3
+    try:
+        with HiCacheClient(second.target, timeout_s=30) as client:
+            pools_a = pools_of(made, None)
+            with (
+                attach(client, "tenant-b", pools_of(made, None)) as b,
+                attach(client, "tenant-a", pools_a) as a,
+            ):
+                for keys in (TOKENS, raw):
+                    assert b.lookup(keys).total_hit_pages == 0
+                    assert b.get_pages(keys, transfers(DST), include_l3=True).hit_pages == 0
+                assert a.lookup(raw).total_hit_pages == PAGES
+                assert a.get_pages(raw, transfers(DST), include_l3=True).hit_pages == PAGES
+                with HiCacheClient(second.admin_target, timeout_s=10) as admin:
+                    cleared = admin.clear_namespace(MODEL, "tenant-a")
+                assert cleared.l2_pages == PAGES, "the fetched pages are tenant A's"
+                assert a.lookup(raw).l2_hit_pages == 0
+    finally:
+        second.stop()
