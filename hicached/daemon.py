@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -41,6 +42,8 @@ from hicached.transfer.plan import CopyPlan, Direction
 
 logger = logging.getLogger(__name__)
 
+# sys.setswitchinterval of the daemon process (see run_daemon).
+LOOP_SWITCH_INTERVAL_S = 0.0005
 # Sections whose keys SIGHUP applies to a running daemon.
 RELOADABLE_SECTIONS = frozenset({"log"})
 
@@ -298,5 +301,9 @@ def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> in
     """Build and serve a daemon; a :class:`~hicached.startup.StartupError` propagates (exit 2)."""
     import uvloop
 
+    # The event loop thread gives the GIL up at every I/O call; with a CPU-bound lane thread
+    # (hashing, index walks) it waits a whole switch interval to get it back each time, so a
+    # heartbeat that needs it a dozen times would take ~100 ms at the 5 ms default.
+    sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
     daemon = Daemon(config)
     return uvloop.run(daemon.run(reload))

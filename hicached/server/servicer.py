@@ -536,8 +536,10 @@ class KeyedServicerMixin(_Base):
         return out
 
     def _token_keys(self, chain: tpb.TokenChain, page_size: int) -> list[str]:
+        # The repeated field itself, not list(...) of it: page_keys slices one page at a time,
+        # so no single C call holds the GIL for the whole chain (4 M ids: ~0.2 s of event-loop stall).
         return page_keys(
-            list(chain.token_ids),
+            chain.token_ids,  # type: ignore[arg-type]
             page_size,
             extra_key=chain.extra_key if chain.HasField("extra_key") else None,
             cache_salt=chain.cache_salt if chain.HasField("cache_salt") else None,
