@@ -63,13 +63,23 @@ class FakeRedis:
         self._closed = threading.Event()
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._unanswered = threading.Condition(self._lock)
+        self.unanswered = 0  # commands read while hung
         threading.Thread(target=self._accept, daemon=True).start()
 
     def hang(self) -> None:
         self._hung.set()
 
+    def wait_unanswered(self, n: int, timeout_s: float) -> None:
+        """Block until ``n`` commands wait for an answer (AssertionError after ``timeout_s``)."""
+        with self._unanswered:
+            if not self._unanswered.wait_for(lambda: self.unanswered >= n, timeout=timeout_s):
+                raise AssertionError(f"only {self.unanswered} of {n} L3 calls reached the fake Redis")
+
     def close(self) -> None:
         self._closed.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone would not)
         with contextlib.suppress(OSError):
             self._sock.close()
         with self._lock:
@@ -98,8 +108,11 @@ class FakeRedis:
                 buf += data
                 while (command := _parse(buf)) is not None:
                     words, buf = command
-                    if self._hung.is_set():
-                        continue  # read, never answer
+                    if self._hung.is_set():  # read, never answer
+                        with self._unanswered:
+                            self.unanswered += 1
+                            self._unanswered.notify_all()
+                        continue
                     conn.sendall(_reply(words))
 
 
