@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -141,10 +143,20 @@ class _Base:
                 grpc.StatusCode.INTERNAL,
                 f"internal error in {method}: {type(exc).__name__}: {exc}",
             )
+        elif isinstance(exc, OSError) and exc.errno is not None:
+            # The daemon's own resources ran out (status.ExhaustedOSError): say which.
+            name = errno.errorcode.get(exc.errno, str(exc.errno))
+            message = (
+                f"the daemon is out of resources in {method}: {name} ({exc.strerror}); retry later "
+                "(descriptors: its RLIMIT_NOFILE; memory: host.budget; space: the L3 disk)"
+            )
         else:
             message = str(exc)
         if len(message) > MAX_MESSAGE_CHARS:
             message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message)} chars)"
+        # The failed call's finished frames may hold what it had opened (a partly mapped attach's
+        # tensors keep their descriptors): release them now rather than at the next GC cycle.
+        traceback.clear_frames(exc.__traceback__)
         context.set_trailing_metadata(trailing_metadata_for(exc))
         await context.abort(code, message)
 

@@ -6,6 +6,8 @@ buffers over."""
 
 from __future__ import annotations
 
+import os
+import resource
 import uuid
 from collections.abc import Iterator
 
@@ -27,6 +29,7 @@ from hicached_client.export import ShmKVPool
 from tests.integration.daemon import Daemon, start_daemon
 from tests.integration.state import state
 from tests.robustness.loop_support import PAGE_BYTES, attach_bytes, byte_spec, peak_rss, raw_unary
+from tests.robustness.state_support import device_pools, no_retry_client, specs
 
 C = grpc.StatusCode
 MODEL = "m-limits"
@@ -169,3 +172,43 @@ def test_undecodable_bytes_are_invalid_argument(daemon: Daemon, admin: HiCacheCl
     assert "undecodable" in (error.details() or "")
     assert state(admin) == before
     assert "DecodeError" not in daemon.log
+
+
+def test_out_of_descriptors_is_resource_exhausted_and_changes_nothing() -> None:
+    """Fails on main: under a low RLIMIT_NOFILE a wide attach failed INVALID_ARGUMENT ("more than
+    64 fds in one handoff", "cannot be mapped read-write") or INTERNAL (OSError EMFILE). The
+    daemon's limit is lowered to what it holds plus 1..8 descriptors; every attach that does
+    not fit is RESOURCE_EXHAUSTED, leaves GetStats as it was, and leaks no descriptor."""
+    d = start_daemon()
+    pid = d.process.pid
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    try:
+        with (
+            device_pools() as dev,
+            no_retry_client(d.target) as client,
+            HiCacheClient(d.admin_target, timeout_s=30.0) as admin,
+        ):
+            before = state(admin)
+            held = len(os.listdir(f"/proc/{pid}/fd"))  # both clients connected: the baseline
+            codes = []
+            for spare in range(1, 9):
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (held + spare, hard))
+                try:
+                    attached = client.attach(
+                        WorkerIdentity(f"fds-{spare}", 1, "m-fds"), specs(dev), heartbeat=False
+                    )
+                except HiCacheError as exc:
+                    codes.append(exc.code)
+                    assert exc.code == C.RESOURCE_EXHAUSTED, exc
+                    assert "EMFILE" in exc.message, exc.message
+                else:
+                    resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+                    attached.detach()
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+                assert state(admin) == before
+            assert C.RESOURCE_EXHAUSTED in codes
+            fds = sorted(os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd"))
+            assert len(fds) <= held + 2, fds
+            client.attach(WorkerIdentity("fds-after", 1, "m-fds"), specs(dev), heartbeat=False).detach()
+    finally:
+        d.stop()
