@@ -222,6 +222,10 @@ class L3Config:
     stats_interval_s: float = _f(
         5.0, "Seconds between background refreshes of the L3 backend's stats (GetStats answers from them)."
     )
+    stats_wait_s: float = _f(
+        0.5,
+        "Longest GetStats waits for a fresh L3 stats refresh before answering the last stats (0 = never).",
+    )
     file: FileBackendConfig = _f(_default_file_backend, _BACKEND_HELP.format("file", "file", "file"))
     redis: RedisBackendConfig = field(
         default_factory=RedisBackendConfig, metadata={"help": _BACKEND_HELP.format("redis", "redis", "redis")}
@@ -382,6 +386,7 @@ def _check_cross(cfg: Config) -> None:
         ("server.grace_s", cfg.server.grace_s),
         ("l3.prefetch_timeout_base_s", cfg.l3.prefetch_timeout_base_s),
         ("l3.prefetch_timeout_per_1k_tokens_s", cfg.l3.prefetch_timeout_per_1k_tokens_s),
+        ("l3.stats_wait_s", cfg.l3.stats_wait_s),
     ):
         if number < 0:
             raise ConfigError(f"invalid {key} = {number}: must be >= 0")

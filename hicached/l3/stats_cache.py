@@ -1,15 +1,17 @@
-"""The L3 backend's stats as of the last background refresh.
+"""The L3 backend's stats, refreshed off the event loop, with a deadline.
 
 A backend's ``stats()`` may do network I/O (S3 LISTs the bucket, Redis runs
 INFO and DBSIZE) and hangs when the backend does; GetStats and ``hicached
-status`` must answer anyway. So GetStats reads :meth:`StatsCache.get` (no I/O)
-and a supervised daemon task calls :meth:`StatsCache.step` every
-``l3.stats_interval_s``, which runs the refresh on the cache's own thread. A
-refresh that hangs holds only that thread; later steps skip while it runs (and
-log how long), so nothing queues behind it.
+status`` must answer anyway. Refreshes run on the cache's own thread, one at a
+time: a supervised daemon task starts one every ``l3.stats_interval_s``
+(:meth:`StatsCache.step`), and GetStats (:meth:`StatsCache.current`) starts one
+when none runs and waits for it at most ``l3.stats_wait_s``, then answers the
+last stats it has. A refresh that hangs holds only that thread; nothing queues
+behind it (later ticks log how long it has run, ``l3_stats_slow``).
 
 Thread-safety: ``get`` and ``refresh`` may run on any thread (one lock);
-``step`` runs on the event loop.
+``step`` and ``current`` run on the event loop (the in-flight refresh is
+loop-confined).
 """
 
 from __future__ import annotations
@@ -51,10 +53,43 @@ class StatsCache:
         with self._lock:
             self._stats, self._refreshed_at = stats, time.monotonic()
 
+    def _start(self) -> Future[None]:
+        self._started_at = time.monotonic()
+        self._running = self._thread.submit(self.refresh)
+        return self._running
+
+    @staticmethod
+    async def _settle(fut: Future[None], wait_s: float) -> bool:
+        """Wait for ``fut`` at most ``wait_s``; True when it finished (its outcome unread)."""
+        if fut.done() or wait_s <= 0:
+            return fut.done()
+        loop = asyncio.get_running_loop()
+        finished = asyncio.Event()
+
+        def wake(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown)
+                loop.call_soon_threadsafe(finished.set)
+
+        fut.add_done_callback(wake)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(finished.wait(), wait_s)
+        return fut.done()
+
+    async def current(self, wait_s: float) -> tuple[str, BackendStats | None, float | None]:
+        """The freshest stats GetStats may answer: a refresh (the running one, or a new one)
+        gets at most ``wait_s``; past that, the last stats (a hung backend costs ``wait_s``)."""
+        fut = self._running
+        if fut is None or fut.done():
+            if fut is not None and not fut.cancelled() and fut.exception() is not None:
+                logger.warning("L3 stats refresh failed: %s", fut.exception(), extra={"event": "l3_stats"})
+            fut = self._start()
+        await self._settle(fut, wait_s)
+        return self.get()
+
     async def step(self, wait_s: float = 1.0) -> None:
         """One supervised tick: report the last refresh's failure (the supervisor logs it and
-        backs off), or start a refresh unless the last one still runs; wait for it at most
-        ``wait_s`` (a hung backend is noticed by the next tick, never awaited forever)."""
+        backs off), or start a refresh unless one still runs, and wait for it at most ``wait_s``
+        (a hung backend is noticed by the next tick, never awaited forever)."""
         running = self._running
         if running is not None:
             if not running.done():
@@ -66,23 +101,10 @@ class StatsCache:
                 return
             self._running = None
             running.result()  # the failure of a refresh that finished after its tick
-        loop = asyncio.get_running_loop()
-        finished = asyncio.Event()
-        self._started_at = time.monotonic()
-        fut = self._thread.submit(self.refresh)
-
-        def wake(_: object) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown)
-                loop.call_soon_threadsafe(finished.set)
-
-        fut.add_done_callback(wake)
-        self._running = fut
-        try:
-            await asyncio.wait_for(finished.wait(), wait_s)
-        except TimeoutError:
-            return
-        self._running = None
-        fut.result()
+        fut = self._start()
+        if await self._settle(fut, wait_s):
+            self._running = None
+            fut.result()
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -137,6 +137,15 @@ class _Base:
 
     async def fail(self, context: Ctx, method: str, exc: BaseException) -> None:
         code = status_for(exc)
+        if context.cancelled() or context.done():
+            # The client went away (it stopped reading a stream, or cancelled): nobody is left
+            # to answer, and that is the client's choice, not a daemon error.
+            if code is None:  # a bug stays a bug, whoever is listening
+                logger.exception("internal error in %s", method, exc_info=exc)
+            else:
+                logger.debug("%s ended by the client: %s: %s", method, type(exc).__name__, exc)
+            traceback.clear_frames(exc.__traceback__)
+            return
         if code is None:
             logger.exception("internal error in %s", method, exc_info=exc)
             code, message = (
@@ -409,16 +418,17 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
     @unary
     async def GetStats(self, request: pb.GetStatsRequest, context: Ctx) -> pb.GetStatsResponse:
         stats = await self.run_book(self.core.stats, request.session_id)
+        backends = await self.backend_infos()
         if self.is_admin(context):
-            return stats_out(stats, self.backend_infos())
-        return worker_view(stats_out(stats, self.backend_infos()), own=bool(request.session_id))
+            return stats_out(stats, backends)
+        return worker_view(stats_out(stats, backends), own=bool(request.session_id))
 
-    def backend_infos(self) -> list[pb.BackendInfo]:
-        """L3 backend stats as of the last background refresh (no I/O here: a hung backend
-        cannot hold GetStats; see :mod:`hicached.l3.stats_cache`)."""
+    async def backend_infos(self) -> list[pb.BackendInfo]:
+        """L3 backend stats, refreshed on the stats thread for at most ``l3.stats_wait_s``
+        (a hung backend cannot hold GetStats; see :mod:`hicached.l3.stats_cache`)."""
         if self._l3_stats is None:
             return []
-        name, s, _age = self._l3_stats.get()
+        name, s, _age = await self._l3_stats.current(self.core.config.l3.stats_wait_s)
         if s is None:
             return [pb.BackendInfo(name=name)]  # not refreshed yet
         return [
