@@ -4,6 +4,7 @@ Redis that stops answering."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import subprocess
 import sys
@@ -14,10 +15,10 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, HiCacheError
+from hicached_client import HiCacheClient, HiCacheError, PageBytes
 
 from tests.integration.daemon import ROOT, Daemon, start_daemon
-from tests.robustness.loop_support import FakeRedis, attach_bytes
+from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes
 
 LEASE_MS = 1500
 TOKENS = 1 << 22  # 4 M tokens: 262,144 keys of 16 tokens (limits raised to allow them)
@@ -152,3 +153,49 @@ def test_a_hung_l3_stalls_neither_stats_nor_status_nor_sessions(hung_l3: tuple[D
             t.join(timeout=30)
         assert all(isinstance(e, HiCacheError) for e in errors)
         assert not any(e.code == grpc.StatusCode.INTERNAL for e in errors if isinstance(e, HiCacheError))
+
+
+def test_waits_end_at_their_deadline_while_l3_hangs() -> None:
+    """Fails on main: Backup(wait) and the wait at session end had no deadline, so with L3
+    hung both blocked until the backend's 60 s socket timeout (the client's 10 s deadline
+    expired first: run on main without the limits.max_wait_s key, Backup was DEADLINE_EXCEEDED).
+    Now each ends at limits.max_wait_s (1 s here) answering the state so far."""
+    fake = FakeRedis()
+    d = start_daemon(
+        "--l3", "redis",
+        "--set", "l3.redis.host=127.0.0.1",
+        "--set", f"l3.redis.port={fake.port}",
+        "--set", "l3.redis.socket_timeout_s=60",
+        "--set", "limits.max_wait_s=1",
+    )  # fmt: skip
+    try:
+        with HiCacheClient(d.target, timeout_s=10.0) as client:
+            session = attach_bytes(client, "m-wait", lease_ms=30_000)
+            fake.hang()
+            key = uuid.uuid4().hex
+            page = bytes(PAGE_BYTES)
+            assert session.put_bytes([PageBytes(key, "kv", page)]).stored_pages == 1
+            start = time.monotonic()
+            backed = session.backup([key], wait=True)
+            assert time.monotonic() - start < 5.0
+            assert (backed.queued_pages, backed.stored_pages) == (1, 0)  # the state so far
+
+            busy = attach_bytes(client, "m-wait")
+
+            def read() -> None:
+                with contextlib.suppress(HiCacheError):  # fails once the fake is closed
+                    busy.get_bytes([uuid.uuid4().hex], include_l3=True, timeout_s=20.0)
+
+            reading = threading.Thread(target=read, daemon=True)
+            reading.start()
+            fake.wait_unanswered(2, timeout_s=30)  # the backup's write and the read both wait on L3
+            start = time.monotonic()
+            assert busy.detach(timeout_s=10.0) == 0  # nothing freed yet: its read is in flight
+            assert time.monotonic() - start < 5.0
+            assert busy.session_id not in {s.session_id for s in client.get_stats().sessions}
+            session.detach()
+            fake.close()
+            reading.join(timeout=30)
+    finally:
+        fake.close()
+        d.stop()
