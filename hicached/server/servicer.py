@@ -557,6 +557,11 @@ class KeyedServicerMixin(_Base):
         check_keys(out, self.limits)
         return out
 
+    def _given_pages(self, given: Any) -> list[tuple[str, str, bytes]]:
+        pages = [(p.key, p.pool, p.data) for p in given]
+        check_keys([key for key, _, _ in pages], self.limits)
+        return pages
+
     def _token_keys(self, chain: tpb.TokenChain, page_size: int) -> list[str]:
         # The repeated field itself, not list(...) of it: page_keys slices one page at a time,
         # so no single C call holds the GIL for the whole chain (4 M ids: ~0.2 s of event-loop stall).
@@ -665,7 +670,9 @@ class KeyedServicerMixin(_Base):
     @unary
     async def PutBytes(self, request: pb.PutBytesRequest, context: Ctx) -> pb.PutBytesResponse:
         same_tenant(self.keyed.tenant(request.session_id), request.tenant, "tenant")
-        pages = [(p.key, p.pool, p.data) for p in request.pages]
+        check_count("pages in this request", len(request.pages), self.limits.max_keys_per_request,
+                    "limits.max_keys_per_request")  # fmt: skip
+        pages = await self.lanes.hash.run(self._given_pages, request.pages)
         stored, existing = await self.run(self.keyed.put_bytes, request.session_id, request.op_id, pages)
         return pb.PutBytesResponse(stored_pages=stored, existing_pages=existing)
 

@@ -106,6 +106,8 @@ def test_a_long_key_is_refused_quoting_only_its_prefix(admin: HiCacheClient, ses
     before = state(admin)
     error = refused(lambda: session.lookup(["k" * 100_000]), C.INVALID_ARGUMENT, "limits.max_key_bytes")
     assert "100000 chars" in error.message
+    page = PageBytes("p" * 100_000, "kv", bytes(PAGE_BYTES))
+    refused(lambda: session.put_bytes([page]), C.INVALID_ARGUMENT, "limits.max_key_bytes")
     assert state(admin) == before
 
 
