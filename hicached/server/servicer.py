@@ -339,6 +339,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
 
         try:
             self.authorize(context)
+            check_ids(request, self.limits)
             self.check_session(request, context)
             task = asyncio.ensure_future(self.run(call, on_layer if layer_progress else None))
             while True:
