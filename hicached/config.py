@@ -39,7 +39,7 @@ from hicached.l3.mooncake import MooncakeBackendConfig
 from hicached.l3.redis import RedisBackendConfig
 from hicached.l3.s3 import S3BackendConfig
 
-__all__ = ["Config", "ConfigError", "parse_size", "resolve"]
+__all__ = ["Config", "ConfigError", "default_cache_dir", "parse_size", "resolve"]
 
 
 class ConfigError(InvalidArgument):
@@ -55,7 +55,8 @@ def _runtime_dir() -> Path:
     return Path(f"/tmp/hicached-{os.geteuid()}")
 
 
-def _cache_dir() -> Path:
+def default_cache_dir() -> Path:
+    """Parent of the default L3 path and journal directory (XDG_CACHE_HOME, root, else HOME)."""
     xdg = os.environ.get("XDG_CACHE_HOME")
     if xdg:
         return Path(xdg) / "hicached"
@@ -133,7 +134,11 @@ class ServerConfig:
     max_message_bytes: int = _f(64 << 20, "Largest gRPC message (bytes).", parse=parse_size)
     metrics_host: str = _f("127.0.0.1", "Address of the Prometheus /metrics HTTP server.")
     metrics_port: int = _f(-1, "Port of /metrics (-1 = disabled, 0 = any free port).")
-    grace_s: float = _f(10.0, "Seconds in-flight RPCs get to finish on SIGTERM.")
+    grace_s: float = _f(
+        10.0,
+        "Shutdown budget on SIGTERM (seconds): in-flight RPCs get up to half, the L3 flush the rest; "
+        "keep the pod's terminationGracePeriodSeconds >= grace_s + 15 (journals, exit).",
+    )
     handoff_max_fds: int = _f(64, "Most file descriptors one fd handoff (socket <socket>.fds) may carry.")
     handoff_ticket_ttl_s: float = _f(30.0, "Seconds an fd handoff ticket waits for its Attach.")
     handoff_max_pending: int = _f(256, "Most unused fd handoff tickets in total.")
@@ -174,7 +179,7 @@ class HostConfig:
         "the next daemon with the same shm_prefix re-maps them).",
     )
     journal_dir: str = _f(
-        lambda: str(_cache_dir() / "l2"),
+        lambda: str(default_cache_dir() / "l2"),
         "Directory of the warm-restart journals (one per pool group, written on clean shutdown).",
     )
 
@@ -203,7 +208,7 @@ class CopyConfig:
 
 
 def _default_file_backend() -> FileBackendConfig:
-    return FileBackendConfig(path=str(_cache_dir() / "l3"), capacity_bytes=16 << 30)
+    return FileBackendConfig(path=str(default_cache_dir() / "l3"), capacity_bytes=16 << 30)
 
 
 # Each backend's table ([l3.file], [l3.redis], ...) is that backend's own config dataclass;

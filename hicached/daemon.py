@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -35,6 +36,7 @@ from hicached.server.lanes import Lanes
 from hicached.server.peers import PeerSessions
 from hicached.server.roles import Access
 from hicached.server.servicer import AdminServicer, CacheServicer
+from hicached.shutdown import flush_within, rpc_grace_s
 from hicached.startup import banner, open_l3
 from hicached.tasks import supervise
 from hicached.transfer.engine import CopyEngine
@@ -189,11 +191,13 @@ class Daemon:
 
     async def stop(self) -> None:
         """Stop serving, finish or cancel in-flight work, release every mapping and page."""
+        budget = self.config.server.grace_s
+        deadline = time.monotonic() + budget  # one budget for stop + flush (hicached/shutdown.py)
         self.handoff_server.close()
-        await self.server.stop(self.config.server.grace_s)
+        await self.server.stop(rpc_grace_s(budget))
         self.handoff.close()
         loop = asyncio.get_running_loop()
-        flushed = await loop.run_in_executor(None, self.keyed.flush_for_shutdown, self.config.server.grace_s)
+        flushed = await loop.run_in_executor(None, flush_within, self.keyed.indexes(), deadline)
         logger.info("flushed pending L3 backups", extra={"event": "shutdown", "pages": flushed})
         await loop.run_in_executor(None, self.close)
 
