@@ -63,11 +63,13 @@ class World:
     baseline: dict[str, Any] = field(default_factory=dict)
     model: str = ""
 
-    def ensure_victim(self) -> Session:
-        """The victim, re-attached when a fuzzed call (signed with its secret) detached it."""
+    def ensure_victim(self, *, may_be_gone: bool = False) -> Session:
+        """The victim, re-attached only when a successful fuzzed call (a Detach signed with its
+        secret) may have ended it: otherwise a victim gone means its heartbeats failed."""
         alive = {s.session_id for s in self.admin.get_stats().sessions}
         if self.victim is None or self.victim.session_id not in alive:
             if self.victim is not None:
+                assert may_be_gone, f"the victim lost its lease: {self.victim.lease_lost}\n{self.daemon.log}"
                 self.victim.close()
             self.model = f"victim-{uuid.uuid4().hex[:8]}"
             self.victim = self.worker.attach(WorkerIdentity(self.model, 1, self.model), specs(self.device))
@@ -128,7 +130,7 @@ def _undo(w: World, method: d.MethodDescriptor, reply: bytes | None) -> None:
         w.worker.session(made.session_id, session_secret=made.session_secret).detach()
     if method.name == "Drain":
         w.admin.resume()
-    w.ensure_victim()
+    w.ensure_victim(may_be_gone=method.name == "Detach")
     w.baseline = state(w.admin)
 
 
