@@ -66,10 +66,12 @@ def running_daemon(
     l3: str = "file",
     l3_path: Path | None = None,
     ready_timeout_s: float = 60.0,
+    on_start: Callable[[int], None] | None = None,
 ) -> Iterator[str]:
     """A ``hicached serve`` subprocess on a socket in ``workdir``; yields its target.
 
     ``l3_path`` (default ``workdir/l3``) lets a second daemon find the first one's L3.
+    ``on_start`` gets the daemon's pid (the soak samples its RSS and fds).
     Waits until the daemon answers; if it exits first (or while the body runs), raises
     :class:`DaemonDied` with the end of its log (the log lives in ``workdir``).
     """
@@ -102,6 +104,8 @@ def running_daemon(
             cwd=workdir,
             env=_child_env(),
         )
+    if on_start is not None:
+        on_start(proc.pid)
 
     def died(when: str) -> DaemonDied:
         return DaemonDied(

@@ -31,6 +31,7 @@ SUITES: dict[str, str] = {
     "l3_remote": "hicached.bench.l3_remote",
     "sglang": "hicached.bench.sglang",
     "engine": "hicached.bench.engine",
+    "soak": "hicached.bench.soak",
 }
 DEFAULT_SUITES = ("daemon", "pools", "l3")
 
@@ -73,7 +74,9 @@ Suites: daemon (a real daemon process: D2H/H2D pages, RPC round trips, keyed pag
 copy engine without gRPC), pools (host pool creation and page copies), l3 (file backend vs raw
 disk; redis vs redis-py when redis-server and the redis extra are installed), keyed (the
 content index and L3 paths), l3_remote (S3 via SeaweedFS, Mooncake), sglang (SGLang's storage
-calls through the daemon vs HiCacheFile). A suite or part whose packages or servers are missing
+calls through the daemon vs HiCacheFile), soak (N worker processes of mixed operations for a
+given time: p50/p99 per operation in the first and last window, daemon RSS and fds over time,
+page accounting after every worker detached; not in the default set). A suite or part whose packages or servers are missing
 is skipped with the reason; a failing suite is reported and the others still run (exit 1).
 """
 
@@ -92,6 +95,13 @@ def register(subparsers: Any) -> None:
         action="append",
         choices=sorted(SUITES),
         help=f"suites to run (repeatable; default: {', '.join(DEFAULT_SUITES)})",
+    )
+    parser.add_argument("--soak-workers", type=int, default=None, help="soak: worker processes (default 8)")
+    parser.add_argument(
+        "--soak-seconds",
+        type=float,
+        default=None,
+        help="soak: seconds of mixed operations (default 600; 20 with --quick)",
     )
     parser.set_defaults(func=run)
 
@@ -120,12 +130,13 @@ class _Outcome:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def _run_suite(name: str, quick: bool, out: _Outcome) -> None:
-    """Run one suite into ``out``: its figures, or why it was skipped, or how it failed."""
+def _run_suite(name: str, quick: bool, out: _Outcome, options: dict[str, Any]) -> None:
+    """Run one suite into ``out``: its figures, or why it was skipped, or how it failed.
+    ``options`` are the suite's own keyword arguments (the soak's workers and seconds)."""
     t0 = time.perf_counter()
     try:
         module = importlib.import_module(SUITES[name])
-        figures: dict[str, float] = module.run(quick)
+        figures: dict[str, float] = module.run(quick, **options)
     except SuiteSkipped as exc:
         out.skipped[name] = str(exc)
         return
@@ -152,6 +163,7 @@ def _run_suite(name: str, quick: bool, out: _Outcome) -> None:
 
 def run(args: argparse.Namespace) -> int:
     suites = args.suite or list(DEFAULT_SUITES)
+    suite_options = {"soak": {"workers": args.soak_workers, "seconds": args.soak_seconds}}
     out = _Outcome()
     notes = _Notes()
     bench_log = logging.getLogger("hicached.bench")
@@ -160,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for i, name in enumerate(suites, 1):
             _progress(f"[{i}/{len(suites)}] {name} ...")
-            _run_suite(name, args.quick, out)
+            _run_suite(name, args.quick, out, suite_options.get(name, {}))
     finally:
         bench_log.removeHandler(notes)
         bench_log.propagate = True
