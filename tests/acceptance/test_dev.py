@@ -94,7 +94,10 @@ def serve_status_stop(clone: Path, env: dict[str, str], log_path: Path) -> str:
             [str(hicached), "status"], check=False, env=env, capture_output=True, text=True, timeout=60
         )
         assert status.returncode == 0, status.stdout + status.stderr + log_path.read_text()
-        assert status.stdout.startswith("hicached ") and str(socket) in status.stdout, status.stdout
+        # `status` talks to the admin socket next to the worker socket, in the same directory.
+        assert status.stdout.startswith("hicached ") and f"unix://{socket.parent}/" in status.stdout, (
+            status.stdout
+        )
         proc.send_signal(signal.SIGTERM)  # ./dev execs the daemon: this pid is the daemon's
         assert proc.wait(timeout=60) == 0, log_path.read_text()
     finally:

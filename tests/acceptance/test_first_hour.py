@@ -26,10 +26,10 @@ from tests.acceptance.test_dev import clone_of_this_checkout
 DOC = ROOT / "docs" / "first-hour.md"
 
 
-def ours() -> set[str]:
-    """/dev/shm names of the walkthrough's daemon and example: the default host.shm_prefix
-    `hicached` (other sessions' test daemons use their own prefixes, concurrently)."""
-    return {name for name in os.listdir(SHM) if name.startswith("hicached")}
+def ours(prefix: str) -> set[str]:
+    """/dev/shm names of the walkthrough's daemons (host.shm_prefix ``prefix``) and of its
+    example worker (``hicached-example-<pid>-...``)."""
+    return {name for name in os.listdir(SHM) if name.startswith((prefix, "hicached-example-"))}
 
 
 def shell_blocks() -> list[str]:
@@ -52,7 +52,8 @@ def test_first_hour_runs_as_written(attempt: int, tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120
     )
-    runtime = Path("/tmp") / f"hcfh-{uuid.uuid4().hex[:8]}"  # short: AF_UNIX path limit
+    prefix = f"hcfh{uuid.uuid4().hex[:8]}"
+    runtime = Path("/tmp") / prefix  # short: AF_UNIX path limit
     runtime.mkdir(mode=0o700)
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("HICACHED_", "XDG_")) and k != "PYTHONPATH"
@@ -62,8 +63,11 @@ def test_first_hour_runs_as_written(attempt: int, tmp_path: Path) -> None:
         VIRTUAL_ENV=str(venv),
         XDG_RUNTIME_DIR=str(runtime),
         XDG_CACHE_HOME=str(tmp_path / "cache"),
+        # Other sessions on this machine run daemons with the default prefix at the same
+        # time: a prefix of its own (a user's setting, like the XDG ones) makes ours countable.
+        HICACHED_HOST_SHM_PREFIX=prefix,
     )
-    shm_before = ours()
+    shm_before = ours(prefix)
     script = "\n".join(shell_blocks())
     try:
         result = subprocess.run(
@@ -95,4 +99,4 @@ def test_first_hour_runs_as_written(attempt: int, tmp_path: Path) -> None:
         timeout=60,
     ).stdout.strip()
     assert Path(where).is_relative_to(venv), f"hicached imported from {where}, not the venv"
-    assert ours() - shm_before == set(), "the walkthrough left shared memory behind"
+    assert ours(prefix) - shm_before == set(), "the walkthrough left shared memory behind"
