@@ -38,9 +38,9 @@ def daemon() -> Iterator[Daemon]:
 
 
 def test_heartbeats_keep_answering_while_another_client_sends_long_token_chains(daemon: Daemon) -> None:
-    """Fails on main: the Lookup hashed its 4 M tokens on the event loop (the issue measured
-    10 s for 6 M), so every heartbeat queued behind it: run on main without RAISED_LIMITS (keys
-    main does not know), the slowest heartbeat took over 1 s of its 1.5 s lease. Now hashing
+    """Fails on main: the Lookup hashed its tokens on the event loop (the issue measured 10 s for
+    6 M), so every heartbeat queued behind it: run on main without RAISED_LIMITS (keys main does
+    not know), the slowest heartbeat took 1.45 s of its 1.5 s lease with 4 M tokens. Now hashing
     runs on the hash lane and the loop keeps answering."""
     with HiCacheClient(daemon.target, timeout_s=10.0) as client:
         victim = attach_bytes(client, "m-victim", lease_ms=LEASE_MS)
@@ -78,7 +78,9 @@ def test_heartbeats_keep_answering_while_another_client_sends_long_token_chains(
             slow,
             outputs,
         )
-        assert max(latencies) < LEASE_MS / 1000 / 3, (
+        # Main: over 1 s per Lookup with 4 M ids hashed on the loop (1.45 s measured);
+        # here 0.1-0.3 s, more when the machine is oversubscribed: two thirds of the lease tells them apart.
+        assert max(latencies) < LEASE_MS / 1000 * 2 / 3, (
             f"slowest heartbeat {max(latencies):.3f} s during {outputs}"
         )
         victim.detach()
