@@ -29,6 +29,7 @@ from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
 from hicached.server import credentials
 from hicached.server.app import Server, claim_sockets
+from hicached.server.fastlane import LaneServer, lane_path
 from hicached.server.handoff import HandoffRegistry, HandoffServer, handoff_path
 from hicached.server.roles import Access
 from hicached.server.servicer import AdminServicer, CacheServicer
@@ -107,6 +108,17 @@ class Daemon:
         self.handoff_server = HandoffServer(
             self.handoff, handoff_path(srv.socket), mode=srv.socket_mode, max_fds=srv.handoff_max_fds
         )
+        # The fast lane (docs/fastlane.md): same socket mode as gRPC, same checks per op.
+        self.lanes: LaneServer | None = None
+        if srv.fast_lane:
+            self.lanes = LaneServer(
+                self.core,
+                lane_path(srv.socket),
+                mode=srv.socket_mode,
+                max_lanes=srv.fast_lane_max,
+                max_per_session=srv.fast_lane_max_per_session,
+                observe=self._observe_rpc,
+            )
         self.server = Server(
             config,
             self.core,
@@ -169,6 +181,8 @@ class Daemon:
     async def start(self) -> None:
         await self.server.start()
         self.handoff_server.start()
+        if self.lanes is not None:
+            self.lanes.start()
         port = self.config.server.metrics_port
         url = None
         if port >= 0:
@@ -185,15 +199,19 @@ class Daemon:
     async def stop(self) -> None:
         """Stop serving, finish or cancel in-flight work, release every mapping and page."""
         self.handoff_server.close()
+        loop = asyncio.get_running_loop()
+        if self.lanes is not None:  # each lane finishes the op it runs, then closes
+            await loop.run_in_executor(None, self.lanes.close, self.config.server.grace_s)
         await self.server.stop(self.config.server.grace_s)
         self.handoff.close()
-        loop = asyncio.get_running_loop()
         flushed = await loop.run_in_executor(None, self.keyed.flush_for_shutdown, self.config.server.grace_s)
         logger.info("flushed pending L3 backups", extra={"event": "shutdown", "pages": flushed})
         await loop.run_in_executor(None, self.close)
 
     def close(self) -> None:
         self.handoff.close()
+        if self.lanes is not None:
+            self.lanes.close(self.config.server.grace_s)
         self.core.close()
         self.keyed.close()
         self.engine.close()
