@@ -335,6 +335,8 @@ class Lane:
         if req.opcode is w.Opcode.RESOLVE:
             res = self._core.resolve(sid, op, transfers)
             return w.Completion(req.opcode, seq, ok, res.ok, None, res.reason, _transfers_out(res.transfers))
+        if req.opcode is w.Opcode.PING:
+            return w.Completion(req.opcode, seq, ok, True, None, "")
         freed = self._core.release(sid, op, transfers)
         return w.Completion(req.opcode, seq, ok, True, None, "", value=freed)
 

@@ -237,6 +237,10 @@ class FastLane:
     ) -> int:
         return self._call(w.Opcode.RELEASE, 0, transfers, op_id, timeout_s).value
 
+    def ping(self, *, timeout_s: float | None = None) -> None:
+        """One round trip that does no work in the daemon (the lane's own latency)."""
+        self._call(w.Opcode.PING, 0, (), None, timeout_s)
+
     # ------------------------------------------------------------ ring mechanics
 
     def _call(

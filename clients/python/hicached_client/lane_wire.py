@@ -84,6 +84,7 @@ class Opcode(IntEnum):
     LOAD = 2
     RESOLVE = 3
     RELEASE = 4
+    PING = 5  # no work: measures the lane itself
 
 
 class RecordError(Exception):
@@ -192,7 +193,9 @@ def _write_transfers(buf: memoryview, pos: int, transfers: tuple[WireTransfer, .
     return pos
 
 
-def _read_transfers(buf: bytes, pos: int, count: int, limit: int) -> tuple[tuple[WireTransfer, ...], int]:
+def _read_transfers(
+    buf: bytes | memoryview, pos: int, count: int, limit: int
+) -> tuple[tuple[WireTransfer, ...], int]:
     """Decode ``count`` transfers from a private copy; every field is checked (hostile input)."""
     heads = []
     for i in range(count):
@@ -306,7 +309,8 @@ def read_completion(ring: memoryview, offset: int) -> Completion:
     magic, version, opcode, seq, status, ok, retry, ntr, nacks, nlayers, value, mlen, msg = fields
     if magic != COMPLETION_MAGIC or version != VERSION:
         raise RecordError(f"bad completion record (magic {magic:#x}, version {version})", "INTERNAL")
-    body = bytes(ring[offset + COMPLETION.size : offset + AREA])
+    # A view, not a copy (the area is 1 MiB): the arrays decoded from it are copies.
+    body = ring[offset + COMPLETION.size : offset + AREA]
     transfers, pos = _read_transfers(body, 0, ntr, len(body))
     acks = []
     for _ in range(nacks):
