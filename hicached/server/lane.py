@@ -154,9 +154,10 @@ class Lane:
         for fd in efds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._conn.close()
         if admitted:
             self._release(self)
+        # Last: the client's close() waits for this EOF, so once it returns, everything is freed.
+        self._conn.close()
 
     # ------------------------------------------------------------ negotiation
 
@@ -358,11 +359,11 @@ class Lane:
 _OP_NAMES = {int(o): f"FastLane{o.name.capitalize()}" for o in w.Opcode}
 
 
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def _status(value: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
 
 
 __all__ = ["Lane", "Refused"]

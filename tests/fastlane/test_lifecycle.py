@@ -115,7 +115,8 @@ def test_closing_lanes_frees_every_daemon_resource(worker: Worker, daemon: Daemo
         assert lane.write([Transfer("kv", [1])], allocate=True).ok
         lane.close()
         lane.close()  # idempotent
-    poll(lambda: daemon_resources(daemon), lambda r: r == baseline, 10, "lane teardown")
+    # close() returns once the daemon has released its side: no waiting needed here.
+    assert daemon_resources(daemon) == baseline
 
 
 def test_detach_closes_the_lane(worker: Worker, daemon: Daemon) -> None:

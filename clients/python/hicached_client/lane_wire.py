@@ -37,6 +37,7 @@ Thread-safety: pure functions over buffers the caller owns.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -76,6 +77,7 @@ KNOWN_FLAGS = FLAG_ALLOCATE | FLAG_LAYER_PROGRESS
 T_HAS_HOST = 1
 T_HOST_ALLOCATED = 2
 KNOWN_TFLAGS = T_HAS_HOST | T_HOST_ALLOCATED
+_PRINTABLE = re.compile(rb"[\x21-\x7e]*")
 MAX_PAGES = (AREA - REQUEST.size - MAX_TRANSFERS * TRANSFER.size) // 8
 
 
@@ -266,8 +268,10 @@ def read_request(ring: memoryview, offset: int) -> Request:
     if count > MAX_TRANSFERS:
         raise RecordError(f"{count} transfers in one record (at most {MAX_TRANSFERS})")
     op_text = op_raw.rstrip(b"\0")
-    if not all(0x21 <= c < 0x7F for c in op_text):
+    if not _PRINTABLE.fullmatch(op_text):
         raise RecordError(f"op_id must be printable ASCII (starts {op_text[:16]!r})")
+    if count == 0:
+        return Request(code, flags, seq, op_text.decode("ascii"), ())
     descriptors = bytes(ring[offset + REQUEST.size : offset + REQUEST.size + count * TRANSFER.size])
     pages_needed = 0
     for i in range(count):
@@ -309,15 +313,18 @@ def read_completion(ring: memoryview, offset: int) -> Completion:
     magic, version, opcode, seq, status, ok, retry, ntr, nacks, nlayers, value, mlen, msg = fields
     if magic != COMPLETION_MAGIC or version != VERSION:
         raise RecordError(f"bad completion record (magic {magic:#x}, version {version})", "INTERNAL")
-    # A view, not a copy (the area is 1 MiB): the arrays decoded from it are copies.
-    body = ring[offset + COMPLETION.size : offset + AREA]
-    transfers, pos = _read_transfers(body, 0, ntr, len(body))
-    acks = []
-    for _ in range(nacks):
-        raw, pages, tokens, nbytes = ACK.unpack_from(body, pos)
-        acks.append(WireAck(_name(raw, "ack.pool"), pages, tokens, nbytes))
-        pos += ACK.size
-    layers = tuple(int(x) for x in np.frombuffer(body, dtype="<i4", count=nlayers, offset=pos))
+    transfers: tuple[WireTransfer, ...] = ()
+    acks: list[WireAck] = []
+    layers: tuple[int, ...] = ()
+    if ntr or nacks or nlayers:
+        # A view, not a copy (the area is 1 MiB): the arrays decoded from it are copies.
+        body = ring[offset + COMPLETION.size : offset + AREA]
+        transfers, pos = _read_transfers(body, 0, ntr, len(body))
+        for _ in range(nacks):
+            raw, pages, tokens, nbytes = ACK.unpack_from(body, pos)
+            acks.append(WireAck(_name(raw, "ack.pool"), pages, tokens, nbytes))
+            pos += ACK.size
+        layers = tuple(np.frombuffer(body, dtype="<i4", count=nlayers, offset=pos).tolist())
     return Completion(
         opcode=opcode,
         seq=seq,
