@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,13 +12,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, HiCacheError, Transfer
+from hicached_client import HiCacheClient, HiCacheError, Transfer, WorkerIdentity
 from hicached_client import lane_wire as w
 from hicached_client.fastlane import FastLane, lane_path
 
 from tests.fastlane.conftest import Worker
 from tests.integration.daemon import ROOT, Daemon, start_daemon
-from tests.integration.kv import unique_tag
+from tests.integration.kv import WorkerPools, unique_tag
 from tests.integration.state import poll, state
 from tests.security.users import other_user, run_as_other
 
@@ -190,3 +191,25 @@ def test_without_the_lane_the_client_is_told_to_use_grpc() -> None:
         assert err.code == grpc.StatusCode.UNAVAILABLE and "use gRPC" in err.message
     finally:
         d.stop()
+
+
+def test_a_daemon_stopping_with_open_lanes_exits_cleanly_and_tells_the_client() -> None:
+    d = start_daemon()
+    pools = WorkerPools.create(unique_tag("stop"))
+    try:
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            session = client.attach(WorkerIdentity("stopper", 1, "m-stop"), pools.specs(), heartbeat=False)
+            lanes = [FastLane.open(session) for _ in range(2)]
+            assert lanes[0].write([Transfer("kv", [1])], allocate=True).ok
+            d.process.send_signal(signal.SIGTERM)
+            assert d.process.wait(timeout=30) == 0, d.log
+            err = refused(lambda: lanes[1].write([Transfer("kv", [2])], allocate=True))
+            assert err.code == grpc.StatusCode.UNAVAILABLE
+            for lane in lanes:
+                lane.close()
+            assert not Path(path_of(d)).exists(), "the daemon removes its lane socket at stop"
+    finally:
+        d.stop()
+        for p in (pools.kv, pools.draft):
+            p.close()
+            p.unlink()

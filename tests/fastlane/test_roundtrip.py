@@ -98,3 +98,12 @@ def test_each_layer_is_published_in_the_ring_before_the_completion(worker: Worke
     assert all(ns > 0 for ns in landed) and landed[0] <= landed[1]
     assert pending.layer_landed(0) and pending.layer_landed(1)
     lane.release_transfers(list(w.transfers))
+
+
+def test_a_worker_can_sleep_on_the_layer_doorbell_instead_of_spinning(worker: Worker) -> None:
+    lane = worker.lane
+    w = lane.write([Transfer("kv", [1, 2])], allocate=True)
+    pending = lane.start_load([Transfer("kv", [3, 4], w.transfers[0].host_pages)])
+    assert pending.wait_layer(1, spin=False) > 0
+    assert pending.result(timeout_s=30).layers == (0, 1)
+    lane.release_transfers(list(w.transfers))
