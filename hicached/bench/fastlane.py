@@ -5,7 +5,8 @@ machine's own round-trip limit in the same run.
   (blocking recv on both sides: what any wake-up-driven IPC costs here).
 * ``fastlane_ping_us``: a lane round trip that does no work in the daemon (ring + doorbells).
 * ``fastlane_rtt_us``: a Write of one 64 KiB page into host pages the session owns, through
-  the lane; ``grpc_write_rtt_us``: the same Write over gRPC.
+  the lane; ``grpc_write_rtt_us``: the same Write over gRPC. ``*_spin_us``: the lane with the
+  worker spinning up to 50 us on the completion counter before sleeping (``FastLane.spin_us``).
 * ``fastlane_resolve_rtt_us`` / ``resolve_rtt_grpc_us``: ResolveTransfers of 8 pages (released
   after each call, not timed).
 * ``layer_signal_us``: from the daemon's timestamp of a layer's copy finishing (taken right
@@ -34,6 +35,7 @@ from hicached_client.fastlane import FastLane
 from hicached.bench.daemon import HEAD_DIM, HEADS, LAYERS, PAGE, running_daemon
 
 DEVICE_PAGES = 256
+SPIN_US = 50.0
 _ECHO = (
     "import socket, sys\n"
     "s = socket.socket(fileno=int(sys.argv[1]))\n"
@@ -131,6 +133,10 @@ def _round_trips(session: Session, lane: FastLane, n: int) -> dict[str, float]:
         "fastlane_rtt_us": _median_us(lambda: lane.write(one), n),
         "grpc_write_rtt_us": _median_us(lambda: session.write(one), n),
     }
+    lane.spin_us = SPIN_US  # the same with the worker spinning before it sleeps on the doorbell
+    out["fastlane_ping_spin_us"] = _median_us(lane.ping, n)
+    out["fastlane_rtt_spin_us"] = _median_us(lambda: lane.write(one), n)
+    lane.spin_us = 0.0
     lane.release_transfers(list(held.transfers))
     eight = [Transfer("kv", list(range(8)))]
 

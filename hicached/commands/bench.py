@@ -41,11 +41,13 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("load_gbps", "memcpy_gbps", "H2D load (per-layer stream) vs plain page gather"),
     ("resolve_rtt_us", "echo_rtt_us", "ResolveTransfers round trip vs bare gRPC echo (lower is better)"),
     ("fastlane_ping_us", "uds_pingpong_us", "fast-lane round trip, no work in the daemon, vs raw ping-pong"),
+    ("fastlane_ping_spin_us", "uds_pingpong_us", "the same, the worker spinning up to 50 us before sleeping"),
     (
         "fastlane_rtt_us",
         "uds_pingpong_us",
         "fast-lane Write of 1 page vs raw Unix-socket ping-pong (target <= 2)",
     ),
+    ("fastlane_rtt_spin_us", "uds_pingpong_us", "the same Write, the worker spinning up to 50 us"),
     ("grpc_write_rtt_us", "uds_pingpong_us", "the same Write over gRPC vs raw Unix-socket ping-pong"),
     ("fastlane_resolve_rtt_us", "uds_pingpong_us", "fast-lane ResolveTransfers (8 pages) vs ping-pong"),
     ("engine_d2h_gbps", "engine_memcpy_gbps", "copy engine D2H (no gRPC) vs plain page gather"),
