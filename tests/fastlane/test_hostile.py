@@ -109,3 +109,15 @@ def test_load_of_foreign_pages_is_refused_like_grpc(worker: Worker) -> None:
     with pytest.raises(HiCacheError) as grpc_err:
         worker.session.load_wait(bad)
     assert (lane_err.value.code, lane_err.value.message) == (grpc_err.value.code, grpc_err.value.message)
+
+
+def test_a_write_whose_answer_might_not_fit_is_refused_before_it_allocates(
+    worker: Worker, admin: HiCacheClient
+) -> None:
+    """Without the up-front bound, an allocated answer too large for the completion slot would
+    leave pages allocated that the client never learns of."""
+    before = state(admin)
+    with pytest.raises(HiCacheError) as err:
+        worker.lane.write([Transfer("kv", list(range(40_000)))], allocate=True)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "split the batch" in err.value.message
+    assert state(admin) == before

@@ -109,11 +109,12 @@ def test_another_uid_cannot_open_a_lane_even_with_the_secret(
 def test_closing_lanes_frees_every_daemon_resource(worker: Worker, daemon: Daemon) -> None:
     baseline = settled(daemon)
     lanes = [FastLane.open(worker.session) for _ in range(2)]
+    for lane in lanes:  # one round trip each: the daemon is past the negotiation (memfd closed)
+        assert lane.write([Transfer("kv", [1])], allocate=True).ok
     memfds, rings, conns = daemon_resources(daemon)
     # Per lane: the ring mapping (and its own duplicate of the memfd) and the connection.
     assert (memfds - baseline[0], rings - baseline[1], conns - baseline[2]) == (2, 2, 2)
     for lane in lanes:
-        assert lane.write([Transfer("kv", [1])], allocate=True).ok
         lane.close()
         lane.close()  # idempotent
     # close() returns once the daemon has released its side: no waiting needed here.
