@@ -290,6 +290,13 @@ class FastLane:
             os.eventfd_write(self._submit, 1)
             return seq
 
+    def published(self, seq: int) -> bool:
+        """True once the completion of ``seq`` is in the ring (never blocks)."""
+        with self._lock:
+            if self._closed:
+                raise _unavailable("the fast lane is closed")
+            return self._collected > seq or int(self._counters[w.CQ_TAIL // 8]) > seq
+
     def completion(self, seq: int, timeout_s: float | None = None) -> w.Completion:
         """Wait for and decode the completion of ``seq``; raises HiCacheError for an error status."""
         c = self.raw_completion(seq, timeout_s)
