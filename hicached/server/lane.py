@@ -119,15 +119,14 @@ class Lane:
         self._layer_ns: np.ndarray | None = None
         self._efds: list[int] = []  # submit, complete, layer
         self._head = 0
+        self._admitted = False
 
     # ------------------------------------------------------------ lifetime
 
     def run(self) -> None:
-        admitted = False
         try:
             try:
                 self._negotiate()
-                admitted = True
             except Refused as exc:
                 with contextlib.suppress(OSError):
                     self._conn.sendall(f"error {exc.code} {str(exc)[:300]}\n".encode())
@@ -139,9 +138,9 @@ class Lane:
         except Exception:
             logger.exception("fast lane failed", extra={"event": "lane", "session": self.session_id})
         finally:
-            self._teardown(admitted)
+            self._teardown()
 
-    def _teardown(self, admitted: bool) -> None:
+    def _teardown(self) -> None:
         # numpy views and the memoryview export the mapping's buffer: drop them before unmapping.
         self._counters = self._layer_seq = self._layer_ns = None
         if self._view is not None:
@@ -154,7 +153,8 @@ class Lane:
         for fd in efds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if admitted:
+        if self._admitted:  # counted against the limits: every exit path gives the slot back
+            self._admitted = False
             self._release(self)
         # Last: the client's close() waits for this EOF, so once it returns, everything is freed.
         self._conn.close()
@@ -207,6 +207,7 @@ class Lane:
         self.session_id = session_id
         self._session = session
         self._admit(self, session_id)  # raises Refused at the lane limits
+        self._admitted = True
         fds = self._create_ring()
         try:
             self._conn.settimeout(NEGOTIATE_TIMEOUT_S)

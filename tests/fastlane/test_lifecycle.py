@@ -214,3 +214,22 @@ def test_a_daemon_stopping_with_open_lanes_exits_cleanly_and_tells_the_client() 
         for p in (pools.kv, pools.draft):
             p.close()
             p.unlink()
+
+
+def test_a_negotiation_failing_after_admission_gives_its_slot_back(worker: Worker, daemon: Daemon) -> None:
+    """A client that stops reading before the daemon sends the ring (EPIPE on the daemon's side)
+    must not keep its lane slot: before the fix, each such attempt leaked one of the session's
+    ``fast_lane_max_per_session`` (3 here) and the opens below were refused."""
+    baseline = settled(daemon)
+    line = b" ".join(
+        [w.NEGOTIATE_MAGIC, worker.session.session_id.encode(), worker.session.info.session_secret.encode()]
+    )
+    for _ in range(4):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path_of(daemon))
+            s.shutdown(socket.SHUT_RD)  # the daemon's send of the ring fails
+            s.sendall(line + b"\n")
+            poll(lambda: daemon_resources(daemon), lambda r: r == baseline, 10, "the refused lane torn down")
+    extra = [FastLane.open(worker.session), FastLane.open(worker.session)]
+    for lane in extra:
+        lane.close()
