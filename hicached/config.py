@@ -143,6 +143,7 @@ class ServerConfig:
     )
     fast_lane_max: int = _f(64, "Most fast lanes (open or negotiating) in total; each holds one thread.")
     fast_lane_max_per_session: int = _f(4, "Most open fast lanes per session.")
+    fast_lane_max_per_uid: int = _f(16, "Most open fast lanes per client uid (SO_PEERCRED).")
 
     def admin_socket_path(self) -> Path:
         """The admin socket: ``admin_socket``, or ``admin.sock`` next to the worker socket."""
@@ -258,6 +259,7 @@ _POSITIVE = {
     "server.handoff_max_pending_per_uid",
     "server.fast_lane_max",
     "server.fast_lane_max_per_session",
+    "server.fast_lane_max_per_uid",
     "server.max_batch_pages",
     "server.max_message_bytes",
     "sessions.lease_ms",

@@ -117,6 +117,7 @@ class Daemon:
                 mode=srv.socket_mode,
                 max_lanes=srv.fast_lane_max,
                 max_per_session=srv.fast_lane_max_per_session,
+                max_per_uid=srv.fast_lane_max_per_uid,
                 observe=self._observe_rpc,
             )
         self.server = Server(

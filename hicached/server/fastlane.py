@@ -6,8 +6,8 @@ shared-memory ring and two eventfd doorbells instead of an HTTP/2 call. Protocol
 per-lane behaviour: :mod:`hicached.server.lane`; record layout:
 :mod:`hicached_client.lane_wire`; prose: docs/fastlane.md.
 
-Bounds: at most ``max_lanes`` connections (negotiating or open) in total and
-``max_per_session`` open lanes per session; a connection beyond them is answered
+Bounds: at most ``max_lanes`` connections (negotiating or open) in total,
+``max_per_session`` open lanes per session and ``max_per_uid`` per client uid; a connection beyond them is answered
 ``error RESOURCE_EXHAUSTED ...`` and closed. Thread-safety: ``start``/``close`` from one
 thread; the acceptor and lane threads share only the registry under ``_lock``.
 """
@@ -54,6 +54,7 @@ class LaneServer:
         mode: int,
         max_lanes: int,
         max_per_session: int,
+        max_per_uid: int,
         observe: Observer | None = None,
     ) -> None:
         self._core = core
@@ -61,10 +62,12 @@ class LaneServer:
         self._mode = mode
         self._max_lanes = max_lanes
         self._max_per_session = max_per_session
+        self._max_per_uid = max_per_uid
         self._observe = observe or _no_observer
         self._lock = threading.Lock()
         self._threads: dict[Lane, threading.Thread] = {}
         self._per_session: Counter[str] = Counter()
+        self._per_uid: Counter[int] = Counter()
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
@@ -148,8 +151,8 @@ class LaneServer:
             with self._lock:
                 self._threads.pop(lane, None)
 
-    def _admit(self, lane: Lane, session_id: str) -> None:
-        """Count ``lane`` against its session's limit (Refused when reached)."""
+    def _admit(self, lane: Lane, session_id: str, uid: int) -> None:
+        """Count ``lane`` against its session's and its uid's limits (Refused when reached)."""
         with self._lock:
             if self._per_session[session_id] >= self._max_per_session:
                 raise Refused(
@@ -157,13 +160,22 @@ class LaneServer:
                     f"session {session_id[:16]!r} already has {self._max_per_session} fast lanes "
                     "(server.fast_lane_max_per_session); close one or use gRPC",
                 )
+            if self._per_uid[uid] >= self._max_per_uid:
+                raise Refused(
+                    "RESOURCE_EXHAUSTED",
+                    f"uid {uid} already has {self._max_per_uid} fast lanes (server.fast_lane_max_per_uid); "
+                    "close one or use gRPC",
+                )
             self._per_session[session_id] += 1
+            self._per_uid[uid] += 1
 
     def _release(self, lane: Lane) -> None:
         with self._lock:
             self._per_session[lane.session_id] -= 1
-            if self._per_session[lane.session_id] <= 0:
-                del self._per_session[lane.session_id]
+            self._per_uid[lane.uid] -= 1
+            # Drop zero counts: the counters hold only live sessions and uids.
+            self._per_session += Counter()
+            self._per_uid += Counter()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, end every lane (each finishes its current op), unlink our socket. Idempotent."""

@@ -100,7 +100,7 @@ class Lane:
         conn: socket.socket,
         *,
         stop_fd: int,
-        admit: Callable[[Lane, str], None],
+        admit: Callable[[Lane, str, int], None],
         release: Callable[[Lane], None],
         observe: Observer,
     ) -> None:
@@ -111,6 +111,7 @@ class Lane:
         self._release = release
         self._observe = observe
         self.session_id = ""
+        self.uid = -1
         self._session: Session | None = None
         self._ring: mmap.mmap | None = None
         self._view: memoryview | None = None
@@ -206,7 +207,8 @@ class Lane:
             )  # fmt: skip
         self.session_id = session_id
         self._session = session
-        self._admit(self, session_id)  # raises Refused at the lane limits
+        self.uid = cred.uid
+        self._admit(self, session_id, cred.uid)  # raises Refused at the lane limits
         self._admitted = True
         fds = self._create_ring()
         try:

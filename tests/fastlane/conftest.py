@@ -17,7 +17,10 @@ from tests.integration.kv import WorkerPools, unique_tag
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = start_daemon("--set", "server.socket_mode=0o666", "--set", "server.fast_lane_max_per_session=3")
+    d = start_daemon(
+        "--set", "server.socket_mode=0o666", "--set", "server.fast_lane_max_per_session=3",
+        "--set", "server.fast_lane_max_per_uid=5",
+    )  # fmt: skip
     try:
         yield d
     finally:

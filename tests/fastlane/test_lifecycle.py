@@ -233,3 +233,29 @@ def test_a_negotiation_failing_after_admission_gives_its_slot_back(worker: Worke
     extra = [FastLane.open(worker.session), FastLane.open(worker.session)]
     for lane in extra:
         lane.close()
+
+
+def test_lanes_per_uid_are_bounded_across_sessions(worker: Worker, daemon: Daemon) -> None:
+    pools = WorkerPools.create(unique_tag("uid"))
+    opened: list[FastLane] = []
+    try:
+        with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+            other = client.attach(WorkerIdentity(unique_tag("uid"), 1, "m-fastlane"), pools.specs())
+            try:
+                # The fixture's lane + 2 on the worker's session + 2 on another = the uid's limit of 5.
+                opened += [FastLane.open(worker.session) for _ in range(2)]
+                opened += [FastLane.open(other) for _ in range(2)]
+                err = refused(lambda: FastLane.open(other))
+                assert (
+                    err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "fast_lane_max_per_uid" in err.message
+                )
+                opened.pop().close()
+                opened.append(FastLane.open(other))  # a closed lane gave its slot back
+            finally:
+                for lane in opened:
+                    lane.close()
+                other.close()
+    finally:
+        for p in (pools.kv, pools.draft):
+            p.close()
+            p.unlink()
