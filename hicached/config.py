@@ -144,6 +144,19 @@ class ServerConfig:
     fast_lane_max: int = _f(64, "Most fast lanes (open or negotiating) in total; each holds one thread.")
     fast_lane_max_per_session: int = _f(4, "Most open fast lanes per session.")
     fast_lane_max_per_uid: int = _f(16, "Most open fast lanes per client uid (SO_PEERCRED).")
+    copy_threads: int = _f(
+        16, "Threads that run copy-bound RPCs (Write, Load, PutPages, GetPages, PutBytes, Detach...)."
+    )
+    l3_threads: int = _f(
+        8, "Threads that run RPCs waiting on L3 (include_l3, Lookup with L3, Backup, Prefetch...)."
+    )
+    hash_threads: int = _f(
+        2, "Threads that hash token chains and check keys (CPU-bound; off the event loop)."
+    )
+    bookkeeping_threads: int = _f(
+        8,
+        "Threads of short bookkeeping (Attach, GetStats, the lease reaper): never shared with copies or L3.",
+    )
 
     def admin_socket_path(self) -> Path:
         """The admin socket: ``admin_socket``, or ``admin.sock`` next to the worker socket."""
@@ -212,6 +225,13 @@ class L3Config:
     prefetch_timeout_base_s: float = _f(1.0, "Timeout policy: base seconds.")
     prefetch_timeout_per_1k_tokens_s: float = _f(0.25, "Timeout policy: seconds per 1024 tokens.")
     io_workers: int = _f(2, "Threads doing L3 I/O.")
+    stats_interval_s: float = _f(
+        5.0, "Seconds between background refreshes of the L3 backend's stats (GetStats answers from them)."
+    )
+    stats_wait_s: float = _f(
+        0.5,
+        "Longest GetStats waits for a fresh L3 stats refresh before answering the last stats (0 = never).",
+    )
     file: FileBackendConfig = _f(_default_file_backend, _BACKEND_HELP.format("file", "file", "file"))
     redis: RedisBackendConfig = field(
         default_factory=RedisBackendConfig, metadata={"help": _BACKEND_HELP.format("redis", "redis", "redis")}
@@ -230,6 +250,38 @@ class L3Config:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """Per-request and per-peer limits, checked before any work starts (see docs/limits.md)."""
+
+    max_tokens_per_request: int = _f(1 << 20, "Most token ids one KeySource.tokens chain may carry.")
+    max_keys_per_request: int = _f(1 << 16, "Most keys one request may carry (given or hashed from tokens).")
+    max_key_bytes: int = _f(512, "Longest key (UTF-8 bytes).")
+    max_identity_bytes: int = _f(
+        256, "Longest identity string (instance_id, model_name, tenant, op_id, request_id; UTF-8 bytes)."
+    )
+    max_response_bytes: int = _f(
+        32 << 20,
+        "Largest response a request may ask for, computed before it is built (capped by "
+        "server.max_message_bytes).",
+        parse=parse_size,
+    )
+    max_sessions_per_peer: int = _f(
+        256, "Most live sessions of one peer (the handoff's SO_PEERCRED uid, the TCP host, or the socket)."
+    )
+    max_buffers_per_attach: int = _f(
+        512, "Most device buffers (K and V of every pool) one Attach may hand over."
+    )
+    max_l3_calls_queued: int = _f(
+        64, "RPCs that may wait for an L3 thread (server.l3_threads) before RESOURCE_EXHAUSTED."
+    )
+    max_wait_s: float = _f(
+        30.0,
+        "Deadline of a blocking wait (Backup wait, PrefetchStatus wait, the wait at session end): "
+        "past it the call answers the state so far.",
+    )
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = _f("info", "debug, info, warning or error.")
     format: str = _f("text", "text or json (one JSON object per line).")
@@ -242,6 +294,7 @@ class Config:
     sessions: SessionConfig = field(default_factory=SessionConfig)
     copy: CopyConfig = field(default_factory=CopyConfig)
     l3: L3Config = field(default_factory=L3Config)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -271,7 +324,21 @@ _POSITIVE = {
     "copy.workers",
     "copy.max_queued",
     "l3.io_workers",
+    "l3.stats_interval_s",
     "host.default_ratio",
+    "server.copy_threads",
+    "server.l3_threads",
+    "server.hash_threads",
+    "server.bookkeeping_threads",
+    "limits.max_tokens_per_request",
+    "limits.max_keys_per_request",
+    "limits.max_key_bytes",
+    "limits.max_identity_bytes",
+    "limits.max_response_bytes",
+    "limits.max_sessions_per_peer",
+    "limits.max_buffers_per_attach",
+    "limits.max_l3_calls_queued",
+    "limits.max_wait_s",
 }
 
 
@@ -281,6 +348,7 @@ _SECTION_TYPES: dict[str, type[Any]] = {
     "sessions": SessionConfig,
     "copy": CopyConfig,
     "l3": L3Config,
+    "limits": LimitsConfig,
     "log": LogConfig,
 }
 
@@ -327,6 +395,7 @@ def _check_cross(cfg: Config) -> None:
         ("server.grace_s", cfg.server.grace_s),
         ("l3.prefetch_timeout_base_s", cfg.l3.prefetch_timeout_base_s),
         ("l3.prefetch_timeout_per_1k_tokens_s", cfg.l3.prefetch_timeout_per_1k_tokens_s),
+        ("l3.stats_wait_s", cfg.l3.stats_wait_s),
     ):
         if number < 0:
             raise ConfigError(f"invalid {key} = {number}: must be >= 0")

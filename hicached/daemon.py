@@ -11,9 +11,9 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -25,12 +25,15 @@ from hicached.core.keyed import KeyedCache
 from hicached.core.service import CoreHooks, HiCacheCore
 from hicached.core.sessions import Session
 from hicached.l3.base import StorageBackend
+from hicached.l3.stats_cache import StatsCache
 from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
 from hicached.server import credentials
 from hicached.server.app import Server, claim_sockets
 from hicached.server.fastlane import LaneServer, lane_path
 from hicached.server.handoff import HandoffRegistry, HandoffServer, handoff_path
+from hicached.server.lanes import Lanes
+from hicached.server.peers import PeerSessions
 from hicached.server.roles import Access
 from hicached.server.servicer import AdminServicer, CacheServicer
 from hicached.startup import banner, open_l3
@@ -40,6 +43,8 @@ from hicached.transfer.plan import CopyPlan, Direction
 
 logger = logging.getLogger(__name__)
 
+# sys.setswitchinterval of the daemon process (see run_daemon).
+LOOP_SWITCH_INTERVAL_S = 0.0005
 # Sections whose keys SIGHUP applies to a running daemon.
 RELOADABLE_SECTIONS = frozenset({"log"})
 
@@ -98,7 +103,9 @@ class Daemon:
             hooks=MetricsHooks(self.metrics),
         )
         self.keyed.bind(self.core)
-        self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="hicached-rpc")
+        self.lanes = Lanes.from_config(config)
+        self.peers = PeerSessions(config.limits.max_sessions_per_peer, self.core.live_session_ids)
+        self.l3_stats = StatsCache(config.l3.backend, self.backend) if self.backend is not None else None
         srv = config.server
         self.handoff = HandoffRegistry(
             ttl_s=srv.handoff_ticket_ttl_s,
@@ -109,9 +116,9 @@ class Daemon:
             self.handoff, handoff_path(srv.socket), mode=srv.socket_mode, max_fds=srv.handoff_max_fds
         )
         # The fast lane (docs/fastlane.md): same socket mode as gRPC, same checks per op.
-        self.lanes: LaneServer | None = None
+        self.fast_lanes: LaneServer | None = None
         if srv.fast_lane:
-            self.lanes = LaneServer(
+            self.fast_lanes = LaneServer(
                 self.core,
                 lane_path(srv.socket),
                 mode=srv.socket_mode,
@@ -124,7 +131,7 @@ class Daemon:
             config,
             self.core,
             self._registrations,
-            executor=self.executor,
+            executor=self.lanes.bookkeeping.executor,
             credentials=creds,
             admin_gid=admin_gid,
         )
@@ -134,15 +141,13 @@ class Daemon:
     def _registrations(self, access: Access) -> list[Callable[[grpc.aio.Server], None]]:
         """The services of one listener, their servicers bound to its role."""
         observe = self._observe_rpc
-        cache = CacheServicer(
-            self.core, self.executor, observe=observe, access=access, keyed=self.keyed, handoff=self.handoff
-        )
+        shared = {"observe": observe, "access": access, "peers": self.peers, "l3_stats": self.l3_stats}
+        cache = CacheServicer(self.core, self.lanes, keyed=self.keyed, handoff=self.handoff, **shared)
         admin = AdminServicer(
             self.core,
-            self.executor,
-            observe=observe,
-            access=access,
+            self.lanes,
             keyed=self.keyed,
+            **shared,
             on_drain=self.server.mark_draining,
             on_resume=self.server.mark_serving,
         )
@@ -182,8 +187,8 @@ class Daemon:
     async def start(self) -> None:
         await self.server.start()
         self.handoff_server.start()
-        if self.lanes is not None:
-            self.lanes.start()
+        if self.fast_lanes is not None:
+            self.fast_lanes.start()
         port = self.config.server.metrics_port
         url = None
         if port >= 0:
@@ -201,8 +206,8 @@ class Daemon:
         """Stop serving, finish or cancel in-flight work, release every mapping and page."""
         self.handoff_server.close()
         loop = asyncio.get_running_loop()
-        if self.lanes is not None:  # each lane finishes the op it runs, then closes
-            await loop.run_in_executor(None, self.lanes.close, self.config.server.grace_s)
+        if self.fast_lanes is not None:  # each lane finishes the op it runs, then closes
+            await loop.run_in_executor(None, self.fast_lanes.close, self.config.server.grace_s)
         await self.server.stop(self.config.server.grace_s)
         self.handoff.close()
         flushed = await loop.run_in_executor(None, self.keyed.flush_for_shutdown, self.config.server.grace_s)
@@ -211,8 +216,8 @@ class Daemon:
 
     def close(self) -> None:
         self.handoff.close()
-        if self.lanes is not None:
-            self.lanes.close(self.config.server.grace_s)
+        if self.fast_lanes is not None:
+            self.fast_lanes.close(self.config.server.grace_s)
         self.core.close()
         self.keyed.close()
         self.engine.close()
@@ -220,7 +225,9 @@ class Daemon:
             self.backend.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.l3_stats is not None:
+            self.l3_stats.close()
+        self.lanes.shutdown()
 
     def reload(self, fresh: Config) -> list[str]:
         """Apply the safe settings of a re-read configuration (SIGHUP); returns the keys applied.
@@ -261,19 +268,28 @@ class Daemon:
         if reload is not None:
             loop.add_signal_handler(signal.SIGHUP, lambda: self._on_sighup(reload))
         await self.start()
-        gauges = asyncio.create_task(
-            supervise(
-                "gauges",
-                self.refresh_gauges,
-                interval_s=1.0,
-                on_failure=lambda task: self.metrics.task_failures.labels(task=self.metrics.task(task)).inc(),
+        on_failure = self._task_failed
+        tasks = [
+            asyncio.create_task(
+                supervise("gauges", self.refresh_gauges, interval_s=1.0, on_failure=on_failure)
             )
-        )
+        ]
+        if self.l3_stats is not None:
+            interval = self.config.l3.stats_interval_s
+            tasks.append(
+                asyncio.create_task(
+                    supervise("l3_stats", self.l3_stats.step, interval_s=interval, on_failure=on_failure)
+                )
+            )
         await stop.wait()
         logger.info("shutting down", extra={"event": "shutdown"})
-        gauges.cancel()
+        for task in tasks:
+            task.cancel()
         await self.stop()
         return 0
+
+    def _task_failed(self, task: str) -> None:
+        self.metrics.task_failures.labels(task=self.metrics.task(task)).inc()
 
     def _on_sighup(self, reload: Callable[[], Config]) -> None:
         try:
@@ -304,5 +320,9 @@ def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> in
     """Build and serve a daemon; a :class:`~hicached.startup.StartupError` propagates (exit 2)."""
     import uvloop
 
+    # The event loop thread gives the GIL up at every I/O call; with a CPU-bound lane thread
+    # (hashing, index walks) it waits a whole switch interval to get it back each time, so a
+    # heartbeat that needs it a dozen times would take ~100 ms at the 5 ms default.
+    sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
     daemon = Daemon(config)
     return uvloop.run(daemon.run(reload))

@@ -33,6 +33,7 @@ import select
 import socket
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -43,6 +44,7 @@ from hicached.core.sessions import Session
 from hicached.errors import PermissionDenied
 from hicached.l2.group import PoolTransfer
 from hicached.server.handoff import peer_cred
+from hicached.server.limits import check_ids
 from hicached.server.status import status_for
 
 logger = logging.getLogger(__name__)
@@ -325,6 +327,8 @@ class Lane:
         sid, op, seq = self.session_id, req.op_id, req.seq
         transfers = _transfers_in(req.transfers)
         ok = grpc.StatusCode.OK.value[0]
+        # The servicer's pre-core check of identifiers (its unary wrapper), mirrored.
+        check_ids(SimpleNamespace(session_id=sid, op_id=op), self._core.config.limits)
         if req.opcode in (w.Opcode.WRITE, w.Opcode.RESOLVE):
             self._check_answer_fits(req)
         if req.opcode is w.Opcode.WRITE:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import errno
 import fcntl
 import math
 import mmap
@@ -211,6 +212,8 @@ class FdOpener(HandleOpener[FdBufferHandle]):
                 handle.fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
             )
         except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise  # the daemon ran out (RESOURCE_EXHAUSTED), not the client's fault
             raise InvalidArgument(
                 f"{what} cannot be mapped read-write ({exc.strerror}): send an O_RDWR memfd without "
                 "F_SEAL_WRITE / F_SEAL_FUTURE_WRITE"
