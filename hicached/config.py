@@ -143,6 +143,12 @@ class ServerConfig:
     handoff_ticket_ttl_s: float = _f(30.0, "Seconds an fd handoff ticket waits for its Attach.")
     handoff_max_pending: int = _f(256, "Most unused fd handoff tickets in total.")
     handoff_max_pending_per_uid: int = _f(32, "Most unused fd handoff tickets per client uid.")
+    fast_lane: bool = _f(
+        True, "Serve the fast lane (<socket>.lane: shared-memory rings for Write/Load; see docs/fastlane.md)."
+    )
+    fast_lane_max: int = _f(64, "Most fast lanes (open or negotiating) in total; each holds one thread.")
+    fast_lane_max_per_session: int = _f(4, "Most open fast lanes per session.")
+    fast_lane_max_per_uid: int = _f(16, "Most open fast lanes per client uid (SO_PEERCRED).")
     copy_threads: int = _f(
         16, "Threads that run copy-bound RPCs (Write, Load, PutPages, GetPages, PutBytes, Detach...)."
     )
@@ -309,6 +315,9 @@ _POSITIVE = {
     "server.handoff_ticket_ttl_s",
     "server.handoff_max_pending",
     "server.handoff_max_pending_per_uid",
+    "server.fast_lane_max",
+    "server.fast_lane_max_per_session",
+    "server.fast_lane_max_per_uid",
     "server.max_batch_pages",
     "server.max_message_bytes",
     "sessions.lease_ms",

@@ -31,6 +31,7 @@ from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
 from hicached.server import credentials
 from hicached.server.app import Server, claim_sockets
+from hicached.server.fastlane import LaneServer, lane_path
 from hicached.server.handoff import HandoffRegistry, HandoffServer, handoff_path
 from hicached.server.lanes import Lanes
 from hicached.server.peers import PeerSessions
@@ -116,6 +117,18 @@ class Daemon:
         self.handoff_server = HandoffServer(
             self.handoff, handoff_path(srv.socket), mode=srv.socket_mode, max_fds=srv.handoff_max_fds
         )
+        # The fast lane (docs/fastlane.md): same socket mode as gRPC, same checks per op.
+        self.fast_lanes: LaneServer | None = None
+        if srv.fast_lane:
+            self.fast_lanes = LaneServer(
+                self.core,
+                lane_path(srv.socket),
+                mode=srv.socket_mode,
+                max_lanes=srv.fast_lane_max,
+                max_per_session=srv.fast_lane_max_per_session,
+                max_per_uid=srv.fast_lane_max_per_uid,
+                observe=self._observe_rpc,
+            )
         self.server = Server(
             config,
             self.core,
@@ -176,6 +189,8 @@ class Daemon:
     async def start(self) -> None:
         await self.server.start()
         self.handoff_server.start()
+        if self.fast_lanes is not None:
+            self.fast_lanes.start()
         port = self.config.server.metrics_port
         url = None
         if port >= 0:
@@ -194,15 +209,21 @@ class Daemon:
         budget = self.config.server.grace_s
         deadline = time.monotonic() + budget  # one budget for stop + flush (hicached/shutdown.py)
         self.handoff_server.close()
-        await self.server.stop(rpc_grace_s(budget))
-        self.handoff.close()
         loop = asyncio.get_running_loop()
+        rpc_deadline = time.monotonic() + rpc_grace_s(budget)
+        if self.fast_lanes is not None:  # each lane finishes the op it runs, then closes
+            await loop.run_in_executor(None, self.fast_lanes.close, rpc_grace_s(budget))
+        # Lanes and gRPC calls share the in-flight share of the one budget.
+        await self.server.stop(max(0.0, rpc_deadline - time.monotonic()))
+        self.handoff.close()
         flushed = await loop.run_in_executor(None, flush_within, self.keyed.indexes(), deadline)
         logger.info("flushed pending L3 backups", extra={"event": "shutdown", "pages": flushed})
         await loop.run_in_executor(None, self.close)
 
     def close(self) -> None:
         self.handoff.close()
+        if self.fast_lanes is not None:
+            self.fast_lanes.close(self.config.server.grace_s)
         self.core.close()
         self.keyed.close()
         self.engine.close()

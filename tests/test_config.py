@@ -47,6 +47,7 @@ _SPECIAL: dict[str, tuple[Any, Any, Any]] = {
     "l3.s3.create_bucket": (True, False, True),
     "l3.s3.conditional_put": (False, True, False),
     "server.insecure_tcp": (True, False, True),
+    "server.fast_lane": (False, True, False),
 }
 # server.tls_cert and server.tls_key must be set together: each is layered with its partner in the file.
 _PARTNER: dict[str, tuple[str, str]] = {

@@ -32,6 +32,7 @@ SUITES: dict[str, str] = {
     "sglang": "hicached.bench.sglang",
     "engine": "hicached.bench.engine",
     "soak": "hicached.bench.soak",
+    "fastlane": "hicached.bench.fastlane",
 }
 DEFAULT_SUITES = ("daemon", "pools", "l3")
 
@@ -40,6 +41,16 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("write_gbps", "memcpy_gbps", "D2H write of 1,000 x 64 KiB pages vs plain page gather"),
     ("load_gbps", "memcpy_gbps", "H2D load (per-layer stream) vs plain page gather"),
     ("resolve_rtt_us", "echo_rtt_us", "ResolveTransfers round trip vs bare gRPC echo (lower is better)"),
+    ("fastlane_ping_us", "uds_pingpong_us", "fast-lane round trip, no work in the daemon, vs raw ping-pong"),
+    ("fastlane_ping_spin_us", "uds_pingpong_us", "the same, the worker spinning up to 50 us before sleeping"),
+    (
+        "fastlane_rtt_us",
+        "uds_pingpong_us",
+        "fast-lane Write of 1 page vs raw Unix-socket ping-pong (target <= 2)",
+    ),
+    ("fastlane_rtt_spin_us", "uds_pingpong_us", "the same Write, the worker spinning up to 50 us"),
+    ("grpc_write_rtt_us", "uds_pingpong_us", "the same Write over gRPC vs raw Unix-socket ping-pong"),
+    ("fastlane_resolve_rtt_us", "uds_pingpong_us", "fast-lane ResolveTransfers (8 pages) vs ping-pong"),
     ("engine_d2h_gbps", "engine_memcpy_gbps", "copy engine D2H (no gRPC) vs plain page gather"),
     ("engine_h2d_gbps", "engine_memcpy_gbps", "copy engine H2D (no gRPC) vs plain page gather"),
     ("pool_create_gbps", "pool_memcpy_gbps", "creating (reserving + prefaulting) a host pool vs a warm copy"),
@@ -76,7 +87,8 @@ disk; redis vs redis-py when redis-server and the redis extra are installed), ke
 content index and L3 paths), l3_remote (S3 via SeaweedFS, Mooncake), sglang (SGLang's storage
 calls through the daemon vs HiCacheFile), soak (N worker processes of mixed operations for a
 given time: p50/p99 per operation in the first and last window, daemon RSS and fds over time,
-page accounting after every worker detached; not in the default set). A suite or part whose packages or servers are missing
+page accounting after every worker detached; not in the default set), fastlane (the shared-memory
+fast lane's round trip and per-layer signal vs a raw Unix-socket ping-pong and gRPC). A suite or part whose packages or servers are missing
 is skipped with the reason; a failing suite is reported and the others still run (exit 1).
 """
 

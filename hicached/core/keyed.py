@@ -423,16 +423,6 @@ class KeyedCache:
             return 0
         return sum(index.flush(timeout_s) for index in self.indexes())
 
-    def flush_for_shutdown(self, timeout_s: float) -> int:
-        """Best-effort drain on SIGTERM: what L3 acknowledges within ``timeout_s`` survives."""
-        flushed = 0
-        for index in self.indexes():
-            try:
-                flushed += index.flush(timeout_s)
-            except ResourceExhausted as exc:
-                logger.warning("shutdown flush incomplete: %s", exc, extra={"event": "shutdown"})
-        return flushed
-
     def clear(self, model: str, tenant: str | None) -> tuple[int, int]:
         if not model:
             raise InvalidArgument("model_name must not be empty")

@@ -1,0 +1,389 @@
+"""The client half of the fast lane: a session's Write/Load/Resolve/Release over shared memory.
+
+``FastLane.open(session)`` connects to ``<socket>.lane`` next to the session's gRPC
+socket, presents the session id and secret, and receives the ring (a sealed memfd) and
+three eventfds. Each op is one record in the ring, one doorbell write and one wait for
+the completion: no HTTP/2, no protobuf, no thread hop in the client. Results and errors
+are the Session's: :class:`~hicached_client.types.WriteResult`, ``LoadResult``,
+``ResolveResult``, ``HiCacheError(code, message)``.
+
+gRPC stays the contract: a daemon without the lane (``server.fast_lane = false``, TCP,
+older daemon) makes ``open`` raise ``HiCacheError(UNAVAILABLE)``; callers fall back to the
+session's gRPC methods. After any ``UNAVAILABLE`` from an op the lane is closed.
+
+Thread-safety: ops on one lane are serialised by a lock (one round trip at a time per
+lane; open one lane per thread for parallelism). :meth:`start_load` returns before the copy
+ends so a worker can wait for single layers (:meth:`PendingLoad.wait_layer`) while it runs.
+Buffers: the ring is owned by the lane and unmapped by :meth:`close` (idempotent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+import numpy as np
+
+from hicached_client import lane_wire as w
+from hicached_client._handoff import handoff_path
+from hicached_client.errors import HiCacheError
+from hicached_client.types import LoadResult, PoolAck, ResolveResult, Transfer, WriteResult
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def lane_path(target: str) -> str | None:
+    """The lane socket next to a ``unix:`` target's socket; None for TCP targets."""
+    fds = handoff_path(target)
+    return None if fds is None else fds[: -len(".fds")] + w.SUFFIX
+
+
+def _unavailable(message: str) -> HiCacheError:
+    return HiCacheError(grpc.StatusCode.UNAVAILABLE, message, method="FastLane")
+
+
+def _new_op_id() -> str:
+    return os.urandom(16).hex()
+
+
+def _wire(transfers: Sequence[Transfer]) -> tuple[w.WireTransfer, ...]:
+    return tuple(
+        w.WireTransfer(
+            t.pool,
+            np.asarray(t.device_pages, dtype=np.int64),
+            None if t.host_pages is None else np.asarray(t.host_pages, dtype=np.int64),
+            t.host_allocated,
+        )
+        for t in transfers
+    )
+
+
+def _transfers(ts: tuple[w.WireTransfer, ...]) -> tuple[Transfer, ...]:
+    return tuple(
+        Transfer(
+            t.pool,
+            tuple(int(x) for x in (t.device if t.device is not None else ())),
+            tuple(int(x) for x in (t.host if t.host is not None else ())),
+            t.host_allocated,
+        )
+        for t in ts
+    )
+
+
+def _acks(c: w.Completion) -> tuple[PoolAck, ...]:
+    return tuple(PoolAck(a.pool, a.pages, a.tokens, a.bytes) for a in c.acks)
+
+
+class FastLane:
+    """One open lane of one session (see the module docstring)."""
+
+    def __init__(self, conn: socket.socket, fds: list[int], *, session_id: str) -> None:
+        self._conn = conn
+        self.session_id = session_id
+        memfd, self._submit, self._done, self._layer = fds
+        try:
+            seals = fcntl.fcntl(memfd, fcntl.F_GET_SEALS)
+            size = os.fstat(memfd).st_size
+            if seals & _SEALS != _SEALS or size != w.RING_BYTES:
+                raise _unavailable(f"the daemon's lane ring is not sealed or has size {size}")
+            self._ring = mmap.mmap(memfd, w.RING_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        os.close(memfd)
+        self._view = memoryview(self._ring)
+        w.check_ring(self._view)
+        self._counters = np.frombuffer(self._ring, dtype=np.int64, count=w.LAYER_SEQ // 8)
+        self.layer_seq = np.frombuffer(self._ring, dtype=np.int64, count=w.MAX_LAYERS, offset=w.LAYER_SEQ)
+        self.layer_ns = np.frombuffer(self._ring, dtype=np.int64, count=w.MAX_LAYERS, offset=w.LAYER_NS)
+        self._lock = threading.RLock()
+        self._tail = 0  # next seq to submit
+        self._collected = 0  # next seq whose completion is read
+        self._results: dict[int, w.Completion] = {}
+        self._poller = select.poll()
+        self._poller.register(self._done, select.POLLIN)
+        self._poller.register(conn.fileno(), select.POLLIN)
+        self._closed = False
+        # Microseconds to spin on the completion counter before sleeping on the doorbell: lower
+        # latency where a core is free, wasted CPU where none is (default: sleep at once).
+        self.spin_us = 0.0
+
+    # ------------------------------------------------------------ opening and closing
+
+    @classmethod
+    def open(cls, session: Any, *, timeout_s: float = 5.0) -> FastLane:
+        """A lane for ``session`` (a ``Session`` or ``AsyncSession``: its target, id and secret)."""
+        path = lane_path(session.client.target)
+        if path is None:
+            raise _unavailable(
+                f"no fast lane over TCP ({session.client.target}); use the session's gRPC calls"
+            )
+        return cls.connect(path, session.session_id, session.info.session_secret, timeout_s=timeout_s)
+
+    @classmethod
+    def connect(cls, path: str, session_id: str, secret: str, *, timeout_s: float = 5.0) -> FastLane:
+        """Negotiate a lane at the lane socket ``path`` (HiCacheError with the daemon's code if refused)."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            conn.settimeout(timeout_s)
+            try:
+                conn.connect(path)
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                raise _unavailable(f"no fast lane socket at {path} ({exc}); use gRPC") from None
+            conn.sendall(b" ".join([w.NEGOTIATE_MAGIC, session_id.encode(), secret.encode()]) + b"\n")
+            msg, fds, _, _ = socket.recv_fds(conn, w.MAX_NEGOTIATE, 4)
+            if msg.startswith(b"ok ") and len(fds) == 4:
+                conn.setblocking(False)
+                return cls(conn, list(fds), session_id=session_id)
+            for fd in fds:
+                os.close(fd)
+            text = msg.decode("utf-8", "replace").strip()
+            code = grpc.StatusCode.UNAVAILABLE
+            if text.startswith("error "):
+                name, _, text = text[len("error ") :].partition(" ")
+                got = getattr(grpc.StatusCode, name, None) if name.isupper() else None
+                code = got if isinstance(got, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+            raise HiCacheError(
+                code, f"the daemon refused the fast lane: {text or 'no answer'}", method="FastLane"
+            )
+        except TimeoutError:
+            conn.close()
+            raise HiCacheError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"fast lane negotiation at {path} timed out"
+            ) from None
+        except OSError as exc:
+            conn.close()
+            raise _unavailable(f"fast lane negotiation at {path} failed: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
+
+    def close(self, *, timeout_s: float = 5.0) -> None:
+        """Tear the lane down. Idempotent.
+
+        Waits (at most ``timeout_s``: the daemon first finishes an op it is running) until the
+        daemon has released its side, so a new lane opened right after counts against the
+        limits without this one.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            del self._counters, self.layer_seq, self.layer_ns
+            self._view.release()
+            self._ring.close()
+            for fd in (self._submit, self._done, self._layer):
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                self._conn.shutdown(socket.SHUT_WR)  # the daemon sees EOF, tears down, closes
+                if select.select([self._conn], [], [], timeout_s)[0]:
+                    self._conn.recv(1)
+            self._conn.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ ops
+
+    def write(
+        self,
+        transfers: Sequence[Transfer],
+        *,
+        allocate: bool = False,
+        op_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> WriteResult:
+        """Device -> host copy, as :meth:`Session.write` (no primary pages: name the anchor pool)."""
+        flags = w.FLAG_ALLOCATE if allocate else 0
+        c = self._call(w.Opcode.WRITE, flags, transfers, op_id, timeout_s)
+        return WriteResult(ok=c.ok, transfers=_transfers(c.transfers), acks=_acks(c))
+
+    def load(
+        self,
+        transfers: Sequence[Transfer],
+        *,
+        layer_progress: bool = True,
+        op_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> LoadResult:
+        """Host -> device copy, as :meth:`Session.load_wait`; ``layers`` in the order they landed."""
+        return self.start_load(transfers, layer_progress=layer_progress, op_id=op_id).result(timeout_s)
+
+    def start_load(
+        self, transfers: Sequence[Transfer], *, layer_progress: bool = True, op_id: str | None = None
+    ) -> PendingLoad:
+        """Submit a Load and return at once; wait for layers or the end on the result."""
+        flags = w.FLAG_LAYER_PROGRESS if layer_progress else 0
+        seq = self._submit_op(w.Opcode.LOAD, flags, transfers, op_id)
+        return PendingLoad(self, seq)
+
+    def resolve_transfers(
+        self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
+    ) -> ResolveResult:
+        c = self._call(w.Opcode.RESOLVE, 0, transfers, op_id, timeout_s)
+        return ResolveResult(ok=c.ok, transfers=_transfers(c.transfers))
+
+    def release_transfers(
+        self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
+    ) -> int:
+        return self._call(w.Opcode.RELEASE, 0, transfers, op_id, timeout_s).value
+
+    def ping(self, *, timeout_s: float | None = None) -> None:
+        """One round trip that does no work in the daemon (the lane's own latency)."""
+        self._call(w.Opcode.PING, 0, (), None, timeout_s)
+
+    # ------------------------------------------------------------ ring mechanics
+
+    def _call(
+        self,
+        opcode: w.Opcode,
+        flags: int,
+        transfers: Sequence[Transfer],
+        op_id: str | None,
+        timeout_s: float | None,
+    ) -> w.Completion:
+        with self._lock:
+            seq = self._submit_op(opcode, flags, transfers, op_id)
+            return self.completion(seq, timeout_s)
+
+    def _submit_op(
+        self, opcode: w.Opcode, flags: int, transfers: Sequence[Transfer], op_id: str | None
+    ) -> int:
+        req = w.Request(opcode, flags, 0, op_id or _new_op_id(), _wire(transfers))
+        return self.submit_raw(lambda view, offset, seq: w.encode_request(view, offset, _with_seq(req, seq)))
+
+    def submit_raw(self, fill: Any) -> int:
+        """Publish one request written by ``fill(view, offset, seq)``; returns its seq.
+
+        The record-level entry point (tests use it to send hostile records).
+        """
+        with self._lock:
+            if self._closed:
+                raise _unavailable("the fast lane is closed")
+            seq = self._tail
+            if seq - self._collected >= w.SLOTS:
+                raise RuntimeError(f"{w.SLOTS} ops are already in flight on this lane: collect one first")
+            fill(self._view, w.request_offset(seq), seq)
+            self._tail = seq + 1
+            self._counters[w.SQ_TAIL // 8] = self._tail
+            os.eventfd_write(self._submit, 1)
+            return seq
+
+    def published(self, seq: int) -> bool:
+        """True once the completion of ``seq`` is in the ring (never blocks)."""
+        with self._lock:
+            if self._closed:
+                raise _unavailable("the fast lane is closed")
+            return self._collected > seq or int(self._counters[w.CQ_TAIL // 8]) > seq
+
+    def completion(self, seq: int, timeout_s: float | None = None) -> w.Completion:
+        """Wait for and decode the completion of ``seq``; raises HiCacheError for an error status."""
+        c = self.raw_completion(seq, timeout_s)
+        if c.status != 0:
+            code = _CODES.get(c.status, grpc.StatusCode.UNKNOWN)
+            raise HiCacheError(code, c.message, retry_after_ms=c.retry_after_ms, method="FastLane")
+        return c
+
+    def raw_completion(self, seq: int, timeout_s: float | None = None) -> w.Completion:
+        """The completion record of ``seq`` as sent (errors included)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while self._collected <= seq:
+                if self._closed:
+                    raise _unavailable("the fast lane is closed")
+                if int(self._counters[w.CQ_TAIL // 8]) > self._collected or self._spin():
+                    s = self._collected
+                    self._results[s] = w.read_completion(self._view, w.completion_offset(s))
+                    self._collected += 1
+                    continue
+                self._sleep(deadline)
+            return self._results.pop(seq)
+
+    def _spin(self) -> bool:
+        """Poll the completion counter for up to ``spin_us`` before sleeping on the doorbell."""
+        if self.spin_us <= 0:
+            return False
+        counters, collected = self._counters, self._collected
+        end = time.perf_counter() + self.spin_us / 1e6
+        while time.perf_counter() < end:
+            if int(counters[w.CQ_TAIL // 8]) > collected:
+                return True
+        return False
+
+    def _sleep(self, deadline: float | None) -> None:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise HiCacheError(grpc.StatusCode.DEADLINE_EXCEEDED, "fast lane op timed out", method="FastLane")
+        for fd, _ in self._poller.poll(None if left is None else max(1, int(left * 1000))):
+            if fd == self._done:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._done)
+            else:
+                self.close()
+                raise _unavailable("the daemon closed the fast lane (session ended or daemon stopped)")
+
+    def wait_layer_event(self, timeout_s: float) -> bool:
+        """Block until the layer doorbell rings (or ``timeout_s``); for waiters that do not spin."""
+        ready = select.select([self._layer], [], [], timeout_s)[0]
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(self._layer)
+        return bool(ready)
+
+
+def _with_seq(req: w.Request, seq: int) -> w.Request:
+    return w.Request(req.opcode, req.flags, seq, req.op_id, req.transfers)
+
+
+class PendingLoad:
+    """A submitted Load: per-layer waits (a counter in the ring) and the final result."""
+
+    def __init__(self, lane: FastLane, seq: int) -> None:
+        self.lane = lane
+        self.seq = seq
+
+    def layer_landed(self, layer: int) -> bool:
+        """True once ``layer`` of this load is on the device (one load of shared memory)."""
+        return int(self.lane.layer_seq[layer]) == self.seq + 1
+
+    def wait_layer(self, layer: int, *, timeout_s: float = 10.0, spin: bool = True) -> int:
+        """Wait until ``layer`` landed; returns the daemon's CLOCK_MONOTONIC ns of the landing.
+
+        ``spin`` polls the counter (lowest delay, burns a core); otherwise sleeps on the
+        layer doorbell between checks.
+        """
+        deadline = time.monotonic() + timeout_s
+        while int(self.lane.layer_seq[layer]) != self.seq + 1:
+            if time.monotonic() > deadline:
+                raise HiCacheError(grpc.StatusCode.DEADLINE_EXCEEDED, f"layer {layer} did not land in time")
+            if not spin:
+                self.lane.wait_layer_event(0.01)
+        return int(self.lane.layer_ns[layer])
+
+    def result(self, timeout_s: float | None = None) -> LoadResult:
+        c = self.lane.completion(self.seq, timeout_s)
+        return LoadResult(layers=c.layers, acks=_acks(c))
+
+
+__all__ = ["FastLane", "PendingLoad", "lane_path"]

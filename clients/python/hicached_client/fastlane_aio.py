@@ -1,0 +1,135 @@
+"""The asyncio face of the fast lane: the same ring, waited on with ``loop.add_reader``.
+
+``await AsyncFastLane.open(session)`` (an ``AsyncSession`` or ``Session``) negotiates on a
+thread (one blocking round trip), then every op submits its record and awaits the
+completion doorbell on the event loop: nothing blocks the loop. Results and errors are the
+session's (``WriteResult``, ``LoadResult``, ``ResolveResult``, ``HiCacheError``).
+
+Thread-safety: use one AsyncFastLane from one event loop; its ops are serialised by an
+``asyncio.Lock``. :meth:`close` is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Sequence
+from typing import Any, Self
+
+import grpc
+
+from hicached_client import lane_wire as w
+from hicached_client.errors import HiCacheError
+from hicached_client.fastlane import FastLane, _acks, _transfers
+from hicached_client.types import LoadResult, ResolveResult, Transfer, WriteResult
+
+
+class AsyncFastLane:
+    """One open lane of one session, for asyncio callers."""
+
+    def __init__(self, lane: FastLane) -> None:
+        self.lane = lane
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, session: Any, *, timeout_s: float = 5.0) -> AsyncFastLane:
+        lane = await asyncio.to_thread(FastLane.open, session, timeout_s=timeout_s)
+        return cls(lane)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.lane.close)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def write(
+        self,
+        transfers: Sequence[Transfer],
+        *,
+        allocate: bool = False,
+        op_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> WriteResult:
+        c = await self._call(w.Opcode.WRITE, w.FLAG_ALLOCATE if allocate else 0, transfers, op_id, timeout_s)
+        return WriteResult(ok=c.ok, transfers=_transfers(c.transfers), acks=_acks(c))
+
+    async def load(
+        self,
+        transfers: Sequence[Transfer],
+        *,
+        layer_progress: bool = True,
+        op_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> LoadResult:
+        flags = w.FLAG_LAYER_PROGRESS if layer_progress else 0
+        c = await self._call(w.Opcode.LOAD, flags, transfers, op_id, timeout_s)
+        return LoadResult(layers=c.layers, acks=_acks(c))
+
+    async def resolve_transfers(
+        self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
+    ) -> ResolveResult:
+        c = await self._call(w.Opcode.RESOLVE, 0, transfers, op_id, timeout_s)
+        return ResolveResult(ok=c.ok, transfers=_transfers(c.transfers))
+
+    async def release_transfers(
+        self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
+    ) -> int:
+        return (await self._call(w.Opcode.RELEASE, 0, transfers, op_id, timeout_s)).value
+
+    async def ping(self, *, timeout_s: float | None = None) -> None:
+        await self._call(w.Opcode.PING, 0, (), None, timeout_s)
+
+    async def _call(
+        self,
+        opcode: w.Opcode,
+        flags: int,
+        transfers: Sequence[Transfer],
+        op_id: str | None,
+        timeout_s: float | None,
+    ) -> w.Completion:
+        async with self._lock:
+            seq = self.lane._submit_op(opcode, flags, transfers, op_id)
+            try:
+                await asyncio.wait_for(self._ready(seq), timeout_s)
+            except TimeoutError:
+                raise HiCacheError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "fast lane op timed out", method="FastLane"
+                ) from None
+            return self.lane.completion(seq)  # published: reads without waiting
+
+    async def _ready(self, seq: int) -> None:
+        """Until the completion of ``seq`` is published (UNAVAILABLE if the daemon closes the lane)."""
+        lane = self.lane
+        loop = asyncio.get_running_loop()
+        done_fd, conn_fd = lane._done, lane._conn.fileno()
+        while not lane.published(seq):
+            woke: asyncio.Future[int] = loop.create_future()
+
+            def wake(fd: int, woke: asyncio.Future[int] = woke) -> None:
+                if not woke.done():
+                    woke.set_result(fd)
+
+            loop.add_reader(done_fd, wake, done_fd)
+            loop.add_reader(conn_fd, wake, conn_fd)
+            try:
+                fd = await woke
+            finally:
+                loop.remove_reader(done_fd)
+                loop.remove_reader(conn_fd)
+            if fd == done_fd:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(done_fd)
+            elif not lane.published(seq):
+                lane.close()
+                raise HiCacheError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the daemon closed the fast lane (session ended or daemon stopped)",
+                    method="FastLane",
+                )
+
+
+__all__ = ["AsyncFastLane"]

@@ -1,0 +1,351 @@
+"""The fast lane's wire format, version 1: ring memory layout and binary records.
+
+Shared by the daemon (``hicached.server.fastlane``) and the client
+(``hicached_client.fastlane``); docs/fastlane.md is the prose version. Everything
+is little-endian and fixed-size except the page arrays, whose lengths the
+record's descriptors give. Nothing is pickled.
+
+Ring memory (one sealed memfd per lane, :data:`RING_BYTES` long)::
+
+    0      u32 magic 'HCFL', u16 version, u16 0, u32 slots, u32 area, u32 max_layers
+    64     u64 sq_tail   requests published (written by the client)
+    128    u64 sq_head   requests taken (written by the daemon)
+    192    u64 cq_tail   completions published (written by the daemon)
+    4096   u64 layer_seq[max_layers]  seq of the last Load whose layer l landed
+    +8*L   u64 layer_ns[max_layers]   CLOCK_MONOTONIC ns when it landed
+    SLOTS_OFFSET + i * 2 * area        request slot i
+    SLOTS_OFFSET + i * 2 * area + area completion slot i
+
+Request ``seq`` (0, 1, 2, ...) lives in slot ``seq % slots``; its completion in the
+completion slot of the same index. The client keeps at most ``slots`` requests
+unanswered. Request record::
+
+    REQUEST  <I H H I I Q 32s>   magic 'HCRQ', version, opcode, flags, ntransfers, seq, op_id
+    TRANSFER <64s I I I I> x n   pool (utf-8, NUL padded), ndevice, nhost, tflags, reserved=0
+    int64 pages                  per transfer: its device pages, then its host pages
+
+Completion record::
+
+    COMPLETION <I H H Q I I i I I I Q I 256s>  magic 'HCCQ', version, opcode, seq, status (gRPC
+               code number), ok, retry_after_ms (-1 = none), ntransfers, nacks, nlayers, value,
+               message length, message (utf-8, truncated to 256 bytes)
+    TRANSFER + pages x ntransfers (as in a request), ACK <64s Q Q Q> x nacks (pool, pages, tokens,
+    bytes), int32 layers x nlayers (a Load's layers in the order they landed)
+
+Thread-safety: pure functions over buffers the caller owns.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+NEGOTIATE_MAGIC = b"hicached-lane-v1"
+SUFFIX = ".lane"
+VERSION = 1
+RING_MAGIC = 0x4C464348  # b"HCFL"
+REQUEST_MAGIC = 0x51524348  # b"HCRQ"
+COMPLETION_MAGIC = 0x51434348  # b"HCCQ"
+
+SLOTS = 4
+AREA = 1 << 20  # bytes of one request or one completion record
+MAX_LAYERS = 1024
+MAX_TRANSFERS = 64
+MAX_NEGOTIATE = 512
+MESSAGE_BYTES = 256
+POOL_NAME_BYTES = 64
+
+RING_HEADER = struct.Struct("<IHHIII")
+SQ_TAIL, SQ_HEAD, CQ_TAIL = 64, 128, 192
+LAYER_SEQ = 4096
+LAYER_NS = LAYER_SEQ + 8 * MAX_LAYERS
+SLOTS_OFFSET = 32768
+RING_BYTES = SLOTS_OFFSET + SLOTS * 2 * AREA
+
+REQUEST = struct.Struct("<IHHII Q 32s")
+TRANSFER = struct.Struct("<64sIIII")
+COMPLETION = struct.Struct("<IHHQIIiIIIQI256s")
+ACK = struct.Struct("<64sQQQ")
+
+FLAG_ALLOCATE = 1
+FLAG_LAYER_PROGRESS = 2
+KNOWN_FLAGS = FLAG_ALLOCATE | FLAG_LAYER_PROGRESS
+T_HAS_HOST = 1
+T_HOST_ALLOCATED = 2
+KNOWN_TFLAGS = T_HAS_HOST | T_HOST_ALLOCATED
+_PRINTABLE = re.compile(rb"[\x21-\x7e]*")
+MAX_PAGES = (AREA - REQUEST.size - MAX_TRANSFERS * TRANSFER.size) // 8
+
+
+class Opcode(IntEnum):
+    WRITE = 1
+    LOAD = 2
+    RESOLVE = 3
+    RELEASE = 4
+    PING = 5  # no work: measures the lane itself
+
+
+class RecordError(Exception):
+    """A record that is not a valid v1 record; ``code`` is the gRPC status name to answer with."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class WireTransfer:
+    """One pool's pages in a record; ``host`` None = no host pages given (allocate)."""
+
+    pool: str
+    device: np.ndarray | None
+    host: np.ndarray | None
+    host_allocated: bool = False
+
+
+@dataclass(frozen=True)
+class Request:
+    opcode: Opcode
+    flags: int
+    seq: int
+    op_id: str
+    transfers: tuple[WireTransfer, ...]
+
+
+@dataclass(frozen=True)
+class WireAck:
+    pool: str
+    pages: int
+    tokens: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    opcode: int
+    seq: int
+    status: int  # gRPC status code number; 0 = OK
+    ok: bool
+    retry_after_ms: int | None
+    message: str
+    transfers: tuple[WireTransfer, ...] = ()
+    acks: tuple[WireAck, ...] = ()
+    layers: tuple[int, ...] = ()
+    value: int = 0
+
+
+def request_offset(seq: int) -> int:
+    return SLOTS_OFFSET + (seq % SLOTS) * 2 * AREA
+
+
+def completion_offset(seq: int) -> int:
+    return request_offset(seq) + AREA
+
+
+def _name(raw: bytes, what: str) -> str:
+    text = raw.rstrip(b"\0")
+    if b"\0" in text:
+        raise RecordError(f"{what} has a NUL inside the name")
+    try:
+        return text.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RecordError(f"{what} is not UTF-8 (starts {text[:16]!r})") from None
+
+
+def _pack_name(name: str, size: int, what: str) -> bytes:
+    raw = name.encode("utf-8")
+    if len(raw) > size or b"\0" in raw:
+        raise ValueError(f"{what} {name[:32]!r} must be at most {size} UTF-8 bytes without NUL")
+    return raw
+
+
+def _pages(values: object, what: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+# ---------------------------------------------------------------- transfers (both records)
+
+
+def _write_transfers(buf: memoryview, pos: int, transfers: tuple[WireTransfer, ...], limit: int) -> int:
+    arrays: list[np.ndarray] = []
+    for i, t in enumerate(transfers):
+        dev = np.empty(0, np.int64) if t.device is None else _pages(t.device, f"transfers[{i}].device")
+        host = None if t.host is None else _pages(t.host, f"transfers[{i}].host")
+        tflags = (T_HAS_HOST if host is not None else 0) | (T_HOST_ALLOCATED if t.host_allocated else 0)
+        nhost = 0 if host is None else len(host)
+        TRANSFER.pack_into(buf, pos, _pack_name(t.pool, POOL_NAME_BYTES, "pool"), len(dev), nhost, tflags, 0)
+        pos += TRANSFER.size
+        arrays.append(dev)
+        if host is not None:
+            arrays.append(host)
+    total = sum(len(a) for a in arrays) * 8
+    if pos + total > limit:
+        raise ValueError(f"{total // 8} page indices do not fit in a lane record (at most {MAX_PAGES})")
+    for a in arrays:
+        n = len(a) * 8
+        buf[pos : pos + n] = a.astype("<i8", copy=False).tobytes()
+        pos += n
+    return pos
+
+
+def _read_transfers(
+    buf: bytes | memoryview, pos: int, count: int, limit: int
+) -> tuple[tuple[WireTransfer, ...], int]:
+    """Decode ``count`` transfers from a private copy; every field is checked (hostile input)."""
+    heads = []
+    for i in range(count):
+        if pos + TRANSFER.size > limit:
+            raise RecordError(f"record ends inside transfers[{i}]")
+        raw, ndev, nhost, tflags, reserved = TRANSFER.unpack_from(buf, pos)
+        pos += TRANSFER.size
+        what = f"transfers[{i}]"
+        if tflags & ~KNOWN_TFLAGS or reserved:
+            raise RecordError(f"{what}: unknown flag bits {tflags:#x} / reserved {reserved:#x} (must be 0)")
+        if not tflags & T_HAS_HOST and nhost:
+            raise RecordError(f"{what}: {nhost} host pages without the has-host flag")
+        heads.append((_name(raw, f"{what}.pool"), ndev, nhost, tflags))
+    total = sum(h[1] + h[2] for h in heads)
+    if total > MAX_PAGES or pos + 8 * total > limit:
+        raise RecordError(
+            f"record claims {total} page indices, more than fit in one lane record "
+            f"({MAX_PAGES}); split the batch or use gRPC",
+        )
+    out = []
+    for name, ndev, nhost, tflags in heads:
+        dev = np.frombuffer(buf, dtype="<i8", count=ndev, offset=pos).astype(np.int64)
+        pos += 8 * ndev
+        host = None
+        if tflags & T_HAS_HOST:
+            host = np.frombuffer(buf, dtype="<i8", count=nhost, offset=pos).astype(np.int64)
+            pos += 8 * nhost
+        out.append(WireTransfer(name, dev, host, bool(tflags & T_HOST_ALLOCATED)))
+    return tuple(out), pos
+
+
+# ---------------------------------------------------------------- requests
+
+
+def encode_request(buf: memoryview, offset: int, req: Request) -> None:
+    """Write ``req`` at ``offset`` of the ring (the client's side). ValueError when it cannot fit."""
+    if len(req.transfers) > MAX_TRANSFERS:
+        raise ValueError(f"{len(req.transfers)} transfers in one lane record (at most {MAX_TRANSFERS})")
+    op = req.op_id.encode("ascii")
+    if len(op) > 32:
+        raise ValueError(f"op_id {req.op_id[:40]!r} is longer than 32 ASCII characters")
+    REQUEST.pack_into(
+        buf, offset, REQUEST_MAGIC, VERSION, int(req.opcode), req.flags, len(req.transfers), req.seq, op
+    )
+    _write_transfers(buf, offset + REQUEST.size, req.transfers, offset + AREA)
+
+
+def read_request(ring: memoryview, offset: int) -> Request:
+    """Copy the request at ``offset`` out of shared memory ONCE and decode the copy.
+
+    The client can change the ring at any moment, so nothing is parsed in place.
+    Raises :class:`RecordError` for anything that is not a valid v1 request.
+    """
+    head = bytes(ring[offset : offset + REQUEST.size])
+    magic, version, opcode, flags, count, seq, op_raw = REQUEST.unpack(head)
+    if magic != REQUEST_MAGIC:
+        raise RecordError(f"not a lane request record (magic {magic:#010x}, expected {REQUEST_MAGIC:#010x})")
+    if version != VERSION:
+        raise RecordError(f"request record version {version}; this daemon speaks version {VERSION}")
+    try:
+        code = Opcode(opcode)
+    except ValueError:
+        raise RecordError(
+            f"opcode {opcode} is not one of {[o.value for o in Opcode]}", "UNIMPLEMENTED"
+        ) from None
+    if flags & ~KNOWN_FLAGS:
+        raise RecordError(f"unknown flag bits {flags & ~KNOWN_FLAGS:#x}")
+    if count > MAX_TRANSFERS:
+        raise RecordError(f"{count} transfers in one record (at most {MAX_TRANSFERS})")
+    op_text = op_raw.rstrip(b"\0")
+    if not _PRINTABLE.fullmatch(op_text):
+        raise RecordError(f"op_id must be printable ASCII (starts {op_text[:16]!r})")
+    if count == 0:
+        return Request(code, flags, seq, op_text.decode("ascii"), ())
+    descriptors = bytes(ring[offset + REQUEST.size : offset + REQUEST.size + count * TRANSFER.size])
+    pages_needed = 0
+    for i in range(count):
+        _, ndev, nhost, _, _ = TRANSFER.unpack_from(descriptors, i * TRANSFER.size)
+        pages_needed += ndev + nhost
+    if pages_needed > MAX_PAGES:
+        raise RecordError(
+            f"record claims {pages_needed} page indices, more than fit in one lane record ({MAX_PAGES}); "
+            "split the batch or use gRPC"
+        )
+    start = offset + REQUEST.size + count * TRANSFER.size
+    body = descriptors + bytes(ring[start : start + 8 * pages_needed])
+    transfers, _ = _read_transfers(body, 0, count, len(body))
+    return Request(code, flags, seq, op_text.decode("ascii"), transfers)
+
+
+# ---------------------------------------------------------------- completions
+
+
+def encode_completion(buf: memoryview, offset: int, c: Completion) -> None:
+    """Write ``c`` at ``offset`` (the daemon's side); a result too large to fit becomes an error."""
+    msg = c.message.encode("utf-8", "replace")[:MESSAGE_BYTES]
+    COMPLETION.pack_into(
+        buf, offset, COMPLETION_MAGIC, VERSION, c.opcode, c.seq, c.status, int(c.ok),
+        -1 if c.retry_after_ms is None else c.retry_after_ms,
+        len(c.transfers), len(c.acks), len(c.layers), c.value, len(msg), msg,
+    )  # fmt: skip
+    pos = _write_transfers(buf, offset + COMPLETION.size, c.transfers, offset + AREA)
+    for a in c.acks:
+        ACK.pack_into(buf, pos, _pack_name(a.pool, POOL_NAME_BYTES, "pool"), a.pages, a.tokens, a.bytes)
+        pos += ACK.size
+    layers = np.asarray(c.layers, dtype="<i4").tobytes()
+    buf[pos : pos + len(layers)] = layers
+
+
+def read_completion(ring: memoryview, offset: int) -> Completion:
+    """Decode the completion at ``offset`` (the client's side; the daemon is trusted, checked anyway)."""
+    fields = COMPLETION.unpack_from(ring, offset)
+    magic, version, opcode, seq, status, ok, retry, ntr, nacks, nlayers, value, mlen, msg = fields
+    if magic != COMPLETION_MAGIC or version != VERSION:
+        raise RecordError(f"bad completion record (magic {magic:#x}, version {version})", "INTERNAL")
+    transfers: tuple[WireTransfer, ...] = ()
+    acks: list[WireAck] = []
+    layers: tuple[int, ...] = ()
+    if ntr or nacks or nlayers:
+        # A view, not a copy (the area is 1 MiB): the arrays decoded from it are copies.
+        body = ring[offset + COMPLETION.size : offset + AREA]
+        transfers, pos = _read_transfers(body, 0, ntr, len(body))
+        for _ in range(nacks):
+            raw, pages, tokens, nbytes = ACK.unpack_from(body, pos)
+            acks.append(WireAck(_name(raw, "ack.pool"), pages, tokens, nbytes))
+            pos += ACK.size
+        layers = tuple(np.frombuffer(body, dtype="<i4", count=nlayers, offset=pos).tolist())
+    return Completion(
+        opcode=opcode,
+        seq=seq,
+        status=status,
+        ok=bool(ok),
+        retry_after_ms=None if retry < 0 else retry,
+        message=msg[:mlen].decode("utf-8", "replace"),
+        transfers=transfers,
+        acks=tuple(acks),
+        layers=layers,
+        value=value,
+    )
+
+
+def init_ring(buf: memoryview) -> None:
+    RING_HEADER.pack_into(buf, 0, RING_MAGIC, VERSION, 0, SLOTS, AREA, MAX_LAYERS)
+
+
+def check_ring(buf: memoryview) -> None:
+    magic, version, _, slots, area, layers = RING_HEADER.unpack_from(buf, 0)
+    if (magic, version, slots, area, layers) != (RING_MAGIC, VERSION, SLOTS, AREA, MAX_LAYERS):
+        raise RecordError(
+            f"lane ring of another layout (magic {magic:#x}, version {version})", "FAILED_PRECONDITION"
+        )

@@ -1,0 +1,398 @@
+"""One fast lane: a session's ring in shared memory, served by one daemon thread.
+
+A lane is born on a connection to ``<socket>.lane`` (see :mod:`hicached.server.fastlane`).
+Its thread reads ONE line ``hicached-lane-v1 <session_id> <session_secret>\\n``, checks it
+exactly as gRPC checks a session call (``core.check_secret``: constant-time) and, in
+addition, that the kernel's ``SO_PEERCRED`` uid is the uid bound to the session at attach.
+It then creates a sealed memfd (the ring, layout in :mod:`hicached_client.lane_wire`) and
+three eventfds (submit doorbell, completion doorbell, layer doorbell) and sends them with
+``ok v1\\n`` over ``SCM_RIGHTS``; a refusal is ``error <STATUS_CODE> <reason>\\n``.
+
+Serving: the thread sleeps in ``poll`` on the submit doorbell, the connection (EOF = the
+client is gone) and the server's stop fd; it copies each request out of shared memory once,
+decodes it as hostile input and runs it through the same core calls the gRPC servicer makes
+(``core.write``/``load``/``resolve``/``release``: same validation, authorization by session,
+op-id idempotency and accounting), then writes the completion and rings the client. A Load's
+layers are published as they land: ``layer_seq[l] = seq`` and ``layer_ns[l]`` in the ring,
+plus the layer doorbell.
+
+Teardown (client closes or dies, session ends, daemon stops, ring corrupted): the thread
+finishes the op it is running, then unmaps the ring and closes the eventfds and the connection
+exactly once. Thread-safety: everything here runs on the lane's own thread, except
+``on_layer`` (the copy engine's thread), which only stores to the ring and writes an eventfd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import select
+import socket
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+from hicached_client import lane_wire as w
+
+from hicached.core.service import HiCacheCore
+from hicached.core.sessions import Session
+from hicached.errors import PermissionDenied
+from hicached.l2.group import PoolTransfer
+from hicached.server.handoff import peer_cred
+from hicached.server.limits import check_ids
+from hicached.server.status import status_for
+
+logger = logging.getLogger(__name__)
+
+NEGOTIATE_TIMEOUT_S = 2.0
+# How often a sleeping lane checks whether its session has ended.
+SESSION_CHECK_MS = 250
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+Observer = Callable[[str, grpc.StatusCode, float], None]
+
+
+class Refused(Exception):
+    """A negotiation the daemon declines; ``code`` is the gRPC status name sent back."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RingViolation(Exception):
+    """The client broke the ring protocol (counters out of range): the lane is closed."""
+
+
+def _code_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    code = status_for(exc)
+    if code is None:
+        logger.exception("internal error in a fast-lane op", exc_info=exc)
+        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return code, str(exc)
+
+
+def _transfers_in(ts: tuple[w.WireTransfer, ...]) -> list[PoolTransfer]:
+    """As ``convert.transfer_in``: an empty host list means "none given"."""
+    return [
+        PoolTransfer(
+            name=t.pool,
+            device_indices=t.device if t.device is not None else np.empty(0, np.int64),
+            host_indices=t.host if t.host is not None and len(t.host) else None,
+            host_allocated=t.host_allocated,
+        )
+        for t in ts
+    ]
+
+
+def _transfers_out(ts: tuple[PoolTransfer, ...] | list[PoolTransfer]) -> tuple[w.WireTransfer, ...]:
+    return tuple(w.WireTransfer(t.name, t.device_indices, t.host_indices, t.host_allocated) for t in ts)
+
+
+class Lane:
+    """One lane's state; :meth:`run` is its thread's body (negotiate, serve, tear down)."""
+
+    def __init__(
+        self,
+        core: HiCacheCore,
+        conn: socket.socket,
+        *,
+        stop_fd: int,
+        admit: Callable[[Lane, str, int], None],
+        release: Callable[[Lane], None],
+        observe: Observer,
+    ) -> None:
+        self._core = core
+        self._conn = conn
+        self._stop_fd = stop_fd
+        self._admit = admit
+        self._release = release
+        self._observe = observe
+        self.session_id = ""
+        self.uid = -1
+        self._session: Session | None = None
+        self._ring: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self._counters: np.ndarray | None = None  # int64 view of the ring header
+        self._layer_seq: np.ndarray | None = None
+        self._layer_ns: np.ndarray | None = None
+        self._efds: list[int] = []  # submit, complete, layer
+        self._head = 0
+        self._admitted = False
+
+    # ------------------------------------------------------------ lifetime
+
+    def run(self) -> None:
+        try:
+            try:
+                self._negotiate()
+            except Refused as exc:
+                with contextlib.suppress(OSError):
+                    self._conn.sendall(f"error {exc.code} {str(exc)[:300]}\n".encode())
+                return
+            reason = self._serve()
+            logger.debug(
+                "fast lane closed", extra={"event": "lane", "session": self.session_id, "why": reason}
+            )
+        except Exception:
+            logger.exception("fast lane failed", extra={"event": "lane", "session": self.session_id})
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        # numpy views and the memoryview export the mapping's buffer: drop them before unmapping.
+        self._counters = self._layer_seq = self._layer_ns = None
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        efds, self._efds = self._efds, []
+        for fd in efds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self._admitted:  # counted against the limits: every exit path gives the slot back
+            self._admitted = False
+            self._release(self)
+        # Last: the client's close() waits for this EOF, so once it returns, everything is freed.
+        self._conn.close()
+
+    # ------------------------------------------------------------ negotiation
+
+    def _read_line(self) -> bytes:
+        self._conn.settimeout(NEGOTIATE_TIMEOUT_S)
+        data = b""
+        try:
+            while not data.endswith(b"\n"):
+                if len(data) > w.MAX_NEGOTIATE:
+                    raise Refused("INVALID_ARGUMENT", f"negotiation line longer than {w.MAX_NEGOTIATE} bytes")
+                chunk = self._conn.recv(w.MAX_NEGOTIATE + 1 - len(data))
+                if not chunk:
+                    raise Refused("INVALID_ARGUMENT", "connection closed before the negotiation line")
+                data += chunk
+        except TimeoutError:
+            raise Refused(
+                "DEADLINE_EXCEEDED", f"no negotiation line within {NEGOTIATE_TIMEOUT_S} s"
+            ) from None
+        return data
+
+    def _negotiate(self) -> None:
+        parts = self._read_line()[:-1].split(b" ")
+        if len(parts) != 3 or parts[0] != w.NEGOTIATE_MAGIC:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"expected '{w.NEGOTIATE_MAGIC.decode()} <session_id> <session_secret>' (got {parts[0][:24]!r})",
+            )
+        session_id = parts[1].decode("ascii", "replace")
+        secret = parts[2].decode("ascii", "replace")
+        try:
+            cred = peer_cred(self._conn)
+        except OSError as exc:
+            raise Refused("INTERNAL", f"cannot read peer credentials: {exc.strerror}") from None
+        try:
+            self._core.check_secret(session_id, secret)  # constant time, as on gRPC
+            session, _ = self._core.session_group(session_id)
+        except Exception as exc:
+            code, message = _code_of(exc)
+            raise Refused(code.name, message) from None
+        if session.peer is None or session.peer.uid != cred.uid:
+            bound = "no kernel-verified uid (attached over TCP)" if session.peer is None else "another uid"
+            raise Refused(
+                "PERMISSION_DENIED",
+                str(PermissionDenied(f"session {session_id[:16]!r} is bound to {bound}; a lane is only "
+                                     f"opened to the uid that attached it (this peer is uid {cred.uid})")),
+            )  # fmt: skip
+        self.session_id = session_id
+        self._session = session
+        self.uid = cred.uid
+        self._admit(self, session_id, cred.uid)  # raises Refused at the lane limits
+        self._admitted = True
+        fds = self._create_ring()
+        try:
+            self._conn.settimeout(NEGOTIATE_TIMEOUT_S)
+            socket.send_fds(self._conn, [b"ok v1\n"], fds)
+        except OSError as exc:
+            raise Refused("UNAVAILABLE", f"sending the lane failed: {exc}") from None
+        finally:
+            os.close(fds[0])  # the memfd: our mapping keeps the memory; the client got its own fd
+        self._conn.setblocking(False)
+        logger.info(
+            "fast lane opened",
+            extra={"event": "lane", "session": session_id, "peer_uid": cred.uid, "peer_pid": cred.pid},
+        )
+
+    def _create_ring(self) -> list[int]:
+        memfd = os.memfd_create("hicached-lane", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(memfd, w.RING_BYTES)
+            # Sealed against resizing: the client can never make our mapping SIGBUS.
+            fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, _SEALS)
+            self._ring = mmap.mmap(memfd, w.RING_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            for _ in range(3):
+                self._efds.append(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
+        except BaseException:
+            os.close(memfd)
+            raise
+        self._view = memoryview(self._ring)
+        w.init_ring(self._view)
+        self._counters = np.frombuffer(self._ring, dtype=np.int64, count=w.LAYER_SEQ // 8)
+        self._layer_seq = np.frombuffer(self._ring, dtype=np.int64, count=w.MAX_LAYERS, offset=w.LAYER_SEQ)
+        self._layer_ns = np.frombuffer(self._ring, dtype=np.int64, count=w.MAX_LAYERS, offset=w.LAYER_NS)
+        return [memfd, *self._efds]
+
+    # ------------------------------------------------------------ serving
+
+    def _serve(self) -> str:
+        assert self._session is not None
+        submit = self._efds[0]
+        poller = select.poll()
+        poller.register(submit, select.POLLIN)
+        poller.register(self._conn.fileno(), select.POLLIN)
+        poller.register(self._stop_fd, select.POLLIN)
+        conn_fd = self._conn.fileno()
+        while True:
+            try:
+                self._drain()
+            except RingViolation as exc:
+                logger.warning(
+                    "fast lane closed: %s", exc, extra={"event": "lane", "session": self.session_id}
+                )
+                return "ring violation"
+            if self._session.cancel.is_set():
+                return "session ended"
+            for fd, _ in poller.poll(SESSION_CHECK_MS):
+                if fd == self._stop_fd:
+                    return "daemon stopping"
+                if fd == conn_fd:
+                    return "client closed"  # EOF, reset or stray bytes: the lane ends either way
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(submit)
+
+    def _drain(self) -> None:
+        counters = self._counters
+        assert counters is not None
+        while True:
+            tail = int(counters[w.SQ_TAIL // 8])
+            pending = tail - self._head
+            if pending == 0:
+                return
+            if not 0 < pending <= w.SLOTS:
+                raise RingViolation(
+                    f"sq_tail {tail} with sq_head {self._head}: at most {w.SLOTS} may be pending"
+                )
+            while self._head < tail:
+                self._complete(self._head)
+                self._head += 1
+                counters[w.SQ_HEAD // 8] = self._head
+                counters[w.CQ_TAIL // 8] = self._head
+                os.eventfd_write(self._efds[1], 1)
+
+    def _complete(self, seq: int) -> None:
+        view = self._view
+        assert view is not None
+        start = time.perf_counter()
+        opcode = 0
+        try:
+            req = w.read_request(view, w.request_offset(seq))
+            opcode = int(req.opcode)
+            if req.seq != seq:
+                raise w.RecordError(f"record seq {req.seq} does not match its slot's sequence number {seq}")
+            done = self._execute(req)
+        except w.RecordError as exc:
+            done = w.Completion(
+                opcode, seq, getattr(grpc.StatusCode, exc.code).value[0], False, None, str(exc)
+            )
+        except Exception as exc:
+            code, message = _code_of(exc)
+            retry = getattr(exc, "retry_after_ms", None)
+            done = w.Completion(opcode, seq, code.value[0], False, retry, message)
+        try:
+            w.encode_completion(view, w.completion_offset(seq), done)
+        except ValueError as exc:  # unreachable for Write/Resolve (checked up front): logged
+            logger.error("fast-lane completion does not fit: %s", exc, extra={"session": self.session_id})
+            w.encode_completion(
+                view,
+                w.completion_offset(seq),
+                w.Completion(opcode, seq, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], False, None, str(exc)),
+            )
+        name = _OP_NAMES.get(opcode, "FastLaneUnknown")
+        self._observe(name, _status(done.status), time.perf_counter() - start)
+
+    def _execute(self, req: w.Request) -> w.Completion:
+        sid, op, seq = self.session_id, req.op_id, req.seq
+        transfers = _transfers_in(req.transfers)
+        ok = grpc.StatusCode.OK.value[0]
+        # The servicer's pre-core check of identifiers (its unary wrapper), mirrored.
+        check_ids(SimpleNamespace(session_id=sid, op_id=op), self._core.config.limits)
+        if req.opcode in (w.Opcode.WRITE, w.Opcode.RESOLVE):
+            self._check_answer_fits(req)
+        if req.opcode is w.Opcode.WRITE:
+            res = self._core.write(sid, op, transfers, allocate=bool(req.flags & w.FLAG_ALLOCATE))
+            acks = tuple(w.WireAck(a.pool, a.pages, a.tokens, a.bytes) for a in res.acks)
+            return w.Completion(
+                req.opcode, seq, ok, res.ok, None, res.reason, _transfers_out(res.transfers), acks
+            )
+        if req.opcode is w.Opcode.LOAD:
+            layers: list[int] = []
+            on_layer = self._on_layer(seq, layers) if req.flags & w.FLAG_LAYER_PROGRESS else None
+            got = self._core.load(sid, op, transfers, on_layer=on_layer)
+            acks = tuple(w.WireAck(a.pool, a.pages, a.tokens, a.bytes) for a in got)
+            return w.Completion(req.opcode, seq, ok, True, None, "", (), acks, tuple(layers))
+        if req.opcode is w.Opcode.RESOLVE:
+            res = self._core.resolve(sid, op, transfers)
+            return w.Completion(req.opcode, seq, ok, res.ok, None, res.reason, _transfers_out(res.transfers))
+        if req.opcode is w.Opcode.PING:
+            return w.Completion(req.opcode, seq, ok, True, None, "")
+        freed = self._core.release(sid, op, transfers)
+        return w.Completion(req.opcode, seq, ok, True, None, "", value=freed)
+
+    def _check_answer_fits(self, req: w.Request) -> None:
+        """Refuse, before anything runs, a Write/Resolve whose answer might not fit its completion
+        slot: once pages are allocated the answer must reach the client. Bound: one transfer per
+        request transfer and per pool of the group (derived pools), each of at most twice the
+        longest request transfer's pages (device and host)."""
+        _, state = self._core.session_group(self.session_id)
+        longest = max(
+            (max(len(t.device) if t.device is not None else 0, len(t.host) if t.host is not None else 0)
+             for t in req.transfers),
+            default=0,
+        )  # fmt: skip
+        rows = len(req.transfers) + len(state.group.entries)
+        need = w.COMPLETION.size + rows * (w.TRANSFER.size + 16 * longest + w.ACK.size)
+        if need > w.AREA:
+            raise w.RecordError(
+                f"the answer to transfers of up to {longest} pages may not fit one lane completion "
+                f"({w.AREA} bytes for {rows} pools): split the batch or use gRPC"
+            )
+
+    def _on_layer(self, seq: int, layers: list[int]) -> Callable[[int], None]:
+        layer_seq, layer_ns, doorbell = self._layer_seq, self._layer_ns, self._efds[2]
+        assert layer_seq is not None and layer_ns is not None
+
+        def on_layer(layer: int) -> None:
+            # Runs on the copy engine's thread right after the layer's copies completed.
+            if 0 <= layer < w.MAX_LAYERS:
+                layer_ns[layer] = time.monotonic_ns()
+                layer_seq[layer] = seq + 1  # 0 = never: a worker waits for seq + 1
+                os.eventfd_write(doorbell, 1)
+            layers.append(layer)
+
+        return on_layer
+
+
+_OP_NAMES = {int(o): f"FastLane{o.name.capitalize()}" for o in w.Opcode}
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _status(value: int) -> grpc.StatusCode:
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+__all__ = ["Lane", "Refused"]
