@@ -38,7 +38,7 @@ FORBIDDEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 settings.register_profile(
     "hicached-fuzz",
-    max_examples=10,
+    max_examples=15,
     deadline=None,
     derandomize=True,
     database=None,
@@ -59,6 +59,7 @@ class World:
     admin: HiCacheClient
     worker: HiCacheClient
     device: dict[str, ShmKVPool]
+    channels: dict[str, grpc.Channel]
     victim: Session | None = None
     baseline: dict[str, Any] = field(default_factory=dict)
     model: str = ""
@@ -79,10 +80,9 @@ class World:
 
     def health(self) -> None:
         assert self.daemon.process.poll() is None, f"daemon died\n{self.daemon.log}"
-        with grpc.insecure_channel(self.daemon.target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT_S
-            )
+        reply = health_pb2_grpc.HealthStub(self.channels["worker"]).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT_S
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -94,8 +94,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             device_pools() as device,
             HiCacheClient(daemon.admin_target, timeout_s=30.0) as admin,
             no_retry_client(daemon.target) as worker,
+            grpc.insecure_channel(daemon.target) as raw_worker,
+            grpc.insecure_channel(daemon.admin_target) as raw_admin,
         ):
-            w = World(daemon, admin, worker, device)
+            w = World(daemon, admin, worker, device, {"worker": raw_worker, "admin": raw_admin})
             w.ensure_victim()
             try:
                 yield w
@@ -160,15 +162,16 @@ def test_generated_requests_never_hurt_the_daemon(
         "pool": ["kv", "swa", "draft"],
         "name": ["kv", "swa", "draft"],
         "model_name": [world.model],
+        "tenant": [""],
+        "keys": ["a", "b", "c" * 64],  # PageKeys.keys: plausible keys get past the key checks
     }
     fields = data.draw(message_fields(method.input_type, known), label="request")
     request = build(method.input_type, fields)
-    secret = data.draw(st.sampled_from([victim.info.session_secret] * 2 + ["0" * 32, None]), label="secret")
+    secret = data.draw(st.sampled_from([victim.info.session_secret] * 3 + ["0" * 32, None]), label="secret")
     md = [] if secret is None else [(SECRET, secret)]
     admin_socket = service.name == "AdminService" and data.draw(st.booleans(), label="admin socket")
-    target = world.daemon.admin_target if admin_socket else world.daemon.target
-    with grpc.insecure_channel(target) as channel:
-        code, reply = _call(channel, service, method, request.SerializeToString(), md)
+    channel = world.channels["admin" if admin_socket else "worker"]
+    code, reply = _call(channel, service, method, request.SerializeToString(), md)
     _check(world, f"{service.name}.{method.name}", method, code, reply)
 
 
@@ -184,8 +187,7 @@ def test_undecodable_bytes_never_hurt_the_daemon(
     world.ensure_victim()
     payload = data.draw(undecodable(method.input_type), label="payload")
     assert not decodes(method.input_type, payload)
-    with grpc.insecure_channel(world.daemon.target) as channel:
-        code, _ = _call(channel, service, method, payload, [])
+    code, _ = _call(world.channels["worker"], service, method, payload, [])
     TALLY.add(f"raw {service.name}.{method.name}", code.name)
     assert code != grpc.StatusCode.INTERNAL
     assert code != grpc.StatusCode.OK, "an undecodable request was accepted"
