@@ -64,6 +64,18 @@ LABEL org.opencontainers.image.title="hicached" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="0.1.0"
 
+# Where the daemon's defaults point, for ANY uid (Kubernetes may run the image as a uid
+# that /etc/passwd does not know, and the image's own user has HOME=/nonexistent): the
+# defaults are derived from the XDG variables, so set them here rather than relying on a
+# home directory.  XDG_CACHE_HOME=/var/lib puts the L3 file backend at /var/lib/hicached/l3
+# and the warm-restart journals at /var/lib/hicached/l2, on the VOLUME below (the same paths
+# deploy/base/hicached.toml names); XDG_RUNTIME_DIR=/run puts the socket at
+# /run/hicached/hicached.sock, so `hicached status` inside the container needs no flag.
+# These are defaults only: a config file, HICACHED_* variables and flags still win.  The
+# startup line names the L3 path and where it came from (l3_target, l3_source).
+ENV XDG_CACHE_HOME=/var/lib \
+    XDG_RUNTIME_DIR=/run
+
 # Numeric, so that Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 USER 10001:10001
 WORKDIR /var/lib/hicached

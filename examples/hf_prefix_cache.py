@@ -1,7 +1,7 @@
 """Serve a transformers model's prompt prefix from a hicached daemon (CPU, no download).
 
     hicached serve --socket /tmp/hicached.sock &            # a daemon
-    python examples/hf_prefix_cache.py unix:///tmp/hicached.sock
+    python examples/hf_prefix_cache.py unix:///tmp/hicached.sock   # default: $HICACHED_SOCKET
 
 The first run prefills the prompt and stores its KV pages in the daemon; run it
 again (another process) and the prefix is restored from the daemon instead of
@@ -27,7 +27,7 @@ def next_logits(model: LlamaForCausalLM, tokens: list[int], cache: DynamicCache)
     return model(torch.tensor([tokens]), past_key_values=cache, use_cache=True).logits[0, -1]
 
 
-def main(target: str) -> None:
+def main(target: str | None) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -54,4 +54,4 @@ def main(target: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "unix:///tmp/hicached.sock")
+    main(sys.argv[1] if len(sys.argv) > 1 else None)  # default: $HICACHED_SOCKET, else the daemon's default

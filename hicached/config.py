@@ -39,7 +39,7 @@ from hicached.l3.mooncake import MooncakeBackendConfig
 from hicached.l3.redis import RedisBackendConfig
 from hicached.l3.s3 import S3BackendConfig
 
-__all__ = ["Config", "ConfigError", "parse_size", "resolve"]
+__all__ = ["Config", "ConfigError", "default_cache_dir", "parse_size", "resolve"]
 
 
 class ConfigError(InvalidArgument):
@@ -55,7 +55,8 @@ def _runtime_dir() -> Path:
     return Path(f"/tmp/hicached-{os.geteuid()}")
 
 
-def _cache_dir() -> Path:
+def default_cache_dir() -> Path:
+    """Parent of the default L3 path and journal directory (XDG_CACHE_HOME, root, else HOME)."""
     xdg = os.environ.get("XDG_CACHE_HOME")
     if xdg:
         return Path(xdg) / "hicached"
@@ -133,11 +134,28 @@ class ServerConfig:
     max_message_bytes: int = _f(64 << 20, "Largest gRPC message (bytes).", parse=parse_size)
     metrics_host: str = _f("127.0.0.1", "Address of the Prometheus /metrics HTTP server.")
     metrics_port: int = _f(-1, "Port of /metrics (-1 = disabled, 0 = any free port).")
-    grace_s: float = _f(10.0, "Seconds in-flight RPCs get to finish on SIGTERM.")
+    grace_s: float = _f(
+        10.0,
+        "Shutdown budget on SIGTERM (seconds): in-flight RPCs get up to half, the L3 flush the rest; "
+        "keep the pod's terminationGracePeriodSeconds >= grace_s + 15 (journals, exit).",
+    )
     handoff_max_fds: int = _f(64, "Most file descriptors one fd handoff (socket <socket>.fds) may carry.")
     handoff_ticket_ttl_s: float = _f(30.0, "Seconds an fd handoff ticket waits for its Attach.")
     handoff_max_pending: int = _f(256, "Most unused fd handoff tickets in total.")
     handoff_max_pending_per_uid: int = _f(32, "Most unused fd handoff tickets per client uid.")
+    copy_threads: int = _f(
+        16, "Threads that run copy-bound RPCs (Write, Load, PutPages, GetPages, PutBytes, Detach...)."
+    )
+    l3_threads: int = _f(
+        8, "Threads that run RPCs waiting on L3 (include_l3, Lookup with L3, Backup, Prefetch...)."
+    )
+    hash_threads: int = _f(
+        2, "Threads that hash token chains and check keys (CPU-bound; off the event loop)."
+    )
+    bookkeeping_threads: int = _f(
+        8,
+        "Threads of short bookkeeping (Attach, GetStats, the lease reaper): never shared with copies or L3.",
+    )
 
     def admin_socket_path(self) -> Path:
         """The admin socket: ``admin_socket``, or ``admin.sock`` next to the worker socket."""
@@ -161,7 +179,7 @@ class HostConfig:
         "the next daemon with the same shm_prefix re-maps them).",
     )
     journal_dir: str = _f(
-        lambda: str(_cache_dir() / "l2"),
+        lambda: str(default_cache_dir() / "l2"),
         "Directory of the warm-restart journals (one per pool group, written on clean shutdown).",
     )
 
@@ -190,7 +208,7 @@ class CopyConfig:
 
 
 def _default_file_backend() -> FileBackendConfig:
-    return FileBackendConfig(path=str(_cache_dir() / "l3"), capacity_bytes=16 << 30)
+    return FileBackendConfig(path=str(default_cache_dir() / "l3"), capacity_bytes=16 << 30)
 
 
 # Each backend's table ([l3.file], [l3.redis], ...) is that backend's own config dataclass;
@@ -206,6 +224,13 @@ class L3Config:
     prefetch_timeout_base_s: float = _f(1.0, "Timeout policy: base seconds.")
     prefetch_timeout_per_1k_tokens_s: float = _f(0.25, "Timeout policy: seconds per 1024 tokens.")
     io_workers: int = _f(2, "Threads doing L3 I/O.")
+    stats_interval_s: float = _f(
+        5.0, "Seconds between background refreshes of the L3 backend's stats (GetStats answers from them)."
+    )
+    stats_wait_s: float = _f(
+        0.5,
+        "Longest GetStats waits for a fresh L3 stats refresh before answering the last stats (0 = never).",
+    )
     file: FileBackendConfig = _f(_default_file_backend, _BACKEND_HELP.format("file", "file", "file"))
     redis: RedisBackendConfig = field(
         default_factory=RedisBackendConfig, metadata={"help": _BACKEND_HELP.format("redis", "redis", "redis")}
@@ -224,6 +249,38 @@ class L3Config:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """Per-request and per-peer limits, checked before any work starts (see docs/limits.md)."""
+
+    max_tokens_per_request: int = _f(1 << 20, "Most token ids one KeySource.tokens chain may carry.")
+    max_keys_per_request: int = _f(1 << 16, "Most keys one request may carry (given or hashed from tokens).")
+    max_key_bytes: int = _f(512, "Longest key (UTF-8 bytes).")
+    max_identity_bytes: int = _f(
+        256, "Longest identity string (instance_id, model_name, tenant, op_id, request_id; UTF-8 bytes)."
+    )
+    max_response_bytes: int = _f(
+        32 << 20,
+        "Largest response a request may ask for, computed before it is built (capped by "
+        "server.max_message_bytes).",
+        parse=parse_size,
+    )
+    max_sessions_per_peer: int = _f(
+        256, "Most live sessions of one peer (the handoff's SO_PEERCRED uid, the TCP host, or the socket)."
+    )
+    max_buffers_per_attach: int = _f(
+        512, "Most device buffers (K and V of every pool) one Attach may hand over."
+    )
+    max_l3_calls_queued: int = _f(
+        64, "RPCs that may wait for an L3 thread (server.l3_threads) before RESOURCE_EXHAUSTED."
+    )
+    max_wait_s: float = _f(
+        30.0,
+        "Deadline of a blocking wait (Backup wait, PrefetchStatus wait, the wait at session end): "
+        "past it the call answers the state so far.",
+    )
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = _f("info", "debug, info, warning or error.")
     format: str = _f("text", "text or json (one JSON object per line).")
@@ -236,6 +293,7 @@ class Config:
     sessions: SessionConfig = field(default_factory=SessionConfig)
     copy: CopyConfig = field(default_factory=CopyConfig)
     l3: L3Config = field(default_factory=L3Config)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -262,7 +320,21 @@ _POSITIVE = {
     "copy.workers",
     "copy.max_queued",
     "l3.io_workers",
+    "l3.stats_interval_s",
     "host.default_ratio",
+    "server.copy_threads",
+    "server.l3_threads",
+    "server.hash_threads",
+    "server.bookkeeping_threads",
+    "limits.max_tokens_per_request",
+    "limits.max_keys_per_request",
+    "limits.max_key_bytes",
+    "limits.max_identity_bytes",
+    "limits.max_response_bytes",
+    "limits.max_sessions_per_peer",
+    "limits.max_buffers_per_attach",
+    "limits.max_l3_calls_queued",
+    "limits.max_wait_s",
 }
 
 
@@ -272,6 +344,7 @@ _SECTION_TYPES: dict[str, type[Any]] = {
     "sessions": SessionConfig,
     "copy": CopyConfig,
     "l3": L3Config,
+    "limits": LimitsConfig,
     "log": LogConfig,
 }
 
@@ -318,6 +391,7 @@ def _check_cross(cfg: Config) -> None:
         ("server.grace_s", cfg.server.grace_s),
         ("l3.prefetch_timeout_base_s", cfg.l3.prefetch_timeout_base_s),
         ("l3.prefetch_timeout_per_1k_tokens_s", cfg.l3.prefetch_timeout_per_1k_tokens_s),
+        ("l3.stats_wait_s", cfg.l3.stats_wait_s),
     ):
         if number < 0:
             raise ConfigError(f"invalid {key} = {number}: must be >= 0")

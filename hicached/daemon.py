@@ -11,9 +11,10 @@ import contextlib
 import logging
 import os
 import signal
+import sys
+import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -25,13 +26,17 @@ from hicached.core.keyed import KeyedCache
 from hicached.core.service import CoreHooks, HiCacheCore
 from hicached.core.sessions import Session
 from hicached.l3.base import StorageBackend
+from hicached.l3.stats_cache import StatsCache
 from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
 from hicached.server import credentials
 from hicached.server.app import Server, claim_sockets
 from hicached.server.handoff import HandoffRegistry, HandoffServer, handoff_path
+from hicached.server.lanes import Lanes
+from hicached.server.peers import PeerSessions
 from hicached.server.roles import Access
 from hicached.server.servicer import AdminServicer, CacheServicer
+from hicached.shutdown import flush_within, rpc_grace_s
 from hicached.startup import banner, open_l3
 from hicached.tasks import supervise
 from hicached.transfer.engine import CopyEngine
@@ -39,6 +44,8 @@ from hicached.transfer.plan import CopyPlan, Direction
 
 logger = logging.getLogger(__name__)
 
+# sys.setswitchinterval of the daemon process (see run_daemon).
+LOOP_SWITCH_INTERVAL_S = 0.0005
 # Sections whose keys SIGHUP applies to a running daemon.
 RELOADABLE_SECTIONS = frozenset({"log"})
 
@@ -97,7 +104,9 @@ class Daemon:
             hooks=MetricsHooks(self.metrics),
         )
         self.keyed.bind(self.core)
-        self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="hicached-rpc")
+        self.lanes = Lanes.from_config(config)
+        self.peers = PeerSessions(config.limits.max_sessions_per_peer, self.core.live_session_ids)
+        self.l3_stats = StatsCache(config.l3.backend, self.backend) if self.backend is not None else None
         srv = config.server
         self.handoff = HandoffRegistry(
             ttl_s=srv.handoff_ticket_ttl_s,
@@ -111,7 +120,7 @@ class Daemon:
             config,
             self.core,
             self._registrations,
-            executor=self.executor,
+            executor=self.lanes.bookkeeping.executor,
             credentials=creds,
             admin_gid=admin_gid,
         )
@@ -121,15 +130,13 @@ class Daemon:
     def _registrations(self, access: Access) -> list[Callable[[grpc.aio.Server], None]]:
         """The services of one listener, their servicers bound to its role."""
         observe = self._observe_rpc
-        cache = CacheServicer(
-            self.core, self.executor, observe=observe, access=access, keyed=self.keyed, handoff=self.handoff
-        )
+        shared = {"observe": observe, "access": access, "peers": self.peers, "l3_stats": self.l3_stats}
+        cache = CacheServicer(self.core, self.lanes, keyed=self.keyed, handoff=self.handoff, **shared)
         admin = AdminServicer(
             self.core,
-            self.executor,
-            observe=observe,
-            access=access,
+            self.lanes,
             keyed=self.keyed,
+            **shared,
             on_drain=self.server.mark_draining,
             on_resume=self.server.mark_serving,
         )
@@ -184,11 +191,13 @@ class Daemon:
 
     async def stop(self) -> None:
         """Stop serving, finish or cancel in-flight work, release every mapping and page."""
+        budget = self.config.server.grace_s
+        deadline = time.monotonic() + budget  # one budget for stop + flush (hicached/shutdown.py)
         self.handoff_server.close()
-        await self.server.stop(self.config.server.grace_s)
+        await self.server.stop(rpc_grace_s(budget))
         self.handoff.close()
         loop = asyncio.get_running_loop()
-        flushed = await loop.run_in_executor(None, self.keyed.flush_for_shutdown, self.config.server.grace_s)
+        flushed = await loop.run_in_executor(None, flush_within, self.keyed.indexes(), deadline)
         logger.info("flushed pending L3 backups", extra={"event": "shutdown", "pages": flushed})
         await loop.run_in_executor(None, self.close)
 
@@ -201,7 +210,9 @@ class Daemon:
             self.backend.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.l3_stats is not None:
+            self.l3_stats.close()
+        self.lanes.shutdown()
 
     def reload(self, fresh: Config) -> list[str]:
         """Apply the safe settings of a re-read configuration (SIGHUP); returns the keys applied.
@@ -242,19 +253,28 @@ class Daemon:
         if reload is not None:
             loop.add_signal_handler(signal.SIGHUP, lambda: self._on_sighup(reload))
         await self.start()
-        gauges = asyncio.create_task(
-            supervise(
-                "gauges",
-                self.refresh_gauges,
-                interval_s=1.0,
-                on_failure=lambda task: self.metrics.task_failures.labels(task=self.metrics.task(task)).inc(),
+        on_failure = self._task_failed
+        tasks = [
+            asyncio.create_task(
+                supervise("gauges", self.refresh_gauges, interval_s=1.0, on_failure=on_failure)
             )
-        )
+        ]
+        if self.l3_stats is not None:
+            interval = self.config.l3.stats_interval_s
+            tasks.append(
+                asyncio.create_task(
+                    supervise("l3_stats", self.l3_stats.step, interval_s=interval, on_failure=on_failure)
+                )
+            )
         await stop.wait()
         logger.info("shutting down", extra={"event": "shutdown"})
-        gauges.cancel()
+        for task in tasks:
+            task.cancel()
         await self.stop()
         return 0
+
+    def _task_failed(self, task: str) -> None:
+        self.metrics.task_failures.labels(task=self.metrics.task(task)).inc()
 
     def _on_sighup(self, reload: Callable[[], Config]) -> None:
         try:
@@ -285,5 +305,9 @@ def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> in
     """Build and serve a daemon; a :class:`~hicached.startup.StartupError` propagates (exit 2)."""
     import uvloop
 
+    # The event loop thread gives the GIL up at every I/O call; with a CPU-bound lane thread
+    # (hashing, index walks) it waits a whole switch interval to get it back each time, so a
+    # heartbeat that needs it a dozen times would take ~100 ms at the 5 ms default.
+    sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
     daemon = Daemon(config)
     return uvloop.run(daemon.run(reload))

@@ -68,3 +68,39 @@ class Unimplemented(HiCacheError):
 
 class Cancelled(HiCacheError):
     """The operation was cancelled (session ended, prefetch cancelled)."""
+
+
+CLIP_CHARS = 32
+
+
+def clip(value: object, limit: int = CLIP_CHARS) -> str:
+    """A client value as an error message may quote it: ``repr`` of at most ``limit``
+    characters, with the full length named when cut (``'abc…' (100000 chars)``).
+
+    Every message that echoes a client value goes through this, so a 100 KB id cannot
+    turn an answer into "metadata size exceeds limit".
+    """
+    if isinstance(value, bytes | bytearray):
+        if len(value) <= limit:
+            return repr(bytes(value))
+        return f"{bytes(value[:limit])!r}... ({len(value)} bytes)"
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} chars)"
+
+
+class LimitExceeded(ResourceExhausted):
+    """A configured limit (``[limits]``) refuses a request before any work starts.
+
+    ``key`` is the configuration key that states the limit; the message names it.
+    No ``retry_after_ms``: the same request is refused again until the limit changes.
+    """
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class DeadlineExceeded(HiCacheError):
+    """A blocking wait reached its configured deadline (``limits.max_wait_s``)."""

@@ -11,12 +11,12 @@ import os
 from typing import Any
 
 from hicached import __version__
-from hicached.config import Config
+from hicached.config import Config, default_cache_dir
 from hicached.errors import HiCacheError
 from hicached.l3.base import StorageBackend
 from hicached.l3.registry import open_backend
 
-__all__ = ["StartupError", "banner", "l3_target", "open_l3"]
+__all__ = ["StartupError", "banner", "l3_source", "l3_target", "open_l3"]
 
 # The keys an operator fixes when a backend cannot start.
 _BACKEND_KEYS = {
@@ -46,6 +46,27 @@ def l3_target(config: Config) -> str:
     return "none"
 
 
+def l3_source(config: Config) -> str:
+    """Where the L3 location came from: a configured key, or the default and what it derives from.
+
+    The file backend's default path follows XDG_CACHE_HOME, else the user's home (root:
+    /var/cache); in a container whose user has no home (HOME=/nonexistent) that default is
+    useless, so the startup line and the error say which variable it came from.
+    """
+    backend = config.l3.backend
+    if backend != "file":
+        return f"[l3.{backend}]" if backend != "none" else "l3.backend"
+    if config.l3.file.path != str(default_cache_dir() / "l3"):
+        return "l3.file.path"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return f"default $XDG_CACHE_HOME/hicached/l3 (XDG_CACHE_HOME={xdg}); set l3.file.path to change it"
+    if os.geteuid() == 0:
+        return "default for root (/var/cache/hicached/l3); set l3.file.path to change it"
+    home = os.environ.get("HOME", "")
+    return f"default $HOME/.cache/hicached/l3 (HOME={home or '(unset)'}); set l3.file.path to change it"
+
+
 def open_l3(config: Config) -> StorageBackend | None:
     """The configured L3 backend (None for ``l3.backend = "none"``); the caller owns it.
 
@@ -62,7 +83,8 @@ def open_l3(config: Config) -> StorageBackend | None:
     except (HiCacheError, OSError) as exc:
         reason = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise StartupError(
-            f"L3 backend {name!r} at {l3_target(config)} cannot start: {reason.rstrip('.')}. "
+            f"L3 backend {name!r} at {l3_target(config)} [{l3_source(config)}] cannot start: "
+            f"{reason.rstrip('.')}. "
             f'Fix {keys}, or run without L3 (l3.backend = "none").'
         ) from exc
 
@@ -104,6 +126,7 @@ def banner(
         "host_budget": f"{_human(budget_bytes)} from {_budget_source(config)}",
         "l3": config.l3.backend,
         "l3_target": l3_target(config),
+        "l3_source": l3_source(config),
         "warm_restart": f"on (journals in {config.host.journal_dir})" if config.host.warm_restart else "off",
     }
     if config.l3.backend == "file":

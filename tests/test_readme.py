@@ -30,3 +30,15 @@ def test_every_configuration_key_is_documented_with_its_env_var() -> None:
     for key, _default, env, _help in describe():
         assert f"| `{key}` |" in reference, key
         assert f"`{env}`" in reference, env
+
+
+def test_every_command_has_a_row_in_the_commands_table() -> None:
+    """Before: `hicached lookup` existed but had no row."""
+    import argparse
+
+    from hicached.cli import build_parser
+
+    table = _section("Commands")
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in subparsers.choices:
+        assert f"| `hicached {name}" in table, name

@@ -195,7 +195,9 @@ class BackupMixin:
         if not reached:
             self._obs.dropped("backup_failed", len(entries))
 
-    def backup(self, keys: Sequence[str], *, wait: bool = False) -> BackupResult:
+    def backup(
+        self, keys: Sequence[str], *, wait: bool = False, timeout_s: float | None = None
+    ) -> BackupResult:
         """Queue an L2 -> L3 backup of the cached keys among ``keys`` that L3 lacks.
 
         ``queued`` counts those keys (including ones a write policy had already
@@ -203,7 +205,8 @@ class BackupMixin:
         keys other jobs were writing, and ``stored`` counts the ones L3 has
         acknowledged (a job stops at its first failed batch). Raises
         FailedPrecondition without a backend and ResourceExhausted when the
-        queue is full (nothing queued then).
+        queue is full (nothing queued then). A wait ends at ``timeout_s`` and
+        then reports what L3 has acknowledged so far.
         """
         keys = check_keys(keys)
         if self.backend is None:
@@ -213,10 +216,15 @@ class BackupMixin:
         job = self._queue_backup(pending, explicit=True)
         if not wait:
             return BackupResult(len(pending), 0)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         if job is not None:
-            job.wait()
+            job.wait(remaining())
         with self._idle:
-            self._idle.wait_for(lambda: not any(e.backup_queued for e in pending))
+            self._idle.wait_for(lambda: not any(e.backup_queued for e in pending), timeout=remaining())
             return BackupResult(len(pending), sum(e.in_l3 for e in pending))
 
     def flush(self, timeout_s: float | None = None) -> int:

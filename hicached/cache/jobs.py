@@ -210,8 +210,9 @@ class PrefetchTask:
         with self._cond:
             self._finish(PrefetchState.FAILED)
 
-    def wait(self) -> PrefetchStatus:
-        """Block as the policy says, then report.
+    def wait(self, timeout_s: float | None = None) -> PrefetchStatus:
+        """Block as the policy says, at most ``timeout_s``, then report (the state so far:
+        ``running`` when ``wait_complete`` reached ``timeout_s``).
 
         ``best_effort`` returns at once (the prefetch continues);
         ``wait_complete`` blocks until it is no longer running; ``timeout``
@@ -220,13 +221,16 @@ class PrefetchTask:
         """
         with self._cond:
             if self.policy is PrefetchPolicy.WAIT_COMPLETE:
-                self._cond.wait_for(lambda: self._state is not PrefetchState.RUNNING)
+                self._cond.wait_for(lambda: self._state is not PrefetchState.RUNNING, timeout=timeout_s)
             elif self.policy is PrefetchPolicy.TIMEOUT:
+                left = self._deadline - time.monotonic()
+                capped = timeout_s is not None and timeout_s < left
                 self._cond.wait_for(
                     lambda: self._state is not PrefetchState.RUNNING,
-                    timeout=max(0.0, self._deadline - time.monotonic()),
+                    timeout=max(0.0, timeout_s if capped and timeout_s is not None else left),
                 )
-                self._finish(PrefetchState.TIMED_OUT)
+                if not capped:  # the prefetch's own deadline passed, not only this wait's
+                    self._finish(PrefetchState.TIMED_OUT)
             return PrefetchStatus(self._state, self._completed, self.planned_pages)
 
     def cancel(self) -> int:

@@ -384,17 +384,29 @@ class KeyedCache:
             raise PermissionDenied(f"prefetch {task.id!r} belongs to another session")
         return index.get_prefetch(prefetch_id)
 
-    def prefetch_status(self, session_id: str, prefetch_id: str, *, wait: bool) -> PrefetchStatus:
+    def prefetch_status(
+        self, session_id: str, prefetch_id: str, *, wait: bool, timeout_s: float | None = None
+    ) -> PrefetchStatus:
+        """With ``wait``, blocks at most ``timeout_s`` and reports the state so far."""
         task = self._task(session_id, prefetch_id)
-        return task.wait() if wait else task.status()  # type: ignore[attr-defined, no-any-return]
+        return task.wait(timeout_s) if wait else task.status()  # type: ignore[attr-defined, no-any-return]
 
     def cancel_prefetch(self, session_id: str, prefetch_id: str) -> int:
         task = self._task(session_id, prefetch_id)
         return int(task.cancel())  # type: ignore[attr-defined]
 
-    def backup(self, session_id: str, keys: Sequence[str], *, wait: bool) -> BackupResult:
+    def backup(
+        self, session_id: str, keys: Sequence[str], *, wait: bool, timeout_s: float | None = None
+    ) -> BackupResult:
+        """With ``wait``, blocks at most ``timeout_s`` and reports what L3 stored so far."""
         _, _, index, keys = self._scoped(session_id, keys)
-        return index.backup(keys, wait=wait)
+        return index.backup(keys, wait=wait, timeout_s=timeout_s)
+
+    def page_bytes(self, session_id: str) -> int:
+        """Bytes of one key's pages over every pool of the session's group (a GetBytes answer
+        per key, for the response-size limit)."""
+        _, state, _ = self._ctx(session_id)
+        return sum(p.page_bytes for p in state.states())
 
     # -------------------------------------------------------------------- admin
 

@@ -15,6 +15,7 @@ that holder exactly once (``GroupState.free`` defers frees that race a copy).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import uuid
@@ -172,7 +173,7 @@ class HiCacheCore:
             mappings.close()
             raise
         if replaced is not None:
-            self._end(replaced, "replaced")
+            self._end(replaced, "replaced", wait_s=self._cfg.limits.max_wait_s)
         session = Session(
             session_id=SessionTable.new_id(),
             worker=worker,
@@ -251,7 +252,13 @@ class HiCacheCore:
             if done is None:
                 raise
             return done
-        freed = session.run("Detach", op_id, (), lambda: self._end(session, "detach"), in_flight=False)
+        freed = session.run(
+            "Detach",
+            op_id,
+            (),
+            lambda: self._end(session, "detach", wait_s=self._cfg.limits.max_wait_s),
+            in_flight=False,
+        )
         if op_id:
             with self._backups_lock:
                 self._detached[(session_id, op_id)] = freed
@@ -278,13 +285,34 @@ class HiCacheCore:
             self._free_backup(b)
         return ended
 
-    def _end(self, session: Session, reason: str) -> int:
-        """Cancel, wait for in-flight work, unmap, free everything the session held."""
+    def _end(self, session: Session, reason: str, *, wait_s: float = 0.0) -> int:
+        """Cancel, wait at most ``wait_s`` for in-flight work, then unmap and free everything
+        the session held. Past the deadline the session is gone already and its teardown
+        runs when its last operation finishes (an L3 call may hang): returns 0 then, the
+        pages freed so far. The lease reaper waits 0 s, so it never blocks on a session."""
         if self._sessions.remove(session.session_id) is None:
             return 0
         session.cancel.set()
         self._engine.cancel_owner(session.session_id)
-        session.wait_idle()
+        if not session.wait_idle(wait_s):
+            logger.warning(
+                "session ended with operations in flight; its pages are freed when they finish",
+                extra={"event": reason, "session": session.session_id, "in_flight": session.in_flight},
+            )
+            session.when_idle(functools.partial(self._teardown_quietly, session, reason))
+            return 0
+        return self._teardown(session, reason)
+
+    def _teardown_quietly(self, session: Session, reason: str) -> None:
+        """A deferred teardown (run by the session's last operation): its failure is logged,
+        never raised into that operation's answer."""
+        try:
+            self._teardown(session, reason)
+        except Exception:
+            logger.exception("deferred teardown of session %s failed", session.session_id)
+
+    def _teardown(self, session: Session, reason: str) -> int:
+        """Unmap and free what an ended, idle session held."""
         state = self._groups.get(session.group_id)
         freed = 0
         for pool, pages in session.ledger.take_all().items():
@@ -746,6 +774,10 @@ class HiCacheCore:
             draining=self._draining.is_set(),
         )
 
+    def live_session_ids(self) -> frozenset[str]:
+        """Ids of the sessions alive now (no lease is touched)."""
+        return frozenset(s.session_id for s in self._sessions.all())
+
     def check_secret(self, session_id: str, secret: str) -> None:
         """PermissionDenied unless ``secret`` is session ``session_id``'s secret (unknown ids pass)."""
         self._sessions.check_secret(session_id, secret)
@@ -791,7 +823,7 @@ class HiCacheCore:
             return
         self._closed = True
         for session in self._sessions.all():
-            self._end(session, "shutdown")
+            self._end(session, "shutdown", wait_s=self._cfg.server.grace_s)
         with self._backups_lock:
             leftover = list(self._backups.values())
             self._backups.clear()

@@ -293,6 +293,8 @@ class Session:
     in_flight: int = 0
     idle: threading.Condition = field(init=False)
     prefetches: set[str] = field(default_factory=set)
+    # Run by the last operation to finish (a teardown whose wait reached its deadline).
+    on_idle: list[Callable[[], None]] = field(default_factory=list)
     # The capability a caller must present to act as this session (hex, 128 bits).
     secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     # Who attached it, from the kernel (fd handoff); None for TCP / no-handoff attaches.
@@ -331,14 +333,27 @@ class Session:
         try:
             yield
         finally:
+            callbacks: list[Callable[[], None]] = []
             with self.lock:
                 self.in_flight -= 1
                 if self.in_flight == 0:
                     self.idle.notify_all()
+                    callbacks, self.on_idle = self.on_idle, []
+            for callback in callbacks:
+                callback()
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         with self.lock:
             return self.idle.wait_for(lambda: self.in_flight == 0, timeout=timeout_s)
+
+    def when_idle(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once no operation is in flight: now (on this thread) or on the
+        thread of the last operation to finish. For a teardown that may not wait longer."""
+        with self.lock:
+            if self.in_flight:
+                self.on_idle.append(callback)
+                return
+        callback()
 
 
 class SessionTable:

@@ -33,6 +33,7 @@ from hicached.config import Config
 from hicached.core.service import HiCacheCore
 from hicached.server import sockets
 from hicached.server.credentials import TcpCredentials
+from hicached.server.decode import DecodeInterceptor
 from hicached.server.roles import Access, TokenInterceptor
 from hicached.server.servicer import RpcObserver
 
@@ -61,7 +62,8 @@ class Server:
     """Owns the grpc.aio servers of the listeners; ``start``/``stop`` once each.
 
     ``registrations(access)`` returns the servicer registrations of one listener,
-    built for that listener's role.
+    built for that listener's role. ``executor`` runs the lease reaper (the
+    bookkeeping lane: never shared with copies or L3 calls).
     """
 
     def __init__(
@@ -95,7 +97,8 @@ class Server:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.aio.server(options=options, interceptors=interceptors)
+        # Undecodable bytes are INVALID_ARGUMENT (not grpc's UNKNOWN), after authentication.
+        server = grpc.aio.server(options=options, interceptors=(*interceptors, DecodeInterceptor()))
         for register in self._registrations(access):
             register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

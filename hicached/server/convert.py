@@ -18,7 +18,13 @@ from hicached.core.types import Ack, PoolRequest, PoolRole, PoolState, WorkerId
 from hicached.errors import InvalidArgument
 from hicached.l2.group import PoolTransfer
 from hicached.l2.layout import HostLayout, KVSpec, PoolKind
-from hicached.transfer.handles import BufferSpec, CudaIpcBufferHandle, FdBufferHandle
+from hicached.transfer.handles import (
+    BufferSpec,
+    CudaFdBufferHandle,
+    CudaIpcBufferHandle,
+    DeviceHandle,
+    FdBufferHandle,
+)
 
 T = TypeVar("T")
 
@@ -70,7 +76,7 @@ def buffer_spec(buf: tpb.DeviceBuffer, what: str, fds: Sequence[int] = ()) -> Bu
     """``fds``: the descriptors of this attach's handoff, indexed by ``FdHandle.fd_index``."""
     dtype = _enum(DTYPES, buf.dtype, f"{what}.dtype", tpb.DataType)
     kind = buf.handle.WhichOneof("kind")
-    handle: FdBufferHandle | CudaIpcBufferHandle
+    handle: DeviceHandle
     if kind == "shm":
         # Never open a name a client chose: see ShmHandle in types.proto.
         raise InvalidArgument(
@@ -79,15 +85,19 @@ def buffer_spec(buf: tpb.DeviceBuffer, what: str, fds: Sequence[int] = ()) -> Bu
         )
     if kind == "fd":
         f = buf.handle.fd
-        if not fds:
-            raise InvalidArgument(
-                f"{what}.handle.fd needs the fds handed over first: set AttachRequest.handoff_ticket"
-            )
-        if f.fd_index >= len(fds):
-            raise InvalidArgument(
-                f"{what}.handle.fd.fd_index {f.fd_index} is beyond the {len(fds)} fds handed over"
-            )
-        handle = FdBufferHandle(fd=fds[f.fd_index], offset=f.offset, size=f.size, index=f.fd_index)
+        fd = _handed_over(f.fd_index, fds, f"{what}.handle.fd")
+        handle = FdBufferHandle(fd=fd, offset=f.offset, size=f.size, index=f.fd_index)
+    elif kind == "cuda_fd":
+        g = buf.handle.cuda_fd
+        handle = CudaFdBufferHandle(
+            fd=_handed_over(g.fd_index, fds, f"{what}.handle.cuda_fd"),
+            allocation_size=g.allocation_size,
+            offset=g.offset,
+            size=g.size,
+            device_id=g.device_id,
+            device_uuid=g.device_uuid,
+            index=g.fd_index,
+        )
     elif kind == "cuda_ipc":
         c = buf.handle.cuda_ipc
         handle = CudaIpcBufferHandle(
@@ -98,8 +108,17 @@ def buffer_spec(buf: tpb.DeviceBuffer, what: str, fds: Sequence[int] = ()) -> Bu
             device_uuid=c.device_uuid,
         )
     else:
-        raise InvalidArgument(f"{what}.handle is empty: set fd or cuda_ipc")
+        raise InvalidArgument(f"{what}.handle is empty: set fd, cuda_fd or cuda_ipc")
     return BufferSpec(handle=handle, shape=tuple(int(x) for x in buf.shape), dtype=dtype)
+
+
+def _handed_over(index: int, fds: Sequence[int], what: str) -> int:
+    """The daemon's fd at ``index`` of this attach's handoff."""
+    if not fds:
+        raise InvalidArgument(f"{what} needs the fds handed over first: set AttachRequest.handoff_ticket")
+    if index >= len(fds):
+        raise InvalidArgument(f"{what}.fd_index {index} is beyond the {len(fds)} fds handed over")
+    return fds[index]
 
 
 def pool_request(spec: tpb.PoolSpec, index: int, fds: Sequence[int] = ()) -> PoolRequest:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -47,6 +48,8 @@ SUFFIX = ".fds"
 # so idle connections cannot pin daemon resources.
 CONNECTION_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 64
+# How long the listener pauses after an accept that ran out of descriptors.
+ACCEPT_PAUSE_S = 0.1
 _INT = array.array("i").itemsize
 
 
@@ -258,7 +261,7 @@ class HandoffServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                logger.warning("fd handoff accept failed: %s", exc)
+                self._accept_failed(exc)
                 return
             conn.setblocking(False)
             timer = self._loop.call_later(CONNECTION_TIMEOUT_S, self._drop, conn)
@@ -266,6 +269,23 @@ class HandoffServer:
             self._loop.add_reader(conn.fileno(), self._serve, conn)
         # Full: stop accepting until a connection finishes (the kernel backlog holds the rest).
         self._loop.remove_reader(self._listener.fileno())
+
+    def _accept_failed(self, exc: OSError) -> None:
+        """Out of descriptors (EMFILE/ENFILE) the listener stays readable: accepting again at
+        once would spin and log without end. Pause it for ACCEPT_PAUSE_S (the kernel backlog
+        holds the callers meanwhile), logging once per pause."""
+        logger.warning("fd handoff accept failed: %s; retrying in %.1f s", exc, ACCEPT_PAUSE_S)
+        if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            return
+        assert self._listener is not None and self._loop is not None
+        listener = self._listener
+        self._loop.remove_reader(listener.fileno())
+
+        def resume() -> None:
+            if self._listener is listener and len(self._conns) < MAX_CONNECTIONS:
+                self._loop.add_reader(listener.fileno(), self._accept)  # type: ignore[union-attr]
+
+        self._loop.call_later(ACCEPT_PAUSE_S, resume)
 
     def _drop(self, conn: socket.socket) -> None:
         timer = self._conns.pop(conn, None)
@@ -298,6 +318,12 @@ class HandoffServer:
     def _handle(self, conn: socket.socket, data: bytes, fds: list[int], flags: int) -> bytes:
         if flags & socket.MSG_CTRUNC:
             _close_all(fds)
+            if len(fds) < self._max_fds:
+                # The kernel installs fds until one fails: fewer than the buffer holds means the
+                # daemon ran out of descriptors (EMFILE), not that the caller sent too many.
+                return (
+                    b"error RESOURCE_EXHAUSTED the daemon is out of file descriptors (EMFILE); retry later\n"
+                )
             return f"error INVALID_ARGUMENT more than {self._max_fds} fds in one handoff (server.handoff_max_fds)\n".encode()
         if data != MAGIC:
             _close_all(fds)

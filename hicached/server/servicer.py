@@ -1,21 +1,27 @@
 """gRPC servicers: convert messages, run the core on a thread pool, map errors.
 
-Each method is thin: parse -> core call -> build response. The core blocks
-(copies), so calls run on ``executor`` (page bookkeeping excepted: see
-``run_bookkeeping``); the event loop only parses, schedules and streams. Errors become status codes through ``status.status_for`` (one
-table); anything else is a bug and becomes INTERNAL with the error logged.
+Each method is thin: check limits -> parse -> core call -> build response. The
+event loop only parses, authorizes, checks O(1) limits and schedules: every call
+that blocks or is proportional to a request's size runs on one of the bounded
+lanes of :mod:`hicached.server.lanes` (copies, L3, hashing, bookkeeping; page
+bookkeeping excepted: see ``run_bookkeeping``). The ``[limits]`` are checked
+before any work starts (:mod:`hicached.server.limits`). Errors become status
+codes through ``status.status_for`` (one table); anything else is a bug and
+becomes INTERNAL with the error logged. A message quotes at most a short prefix
+of any client value, and is cut at ``MAX_MESSAGE_CHARS`` whatever it holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 import grpc
@@ -25,13 +31,25 @@ from hicached_client.v1 import types_pb2 as tpb
 
 from hicached import __version__
 from hicached.cache.types import PrefetchState
+from hicached.config import LimitsConfig
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import DaemonStats, HiCacheCore
 from hicached.core.types import Ack, PeerCred
-from hicached.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented
+from hicached.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented, clip
 from hicached.l3.keys import page_keys
+from hicached.l3.stats_cache import StatsCache
 from hicached.server import convert
 from hicached.server.handoff import HandoffRegistry
+from hicached.server.lanes import Lanes
+from hicached.server.limits import (
+    check_buffers,
+    check_count,
+    check_identity,
+    check_ids,
+    check_keys,
+    check_response,
+)
+from hicached.server.peers import PeerSessions, peer_key
 from hicached.server.roles import Access
 from hicached.server.status import status_for, trailing_metadata_for
 
@@ -41,6 +59,8 @@ RpcObserver = Callable[[str, grpc.StatusCode, float], None]
 Ctx = grpc.aio.ServicerContext[Any, Any]
 # Metadata key of the session capability (AttachResponse.session_secret).
 SESSION_SECRET_METADATA = "x-hicached-session-secret"
+# An error message longer than this is cut (gRPC carries it in a header).
+MAX_MESSAGE_CHARS = 1024
 
 
 def _noop_observer(method: str, code: grpc.StatusCode, seconds: float) -> None:
@@ -51,17 +71,22 @@ class _Base:
     def __init__(
         self,
         core: HiCacheCore,
-        executor: Executor,
+        lanes: Lanes,
         *,
         observe: RpcObserver | None = None,
         access: Access,
         handoff: HandoffRegistry | None = None,
+        peers: PeerSessions | None = None,
+        l3_stats: StatsCache | None = None,
     ) -> None:
         self.core = core
-        self._executor = executor
+        self.lanes = lanes
+        self.limits: LimitsConfig = core.config.limits
         self._observe = observe or _noop_observer
         self.access = access
         self._handoff = handoff
+        self._peers = peers
+        self._l3_stats = l3_stats
 
     def authorize(self, context: Ctx) -> None:
         """TCP calls carry a configured bearer token (the listener's interceptor checks it too)."""
@@ -88,27 +113,59 @@ class _Base:
         return state.group.anchor.name
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        """On the copy lane (calls that wait for the copy engine)."""
+        return await self.lanes.copy.run(fn, *args, **kwargs)
+
+    async def run_l3(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """On the L3 lane (calls that may wait for the L3 backend; bounded queue)."""
+        return await self.lanes.l3.run(fn, *args, **kwargs)
+
+    async def run_book(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """On the bookkeeping lane (attach, stats: never behind copies or L3)."""
+        return await self.lanes.bookkeeping.run(fn, *args, **kwargs)
+
+    def has_l3(self) -> bool:
+        return self.core.config.l3.backend != "none"
 
     async def run_bookkeeping(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Page bookkeeping (alloc/free/resolve/release): microseconds of work, so it runs on
         the event loop — the thread hop would cost more than the call (~200 us here). Under a
-        write_back L3 an allocation may evict synchronously to L3, so it goes to the pool then."""
+        write_back L3 an allocation may evict synchronously to L3, so it goes to the L3 lane then."""
         if self.core.allocation_may_block:
-            return await self.run(fn, *args, **kwargs)
+            return await self.run_l3(fn, *args, **kwargs)
         return fn(*args, **kwargs)
 
     async def fail(self, context: Ctx, method: str, exc: BaseException) -> None:
         code = status_for(exc)
+        if context.cancelled() or context.done():
+            # The client went away (it stopped reading a stream, or cancelled): nobody is left
+            # to answer, and that is the client's choice, not a daemon error.
+            if code is None:  # a bug stays a bug, whoever is listening
+                logger.exception("internal error in %s", method, exc_info=exc)
+            else:
+                logger.debug("%s ended by the client: %s: %s", method, type(exc).__name__, exc)
+            traceback.clear_frames(exc.__traceback__)
+            return
         if code is None:
             logger.exception("internal error in %s", method, exc_info=exc)
             code, message = (
                 grpc.StatusCode.INTERNAL,
                 f"internal error in {method}: {type(exc).__name__}: {exc}",
             )
+        elif isinstance(exc, OSError) and exc.errno is not None:
+            # The daemon's own resources ran out (status.ExhaustedOSError): say which.
+            name = errno.errorcode.get(exc.errno, str(exc.errno))
+            message = (
+                f"the daemon is out of resources in {method}: {name} ({exc.strerror}); retry later "
+                "(descriptors: its RLIMIT_NOFILE; memory: host.budget; space: the L3 disk)"
+            )
         else:
             message = str(exc)
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message)} chars)"
+        # The failed call's finished frames may hold what it had opened (a partly mapped attach's
+        # tensors keep their descriptors): release them now rather than at the next GC cycle.
+        traceback.clear_frames(exc.__traceback__)
         context.set_trailing_metadata(trailing_metadata_for(exc))
         await context.abort(code, message)
 
@@ -133,6 +190,7 @@ def unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]
         code = grpc.StatusCode.OK
         try:
             self.authorize(context)
+            check_ids(request, self.limits)
             self.check_session(request, context)
             return await method(self, request, context)
         except asyncio.CancelledError:
@@ -156,10 +214,23 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
         peer, fds = self._take_handoff(request.handoff_ticket, context)
         try:
+            check_identity(request.identity, self.limits)
+            check_buffers(request.pools, self.limits)
             worker = convert.worker_id(request.identity)
             check_tenant(worker.tenant)
             pools = [convert.pool_request(p, i, fds) for i, p in enumerate(request.pools)]
-            result = await self.run(self.core.attach, worker, pools, lease_ms=request.lease_ms, peer=peer)
+            key = peer_key(peer, context.peer())
+            if self._peers is not None:
+                self._peers.reserve(key)
+            session_id = None
+            try:
+                result = await self.run_book(
+                    self.core.attach, worker, pools, lease_ms=request.lease_ms, peer=peer
+                )
+                session_id = result.session_id
+            finally:
+                if self._peers is not None:
+                    self._peers.settle(key, session_id)
         finally:
             # Mapped buffers keep their memory; the descriptors are not needed after the attach.
             for fd in fds:
@@ -188,7 +259,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
         taken = self._handoff.take(ticket)
         if taken is None:
             raise PermissionDenied(
-                f"handoff ticket {ticket[:8]!r}... is unknown, expired or already used: hand the fds "
+                f"handoff ticket {clip(ticket, 8)} is unknown, expired or already used: hand the fds "
                 "over again right before Attach (each ticket serves one Attach)"
             )
         return taken
@@ -268,6 +339,7 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
 
         try:
             self.authorize(context)
+            check_ids(request, self.limits)
             self.check_session(request, context)
             task = asyncio.ensure_future(self.run(call, on_layer if layer_progress else None))
             while True:
@@ -346,14 +418,31 @@ class HiCacheServicer(_Base, pb_grpc.HiCacheServiceServicer):
 
     @unary
     async def GetStats(self, request: pb.GetStatsRequest, context: Ctx) -> pb.GetStatsResponse:
-        stats = await self.run(self.core.stats, request.session_id)
+        stats = await self.run_book(self.core.stats, request.session_id)
+        backends = await self.backend_infos()
         if self.is_admin(context):
-            return stats_out(stats, self.backend_infos())
-        return worker_view(stats_out(stats, self.backend_infos()), own=bool(request.session_id))
+            return stats_out(stats, backends)
+        return worker_view(stats_out(stats, backends), own=bool(request.session_id))
 
-    def backend_infos(self) -> list[pb.BackendInfo]:
-        """L3 backend stats (filled in by the content-cache servicer)."""
-        return []
+    async def backend_infos(self) -> list[pb.BackendInfo]:
+        """L3 backend stats, refreshed on the stats thread for at most ``l3.stats_wait_s``
+        (a hung backend cannot hold GetStats; see :mod:`hicached.l3.stats_cache`)."""
+        if self._l3_stats is None:
+            return []
+        name, s, _age = await self._l3_stats.current(self.core.config.l3.stats_wait_s)
+        if s is None:
+            return [pb.BackendInfo(name=name)]  # not refreshed yet
+        return [
+            pb.BackendInfo(
+                name=name,
+                pages=s.pages,
+                bytes=s.bytes,
+                capacity_bytes=s.capacity_bytes,
+                hits=s.hits,
+                misses=s.misses,
+                corrupt_pages=s.corrupt_pages,
+            )
+        ]
 
     @unary
     async def Ping(self, request: pb.PingRequest, context: Ctx) -> pb.PingResponse:
@@ -366,7 +455,7 @@ MAX_TENANT_BYTES = 256
 def check_tenant(tenant: str) -> None:
     if len(tenant.encode()) > MAX_TENANT_BYTES or not tenant.isprintable():
         raise InvalidArgument(
-            f"identity.tenant {tenant[:32]!r} must be printable and at most {MAX_TENANT_BYTES} bytes"
+            f"identity.tenant {clip(tenant)} must be printable and at most {MAX_TENANT_BYTES} bytes"
         )
 
 
@@ -374,7 +463,7 @@ def same_tenant(session_tenant: str, given: str, field: str) -> None:
     """A per-call tenant (deprecated) must be empty or the session's own."""
     if given and given != session_tenant:
         raise PermissionDenied(
-            f"{field} {given[:32]!r} is not this session's tenant {session_tenant[:32]!r}: "
+            f"{field} {clip(given)} is not this session's tenant {clip(session_tenant)}: "
             "a session works only in the tenant it attached with (identity.tenant)"
         )
 
@@ -439,56 +528,64 @@ class KeyedServicerMixin(_Base):
 
     keyed: KeyedCache
 
-    def keys_of(self, session_id: str, source: tpb.KeySource) -> tuple[list[str], str]:
+    async def keys_of(self, session_id: str, source: tpb.KeySource) -> tuple[list[str], str]:
         """(keys, tenant) of a KeySource; token chains are hashed with the group's page size.
 
         The tenant is the session's; a KeySource.tenant naming another is PERMISSION_DENIED.
+        Counts are checked here (O(1)); copying, hashing and the per-key length checks run
+        on the hash lane, never on the event loop.
         """
         kind = source.WhichOneof("source")
         tenant = self.keyed.tenant(session_id)
         same_tenant(tenant, source.tenant, "keys.tenant")
+        lim = self.limits
         if kind == "keys":
-            return list(source.keys.keys), tenant
+            check_count("keys in this request", len(source.keys.keys), lim.max_keys_per_request,
+                        "limits.max_keys_per_request")  # fmt: skip
+            return await self.lanes.hash.run(self._given_keys, source.keys), tenant
         if kind == "tokens":
             chain = source.tokens
-            keys = page_keys(
-                list(chain.token_ids),
-                self.keyed.page_size(session_id),
-                extra_key=chain.extra_key if chain.HasField("extra_key") else None,
-                cache_salt=chain.cache_salt if chain.HasField("cache_salt") else None,
-                include_partial=chain.include_partial_page,
-            )
-            return keys, tenant
+            check_count("token ids in keys.tokens", len(chain.token_ids), lim.max_tokens_per_request,
+                        "limits.max_tokens_per_request")  # fmt: skip
+            page = self.keyed.page_size(session_id)
+            check_count("keys in this request", len(chain.token_ids) // page, lim.max_keys_per_request,
+                        "limits.max_keys_per_request")  # fmt: skip
+            return await self.lanes.hash.run(self._token_keys, chain, page), tenant
         raise InvalidArgument("keys is empty: set keys.keys or keys.tokens")
 
-    def backend_infos(self) -> list[pb.BackendInfo]:
-        got = self.keyed.backend_stats()
-        if got is None:
-            return []
-        name, s = got
-        return [
-            pb.BackendInfo(
-                name=name,
-                pages=s.pages,
-                bytes=s.bytes,
-                capacity_bytes=s.capacity_bytes,
-                hits=s.hits,
-                misses=s.misses,
-                corrupt_pages=s.corrupt_pages,
-            )
-        ]
+    def _given_keys(self, keys: tpb.PageKeys) -> list[str]:
+        out = list(keys.keys)
+        check_keys(out, self.limits)
+        return out
+
+    def _given_pages(self, given: Any) -> list[tuple[str, str, bytes]]:
+        pages = [(p.key, p.pool, p.data) for p in given]
+        check_keys([key for key, _, _ in pages], self.limits)
+        return pages
+
+    def _token_keys(self, chain: tpb.TokenChain, page_size: int) -> list[str]:
+        # The repeated field itself, not list(...) of it: page_keys slices one page at a time,
+        # so no single C call holds the GIL for the whole chain (4 M ids: ~0.2 s of event-loop stall).
+        return page_keys(
+            chain.token_ids,  # type: ignore[arg-type]
+            page_size,
+            extra_key=chain.extra_key if chain.HasField("extra_key") else None,
+            cache_salt=chain.cache_salt if chain.HasField("cache_salt") else None,
+            include_partial=chain.include_partial_page,
+        )
 
     @unary
     async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
-        keys, _ = self.keys_of(request.session_id, request.keys)
-        result = await self.run(self.keyed.lookup, request.session_id, keys)
+        keys, _ = await self.keys_of(request.session_id, request.keys)
+        run = self.run_l3 if self.has_l3() else self.run  # a lookup asks L3 for what L2 lacks
+        result = await run(self.keyed.lookup, request.session_id, keys)
         return pb.LookupResponse(
             keys=keys, l2_hit_pages=result.l2_hit_pages, total_hit_pages=result.total_hit_pages
         )
 
     @unary
     async def Publish(self, request: pb.PublishRequest, context: Ctx) -> pb.PublishResponse:
-        keys, _ = self.keys_of(request.session_id, request.keys)
+        keys, _ = await self.keys_of(request.session_id, request.keys)
         transfers = [convert.transfer_in(t) for t in request.transfers]
         published, existing = await self.run(
             self.keyed.publish, request.session_id, request.op_id, keys, transfers
@@ -498,7 +595,7 @@ class KeyedServicerMixin(_Base):
     @unary
     async def PutPages(self, request: pb.PutPagesRequest, context: Ctx) -> pb.PutPagesResponse:
         no_fence(request.ready)
-        keys, _ = self.keys_of(request.session_id, request.keys)
+        keys, _ = await self.keys_of(request.session_id, request.keys)
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
         r = await self.run(self.keyed.put_pages, request.session_id, request.op_id, keys, transfers)
         return pb.PutPagesResponse(
@@ -511,9 +608,10 @@ class KeyedServicerMixin(_Base):
 
     @unary
     async def GetPages(self, request: pb.GetPagesRequest, context: Ctx) -> pb.GetPagesResponse:
-        keys, _ = self.keys_of(request.session_id, request.keys)
+        keys, _ = await self.keys_of(request.session_id, request.keys)
         transfers = convert.batch_in(request.batch, self._anchor(request.session_id))
-        hit, acks = await self.run(
+        run = self.run_l3 if request.include_l3 else self.run
+        hit, acks = await run(
             self.keyed.get_pages,
             request.session_id,
             request.op_id,
@@ -525,11 +623,11 @@ class KeyedServicerMixin(_Base):
 
     @unary
     async def Prefetch(self, request: pb.PrefetchRequest, context: Ctx) -> pb.PrefetchResponse:
-        keys, _ = self.keys_of(request.session_id, request.keys)
+        keys, _ = await self.keys_of(request.session_id, request.keys)
         policy = PREFETCH_POLICIES.get(request.policy)
         if policy is None:
             raise InvalidArgument(f"policy = {request.policy} is not a PrefetchPolicy")
-        pid, planned = await self.run(
+        pid, planned = await self.run_l3(
             self.keyed.prefetch,
             request.session_id,
             keys,
@@ -542,8 +640,12 @@ class KeyedServicerMixin(_Base):
     async def PrefetchStatus(
         self, request: pb.PrefetchStatusRequest, context: Ctx
     ) -> pb.PrefetchStatusResponse:
-        status = await self.run(
-            self.keyed.prefetch_status, request.session_id, request.prefetch_id, wait=request.wait
+        status = await self.run_l3(
+            self.keyed.prefetch_status,
+            request.session_id,
+            request.prefetch_id,
+            wait=request.wait,
+            timeout_s=self.limits.max_wait_s,
         )
         return pb.PrefetchStatusResponse(
             state=PREFETCH_STATES[status.state],
@@ -555,26 +657,38 @@ class KeyedServicerMixin(_Base):
     async def CancelPrefetch(
         self, request: pb.CancelPrefetchRequest, context: Ctx
     ) -> pb.CancelPrefetchResponse:
-        done = await self.run(self.keyed.cancel_prefetch, request.session_id, request.prefetch_id)
+        done = await self.run_l3(self.keyed.cancel_prefetch, request.session_id, request.prefetch_id)
         return pb.CancelPrefetchResponse(completed_pages=done)
 
     @unary
     async def Backup(self, request: pb.BackupRequest, context: Ctx) -> pb.BackupResponse:
-        keys, _ = self.keys_of(request.session_id, request.keys)
-        r = await self.run(self.keyed.backup, request.session_id, keys, wait=request.wait)
+        keys, _ = await self.keys_of(request.session_id, request.keys)
+        r = await self.run_l3(
+            self.keyed.backup, request.session_id, keys, wait=request.wait, timeout_s=self.limits.max_wait_s
+        )
         return pb.BackupResponse(queued_pages=r.queued, stored_pages=r.stored)
 
     @unary
     async def PutBytes(self, request: pb.PutBytesRequest, context: Ctx) -> pb.PutBytesResponse:
         same_tenant(self.keyed.tenant(request.session_id), request.tenant, "tenant")
-        pages = [(p.key, p.pool, p.data) for p in request.pages]
+        check_count("pages in this request", len(request.pages), self.limits.max_keys_per_request,
+                    "limits.max_keys_per_request")  # fmt: skip
+        pages = await self.lanes.hash.run(self._given_pages, request.pages)
         stored, existing = await self.run(self.keyed.put_bytes, request.session_id, request.op_id, pages)
         return pb.PutBytesResponse(stored_pages=stored, existing_pages=existing)
 
     @unary
     async def GetBytes(self, request: pb.GetBytesRequest, context: Ctx) -> pb.GetBytesResponse:
-        keys, _ = self.keys_of(request.session_id, request.keys)
-        pages = await self.run(self.keyed.get_bytes, request.session_id, keys, include_l3=request.include_l3)
+        keys, _ = await self.keys_of(request.session_id, request.keys)
+        # The answer's size, before building it: every key may hit, each with its pages of every pool.
+        check_response(
+            f"GetBytes of {len(keys)} keys",
+            len(keys) * self.keyed.page_bytes(request.session_id),
+            self.limits,
+            self.core.config.server.max_message_bytes,
+        )
+        run = self.run_l3 if request.include_l3 else self.run
+        pages = await run(self.keyed.get_bytes, request.session_id, keys, include_l3=request.include_l3)
         hit = len({k for k, _, _ in pages})
         return pb.GetBytesResponse(
             pages=[tpb.PageBytes(key=k, pool=p, data=d) for k, p, d in pages], hit_pages=hit
@@ -599,8 +713,8 @@ PREFETCH_STATES = {
 class CacheServicer(KeyedServicerMixin, HiCacheServicer):
     """The full hicached.v1.HiCacheService: HiCacheServicer plus the content-addressed RPCs."""
 
-    def __init__(self, core: HiCacheCore, executor: Executor, *, keyed: KeyedCache, **kw: Any) -> None:
-        super().__init__(core, executor, **kw)
+    def __init__(self, core: HiCacheCore, lanes: Lanes, *, keyed: KeyedCache, **kw: Any) -> None:
+        super().__init__(core, lanes, **kw)
         self.keyed = keyed
 
 
@@ -611,14 +725,14 @@ class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
     def __init__(
         self,
         core: HiCacheCore,
-        executor: Executor,
+        lanes: Lanes,
         *,
         keyed: KeyedCache,
         on_drain: Callable[[], Awaitable[None]] | None = None,
         on_resume: Callable[[], Awaitable[None]] | None = None,
         **kw: Any,
     ) -> None:
-        super().__init__(core, executor, **kw)
+        super().__init__(core, lanes, **kw)
         self.keyed = keyed
         self._on_drain = on_drain
         self._on_resume = on_resume
@@ -632,7 +746,9 @@ class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
         self.core.set_draining()
         if self._on_drain is not None:
             await self._on_drain()
-        flushed = await self.run(self.keyed.drain, wait=request.wait_flush)
+        flushed = await self.run_l3(
+            self.keyed.drain, wait=request.wait_flush, timeout_s=self.limits.max_wait_s
+        )
         return pb.DrainResponse(flushed_pages=flushed)
 
     @unary
@@ -656,9 +772,9 @@ class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
             same_tenant(own.tenant, request.tenant, "tenant")
             if model and model != own.model_name:
                 raise PermissionDenied(
-                    f"model_name {model[:64]!r} is not this session's model {own.model_name[:64]!r}: "
+                    f"model_name {clip(model)} is not this session's model {clip(own.model_name)}: "
                     "a worker clears only its own model and tenant"
                 )
             model, tenant = own.model_name, own.tenant
-        l2, l3 = await self.run(self.keyed.clear, model, tenant)
+        l2, l3 = await self.run_l3(self.keyed.clear, model, tenant)
         return pb.ClearNamespaceResponse(l2_pages=l2, l3_pages=l3)

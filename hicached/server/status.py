@@ -7,11 +7,14 @@ wins, so subclasses come before their bases.
 
 from __future__ import annotations
 
+import errno
+from typing import Any
+
 import grpc
 
 from hicached import errors
 
-STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+STATUS_TABLE: tuple[tuple[type[Any], grpc.StatusCode], ...] = (
     (errors.OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
@@ -23,7 +26,25 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
     (errors.Cancelled, grpc.StatusCode.CANCELLED),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
+
+
+class _ExhaustedOSError(type):
+    """``isinstance(exc, ExhaustedOSError)``: an OSError whose errno says a resource ran out."""
+
+    ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC})
+
+    def __instancecheck__(cls, exc: object) -> bool:
+        return isinstance(exc, OSError) and exc.errno in cls.ERRNOS
+
+
+class ExhaustedOSError(metaclass=_ExhaustedOSError):
+    """Out of descriptors (EMFILE/ENFILE), memory (ENOMEM) or space (ENOSPC): the
+    daemon's resources, not the request, are at fault; a retry may succeed."""
+
+
+STATUS_TABLE += ((ExhaustedOSError, grpc.StatusCode.RESOURCE_EXHAUSTED),)
 
 RETRY_AFTER_KEY = "retry-after-ms"
 

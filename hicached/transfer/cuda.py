@@ -87,7 +87,7 @@ def _norm_uuid(uuid: str) -> str:
 def resolve_device(device_id: int, device_uuid: str = "") -> int:
     """The local ordinal of the worker's device (by UUID when given)."""
     if not torch.cuda.is_available():
-        raise FailedPrecondition("a CUDA IPC handle was given but this daemon has no CUDA device")
+        raise FailedPrecondition("a CUDA buffer handle was given but this daemon has no CUDA device")
     count = torch.cuda.device_count()
     if device_uuid:
         want = _norm_uuid(device_uuid)
@@ -100,10 +100,10 @@ def resolve_device(device_id: int, device_uuid: str = "") -> int:
     return device_id
 
 
-class _CudaBytes:
+class CudaBytes:
     """Exposes raw device bytes through ``__cuda_array_interface__``; keeps its allocation alive."""
 
-    def __init__(self, owner: IpcAllocation, ptr: int, nbytes: int) -> None:
+    def __init__(self, owner: OpenedAllocation, ptr: int, nbytes: int) -> None:
         self.owner = owner
         self.__cuda_array_interface__: dict[str, Any] = {
             "shape": (nbytes,),
@@ -150,7 +150,7 @@ class IpcAllocation(OpenedAllocation):
         if self._ptr is None:
             raise FailedPrecondition("CUDA IPC allocation is closed")
         nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
-        raw = torch.as_tensor(_CudaBytes(self, self._ptr + offset, nbytes), device=f"cuda:{self.device}")
+        raw = torch.as_tensor(CudaBytes(self, self._ptr + offset, nbytes), device=f"cuda:{self.device}")
         return raw.view(dtype).view(shape)
 
     def close(self) -> None:

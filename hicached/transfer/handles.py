@@ -1,21 +1,24 @@
 """Device-memory handles a worker exports, and the daemon-side mappings that open them.
 
 A worker hands the daemon one handle per KV buffer at attach time (a byte range of
-a file descriptor it handed over -- a sealed memfd -- on CPU workers, CUDA IPC
-memory handles on NVIDIA GPUs). Memory is never named: the daemon opens no path a
+a file descriptor it handed over -- a sealed memfd -- on CPU workers; on NVIDIA
+GPUs a ``cuMemCreate`` allocation exported as a POSIX fd, or a legacy CUDA IPC
+memory handle where the fd form is unavailable). Memory is never named: the daemon opens no path a
 client chose, so a client can only give it memory it already holds. The daemon opens
 every allocation once per worker session through :class:`DeviceMappings` and from
 then on only uses the tensor views it handed out. Openers sit in a registry keyed
 by handle type, so callers never branch on the kind of handle.
 
-Nothing here imports CUDA: the CUDA IPC opener validates its handle on any
-machine and loads :mod:`hicached.transfer.cuda` only when it actually maps one.
+Nothing here imports CUDA: the CUDA openers validate their handles on any
+machine and load :mod:`hicached.transfer.cuda` / :mod:`hicached.transfer.cuda_vmm`
+only when they actually map one.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
+import errno
 import fcntl
 import math
 import mmap
@@ -94,7 +97,25 @@ class CudaIpcBufferHandle:
     device_uuid: str = ""
 
 
-DeviceHandle = FdBufferHandle | CudaIpcBufferHandle
+@dataclass(frozen=True)
+class CudaFdBufferHandle:
+    """A byte range of a ``cuMemCreate`` allocation handed over as a POSIX fd.
+
+    ``fd`` is the daemon's own descriptor (received with SCM_RIGHTS; owned like
+    :attr:`FdBufferHandle.fd`); ``allocation_size`` is the size the worker created,
+    which the daemon maps whole. ``device_uuid`` (when set) wins over ``device_id``.
+    """
+
+    fd: int
+    allocation_size: int
+    offset: int
+    size: int
+    device_id: int
+    device_uuid: str = ""
+    index: int = 0
+
+
+DeviceHandle = FdBufferHandle | CudaIpcBufferHandle | CudaFdBufferHandle
 
 
 @dataclass(frozen=True)
@@ -191,6 +212,8 @@ class FdOpener(HandleOpener[FdBufferHandle]):
                 handle.fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
             )
         except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise  # the daemon ran out (RESOURCE_EXHAUSTED), not the client's fault
             raise InvalidArgument(
                 f"{what} cannot be mapped read-write ({exc.strerror}): send an O_RDWR memfd without "
                 "F_SEAL_WRITE / F_SEAL_FUTURE_WRITE"
@@ -245,9 +268,42 @@ class CudaIpcOpener(HandleOpener[CudaIpcBufferHandle]):
         return cuda.open_ipc_allocation(handle)
 
 
+class CudaFdOpener(HandleOpener[CudaFdBufferHandle]):
+    """Imports a POSIX-fd shareable handle of a worker's ``cuMemCreate`` allocation.
+
+    Why this over CUDA IPC: the daemon imports the allocation itself (no name to
+    guess or replay), and the import holds a reference, so the worker freeing its
+    memory cannot pull it from under an in-flight copy.
+    """
+
+    medium = Medium.CUDA
+
+    def check(self, handle: CudaFdBufferHandle) -> None:
+        if type(handle.fd) is not int or handle.fd < 0:
+            raise InvalidArgument(f"invalid file descriptor {handle.fd!r}")
+        if handle.allocation_size <= 0:
+            raise InvalidArgument("CUDA fd handle: allocation_size must be the allocation's size (> 0)")
+        if handle.offset + handle.size > handle.allocation_size:
+            raise InvalidArgument(
+                f"CUDA fd handle: buffer [{handle.offset}, {handle.offset + handle.size}) is beyond "
+                f"the allocation's {handle.allocation_size} bytes"
+            )
+        if not isinstance(handle.device_id, int) or handle.device_id < 0:
+            raise InvalidArgument(f"invalid CUDA device id {handle.device_id!r}")
+
+    def key(self, handle: CudaFdBufferHandle) -> Hashable:
+        return ("cuda_fd", handle.fd)
+
+    def open(self, handle: CudaFdBufferHandle) -> OpenedAllocation:
+        from hicached.transfer import cuda_vmm
+
+        return cuda_vmm.open_fd_allocation(handle)
+
+
 _OPENERS: dict[type, HandleOpener[Any]] = {
     FdBufferHandle: FdOpener(),
     CudaIpcBufferHandle: CudaIpcOpener(),
+    CudaFdBufferHandle: CudaFdOpener(),
 }
 
 

@@ -19,7 +19,7 @@ def _fill_index(c: Core, sid: str, n: int, prefix: str = "k") -> None:
         for i in range(n)
         for p in ("kv", "swa")
     ]
-    assert c.keyed.put_bytes(sid, "", body, "") == (n, 0)
+    assert c.keyed.put_bytes(sid, "", body) == (n, 0)
 
 
 def test_a_put_bytes_that_cannot_fit_evicts_nothing(make_core: Callable[..., Core]) -> None:
@@ -33,7 +33,7 @@ def test_a_put_bytes_that_cannot_fit_evicts_nothing(make_core: Callable[..., Cor
     _, state = c.core.session_group(sid)
     big = [(f"n{i}", p, b"\x01" * state.pool(p).page_bytes) for i in range(total + 1) for p in ("kv", "swa")]
     with pytest.raises(ResourceExhausted, match="no room"):
-        c.keyed.put_bytes(sid, "", big, "")
+        c.keyed.put_bytes(sid, "", big)
     assert c.indexed(sid) == 2 and c.pools(sid) == before
 
 
@@ -83,5 +83,5 @@ def test_prefetch_rows_and_put_pages_share_the_path(make_core: Callable[..., Cor
     before = c.pools(sid)
     keys = [f"p{i}" for i in range(3)]
     batch = [PoolTransfer("kv", pages(range(3))), PoolTransfer("swa", pages(range(3))), PoolTransfer("draft")]
-    result = c.keyed.put_pages(sid, "", keys, batch, "")
+    result = c.keyed.put_pages(sid, "", keys, batch)
     assert not result.ok and c.indexed(sid) == 2 and c.pools(sid) == before

@@ -25,7 +25,7 @@ def test_publish_of_a_host_page_out_of_range_is_precise_and_changes_nothing(
     before, owned = c.pools(sid), c.owned(sid)
     batch = [PoolTransfer("kv", host_indices=pages([page])), PoolTransfer("swa", host_indices=held)]
     with pytest.raises(error, match="host page"):
-        c.keyed.publish(sid, "", ["key"], batch, "")
+        c.keyed.publish(sid, "", ["key"], batch)
     assert c.pools(sid) == before and c.owned(sid) == owned and c.indexed(sid) == 0
 
 

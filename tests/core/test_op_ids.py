@@ -84,10 +84,10 @@ def test_a_put_bytes_retried_after_resource_exhausted_succeeds_once_room_exists(
     assert held is not None
     body = [(f"k{i}", p, bytes([i]) * sizes[p]) for i in range(2) for p in ("kv", "swa")]
     with pytest.raises(ResourceExhausted):
-        c.keyed.put_bytes(sid, "put-1", body, "")
+        c.keyed.put_bytes(sid, "put-1", body)
     c.core.free(sid, "", "kv", held)
-    assert c.keyed.put_bytes(sid, "put-1", body, "") == (2, 0)
-    assert c.keyed.put_bytes(sid, "put-1", body, "") == (2, 0)  # replayed, not stored twice
+    assert c.keyed.put_bytes(sid, "put-1", body) == (2, 0)
+    assert c.keyed.put_bytes(sid, "put-1", body) == (2, 0)  # replayed, not stored twice
     assert c.indexed(sid) == 2
 
 

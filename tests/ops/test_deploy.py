@@ -24,7 +24,7 @@ from hicached.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-KUSTOMIZATIONS = (DEPLOY / "base", DEPLOY / "examples" / "sidecar")
+KUSTOMIZATIONS = (DEPLOY / "base", DEPLOY / "examples" / "sidecar", DEPLOY / "examples" / "monitoring")
 DASHBOARD = DEPLOY / "grafana" / "hicached-dashboard.json"
 # Kinds that are CustomResourceDefinitions: kubernetes-validate has no schema for them,
 # so they are checked against SCHEMAS below instead.
@@ -194,14 +194,44 @@ def test_custom_resources_match_their_schema(kind: str, rendered: dict[str, list
         jsonschema.validate(broken, SCHEMAS[kind])
 
 
+def kustomization_spec(directory: Path) -> Manifest:
+    spec: Manifest = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    return spec
+
+
 def test_every_manifest_is_part_of_a_kustomization() -> None:
-    listed: set[Path] = set()
-    for kustomization in KUSTOMIZATIONS:
-        spec = yaml.safe_load((kustomization / "kustomization.yaml").read_text())
-        listed.update(kustomization / r for r in spec.get("resources", []))
-        listed.add(kustomization / "kustomization.yaml")
-    manifests = {p for p in DEPLOY.rglob("*.yaml") if p.name != ".yamllint"}
+    """Each manifest is listed by a kustomization (or component) that KUSTOMIZATIONS renders."""
+    rendered_dirs = {k.resolve() for k in KUSTOMIZATIONS}
+    reached: set[Path] = set()
+    pending = list(rendered_dirs)
+    while pending:  # follow resources and components the way kustomize does
+        directory = pending.pop()
+        reached.add(directory)
+        spec = kustomization_spec(directory)
+        for entry in spec.get("resources", []) + spec.get("components", []):
+            target = (directory / entry).resolve()
+            if target.is_dir() and target not in reached:
+                pending.append(target)
+    listed = {d / "kustomization.yaml" for d in reached}
+    for directory in reached:
+        listed.update((directory / r).resolve() for r in kustomization_spec(directory).get("resources", []))
+    manifests = {p.resolve() for p in DEPLOY.rglob("*.yaml") if p.name != ".yamllint"}
     assert manifests - listed == set(), "manifests that no kustomization renders (so nothing validates them)"
+
+
+def test_base_applies_without_the_prometheus_operator(rendered: dict[str, list[Manifest]]) -> None:
+    """`kubectl apply -k deploy/base` creates only built-in kinds: a ServiceMonitor there failed
+    the whole apply on clusters without the Prometheus Operator CRDs (it was in base before)."""
+    builtin_groups = {"v1", "apps/v1", "networking.k8s.io/v1", "policy/v1", "rbac.authorization.k8s.io/v1"}
+    for doc in rendered["base"]:
+        assert doc["apiVersion"] in builtin_groups, (doc["kind"], doc["apiVersion"])
+    component = DEPLOY / "components" / "servicemonitor"
+    assert kustomization_spec(component)["kind"] == "Component"
+    monitoring = rendered["examples/monitoring"]
+    assert [d["kind"] for d in monitoring if d["kind"] in CRD_KINDS] == ["ServiceMonitor"]
+    assert sorted(d["kind"] for d in monitoring if d["kind"] not in CRD_KINDS) == sorted(
+        d["kind"] for d in rendered["base"]
+    )
 
 
 # ---- cross-references and posture ---------------------------------------------------
@@ -210,7 +240,7 @@ def test_every_manifest_is_part_of_a_kustomization() -> None:
 def test_service_monitor_service_and_daemonset_point_at_each_other(
     rendered: dict[str, list[Manifest]],
 ) -> None:
-    docs = rendered["base"]
+    docs = rendered["examples/monitoring"]
     daemonset, service = only(docs, "DaemonSet"), only(docs, "Service")
     monitor = only(docs, "ServiceMonitor")
     pod = daemonset["spec"]["template"]

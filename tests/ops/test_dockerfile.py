@@ -7,7 +7,9 @@ stage's ENTRYPOINT + CMD outside a container (paths and ports moved to temp ones
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -145,6 +147,58 @@ def test_builder_context_and_commands_produce_the_wheels(tmp_path: Path) -> None
     assert built and all(name in runs for name in built), (built, runs)
 
 
+def runtime_env() -> dict[str, str]:
+    """The ENV of the runtime stage (``ENV K=V [K=V...]`` form)."""
+    env: dict[str, str] = {}
+    for instruction in runtime_stage().all("ENV"):
+        for word in shlex.split(instruction.value):
+            key, _, value = word.partition("=")
+            env[key] = value
+    return env
+
+
+def relocated_env(env: dict[str, str], root: Path) -> dict[str, str]:
+    """The image's XDG directories, moved under ``root`` (created, as the image has them)."""
+    out = {}
+    for key in ("XDG_CACHE_HOME", "XDG_RUNTIME_DIR"):
+        assert key in env, f"the image sets no {key}: its defaults would follow HOME=/nonexistent"
+        moved = root / env[key].lstrip("/")
+        moved.mkdir(parents=True, exist_ok=True)
+        out[key] = str(moved)
+    return out
+
+
+def test_image_defaults_point_at_its_volumes_for_a_user_without_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the image's non-root user (HOME=/nonexistent) or any uid Kubernetes picks, the default
+    L3 path, journal directory and socket lie on the image's VOLUMEs. (Before: the defaults
+    followed HOME, so L3 was /nonexistent/.cache/hicached/l3.) The process's uid is set to the
+    image's USER for resolve(): this machine runs tests as root."""
+    from hicached.config import resolve
+
+    runtime = runtime_stage()
+    volume_instruction = runtime.last("VOLUME")
+    user = runtime.last("USER")
+    assert volume_instruction is not None and user is not None
+    volumes = [Path(v) for v in volume_instruction.exec_form()]
+    for key in [k for k in os.environ if k.startswith(("HICACHED_", "XDG_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", "/nonexistent")
+    for key, value in runtime_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(os, "geteuid", lambda: int(user.value.split(":")[0]))
+    config = resolve(env={})
+    for what, path in (
+        ("l3.file.path", Path(config.l3.file.path)),
+        ("host.journal_dir", Path(config.host.journal_dir)),
+        ("server.socket", config.server.socket),
+    ):
+        assert any(path.is_relative_to(v) for v in volumes), f"{what} = {path} is on no VOLUME {volumes}"
+    # The paths the DaemonSet's config names explicitly are the same ones.
+    daemonset_toml = tomllib.loads((ROOT / "deploy/base/hicached.toml").read_text())
+    assert config.l3.file.path == daemonset_toml["l3"]["path"]
+    assert config.host.journal_dir == daemonset_toml["host"]["journal_dir"]
+
+
 def healthcheck_argv(healthcheck: Instruction) -> list[str]:
     """The exec-form command of a ``HEALTHCHECK [options] CMD [...]`` instruction."""
     return Instruction("CMD", healthcheck.value.split(" CMD ", 1)[1]).exec_form()
@@ -196,15 +250,12 @@ def test_entrypoint_starts_the_daemon_and_stops_on_sigterm(short_tmp: Path) -> N
     }
     argv = relocate(entrypoint.exec_form() + cmd.exec_form(), replacements)
     argv[0] = executable(argv[0])
-    # Nothing of this machine's configuration or caches leaks in: the daemon sees only
-    # temp directories (its default L3 path lives under XDG_CACHE_HOME).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
-    env.update(
-        HOME=str(short_tmp),
-        TMPDIR=str(short_tmp),
-        XDG_CACHE_HOME=str(short_tmp / "cache"),
-        XDG_RUNTIME_DIR=str(short_tmp),
-    )
+    # The image's own user environment: HOME=/nonexistent (its passwd entry), the runtime
+    # stage's ENV, with the image's absolute directories moved under short_tmp.  Nothing of
+    # this machine's configuration or caches leaks in.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HICACHED_", "XDG_"))}
+    image_env = relocated_env(runtime_env(), short_tmp)
+    env.update(image_env, HOME="/nonexistent", TMPDIR=str(short_tmp))
     log = (short_tmp / "daemon.log").open("w+")
     proc = subprocess.Popen(argv, cwd=short_tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -229,6 +280,15 @@ def test_entrypoint_starts_the_daemon_and_stops_on_sigterm(short_tmp: Path) -> N
 
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
             assert b"hicached_sessions" in response.read()
+
+        # The startup line says where L3 lives and why: on the image's volume, from the image's
+        # XDG_CACHE_HOME (before, the default followed HOME: /nonexistent/.cache/...).
+        log.seek(0)
+        started = next(json.loads(line) for line in log if '"event": "started"' in line)
+        volume = Path(image_env["XDG_CACHE_HOME"]) / "hicached"
+        assert started["l3_target"].startswith(f"{volume}/l3 "), started
+        assert "XDG_CACHE_HOME" in started["l3_source"], started
+        assert (volume / "l3").is_dir()
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

@@ -183,24 +183,21 @@ def test_generated_requests_never_hurt_the_daemon(
 def test_undecodable_bytes_never_hurt_the_daemon(
     world: World, service: d.ServiceDescriptor, method: d.MethodDescriptor, data: st.DataObject
 ) -> None:
-    """Raw bytes no request message parses from: never INTERNAL/UNKNOWN... except that main
-    answers UNKNOWN (see the xfail below), so here only: not INTERNAL, alive, SERVING, state
-    unchanged."""
+    """Raw bytes no request message parses from: INVALID_ARGUMENT (never INTERNAL/UNKNOWN),
+    the daemon alive and SERVING, state unchanged."""
     world.ensure_victim()
     payload = data.draw(undecodable(method.input_type), label="payload")
     assert not decodes(method.input_type, payload)
     code, _ = _call(world.channels["worker"], service, method, payload, [])
     TALLY.add(f"raw {service.name}.{method.name}", code.name)
-    assert code != grpc.StatusCode.INTERNAL
-    assert code != grpc.StatusCode.OK, "an undecodable request was accepted"
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, code
     world.health()
     assert state(world.admin) == world.baseline
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 6, fixed on branch loop")
 def test_undecodable_bytes_are_invalid_argument(world: World) -> None:
-    """Fails on main: an undecodable request comes back UNKNOWN (gRPC's default) instead of
-    INVALID_ARGUMENT; every method shares the one deserializer, so one method shows it."""
+    """Failed before the decode interceptor: an undecodable request came back UNKNOWN (gRPC's
+    default) instead of INVALID_ARGUMENT."""
     with grpc.insecure_channel(world.daemon.target) as channel:
         codes = {_call(channel, s, m, b"\x08\xff\xff\xff", [])[0] for s, m in METHODS}
     assert codes == {grpc.StatusCode.INVALID_ARGUMENT}, codes

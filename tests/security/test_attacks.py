@@ -23,7 +23,7 @@ import torch
 from hicached_client import HiCacheClient, HiCacheError, Session, Transfer, WorkerIdentity, _calls, pool_spec
 from hicached_client._convert import identity_to_wire
 from hicached_client._handoff import hand_over, handoff_path, prepare
-from hicached_client.export import export_fd_tensor
+from hicached_client.export import export_fd_tensor, sealed_memfd
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 from hicached_client.v1 import types_pb2 as tpb
@@ -206,6 +206,41 @@ def test_a_buffer_that_can_still_shrink_is_refused(daemon: Daemon) -> None:
         os.close(unsealed)
         os.close(shm_fd)
         shm_path.unlink()
+
+
+def _cuda_fd_buffers(fd: int, size: int, allocation_size: int) -> list[tpb.DeviceBuffer]:
+    half = size // 2
+    tokens = half // (KV_HEADS * KV_DIM * 2)
+    return [
+        tpb.DeviceBuffer(
+            handle=tpb.DeviceHandle(
+                cuda_fd=tpb.CudaFdHandle(
+                    fd_index=fd, allocation_size=allocation_size, offset=i * half, size=half
+                )
+            ),
+            shape=[tokens, KV_HEADS, KV_DIM],
+            dtype=tpb.DATA_TYPE_FLOAT16,
+        )
+        for i in range(2)
+    ]
+
+
+def test_a_cuda_fd_handle_is_checked_before_import_and_refused_without_cuda(daemon: Daemon) -> None:
+    """The POSIX-fd CUDA handle travels the handoff like a memfd. Whatever fd it carries (here a
+    sealed memfd, as an attacker could send), a CPU daemon refuses it with a status -- a range
+    beyond the claimed allocation before anything is opened -- and nothing changes."""
+    size = 2 * 64 * KV_HEADS * KV_DIM * 2
+    fd = sealed_memfd("hcsec-cudafd", size)
+    try:
+        with HiCacheClient(daemon.target) as client:
+            before = state(client)
+            err = attack_attach(client, _cuda_fd_buffers(fd, size, allocation_size=size // 4))
+            assert err.code == C.INVALID_ARGUMENT and "beyond the allocation" in err.message, err
+            err = attack_attach(client, _cuda_fd_buffers(fd, size, allocation_size=size))
+            assert err.code == C.FAILED_PRECONDITION and "no CUDA device" in err.message, err
+            assert state(client) == before
+    finally:
+        os.close(fd)
 
 
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02

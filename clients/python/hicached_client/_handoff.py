@@ -50,13 +50,15 @@ def prepare(pools: Sequence[tpb.PoolSpec]) -> tuple[list[tpb.PoolSpec], list[int
         copy = tpb.PoolSpec()
         copy.CopyFrom(pool)
         for buf in (*copy.k_buffers, *copy.v_buffers):
-            if buf.handle.WhichOneof("kind") != "fd":
+            kind = buf.handle.WhichOneof("kind")
+            if kind not in ("fd", "cuda_fd"):
                 continue
-            local = buf.handle.fd.fd_index
+            handle = buf.handle.fd if kind == "fd" else buf.handle.cuda_fd
+            local = handle.fd_index
             if local not in position:
                 position[local] = len(fds)
                 fds.append(local)
-            buf.handle.fd.fd_index = position[local]
+            handle.fd_index = position[local]
         out.append(copy)
     return out, fds
 

@@ -78,6 +78,22 @@ class FdHandle(_message.Message):
     size: int
     def __init__(self, fd_index: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
+class CudaFdHandle(_message.Message):
+    __slots__ = ("fd_index", "allocation_size", "offset", "size", "device_id", "device_uuid")
+    FD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    fd_index: int
+    allocation_size: int
+    offset: int
+    size: int
+    device_id: int
+    device_uuid: str
+    def __init__(self, fd_index: _Optional[int] = ..., allocation_size: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
 class CudaIpcHandle(_message.Message):
     __slots__ = ("handle", "device_id", "offset", "size", "device_uuid")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -93,14 +109,16 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class DeviceHandle(_message.Message):
-    __slots__ = ("shm", "cuda_ipc", "fd")
+    __slots__ = ("shm", "cuda_ipc", "fd", "cuda_fd")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FD_FIELD_NUMBER: _ClassVar[int]
     shm: ShmHandle
     cuda_ipc: CudaIpcHandle
     fd: FdHandle
-    def __init__(self, shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., fd: _Optional[_Union[FdHandle, _Mapping]] = ...) -> None: ...
+    cuda_fd: CudaFdHandle
+    def __init__(self, shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., fd: _Optional[_Union[FdHandle, _Mapping]] = ..., cuda_fd: _Optional[_Union[CudaFdHandle, _Mapping]] = ...) -> None: ...
 
 class DeviceBuffer(_message.Message):
     __slots__ = ("handle", "shape", "dtype")

@@ -1,0 +1,97 @@
+"""The ``[limits]`` of one request, checked before any work starts.
+
+Each check raises a precise error that names the limit and its configuration
+key: sizes and counts are RESOURCE_EXHAUSTED (:class:`LimitExceeded`), string
+lengths are INVALID_ARGUMENT; a message quotes at most a short prefix of the
+client's value (:func:`hicached.errors.clip`). Nothing here changes state.
+
+Thread-safety: pure functions of their arguments and the frozen config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from hicached.config import LimitsConfig
+from hicached.errors import InvalidArgument, LimitExceeded, clip
+
+__all__ = [
+    "ID_FIELDS",
+    "check_buffers",
+    "check_count",
+    "check_identity",
+    "check_ids",
+    "check_keys",
+    "check_response",
+]
+
+# Request fields that carry client-chosen identifiers (checked on every RPC that has them).
+ID_FIELDS = ("session_id", "op_id", "request_id", "backup_id", "prefetch_id", "pool", "model_name", "tenant")
+
+
+def check_count(what: str, n: int, limit: int, key: str) -> None:
+    if n > limit:
+        raise LimitExceeded(f"{what}: {n} exceeds {key}={limit}", key)
+
+
+def _check_string(field: str, value: str, limit: int, key: str) -> None:
+    # len(str) <= limit is a lower bound of its UTF-8 size: encode only when it could be over.
+    if len(value) * 4 > limit and len(value.encode("utf-8", "surrogatepass")) > limit:
+        raise InvalidArgument(f"{field} {clip(value)} is longer than {key}={limit} bytes (UTF-8)")
+
+
+def check_ids(request: Any, limits: LimitsConfig) -> None:
+    """Every identifier field the request has is at most ``limits.max_identity_bytes``."""
+    for name in ID_FIELDS:
+        value = getattr(request, name, None)
+        if isinstance(value, str) and value:
+            _check_string(name, value, limits.max_identity_bytes, "limits.max_identity_bytes")
+
+
+def check_identity(identity: Any, limits: LimitsConfig) -> None:
+    """The attach identity's strings (instance_id, model_name, tenant)."""
+    for name in ("instance_id", "model_name", "tenant"):
+        _check_string(
+            f"identity.{name}",
+            getattr(identity, name),
+            limits.max_identity_bytes,
+            "limits.max_identity_bytes",
+        )
+
+
+def check_buffers(pools: Iterable[Any], limits: LimitsConfig) -> None:
+    """At most ``limits.max_buffers_per_attach`` device buffers (K and V of every pool), and
+    every pool name within the identity limit."""
+    pools = list(pools)
+    n = sum(len(p.k_buffers) + len(p.v_buffers) for p in pools)
+    check_count(
+        "device buffers in this attach", n, limits.max_buffers_per_attach, "limits.max_buffers_per_attach"
+    )
+    for i, p in enumerate(pools):
+        _check_string(f"pools[{i}].name", p.name, limits.max_identity_bytes, "limits.max_identity_bytes")
+
+
+def check_keys(keys: Sequence[str], limits: LimitsConfig) -> None:
+    """Count and length of the keys of one request (proportional to the request: call it off
+    the event loop)."""
+    check_count("keys in this request", len(keys), limits.max_keys_per_request, "limits.max_keys_per_request")
+    for i, key in enumerate(keys):
+        _check_string(f"keys[{i}]", key, limits.max_key_bytes, "limits.max_key_bytes")
+
+
+def check_response(what: str, nbytes: int, limits: LimitsConfig, max_message_bytes: int) -> None:
+    """A response of ``nbytes`` (computed before building it) fits ``limits.max_response_bytes``
+    and the gRPC message limit ``server.max_message_bytes``."""
+    if nbytes > limits.max_response_bytes:
+        raise LimitExceeded(
+            f"{what} would answer {nbytes} bytes, over limits.max_response_bytes={limits.max_response_bytes}: "
+            "ask for fewer keys per call",
+            "limits.max_response_bytes",
+        )
+    if nbytes > max_message_bytes:
+        raise LimitExceeded(
+            f"{what} would answer {nbytes} bytes, over server.max_message_bytes={max_message_bytes}: "
+            "ask for fewer keys per call",
+            "server.max_message_bytes",
+        )

@@ -1,0 +1,216 @@
+"""Issue 10: the [limits] are stated in config and enforced before any work starts; each
+refusal is a precise status naming the limit and its key, quotes at most a short prefix of
+the client's value, and leaves GetStats exactly as it was. A real daemon at its default
+limits over its real socket; byte-only sessions (no device memory) unless a test hands
+buffers over."""
+
+from __future__ import annotations
+
+import os
+import resource
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from hicached_client import (
+    HiCacheClient,
+    HiCacheError,
+    PageBytes,
+    Session,
+    TokenChain,
+    WorkerIdentity,
+    pool_spec,
+)
+from hicached_client.export import ShmKVPool
+
+from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.state import state
+from tests.robustness.loop_support import PAGE_BYTES, attach_bytes, byte_spec, peak_rss, raw_unary
+from tests.robustness.state_support import device_pools, no_retry_client, specs
+
+C = grpc.StatusCode
+MODEL = "m-limits"
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = start_daemon()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def admin(daemon: Daemon) -> Iterator[HiCacheClient]:
+    with HiCacheClient(daemon.admin_target, timeout_s=30.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def session(daemon: Daemon) -> Iterator[Session]:
+    with HiCacheClient(daemon.target, timeout_s=60.0) as client:
+        s = attach_bytes(client, MODEL, lease_ms=300_000)
+        yield s
+        s.detach()
+
+
+def refused(call: object, code: grpc.StatusCode, key: str) -> HiCacheError:
+    assert callable(call)
+    with pytest.raises(HiCacheError) as err:
+        call()
+    assert err.value.code == code, err.value
+    assert key in err.value.message, err.value.message
+    assert len(err.value.message) < 400, len(err.value.message)
+    return err.value
+
+
+def test_get_bytes_of_one_key_3000_times_is_refused_before_building_the_answer(
+    daemon: Daemon, admin: HiCacheClient, session: Session
+) -> None:
+    """Fails on main: the daemon built every page of the answer first (3,000 x 64 KiB here; the
+    issue measured +922 MB RSS) and then failed on the message limit, naming no limit key."""
+    key = uuid.uuid4().hex
+    data = np.random.default_rng(1).integers(0, 256, PAGE_BYTES, dtype=np.uint8).tobytes()
+    assert session.put_bytes([PageBytes(key, "kv", data)]).stored_pages == 1
+    assert session.get_bytes([key]).pages[0].data == data
+    before, rss = state(admin), peak_rss(daemon.process.pid)
+    refused(lambda: session.get_bytes([key] * 3000), C.RESOURCE_EXHAUSTED, "limits.max_response_bytes")
+    assert peak_rss(daemon.process.pid) - rss < 64 << 20  # the answer would be 188 MiB
+    assert state(admin) == before
+
+
+def test_a_token_chain_over_the_limit_is_refused_before_hashing(
+    admin: HiCacheClient, session: Session
+) -> None:
+    """Fails on main: no limit; the chain was hashed (on the event loop) and answered."""
+    before = state(admin)
+    chain = TokenChain(np.zeros((1 << 20) + 16, dtype=np.int64))
+    refused(lambda: session.lookup(chain), C.RESOURCE_EXHAUSTED, "limits.max_tokens_per_request")
+    assert state(admin) == before
+
+
+def test_too_many_keys_are_refused(admin: HiCacheClient, session: Session) -> None:
+    """Fails on main: no limit on keys per request."""
+    before = state(admin)
+    keys = [f"{i:x}" for i in range((1 << 16) + 1)]
+    refused(lambda: session.lookup(keys), C.RESOURCE_EXHAUSTED, "limits.max_keys_per_request")
+    assert state(admin) == before
+
+
+def test_a_long_key_is_refused_quoting_only_its_prefix(admin: HiCacheClient, session: Session) -> None:
+    """Fails on main: keys had no length limit (the file backend failed on them later)."""
+    before = state(admin)
+    error = refused(lambda: session.lookup(["k" * 100_000]), C.INVALID_ARGUMENT, "limits.max_key_bytes")
+    assert "100000 chars" in error.message
+    page = PageBytes("p" * 100_000, "kv", bytes(PAGE_BYTES))
+    refused(lambda: session.put_bytes([page]), C.INVALID_ARGUMENT, "limits.max_key_bytes")
+    assert state(admin) == before
+
+
+def test_long_identity_strings_are_refused(daemon: Daemon, admin: HiCacheClient, session: Session) -> None:
+    """Fails on main: a 1 MiB instance id was accepted (70 of them made GetStats exceed the
+    message limit), and a 100 KB op_id was echoed whole into the error."""
+    before = state(admin)
+    with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+        refused(
+            lambda: client.attach(WorkerIdentity("i" * (1 << 20), 1, MODEL), [byte_spec()], heartbeat=False),
+            C.INVALID_ARGUMENT,
+            "limits.max_identity_bytes",
+        )
+    refused(
+        lambda: session.alloc("kv", 1, op_id="o" * 100_000), C.INVALID_ARGUMENT, "limits.max_identity_bytes"
+    )
+    assert state(admin) == before
+
+
+def test_sessions_per_peer_are_limited(daemon: Daemon, admin: HiCacheClient) -> None:
+    """Fails on main: nothing capped sessions per peer (3,000 attaches added 380 MB). Byte-only
+    clients on the socket are one peer: the 257th live session is refused."""
+    held: list[Session] = []
+    with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+        try:
+            live = len(admin.get_stats().sessions)  # the module's own session counts too
+            for _ in range(256 - live):
+                held.append(attach_bytes(client, MODEL))
+            before = state(admin)
+            refused(lambda: attach_bytes(client, MODEL), C.RESOURCE_EXHAUSTED, "limits.max_sessions_per_peer")
+            assert state(admin) == before
+            held.pop().detach()
+            held.append(attach_bytes(client, MODEL))  # a detach makes room again
+        finally:
+            for s in held:
+                s.detach()
+
+
+def test_buffers_per_attach_are_limited(daemon: Daemon, admin: HiCacheClient) -> None:
+    """Fails on main: an attach could hand over any number of buffers (each one mapped)."""
+    layers = 257  # K and V: 514 buffers, over limits.max_buffers_per_attach = 512
+    with ShmKVPool(f"hcl-{uuid.uuid4().hex[:8]}", num_layers=layers, tokens=16, heads=1, head_dim=8,
+                   dtype=torch.float16) as kv, HiCacheClient(daemon.target, timeout_s=30.0) as client:  # fmt: skip
+        spec = pool_spec(
+            "kv", role="anchor", kind="mha", dtype="float16", page_size=16, num_layers=layers, num_heads=1,
+            head_dim=8, k_buffers=kv.k_buffers(), v_buffers=kv.v_buffers(),
+        )  # fmt: skip
+        before = state(admin)
+        refused(
+            lambda: client.attach(WorkerIdentity("wide", 1, "m-wide"), [spec], heartbeat=False),
+            C.RESOURCE_EXHAUSTED,
+            "limits.max_buffers_per_attach",
+        )
+        assert state(admin) == before
+
+
+@pytest.mark.parametrize("method", ["HiCacheService/Lookup", "HiCacheService/Load", "AdminService/Drain"])
+def test_undecodable_bytes_are_invalid_argument(daemon: Daemon, admin: HiCacheClient, method: str) -> None:
+    """Fails on main: grpc answered UNKNOWN ("Unexpected <class 'DecodeError'>") with an
+    error-level traceback in the daemon's log."""
+    before = state(admin)
+    error = raw_unary(daemon.target, f"/hicached.v1.{method}", b"\xff\xff\xff\xff")
+    assert error.code() == C.INVALID_ARGUMENT, error
+    assert "undecodable" in (error.details() or "")
+    assert state(admin) == before
+    assert "DecodeError" not in daemon.log
+
+
+def test_out_of_descriptors_is_resource_exhausted_and_changes_nothing() -> None:
+    """Fails on main: under a low RLIMIT_NOFILE a wide attach failed INVALID_ARGUMENT ("more than
+    64 fds in one handoff", "cannot be mapped read-write") or INTERNAL (OSError EMFILE). The
+    daemon's limit is lowered to what it holds plus 1..8 descriptors; every attach that does
+    not fit is RESOURCE_EXHAUSTED, leaves GetStats as it was, and leaks no descriptor."""
+    d = start_daemon()
+    pid = d.process.pid
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    try:
+        with (
+            device_pools() as dev,
+            no_retry_client(d.target) as client,
+            HiCacheClient(d.admin_target, timeout_s=30.0) as admin,
+        ):
+            before = state(admin)
+            held = len(os.listdir(f"/proc/{pid}/fd"))  # both clients connected: the baseline
+            codes = []
+            for spare in range(1, 9):
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (held + spare, hard))
+                try:
+                    attached = client.attach(
+                        WorkerIdentity(f"fds-{spare}", 1, "m-fds"), specs(dev), heartbeat=False
+                    )
+                except HiCacheError as exc:
+                    codes.append(exc.code)
+                    assert exc.code == C.RESOURCE_EXHAUSTED, exc
+                    assert "EMFILE" in exc.message, exc.message
+                else:
+                    resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+                    attached.detach()
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+                assert state(admin) == before
+            assert C.RESOURCE_EXHAUSTED in codes
+            fds = sorted(os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd"))
+            assert len(fds) <= held + 2, fds
+            client.attach(WorkerIdentity("fds-after", 1, "m-fds"), specs(dev), heartbeat=False).detach()
+    finally:
+        d.stop()

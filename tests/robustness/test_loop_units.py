@@ -1,0 +1,128 @@
+"""Issue 10, the mechanisms on their own (the daemon-level tests are test_loop_stalls.py and
+test_loop_limits.py): the L3 stats cache under a hung backend, a lane's bounded queue, the
+per-peer session count, clipping of client values, errno -> status. All new on this branch."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+
+import grpc
+import pytest
+
+from hicached.core.types import PeerCred
+from hicached.errors import LimitExceeded, clip
+from hicached.l3.base import BackendStats
+from hicached.l3.stats_cache import StatsCache
+from hicached.server.lanes import Lane
+from hicached.server.peers import PeerSessions, peer_key
+from hicached.server.status import status_for
+
+STATS = BackendStats(pages=3, bytes=30, capacity_bytes=0, hits=1, misses=2, corrupt_pages=0, evicted_pages=0)
+
+
+class HungBackend:
+    """stats() blocks until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def stats(self) -> BackendStats:
+        self.calls += 1
+        self.release.wait(30)
+        return STATS
+
+
+def test_stats_cache_answers_within_its_wait_while_the_backend_hangs() -> None:
+    backend = HungBackend()
+    cache = StatsCache("redis", backend)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await cache.current(0.1) == ("redis", None, None)  # nothing yet, and no hang
+        assert await cache.current(0.1) == ("redis", None, None)
+        assert loop.time() - start < 5.0
+        assert backend.calls == 1  # one refresh at a time: the hung one is not repeated
+        await cache.step()  # still running: logged and skipped
+        assert backend.calls == 1
+        backend.release.set()
+        name, stats, age = await cache.current(5.0)
+        assert (name, stats) == ("redis", STATS) and age is not None and age >= 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        backend.release.set()
+        cache.close()
+
+
+def test_a_lane_refuses_calls_beyond_its_queue_naming_the_key() -> None:
+    lane = Lane("l3", 1, max_queued=1, key="limits.max_l3_calls_queued")
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        first = asyncio.ensure_future(lane.run(gate.wait, 30))
+        second = asyncio.ensure_future(lane.run(gate.wait, 30))
+        await asyncio.sleep(0)  # one loop turn: both tasks ran up to their executor wait
+        assert lane.pending == 2
+        with pytest.raises(LimitExceeded) as err:
+            await lane.run(gate.wait, 30)
+        assert err.value.key == "limits.max_l3_calls_queued" and "limits.max_l3_calls_queued=1" in str(
+            err.value
+        )
+        gate.set()
+        assert await first and await second
+        assert lane.pending == 0
+        assert await lane.run(lambda: 7) == 7  # room again
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+        lane.shutdown()
+
+
+def test_peer_sessions_count_live_sessions_and_attaches_under_way() -> None:
+    live: set[str] = set()
+    peers = PeerSessions(2, lambda: frozenset(live))
+    peers.reserve("uid:1")
+    peers.reserve("uid:1")
+    with pytest.raises(LimitExceeded) as err:
+        peers.reserve("uid:1")
+    assert "limits.max_sessions_per_peer=2" in str(err.value)
+    peers.reserve("uid:2")  # another peer has its own count
+    live.add("a")
+    peers.settle("uid:1", "a")
+    peers.settle("uid:1", None)  # a failed attach frees its reservation
+    peers.reserve("uid:1")
+    live.discard("a")  # the session ended (detach or lease)
+    peers.settle("uid:1", None)
+    peers.reserve("uid:1")
+    peers.reserve("uid:1")
+
+
+def test_peer_keys_come_from_the_kernel_or_the_transport() -> None:
+    assert peer_key(PeerCred(uid=1000, gid=1000, pid=42), "unix:/run/x.sock") == "uid:1000"
+    assert peer_key(None, "ipv4:10.0.0.7:51234") == "tcp:10.0.0.7"
+    assert peer_key(None, "ipv6:[::1]:51234") == "tcp:[::1]"
+    assert peer_key(None, "unix:/run/x.sock") == "unix"
+
+
+def test_clip_quotes_a_short_prefix_and_names_the_length() -> None:
+    assert clip("abc") == "'abc'"
+    assert clip("x" * 100_000) == f"{'x' * 32!r}... (100000 chars)"
+    raw = b"\xff" * 40
+    assert clip(raw) == repr(raw[:32]) + "... (40 bytes)"
+
+
+@pytest.mark.parametrize("number", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC])
+def test_running_out_is_resource_exhausted(number: int) -> None:
+    assert status_for(OSError(number, "x")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_other_os_errors_stay_internal() -> None:
+    assert status_for(OSError(errno.ENOENT, "x")) is None
+    assert status_for(ValueError("x")) is None
