@@ -13,6 +13,7 @@ written to ``fuzz-codes.json`` under pytest's temporary directory. ``HICACHED_FU
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor as d
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hicached_client import HiCacheClient, Session, WorkerIdentity
+from hicached_client import HiCacheClient, HiCacheError, Session, WorkerIdentity
 from hicached_client.export import ShmKVPool
 from hicached_client.v1 import hicached_pb2 as pb
 from hypothesis import HealthCheck, given, settings
@@ -127,11 +128,17 @@ def _call(
 
 
 def _undo(w: World, method: d.MethodDescriptor, reply: bytes | None) -> None:
-    """After a successful call: detach a session the fuzz created (its lease would expire
-    mid-comparison), undo a Drain, and take the new state as the baseline."""
+    """After a successful call: detach a session and discard a retraction backup the fuzz
+    created (their leases would expire mid-comparison), undo a Drain, and take the new state
+    as the baseline."""
     if method.name == "Attach" and reply is not None:
         made = pb.AttachResponse.FromString(reply)
         w.worker.session(made.session_id, session_secret=made.session_secret).detach()
+    if method.name == "RetractBackup" and reply is not None and w.victim is not None:
+        made_backup = pb.RetractBackupResponse.FromString(reply)
+        if made_backup.ok:  # its lease (any lease_ms the fuzz chose) would end it mid-comparison
+            with contextlib.suppress(HiCacheError):
+                w.victim.retract_discard(made_backup.backup_id)
     if method.name == "Drain":
         w.admin.resume()
     w.ensure_victim(may_be_gone=method.name == "Detach")
