@@ -39,7 +39,8 @@ NASTY_TEXT = (
 
 def _ints(values: Sequence[int], lo: int, hi: int) -> st.SearchStrategy[int]:
     # Small values hit real page indices and counts; the extremes hit the edges.
-    return st.one_of(st.sampled_from(values), st.integers(0, 80), st.integers(lo, hi))
+    small = st.integers(0, 80)  # twice: most values are plausible pages/counts
+    return st.one_of(small, st.sampled_from(values), small, st.integers(lo, hi))
 
 
 SCALARS: dict[int, st.SearchStrategy[Any]] = {
@@ -79,7 +80,9 @@ def field_value(field: d.FieldDescriptor, known: dict[str, Sequence[str]], depth
     if field.type == d.FieldDescriptor.TYPE_STRING:
         good = known.get(field.name, ())
         # Mostly the real value (a live session id reaches the handler's checks), else garbage.
-        return st.one_of(st.sampled_from(good), st.sampled_from(good), text(good)) if good else text(())
+        if not good:
+            return text(())
+        return st.integers(0, 4).flatmap(lambda i: st.sampled_from(good) if i else text(good))
     return SCALARS[field.type]
 
 
@@ -98,19 +101,45 @@ def _repeated(field: d.FieldDescriptor, known: dict[str, Sequence[str]], depth: 
 
 @st.composite
 def message_fields(
-    draw: st.DrawFn, desc: d.Descriptor, known: dict[str, Sequence[str]], depth: int = 0
+    draw: st.DrawFn,
+    desc: d.Descriptor,
+    known: dict[str, Sequence[str]],
+    depth: int = 0,
+    shape: int | None = -1,
 ) -> dict[str, Any]:
-    """A random subset of ``desc``'s fields, each with a hostile or plausible value."""
+    """A random subset of ``desc``'s fields, each with a hostile or plausible value.
+
+    Half the requests are *shaped*: every repeated scalar field, nested ones included, has
+    the same length (pages and keys of one call agree), so values get past the length checks
+    into the handler's deeper ones (ranges, ownership)."""
     out: dict[str, Any] = {}
     if depth > MAX_DEPTH:
         return out
+    if shape == -1:
+        shape = draw(st.one_of(st.none(), st.sampled_from([1, 2, 4, 8])), label="shape")
+    # One member per oneof (setting two keeps only the last: the first would never be sent).
+    chosen = {
+        o.name: draw(st.sampled_from([f.name for f in o.fields])) for o in desc.oneofs if len(o.fields) > 1
+    }
     for field in desc.fields:
-        if field.name not in known and not draw(st.booleans()):
+        group = field.containing_oneof
+        if group is not None and group.name in chosen and chosen[group.name] != field.name:
+            continue
+        if field.name not in known and draw(st.integers(0, 3)) == 0:
             continue  # a field with a known-good value is always set (mostly to that value)
         if field.is_repeated:
             if field.type == d.FieldDescriptor.TYPE_MESSAGE and depth >= MAX_DEPTH - 1:
                 continue  # bounded size: long lists only near the top
-            out[field.name] = draw(_repeated(field, known, depth))
+            if shape is None:
+                out[field.name] = draw(_repeated(field, known, depth))
+            elif field.type == d.FieldDescriptor.TYPE_MESSAGE:
+                item = message_fields(field.message_type, known, depth + 1, shape)
+                out[field.name] = draw(st.lists(item, min_size=1, max_size=2))
+            else:
+                one = field_value(field, known, depth)
+                out[field.name] = draw(st.lists(one, min_size=shape, max_size=shape))
+        elif field.type == d.FieldDescriptor.TYPE_MESSAGE:
+            out[field.name] = draw(message_fields(field.message_type, known, depth + 1, shape))
         else:
             out[field.name] = draw(field_value(field, known, depth))
     return out
