@@ -31,6 +31,7 @@ SUITES: dict[str, str] = {
     "l3_remote": "hicached.bench.l3_remote",
     "sglang": "hicached.bench.sglang",
     "engine": "hicached.bench.engine",
+    "scale": "hicached.bench.scale",
 }
 DEFAULT_SUITES = ("daemon", "pools", "l3")
 
@@ -73,7 +74,8 @@ Suites: daemon (a real daemon process: D2H/H2D pages, RPC round trips, keyed pag
 copy engine without gRPC), pools (host pool creation and page copies), l3 (file backend vs raw
 disk; redis vs redis-py when redis-server and the redis extra are installed), keyed (the
 content index and L3 paths), l3_remote (S3 via SeaweedFS, Mooncake), sglang (SGLang's storage
-calls through the daemon vs HiCacheFile). A suite or part whose packages or servers are missing
+calls through the daemon vs HiCacheFile), scale (per-page, per-key, per-pool and per-worker cost
+as the work grows, plus the raw Unix-socket ping-pong). A suite or part whose packages or servers are missing
 is skipped with the reason; a failing suite is reported and the others still run (exit 1).
 """
 
