@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
             )
             shown.update((fig, limit))
     print()
+    shown.update(_print_scale_table(results))
     for key in sorted(set(results) - shown):
         print(f"{key:40} {_json_value(key, results[key])}")
     for name, reason in out.skipped.items():
@@ -201,6 +202,23 @@ def run(args: argparse.Namespace) -> int:
     for name, error in out.failed.items():
         print(f"FAILED suite {name}: {error}")
     return 0 if ok else 1
+
+
+def _print_scale_table(results: dict[str, float]) -> set[str]:
+    """The ``scale`` suite's figures as one row per measure, one column per size; the keys shown."""
+    rows: dict[str, list[tuple[str, str]]] = {}
+    for key in results:
+        if key.startswith("scale_"):
+            row, _, size = key.rpartition("_")
+            rows.setdefault(row, []).append((size, key))
+    if not rows:
+        return set()
+    print("scale table (size: value; flat = the cost does not grow with the size)")
+    for row in sorted(rows):
+        cells = "  ".join(f"{size}: {results[key]:.4g}" for size, key in rows[row])
+        print(f"  {row.removeprefix('scale_'):28} {cells}")
+    print()
+    return {key for cells in rows.values() for _, key in cells}
 
 
 def _json_value(key: str, value: float) -> float | bool:
