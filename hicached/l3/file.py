@@ -87,10 +87,12 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 _MAX_IO_BYTES = 256 << 20
 # A read batch is cut into runs of at most this many bytes, issued on the I/O threads: several
 # reads in flight keep the disk busy while other threads verify checksums (XXH3, ~9 GB/s on one
-# core, GIL released). Measured (hicached.bench.l3 pairs, 256 MiB of 64 KiB pages, cold reads, a
-# machine loaded by other sessions, medians of 5 runs of the read/raw-disk ratio in the same run):
-# one run per batch 0.62x, 1 MiB runs 0.84x, 4 MiB runs 0.82x. Threads over preadv were chosen:
-# O_DIRECT needs aligned buffers the callers' pages are not, and io_uring is not in the stdlib.
+# core, GIL released). Measured (hicached.bench.l3 pairs, 256 MiB of 64 KiB pages, cold reads,
+# read/raw-disk ratio in the same run, 8 runs each on a disk shared with other sessions): one run
+# per batch median 0.67x (0.26-1.26), 1 MiB runs 0.72x (0.44-1.16), 4 MiB runs 0.82x (5 runs):
+# within the noise of that machine; kept because the checksum work then overlaps the I/O.
+# Threads over preadv were chosen: O_DIRECT needs aligned buffers the callers' pages are not,
+# and io_uring is not in the stdlib. Re-measure on a quiet disk.
 _READ_SPLIT_BYTES = 1 << 20
 _SLAB_NAME = re.compile(r"^slab-(\d+)\.dat$")
 _ZEROS = memoryview(bytes(SLOT_ALIGN))
