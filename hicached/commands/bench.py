@@ -33,6 +33,7 @@ SUITES: dict[str, str] = {
     "engine": "hicached.bench.engine",
     "soak": "hicached.bench.soak",
     "fastlane": "hicached.bench.fastlane",
+    "scale": "hicached.bench.scale",
 }
 DEFAULT_SUITES = ("daemon", "pools", "l3")
 
@@ -88,7 +89,8 @@ content index and L3 paths), l3_remote (S3 via SeaweedFS, Mooncake), sglang (SGL
 calls through the daemon vs HiCacheFile), soak (N worker processes of mixed operations for a
 given time: p50/p99 per operation in the first and last window, daemon RSS and fds over time,
 page accounting after every worker detached; not in the default set), fastlane (the shared-memory
-fast lane's round trip and per-layer signal vs a raw Unix-socket ping-pong and gRPC). A suite or part whose packages or servers are missing
+fast lane's round trip and per-layer signal vs a raw Unix-socket ping-pong and gRPC), scale (per-page, per-key, per-pool and per-worker cost
+as the work grows, plus the raw Unix-socket ping-pong). A suite or part whose packages or servers are missing
 is skipped with the reason; a failing suite is reported and the others still run (exit 1).
 """
 
@@ -214,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
             )
             shown.update((fig, limit))
     print()
+    shown.update(_print_scale_table(results))
     for key in sorted(set(results) - shown):
         print(f"{key:40} {_json_value(key, results[key])}")
     for name, reason in out.skipped.items():
@@ -223,6 +226,23 @@ def run(args: argparse.Namespace) -> int:
     for name, error in out.failed.items():
         print(f"FAILED suite {name}: {error}")
     return 0 if ok else 1
+
+
+def _print_scale_table(results: dict[str, float]) -> set[str]:
+    """The ``scale`` suite's figures as one row per measure, one column per size; the keys shown."""
+    rows: dict[str, list[tuple[str, str]]] = {}
+    for key in results:
+        if key.startswith("scale_"):
+            row, _, size = key.rpartition("_")
+            rows.setdefault(row, []).append((size, key))
+    if not rows:
+        return set()
+    print("scale table (size: value; flat = the cost does not grow with the size)")
+    for row in sorted(rows):
+        cells = "  ".join(f"{size}: {results[key]:.4g}" for size, key in rows[row])
+        print(f"  {row.removeprefix('scale_'):28} {cells}")
+    print()
+    return {key for cells in rows.values() for _, key in cells}
 
 
 def _json_value(key: str, value: float) -> float | bool:

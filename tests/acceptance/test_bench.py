@@ -71,3 +71,25 @@ def test_a_dead_daemon_is_shown_with_its_log_and_the_other_suites_still_report(t
     assert "exited with code 2 before it was ready" in failed["daemon"]
     assert "server.grace_s" in err  # the end of the daemon's log, shown
     assert out["l3_file_read_gbps"] > 0  # the l3 suite's figures are kept
+
+
+def test_scale_suite_prints_every_row_of_the_table(tmp_path: Path) -> None:
+    """The scale table (issue 13, item 4) has every row at every quick size; shape, not timing."""
+    code, out, err = bench("--suite", "scale", cwd=tmp_path, env=user_env(tmp_path))
+    assert code == 0, err
+    assert out["failed"] == {}
+    rows = {
+        "scale_write_us_per_page_p": (10, 100, 1000),
+        "scale_load_us_per_page_p": (10, 100, 1000),
+        "scale_memcpy_us_per_page_p": (10, 100, 1000),
+        "scale_lookup_us_per_key_k": (1000, 10000),
+        "scale_publish_us_per_key_k": (1000, 10000),
+        "scale_pool_create_s_g": ("0.25", "0.5"),
+        "scale_pool_alloc_us_g": ("0.25", "0.5"),
+        "scale_workers_gbps_w": (1, 2, 4),
+        "scale_workers_p99_ms_w": (1, 2, 4),
+    }
+    for prefix, sizes in rows.items():
+        for size in sizes:
+            value = out[f"{prefix}{size}"]
+            assert isinstance(value, float) and value > 0, (prefix, size, value)
