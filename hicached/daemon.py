@@ -21,8 +21,9 @@ from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 
 from hicached.config import Config, ConfigError, as_dict
 from hicached.core.groups import GroupRegistry, GroupState
+from hicached.core.hooks import CoreHooks
 from hicached.core.keyed import KeyedCache
-from hicached.core.service import CoreHooks, HiCacheCore
+from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
 from hicached.l3.base import StorageBackend
 from hicached.logs import setup_logging

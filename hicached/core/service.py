@@ -20,20 +20,21 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from hicached.config import Config
 from hicached.core.groups import GroupRegistry, GroupState, validate_pool_requests, validate_worker
+from hicached.core.hooks import CoreHooks
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
+from hicached.core.stats import BackupStats, DaemonStats, GroupStats, SessionStats
 from hicached.core.types import (
     Ack,
     AttachResult,
     PeerCred,
     PoolRequest,
     PoolRole,
-    PoolState,
     RetractResult,
     TransferResult,
     WorkerId,
@@ -51,58 +52,11 @@ from hicached.l2.allocator import as_page_array
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine, Priority
 from hicached.transfer.handles import DeviceMappings, medium_of
-from hicached.transfer.plan import CopyPlan, DevicePoolView, Direction, build_plan
+from hicached.transfer.plan import DevicePoolView, Direction, build_plan
 
 logger = logging.getLogger(__name__)
 
 LayerCallback = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class SessionStats:
-    session_id: str
-    worker: WorkerId
-    group_id: str
-    owned_pages: int
-    lease_expires_unix_ms: int
-
-
-@dataclass(frozen=True)
-class GroupStats:
-    group_id: str
-    model_name: str
-    pools: tuple[PoolState, ...]
-    indexed_pages: int
-    sessions: int
-
-
-@dataclass(frozen=True)
-class BackupStats:
-    backup_id: str
-    session_id: str
-    request_id: str
-    pages: int
-    lease_expires_unix_ms: int
-
-
-@dataclass(frozen=True)
-class DaemonStats:
-    sessions: tuple[SessionStats, ...]
-    groups: tuple[GroupStats, ...]
-    backups: tuple[BackupStats, ...]
-    host_budget_bytes: int
-    host_used_bytes: int
-    draining: bool
-
-
-class CoreHooks:
-    """Observation points (metrics); every hook is a no-op by default."""
-
-    def on_session(self, event: str, session: Session) -> None:
-        """A session was attached, detached, replaced or expired."""
-
-    def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float, model: str = "") -> None:
-        """A copy finished (``model``: the pool group's model name, for per-model metrics)."""
 
 
 class HiCacheCore:

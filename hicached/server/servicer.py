@@ -26,7 +26,8 @@ from hicached_client.v1 import types_pb2 as tpb
 from hicached import __version__
 from hicached.cache.types import PrefetchState
 from hicached.core.keyed import KeyedCache
-from hicached.core.service import DaemonStats, HiCacheCore
+from hicached.core.service import HiCacheCore
+from hicached.core.stats import DaemonStats
 from hicached.core.types import Ack, PeerCred
 from hicached.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented
 from hicached.l3.keys import page_keys
