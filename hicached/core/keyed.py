@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -90,8 +89,6 @@ class KeyedCache:
         self._backend = backend
         self._metrics = metrics
         self._core: HiCacheCore | None = None
-        self._prefetch_owner: dict[str, str] = {}
-        self._lock = threading.Lock()
 
     def bind(self, core: HiCacheCore) -> None:
         self._core = core

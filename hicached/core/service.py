@@ -704,6 +704,14 @@ class HiCacheCore:
         """PermissionDenied unless ``secret`` is session ``session_id``'s secret (unknown ids pass)."""
         self._sessions.check_secret(session_id, secret)
 
+    def anchor_pool(self, session_id: str) -> str:
+        """The name of the anchor pool of session ``session_id``'s group (NotFound for unknown ids)."""
+        return self._session(session_id)[1].group.anchor.name
+
+    def session_worker(self, session_id: str) -> WorkerId:
+        """The worker identity session ``session_id`` attached with (NotFound for unknown ids)."""
+        return self._session(session_id)[0].worker
+
     def session_group(self, session_id: str) -> tuple[Session, GroupState]:
         """For the content-cache operations (``hicached.core.keyed``)."""
         return self._session(session_id)

@@ -85,8 +85,7 @@ class _Base:
         self.core.check_secret(session_id, secret)
 
     def _anchor(self, session_id: str) -> str:
-        _, state = self.core.session_group(session_id)
-        return state.group.anchor.name
+        return self.core.anchor_pool(session_id)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -652,8 +651,7 @@ class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
         if not self.is_admin(context):
             if not request.session_id:
                 self.require_admin(context, "ClearNamespace without session_id (any tenant)")
-            session, _ = self.core.session_group(request.session_id)
-            own = session.worker
+            own = self.core.session_worker(request.session_id)
             same_tenant(own.tenant, request.tenant, "tenant")
             if model and model != own.model_name:
                 raise PermissionDenied(
