@@ -26,8 +26,9 @@ from hicached.cache.index import ContentIndex
 from hicached.cache.observer import CacheObserver, MetricsObserver
 from hicached.cache.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
 from hicached.config import Config
+from hicached.core.checks import check_indices
 from hicached.core.groups import GroupState
-from hicached.core.service import HiCacheCore, check_indices
+from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
 from hicached.core.types import Ack
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted

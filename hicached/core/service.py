@@ -25,6 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from hicached.config import Config
+from hicached.core.checks import bind_derived, check_indices, check_owned, check_transfers, known_pool
 from hicached.core.groups import GroupRegistry, GroupState, validate_pool_requests, validate_worker
 from hicached.core.hooks import CoreHooks
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
@@ -40,11 +41,8 @@ from hicached.core.types import (
     WorkerId,
 )
 from hicached.errors import (
-    DoubleFree,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
-    OutOfRange,
     PermissionDenied,
     Unavailable,
 )
@@ -281,94 +279,15 @@ class HiCacheCore:
         need_device: bool = True,
         host: str = "optional",  # "required", "optional", "forbidden"
     ) -> list[PoolTransfer]:
-        """Validate names, lengths, ranges and duplicates; returns normalized copies."""
-        out = []
-        seen: set[str] = set()
-        total = 0
-        for t in transfers:
-            view = self._view(session, state, t.name)
-            if t.name in seen:
-                raise InvalidArgument(f"pool {t.name!r} appears twice in one batch")
-            seen.add(t.name)
-            dev = as_page_array(
-                () if t.device_indices is None else t.device_indices, f"pool {t.name!r} device pages"
-            )
-            hst = (
-                None
-                if t.host_indices is None or len(t.host_indices) == 0
-                else as_page_array(t.host_indices, f"pool {t.name!r} host pages")
-            )
-            total += len(dev)
-            if need_device:
-                check_indices(t.name, "device", dev, view.num_pages, unique=True)
-            derived = state.group.get_entry(t.name).indices_from_pool
-            if host == "required" and hst is None and len(dev) and not derived:
-                raise InvalidArgument(f"pool {t.name!r}: host_pages are required for this call")
-            if host == "forbidden" and hst is not None:
-                raise InvalidArgument(f"pool {t.name!r}: host_pages must be empty for this call")
-            if hst is not None:
-                if need_device and len(hst) != len(dev):
-                    raise InvalidArgument(
-                        f"pool {t.name!r}: {len(dev)} device pages but {len(hst)} host pages (must match)"
-                    )
-                check_indices(t.name, "host", hst, state.pool(t.name).num_pages)
-            out.append(PoolTransfer(name=t.name, device_indices=dev, host_indices=hst))
-        if total > self._cfg.server.max_batch_pages:
-            raise InvalidArgument(
-                f"batch of {total} pages exceeds server.max_batch_pages={self._cfg.server.max_batch_pages}; "
-                "split it into several calls"
-            )
-        return out
-
-    @staticmethod
-    def _known_pool(state: GroupState, name: str) -> None:
-        if name not in {e.name for e in state.group.entries}:
-            raise NotFound(
-                f"unknown pool {name!r} (this session's pools: {sorted(e.name for e in state.group.entries)})"
-            )
-
-    def _view(self, session: Session, state: GroupState, name: str) -> DevicePoolView:
-        """The session's device view of a pool; byte-only pools have none."""
-        self._known_pool(state, name)
-        view = session.views.get(name)
-        if view is None:
-            raise FailedPrecondition(
-                f"pool {name!r} has no device buffers in this session (byte-only): use PutBytes/GetBytes, "
-                "or attach with device buffers to move pages by index"
-            )
-        return view
-
-    @staticmethod
-    def bind_derived(state: GroupState, transfers: Sequence[PoolTransfer]) -> list[PoolTransfer]:
-        """Give derived pools without pages their source's device and host pages."""
-        by_name = {t.name: t for t in transfers}
-        out = []
-        for t in transfers:
-            source = state.group.get_entry(t.name).indices_from_pool
-            src = by_name.get(source) if source else None
-            bound = t
-            if src is not None and (t.device_indices is None or len(t.device_indices) == 0):
-                bound = replace(t, device_indices=src.device_indices, host_indices=src.host_indices)
-            elif src is not None and t.host_indices is None:
-                bound = replace(t, host_indices=src.host_indices)
-            out.append(bound)
-        return out
-
-    def check_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> None:
-        for t in transfers:
-            if t.host_indices is None or len(t.host_indices) == 0:
-                continue
-            owner_pool = state.group.get_entry(t.name).indices_from_pool or t.name
-            allocated = state.pool(owner_pool).allocator.is_allocated(t.host_indices)
-            if not allocated.all():
-                page = int(t.host_indices[~allocated][0])
-                raise DoubleFree(f"host page {page} of pool {owner_pool!r} is not allocated (already freed?)")
-            owned = session.ledger.owns(owner_pool, t.host_indices)
-            if not owned.all():
-                page = int(t.host_indices[~owned][0])
-                raise PermissionDenied(
-                    f"host page {page} of pool {owner_pool!r} is not owned by session {session.session_id}"
-                )
+        """:func:`hicached.core.checks.check_transfers` under this daemon's batch limit."""
+        return check_transfers(
+            session,
+            state,
+            transfers,
+            max_batch_pages=self._cfg.server.max_batch_pages,
+            need_device=need_device,
+            host=host,
+        )
 
     # ----------------------------------------------------------------- the copies
 
@@ -437,7 +356,7 @@ class HiCacheCore:
 
     def alloc(self, session_id: str, op_id: str, pool: str, num_pages: int) -> np.ndarray | None:
         session, state = self._session(session_id)
-        self._known_pool(state, pool)
+        known_pool(state, pool)
         entry = state.group.get_entry(pool)
         if entry.indices_from_pool:
             raise InvalidArgument(
@@ -460,12 +379,12 @@ class HiCacheCore:
 
     def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
         session, state = self._session(session_id)
-        self._known_pool(state, pool)
+        known_pool(state, pool)
         arr = as_page_array(pages, f"pool {pool!r} host pages")
 
         def run() -> int:
             check_indices(pool, "host", arr, state.pool(pool).num_pages)
-            self.check_owned(session, state, [PoolTransfer(pool, arr, arr)])
+            check_owned(session, state, [PoolTransfer(pool, arr, arr)])
             freed = state.free(pool, arr)
             session.ledger.remove(pool, arr)
             return freed
@@ -477,7 +396,7 @@ class HiCacheCore:
         checked = self.check_transfers(session, state, transfers)
 
         def run() -> TransferResult:
-            self.check_owned(session, state, checked)  # inside: a replay must not re-check
+            check_owned(session, state, checked)  # inside: a replay must not re-check
             return self.allocate(session, state, checked)
 
         return session.run("ResolveTransfers", op_id, checked, run)
@@ -490,7 +409,7 @@ class HiCacheCore:
         ]
 
         def run() -> int:
-            self.check_owned(session, state, state.allocated_transfers(flagged))  # the whole batch first
+            check_owned(session, state, state.allocated_transfers(flagged))  # the whole batch first
             return self.release_owned(session, state, flagged)
 
         return session.run("ReleaseTransfers", op_id, flagged, run)
@@ -503,10 +422,10 @@ class HiCacheCore:
         session, state = self._session(session_id)
         checked = self.check_transfers(session, state, transfers, host="optional" if allocate else "required")
         if not allocate:
-            checked = self.bind_derived(state, checked)
+            checked = bind_derived(state, checked)
 
         def run() -> TransferResult:
-            self.check_owned(session, state, checked)
+            check_owned(session, state, checked)
             resolved = (
                 self.allocate(session, state, checked) if allocate else TransferResult(True, tuple(checked))
             )
@@ -532,10 +451,10 @@ class HiCacheCore:
         on_layer: LayerCallback | None = None,
     ) -> tuple[Ack, ...]:
         session, state = self._session(session_id)
-        checked = self.bind_derived(state, self.check_transfers(session, state, transfers, host="required"))
+        checked = bind_derived(state, self.check_transfers(session, state, transfers, host="required"))
 
         def run() -> tuple[Ack, ...]:
-            self.check_owned(session, state, checked)
+            check_owned(session, state, checked)
             return self.copy_pages(
                 session, state, Direction.H2D, checked, priority=Priority.DEMAND, on_layer=on_layer
             )
@@ -618,9 +537,7 @@ class HiCacheCore:
 
         def run() -> tuple[Ack, ...]:
             backup = self._backup_of(session, backup_id)
-            checked = self.bind_derived(
-                state, self.check_transfers(session, state, transfers, host="forbidden")
-            )
+            checked = bind_derived(state, self.check_transfers(session, state, transfers, host="forbidden"))
             saved = {t.name: t for t in backup.transfers}
             given = {t.name: t for t in checked}
             if set(saved) != set(given):
@@ -764,20 +681,6 @@ class HiCacheCore:
 
 def _indexed(state: GroupState) -> int:
     return 0 if state.index is None else state.index.stats().entries
-
-
-def check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique: bool = True) -> None:
-    """Negative or repeated pages: InvalidArgument; a page >= ``limit``: OutOfRange."""
-    if len(pages) == 0:
-        return
-    lo, hi = int(pages.min()), int(pages.max())
-    if lo < 0:
-        raise InvalidArgument(f"pool {pool!r}: negative {side} page index {lo}")
-    if hi >= limit:
-        raise OutOfRange(f"pool {pool!r}: {side} page {hi} out of range (pool has {limit} pages)")
-    if unique and len(np.unique(pages)) != len(pages):
-        values, counts = np.unique(pages, return_counts=True)
-        raise InvalidArgument(f"pool {pool!r}: duplicate {side} page {int(values[counts > 1][0])}")
 
 
 __all__ = ["HiCacheCore", "PoolRole"]
