@@ -28,6 +28,7 @@ from hicached.config import Config
 from hicached.core.checks import bind_derived, check_indices, check_owned, check_transfers, known_pool
 from hicached.core.groups import GroupRegistry, GroupState, validate_pool_requests, validate_worker
 from hicached.core.hooks import CoreHooks
+from hicached.core.retraction import BackupStore
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
 from hicached.core.stats import BackupStats, DaemonStats, GroupStats, SessionStats
 from hicached.core.types import (
@@ -75,9 +76,9 @@ class HiCacheCore:
         self._attach_index = attach_index or (lambda state: None)
         self._hooks = hooks or CoreHooks()
         self._sessions = SessionTable()
-        self._backups: dict[str, Backup] = {}
-        self._backups_lock = threading.Lock()
+        self._backups = BackupStore()
         self._detached: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._detached_lock = threading.Lock()
         self._draining = threading.Event()
         self._closed = False
 
@@ -198,14 +199,14 @@ class HiCacheCore:
             session = self._sessions.get(session_id)
         except NotFound:
             # A retried detach whose first attempt succeeded gets the first answer.
-            with self._backups_lock:
+            with self._detached_lock:
                 done = self._detached.get((session_id, op_id)) if op_id else None
             if done is None:
                 raise
             return done
         freed = session.run("Detach", op_id, (), lambda: self._end(session, "detach"), in_flight=False)
         if op_id:
-            with self._backups_lock:
+            with self._detached_lock:
                 self._detached[(session_id, op_id)] = freed
                 while len(self._detached) > self._cfg.sessions.op_cache_size:
                     self._detached.popitem(last=False)
@@ -222,11 +223,7 @@ class HiCacheCore:
         for session in self._sessions.expired(now):
             self._end(session, "expired")
             ended.append(session.session_id)
-        with self._backups_lock:
-            stale = [b for b in self._backups.values() if b.expires_ms <= now]
-            for b in stale:
-                del self._backups[b.backup_id]
-        for b in stale:
+        for b in self._backups.take_expired(now):
             self._free_backup(b)
         return ended
 
@@ -241,11 +238,7 @@ class HiCacheCore:
         freed = 0
         for pool, pages in session.ledger.take_all().items():
             freed += state.free(pool, pages)
-        with self._backups_lock:
-            mine = [b for b in self._backups.values() if b.session_id == session.session_id]
-            for b in mine:
-                del self._backups[b.backup_id]
-        for b in mine:
+        for b in self._backups.take_session(session.session_id):
             freed += self._free_backup(b)
         index = state.index
         for pid in list(session.prefetches):
@@ -507,22 +500,12 @@ class HiCacheCore:
                 num_tokens=num_tokens,
                 expires_ms=now_ms() + lease,
             )
-            with self._backups_lock:
-                self._backups[backup.backup_id] = backup
+            self._backups.add(backup)
             return RetractResult(
                 ok=True, backup_id=backup.backup_id, lease_expires_unix_ms=backup.expires_ms, acks=acks
             )
 
         return session.run("RetractBackup", op_id, (request_id, checked, num_tokens, lease), run)
-
-    def _backup_of(self, session: Session, backup_id: str) -> Backup:
-        with self._backups_lock:
-            backup = self._backups.get(backup_id)
-        if backup is None:
-            raise NotFound(f"unknown retraction backup {backup_id!r} (restored, discarded or expired)")
-        if backup.session_id != session.session_id:
-            raise PermissionDenied(f"retraction backup {backup_id!r} belongs to another session")
-        return backup
 
     def retract_restore(
         self,
@@ -536,7 +519,7 @@ class HiCacheCore:
         session, state = self._session(session_id)
 
         def run() -> tuple[Ack, ...]:
-            backup = self._backup_of(session, backup_id)
+            backup = self._backups.owned(session.session_id, backup_id)
             checked = bind_derived(state, self.check_transfers(session, state, transfers, host="forbidden"))
             saved = {t.name: t for t in backup.transfers}
             given = {t.name: t for t in checked}
@@ -553,18 +536,16 @@ class HiCacheCore:
                         f"restore of pool {name!r}: backup holds {want} pages, got {got} device pages"
                     )
             bound = [replace(t, host_indices=saved[t.name].host_indices) for t in checked]
-            with self._backups_lock:
-                if self._backups.pop(backup_id, None) is None:
-                    raise NotFound(
-                        f"unknown retraction backup {backup_id!r} (restored or discarded concurrently)"
-                    )
+            if self._backups.take(backup_id) is None:
+                raise NotFound(
+                    f"unknown retraction backup {backup_id!r} (restored or discarded concurrently)"
+                )
             try:
                 acks = self.copy_pages(
                     session, state, Direction.H2D, bound, priority=Priority.RESTORE, on_layer=on_layer
                 )
             except BaseException:
-                with self._backups_lock:  # the backup stays restorable
-                    self._backups[backup_id] = backup
+                self._backups.add(backup)  # the backup stays restorable
                 raise
             state.release_transfers(backup.transfers)
             return acks
@@ -575,10 +556,9 @@ class HiCacheCore:
         session, state = self._session(session_id)
 
         def run() -> int:
-            backup = self._backup_of(session, backup_id)
-            with self._backups_lock:
-                if self._backups.pop(backup_id, None) is None:
-                    raise NotFound(f"unknown retraction backup {backup_id!r}")
+            backup = self._backups.owned(session.session_id, backup_id)
+            if self._backups.take(backup_id) is None:
+                raise NotFound(f"unknown retraction backup {backup_id!r}")
             return state.release_transfers(backup.transfers)
 
         return session.run("RetractDiscard", op_id, backup_id, run)
@@ -592,8 +572,7 @@ class HiCacheCore:
         groups = self._groups.all()
         if session_id:
             groups = [g for g in groups if g.group_id == sessions[0].group_id]
-        with self._backups_lock:
-            backups = [b for b in self._backups.values() if not session_id or b.session_id == session_id]
+        backups = self._backups.snapshot(session_id)
         return DaemonStats(
             sessions=tuple(
                 SessionStats(s.session_id, s.worker, s.group_id, s.ledger.count(), s.expires_ms)
@@ -671,10 +650,7 @@ class HiCacheCore:
         self._closed = True
         for session in self._sessions.all():
             self._end(session, "shutdown")
-        with self._backups_lock:
-            leftover = list(self._backups.values())
-            self._backups.clear()
-        for b in leftover:
+        for b in self._backups.take_all():
             self._free_backup(b)
         self._groups.close()
 
