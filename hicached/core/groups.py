@@ -146,7 +146,7 @@ class GroupState:
     model_name: str
     group: HostPoolGroup
     nbytes: int
-    index: ContentIndex | None = None  # set by the composition root (KeyedCache.attach_group)
+    index: ContentIndex | None = None  # set by the composition root (hicached.daemon.attach_content_index)
     last_used: float = field(default_factory=time.monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _busy: dict[str, np.ndarray] = field(default_factory=dict)
