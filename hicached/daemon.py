@@ -22,7 +22,8 @@ from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 from hicached.cache.index import ContentIndex
 from hicached.cache.observer import CacheObserver, MetricsObserver
 from hicached.config import Config, ConfigError, as_dict
-from hicached.core.groups import GroupRegistry, GroupState
+from hicached.core.group_state import GroupState
+from hicached.core.groups import GroupRegistry
 from hicached.core.hooks import CoreHooks
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore

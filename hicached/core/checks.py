@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from hicached.core.groups import GroupState
+from hicached.core.group_state import GroupState
 from hicached.core.sessions import Session
 from hicached.errors import (
     DoubleFree,

@@ -26,7 +26,7 @@ from hicached.cache.index import ContentIndex
 from hicached.cache.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
 from hicached.config import Config
 from hicached.core.checks import check_indices
-from hicached.core.groups import GroupState
+from hicached.core.group_state import GroupState
 from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
 from hicached.core.types import Ack

@@ -26,7 +26,8 @@ import numpy as np
 
 from hicached.config import Config
 from hicached.core.checks import bind_derived, check_indices, check_owned, check_transfers, known_pool
-from hicached.core.groups import GroupRegistry, GroupState, validate_pool_requests, validate_worker
+from hicached.core.group_state import GroupState
+from hicached.core.groups import GroupRegistry, validate_pool_requests, validate_worker
 from hicached.core.hooks import CoreHooks
 from hicached.core.retraction import BackupStore
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
