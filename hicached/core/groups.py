@@ -414,12 +414,6 @@ class GroupRegistry:
             group_id=gid, model_name=model, group=group, nbytes=sum(n for *_, n in plan)
         ), journal
 
-    def retire(self, group_id: str) -> None:
-        with self._lock:
-            state = self._groups.pop(group_id, None)
-        if state is not None:
-            state.close()
-
     def close(self) -> None:
         """Release every group (shutdown: sessions have ended). Under warm restart each
         group is journaled and its segments kept; then the prefix is released."""
