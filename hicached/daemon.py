@@ -19,8 +19,6 @@ from dataclasses import replace
 import grpc
 from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 
-from hicached.cache.index import ContentIndex
-from hicached.cache.observer import CacheObserver, MetricsObserver
 from hicached.config import Config, ConfigError, as_dict
 from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry
@@ -28,6 +26,8 @@ from hicached.core.hooks import CoreHooks
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
+from hicached.index.index import ContentIndex
+from hicached.index.observer import CacheObserver, MetricsObserver
 from hicached.l3.base import StorageBackend
 from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics

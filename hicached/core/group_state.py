@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hicached.cache.index import ContentIndex
 from hicached.core.journal import GroupJournal, JournalStore, PoolRecord
 from hicached.core.types import PoolRole, PoolState
 from hicached.errors import (
@@ -23,6 +22,7 @@ from hicached.errors import (
     HiCacheError,
     InvalidArgument,
 )
+from hicached.index.index import ContentIndex
 from hicached.l2.group import HostPoolGroup, PoolTransfer
 from hicached.l2.host_pool import HostKVPool
 

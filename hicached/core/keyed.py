@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicached.cache.index import ContentIndex
-from hicached.cache.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
 from hicached.config import Config
 from hicached.core.checks import check_indices
 from hicached.core.group_state import GroupState
@@ -31,6 +29,8 @@ from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
 from hicached.core.types import Ack
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from hicached.index.index import ContentIndex
+from hicached.index.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
 from hicached.l2.group import PoolTransfer
 from hicached.l3.base import BackendStats, StorageBackend
 from hicached.transfer.engine import Priority

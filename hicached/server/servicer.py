@@ -24,13 +24,13 @@ from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 from hicached_client.v1 import types_pb2 as tpb
 
 from hicached import __version__
-from hicached.cache.types import PrefetchState
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.core.stats import DaemonStats
 from hicached.core.types import Ack, PeerCred
 from hicached.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented
-from hicached.l3.keys import page_keys
+from hicached.index.keys import page_keys
+from hicached.index.types import PrefetchState
 from hicached.server import convert
 from hicached.server.handoff import HandoffRegistry
 from hicached.server.roles import Access
