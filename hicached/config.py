@@ -374,10 +374,6 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any, tp: Any = None, *, 
     return out
 
 
-def _fields(section: str) -> dict[str, dataclasses.Field[Any]]:
-    return {f.name: f for f in dataclasses.fields(_SECTION_TYPES[section])}
-
-
 def _check_cross(cfg: Config) -> None:
     s = cfg.sessions
     if not s.min_lease_ms <= s.lease_ms <= s.max_lease_ms:

@@ -21,10 +21,14 @@ import grpc
 from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 
 from hicached.config import Config, ConfigError, as_dict
-from hicached.core.groups import GroupRegistry, GroupState
+from hicached.core.group_state import GroupState
+from hicached.core.groups import GroupRegistry
+from hicached.core.hooks import CoreHooks
 from hicached.core.keyed import KeyedCache
-from hicached.core.service import CoreHooks, HiCacheCore
+from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
+from hicached.index.index import ContentIndex
+from hicached.index.observer import CacheObserver, MetricsObserver
 from hicached.l3.base import StorageBackend
 from hicached.l3.stats_cache import StatsCache
 from hicached.logs import setup_logging
@@ -49,6 +53,28 @@ logger = logging.getLogger(__name__)
 LOOP_SWITCH_INTERVAL_S = 0.0005
 # Sections whose keys SIGHUP applies to a running daemon.
 RELOADABLE_SECTIONS = frozenset({"log"})
+
+
+def attach_content_index(
+    config: Config, state: GroupState, *, backend: StorageBackend | None, metrics: Metrics | None
+) -> None:
+    """Give a new pool group its content index (the index installs its reclaim callbacks)."""
+    l3 = config.l3
+    observer: CacheObserver = (
+        MetricsObserver(metrics, backend=l3.backend, page_size=state.group.anchor.host_pool.page_size)
+        if metrics is not None
+        else CacheObserver()
+    )
+    state.index = ContentIndex(
+        state.group,
+        namespace=f"hicached/{state.group_id}",
+        backend=backend,
+        write_policy=l3.write_policy,
+        io_workers=l3.io_workers,
+        observer=observer,
+        prefetch_timeout_base_s=l3.prefetch_timeout_base_s,
+        prefetch_timeout_per_1k_tokens_s=l3.prefetch_timeout_per_1k_tokens_s,
+    )
 
 
 class MetricsHooks(CoreHooks):
@@ -96,7 +122,6 @@ class Daemon:
         self.backend = l3_backend(config)  # first: a backend that cannot start leaves nothing behind
         self.engine = CopyEngine(workers=config.copy.workers, max_queued_bytes=config.copy.max_queued)
         self.groups = GroupRegistry(config.host, daemon_id=self.daemon_id)
-        self.keyed = KeyedCache(config, backend=self.backend, metrics=self.metrics)
         self.core = HiCacheCore(
             config,
             groups=self.groups,
@@ -104,7 +129,7 @@ class Daemon:
             attach_index=self._attach_index,
             hooks=MetricsHooks(self.metrics),
         )
-        self.keyed.bind(self.core)
+        self.keyed = KeyedCache(config, core=self.core, backend=self.backend)
         self.lanes = Lanes.from_config(config)
         self.peers = PeerSessions(config.limits.max_sessions_per_peer, self.core.live_session_ids)
         self.l3_stats = StatsCache(config.l3.backend, self.backend) if self.backend is not None else None
@@ -159,7 +184,7 @@ class Daemon:
         ]
 
     def _attach_index(self, state: GroupState) -> None:
-        self.keyed.attach_group(state)
+        attach_content_index(self.config, state, backend=self.backend, metrics=self.metrics)
 
     def _observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.metrics.rpcs.labels(method=method, code=code.name).inc()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hicached.l3.keys import page_keys
+from hicached.index.keys import page_keys
 
 
 def hicached(*args: str) -> subprocess.CompletedProcess[str]:

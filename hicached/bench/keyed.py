@@ -4,7 +4,7 @@ Index operations run on real shared-memory host pools, in batches of 128
 keys (the reference's batch size); L3 paths move 64 KiB pages:
 
 * ``index_publish_keys_per_s`` / ``index_pin_keys_per_s`` /
-  ``index_lookup_keys_per_s``: :class:`~hicached.cache.ContentIndex` publish,
+  ``index_lookup_keys_per_s``: :class:`~hicached.index.ContentIndex` publish,
   pin+unpin and lookup (L2 only), keys per second.
 * ``dict_insert_keys_per_s``: inserting the same keys into a plain ``dict``,
   the floor of any Python index (the ratio shows the index's bookkeeping cost).
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from hicached.bench.timing import timed
-from hicached.cache import ContentIndex, PrefetchPolicy, PrefetchState, WritePolicy
+from hicached.index import ContentIndex, PrefetchPolicy, PrefetchState, WritePolicy
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.l3 import create_backend
 

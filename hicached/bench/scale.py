@@ -7,7 +7,7 @@ Every row is measured in this run, beside its own floor where one exists:
   microseconds per page, beside ``scale_memcpy_us_per_page_p{N}`` (one ``index_select`` of
   the same pages into a preallocated buffer: the machine's limit);
 * ``scale_{lookup,publish}_us_per_key_k{N}``: a 128-key batch looked up / published on a
-  :class:`~hicached.cache.ContentIndex` that already holds N keys, microseconds per key;
+  :class:`~hicached.index.ContentIndex` that already holds N keys, microseconds per key;
 * ``scale_pool_create_s_g{G}`` / ``scale_pool_create_gbps_g{G}``: reserving and prefaulting
   a G GiB host pool in ``/dev/shm``; ``scale_pool_alloc_us_g{G}``: one alloc + free of 128
   pages on that pool (the allocator's per-op cost must not grow with the pool);
@@ -37,7 +37,7 @@ from hicached_client.export import ShmKVPool
 
 from hicached.bench.copy import SPEC, _open_device_pool
 from hicached.bench.keyed import TINY_SPEC
-from hicached.cache import ContentIndex
+from hicached.index import ContentIndex
 from hicached.l2 import HostLayout, HostPoolGroup, PoolEntry, create_host_pool
 from hicached.l2.host_pool import HostKVPool
 from hicached.transfer import CopyEngine, DeviceMappings, DevicePoolView, Direction, Priority, build_plan

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from hicached.errors import InvalidArgument
-from hicached.l3.keys import page_keys
+from hicached.index.keys import page_keys
 
 
 def parse_tokens(text: str) -> list[int]:

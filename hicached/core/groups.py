@@ -24,15 +24,12 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
-import numpy as np
-
-from hicached.cache.index import ContentIndex
 from hicached.config import HostConfig
-from hicached.core.journal import GroupJournal, JournalStore, PoolRecord
-from hicached.core.types import PoolRequest, PoolRole, PoolState, WorkerId
+from hicached.core.group_state import GroupState
+from hicached.core.journal import GroupJournal, JournalStore
+from hicached.core.types import PoolRequest, PoolRole, WorkerId
 from hicached.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -41,7 +38,7 @@ from hicached.errors import (
     NotFound,
     ResourceExhausted,
 )
-from hicached.l2.group import HostPoolGroup, PoolEntry, PoolTransfer
+from hicached.l2.group import HostPoolGroup, PoolEntry
 from hicached.l2.host_pool import HostKVPool, create_host_pool, open_host_pool
 from hicached.l2.layout import PoolKind, host_pages_for
 from hicached.l2.owners import OwnerRecord, reclaim_dead
@@ -136,168 +133,6 @@ def validate_pool_requests(pools: Sequence[PoolRequest]) -> None:
                     f"pool {p.name!r} buffer {i}: shape {list(buf.shape)} must be (tokens, heads, dim) "
                     f"with tokens a positive multiple of page_size={p.spec.page_size}"
                 )
-
-
-@dataclass
-class GroupState:
-    """One shared host pool group, its in-flight page counts and its content index."""
-
-    group_id: str
-    model_name: str
-    group: HostPoolGroup
-    nbytes: int
-    index: ContentIndex | None = None  # set by the composition root (KeyedCache.attach_group)
-    last_used: float = field(default_factory=time.monotonic)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _busy: dict[str, np.ndarray] = field(default_factory=dict)
-    _pending: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for entry in self.group.entries:
-            total = entry.host_pool.total_pages
-            self._busy[entry.name] = np.zeros(total, dtype=np.int32)
-            self._pending[entry.name] = np.zeros(total, dtype=bool)
-
-    def pool(self, name: str) -> HostKVPool:
-        return self.group.get_pool(name)
-
-    def states(self) -> tuple[PoolState, ...]:
-        out = []
-        for e in self.group.entries:
-            p = e.host_pool
-            role = (
-                PoolRole.ANCHOR
-                if e.is_primary_index_anchor
-                else PoolRole.DERIVED
-                if e.indices_from_pool
-                else PoolRole.SIDECAR
-            )
-            out.append(
-                PoolState(
-                    name=e.name,
-                    role=role,
-                    layout=p.layout,
-                    page_size=p.page_size,
-                    total_pages=p.num_pages,
-                    free_pages=p.allocator.available(),
-                    page_bytes=p.page_bytes,
-                    segment=p.segment.name,
-                )
-            )
-        return tuple(out)
-
-    def owning_pools(self) -> list[str]:
-        """Pools that allocate their own pages (not derived)."""
-        return [e.name for e in self.group.entries if not e.indices_from_pool]
-
-    # -- in-flight copies defer frees (a free racing a copy must not recycle its pages)
-
-    def acquire(self, pages: Iterable[tuple[str, np.ndarray]]) -> None:
-        with self._lock:
-            for name, idx in pages:
-                np.add.at(self._busy[name], idx, 1)
-
-    def release(self, pages: Iterable[tuple[str, np.ndarray]]) -> int:
-        """Drop in-flight marks; frees pages whose free was deferred. Returns pages freed."""
-        freed = 0
-        with self._lock:
-            for name, idx in pages:
-                busy = self._busy[name]
-                np.subtract.at(busy, idx, 1)
-                pending = self._pending[name]
-                ready = idx[(busy[idx] == 0) & pending[idx]]
-                if len(ready):
-                    ready = np.unique(ready)
-                    pending[ready] = False
-                    freed += self.pool(name).allocator.free(ready)
-        return freed
-
-    def free(self, name: str, pages: np.ndarray) -> int:
-        """Free pages now, or when their in-flight copies finish. Validates first."""
-        if len(pages) == 0:
-            return 0
-        with self._lock:
-            self._check_free_locked(name, pages)
-            return self._free_locked(name, pages)
-
-    def _check_free_locked(self, name: str, pages: np.ndarray) -> None:
-        if len(np.unique(pages)) != len(pages):
-            raise InvalidArgument(f"duplicate host pages in free of pool {name!r}")
-        allocated = self.pool(name).allocator.is_allocated(pages)
-        pending = self._pending[name][pages]
-        bad = pages[~allocated | pending]
-        if len(bad):
-            raise FailedPrecondition(
-                f"host page {int(bad[0])} of pool {name!r} is not allocated (double free?)"
-            )
-
-    def _free_locked(self, name: str, pages: np.ndarray) -> int:
-        busy = self._busy[name][pages] > 0
-        self._pending[name][pages[busy]] = True
-        return self.pool(name).allocator.free(pages[~busy])
-
-    def allocated_transfers(self, transfers: Iterable[PoolTransfer]) -> list[PoolTransfer]:
-        """The transfers whose pages a release frees: marked ``host_allocated``, with pages,
-        of a pool that allocates (a derived pool shares its source's pages: skipped by role)."""
-        return [
-            t
-            for t in transfers
-            if t.host_allocated
-            and t.host_indices is not None
-            and len(t.host_indices)
-            and not self.group.get_entry(t.name).indices_from_pool
-        ]
-
-    def release_transfers(self, transfers: Iterable[PoolTransfer]) -> int:
-        """Free what a resolve allocated (exactly once; derived and given pages untouched).
-
-        Atomic: the whole batch is validated (unknown pool: NotFound; a page
-        not allocated, listed twice or already being freed: FailedPrecondition
-        or InvalidArgument) before any page is freed.
-        """
-        owned = self.allocated_transfers(transfers)
-        with self._lock:
-            merged: dict[str, list[np.ndarray]] = {}
-            for t in owned:
-                merged.setdefault(t.name, []).append(np.asarray(t.host_indices, dtype=np.int64))
-            batch = {name: np.concatenate(arrays) for name, arrays in merged.items()}
-            for name, pages in batch.items():
-                self._check_free_locked(name, pages)
-            return sum(self._free_locked(name, pages) for name, pages in batch.items())
-
-    def journal(self) -> GroupJournal:
-        """Freeze the content index and describe the group for a warm restart (see export_entries)."""
-        entries = self.index.export_entries() if self.index is not None else []
-        pools = tuple(
-            PoolRecord(e.name, e.host_pool.num_pages, e.host_pool.segment.name) for e in self.group.entries
-        )
-        return GroupJournal(self.group_id, pools, tuple(entries))
-
-    def close(self, journal: JournalStore | None = None) -> None:
-        """Close the index (freeing its pages) and the pools.
-
-        With ``journal`` (a clean warm-restart shutdown; sessions already ended)
-        the group's journal is written first and the segments keep their names
-        for the next daemon; without it, or when the journal cannot be
-        written, the segments are unlinked.
-        """
-        kept = False
-        if journal is not None:
-            try:
-                path = journal.write(self.journal())
-                kept = True
-                logger.info("journaled pool group %s for a warm restart (%s)", self.group_id, path)
-            except (OSError, HiCacheError) as exc:
-                logger.warning(
-                    "pool group %s: warm-restart journal not written (%s); dropping it", self.group_id, exc
-                )
-        if self.index is not None:
-            self.index.close()
-        pools = [e.host_pool for e in self.group.entries]
-        self.group.close()
-        if not kept:
-            for pool in pools:
-                pool.unlink()
 
 
 def _check_join(state: GroupState, plan: Sequence[tuple[PoolRequest, int, int]]) -> None:
@@ -578,12 +413,6 @@ class GroupRegistry:
         return GroupState(
             group_id=gid, model_name=model, group=group, nbytes=sum(n for *_, n in plan)
         ), journal
-
-    def retire(self, group_id: str) -> None:
-        with self._lock:
-            state = self._groups.pop(group_id, None)
-        if state is not None:
-            state.close()
 
     def close(self) -> None:
         """Release every group (shutdown: sessions have ended). Under warm restart each

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hicached.cache.entries import EntryRecord
 from hicached.errors import FailedPrecondition
+from hicached.index.entries import EntryRecord
 
 __all__ = ["JOURNAL_FORMAT", "JOURNAL_VERSION", "GroupJournal", "JournalStore", "PoolRecord"]
 

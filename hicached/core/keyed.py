@@ -17,24 +17,22 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from hicached.cache.index import ContentIndex
-from hicached.cache.observer import CacheObserver, MetricsObserver
-from hicached.cache.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
 from hicached.config import Config
-from hicached.core.groups import GroupState
-from hicached.core.service import HiCacheCore, check_indices
+from hicached.core.checks import check_indices
+from hicached.core.group_state import GroupState
+from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
 from hicached.core.types import Ack
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from hicached.index.index import ContentIndex
+from hicached.index.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
 from hicached.l2.group import PoolTransfer
-from hicached.l3.base import BackendStats, StorageBackend
-from hicached.metrics import Metrics
+from hicached.l3.base import StorageBackend
 from hicached.transfer.engine import Priority
 from hicached.transfer.plan import Direction
 
@@ -85,43 +83,14 @@ def client_key(key: str) -> str:
 class KeyedCache:
     """Thread-safe (the index and the core lock their own state)."""
 
-    def __init__(self, config: Config, *, backend: StorageBackend | None, metrics: Metrics | None) -> None:
+    def __init__(self, config: Config, *, core: HiCacheCore, backend: StorageBackend | None) -> None:
         self._cfg = config
-        self._backend = backend
-        self._metrics = metrics
-        self._core: HiCacheCore | None = None
-        self._prefetch_owner: dict[str, str] = {}
-        self._lock = threading.Lock()
-
-    def bind(self, core: HiCacheCore) -> None:
         self._core = core
+        self._backend = backend
 
     @property
     def core(self) -> HiCacheCore:
-        if self._core is None:
-            raise FailedPrecondition("keyed cache is not bound to a core")
         return self._core
-
-    def attach_group(self, state: GroupState) -> None:
-        """Give a new pool group its content index (installs the reclaim callbacks)."""
-        l3 = self._cfg.l3
-        observer: CacheObserver = (
-            MetricsObserver(
-                self._metrics, backend=l3.backend, page_size=state.group.anchor.host_pool.page_size
-            )
-            if self._metrics is not None
-            else CacheObserver()
-        )
-        state.index = ContentIndex(
-            state.group,
-            namespace=f"hicached/{state.group_id}",
-            backend=self._backend,
-            write_policy=l3.write_policy,
-            io_workers=l3.io_workers,
-            observer=observer,
-            prefetch_timeout_base_s=l3.prefetch_timeout_base_s,
-            prefetch_timeout_per_1k_tokens_s=l3.prefetch_timeout_per_1k_tokens_s,
-        )
 
     def _ctx(self, session_id: str) -> tuple[Session, GroupState, ContentIndex]:
         session, state = self.core.session_group(session_id)
@@ -432,11 +401,6 @@ class KeyedCache:
             l2 += a
             l3 += b
         return l2, l3
-
-    def backend_stats(self) -> tuple[str, BackendStats] | None:
-        if self._backend is None:
-            return None
-        return self._cfg.l3.backend, self._backend.stats()
 
     def close(self) -> None:
         """The indexes are closed with their groups (GroupState.close)."""

@@ -21,30 +21,31 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from hicached.config import Config
-from hicached.core.groups import GroupRegistry, GroupState, validate_pool_requests, validate_worker
+from hicached.core.checks import bind_derived, check_indices, check_owned, check_transfers, known_pool
+from hicached.core.group_state import GroupState
+from hicached.core.groups import GroupRegistry, validate_pool_requests, validate_worker
+from hicached.core.hooks import CoreHooks
+from hicached.core.retraction import BackupStore
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
+from hicached.core.stats import BackupStats, DaemonStats, GroupStats, SessionStats
 from hicached.core.types import (
     Ack,
     AttachResult,
     PeerCred,
     PoolRequest,
     PoolRole,
-    PoolState,
     RetractResult,
     TransferResult,
     WorkerId,
 )
 from hicached.errors import (
-    DoubleFree,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
-    OutOfRange,
     PermissionDenied,
     Unavailable,
 )
@@ -52,58 +53,11 @@ from hicached.l2.allocator import as_page_array
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine, Priority
 from hicached.transfer.handles import DeviceMappings, medium_of
-from hicached.transfer.plan import CopyPlan, DevicePoolView, Direction, build_plan
+from hicached.transfer.plan import DevicePoolView, Direction, build_plan
 
 logger = logging.getLogger(__name__)
 
 LayerCallback = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class SessionStats:
-    session_id: str
-    worker: WorkerId
-    group_id: str
-    owned_pages: int
-    lease_expires_unix_ms: int
-
-
-@dataclass(frozen=True)
-class GroupStats:
-    group_id: str
-    model_name: str
-    pools: tuple[PoolState, ...]
-    indexed_pages: int
-    sessions: int
-
-
-@dataclass(frozen=True)
-class BackupStats:
-    backup_id: str
-    session_id: str
-    request_id: str
-    pages: int
-    lease_expires_unix_ms: int
-
-
-@dataclass(frozen=True)
-class DaemonStats:
-    sessions: tuple[SessionStats, ...]
-    groups: tuple[GroupStats, ...]
-    backups: tuple[BackupStats, ...]
-    host_budget_bytes: int
-    host_used_bytes: int
-    draining: bool
-
-
-class CoreHooks:
-    """Observation points (metrics); every hook is a no-op by default."""
-
-    def on_session(self, event: str, session: Session) -> None:
-        """A session was attached, detached, replaced or expired."""
-
-    def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float, model: str = "") -> None:
-        """A copy finished (``model``: the pool group's model name, for per-model metrics)."""
 
 
 class HiCacheCore:
@@ -124,9 +78,9 @@ class HiCacheCore:
         self._attach_index = attach_index or (lambda state: None)
         self._hooks = hooks or CoreHooks()
         self._sessions = SessionTable()
-        self._backups: dict[str, Backup] = {}
-        self._backups_lock = threading.Lock()
+        self._backups = BackupStore()
         self._detached: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._detached_lock = threading.Lock()
         self._draining = threading.Event()
         self._closed = False
 
@@ -247,7 +201,7 @@ class HiCacheCore:
             session = self._sessions.get(session_id)
         except NotFound:
             # A retried detach whose first attempt succeeded gets the first answer.
-            with self._backups_lock:
+            with self._detached_lock:
                 done = self._detached.get((session_id, op_id)) if op_id else None
             if done is None:
                 raise
@@ -260,7 +214,7 @@ class HiCacheCore:
             in_flight=False,
         )
         if op_id:
-            with self._backups_lock:
+            with self._detached_lock:
                 self._detached[(session_id, op_id)] = freed
                 while len(self._detached) > self._cfg.sessions.op_cache_size:
                     self._detached.popitem(last=False)
@@ -277,11 +231,7 @@ class HiCacheCore:
         for session in self._sessions.expired(now):
             self._end(session, "expired")
             ended.append(session.session_id)
-        with self._backups_lock:
-            stale = [b for b in self._backups.values() if b.expires_ms <= now]
-            for b in stale:
-                del self._backups[b.backup_id]
-        for b in stale:
+        for b in self._backups.take_expired(now):
             self._free_backup(b)
         return ended
 
@@ -317,11 +267,7 @@ class HiCacheCore:
         freed = 0
         for pool, pages in session.ledger.take_all().items():
             freed += state.free(pool, pages)
-        with self._backups_lock:
-            mine = [b for b in self._backups.values() if b.session_id == session.session_id]
-            for b in mine:
-                del self._backups[b.backup_id]
-        for b in mine:
+        for b in self._backups.take_session(session.session_id):
             freed += self._free_backup(b)
         index = state.index
         for pid in list(session.prefetches):
@@ -355,94 +301,15 @@ class HiCacheCore:
         need_device: bool = True,
         host: str = "optional",  # "required", "optional", "forbidden"
     ) -> list[PoolTransfer]:
-        """Validate names, lengths, ranges and duplicates; returns normalized copies."""
-        out = []
-        seen: set[str] = set()
-        total = 0
-        for t in transfers:
-            view = self._view(session, state, t.name)
-            if t.name in seen:
-                raise InvalidArgument(f"pool {t.name!r} appears twice in one batch")
-            seen.add(t.name)
-            dev = as_page_array(
-                () if t.device_indices is None else t.device_indices, f"pool {t.name!r} device pages"
-            )
-            hst = (
-                None
-                if t.host_indices is None or len(t.host_indices) == 0
-                else as_page_array(t.host_indices, f"pool {t.name!r} host pages")
-            )
-            total += len(dev)
-            if need_device:
-                check_indices(t.name, "device", dev, view.num_pages, unique=True)
-            derived = state.group.get_entry(t.name).indices_from_pool
-            if host == "required" and hst is None and len(dev) and not derived:
-                raise InvalidArgument(f"pool {t.name!r}: host_pages are required for this call")
-            if host == "forbidden" and hst is not None:
-                raise InvalidArgument(f"pool {t.name!r}: host_pages must be empty for this call")
-            if hst is not None:
-                if need_device and len(hst) != len(dev):
-                    raise InvalidArgument(
-                        f"pool {t.name!r}: {len(dev)} device pages but {len(hst)} host pages (must match)"
-                    )
-                check_indices(t.name, "host", hst, state.pool(t.name).num_pages)
-            out.append(PoolTransfer(name=t.name, device_indices=dev, host_indices=hst))
-        if total > self._cfg.server.max_batch_pages:
-            raise InvalidArgument(
-                f"batch of {total} pages exceeds server.max_batch_pages={self._cfg.server.max_batch_pages}; "
-                "split it into several calls"
-            )
-        return out
-
-    @staticmethod
-    def _known_pool(state: GroupState, name: str) -> None:
-        if name not in {e.name for e in state.group.entries}:
-            raise NotFound(
-                f"unknown pool {name!r} (this session's pools: {sorted(e.name for e in state.group.entries)})"
-            )
-
-    def _view(self, session: Session, state: GroupState, name: str) -> DevicePoolView:
-        """The session's device view of a pool; byte-only pools have none."""
-        self._known_pool(state, name)
-        view = session.views.get(name)
-        if view is None:
-            raise FailedPrecondition(
-                f"pool {name!r} has no device buffers in this session (byte-only): use PutBytes/GetBytes, "
-                "or attach with device buffers to move pages by index"
-            )
-        return view
-
-    @staticmethod
-    def bind_derived(state: GroupState, transfers: Sequence[PoolTransfer]) -> list[PoolTransfer]:
-        """Give derived pools without pages their source's device and host pages."""
-        by_name = {t.name: t for t in transfers}
-        out = []
-        for t in transfers:
-            source = state.group.get_entry(t.name).indices_from_pool
-            src = by_name.get(source) if source else None
-            bound = t
-            if src is not None and (t.device_indices is None or len(t.device_indices) == 0):
-                bound = replace(t, device_indices=src.device_indices, host_indices=src.host_indices)
-            elif src is not None and t.host_indices is None:
-                bound = replace(t, host_indices=src.host_indices)
-            out.append(bound)
-        return out
-
-    def check_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> None:
-        for t in transfers:
-            if t.host_indices is None or len(t.host_indices) == 0:
-                continue
-            owner_pool = state.group.get_entry(t.name).indices_from_pool or t.name
-            allocated = state.pool(owner_pool).allocator.is_allocated(t.host_indices)
-            if not allocated.all():
-                page = int(t.host_indices[~allocated][0])
-                raise DoubleFree(f"host page {page} of pool {owner_pool!r} is not allocated (already freed?)")
-            owned = session.ledger.owns(owner_pool, t.host_indices)
-            if not owned.all():
-                page = int(t.host_indices[~owned][0])
-                raise PermissionDenied(
-                    f"host page {page} of pool {owner_pool!r} is not owned by session {session.session_id}"
-                )
+        """:func:`hicached.core.checks.check_transfers` under this daemon's batch limit."""
+        return check_transfers(
+            session,
+            state,
+            transfers,
+            max_batch_pages=self._cfg.server.max_batch_pages,
+            need_device=need_device,
+            host=host,
+        )
 
     # ----------------------------------------------------------------- the copies
 
@@ -511,7 +378,7 @@ class HiCacheCore:
 
     def alloc(self, session_id: str, op_id: str, pool: str, num_pages: int) -> np.ndarray | None:
         session, state = self._session(session_id)
-        self._known_pool(state, pool)
+        known_pool(state, pool)
         entry = state.group.get_entry(pool)
         if entry.indices_from_pool:
             raise InvalidArgument(
@@ -534,12 +401,12 @@ class HiCacheCore:
 
     def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
         session, state = self._session(session_id)
-        self._known_pool(state, pool)
+        known_pool(state, pool)
         arr = as_page_array(pages, f"pool {pool!r} host pages")
 
         def run() -> int:
             check_indices(pool, "host", arr, state.pool(pool).num_pages)
-            self.check_owned(session, state, [PoolTransfer(pool, arr, arr)])
+            check_owned(session, state, [PoolTransfer(pool, arr, arr)])
             freed = state.free(pool, arr)
             session.ledger.remove(pool, arr)
             return freed
@@ -551,7 +418,7 @@ class HiCacheCore:
         checked = self.check_transfers(session, state, transfers)
 
         def run() -> TransferResult:
-            self.check_owned(session, state, checked)  # inside: a replay must not re-check
+            check_owned(session, state, checked)  # inside: a replay must not re-check
             return self.allocate(session, state, checked)
 
         return session.run("ResolveTransfers", op_id, checked, run)
@@ -564,7 +431,7 @@ class HiCacheCore:
         ]
 
         def run() -> int:
-            self.check_owned(session, state, state.allocated_transfers(flagged))  # the whole batch first
+            check_owned(session, state, state.allocated_transfers(flagged))  # the whole batch first
             return self.release_owned(session, state, flagged)
 
         return session.run("ReleaseTransfers", op_id, flagged, run)
@@ -577,10 +444,10 @@ class HiCacheCore:
         session, state = self._session(session_id)
         checked = self.check_transfers(session, state, transfers, host="optional" if allocate else "required")
         if not allocate:
-            checked = self.bind_derived(state, checked)
+            checked = bind_derived(state, checked)
 
         def run() -> TransferResult:
-            self.check_owned(session, state, checked)
+            check_owned(session, state, checked)
             resolved = (
                 self.allocate(session, state, checked) if allocate else TransferResult(True, tuple(checked))
             )
@@ -606,10 +473,10 @@ class HiCacheCore:
         on_layer: LayerCallback | None = None,
     ) -> tuple[Ack, ...]:
         session, state = self._session(session_id)
-        checked = self.bind_derived(state, self.check_transfers(session, state, transfers, host="required"))
+        checked = bind_derived(state, self.check_transfers(session, state, transfers, host="required"))
 
         def run() -> tuple[Ack, ...]:
-            self.check_owned(session, state, checked)
+            check_owned(session, state, checked)
             return self.copy_pages(
                 session, state, Direction.H2D, checked, priority=Priority.DEMAND, on_layer=on_layer
             )
@@ -662,22 +529,12 @@ class HiCacheCore:
                 num_tokens=num_tokens,
                 expires_ms=now_ms() + lease,
             )
-            with self._backups_lock:
-                self._backups[backup.backup_id] = backup
+            self._backups.add(backup)
             return RetractResult(
                 ok=True, backup_id=backup.backup_id, lease_expires_unix_ms=backup.expires_ms, acks=acks
             )
 
         return session.run("RetractBackup", op_id, (request_id, checked, num_tokens, lease), run)
-
-    def _backup_of(self, session: Session, backup_id: str) -> Backup:
-        with self._backups_lock:
-            backup = self._backups.get(backup_id)
-        if backup is None:
-            raise NotFound(f"unknown retraction backup {backup_id!r} (restored, discarded or expired)")
-        if backup.session_id != session.session_id:
-            raise PermissionDenied(f"retraction backup {backup_id!r} belongs to another session")
-        return backup
 
     def retract_restore(
         self,
@@ -691,10 +548,8 @@ class HiCacheCore:
         session, state = self._session(session_id)
 
         def run() -> tuple[Ack, ...]:
-            backup = self._backup_of(session, backup_id)
-            checked = self.bind_derived(
-                state, self.check_transfers(session, state, transfers, host="forbidden")
-            )
+            backup = self._backups.owned(session.session_id, backup_id)
+            checked = bind_derived(state, self.check_transfers(session, state, transfers, host="forbidden"))
             saved = {t.name: t for t in backup.transfers}
             given = {t.name: t for t in checked}
             if set(saved) != set(given):
@@ -710,18 +565,16 @@ class HiCacheCore:
                         f"restore of pool {name!r}: backup holds {want} pages, got {got} device pages"
                     )
             bound = [replace(t, host_indices=saved[t.name].host_indices) for t in checked]
-            with self._backups_lock:
-                if self._backups.pop(backup_id, None) is None:
-                    raise NotFound(
-                        f"unknown retraction backup {backup_id!r} (restored or discarded concurrently)"
-                    )
+            if self._backups.take(backup_id) is None:
+                raise NotFound(
+                    f"unknown retraction backup {backup_id!r} (restored or discarded concurrently)"
+                )
             try:
                 acks = self.copy_pages(
                     session, state, Direction.H2D, bound, priority=Priority.RESTORE, on_layer=on_layer
                 )
             except BaseException:
-                with self._backups_lock:  # the backup stays restorable
-                    self._backups[backup_id] = backup
+                self._backups.add(backup)  # the backup stays restorable
                 raise
             state.release_transfers(backup.transfers)
             return acks
@@ -732,10 +585,9 @@ class HiCacheCore:
         session, state = self._session(session_id)
 
         def run() -> int:
-            backup = self._backup_of(session, backup_id)
-            with self._backups_lock:
-                if self._backups.pop(backup_id, None) is None:
-                    raise NotFound(f"unknown retraction backup {backup_id!r}")
+            backup = self._backups.owned(session.session_id, backup_id)
+            if self._backups.take(backup_id) is None:
+                raise NotFound(f"unknown retraction backup {backup_id!r}")
             return state.release_transfers(backup.transfers)
 
         return session.run("RetractDiscard", op_id, backup_id, run)
@@ -749,8 +601,7 @@ class HiCacheCore:
         groups = self._groups.all()
         if session_id:
             groups = [g for g in groups if g.group_id == sessions[0].group_id]
-        with self._backups_lock:
-            backups = [b for b in self._backups.values() if not session_id or b.session_id == session_id]
+        backups = self._backups.snapshot(session_id)
         return DaemonStats(
             sessions=tuple(
                 SessionStats(s.session_id, s.worker, s.group_id, s.ledger.count(), s.expires_ms)
@@ -781,6 +632,14 @@ class HiCacheCore:
     def check_secret(self, session_id: str, secret: str) -> None:
         """PermissionDenied unless ``secret`` is session ``session_id``'s secret (unknown ids pass)."""
         self._sessions.check_secret(session_id, secret)
+
+    def anchor_pool(self, session_id: str) -> str:
+        """The name of the anchor pool of session ``session_id``'s group (NotFound for unknown ids)."""
+        return self._session(session_id)[1].group.anchor.name
+
+    def session_worker(self, session_id: str) -> WorkerId:
+        """The worker identity session ``session_id`` attached with (NotFound for unknown ids)."""
+        return self._session(session_id)[0].worker
 
     def session_group(self, session_id: str) -> tuple[Session, GroupState]:
         """For the content-cache operations (``hicached.core.keyed``)."""
@@ -824,30 +683,13 @@ class HiCacheCore:
         self._closed = True
         for session in self._sessions.all():
             self._end(session, "shutdown", wait_s=self._cfg.server.grace_s)
-        with self._backups_lock:
-            leftover = list(self._backups.values())
-            self._backups.clear()
-        for b in leftover:
+        for b in self._backups.take_all():
             self._free_backup(b)
         self._groups.close()
 
 
 def _indexed(state: GroupState) -> int:
     return 0 if state.index is None else state.index.stats().entries
-
-
-def check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique: bool = True) -> None:
-    """Negative or repeated pages: InvalidArgument; a page >= ``limit``: OutOfRange."""
-    if len(pages) == 0:
-        return
-    lo, hi = int(pages.min()), int(pages.max())
-    if lo < 0:
-        raise InvalidArgument(f"pool {pool!r}: negative {side} page index {lo}")
-    if hi >= limit:
-        raise OutOfRange(f"pool {pool!r}: {side} page {hi} out of range (pool has {limit} pages)")
-    if unique and len(np.unique(pages)) != len(pages):
-        values, counts = np.unique(pages, return_counts=True)
-        raise InvalidArgument(f"pool {pool!r}: duplicate {side} page {int(values[counts > 1][0])}")
 
 
 __all__ = ["HiCacheCore", "PoolRole"]

@@ -437,8 +437,3 @@ class SessionTable:
     def in_group(self, group_id: str) -> int:
         with self._lock:
             return sum(1 for s in self._by_id.values() if s.group_id == group_id)
-
-
-def require_owner(session: Session, owner_session_id: str, what: str) -> None:
-    if owner_session_id != session.session_id:
-        raise PermissionDenied(f"{what} belongs to another session")

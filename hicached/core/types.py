@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from hicached.l2.group import PoolTransfer
 from hicached.l2.layout import HostLayout, KVSpec
@@ -146,12 +144,3 @@ class RetractResult:
     backup_id: str = ""
     lease_expires_unix_ms: int = 0
     acks: tuple[Ack, ...] = ()
-
-
-@dataclass
-class BatchIndices:
-    """Validated indices of one pool in a request (fresh int64 arrays)."""
-
-    pool: str
-    device: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    host: np.ndarray | None = None

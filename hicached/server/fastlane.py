@@ -77,11 +77,6 @@ class LaneServer:
     def path(self) -> Path:
         return self._path
 
-    @property
-    def open_lanes(self) -> int:
-        with self._lock:
-            return sum(self._per_session.values())
-
     def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._path.unlink()  # a stale socket of a dead daemon (the gRPC socket was free too)

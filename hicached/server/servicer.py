@@ -30,13 +30,14 @@ from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 from hicached_client.v1 import types_pb2 as tpb
 
 from hicached import __version__
-from hicached.cache.types import PrefetchState
 from hicached.config import LimitsConfig
 from hicached.core.keyed import KeyedCache
-from hicached.core.service import DaemonStats, HiCacheCore
+from hicached.core.service import HiCacheCore
+from hicached.core.stats import DaemonStats
 from hicached.core.types import Ack, PeerCred
 from hicached.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented, clip
-from hicached.l3.keys import page_keys
+from hicached.index.keys import page_keys
+from hicached.index.types import PrefetchState
 from hicached.l3.stats_cache import StatsCache
 from hicached.server import convert
 from hicached.server.handoff import HandoffRegistry
@@ -109,8 +110,7 @@ class _Base:
         self.core.check_secret(session_id, secret)
 
     def _anchor(self, session_id: str) -> str:
-        _, state = self.core.session_group(session_id)
-        return state.group.anchor.name
+        return self.core.anchor_pool(session_id)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """On the copy lane (calls that wait for the copy engine)."""
@@ -767,8 +767,7 @@ class AdminServicer(_Base, pb_grpc.AdminServiceServicer):
         if not self.is_admin(context):
             if not request.session_id:
                 self.require_admin(context, "ClearNamespace without session_id (any tenant)")
-            session, _ = self.core.session_group(request.session_id)
-            own = session.worker
+            own = self.core.session_worker(request.session_id)
             same_tenant(own.tenant, request.tenant, "tenant")
             if model and model != own.model_name:
                 raise PermissionDenied(

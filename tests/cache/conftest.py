@@ -14,7 +14,7 @@ import pytest
 import torch
 from servers import RedisServer, redis_server
 
-from hicached.cache import ContentIndex, WritePolicy
+from hicached.index import ContentIndex, WritePolicy
 from hicached.l2 import HostKVPool, HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.l3 import StorageBackend, create_backend
 from hicached.l3.base import BackendStats

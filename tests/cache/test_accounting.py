@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicached.cache import ContentIndex, Pin, WritePolicy
+from hicached.index import ContentIndex, Pin, WritePolicy
 from hicached.l2 import HostKVPool, HostLayout, HostPoolGroup, PoolEntry, create_host_pool
 from hicached.l3 import create_backend
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hicached.cache import BackupResult, ContentIndex, LookupResult, WritePolicy
 from hicached.errors import FailedPrecondition, ResourceExhausted
+from hicached.index import BackupResult, ContentIndex, LookupResult, WritePolicy
 from hicached.l2 import HostPoolGroup
 from hicached.l3 import StorageBackend, create_backend
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from hicached.cache import ContentIndex, LookupResult
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicached.index import ContentIndex, LookupResult
+from hicached.index.keys import page_keys
 from hicached.l2 import HostPoolGroup, PoolTransfer
-from hicached.l3 import page_keys
 
 from .conftest import PAGE_SIZE, keys_of, page_pattern, pin_bytes, write_pages
 

@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from hicached.cache import PrefetchPolicy, PrefetchState, PrefetchStatus, PrefetchTask
-from hicached.cache.jobs import BackupJob, IoPriority, IoScheduler
 from hicached.errors import InvalidArgument
+from hicached.index import PrefetchPolicy, PrefetchState, PrefetchStatus, PrefetchTask
+from hicached.index.jobs import BackupJob, IoPriority, IoScheduler
 
 
 class Recorder:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hicached.cache import ContentIndex, MetricsObserver, PrefetchPolicy, PrefetchState
+from hicached.index import ContentIndex, MetricsObserver, PrefetchPolicy, PrefetchState
 from hicached.l2 import HostPoolGroup
 from hicached.l3 import StorageBackend
 from hicached.metrics import Metrics

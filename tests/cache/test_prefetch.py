@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hicached.cache import (
+from hicached.errors import InvalidArgument, NotFound
+from hicached.index import (
     ContentIndex,
     LookupResult,
     PrefetchPolicy,
@@ -18,7 +19,6 @@ from hicached.cache import (
     PrefetchTask,
     prefetch_deadline_s,
 )
-from hicached.errors import InvalidArgument, NotFound
 from hicached.l2 import HostPoolGroup
 from hicached.l3 import StorageBackend, create_backend
 

@@ -26,6 +26,7 @@ from hicached.core.groups import GroupRegistry
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.core.types import PoolRequest, WorkerId
+from hicached.daemon import attach_content_index
 from hicached.server import convert
 from hicached.transfer.engine import CopyEngine
 
@@ -120,11 +121,13 @@ def make_core() -> Iterator[Callable[..., Core]]:
             for name in ("kv", "swa", "draft")
         }
         engine = CopyEngine(workers=1, max_queued_bytes=cfg.copy.max_queued)
-        keyed = KeyedCache(cfg, backend=None, metrics=None)
         core = HiCacheCore(
-            cfg, groups=GroupRegistry(cfg.host, daemon_id=tag), engine=engine, attach_index=keyed.attach_group
+            cfg,
+            groups=GroupRegistry(cfg.host, daemon_id=tag),
+            engine=engine,
+            attach_index=lambda state: attach_content_index(cfg, state, backend=None, metrics=None),
         )
-        keyed.bind(core)
+        keyed = KeyedCache(cfg, core=core, backend=None)
         c = Core(core, keyed, device)
         made.append((c, engine))
         return c

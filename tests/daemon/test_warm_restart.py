@@ -20,10 +20,10 @@ import pytest
 import torch
 from hicached_client import HiCacheClient, TokenChain, WorkerIdentity
 
-from hicached.cache import ContentIndex
-from hicached.cache.entries import EntryRecord
 from hicached.core.journal import GroupJournal, JournalStore, PoolRecord
 from hicached.errors import FailedPrecondition, InvalidArgument, Unavailable
+from hicached.index import ContentIndex
+from hicached.index.entries import EntryRecord
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from tests.integration.daemon import Daemon, start_daemon
 from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag

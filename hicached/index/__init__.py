@@ -1,14 +1,14 @@
-"""The daemon's content-addressed cache: key -> L2 page index, L3 prefetch and backup.
+"""The content index: key -> L2 pages, L3 prefetch and backup, content-key hashing (:mod:`.keys`).
 
 Pure Python over :mod:`hicached.l2` and :mod:`hicached.l3`; nothing here
 knows about gRPC. The server builds one :class:`ContentIndex` per host pool
 group.
 """
 
-from hicached.cache.index import ContentIndex
-from hicached.cache.jobs import PrefetchTask
-from hicached.cache.observer import CacheObserver, MetricsObserver
-from hicached.cache.types import (
+from hicached.index.index import ContentIndex
+from hicached.index.jobs import PrefetchTask
+from hicached.index.observer import CacheObserver, MetricsObserver
+from hicached.index.types import (
     DEFAULT_BATCH_PAGES,
     BackupResult,
     IndexStats,

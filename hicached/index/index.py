@@ -4,7 +4,7 @@ One :class:`ContentIndex` serves one host pool group, i.e. one model/layout
 namespace shared by every worker attached to it: a page one worker published
 can be pinned and loaded by another (worker B reuses worker A's prefix).
 Tenants never match because their key chains are seeded differently
-(:func:`hicached.l3.keys.page_keys`); each entry also keeps its tenant label
+(:func:`hicached.index.keys.page_keys`); each entry also keeps its tenant label
 so :meth:`ContentIndex.clear` can drop one tenant.
 
 Ownership: the index owns the pages of every key it holds (one page per
@@ -47,8 +47,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from hicached.cache.backup import BackupMixin
-from hicached.cache.entries import (
+from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from hicached.index.backup import BackupMixin
+from hicached.index.entries import (
     SELECTIVE_HITS,
     Entry,
     EntryRecord,
@@ -57,10 +58,10 @@ from hicached.cache.entries import (
     check_records,
     check_rows,
 )
-from hicached.cache.jobs import IoPriority, IoScheduler, PrefetchTask
-from hicached.cache.observer import CacheObserver
-from hicached.cache.pools import GroupView
-from hicached.cache.types import (
+from hicached.index.jobs import IoPriority, IoScheduler, PrefetchTask
+from hicached.index.observer import CacheObserver
+from hicached.index.pools import GroupView
+from hicached.index.types import (
     DEFAULT_BATCH_PAGES,
     IndexStats,
     LookupResult,
@@ -69,7 +70,6 @@ from hicached.cache.types import (
     WritePolicy,
     prefetch_deadline_s,
 )
-from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from hicached.l2.allocator import PageAllocator, PageArray
 from hicached.l2.group import HostPoolGroup
 from hicached.l3.base import StorageBackend

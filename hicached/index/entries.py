@@ -1,4 +1,4 @@
-"""The content index's entries and input checks (internal to :mod:`hicached.cache`)."""
+"""The content index's entries and input checks (internal to :mod:`hicached.index`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from hicached.cache.pools import GroupView
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicached.index.pools import GroupView
 from hicached.l2.allocator import PageArray, as_page_array
 
 __all__ = ["SELECTIVE_HITS", "Entry", "EntryRecord", "batches", "check_keys", "check_records", "check_rows"]

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
-from hicached.cache.types import PrefetchPolicy, PrefetchState, PrefetchStatus
 from hicached.errors import InvalidArgument, Unavailable
+from hicached.index.types import PrefetchPolicy, PrefetchState, PrefetchStatus
 
 __all__ = ["BackupJob", "IoJob", "IoPriority", "IoScheduler", "PrefetchTask"]
 

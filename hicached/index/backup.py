@@ -1,6 +1,6 @@
 """The L2 -> L3 half of the content index: write policies, backup jobs, flush, write-back eviction.
 
-:class:`BackupMixin` is a part of :class:`hicached.cache.index.ContentIndex`
+:class:`BackupMixin` is a part of :class:`hicached.index.index.ContentIndex`
 kept in its own module; it shares the index's lock and state (declared
 below) and is not usable on its own. Locking rules are the index's: state
 changes under ``_lock``, L3 I/O outside it.
@@ -14,12 +14,12 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-from hicached.cache.entries import Entry, batches, check_keys
-from hicached.cache.jobs import BackupJob, IoPriority, IoScheduler
-from hicached.cache.observer import CacheObserver
-from hicached.cache.pools import GroupView
-from hicached.cache.types import BackupResult, WritePolicy
 from hicached.errors import FailedPrecondition, ResourceExhausted
+from hicached.index.entries import Entry, batches, check_keys
+from hicached.index.jobs import BackupJob, IoPriority, IoScheduler
+from hicached.index.observer import CacheObserver
+from hicached.index.pools import GroupView
+from hicached.index.types import BackupResult, WritePolicy
 from hicached.l3.base import StorageBackend
 
 __all__ = ["BackupMixin"]
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class BackupMixin:
-    """L2 -> L3 operations of :class:`~hicached.cache.index.ContentIndex`."""
+    """L2 -> L3 operations of :class:`~hicached.index.index.ContentIndex`."""
 
     # State owned by ContentIndex.__init__.
     backend: StorageBackend | None

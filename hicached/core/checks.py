@@ -1,0 +1,143 @@
+"""Checks of a request against a session and its group: names, ranges, duplicates, ownership.
+
+Pure functions that raise the precise error (InvalidArgument, OutOfRange, NotFound,
+FailedPrecondition, DoubleFree, PermissionDenied) and change nothing; they read the
+group's facts (entries, allocators, ledgers) and only go down, never back to the core.
+Thread-safety: as safe as the reads they make (allocators and ledgers lock their own state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from hicached.core.group_state import GroupState
+from hicached.core.sessions import Session
+from hicached.errors import (
+    DoubleFree,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    PermissionDenied,
+)
+from hicached.l2.allocator import as_page_array
+from hicached.l2.group import PoolTransfer
+from hicached.transfer.plan import DevicePoolView
+
+
+def check_transfers(
+    session: Session,
+    state: GroupState,
+    transfers: Sequence[PoolTransfer],
+    *,
+    max_batch_pages: int,
+    need_device: bool = True,
+    host: str = "optional",  # "required", "optional", "forbidden"
+) -> list[PoolTransfer]:
+    """Validate names, lengths, ranges and duplicates; returns normalized copies."""
+    out = []
+    seen: set[str] = set()
+    total = 0
+    for t in transfers:
+        view = device_view(session, state, t.name)
+        if t.name in seen:
+            raise InvalidArgument(f"pool {t.name!r} appears twice in one batch")
+        seen.add(t.name)
+        dev = as_page_array(
+            () if t.device_indices is None else t.device_indices, f"pool {t.name!r} device pages"
+        )
+        hst = (
+            None
+            if t.host_indices is None or len(t.host_indices) == 0
+            else as_page_array(t.host_indices, f"pool {t.name!r} host pages")
+        )
+        total += len(dev)
+        if need_device:
+            check_indices(t.name, "device", dev, view.num_pages, unique=True)
+        derived = state.group.get_entry(t.name).indices_from_pool
+        if host == "required" and hst is None and len(dev) and not derived:
+            raise InvalidArgument(f"pool {t.name!r}: host_pages are required for this call")
+        if host == "forbidden" and hst is not None:
+            raise InvalidArgument(f"pool {t.name!r}: host_pages must be empty for this call")
+        if hst is not None:
+            if need_device and len(hst) != len(dev):
+                raise InvalidArgument(
+                    f"pool {t.name!r}: {len(dev)} device pages but {len(hst)} host pages (must match)"
+                )
+            check_indices(t.name, "host", hst, state.pool(t.name).num_pages)
+        out.append(PoolTransfer(name=t.name, device_indices=dev, host_indices=hst))
+    if total > max_batch_pages:
+        raise InvalidArgument(
+            f"batch of {total} pages exceeds server.max_batch_pages={max_batch_pages}; "
+            "split it into several calls"
+        )
+    return out
+
+
+def known_pool(state: GroupState, name: str) -> None:
+    if name not in {e.name for e in state.group.entries}:
+        raise NotFound(
+            f"unknown pool {name!r} (this session's pools: {sorted(e.name for e in state.group.entries)})"
+        )
+
+
+def device_view(session: Session, state: GroupState, name: str) -> DevicePoolView:
+    """The session's device view of a pool; byte-only pools have none."""
+    known_pool(state, name)
+    view = session.views.get(name)
+    if view is None:
+        raise FailedPrecondition(
+            f"pool {name!r} has no device buffers in this session (byte-only): use PutBytes/GetBytes, "
+            "or attach with device buffers to move pages by index"
+        )
+    return view
+
+
+def bind_derived(state: GroupState, transfers: Sequence[PoolTransfer]) -> list[PoolTransfer]:
+    """Give derived pools without pages their source's device and host pages."""
+    by_name = {t.name: t for t in transfers}
+    out = []
+    for t in transfers:
+        source = state.group.get_entry(t.name).indices_from_pool
+        src = by_name.get(source) if source else None
+        bound = t
+        if src is not None and (t.device_indices is None or len(t.device_indices) == 0):
+            bound = replace(t, device_indices=src.device_indices, host_indices=src.host_indices)
+        elif src is not None and t.host_indices is None:
+            bound = replace(t, host_indices=src.host_indices)
+        out.append(bound)
+    return out
+
+
+def check_owned(session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> None:
+    for t in transfers:
+        if t.host_indices is None or len(t.host_indices) == 0:
+            continue
+        owner_pool = state.group.get_entry(t.name).indices_from_pool or t.name
+        allocated = state.pool(owner_pool).allocator.is_allocated(t.host_indices)
+        if not allocated.all():
+            page = int(t.host_indices[~allocated][0])
+            raise DoubleFree(f"host page {page} of pool {owner_pool!r} is not allocated (already freed?)")
+        owned = session.ledger.owns(owner_pool, t.host_indices)
+        if not owned.all():
+            page = int(t.host_indices[~owned][0])
+            raise PermissionDenied(
+                f"host page {page} of pool {owner_pool!r} is not owned by session {session.session_id}"
+            )
+
+
+def check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique: bool = True) -> None:
+    """Negative or repeated pages: InvalidArgument; a page >= ``limit``: OutOfRange."""
+    if len(pages) == 0:
+        return
+    lo, hi = int(pages.min()), int(pages.max())
+    if lo < 0:
+        raise InvalidArgument(f"pool {pool!r}: negative {side} page index {lo}")
+    if hi >= limit:
+        raise OutOfRange(f"pool {pool!r}: {side} page {hi} out of range (pool has {limit} pages)")
+    if unique and len(np.unique(pages)) != len(pages):
+        values, counts = np.unique(pages, return_counts=True)
+        raise InvalidArgument(f"pool {pool!r}: duplicate {side} page {int(values[counts > 1][0])}")
