@@ -1,0 +1,96 @@
+"""Zero-copy: the daemon maps SGLang's shm host pool and copies pages itself.
+
+Real SGLang host pools (``allocator_type="shm"``) over a real daemon. The proof
+that no page is copied in this process: no staging area is ever allocated
+(``StagingArea.allocated`` is unchanged) and the bytes still arrive.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+
+import pytest
+from hicached_client.sglang.staging import StagingArea
+from hicached_client.sglang.zerocopy import install_sealed_shm, is_sealed
+from sglang.srt.mem_cache.storage import mmap as sgl_mmap
+
+from tests.sglang.pools import PoolShape, StorageFactory, make_host_pool, page_bits, sglang_keys, unique_model
+
+
+@pytest.fixture
+def sealed_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sgl_mmap, "alloc_shm", sgl_mmap.alloc_shm)  # restored after the test
+    install_sealed_shm()
+
+
+def _round_trip(storages: StorageFactory, shape: PoolShape, allocator: str) -> tuple[object, str]:
+    pool = make_host_pool(shape, allocator_type=allocator)
+    storage = storages.make(pool, model=unique_model(), staging_pages=4)
+    keys = sglang_keys(10, shape.page_size)
+    src = pool.alloc(10 * shape.page_size)
+    want = page_bits(pool, src)
+    assert storage.batch_set_v1(keys, src) == [True] * 10
+    dst = pool.alloc(10 * shape.page_size)
+    assert page_bits(pool, dst) != want
+    assert storage.batch_get_v1(keys, dst) == [True] * 10
+    assert page_bits(pool, dst) == want
+    return storage, storage.links["kv"].path
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_sealed_shm_pool_is_zero_copy_and_byte_exact(
+    storages: StorageFactory, sealed_shm: None, mla: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = StagingArea.allocated
+    with caplog.at_level(logging.INFO, logger="hicached_client.sglang.link"):
+        _, path = _round_trip(storages, PoolShape(mla=mla, layout="page_first"), "shm")
+    assert path == "zero-copy"
+    assert StagingArea.allocated == before, "a staging area was allocated on the zero-copy path"
+    assert any("path zero-copy" in r.getMessage() for r in caplog.records)
+
+
+def test_zero_copy_pages_are_shared_with_the_staging_path(storages: StorageFactory, sealed_shm: None) -> None:
+    """Pages written zero-copy read back byte-exact through a staging-path instance."""
+    shape = PoolShape(layout="page_first")
+    model = unique_model()
+    zc_pool = make_host_pool(shape, allocator_type="shm")
+    zc = storages.make(zc_pool, model=model, staging_pages=4)
+    assert zc.links["kv"].path == "zero-copy"
+    keys = sglang_keys(6, shape.page_size)
+    src = zc_pool.alloc(6 * shape.page_size)
+    assert zc.batch_set_v1(keys, src) == [True] * 6
+
+    plain = make_host_pool(shape)
+    staged = storages.make(plain, model=model, staging_pages=4)
+    assert staged.links["kv"].path == "staging"
+    dst = plain.alloc(6 * shape.page_size)
+    assert staged.batch_get_v1(keys, dst) == [True] * 6
+    assert page_bits(plain, dst) == page_bits(zc_pool, src)
+
+
+def test_sglang_own_shm_memfd_cannot_be_sealed_so_staging_is_used(
+    storages: StorageFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang 0.5.23 creates its memfd without MFD_ALLOW_SEALING: the adapter falls back, saying why."""
+    pool = make_host_pool(PoolShape(layout="page_first"), allocator_type="shm")
+    fd = pool.allocator.fd
+    assert not is_sealed(fd)
+    with pytest.raises(PermissionError):
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    before = StagingArea.allocated
+    with caplog.at_level(logging.INFO, logger="hicached_client.sglang.link"):
+        storage = storages.make(pool, model=unique_model(), staging_pages=4)
+    assert storage.links["kv"].path == "staging"
+    assert StagingArea.allocated == before + 1
+    assert any("MFD_ALLOW_SEALING" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(("allocator", "layout"), [("default", "page_first"), ("shm", "layer_first")])
+def test_other_allocators_and_layouts_use_staging(
+    storages: StorageFactory, sealed_shm: None, allocator: str, layout: str
+) -> None:
+    before = StagingArea.allocated
+    _, path = _round_trip(storages, PoolShape(layout=layout), allocator)
+    assert path == "staging"
+    assert StagingArea.allocated == before + 1
