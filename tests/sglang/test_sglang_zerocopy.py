@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 from hicached_client.sglang.staging import StagingArea
@@ -16,6 +21,8 @@ from hicached_client.sglang.zerocopy import install_sealed_shm, is_sealed
 from sglang.srt.mem_cache.storage import mmap as sgl_mmap
 
 from tests.sglang.pools import PoolShape, StorageFactory, make_host_pool, page_bits, sglang_keys, unique_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -94,3 +101,50 @@ def test_other_allocators_and_layouts_use_staging(
     _, path = _round_trip(storages, PoolShape(layout=layout), allocator)
     assert path == "staging"
     assert StagingArea.allocated == before + 1
+
+
+PLUGIN_PROBE = """
+import tests.sglang.env
+from sglang.srt.plugins import load_plugins
+from hicached_client.sglang.zerocopy import is_sealed
+from tests.sglang.pools import PoolShape, make_host_pool
+load_plugins()
+pool = make_host_pool(PoolShape(layout="page_first"), allocator_type="shm")
+print("sealed" if is_sealed(pool.allocator.fd) else "unsealed")
+"""
+
+
+def _declared_plugin() -> tuple[str, str]:
+    """(name, target) of the client package's ``sglang.srt.plugins`` entry point."""
+    plugins = tomllib.loads((ROOT / "clients/python/pyproject.toml").read_text())["project"]["entry-points"]
+    ((name, target),) = plugins["sglang.srt.plugins"].items()
+    return name, target
+
+
+def test_declared_sglang_plugin_seals_the_shm_pool_in_a_fresh_process(tmp_path: Path) -> None:
+    """The entry point the client package declares, run by SGLang's own load_plugins, seals the pool.
+
+    The installed distribution's metadata may predate this entry point, so the
+    declared line is installed as a throwaway distribution on the child's path.
+    """
+    name, target = _declared_plugin()
+    assert target == "hicached_client.sglang.zerocopy:install_sealed_shm"
+    dist = tmp_path / "hicached_zc_probe-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hicached-zc-probe\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{name} = {target}\n")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    env["SGLANG_PLUGINS"] = name
+    out = subprocess.run(
+        [sys.executable, "-c", PLUGIN_PROBE],
+        check=False,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "sealed"

@@ -140,4 +140,6 @@ def install_sealed_shm() -> None:
     """
     import sglang.srt.mem_cache.storage.mmap as sgl_mmap  # type: ignore[import-untyped]
 
-    sgl_mmap.alloc_shm = sealed_alloc_shm
+    if sgl_mmap.alloc_shm is not sealed_alloc_shm:
+        sgl_mmap.alloc_shm = sealed_alloc_shm
+        log.info("hicached: SGLang's shm host allocator now creates sealed memfds (zero-copy capable)")
