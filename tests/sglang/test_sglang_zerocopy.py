@@ -16,10 +16,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from hicached_client import HiCacheClient
 from hicached_client.sglang.staging import StagingArea
 from hicached_client.sglang.zerocopy import install_sealed_shm, is_sealed
 from sglang.srt.mem_cache.storage import mmap as sgl_mmap
 
+from tests.integration.daemon import Daemon
 from tests.sglang.pools import PoolShape, StorageFactory, make_host_pool, page_bits, sglang_keys, unique_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,6 +109,7 @@ PLUGIN_PROBE = """
 import tests.sglang.env
 from sglang.srt.plugins import load_plugins
 from hicached_client.sglang.zerocopy import is_sealed
+from tests.integration.daemon import Daemon
 from tests.sglang.pools import PoolShape, make_host_pool
 load_plugins()
 pool = make_host_pool(PoolShape(layout="page_first"), allocator_type="shm")
@@ -148,3 +151,27 @@ def test_declared_sglang_plugin_seals_the_shm_pool_in_a_fresh_process(tmp_path: 
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "sealed"
+
+
+def test_a_lost_zero_copy_session_is_attached_again_zero_copy(
+    daemon: Daemon, storages: StorageFactory, sealed_shm: None
+) -> None:
+    """After the daemon forgets the session, the link re-attaches, handing the pool's fd over again."""
+    shape = PoolShape(layout="page_first")
+    pool = make_host_pool(shape, allocator_type="shm")
+    storage = storages.make(pool, model=unique_model())
+    keys = sglang_keys(4, shape.page_size)
+    src = pool.alloc(4 * shape.page_size)
+    assert storage.batch_set_v1(keys[:2], src[: 2 * shape.page_size]) == [True, True]
+    link = storage.links["kv"]
+    lost = link.session.session_id
+    with HiCacheClient(daemon.target) as client:
+        client.session(lost, session_secret=link.session.info.session_secret).detach()
+    before = StagingArea.allocated
+    assert storage.batch_set_v1(keys[2:], src[2 * shape.page_size :]) == [True, True]
+    assert storage.links["kv"].session.session_id != lost
+    assert storage.links["kv"].path == "zero-copy"
+    assert StagingArea.allocated == before
+    dst = pool.alloc(4 * shape.page_size)
+    assert storage.batch_get_v1(keys, dst) == [True] * 4
+    assert page_bits(pool, dst) == page_bits(pool, src)
