@@ -14,6 +14,12 @@ SGLang's batches of 128, the way its cache controller calls them:
   / ``batch_get`` of flat data pages (SGLang's generic page path for the file
   backend: one file per page) in a temporary directory.
 * ``set_ratio`` / ``get_ratio``: hicached over HiCacheFile (higher is better).
+* ``hicached_zc_set_gbps`` / ``hicached_zc_get_gbps``: the zero-copy path (a
+  ``page_first`` pool from SGLang's ``shm`` allocator, its memfd sealed; the
+  daemon copies to and from the host pool itself), and
+  ``hicachefile_pf_set_gbps`` / ``hicachefile_pf_get_gbps``: HiCacheFile on that
+  same pool; ``sglang_set_vs_file`` / ``sglang_get_vs_file``: the former over the
+  latter (higher is better).
 * ``sglang_memcpy_gbps``: one contiguous copy of the same bytes, the machine's limit.
 
 Reads are checked byte-exact (a mismatch raises). GB/s are 10**9 bytes per
@@ -44,7 +50,7 @@ DTYPE = torch.float16
 PAGE_BYTES = 2 * LAYERS * HEADS * HEAD_DIM * PAGE_SIZE * DTYPE.itemsize  # 64 KiB
 
 
-def _host_pool(num_pages: int) -> Any:
+def _host_pool(num_pages: int, layout: str = "layer_first", allocator: str = "default") -> Any:
     from sglang.srt.mem_cache.device_pool_info import (  # type: ignore[import-untyped]
         KVBufferLayout,
         KVBuffers,
@@ -75,8 +81,9 @@ def _host_pool(num_pages: int) -> Any:
         1.0,
         0,
         PAGE_SIZE,
-        "layer_first",
+        layout,
         pin_memory=False,
+        allocator_type=allocator,
         device="cpu",
         device_capacity_tokens=tokens,
         start_layer=0,
@@ -87,7 +94,7 @@ def _host_pool(num_pages: int) -> Any:
     return pool
 
 
-def _storage_config(model: str, extra: dict[str, Any]) -> Any:
+def _storage_config(model: str, extra: dict[str, Any], page_first: bool = False) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # type: ignore[import-untyped]
 
     return HiCacheStorageConfig(
@@ -99,7 +106,7 @@ def _storage_config(model: str, extra: dict[str, Any]) -> Any:
         attn_cp_size=1,
         is_mla_model=False,
         enable_storage_metrics=False,
-        is_page_first_layout=False,
+        is_page_first_layout=page_first,
         model_name=model,
         extra_config=extra,
     )
@@ -110,7 +117,7 @@ def _batches(n: int) -> list[tuple[int, int]]:
 
 
 def _hicached(
-    pool: Any, target: str, keys: list[str], src: torch.Tensor, transport: str
+    pool: Any, target: str, keys: list[str], src: torch.Tensor, transport: str, zero_copy: bool = False
 ) -> tuple[float, float]:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # type: ignore[import-untyped]
 
@@ -126,10 +133,15 @@ def _hicached(
             "host_bytes": (len(keys) + BATCH) * PAGE_BYTES,
         },
     }
+    page_first = pool.layout != "layer_first"
     storage = StorageBackendFactory.create_backend(
-        "dynamic", _storage_config(f"bench/{transport}-{uuid.uuid4().hex[:8]}", extra), pool
+        "dynamic", _storage_config(f"bench/{transport}-{uuid.uuid4().hex[:8]}", extra, page_first), pool
     )
     storage.register_mem_pool_host(pool)
+    path = storage.links["kv"].path
+    if (path == "zero-copy") != zero_copy:
+        storage.close()
+        raise RuntimeError(f"hicached chose the {path} path, the bench asked for zero_copy={zero_copy}")
     n = len(keys)
     dst = pool.alloc(n * PAGE_SIZE)
     try:
@@ -156,7 +168,7 @@ def _hicachefile(pool: Any, keys: list[str], src: torch.Tensor, directory: Path)
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile  # type: ignore[import-untyped]
 
     extra = {"file_storage_path": str(directory), "enable_metadata_cache": False}
-    storage = HiCacheFile(_storage_config("bench/file", extra))
+    storage = HiCacheFile(_storage_config("bench/file", extra, pool.layout != "layer_first"))
     n = len(keys)
     dst = pool.alloc(n * PAGE_SIZE)
     try:
@@ -214,6 +226,14 @@ def run(quick: bool) -> dict[str, float]:
             h_set, h_get = _hicached(pool, target, keys, src, "shm")
             b_set, b_get = _hicached(pool, target, keys, src, "bytes")
         f_set, f_get = _hicachefile(pool, keys, src, workdir / "file")
+        del pool, src
+        # Zero-copy: SGLang's shm allocator (sealed), page_first; HiCacheFile on the same pool.
+        zc_pool, zc_src = _sealed_shm_pool(num_pages)
+        zc_keys = [f"benchzc{uuid.uuid4().hex[:8]}{i:06d}" for i in range(num_pages)]
+        (workdir / "zc").mkdir()
+        with running_daemon(workdir / "zc", host_budget=budget, l3="none") as target:
+            z_set, z_get = _hicached(zc_pool, target, zc_keys, zc_src, "shm", zero_copy=True)
+        zf_set, zf_get = _hicachefile(zc_pool, zc_keys, zc_src, workdir / "zcfile")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results = {
@@ -229,4 +249,25 @@ def run(quick: bool) -> dict[str, float]:
     }
     results["set_ratio"] = f_set / h_set if h_set > 0 else 0.0
     results["get_ratio"] = f_get / h_get if h_get > 0 else 0.0
+    results["hicached_zc_set_gbps"] = gbps(nbytes, z_set)
+    results["hicached_zc_get_gbps"] = gbps(nbytes, z_get)
+    results["hicachefile_pf_set_gbps"] = gbps(nbytes, zf_set)
+    results["hicachefile_pf_get_gbps"] = gbps(nbytes, zf_get)
+    # Zero-copy hicached over HiCacheFile on the same page_first shm pool (higher is better).
+    results["sglang_set_vs_file"] = zf_set / z_set if z_set > 0 else 0.0
+    results["sglang_get_vs_file"] = zf_get / z_get if z_get > 0 else 0.0
     return results
+
+
+def _sealed_shm_pool(num_pages: int) -> tuple[Any, torch.Tensor]:
+    """A page_first pool from SGLang's shm allocator, its memfd sealed (as the client's plugin does)."""
+    import sglang.srt.mem_cache.storage.mmap as sgl_mmap  # type: ignore[import-untyped]
+    from hicached_client.sglang.zerocopy import install_sealed_shm
+
+    original = sgl_mmap.alloc_shm
+    install_sealed_shm()
+    try:
+        pool = _host_pool(num_pages, "page_first", "shm")
+    finally:
+        sgl_mmap.alloc_shm = original
+    return pool, pool.alloc(num_pages * PAGE_SIZE)

@@ -31,6 +31,7 @@ from hicached_client.sglang.layouts import PoolBinding
 from hicached_client.sglang.namespace import KeySpace
 from hicached_client.sglang.refusals import RefusalLog
 from hicached_client.sglang.staging import StagingArea
+from hicached_client.sglang.zerocopy import plan as zero_copy_plan
 from hicached_client.sync import HiCacheClient, Session
 from hicached_client.types import PageBytes, PoolRole, WorkerIdentity
 from hicached_client.types import Transfer as WireTransfer
@@ -138,6 +139,30 @@ class BytesTransport(PageTransport):
         return hits
 
 
+class ZeroCopyTransport(BytesTransport):
+    """The daemon maps the host pool itself: page batches name host page numbers.
+
+    ``put_host`` / ``get_host`` move pages with no copy in this process;
+    ``put`` / ``get`` (flat pages of the generic API, which are not in the host
+    pool) are the byte path inherited from :class:`BytesTransport`.
+    """
+
+    def put_host(self, keys: Sequence[str], host_pages: Sequence[int]) -> str | None:
+        result = self._session.put_pages(
+            keys, [WireTransfer(DAEMON_POOL, list(host_pages))], tenant=self._tenant
+        )
+        return None if result.ok else result.reason
+
+    def get_host(self, keys: Sequence[str], host_pages: Sequence[int]) -> int:
+        result = self._session.get_pages(
+            keys,
+            [WireTransfer(DAEMON_POOL, list(host_pages))],
+            include_l3=self._include_l3,
+            tenant=self._tenant,
+        )
+        return min(result.hit_pages, len(keys))
+
+
 class PoolLink:
     """A daemon session for one SGLang host pool (see the module docstring).
 
@@ -167,6 +192,8 @@ class PoolLink:
         self._attaches = 0
         self._closed = False
         self._lock = threading.Lock()
+        # "zero-copy" (daemon maps the host pool), "staging" or "bytes"; set by _connect.
+        self.path = ""
         self.session, self._staging, self.transport = self._connect()
 
     def _connect(self) -> tuple[Session, StagingArea | None, PageTransport]:
@@ -176,7 +203,10 @@ class PoolLink:
         k_bufs: list[Any] = []
         v_bufs: list[Any] = []
         self._attaches += 1
-        if shm:
+        zero_copy = zero_copy_plan(self.binding.host_pool, self.binding) if shm else None
+        if zero_copy is not None and zero_copy.ok:
+            k_bufs, v_bufs = zero_copy.k_buffers, zero_copy.v_buffers
+        elif shm:
             half = max(1, min(config.staging_pages, config.staging_bytes // g.page_bytes))
             staging = StagingArea(f"{self._segment_prefix}-{self._attaches}", g, half)
         try:
@@ -206,17 +236,26 @@ class PoolLink:
                 staging.close()
             raise
         transport: PageTransport
-        if staging is not None:
+        if zero_copy is not None and zero_copy.ok:
+            transport = ZeroCopyTransport(session, self.binding, config)
+            self.path = "zero-copy"
+        elif staging is not None:
             # The daemon has mapped the memfd; unlink() is a no-op kept for symmetry.
             staging.unlink()
             transport = ShmTransport(session, staging, config)
+            self.path = "staging"
         else:
             transport = BytesTransport(session, self.binding, config)
+            self.path = "bytes"
         log.info(
-            "hicached: pool %s attached (session %s, %s transport, %d-byte pages, joined=%s)",
+            "hicached: pool %s attached (session %s, %s transport, path %s%s, %d-byte pages, joined=%s)",
             self.keys.pool,
             session.session_id,
             config.transport.value,
+            self.path,
+            f" [zero-copy not used: {zero_copy.reason}]"
+            if zero_copy is not None and not zero_copy.ok
+            else "",
             g.page_bytes,
             session.info.joined_existing_group,
         )
@@ -279,6 +318,8 @@ class PoolLink:
 
     def put_pages(self, keys: Sequence[str], host_pages: torch.Tensor) -> list[bool]:
         """Store host pages under ``keys`` (``host_pages[i]`` pairs with ``keys[i]``)."""
+        if isinstance(self.transport, ZeroCopyTransport):
+            return self._put_host(keys, host_pages.tolist())
         return self._put(keys, lambda lo, hi: lambda out: self.binding.gather(host_pages[lo:hi], out))
 
     def put_flat(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
@@ -296,6 +337,9 @@ class PoolLink:
 
     def get_pages(self, keys: Sequence[str], host_pages: torch.Tensor) -> int:
         """Load the leading run of cached ``keys`` into ``host_pages``; returns its length."""
+
+        if isinstance(self.transport, ZeroCopyTransport):
+            return self._get_host(keys, host_pages.tolist())
 
         def drainer(lo: int, hi: int) -> Drain:
             return lambda src: self.binding.scatter(host_pages[lo : lo + src.shape[1]], src)
@@ -329,6 +373,30 @@ class PoolLink:
             results.extend([refused is None] * (hi - lo))
         return results
 
+    def _put_host(self, keys: Sequence[str], pages: list[int]) -> list[bool]:
+        results: list[bool] = []
+        cap = self.transport.capacity
+        for lo in range(0, len(keys), cap):
+            hi = min(lo + cap, len(keys))
+            batch, idx = keys[lo:hi], pages[lo:hi]
+            refused = self._call(lambda _, t: _zero_copy(t).put_host(batch, idx))  # noqa: B023 - called at once
+            if refused is not None and self._refusals is not None:
+                self._refusals.refused(self.keys.pool, hi - lo, refused)
+            results.extend([refused is None] * (hi - lo))
+        return results
+
+    def _get_host(self, keys: Sequence[str], pages: list[int]) -> int:
+        loaded = 0
+        cap = self.transport.capacity
+        for lo in range(0, len(keys), cap):
+            hi = min(lo + cap, len(keys))
+            batch, idx = keys[lo:hi], pages[lo:hi]
+            hits = self._call(lambda _, t: _zero_copy(t).get_host(batch, idx))  # noqa: B023 - called at once
+            loaded += hits
+            if hits < hi - lo:
+                break
+        return loaded
+
     def _get(self, keys: Sequence[str], drainer: Callable[[int, int], Drain]) -> int:
         loaded = 0
         cap = self.transport.capacity
@@ -352,3 +420,10 @@ class PoolLink:
         finally:
             if self._staging is not None:
                 self._staging.close()
+
+
+def _zero_copy(transport: PageTransport) -> ZeroCopyTransport:
+    """``transport`` as the zero-copy one (a re-attach keeps the path it was decided with)."""
+    if not isinstance(transport, ZeroCopyTransport):
+        raise HiCacheError(grpc.StatusCode.FAILED_PRECONDITION, "pool link lost its zero-copy path")
+    return transport

@@ -29,7 +29,13 @@ _ALIGN = 4096
 
 
 class StagingArea:
-    """``chunks``: a ``(groups, 2 * half, chunk_bytes)`` uint8 view of the segment."""
+    """``chunks``: a ``(groups, 2 * half, chunk_bytes)`` uint8 view of the segment.
+
+    ``allocated`` counts areas created in this process (the zero-copy path's tests
+    read it to prove no staging buffer exists).
+    """
+
+    allocated = 0
 
     def __init__(self, name: str, geometry: PoolGeometry, half: int) -> None:
         if half < 1:
@@ -54,6 +60,7 @@ class StagingArea:
             raise
         self._fd: int | None = fd
         self.size = size
+        StagingArea.allocated += 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch warns about mmap-backed buffers
             raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=size)
