@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import numpy as np
+from hicached_client import vocab
 
 from hicached.l2.group import PoolTransfer
 from hicached.l2.layout import HostLayout, KVSpec
@@ -22,10 +22,8 @@ __all__ = [
 ]
 
 
-class PoolRole(enum.StrEnum):
-    ANCHOR = "anchor"
-    SIDECAR = "sidecar"
-    DERIVED = "derived"
+# The client's wire vocabulary is the daemon's: one definition of the enum.
+PoolRole = vocab.PoolRole
 
 
 @dataclass(frozen=True)
