@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
+
+from hicached_client import vocab
 
 from hicached.l2.group import PoolTransfer
 from hicached.l2.layout import HostLayout, KVSpec
@@ -20,10 +21,8 @@ __all__ = [
 ]
 
 
-class PoolRole(enum.StrEnum):
-    ANCHOR = "anchor"
-    SIDECAR = "sidecar"
-    DERIVED = "derived"
+# The client's wire vocabulary is the daemon's: one definition of the enum.
+PoolRole = vocab.PoolRole
 
 
 @dataclass(frozen=True)

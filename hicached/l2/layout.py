@@ -20,28 +20,22 @@ is a new entry there, nothing else changes.
 
 from __future__ import annotations
 
-import enum
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from hicached_client import vocab
 
 from hicached.errors import InvalidArgument
 
 DEFAULT_HOST_RATIO = 2.0
 
 
-class PoolKind(enum.StrEnum):
-    MHA = "mha"
-    MLA = "mla"
-
-
-class HostLayout(enum.StrEnum):
-    LAYER_FIRST = "layer_first"
-    PAGE_FIRST = "page_first"
-    PAGE_FIRST_DIRECT = "page_first_direct"
+# The client's wire vocabulary is the daemon's: one definition of each enum.
+PoolKind = vocab.PoolKind
+HostLayout = vocab.HostLayout
 
 
 def _positive(field: str, value: object) -> None:

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from hicached_client import vocab
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
 
@@ -19,6 +20,7 @@ from hicached.errors import InvalidArgument
 from hicached.l2.group import PoolTransfer
 from hicached.l2.layout import HostLayout, KVSpec, PoolKind
 from hicached.transfer.handles import (
+    DTYPE_BY_NAME,
     BufferSpec,
     CudaFdBufferHandle,
     CudaIpcBufferHandle,
@@ -28,28 +30,14 @@ from hicached.transfer.handles import (
 
 T = TypeVar("T")
 
-DTYPES: dict[int, torch.dtype] = {
-    tpb.DATA_TYPE_FLOAT16: torch.float16,
-    tpb.DATA_TYPE_BFLOAT16: torch.bfloat16,
-    tpb.DATA_TYPE_FLOAT32: torch.float32,
-    tpb.DATA_TYPE_FLOAT8_E4M3FN: torch.float8_e4m3fn,
-    tpb.DATA_TYPE_FLOAT8_E5M2: torch.float8_e5m2,
-    tpb.DATA_TYPE_UINT8: torch.uint8,
-    tpb.DATA_TYPE_INT8: torch.int8,
-}
-KINDS = {tpb.POOL_KIND_MHA: PoolKind.MHA, tpb.POOL_KIND_MLA: PoolKind.MLA}
-LAYOUTS = {
-    tpb.HOST_LAYOUT_LAYER_FIRST: HostLayout.LAYER_FIRST,
-    tpb.HOST_LAYOUT_PAGE_FIRST: HostLayout.PAGE_FIRST,
-    tpb.HOST_LAYOUT_PAGE_FIRST_DIRECT: HostLayout.PAGE_FIRST_DIRECT,
-}
-ROLES = {
-    tpb.POOL_ROLE_ANCHOR: PoolRole.ANCHOR,
-    tpb.POOL_ROLE_SIDECAR: PoolRole.SIDECAR,
-    tpb.POOL_ROLE_DERIVED: PoolRole.DERIVED,
-}
-LAYOUT_TO_WIRE = {v: k for k, v in LAYOUTS.items()}
-ROLE_TO_WIRE = {v: k for k, v in ROLES.items()}
+# Wire number -> daemon value: the inverses of the client's vocabulary tables (one each).
+DTYPES: dict[int, torch.dtype] = {wire: DTYPE_BY_NAME[d.value] for d, wire in vocab.DATA_TYPES.items()}
+KINDS: dict[int, PoolKind] = {wire: k for k, wire in vocab.POOL_KINDS.items()}
+LAYOUTS: dict[int, HostLayout] = {wire: lay for lay, wire in vocab.HOST_LAYOUTS.items()}
+ROLES: dict[int, PoolRole] = {wire: r for r, wire in vocab.POOL_ROLES.items()}
+# Typed Any: the generated stubs want their own enum ValueType, which is an int.
+LAYOUT_TO_WIRE: Mapping[HostLayout, Any] = vocab.HOST_LAYOUTS
+ROLE_TO_WIRE: Mapping[PoolRole, Any] = vocab.POOL_ROLES
 
 
 def _enum(table: Mapping[Any, T], value: int, what: str, enum_type: object) -> T:

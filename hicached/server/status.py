@@ -46,7 +46,11 @@ class ExhaustedOSError(metaclass=_ExhaustedOSError):
 
 STATUS_TABLE += ((ExhaustedOSError, grpc.StatusCode.RESOURCE_EXHAUSTED),)
 
-RETRY_AFTER_KEY = "retry-after-ms"
+# gRPC's own retry-hint key: a channel whose service config retries the code
+# waits this long before its next attempt (and a negative or absent value means
+# "do not retry"); clients read it into ``HiCacheError.retry_after_ms``. Earlier
+# daemons sent a private "retry-after-ms" key instead.
+RETRY_AFTER_KEY = "grpc-retry-pushback-ms"
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode | None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
+from hicached_client import vocab
 
 from hicached.errors import FailedPrecondition, InvalidArgument
 
@@ -38,15 +39,8 @@ from hicached.errors import FailedPrecondition, InvalidArgument
 BUFFER_ALIGNMENT = 16
 CUDA_IPC_HANDLE_BYTES = 64
 
-DTYPE_BY_NAME: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
+# Derived from the one dtype vocabulary (DataType values are torch's spellings).
+DTYPE_BY_NAME: dict[str, torch.dtype] = {d.value: getattr(torch, d.value) for d in vocab.DataType}
 NAME_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPE_BY_NAME.items()}
 
 

@@ -100,7 +100,7 @@ class ScriptedServicer(pb_grpc.HiCacheServiceServicer, pb_grpc.AdminServiceServi
     def Alloc(self, request: pb.AllocRequest, context: grpc.ServicerContext) -> pb.AllocResponse:
         self._record("Alloc", request, context)
         if request.pool == "full":
-            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_AFTER_MS)),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "host budget exhausted: 0 of 64 pages free")
         if request.num_pages > 64:
             return pb.AllocResponse(ok=False)

@@ -161,10 +161,21 @@ class _FakeCall(grpc.RpcError):
         return "busy"
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("other", "1"), ("retry-after-ms", "soon"))
+        return (("other", "1"), ("grpc-retry-pushback-ms", "soon"))
 
 
 def test_malformed_retry_hint_does_not_hide_the_error() -> None:
     err = from_rpc_error(_FakeCall(), "Alloc")
     assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.message == "busy"
     assert err.retry_after_ms is None and err.method == "Alloc"
+
+
+class _LegacyCall(_FakeCall):
+    """A daemon from before the pushback change sent its hint under a private key."""
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("retry-after-ms", "75"),)
+
+
+def test_the_hint_of_an_older_daemon_is_still_read() -> None:
+    assert from_rpc_error(_LegacyCall(), "Alloc").retry_after_ms == 75

@@ -9,18 +9,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from hicached_client import vocab
 from hicached_client.types import (
     AllocResult,
     AttachResult,
     BackendInfo,
     BackupResult,
     ClearNamespaceResult,
-    DataType,
     DrainResult,
     GetBytesResult,
     GetPagesResult,
     GroupInfo,
-    HostLayout,
     Keys,
     LoadProgress,
     LookupResult,
@@ -28,8 +27,6 @@ from hicached_client.types import (
     PageIndices,
     PoolAck,
     PoolInfo,
-    PoolKind,
-    PoolRole,
     PrefetchPolicy,
     PrefetchState,
     PrefetchStatus,
@@ -52,27 +49,13 @@ from hicached_client.v1 import types_pb2 as tpb
 
 E = TypeVar("E")
 
+# Re-exported for specs.py and the tests (one table each, defined in vocab).
+DATA_TYPES = vocab.DATA_TYPES
+POOL_KINDS = vocab.POOL_KINDS
+POOL_ROLES = vocab.POOL_ROLES
+HOST_LAYOUTS = vocab.HOST_LAYOUTS
+
 # Registries: client enum <-> wire enum. One table per enum, used both ways.
-POOL_ROLES: Mapping[PoolRole, int] = {
-    PoolRole.ANCHOR: tpb.POOL_ROLE_ANCHOR,
-    PoolRole.SIDECAR: tpb.POOL_ROLE_SIDECAR,
-    PoolRole.DERIVED: tpb.POOL_ROLE_DERIVED,
-}
-POOL_KINDS: Mapping[PoolKind, int] = {PoolKind.MHA: tpb.POOL_KIND_MHA, PoolKind.MLA: tpb.POOL_KIND_MLA}
-HOST_LAYOUTS: Mapping[HostLayout, int] = {
-    HostLayout.LAYER_FIRST: tpb.HOST_LAYOUT_LAYER_FIRST,
-    HostLayout.PAGE_FIRST: tpb.HOST_LAYOUT_PAGE_FIRST,
-    HostLayout.PAGE_FIRST_DIRECT: tpb.HOST_LAYOUT_PAGE_FIRST_DIRECT,
-}
-DATA_TYPES: Mapping[DataType, int] = {
-    DataType.FLOAT16: tpb.DATA_TYPE_FLOAT16,
-    DataType.BFLOAT16: tpb.DATA_TYPE_BFLOAT16,
-    DataType.FLOAT32: tpb.DATA_TYPE_FLOAT32,
-    DataType.FLOAT8_E4M3FN: tpb.DATA_TYPE_FLOAT8_E4M3FN,
-    DataType.FLOAT8_E5M2: tpb.DATA_TYPE_FLOAT8_E5M2,
-    DataType.UINT8: tpb.DATA_TYPE_UINT8,
-    DataType.INT8: tpb.DATA_TYPE_INT8,
-}
 PREFETCH_POLICIES: Mapping[PrefetchPolicy, int] = {
     PrefetchPolicy.UNSPECIFIED: pb.PREFETCH_POLICY_UNSPECIFIED,
     PrefetchPolicy.BEST_EFFORT: pb.PREFETCH_POLICY_BEST_EFFORT,

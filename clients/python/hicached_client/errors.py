@@ -3,7 +3,7 @@
 Every ``grpc.RpcError`` raised by any client method (sync or asyncio, unary or
 streaming) is converted into :class:`HiCacheError`, which carries the status
 code, the daemon's message and, for ``RESOURCE_EXHAUSTED``, the daemon's
-``retry-after-ms`` hint. Local misuse (a wrong argument type, an index array
+``grpc-retry-pushback-ms`` hint. Local misuse (a wrong argument type, an index array
 that is not 1-D) raises ``TypeError`` / ``ValueError`` before anything is sent.
 """
 
@@ -14,7 +14,10 @@ from typing import Any
 
 import grpc
 
-RETRY_AFTER_KEY = "retry-after-ms"
+# gRPC's retry pushback key, which the daemon sends with RESOURCE_EXHAUSTED;
+# daemons before the change sent the private "retry-after-ms", still read.
+RETRY_AFTER_KEY = "grpc-retry-pushback-ms"
+_LEGACY_RETRY_AFTER_KEY = "retry-after-ms"
 
 
 class HiCacheError(Exception):
@@ -50,7 +53,7 @@ class HiCacheError(Exception):
 def _retry_after(metadata: Iterable[Any] | None) -> int | None:
     for item in metadata or ():
         key, value = item[0], item[1]
-        if key != RETRY_AFTER_KEY:
+        if key not in (RETRY_AFTER_KEY, _LEGACY_RETRY_AFTER_KEY):
             continue
         text = value.decode() if isinstance(value, bytes) else str(value)
         try:

@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
+from hicached_client import vocab
+
+# The wire vocabulary lives in hicached_client.vocab (shared with the daemon); these names stay here.
+PoolRole = vocab.PoolRole
+PoolKind = vocab.PoolKind
+HostLayout = vocab.HostLayout
+DataType = vocab.DataType
+
 # ------------------------------------------------------------------- inputs
 
 
@@ -30,41 +38,6 @@ class ArrayLike(Protocol):
 
 PageIndices: TypeAlias = Sequence[int] | ArrayLike
 """Page indices as a list/tuple/range of ints or a 1-D integer array."""
-
-
-class PoolRole(StrEnum):
-    """Role of a pool in a worker's pool group."""
-
-    ANCHOR = "anchor"
-    SIDECAR = "sidecar"
-    DERIVED = "derived"
-
-
-class PoolKind(StrEnum):
-    """What a pool stores per token."""
-
-    MHA = "mha"
-    MLA = "mla"
-
-
-class HostLayout(StrEnum):
-    """Arrangement of a host (L2) pool (SGLang names)."""
-
-    LAYER_FIRST = "layer_first"
-    PAGE_FIRST = "page_first"
-    PAGE_FIRST_DIRECT = "page_first_direct"
-
-
-class DataType(StrEnum):
-    """Element type of a KV buffer (torch spellings, without ``torch.``)."""
-
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-    FLOAT32 = "float32"
-    FLOAT8_E4M3FN = "float8_e4m3fn"
-    FLOAT8_E5M2 = "float8_e5m2"
-    UINT8 = "uint8"
-    INT8 = "int8"
 
 
 class PrefetchPolicy(StrEnum):
