@@ -47,6 +47,11 @@ def main(target: str | None) -> None:
         tokens = [int(logits.argmax())]
         if hit == 0:
             kv.save_prefix(prompt, cache)  # publish for the next process
+            print("verified: a miss; the prompt was prefilled and its prefix saved")
+        else:  # the restored prefix must predict exactly what a full recompute predicts
+            full = next_logits(model, prompt, DynamicCache())
+            assert torch.allclose(full, logits, atol=1e-4), "restored prefix differs from a recompute"
+            print("verified: the restored prefix gives the recompute's next-token logits")
         for _ in range(31):
             tokens.append(int(next_logits(model, tokens[-1:], cache).argmax()))
     print(f"{hit} of {len(prompt)} prompt tokens from the cache; first token after {ttft * 1e3:.0f} ms")

@@ -115,6 +115,15 @@ class CudaBytes:
         }
 
 
+def device_view(
+    owner: OpenedAllocation, device: int, ptr: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor over device memory at ``ptr`` that keeps ``owner`` alive while it is used."""
+    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+    raw = torch.as_tensor(CudaBytes(owner, ptr, nbytes), device=f"cuda:{device}")
+    return raw.view(dtype).view(shape)
+
+
 class IpcAllocation(OpenedAllocation):
     """A worker's CUDA allocation mapped into the daemon; unmapped once by close()."""
 
@@ -149,9 +158,7 @@ class IpcAllocation(OpenedAllocation):
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         if self._ptr is None:
             raise FailedPrecondition("CUDA IPC allocation is closed")
-        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
-        raw = torch.as_tensor(CudaBytes(self, self._ptr + offset, nbytes), device=f"cuda:{self.device}")
-        return raw.view(dtype).view(shape)
+        return device_view(self, self.device, self._ptr + offset, dtype, shape)
 
     def close(self) -> None:
         with self._lock:

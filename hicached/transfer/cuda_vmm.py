@@ -31,7 +31,7 @@ from hicached_client.cuda_vmm import (
 )
 
 from hicached.errors import FailedPrecondition, InvalidArgument
-from hicached.transfer.cuda import CudaBytes, resolve_device
+from hicached.transfer.cuda import device_view, resolve_device
 from hicached.transfer.handles import CudaFdBufferHandle, OpenedAllocation
 
 _CUDA_ERROR_INVALID_VALUE = 1
@@ -97,9 +97,7 @@ class FdAllocation(OpenedAllocation):
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         if self._ptr is None:
             raise FailedPrecondition("CUDA fd allocation is closed")
-        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
-        raw = torch.as_tensor(CudaBytes(self, self._ptr + offset, nbytes), device=f"cuda:{self.device}")
-        return raw.view(dtype).view(shape)
+        return device_view(self, self.device, self._ptr + offset, dtype, shape)
 
     def close(self) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ SELF_CHECKING = {
     "two_workers.py",
     "tcp_token_client.py",
     "reattach_after_restart.py",
+    "hf_prefix_cache.py",
 }
 
 

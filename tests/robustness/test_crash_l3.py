@@ -43,7 +43,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     target = tmp_path / "disk"
     target.mkdir()
     if shutil.which("mount") is None:
-        pytest.skip("no mount command: cannot make a small filesystem to fill")
+        pytest.fail("no mount command: install util-linux (CI runs as root with it)")
     why = _mount(target, "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs")
     if why is not None:
         image = tmp_path / "disk.img"
@@ -52,7 +52,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         mkfs = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, check=False)
         loop_why = _mount(target, "-o", "loop", str(image)) if mkfs.returncode == 0 else "mkfs.ext4 failed"
         if loop_why is not None:
-            pytest.skip(f"cannot mount a small filesystem (tmpfs: {why}; loop file: {loop_why})")
+            pytest.fail(f"cannot mount a small filesystem (tmpfs: {why}; loop file: {loop_why})")
     try:
         yield target
     finally:

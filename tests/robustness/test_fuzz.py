@@ -217,8 +217,6 @@ def test_fuzz_summary(world: World, tmp_path_factory: pytest.TempPathFactory) ->
     TALLY.write(path)
     print("\n".join(TALLY.lines()))
     print(f"written to {path}")
-    kinds = set(TALLY.codes)
-    if len(kinds) < 2 * len(METHODS):
-        pytest.skip("the tally covers the whole module only: run tests/robustness/test_fuzz.py")
+    kinds = set(TALLY.codes)  # complete only when the whole module ran, as the suite does
     assert {f"{s.name}.{m.name}" for s, m in METHODS} <= kinds
     assert {f"raw {s.name}.{m.name}" for s, m in METHODS} <= kinds

@@ -44,7 +44,7 @@ def scratch_dir() -> Path:
 def other_user() -> tuple[int, int]:
     """(uid, gid) of a second, unprivileged user, created when missing (needs root, as CI runs)."""
     if os.geteuid() != 0:
-        pytest.skip("needs root to create and impersonate a second user")
+        pytest.fail("needs root to create and impersonate a second user: run the suite as root, as CI does")
     try:
         entry = pwd.getpwnam(OTHER_USER)
     except KeyError:

@@ -1,8 +1,8 @@
 """A second, unprivileged uid for the security tests (CI runs as root).
 
 ``other_user()`` creates the user ``hicached-sec`` with ``useradd`` when it is
-missing and returns its uid; tests that need it skip only when this process is
-not root (then it cannot run code as another uid at all).
+missing and returns its uid; tests that need it fail when this process is not
+root (it cannot run code as another uid at all; CI runs as root).
 
 ``run_as_other`` runs a Python client as that uid with ``runuser``. Where the
 interpreter lives under a directory the user cannot traverse (a pyenv under a
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def other_user() -> int:
     """The uid of the unprivileged test user (created if missing); skips unless root."""
     if os.geteuid() != 0:
-        pytest.skip("needs root to run a client as a second uid (CI runs the suite as root)")
+        pytest.fail("needs root to run a client as a second uid: run the suite as root, as CI does")
     try:
         return pwd.getpwnam(USER).pw_uid
     except KeyError:
