@@ -58,7 +58,7 @@ RELOADABLE_SECTIONS = frozenset({"log"})
 def attach_content_index(
     config: Config, state: GroupState, *, backend: StorageBackend | None, metrics: Metrics | None
 ) -> None:
-    """Give a new pool group its content index (the index installs its reclaim callbacks)."""
+    """Give a new pool group its content index (it registers as the group's reclaimer)."""
     l3 = config.l3
     observer: CacheObserver = (
         MetricsObserver(metrics, backend=l3.backend, page_size=state.group.anchor.host_pool.page_size)

@@ -29,8 +29,10 @@ only unwritten victims writes them synchronously, as the reference does).
 
 Thread-safety: every public method may be called from any thread. One lock
 guards the index's state; it is never held during L3 I/O, nor while
-calling into the pool group (the group calls :meth:`ContentIndex.reclaim`
-with its own lock held, so the order is always group lock -> index lock).
+calling into the pool group. The index registers itself as the group's
+:class:`~hicached.l2.group.Reclaimer` (and unregisters on close); the group
+calls :meth:`ContentIndex.reclaim` with its own lock held, so the order is
+always group lock -> index lock.
 """
 
 from __future__ import annotations
@@ -154,17 +156,12 @@ class ContentIndex(BackupMixin):
         self._evicting_pages = 0  # write_back: pages of the background eviction in flight
 
         self._io = IoScheduler(io_workers, f"hicache-{namespace}")
-        # Installed last: from here on the group may call back into us.
-        self._previous_reclaim: dict[str, Callable[[int], int] | None] = {}
-        self._previous_reclaimable: dict[str, Callable[[int], int] | None] = {}
-        for entry in group.entries:
-            if entry.indices_from_pool is None:
-                self._previous_reclaim[entry.name] = entry.reclaim
-                self._previous_reclaimable[entry.name] = entry.reclaimable
-                entry.reclaimable = functools.partial(
-                    self._reclaimable_callback, entry.name, entry.reclaim, entry.reclaimable
-                )
-                entry.reclaim = functools.partial(self._reclaim_callback, entry.name, entry.reclaim)
+        # Registered last: from here on the group may call reclaim/reclaimable.
+        try:
+            group.register_reclaimer(self)
+        except BaseException:
+            self._io.close()
+            raise
 
     # ------------------------------------------------------------- lookups
 
@@ -393,24 +390,6 @@ class ContentIndex(BackupMixin):
         return len(entries)
 
     # ------------------------------------------------------------- eviction
-
-    def _reclaim_callback(self, pool: str, previous: Callable[[int], int] | None, pages_needed: int) -> int:
-        freed = self.reclaim(pool, pages_needed)
-        if freed < pages_needed and previous is not None:
-            freed += previous(pages_needed - freed)
-        return freed
-
-    def _reclaimable_callback(
-        self,
-        pool: str,
-        previous: Callable[[int], int] | None,
-        previous_estimate: Callable[[int], int] | None,
-        wanted: int,
-    ) -> int:
-        able = self.reclaimable(pool, wanted)
-        if able < wanted and previous is not None:
-            able += wanted - able if previous_estimate is None else previous_estimate(wanted - able)
-        return able
 
     def reclaimable(self, pool: str, wanted: int) -> int:
         """How many of ``wanted`` pages of ``pool`` :meth:`reclaim` could free now (evicts nothing).
@@ -737,8 +716,8 @@ class ContentIndex(BackupMixin):
 
     def close(self) -> None:
         """Stop I/O (queued backups are dropped: call :meth:`flush` first to keep them),
-        free every page the index owns, pinned or not, exactly once, and give the
-        pools their previous reclaim callbacks back. Idempotent; outstanding
+        free every page the index owns, pinned or not, exactly once, and stop being
+        the group's reclaimer. Idempotent; outstanding
         pins become no-ops.
         """
         with self._lock:
@@ -755,10 +734,7 @@ class ContentIndex(BackupMixin):
             unique = list({id(e): e for e in alive if not e.freed}.values())
             self._free_locked(unique)
             self._idle.notify_all()
-        for entry in self._view.group.entries:
-            if entry.name in self._previous_reclaim:
-                entry.reclaim = self._previous_reclaim[entry.name]
-                entry.reclaimable = self._previous_reclaimable[entry.name]
+        self._view.group.unregister_reclaimer(self)
 
     def __enter__(self) -> ContentIndex:
         return self

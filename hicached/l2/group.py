@@ -23,10 +23,13 @@ Differences from the reference (sglang ``pool_host/group.py``), on purpose:
 * derivation can be declared once on the entry (``PoolEntry.indices_from_pool``)
   as well as per transfer (``PoolTransfer.indices_from_pool``, the reference's);
 * one allocation path (:meth:`HostPoolGroup.allocate`) serves every caller:
-  it computes each pool's shortfall and asks the reclaimers whether they can
-  free that much (``PoolEntry.reclaimable``) before evicting anything, so a
-  request that cannot fit evicts nothing (the reference reclaims pool by pool
-  and may evict for a request that then fails);
+  it computes each pool's shortfall and asks the group's :class:`Reclaimer`
+  whether it can free that much before evicting anything, so a request that
+  cannot fit evicts nothing (the reference reclaims pool by pool and may
+  evict for a request that then fails);
+* the evictor is one explicit :class:`Reclaimer` registered with the group
+  (:meth:`HostPoolGroup.register_reclaimer`), not a callback per pool entry
+  that another layer patches in and restores;
 * bad input (duplicate transfer names, malformed indices, unknown pools on
   release) raises before anything changes. ``resolve_host_transfers`` keeps
   the reference's rule of skipping transfers for unknown pools;
@@ -39,6 +42,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -73,27 +77,40 @@ def layer_map(mapping: Mapping[int, int]) -> LayerMapper:
     return table.get
 
 
+class Reclaimer(Protocol):
+    """Frees cached pages of a group's pools when an allocation is short (the content index).
+
+    Registered with :meth:`HostPoolGroup.register_reclaimer`. Ordering: for
+    one allocation the group first calls :meth:`reclaimable` for every pool
+    that is short, in pool-name order, and calls :meth:`reclaim` only when
+    every shortfall can be freed; then :meth:`reclaim` at most once per short
+    pool, in pool-name order, for what is still missing (one eviction may
+    free pages of several pools). Thread-safety: both are called on the
+    allocating thread with the group's (re-entrant) lock held, so the lock
+    order is always group lock -> reclaimer's locks. They may free pages of
+    the group's pools from that thread, but must not wait for another thread
+    that uses the group, nor call back into the group's allocation.
+    """
+
+    def reclaimable(self, pool: str, wanted: int) -> int:
+        """How many of ``wanted`` pages of ``pool`` :meth:`reclaim` could free now; frees nothing."""
+        ...
+
+    def reclaim(self, pool: str, pages_needed: int) -> int:
+        """Evict until ``pages_needed`` pages of ``pool`` are free again; the pages of ``pool`` freed."""
+        ...
+
+
 @dataclass
 class PoolEntry:
-    """One pool of the group and how it takes part in transfers.
-
-    ``reclaim(pages_needed)`` is called at most once per allocation, with
-    the group lock held, and only after ``reclaimable`` said the shortfall can
-    be freed; it evicts and returns the pages it freed. It may free pages of
-    this group from the same thread, but must not wait for another thread
-    that uses the group. ``reclaimable(wanted)`` says how many of ``wanted``
-    pages ``reclaim`` could free now, without freeing any (None: the group
-    assumes any allocated page may be reclaimed).
-    """
+    """One pool of the group and how it takes part in transfers (the group's reclaimer evicts)."""
 
     name: str
     host_pool: HostKVPool
     layer_mapper: LayerMapper = identity_layers
     is_primary_index_anchor: bool = False
     indices_from_pool: str | None = None
-    reclaim: Callable[[int], int] | None = None
     packed_draft_layers: int = 0
-    reclaimable: Callable[[int], int] | None = None
 
     @property
     def target_layers(self) -> int:
@@ -163,10 +180,6 @@ class Allocation:
     reason: str = ""
 
 
-Reclaim = Callable[[int], object]
-Reclaimers = Mapping[str, tuple[Reclaim | None, Callable[[int], int] | None]]
-
-
 @dataclass(frozen=True)
 class LayerRoute:
     """Where one global (or draft) layer lives in one pool."""
@@ -184,7 +197,7 @@ class HostPoolGroup:
     """An anchor pool and its sidecars, allocated atomically.
 
     Thread-safety: one re-entrant lock serialises every allocation, rollback
-    and release of the group (reclaim callbacks run under it).
+    and release of the group (its :class:`Reclaimer` runs under it).
     Atomicity: a resolve either allocates everything it needs or nothing; a
     release either frees every owned transfer or raises and frees nothing.
     Ownership: the group owns its pools (``close`` closes them); every
@@ -198,6 +211,7 @@ class HostPoolGroup:
         self._lock = threading.RLock()
         self._entries: dict[str, PoolEntry] = {}
         self._anchor: PoolEntry | None = None
+        self._reclaimer: Reclaimer | None = None
         names = [e.name for e in entries]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
@@ -256,8 +270,6 @@ class HostPoolGroup:
                 f"pool {name!r} derives from {source_name!r}, which is itself derived; use "
                 f"{source.indices_from_pool!r}"
             )
-        if entry.reclaim is not None:
-            raise InvalidArgument(f"pool {name!r} is derived and allocates nothing; it cannot have reclaim")
         mine, theirs = entry.host_pool, source.host_pool
         if mine.num_pages < theirs.num_pages or mine.page_size != theirs.page_size:
             raise InvalidArgument(
@@ -287,29 +299,45 @@ class HostPoolGroup:
         with self._lock:
             return [self._entries[n] for n in sorted(self._entries)]
 
+    # ---- reclaimer -----------------------------------------------------------
+
+    def register_reclaimer(self, reclaimer: Reclaimer) -> None:
+        """Make ``reclaimer`` the group's evictor (see :class:`Reclaimer` for when it is called).
+
+        One at a time: AlreadyExists while another one is registered. Thread-safe.
+        """
+        with self._lock:
+            if self._reclaimer is not None and self._reclaimer is not reclaimer:
+                raise AlreadyExists("the host pool group already has a reclaimer (a content index)")
+            self._reclaimer = reclaimer
+
+    def unregister_reclaimer(self, reclaimer: Reclaimer) -> None:
+        """Stop asking ``reclaimer`` (a no-op unless it is the registered one). Thread-safe;
+        once it returns, no allocation is calling ``reclaimer`` any more."""
+        with self._lock:
+            if self._reclaimer is reclaimer:
+                self._reclaimer = None
+
     # ---- single-pool allocation --------------------------------------------
 
-    def alloc(
-        self, n: int, *, pool: str | None = None, reclaim: Callable[[int], object] | None = None
-    ) -> PageArray | None:
+    def alloc(self, n: int, *, pool: str | None = None, reclaim: bool = False) -> PageArray | None:
         """``n`` pages of one pool (the anchor by default), or None if no room.
 
-        Reclaims only through the given ``reclaim`` (none by default), under
-        the rules of :meth:`allocate`.
+        With ``reclaim`` the group's reclaimer may evict for it, under the
+        rules of :meth:`allocate`; without, nothing is evicted.
         """
         entry = self.anchor if pool is None else self.get_entry(pool)
         with self._lock:
-            estimate = entry.reclaimable if reclaim is not None and reclaim == entry.reclaim else None
-            got = self._allocate_locked({entry.name: n}, {entry.name: (reclaim, estimate)})
+            got = self._allocate_locked({entry.name: n}, self._reclaimer if reclaim else None)
             return got.pages[entry.name] if got.ok else None
 
     def allocate(self, needs: Mapping[str, int]) -> Allocation:
         """``needs[pool]`` fresh pages of each named pool, all or nothing: the one allocation path.
 
-        Pools short of room are reclaimed (their entries' ``reclaim``) only
-        when every pool's shortfall can be freed, as the entries'
-        ``reclaimable`` report; otherwise nothing is evicted and the result
-        is a failure naming the pool. The estimate and the eviction are two
+        Pools short of room are reclaimed (the group's :class:`Reclaimer`)
+        only when every pool's shortfall can be freed, as its ``reclaimable``
+        reports; otherwise nothing is evicted and the result is a failure
+        naming the pool. The estimate and the eviction are two
         steps: an entry pinned by another thread in between can make the
         reclaim fall short; then what this call allocated is freed and the
         result is a failure, and what was evicted stays evicted (the only
@@ -318,10 +346,9 @@ class HostPoolGroup:
         Thread-safe (the group lock); the returned arrays belong to the caller.
         """
         with self._lock:
-            entries = {name: self.get_entry(name) for name in needs}
-            return self._allocate_locked(needs, {n: (e.reclaim, e.reclaimable) for n, e in entries.items()})
+            return self._allocate_locked(needs, self._reclaimer)
 
-    def _allocate_locked(self, needs: Mapping[str, int], reclaimers: Reclaimers) -> Allocation:
+    def _allocate_locked(self, needs: Mapping[str, int], reclaimer: Reclaimer | None) -> Allocation:
         wanted: dict[str, int] = {}
         for name in sorted(needs):
             entry = self.get_entry(name)
@@ -338,10 +365,9 @@ class HostPoolGroup:
         # Ask before evicting: a request that cannot fit must leave the cache untouched.
         for name, gap in short.items():
             allocator = self._entries[name].host_pool.allocator
-            reclaim, estimate = reclaimers.get(name, (None, None))
-            able = 0 if reclaim is None else allocator.allocated_count()
-            if reclaim is not None and estimate is not None:
-                able = min(able, estimate(gap))
+            able = (
+                0 if reclaimer is None else min(allocator.allocated_count(), reclaimer.reclaimable(name, gap))
+            )
             if able < gap:
                 return Allocation(
                     False,
@@ -350,9 +376,8 @@ class HostPoolGroup:
                 )
         for name in short:  # in name order; one eviction may free pages of several pools
             gap = wanted[name] - self._entries[name].host_pool.allocator.available()
-            reclaim = reclaimers[name][0]
-            if gap > 0 and reclaim is not None:
-                freed = reclaim(gap)
+            if gap > 0 and reclaimer is not None:
+                freed = reclaimer.reclaim(name, gap)
                 logger.debug("pool %s: reclaim for %d pages freed %s", name, gap, freed)
         got: dict[str, PageArray] = {}
         for name, n in wanted.items():
@@ -456,7 +481,7 @@ class HostPoolGroup:
                 todo.append(transfer)
         got = self._allocate_locked(
             {t.name: int(t.device_indices.size) for t in todo if t.device_indices is not None},
-            {t.name: (self._entries[t.name].reclaim, self._entries[t.name].reclaimable) for t in todo},
+            self._reclaimer,
         )
         if not got.ok:
             return got.reason

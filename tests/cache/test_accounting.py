@@ -105,7 +105,7 @@ def test_random_sequences_free_every_page_exactly_once(
             elif kind == "clear":
                 index.clear(operation[1])
             elif kind == "resolve":
-                got = group.alloc(operation[1], reclaim=group.anchor.reclaim)
+                got = group.alloc(operation[1], reclaim=True)
                 if got is not None:
                     group.free(got)
             index.flush(timeout_s=30)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicached.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from hicached.index import ContentIndex, LookupResult
 from hicached.index.keys import page_keys
 from hicached.l2 import HostPoolGroup, PoolTransfer
@@ -200,7 +200,22 @@ def test_close_frees_everything_once_even_with_pins(make_group: MakeGroup) -> No
     index.unpin(pin)  # a no-op after close, never a double free
     index.close()
     assert group.available() == 8
-    assert group.anchor.reclaim is None  # the callback went back to what it was
+    # No longer the group's reclaimer: another index may register, and a full pool evicts nothing.
+    other = ContentIndex(group, namespace="n", backend=None)
+    other.close()
+
+
+def test_a_group_has_one_index(make_group: MakeGroup, make_index: MakeIndex) -> None:
+    """The index registers itself as the group's one reclaimer: a second index on the same
+    group is refused (it would evict pages it does not own) and leaves the first in charge."""
+    group = make_group(4)
+    index = make_index(group)
+    with pytest.raises(AlreadyExists, match="already has a reclaimer"):
+        ContentIndex(group, namespace="other", backend=None)
+    index.publish(keys_of("o", 4), write_pages(group, 4, seed=7))
+    got = group.alloc(1, reclaim=True)
+    assert got is not None and index.stats().entries == 3  # the first index evicted for it
+    group.free(got)
 
 
 def test_lookup_without_backend_counts_l2_only(make_group: MakeGroup, make_index: MakeIndex) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 import torch
@@ -54,3 +54,17 @@ def make_pool(shm_name: Callable[[], str]) -> Iterator[Callable[..., HostKVPool]
     yield make
     for pool in pools:
         pool.close()
+
+
+class PoolReclaimer:
+    """A :class:`~hicached.l2.group.Reclaimer` made of one function per pool: it says any
+    allocated page of those pools may be reclaimed (the group caps that by what is allocated)."""
+
+    def __init__(self, reclaims: Mapping[str, Callable[[int], int]]) -> None:
+        self.reclaims = dict(reclaims)
+
+    def reclaimable(self, pool: str, wanted: int) -> int:
+        return wanted if pool in self.reclaims else 0
+
+    def reclaim(self, pool: str, pages_needed: int) -> int:
+        return self.reclaims[pool](pages_needed)

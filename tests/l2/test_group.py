@@ -20,7 +20,7 @@ from hicached.l2 import (
     layer_range,
 )
 
-from .conftest import mha_spec, mla_spec
+from .conftest import PoolReclaimer, mha_spec, mla_spec
 
 MakePool = Callable[..., HostKVPool]
 
@@ -103,7 +103,6 @@ def test_constructor_validates_the_whole_list(make_pool: MakePool) -> None:
     [
         ({"name": "d", "indices_from_pool": "nope"}, InvalidArgument, "unknown pool 'nope'"),
         ({"name": "d", "indices_from_pool": "draft"}, InvalidArgument, "'draft', which is itself derived"),
-        ({"name": "d", "indices_from_pool": "kv", "reclaim": lambda n: 0}, InvalidArgument, "reclaim"),
         ({"name": "", "indices_from_pool": None}, InvalidArgument, "non-empty"),
         ({"name": "d", "packed_draft_layers": 3}, InvalidArgument, "packed_draft_layers=3"),
         ({"name": "d", "packed_draft_layers": -1}, InvalidArgument, "packed_draft_layers=-1"),
@@ -223,8 +222,8 @@ def test_transfers_are_processed_in_name_order(make_pool: MakePool) -> None:
         return reclaim
 
     for entry in g.entries:
-        entry.reclaim = reclaimer(entry.name)
         assert g.alloc(4, pool=entry.name) is not None  # every pool full: each one reclaims
+    g.register_reclaimer(PoolReclaimer({e.name: reclaimer(e.name) for e in g.entries}))
     result = g.resolve_host_transfers([PoolTransfer(n, _pages(2)) for n in ("zeta", "mid", "alpha")])
     assert result.ok
     assert calls == ["alpha", "mid", "zeta"]
@@ -240,7 +239,8 @@ def test_reclaim_once_then_retry(group: HostPoolGroup) -> None:
         calls.append(n)
         return group.free(taken[:1], pool="swa")  # frees too little
 
-    group.get_entry("swa").reclaim = reclaim
+    reclaimer = PoolReclaimer({"swa": reclaim})
+    group.register_reclaimer(reclaimer)
     result = group.resolve_host_transfers([PoolTransfer("swa", _pages(3))])
     assert not result.ok and calls == [3]  # called once, then one retry, then give up
     assert group.available("swa") == 1
@@ -249,7 +249,7 @@ def test_reclaim_once_then_retry(group: HostPoolGroup) -> None:
         calls.append(n)
         return group.free(taken[1 : 1 + n], pool="swa")
 
-    group.get_entry("swa").reclaim = reclaim_enough
+    reclaimer.reclaims["swa"] = reclaim_enough
     result = group.resolve_host_transfers([PoolTransfer("swa", _pages(3))])
     assert result.ok and calls == [3, 2]  # asked for the shortfall only (one page was free)
     got = result.transfers[0].host_indices
@@ -262,7 +262,7 @@ def test_reclaim_that_raises_rolls_back(group: HostPoolGroup) -> None:
 
     assert group.alloc(8, pool="swa") is not None
     before = _snapshot(group)
-    group.get_entry("swa").reclaim = broken
+    group.register_reclaimer(PoolReclaimer({"swa": broken}))
     with pytest.raises(RuntimeError, match="evictor failed for 2"):
         group.resolve_all(
             [PoolTransfer("kv", _pages(3)), PoolTransfer("mamba", _pages(1)), PoolTransfer("swa", _pages(2))]
@@ -384,8 +384,39 @@ def test_group_alloc_free_available_default_to_the_anchor(group: HostPoolGroup) 
     assert group.free(pages) == 4
     assert group.alloc(17) is None
     calls: list[int] = []
-    # 17 pages can never fit in 16: the reclaimer is not even asked (nothing is evicted).
-    assert group.alloc(17, reclaim=calls.append) is None and calls == []
+
+    def record(n: int) -> int:
+        calls.append(n)
+        return 0
+
+    group.register_reclaimer(PoolReclaimer({"kv": record}))
+    # 17 pages can never fit in 16: the reclaimer's reclaim is not even called (nothing is evicted).
+    assert group.alloc(17, reclaim=True) is None and calls == []
+
+
+def test_one_reclaimer_at_a_time(group: HostPoolGroup) -> None:
+    """The group's evictor is registered explicitly, one at a time; an allocation without
+    ``reclaim`` (and any after unregistering) never calls it."""
+    calls: list[int] = []
+
+    def free_held(n: int) -> int:
+        calls.append(n)
+        return group.free(held[:n])
+
+    first, second = PoolReclaimer({"kv": free_held}), PoolReclaimer({"kv": free_held})
+    group.register_reclaimer(first)
+    group.register_reclaimer(first)  # the same one again changes nothing
+    with pytest.raises(AlreadyExists, match="already has a reclaimer"):
+        group.register_reclaimer(second)
+    held = group.alloc(16)
+    assert held is not None
+    assert group.alloc(2) is None and calls == []  # reclaim=False: nobody is asked
+    got = group.alloc(2, reclaim=True)
+    assert got is not None and calls == [2]
+    group.unregister_reclaimer(second)  # not the registered one: a no-op
+    group.unregister_reclaimer(first)
+    assert group.alloc(1, reclaim=True) is None and calls == [2]
+    group.register_reclaimer(second)
 
 
 def test_concurrent_resolves_and_releases_end_at_full_capacity(group: HostPoolGroup) -> None:

@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hicached.errors import DoubleFree
 from hicached.l2 import HostLayout, HostPoolGroup, PoolEntry, PoolTransfer, create_host_pool
 
-from .conftest import mha_spec
+from .conftest import PoolReclaimer, mha_spec
 
 POOLS = {"kv": 12, "swa": 6, "mamba": 9}
 DERIVED = "draft"  # reuses the anchor's ("kv") pages
@@ -47,12 +47,13 @@ class GroupMachine(RuleBasedStateMachine):
         self.pools = pools
         self.group = HostPoolGroup(
             [
-                PoolEntry("kv", pools["kv"], is_primary_index_anchor=True, reclaim=self._reclaimer("kv")),
-                PoolEntry("swa", pools["swa"], reclaim=self._reclaimer("swa")),
-                PoolEntry("mamba", pools["mamba"], reclaim=self._reclaimer("mamba")),
+                PoolEntry("kv", pools["kv"], is_primary_index_anchor=True),
+                PoolEntry("swa", pools["swa"]),
+                PoolEntry("mamba", pools["mamba"]),
                 PoolEntry(DERIVED, pools[DERIVED], indices_from_pool="kv"),
             ]
         )
+        self.group.register_reclaimer(PoolReclaimer({name: self._reclaimer(name) for name in POOLS}))
         self.held: dict[str, list[np.ndarray]] = {name: [] for name in POOLS}
         self.resolved: list[list[PoolTransfer]] = []
         self.released: list[list[PoolTransfer]] = []
