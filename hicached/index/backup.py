@@ -1,262 +1,207 @@
-"""The L2 -> L3 half of the content index: write policies, backup jobs, flush, write-back eviction.
+"""The content index's bounded queue of L2 -> L3 backups.
 
-:class:`BackupMixin` is a part of :class:`hicached.index.index.ContentIndex`
-kept in its own module; it shares the index's lock and state (declared
-below) and is not usable on its own. Locking rules are the index's: state
-changes under ``_lock``, L3 I/O outside it.
+:class:`BackupQueue` admits pages up to ``max_pages``, cuts them into
+batches, hands each job to the I/O threads and counts what L3 stored, what
+failed and what was dropped. It knows nothing of entries, keys or pools:
+its owner gives it, at construction, the two functions that touch those
+(``store`` one batch, ``release`` items the queue is done with) and the one
+that runs a job on the I/O threads (``submit``).
+
+Thread-safety: every method may be called from any thread. The queue has
+its own lock (a condition), never held while calling ``store``,
+``release`` or ``submit``. :meth:`admit` and :meth:`begin_eviction` only
+take that lock, so an owner may call them with its own lock held (the
+content index does: lock order index lock -> queue lock, never the reverse).
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import logging
 import threading
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
-from hicached.errors import FailedPrecondition, ResourceExhausted
-from hicached.index.entries import Entry, batches, check_keys
-from hicached.index.jobs import BackupJob, IoPriority, IoScheduler
-from hicached.index.observer import CacheObserver
-from hicached.index.pools import GroupView
-from hicached.index.types import BackupResult, WritePolicy
-from hicached.l3.base import StorageBackend
+from hicached.errors import InvalidArgument, ResourceExhausted
+from hicached.index.entries import batches
+from hicached.index.jobs import BackupJob
 
-__all__ = ["BackupMixin"]
+__all__ = ["BackupCounts", "BackupQueue"]
 
 logger = logging.getLogger(__name__)
 
+E = TypeVar("E")
 
-class BackupMixin:
-    """L2 -> L3 operations of :class:`~hicached.index.index.ContentIndex`."""
+# store(batch) -> (items L3 now holds, items L3 refused); raising counts the batch as dropped.
+Store = Callable[[Sequence[E]], tuple[int, int]]
+# release(items, reached): the queue is done with items; reached = their batch was written.
+Release = Callable[[Sequence[E], bool], None]
 
-    # State owned by ContentIndex.__init__.
-    backend: StorageBackend | None
-    namespace: str
-    batch_pages: int
-    max_queued_pages: int
-    write_policy: WritePolicy
-    write_back_free_fraction: float
-    _lock: threading.Lock
-    _idle: threading.Condition
-    _entries: collections.OrderedDict[str, Entry]
-    _view: GroupView
-    _obs: CacheObserver
-    _io: IoScheduler
-    _counts: collections.Counter[str]
-    _queued_pages: int
-    _evicting_pages: int
-    _closed: bool
-    _l3_tenant_keys: dict[str, set[str]]
 
-    def _drop_refs_locked(self, entries: Iterable[Entry], *, pinned: bool) -> None:
-        raise NotImplementedError  # ContentIndex's
+@dataclasses.dataclass(frozen=True)
+class BackupCounts:
+    """Pages queued now, and totals since construction."""
 
-    def _evict_ahead(self) -> None:
-        """write_back: when a pool's free share drops below ``write_back_free_fraction``,
-        evict least recently used entries in the background until twice that share
-        is free; each is written to L3 first and its pages are freed once written.
+    queued: int
+    backed_up: int
+    failed: int
+    dropped: int
 
-        This keeps a worker's allocation from waiting on L3 in :meth:`reclaim`
-        (which still writes synchronously if the background falls behind).
+
+class BackupQueue(Generic[E]):
+    """Admission, batching and accounting of L2 -> L3 backups (one item is one page per pool).
+
+    Each admitted item is released exactly once, through ``release``: after
+    ``store`` returned for its batch, or when its job stopped first (a failed
+    batch stops the job) or was abandoned. Only then does it leave
+    :attr:`queued`, so :meth:`wait_queued_at_most` returning means the owner
+    has dropped its holds on everything released so far.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        max_pages: int,
+        batch_pages: int,
+        store: Store[E],
+        release: Release[E],
+        submit: Callable[[BackupJob[E]], None],
+    ) -> None:
+        for what, value in (("max_queued_pages", max_pages), ("batch_pages", batch_pages)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{what} must be a positive int, got {value!r}")
+        self.name = name
+        self.max_pages = max_pages
+        self.batch_pages = batch_pages
+        self._store = store
+        self._release = release
+        self._submit = submit
+        self._cond = threading.Condition()
+        self._queued = 0
+        self._backed_up = 0
+        self._failed = 0
+        self._dropped = 0
+        self._eviction: int | None = None  # pages of the write-back eviction in flight
+
+    # ------------------------------------------------------------ admission
+
+    def admit(self, n: int, *, explicit: bool) -> int:
+        """Reserve room for ``n`` items; returns how many fit (the rest count as dropped).
+
+        ``explicit`` (a caller asked for these backups): ResourceExhausted
+        when they do not all fit, and nothing is reserved.
         """
-        if self.backend is None or self.write_back_free_fraction <= 0:
-            return
-        fraction = self.write_back_free_fraction
-        allocators = self._view.allocators
-        if all(a.available() >= a.capacity * fraction for a in allocators):
-            return
-        want = max(int(a.capacity * 2 * fraction) - a.available() for a in allocators)
-        with self._lock:
-            if self._closed or self._evicting_pages:
-                return
-            victims: list[Entry] = []
-            for entry in self._entries.values():
-                if len(victims) >= want:
-                    break
-                if entry.refs == 0:
-                    victims.append(entry)
-            for entry in victims:
-                del self._entries[entry.key]
-                entry.detached = True
-                entry.refs += 1
-            dirty = [e for e in victims if not e.in_l3]
-            for entry in dirty:
-                entry.backup_queued = True
-            self._queued_pages += len(dirty)
-            self._evicting_pages = len(dirty)
-            self._counts["evicted"] += len(victims)
-            self._drop_refs_locked([e for e in victims if e.in_l3], pinned=False)
-        if not victims:
-            return
-        self._obs.evicted("l2", "lru", len(victims))
-        if dirty:
-            job: BackupJob[Entry] = BackupJob(
-                batches(dirty, self.batch_pages), store=self._store_batch, release=self._release_evicted
-            )
-            self._io.submit(job, IoPriority.BACKUP)
+        with self._cond:
+            room = max(0, self.max_pages - self._queued)
+            if n > room and explicit:
+                raise ResourceExhausted(
+                    f"{n} pages would exceed the backup queue ({self._queued}/{self.max_pages} pages queued)",
+                    retry_after_ms=100,
+                )
+            admitted = min(n, room)
+            self._queued += admitted
+            self._dropped += n - admitted
+            return admitted
 
-    def _release_evicted(self, entries: Sequence[Entry], attempted: bool) -> None:
-        self._release_backup(entries, attempted)  # detached: their pages are freed here
-        with self._lock:
-            self._evicting_pages -= len(entries)
+    def begin_eviction(self) -> bool:
+        """Claim the one write-back eviction slot; False while an eviction is in flight.
 
-    def _write_back_now(self, entries: Sequence[Entry]) -> None:
-        chunks = batches(entries, self.batch_pages)
-        for i, batch in enumerate(chunks):
-            try:
-                _, ok = self._store_batch(batch)
-            except Exception:
-                logger.exception("%s: write-back of an evicted batch failed", self.namespace)
-                ok = False
-            if not ok:
-                lost = sum(not e.in_l3 for b in chunks[i:] for e in b)
-                with self._lock:
-                    self._counts["dropped_backup"] += lost
-                self._obs.dropped("backup_failed", lost)
-                return
+        The claimer must call :meth:`run_eviction` next (with no items if it evicted none).
+        """
+        with self._cond:
+            if self._eviction is not None:
+                return False
+            self._eviction = 0
+            return True
 
-    def _queue_backup(self, entries: Sequence[Entry], *, explicit: bool) -> BackupJob[Entry] | None:
-        if self.backend is None or not entries:
+    # ------------------------------------------------------------ running
+
+    def run(self, items: Sequence[E]) -> BackupJob[E] | None:
+        """Write admitted ``items`` in the background, in order; the job (None when empty)."""
+        return self._run(items, self._release_items)
+
+    def run_eviction(self, items: Sequence[E]) -> None:
+        """Write the items of the claimed eviction in the background; they bypass the bound
+        (they are the only copy) and the slot frees once all are released."""
+        with self._cond:
+            self._queued += len(items)
+            self._eviction = len(items) or None
+        self._run(items, self._release_evicted)
+
+    def _run(self, items: Sequence[E], release: Release[E]) -> BackupJob[E] | None:
+        if not items:
             return None
-        dropped = 0
-        with self._lock:
-            todo = [e for e in entries if not (e.detached or e.in_l3 or e.backup_queued)]
-            room = self.max_queued_pages - self._queued_pages
-            if len(todo) > room:
-                if explicit:
-                    raise ResourceExhausted(
-                        f"{len(todo)} pages would exceed the backup queue "
-                        f"({self._queued_pages}/{self.max_queued_pages} pages queued)",
-                        retry_after_ms=100,
-                    )
-                dropped = len(todo) - max(0, room)
-                todo = todo[: max(0, room)]
-            for entry in todo:
-                entry.refs += 1
-                entry.backup_queued = True
-            self._queued_pages += len(todo)
-            self._counts["dropped_backup"] += dropped
-        if dropped:
-            self._obs.dropped("backpressure", dropped)
-        if not todo:
-            return None
-        job: BackupJob[Entry] = BackupJob(
-            batches(todo, self.batch_pages),
-            store=self._store_batch,
-            release=self._release_backup,
+        job: BackupJob[E] = BackupJob(
+            batches(items, self.batch_pages), store=self._store_batch, release=release
         )
-        self._io.submit(job, IoPriority.BACKUP)
+        self._submit(job)
         return job
 
-    def _store_batch(self, batch: Sequence[Entry]) -> tuple[int, bool]:
-        """Write one batch to L3; (keys now stored, every key succeeded)."""
-        assert self.backend is not None
-        live = [e for e in batch if not e.cleared]
-        if not live:
-            return 0, True
-        started = time.perf_counter()
-        keys = [e.key for e in live]
-        results = self.backend.set_from(
-            self._view.l3_keys(self.namespace, keys), self._view.chunks([e.pages for e in live])
-        )
-        seconds = time.perf_counter() - started
-        ok = self._view.whole_keys(results)
-        stored = sum(ok)
-        orphans: list[str] = []
-        with self._lock:
-            for entry, good in zip(live, ok, strict=True):
-                if not good:
-                    continue
-                if entry.cleared:  # clear() ran while we wrote: it must not come back
-                    orphans.append(entry.key)
-                    continue
-                entry.in_l3 = True
-                if entry.tenant:
-                    self._l3_tenant_keys.setdefault(entry.tenant, set()).add(entry.key)
-            self._counts["backed_up"] += stored
-            self._counts["backup_failed"] += len(live) - stored
-        if orphans:
-            self.backend.delete(self._view.l3_keys(self.namespace, orphans))
-        if stored:
-            self._obs.backed_up(stored, stored * self._view.key_bytes, seconds)
-        return stored, stored == len(live)
+    def write_now(self, items: Sequence[E]) -> int:
+        """Write ``items`` on this thread, batch by batch, stopping at the first failed batch.
 
-    def _release_backup(self, entries: Sequence[Entry], reached: bool) -> None:
-        with self._lock:
-            for entry in entries:
-                entry.backup_queued = False
-            self._queued_pages -= len(entries)
+        They are not admitted (nor released): the caller holds them. Returns the
+        items lost (those of the failed batch L3 did not take, and every later one).
+        """
+        chunks = batches(items, self.batch_pages)
+        for i, batch in enumerate(chunks):
+            try:
+                stored, failed = self._store_counted(batch)
+            except Exception:
+                logger.exception("%s: write-back of an evicted batch failed", self.name)
+                stored, failed = 0, len(batch)
+            if failed:
+                lost = len(batch) - stored + sum(len(b) for b in chunks[i + 1 :])
+                with self._cond:
+                    self._dropped += lost
+                return lost
+        return 0
+
+    def _store_batch(self, batch: Sequence[E]) -> tuple[int, bool]:
+        stored, failed = self._store_counted(batch)
+        return stored, failed == 0
+
+    def _store_counted(self, batch: Sequence[E]) -> tuple[int, int]:
+        stored, failed = self._store(batch)
+        with self._cond:
+            self._backed_up += stored
+            self._failed += failed
+        return stored, failed
+
+    def _release_items(self, items: Sequence[E], reached: bool, *, evicted: bool = False) -> None:
+        self._release(items, reached)
+        with self._cond:
+            self._queued -= len(items)
             if not reached:
-                self._counts["dropped_backup"] += len(entries)
-            if not self._closed:
-                self._drop_refs_locked(entries, pinned=False)
-            self._idle.notify_all()
-        if not reached:
-            self._obs.dropped("backup_failed", len(entries))
+                self._dropped += len(items)
+            if evicted:
+                assert self._eviction is not None
+                self._eviction -= len(items)
+                if self._eviction == 0:
+                    self._eviction = None
+            self._cond.notify_all()
 
-    def backup(
-        self, keys: Sequence[str], *, wait: bool = False, timeout_s: float | None = None
-    ) -> BackupResult:
-        """Queue an L2 -> L3 backup of the cached keys among ``keys`` that L3 lacks.
+    def _release_evicted(self, items: Sequence[E], reached: bool) -> None:
+        self._release_items(items, reached, evicted=True)
 
-        ``queued`` counts those keys (including ones a write policy had already
-        queued). Returns at once unless ``wait``; then it also waits for the
-        keys other jobs were writing, and ``stored`` counts the ones L3 has
-        acknowledged (a job stops at its first failed batch). Raises
-        FailedPrecondition without a backend and ResourceExhausted when the
-        queue is full (nothing queued then). A wait ends at ``timeout_s`` and
-        then reports what L3 has acknowledged so far.
-        """
-        keys = check_keys(keys)
-        if self.backend is None:
-            raise FailedPrecondition(f"content index {self.namespace!r} has no L3 backend")
-        with self._lock:
-            pending = [e for k in keys if (e := self._entries.get(k)) is not None and not e.in_l3]
-        job = self._queue_backup(pending, explicit=True)
-        if not wait:
-            return BackupResult(len(pending), 0)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    # ------------------------------------------------------------ waiting
 
-        def remaining() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
+    def wait_for(self, done: Callable[[], bool], timeout_s: float | None) -> bool:
+        """Block until ``done()`` (re-checked after every release) or the timeout; its last value."""
+        with self._cond:
+            return self._cond.wait_for(done, timeout=timeout_s)
 
-        if job is not None:
-            job.wait(remaining())
-        with self._idle:
-            self._idle.wait_for(lambda: not any(e.backup_queued for e in pending), timeout=remaining())
-            return BackupResult(len(pending), sum(e.in_l3 for e in pending))
+    def wait_queued_at_most(self, pages: int, timeout_s: float | None) -> bool:
+        """Block until at most ``pages`` are queued; False at the timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._queued <= pages, timeout=timeout_s)
 
-    def flush(self, timeout_s: float | None = None) -> int:
-        """Wait until no backup is queued; returns pages stored meanwhile.
+    def wake(self) -> None:
+        """Re-check every waiter's condition (the owner changed what they wait for)."""
+        with self._cond:
+            self._cond.notify_all()
 
-        Under ``write_back`` every entry not yet in L3 is queued first, in
-        chunks that fit the queue (a drain before shutdown must not lose the
-        only copy). Raises ResourceExhausted if the queue is still busy at
-        ``timeout_s``.
-        """
-        before = self._counts["backed_up"]
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-        def remaining() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-        def busy() -> ResourceExhausted:
-            return ResourceExhausted(
-                f"{self._queued_pages} backup pages still queued after {timeout_s} s", retry_after_ms=100
-            )
-
-        if self.write_policy is WritePolicy.WRITE_BACK and self.backend is not None:
-            with self._lock:
-                dirty = [e for e in self._entries.values() if not (e.in_l3 or e.backup_queued)]
-            for chunk in batches(dirty, self.max_queued_pages):
-                if not self._wait_queue_at_most(self.max_queued_pages - len(chunk), remaining()):
-                    raise busy()
-                self._queue_backup(chunk, explicit=False)
-        if not self._wait_queue_at_most(0, remaining()):
-            raise busy()
-        return self._counts["backed_up"] - before
-
-    def _wait_queue_at_most(self, pages: int, timeout_s: float | None) -> bool:
-        with self._idle:
-            return self._idle.wait_for(lambda: self._queued_pages <= pages, timeout=timeout_s)
+    def counts(self) -> BackupCounts:
+        with self._cond:
+            return BackupCounts(self._queued, self._backed_up, self._failed, self._dropped)

@@ -27,44 +27,36 @@ the index evicts ahead of need in the background whenever a pool's free
 share drops below ``write_back_free_fraction`` (a reclaim that still finds
 only unwritten victims writes them synchronously, as the reference does).
 
-Thread-safety: every public method may be called from any thread. One lock
-guards the index's state; it is never held during L3 I/O, nor while
+Rooms: :class:`ContentIndex` is a facade over the :class:`EntryTable`
+(entries, pins, owned pages: the state and its lock), the :class:`Writer`
+(L2 -> L3, with its bounded :class:`~hicached.index.backup.BackupQueue`) and
+the :class:`Prefetcher` (L3 -> L2), which share one :class:`IoScheduler`.
+
+Thread-safety: every public method may be called from any thread. The
+table's lock guards the entries; it is never held during L3 I/O, nor while
 calling into the pool group. The index registers itself as the group's
 :class:`~hicached.l2.group.Reclaimer` (and unregisters on close); the group
 calls :meth:`ContentIndex.reclaim` with its own lock held, so the order is
-always group lock -> index lock.
+always group lock -> table lock -> backup queue lock.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
-import itertools
-import logging
-import threading
-import time
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from hicached.index.backup import BackupMixin
-from hicached.index.entries import (
-    SELECTIVE_HITS,
-    Entry,
-    EntryRecord,
-    batches,
-    check_keys,
-    check_records,
-    check_rows,
-)
+from hicached.errors import InvalidArgument, Unavailable
+from hicached.index.entries import EntryRecord, check_keys, check_records, check_rows
 from hicached.index.jobs import IoPriority, IoScheduler, PrefetchTask
 from hicached.index.observer import CacheObserver
 from hicached.index.pools import GroupView
+from hicached.index.prefetch import Prefetcher
+from hicached.index.table import EntryTable
 from hicached.index.types import (
     DEFAULT_BATCH_PAGES,
+    BackupResult,
     IndexStats,
     LookupResult,
     Pin,
@@ -72,25 +64,20 @@ from hicached.index.types import (
     WritePolicy,
     prefetch_deadline_s,
 )
+from hicached.index.writer import Writer
 from hicached.l2.allocator import PageAllocator, PageArray
 from hicached.l2.group import HostPoolGroup
 from hicached.l3.base import StorageBackend
 
 __all__ = ["ContentIndex"]
 
-logger = logging.getLogger(__name__)
 
-# Process-wide, so a pin handed to the wrong index is refused rather than
-# releasing someone else's pages.
-_PIN_IDS = itertools.count(1)
-
-
-class ContentIndex(BackupMixin):
+class ContentIndex:
     """Content key -> L2 pages of one host pool group, with L3 behind it.
 
     See the module docstring for ownership, eviction and locking. Configuration
     errors raise :class:`~hicached.errors.InvalidArgument`; nothing is installed
-    then.
+    then. A group has one index: AlreadyExists while another is open on it.
     """
 
     def __init__(
@@ -129,32 +116,36 @@ class ContentIndex(BackupMixin):
             raise InvalidArgument(
                 f"write_back_free_fraction must be in [0, 0.5), got {write_back_free_fraction!r}"
             )
-        self.write_back_free_fraction = write_back_free_fraction
         self.namespace = namespace
         self.backend = backend
         self.batch_pages = batch_pages
-        self.max_queued_pages = max_queued_pages
         self._view = GroupView(group)
         self._obs = observer if observer is not None else CacheObserver()
         self._timeout_base = prefetch_timeout_base_s
         self._timeout_per_1k = prefetch_timeout_per_1k_tokens_s
-        self._max_finished = max_finished_prefetches
-
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # notified when queued backups drop
-        self._entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
-        self._owned = [np.zeros(a.capacity, dtype=bool) for a in self._view.allocators]
-        self._pins: dict[int, tuple[Entry, ...]] = {}
-        self._pinned_entries = 0
-        self._queued_pages = 0
-        self._l3_tenant_keys: dict[str, set[str]] = {}
-        self._prefetches: collections.OrderedDict[str, PrefetchTask] = collections.OrderedDict()
-        self._prefetch_tenant: dict[str, str] = {}
-        self._closed = False
-        self._frozen = False  # export_entries() took the final snapshot: no more changes
-        self._counts = collections.Counter[str]()
-        self._evicting_pages = 0  # write_back: pages of the background eviction in flight
-
+        self._table = EntryTable(self._view)
+        self._writer = Writer(
+            self._table,
+            self._view,
+            backend=backend,
+            namespace=namespace,
+            policy=self.write_policy,
+            max_queued_pages=max_queued_pages,
+            batch_pages=batch_pages,
+            free_fraction=write_back_free_fraction,
+            observer=self._obs,
+            submit=lambda job: self._io.submit(job, IoPriority.BACKUP),
+        )
+        self._prefetcher = Prefetcher(
+            self._table,
+            self._view,
+            backend=backend,
+            namespace=namespace,
+            batch_pages=batch_pages,
+            max_finished=max_finished_prefetches,
+            observer=self._obs,
+            submit=lambda task: self._io.submit(task, IoPriority.PREFETCH),
+        )
         self._io = IoScheduler(io_workers, f"hicache-{namespace}")
         # Registered last: from here on the group may call reclaim/reclaimable.
         try:
@@ -174,12 +165,6 @@ class ContentIndex(BackupMixin):
         """Pools whose pages a :class:`Pin` and :meth:`publish` carry (independent pools)."""
         return self._view.alloc_names
 
-    def _l2_run_locked(self, keys: Sequence[str]) -> int:
-        for i, key in enumerate(keys):
-            if key not in self._entries:
-                return i
-        return len(keys)
-
     def _l3_exists(self, keys: Sequence[str]) -> int:
         """Leading run of keys whose every pool part is in L3."""
         assert self.backend is not None
@@ -194,8 +179,7 @@ class ContentIndex(BackupMixin):
         L3 is asked in batches, only for keys not in L2, and stops at the
         first batch with a miss (the reference's batched hit query).
         """
-        with self._lock:
-            in_l2 = [key in self._entries for key in keys]
+        in_l2 = self._table.resident(keys)
         l2_run = in_l2.index(False) if False in in_l2 else len(keys)
         if self.backend is None or l2_run == len(keys):
             return l2_run, l2_run, []
@@ -216,7 +200,7 @@ class ContentIndex(BackupMixin):
         self._obs.lookup(len(keys), l2_run, total - l2_run)
         return LookupResult(l2_hit_pages=l2_run, total_hit_pages=total)
 
-    # ------------------------------------------------------------- publish
+    # ------------------------------------------------------------- publish / pin
 
     def publish(
         self, keys: Sequence[str], pages: Mapping[str, object], *, tenant: str = ""
@@ -235,14 +219,8 @@ class ContentIndex(BackupMixin):
             raise InvalidArgument(f"tenant must be a str, got {tenant!r}")
         self.check_storable(keys)
         columns = check_rows(self._view, len(keys), pages)
-        mask, new, hot = self._insert(keys, columns, tenant, in_l3=False, strict=True)
-        self._counts["published"] += len(new)
-        if self.write_policy is WritePolicy.WRITE_THROUGH:
-            self._queue_backup(new, explicit=False)
-        elif self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-            self._queue_backup(hot, explicit=False)
-        else:
-            self._evict_ahead()
+        mask, new, hot = self._table.insert(keys, columns, tenant, in_l3=False, strict=True)
+        self._writer.published(new, hot)
         return mask
 
     def check_storable(self, keys: Sequence[str]) -> None:
@@ -267,129 +245,24 @@ class ContentIndex(BackupMixin):
                     f"at most {limit} bytes, i.e. keys of at most {limit - overhead} bytes here"
                 )
 
-    def _insert(
-        self,
-        keys: Sequence[str],
-        columns: Sequence[PageArray],
-        tenant: str,
-        *,
-        in_l3: bool,
-        strict: bool,
-    ) -> tuple[npt.NDArray[np.bool_], list[Entry], list[Entry]]:
-        """Add entries for new keys, touch existing ones; (mask, new entries, entries now hot).
-
-        ``columns`` holds one page array per independent pool, one page per key.
-        """
-        rows = list(zip(*(c.tolist() for c in columns), strict=True)) if len(keys) else []
-        mask = np.zeros(len(keys), dtype=bool)
-        new: list[Entry] = []
-        hot: list[Entry] = []
-        with self._lock:
-            if self._closed or self._frozen:
-                raise Unavailable("the content index is closed")
-            if strict:
-                for col, (owned, column) in enumerate(zip(self._owned, columns, strict=True)):
-                    taken = np.flatnonzero(owned[column])
-                    if taken.size:
-                        i = int(taken[0])
-                        raise FailedPrecondition(
-                            f"page {int(column[i])} of pool {self._view.alloc_names[col]!r} already "
-                            f"belongs to the content index (key {keys[i]!r} cannot take it)"
-                        )
-            entries = self._entries
-            # Deepest key first, so the head of the prefix ends up most recent.
-            for i in range(len(keys) - 1, -1, -1):
-                key = keys[i]
-                entry = entries.get(key)
-                if entry is not None:
-                    entries.move_to_end(key)
-                    entry.hits += 1
-                    if entry.hits >= SELECTIVE_HITS:
-                        hot.append(entry)
-                    continue
-                entry = Entry(key, rows[i], tenant, in_l3=in_l3)
-                entries[key] = entry
-                mask[i] = True
-                new.append(entry)
-            for owned, column in zip(self._owned, columns, strict=True):
-                owned[column[mask]] = True
-        new.reverse()
-        hot.reverse()
-        return mask, new, hot
-
-    # ------------------------------------------------------------ pin / unpin
-
     def pin(self, keys: Sequence[str]) -> Pin:
         """Hold the leading L2 run of ``keys`` (possibly empty) until :meth:`unpin`.
 
         Counts a hit on each pinned key (``write_through_selective`` backs a
         key up on its second hit) and makes it most recently used.
         """
-        keys = check_keys(keys)
-        with self._lock:
-            if self._closed:
-                raise Unavailable("the content index is closed")
-            run = [self._entries[k] for k in keys[: self._l2_run_locked(keys)]]
-            hot = []
-            for entry in reversed(run):
-                self._entries.move_to_end(entry.key)
-                if entry.pins == 0:
-                    self._pinned_entries += 1
-                entry.pins += 1
-                entry.refs += 1
-                entry.hits += 1
-                if entry.hits >= SELECTIVE_HITS:
-                    hot.append(entry)
-            pin_id = next(_PIN_IDS)
-            self._pins[pin_id] = tuple(run)
-        pages = {
-            name: np.fromiter((e.pages[col] for e in run), dtype=np.int64, count=len(run))
-            for col, name in enumerate(self._view.alloc_names)
-        }
-        if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-            self._queue_backup(hot, explicit=False)
-        return Pin(pin_id, tuple(e.key for e in run), pages)
+        pin, hot = self._table.pin(check_keys(keys))
+        self._writer.pinned(hot)
+        return pin
 
     def unpin(self, pin: Pin) -> None:
         """Release a pin, exactly once (FailedPrecondition the second time).
 
         After :meth:`close` the pages are already freed and this is a no-op.
         """
-        with self._lock:
-            if self._closed:
-                return
-            entries = self._pins.get(pin.id)
-            if entries is None or tuple(e.key for e in entries) != pin.keys:
-                raise FailedPrecondition(f"pin {pin.id} is not held by this index (released twice?)")
-            del self._pins[pin.id]
-            self._drop_refs_locked(entries, pinned=True)
+        self._table.unpin(pin)
 
-    def _drop_refs_locked(self, entries: Iterable[Entry], *, pinned: bool) -> None:
-        doomed = []
-        for entry in entries:
-            entry.refs -= 1
-            if pinned:
-                entry.pins -= 1
-                if entry.pins == 0:
-                    self._pinned_entries -= 1
-            if entry.refs == 0 and entry.detached:
-                doomed.append(entry)
-        self._free_locked(doomed)
-
-    def _free_locked(self, entries: Sequence[Entry]) -> int:
-        """Return entries' pages to their allocators (exactly once) and forget them."""
-        if not entries:
-            return 0
-        for entry in entries:
-            assert not entry.freed, f"entry {entry.key!r} freed twice"
-            entry.freed = True
-        for col, (allocator, owned) in enumerate(zip(self._view.allocators, self._owned, strict=True)):
-            pages = np.fromiter((e.pages[col] for e in entries), dtype=np.int64, count=len(entries))
-            owned[pages] = False
-            allocator.free(pages)
-        return len(entries)
-
-    # ------------------------------------------------------------- eviction
+    # ------------------------------------------------------------- eviction (the group's Reclaimer)
 
     def reclaimable(self, pool: str, wanted: int) -> int:
         """How many of ``wanted`` pages of ``pool`` :meth:`reclaim` could free now (evicts nothing).
@@ -398,16 +271,7 @@ class ContentIndex(BackupMixin):
         (each entry holds one page of every independent pool).
         """
         self._view.column(pool)
-        with self._lock:
-            if self._closed or self._frozen:
-                return 0
-            able = 0
-            for entry in self._entries.values():
-                if able >= wanted:
-                    break
-                if entry.refs == 0:
-                    able += 1
-            return able
+        return self._table.evictable(wanted)
 
     def reclaim(self, pool: str, pages_needed: int) -> int:
         """Evict least recently used unreferenced entries until ``pages_needed`` pages of
@@ -421,69 +285,34 @@ class ContentIndex(BackupMixin):
         self._view.column(pool)  # NotFound for a pool outside the group
         if isinstance(pages_needed, bool) or not isinstance(pages_needed, int) or pages_needed < 0:
             raise InvalidArgument(f"pages_needed must be a non-negative int, got {pages_needed!r}")
-        with self._lock:
-            if self._closed or self._frozen:
-                return 0
-            victims: list[Entry] = []
-            for entry in self._entries.values():
-                if len(victims) >= pages_needed:
-                    break
-                if entry.refs == 0:
-                    victims.append(entry)
-            for entry in victims:
-                del self._entries[entry.key]
-                entry.detached = True
-                entry.refs += 1  # ours until freed below
-        if not victims:
-            return 0
-        if self.write_policy is WritePolicy.WRITE_BACK and self.backend is not None:
-            self._write_back_now([e for e in victims if not e.in_l3])
-        with self._lock:
-            self._drop_refs_locked(victims, pinned=False)
-            self._counts["evicted"] += len(victims)
-        self._obs.evicted("l2", "lru", len(victims))
-        if self.write_policy is WritePolicy.WRITE_BACK:
-            self._evict_ahead()
-        return len(victims)
+        return self._writer.reclaim(pages_needed)
 
-    # ------------------------------------------------------------- prefetch
+    # ------------------------------------------------------------- L3: backup and prefetch
 
-    def _alloc_rows(self, n: int) -> list[PageArray] | None:
-        """``n`` pages of every independent pool, or None and nothing (the group's one
-        allocation path: it evicts only when all of them will then fit)."""
-        got = self._view.group.allocate(dict.fromkeys(self._view.alloc_names, n))
-        return [got.pages[name] for name in self._view.alloc_names] if got.ok else None
+    def backup(
+        self, keys: Sequence[str], *, wait: bool = False, timeout_s: float | None = None
+    ) -> BackupResult:
+        """Queue an L2 -> L3 backup of the cached keys among ``keys`` that L3 lacks.
 
-    def _fetch_batch(self, tenant: str, keys: Sequence[str], discard: Callable[[], bool]) -> tuple[int, bool]:
-        """L3 -> fresh L2 pages -> published; (keys now in L2, whole batch succeeded)."""
-        assert self.backend is not None
-        columns = self._alloc_rows(len(keys))
-        if columns is None:
-            return 0, False
-        rows = list(zip(*(c.tolist() for c in columns), strict=True))
-        good = 0
-        mask = np.zeros(0, dtype=bool)
-        try:
-            started = time.perf_counter()
-            results = self.backend.get_into(self._view.l3_keys(self.namespace, keys), self._view.chunks(rows))
-            seconds = time.perf_counter() - started
-            ok = self._view.whole_keys(results)
-            good = ok.index(False) if False in ok else len(ok)
-            if not discard():
-                mask, _, _ = self._insert(
-                    keys[:good], [c[:good] for c in columns], tenant, in_l3=True, strict=False
-                )
-        finally:
-            keep = np.zeros(len(keys), dtype=bool)
-            keep[: mask.size] = mask
-            for allocator, column in zip(self._view.allocators, columns, strict=True):
-                if (~keep).any():
-                    allocator.free(column[~keep])
-        if mask.size == 0:
-            return 0, False
-        self._counts["prefetched"] += int(mask.sum())
-        self._obs.prefetched(good, good * self._view.key_bytes, seconds)
-        return good, good == len(keys)
+        ``queued`` counts those keys (including ones a write policy had already
+        queued). Returns at once unless ``wait``; then it also waits for the
+        keys other jobs were writing, and ``stored`` counts the ones L3 has
+        acknowledged (a job stops at its first failed batch). Raises
+        FailedPrecondition without a backend and ResourceExhausted when the
+        queue is full (nothing queued then). A wait ends at ``timeout_s`` and
+        then reports what L3 has acknowledged so far.
+        """
+        return self._writer.backup(check_keys(keys), wait=wait, timeout_s=timeout_s)
+
+    def flush(self, timeout_s: float | None = None) -> int:
+        """Wait until no backup is queued; returns pages stored meanwhile.
+
+        Under ``write_back`` every entry not yet in L3 is queued first, in
+        chunks that fit the queue (a drain before shutdown must not lose the
+        only copy). Raises ResourceExhausted if the queue is still busy at
+        ``timeout_s``.
+        """
+        return self._writer.flush(timeout_s)
 
     def prefetch(
         self,
@@ -510,7 +339,7 @@ class ContentIndex(BackupMixin):
             ) from None
         if timeout_s is not None and not timeout_s > 0:
             raise InvalidArgument(f"prefetch timeout must be > 0 seconds, got {timeout_s!r}")
-        if self._closed:
+        if self._table.closed:
             raise Unavailable("the content index is closed")
         plan: list[str] = []
         if self.backend is not None:
@@ -519,35 +348,11 @@ class ContentIndex(BackupMixin):
         if timeout_s is None:
             tokens = len(plan) * self.page_size
             timeout_s = prefetch_deadline_s(tokens, self._timeout_base, self._timeout_per_1k)
-        task = PrefetchTask(
-            uuid.uuid4().hex,
-            plan,
-            policy=policy,
-            timeout_s=timeout_s,
-            batch_pages=self.batch_pages,
-            fetch=functools.partial(self._fetch_batch, tenant),
-        )
-        with self._lock:
-            self._prefetches[task.id] = task
-            self._prefetch_tenant[task.id] = tenant
-            self._forget_finished_locked()
-        if plan:
-            self._io.submit(task, IoPriority.PREFETCH)
-        return task
-
-    def _forget_finished_locked(self) -> None:
-        finished = [tid for tid, t in self._prefetches.items() if t.finished]
-        for tid in finished[: max(0, len(finished) - self._max_finished)]:
-            del self._prefetches[tid]
-            del self._prefetch_tenant[tid]
+        return self._prefetcher.start(plan, policy=policy, timeout_s=timeout_s, tenant=tenant)
 
     def get_prefetch(self, prefetch_id: str) -> PrefetchTask:
         """A prefetch by id (the last ``max_finished_prefetches`` finished ones are kept)."""
-        with self._lock:
-            task = self._prefetches.get(prefetch_id)
-        if task is None:
-            raise NotFound(f"prefetch {prefetch_id!r} is unknown (or finished long ago)")
-        return task
+        return self._prefetcher.get(prefetch_id)
 
     def fetch_into_l2(self, keys: Sequence[str], *, tenant: str = "") -> int:
         """Synchronously copy L3-only keys of the cached prefix into L2; the L2 run after.
@@ -558,13 +363,8 @@ class ContentIndex(BackupMixin):
         keys = check_keys(keys)
         if self.backend is not None:
             _, _, only_l3 = self._scan(keys)
-            wanted = [keys[i] for i in only_l3]
-            for batch in batches(wanted, self.batch_pages):
-                _, ok = self._fetch_batch(tenant, batch, lambda: False)
-                if not ok:
-                    break
-        with self._lock:
-            return self._l2_run_locked(keys)
+            self._prefetcher.fetch_now([keys[i] for i in only_l3], tenant)
+        return self._table.l2_run(keys)
 
     # ---------------------------------------------------------- maintenance
 
@@ -582,31 +382,13 @@ class ContentIndex(BackupMixin):
         """
         if tenant is not None and not isinstance(tenant, str):
             raise InvalidArgument(f"tenant must be a str or None, got {tenant!r}")
-        with self._lock:
-            tasks = [
-                t
-                for tid, t in self._prefetches.items()
-                if tenant is None or self._prefetch_tenant[tid] == tenant
-            ]
-        for task in tasks:
-            task.cancel()
-        with self._lock:
-            targets = [e for e in self._entries.values() if tenant is None or e.tenant == tenant]
-            for entry in targets:
-                del self._entries[entry.key]
-                entry.detached = entry.cleared = True
-            self._free_locked([e for e in targets if e.refs == 0])
-            if tenant is None:
-                l3_keys: set[str] = set()
-                self._l3_tenant_keys.clear()
-            else:
-                l3_keys = self._l3_tenant_keys.pop(tenant, set())
-                l3_keys.update(e.key for e in targets if e.in_l3)
-        if targets:
-            self._obs.evicted("l2", "clear", len(targets))
+        self._prefetcher.cancel(tenant)
+        dropped, l3_keys = self._table.detach(tenant)
+        if dropped:
+            self._obs.evicted("l2", "clear", dropped)
         deleted = 0
         if self.backend is not None:
-            if tenant is None:
+            if l3_keys is None:
                 deleted = self.backend.clear(f"{self.namespace}/")
             elif l3_keys:
                 deleted = self.backend.delete(self._view.l3_keys(self.namespace, sorted(l3_keys)))
@@ -614,31 +396,28 @@ class ContentIndex(BackupMixin):
             deleted = -(-deleted // len(self._view.slots))
             if deleted:
                 self._obs.evicted("l3", "clear", deleted)
-        return len(targets), deleted
+        return dropped, deleted
 
     def stats(self) -> IndexStats:
-        with self._lock:
-            return IndexStats(
-                entries=len(self._entries),
-                pinned_entries=self._pinned_entries,
-                l3_resident_entries=sum(e.in_l3 for e in self._entries.values()),
-                queued_backup_pages=self._queued_pages,
-                running_prefetches=sum(not t.finished for t in self._prefetches.values()),
-                published_pages=self._counts["published"],
-                evicted_pages=self._counts["evicted"],
-                backed_up_pages=self._counts["backed_up"],
-                backup_failed_pages=self._counts["backup_failed"],
-                prefetched_pages=self._counts["prefetched"],
-                dropped_backup_pages=self._counts["dropped_backup"],
-            )
+        entries, pinned, in_l3, totals = self._table.sizes()
+        backups = self._writer.counts()
+        return IndexStats(
+            entries=entries,
+            pinned_entries=pinned,
+            l3_resident_entries=in_l3,
+            queued_backup_pages=backups.queued,
+            running_prefetches=self._prefetcher.running(),
+            published_pages=totals.get("published", 0),
+            evicted_pages=totals.get("evicted", 0),
+            backed_up_pages=backups.backed_up,
+            backup_failed_pages=backups.failed,
+            prefetched_pages=totals.get("prefetched", 0),
+            dropped_backup_pages=backups.dropped,
+        )
 
     def owned_pages(self) -> dict[str, PageArray]:
         """Every page the index owns now, per independent pool (a copy)."""
-        with self._lock:
-            return {
-                name: np.flatnonzero(owned).astype(np.int64)
-                for name, owned in zip(self._view.alloc_names, self._owned, strict=True)
-            }
+        return self._table.owned_pages()
 
     # ---------------------------------------------------------- warm restart
 
@@ -654,15 +433,7 @@ class ContentIndex(BackupMixin):
         Unavailable after :meth:`close`.
         """
         self._stop_io()
-        with self._lock:
-            if self._closed:
-                raise Unavailable("the content index is closed")
-            self._frozen = True
-            names = self._view.alloc_names
-            return [
-                EntryRecord(e.key, dict(zip(names, e.pages, strict=True)), e.tenant, e.in_l3)
-                for e in self._entries.values()
-            ]
+        return self._table.freeze()
 
     def restore(self, records: Sequence[EntryRecord]) -> int:
         """Re-install journaled entries (least recently used first) into an empty index.
@@ -676,13 +447,7 @@ class ContentIndex(BackupMixin):
         Call it before any session can reach the group (the registry does).
         """
         records = list(records)
-        with self._lock:
-            if self._closed or self._frozen:
-                raise Unavailable("the content index is closed")
-            if self._entries:
-                raise FailedPrecondition(
-                    f"restore needs an empty index; it holds {len(self._entries)} entries"
-                )
+        self._table.check_empty()
         columns = check_records(self._view, records)
         marked: list[tuple[PageAllocator, PageArray]] = []
         try:
@@ -693,47 +458,24 @@ class ContentIndex(BackupMixin):
             for allocator, column in marked:
                 allocator.free(column)
             raise
-        restored = [
-            Entry(r.key, tuple(int(c[i]) for c in columns), r.tenant, in_l3=r.in_l3)
-            for i, r in enumerate(records)
-        ]
-        with self._lock:
-            for entry in restored:
-                self._entries[entry.key] = entry
-            for owned, column in zip(self._owned, columns, strict=True):
-                owned[column] = True
-            self._counts["restored"] += len(restored)
-        if self.write_policy is WritePolicy.WRITE_THROUGH:
-            self._queue_backup([e for e in restored if not e.in_l3], explicit=False)
+        restored = self._table.install(records, columns)
+        self._writer.restored(restored)
         return len(restored)
 
     def _stop_io(self) -> None:
-        with self._lock:
-            tasks = list(self._prefetches.values())
-        for task in tasks:
-            task.cancel()
+        self._prefetcher.cancel()
         self._io.close()
 
     def close(self) -> None:
         """Stop I/O (queued backups are dropped: call :meth:`flush` first to keep them),
         free every page the index owns, pinned or not, exactly once, and stop being
-        the group's reclaimer. Idempotent; outstanding
-        pins become no-ops.
+        the group's reclaimer. Idempotent; outstanding pins become no-ops.
         """
-        with self._lock:
-            if self._closed:
-                return
+        if self._table.closed:
+            return
         self._stop_io()
-        with self._lock:
-            self._closed = True
-            alive = list(self._entries.values())
-            self._entries.clear()
-            for entries in self._pins.values():
-                alive.extend(e for e in entries if e.detached and not e.freed)
-            self._pins.clear()
-            unique = list({id(e): e for e in alive if not e.freed}.values())
-            self._free_locked(unique)
-            self._idle.notify_all()
+        self._table.close()
+        self._writer.queue.wake()
         self._view.group.unregister_reclaimer(self)
 
     def __enter__(self) -> ContentIndex:

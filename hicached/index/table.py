@@ -1,0 +1,348 @@
+"""The content index's entries: content key -> :class:`Entry`, LRU ordered, and the pages it owns.
+
+:class:`EntryTable` is the index's state and its one lock; the index's
+other rooms (:mod:`.backup`, :mod:`.writer`, :mod:`.prefetch`) change
+entries only through its methods. Each method is one critical section:
+it takes the table's lock, never holds it while calling anything but the
+``admit`` function handed to :meth:`EntryTable.claim` (the backup queue's,
+which only takes its own lock), and never does I/O.
+
+Holds: an entry's pages are freed exactly once, when it has left the
+table (``detached``) and its last hold is dropped (``refs``: pins plus
+in-flight backups or evictions). Eviction is LRU over unreferenced
+entries; keys of one prefix are touched deepest-first, so a prefix is
+shortened from its tail.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from hicached.errors import FailedPrecondition, Unavailable
+from hicached.index.entries import SELECTIVE_HITS, Entry, EntryRecord
+from hicached.index.pools import GroupView
+from hicached.index.types import Pin
+from hicached.l2.allocator import PageArray
+
+__all__ = ["EntryTable"]
+
+# Process-wide, so a pin handed to the wrong index is refused rather than
+# releasing someone else's pages.
+_PIN_IDS = itertools.count(1)
+
+
+class EntryTable:
+    """Entries of one content index and the pages they own. Thread-safe (one lock)."""
+
+    def __init__(self, view: GroupView) -> None:
+        self._view = view
+        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
+        self._owned = [np.zeros(a.capacity, dtype=bool) for a in view.allocators]
+        self._pins: dict[int, tuple[Entry, ...]] = {}
+        self._pinned_entries = 0
+        self._l3_tenant_keys: dict[str, set[str]] = {}
+        self.closed = False  # written under the lock; a stale read only delays a refusal
+        self._frozen = False  # freeze() took the final snapshot: no more changes
+        self._counts = collections.Counter[str]()
+
+    # ------------------------------------------------------------- queries
+
+    def _run_locked(self, keys: Sequence[str]) -> int:
+        for i, key in enumerate(keys):
+            if key not in self._entries:
+                return i
+        return len(keys)
+
+    def l2_run(self, keys: Sequence[str]) -> int:
+        """Leading run of ``keys`` held in L2."""
+        with self._lock:
+            return self._run_locked(keys)
+
+    def resident(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [key in self._entries for key in keys]
+
+    def not_in_l3(self, keys: Sequence[str]) -> list[Entry]:
+        """The cached entries among ``keys`` that L3 lacks."""
+        with self._lock:
+            return [e for k in keys if (e := self._entries.get(k)) is not None and not e.in_l3]
+
+    def dirty(self) -> list[Entry]:
+        """Entries neither in L3 nor queued for it (LRU first)."""
+        with self._lock:
+            return [e for e in self._entries.values() if not (e.in_l3 or e.backup_queued)]
+
+    def sizes(self) -> tuple[int, int, int, dict[str, int]]:
+        """(entries, pinned entries, entries also in L3, totals: published, prefetched, evicted, restored)."""
+        with self._lock:
+            in_l3 = sum(e.in_l3 for e in self._entries.values())
+            return len(self._entries), self._pinned_entries, in_l3, dict(self._counts)
+
+    def owned_pages(self) -> dict[str, PageArray]:
+        with self._lock:
+            return {
+                name: np.flatnonzero(owned).astype(np.int64)
+                for name, owned in zip(self._view.alloc_names, self._owned, strict=True)
+            }
+
+    # ------------------------------------------------------------- insert / pin
+
+    def insert(
+        self, keys: Sequence[str], columns: Sequence[PageArray], tenant: str, *, in_l3: bool, strict: bool
+    ) -> tuple[npt.NDArray[np.bool_], list[Entry], list[Entry]]:
+        """Add entries for new keys, touch existing ones; (mask of keys taken, new entries, entries now hot).
+
+        ``columns`` holds one page array per independent pool, one page per key.
+        ``strict``: FailedPrecondition, changing nothing, when a page is already the table's.
+        """
+        rows = list(zip(*(c.tolist() for c in columns), strict=True)) if len(keys) else []
+        mask = np.zeros(len(keys), dtype=bool)
+        new: list[Entry] = []
+        hot: list[Entry] = []
+        with self._lock:
+            if self.closed or self._frozen:
+                raise Unavailable("the content index is closed")
+            if strict:
+                for col, (owned, column) in enumerate(zip(self._owned, columns, strict=True)):
+                    taken = np.flatnonzero(owned[column])
+                    if taken.size:
+                        i = int(taken[0])
+                        raise FailedPrecondition(
+                            f"page {int(column[i])} of pool {self._view.alloc_names[col]!r} already "
+                            f"belongs to the content index (key {keys[i]!r} cannot take it)"
+                        )
+            entries = self._entries
+            # Deepest key first, so the head of the prefix ends up most recent.
+            for i in range(len(keys) - 1, -1, -1):
+                key = keys[i]
+                entry = entries.get(key)
+                if entry is not None:
+                    entries.move_to_end(key)
+                    entry.hits += 1
+                    if entry.hits >= SELECTIVE_HITS:
+                        hot.append(entry)
+                    continue
+                entry = Entry(key, rows[i], tenant, in_l3=in_l3)
+                entries[key] = entry
+                mask[i] = True
+                new.append(entry)
+            for owned, column in zip(self._owned, columns, strict=True):
+                owned[column[mask]] = True
+            self._counts["prefetched" if in_l3 else "published"] += len(new)
+        new.reverse()
+        hot.reverse()
+        return mask, new, hot
+
+    def pin(self, keys: Sequence[str]) -> tuple[Pin, list[Entry]]:
+        """Hold the leading L2 run of ``keys``; (the pin, entries now hot). Counts a hit on each."""
+        with self._lock:
+            if self.closed:
+                raise Unavailable("the content index is closed")
+            run = [self._entries[k] for k in keys[: self._run_locked(keys)]]
+            hot = []
+            for entry in reversed(run):
+                self._entries.move_to_end(entry.key)
+                if entry.pins == 0:
+                    self._pinned_entries += 1
+                entry.pins += 1
+                entry.refs += 1
+                entry.hits += 1
+                if entry.hits >= SELECTIVE_HITS:
+                    hot.append(entry)
+            pin_id = next(_PIN_IDS)
+            self._pins[pin_id] = tuple(run)
+        pages = {
+            name: np.fromiter((e.pages[col] for e in run), dtype=np.int64, count=len(run))
+            for col, name in enumerate(self._view.alloc_names)
+        }
+        return Pin(pin_id, tuple(e.key for e in run), pages), hot
+
+    def unpin(self, pin: Pin) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            entries = self._pins.get(pin.id)
+            if entries is None or tuple(e.key for e in entries) != pin.keys:
+                raise FailedPrecondition(f"pin {pin.id} is not held by this index (released twice?)")
+            del self._pins[pin.id]
+            self._drop_refs_locked(entries, pinned=True)
+
+    # ------------------------------------------------------------- holds
+
+    def _drop_refs_locked(self, entries: Iterable[Entry], *, pinned: bool) -> None:
+        doomed = []
+        for entry in entries:
+            entry.refs -= 1
+            if pinned:
+                entry.pins -= 1
+                if entry.pins == 0:
+                    self._pinned_entries -= 1
+            if entry.refs == 0 and entry.detached:
+                doomed.append(entry)
+        self._free_locked(doomed)
+
+    def _free_locked(self, entries: Sequence[Entry]) -> None:
+        """Return entries' pages to their allocators (exactly once) and forget them."""
+        if not entries:
+            return
+        for entry in entries:
+            assert not entry.freed, f"entry {entry.key!r} freed twice"
+            entry.freed = True
+        for col, (allocator, owned) in enumerate(zip(self._view.allocators, self._owned, strict=True)):
+            pages = np.fromiter((e.pages[col] for e in entries), dtype=np.int64, count=len(entries))
+            owned[pages] = False
+            allocator.free(pages)
+
+    def release(self, entries: Sequence[Entry]) -> None:
+        """Drop the holds :meth:`evict` left on ``entries`` (freeing the detached ones)."""
+        with self._lock:
+            self._drop_refs_locked(entries, pinned=False)
+
+    def claim(self, entries: Sequence[Entry], admit: Callable[[int], int]) -> tuple[list[Entry], int]:
+        """Hold the entries that still need a backup, as many as ``admit(n)`` lets through;
+        (held and marked queued, refused). ``admit`` runs under the table's lock; if it
+        raises, nothing changes."""
+        with self._lock:
+            todo = [e for e in entries if not (e.detached or e.in_l3 or e.backup_queued)]
+            taken = todo[: admit(len(todo))]
+            for entry in taken:
+                entry.refs += 1
+                entry.backup_queued = True
+            return taken, len(todo) - len(taken)
+
+    def unclaim(self, entries: Sequence[Entry]) -> None:
+        """A backup is done with ``entries`` (stored or not): unmark and drop its holds."""
+        with self._lock:
+            for entry in entries:
+                entry.backup_queued = False
+            if not self.closed:  # close() freed every page already
+                self._drop_refs_locked(entries, pinned=False)
+
+    def mark_stored(self, entries: Sequence[Entry], ok: Sequence[bool]) -> list[str]:
+        """Record the entries L3 now holds; the keys cleared meanwhile (their L3 copies must go)."""
+        orphans: list[str] = []
+        with self._lock:
+            for entry, good in zip(entries, ok, strict=True):
+                if not good:
+                    continue
+                if entry.cleared:  # clear() ran while we wrote: it must not come back
+                    orphans.append(entry.key)
+                    continue
+                entry.in_l3 = True
+                if entry.tenant:
+                    self._l3_tenant_keys.setdefault(entry.tenant, set()).add(entry.key)
+        return orphans
+
+    # ------------------------------------------------------------- eviction
+
+    def evictable(self, wanted: int) -> int:
+        """Unreferenced entries from the LRU end, counted up to ``wanted`` (0 once closed or frozen)."""
+        with self._lock:
+            if self.closed or self._frozen:
+                return 0
+            able = 0
+            for entry in self._entries.values():
+                if able >= wanted:
+                    break
+                if entry.refs == 0:
+                    able += 1
+            return able
+
+    def evict(self, wanted: int, *, hold_dirty: bool, queue_dirty: bool = False) -> tuple[int, list[Entry]]:
+        """Detach up to ``wanted`` least recently used unreferenced entries; (evicted, dirty ones held).
+
+        The pages of evicted entries already in L3 are freed now. With
+        ``hold_dirty`` the others stay held for the caller to write and then
+        :meth:`release` (or, with ``queue_dirty``, marked queued for a backup
+        that :meth:`unclaim` ends); without, they are freed too.
+        """
+        with self._lock:
+            if self.closed or self._frozen:
+                return 0, []
+            victims: list[Entry] = []
+            for entry in self._entries.values():
+                if len(victims) >= wanted:
+                    break
+                if entry.refs == 0:
+                    victims.append(entry)
+            for entry in victims:
+                del self._entries[entry.key]
+                entry.detached = True
+                entry.refs += 1
+            dirty = [e for e in victims if not e.in_l3] if hold_dirty else []
+            for entry in dirty:
+                entry.backup_queued = queue_dirty
+            self._counts["evicted"] += len(victims)
+            self._drop_refs_locked([e for e in victims if not (hold_dirty and not e.in_l3)], pinned=False)
+            return len(victims), dirty
+
+    def detach(self, tenant: str | None) -> tuple[int, set[str] | None]:
+        """clear(): every entry (or one tenant's) leaves now; pinned ones are freed at their last
+        unpin. (Entries dropped, the tenant's keys known to be in L3; None without a tenant.)"""
+        with self._lock:
+            targets = [e for e in self._entries.values() if tenant is None or e.tenant == tenant]
+            for entry in targets:
+                del self._entries[entry.key]
+                entry.detached = entry.cleared = True
+            self._free_locked([e for e in targets if e.refs == 0])
+            if tenant is None:
+                self._l3_tenant_keys.clear()
+                return len(targets), None
+            l3_keys = self._l3_tenant_keys.pop(tenant, set())
+            l3_keys.update(e.key for e in targets if e.in_l3)
+            return len(targets), l3_keys
+
+    # ------------------------------------------------------------- warm restart / close
+
+    def freeze(self) -> list[EntryRecord]:
+        """Take the final snapshot (LRU first); from now on nothing is added or evicted."""
+        with self._lock:
+            if self.closed:
+                raise Unavailable("the content index is closed")
+            self._frozen = True
+            names = self._view.alloc_names
+            return [
+                EntryRecord(e.key, dict(zip(names, e.pages, strict=True)), e.tenant, e.in_l3)
+                for e in self._entries.values()
+            ]
+
+    def check_empty(self) -> None:
+        with self._lock:
+            if self.closed or self._frozen:
+                raise Unavailable("the content index is closed")
+            if self._entries:
+                raise FailedPrecondition(
+                    f"restore needs an empty index; it holds {len(self._entries)} entries"
+                )
+
+    def install(self, records: Sequence[EntryRecord], columns: Sequence[PageArray]) -> list[Entry]:
+        """Entries for ``records`` (LRU first) over pages the caller marked allocated."""
+        restored = [
+            Entry(r.key, tuple(int(c[i]) for c in columns), r.tenant, in_l3=r.in_l3)
+            for i, r in enumerate(records)
+        ]
+        with self._lock:
+            for entry in restored:
+                self._entries[entry.key] = entry
+            for owned, column in zip(self._owned, columns, strict=True):
+                owned[column] = True
+            self._counts["restored"] += len(restored)
+        return restored
+
+    def close(self) -> None:
+        """Free every page the table owns, pinned or not, exactly once; outstanding pins become no-ops."""
+        with self._lock:
+            self.closed = True
+            alive = list(self._entries.values())
+            self._entries.clear()
+            for entries in self._pins.values():
+                alive.extend(e for e in entries if e.detached and not e.freed)
+            self._pins.clear()
+            self._free_locked(list({id(e): e for e in alive if not e.freed}.values()))

@@ -1,0 +1,211 @@
+"""The L2 -> L3 half of the content index: write policies, explicit backups, flush, write-back eviction.
+
+:class:`Writer` decides which entries go to L3 and when; the
+:class:`~hicached.index.backup.BackupQueue` it owns bounds, batches and
+counts the writes, calling back only :meth:`Writer._store` (one batch to
+the backend) and :meth:`Writer._release` (hand the entries back to the
+:class:`~hicached.index.table.EntryTable`).
+
+Thread-safety: every public method may be called from any thread. The
+writer has no lock of its own: entry state changes through the table
+(its lock), queue state through the queue (its lock, taken inside the
+table's by :meth:`EntryTable.claim`); L3 I/O and observer calls happen
+with neither held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from hicached.errors import FailedPrecondition, ResourceExhausted
+from hicached.index.backup import BackupCounts, BackupQueue
+from hicached.index.entries import Entry, batches
+from hicached.index.jobs import BackupJob
+from hicached.index.observer import CacheObserver
+from hicached.index.pools import GroupView
+from hicached.index.table import EntryTable
+from hicached.index.types import BackupResult, WritePolicy
+from hicached.l3.base import StorageBackend
+
+__all__ = ["Writer"]
+
+
+class Writer:
+    """Backs entries of one :class:`EntryTable` up to one backend under one write policy.
+
+    ``submit`` runs a backup job on the index's I/O threads. With no backend
+    every method is a no-op except :meth:`backup` (FailedPrecondition).
+    """
+
+    def __init__(
+        self,
+        table: EntryTable,
+        view: GroupView,
+        *,
+        backend: StorageBackend | None,
+        namespace: str,
+        policy: WritePolicy,
+        max_queued_pages: int,
+        batch_pages: int,
+        free_fraction: float,
+        observer: CacheObserver,
+        submit: Callable[[BackupJob[Entry]], None],
+    ) -> None:
+        self._table = table
+        self._view = view
+        self._backend = backend
+        self._namespace = namespace
+        self._policy = policy
+        self._free_fraction = free_fraction
+        self._obs = observer
+        self.queue: BackupQueue[Entry] = BackupQueue(
+            name=namespace,
+            max_pages=max_queued_pages,
+            batch_pages=batch_pages,
+            store=self._store,
+            release=self._release,
+            submit=submit,
+        )
+
+    # ------------------------------------------------------------ policy hooks
+
+    def published(self, new: Sequence[Entry], hot: Sequence[Entry]) -> None:
+        """Entries just published (new) or hit again (hot): back up as the policy says."""
+        if self._policy is WritePolicy.WRITE_THROUGH:
+            self._queue(new, explicit=False)
+        elif self._policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._queue(hot, explicit=False)
+        else:
+            self.evict_ahead()
+
+    def pinned(self, hot: Sequence[Entry]) -> None:
+        if self._policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._queue(hot, explicit=False)
+
+    def restored(self, entries: Sequence[Entry]) -> None:
+        if self._policy is WritePolicy.WRITE_THROUGH:
+            self._queue([e for e in entries if not e.in_l3], explicit=False)
+
+    def reclaim(self, wanted: int) -> int:
+        """Evict ``wanted`` LRU entries now; under ``write_back`` those not yet in L3 are
+        written first, on this thread (the only copy is about to go; a failed batch
+        drops the rest). Returns the entries evicted."""
+        write_back = self._policy is WritePolicy.WRITE_BACK and self._backend is not None
+        evicted, dirty = self._table.evict(wanted, hold_dirty=write_back)
+        if dirty:
+            lost = self.queue.write_now(dirty)
+            self._table.release(dirty)
+            if lost:
+                self._obs.dropped("backup_failed", lost)
+        if evicted:
+            self._obs.evicted("l2", "lru", evicted)
+            if write_back:
+                self.evict_ahead()
+        return evicted
+
+    def evict_ahead(self) -> None:
+        """write_back: when a pool's free share drops below ``write_back_free_fraction``,
+        evict least recently used entries in the background until twice that share
+        is free; each is written to L3 first and its pages are freed once written.
+
+        This keeps a worker's allocation from waiting on L3 in :meth:`reclaim`
+        (which still writes synchronously if the background falls behind).
+        """
+        fraction = self._free_fraction
+        if self._backend is None or fraction <= 0 or self._table.closed:
+            return
+        allocators = self._view.allocators
+        if all(a.available() >= a.capacity * fraction for a in allocators):
+            return
+        want = max(int(a.capacity * 2 * fraction) - a.available() for a in allocators)
+        if not self.queue.begin_eviction():
+            return
+        evicted, dirty = self._table.evict(want, hold_dirty=True, queue_dirty=True)
+        self.queue.run_eviction(dirty)
+        if evicted:
+            self._obs.evicted("l2", "lru", evicted)
+
+    # ------------------------------------------------------------ the queue's callbacks
+
+    def _queue(self, entries: Sequence[Entry], *, explicit: bool) -> BackupJob[Entry] | None:
+        if self._backend is None or not entries:
+            return None
+        admit = self.queue.admit
+        todo, dropped = self._table.claim(entries, lambda n: admit(n, explicit=explicit))
+        if dropped:
+            self._obs.dropped("backpressure", dropped)
+        return self.queue.run(todo)
+
+    def _store(self, batch: Sequence[Entry]) -> tuple[int, int]:
+        """Write one batch to L3 (on an I/O thread); (keys now stored, keys refused)."""
+        assert self._backend is not None
+        live = [e for e in batch if not e.cleared]
+        if not live:
+            return 0, 0
+        started = time.perf_counter()
+        keys = [e.key for e in live]
+        results = self._backend.set_from(
+            self._view.l3_keys(self._namespace, keys), self._view.chunks([e.pages for e in live])
+        )
+        seconds = time.perf_counter() - started
+        ok = self._view.whole_keys(results)
+        orphans = self._table.mark_stored(live, ok)
+        if orphans:
+            self._backend.delete(self._view.l3_keys(self._namespace, orphans))
+        stored = sum(ok)
+        if stored:
+            self._obs.backed_up(stored, stored * self._view.key_bytes, seconds)
+        return stored, len(live) - stored
+
+    def _release(self, entries: Sequence[Entry], reached: bool) -> None:
+        self._table.unclaim(entries)
+        if not reached:
+            self._obs.dropped("backup_failed", len(entries))
+
+    # ------------------------------------------------------------ explicit backup / flush
+
+    def backup(self, keys: Sequence[str], *, wait: bool, timeout_s: float | None) -> BackupResult:
+        """See :meth:`hicached.index.index.ContentIndex.backup`."""
+        if self._backend is None:
+            raise FailedPrecondition(f"content index {self._namespace!r} has no L3 backend")
+        pending = self._table.not_in_l3(keys)
+        job = self._queue(pending, explicit=True)
+        if not wait:
+            return BackupResult(len(pending), 0)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if job is not None:
+            job.wait(remaining())
+        # The flags are the table's; each release changes them before it wakes the queue's waiters.
+        self.queue.wait_for(lambda: not any(e.backup_queued for e in pending), remaining())
+        return BackupResult(len(pending), sum(e.in_l3 for e in pending))
+
+    def flush(self, timeout_s: float | None) -> int:
+        """See :meth:`hicached.index.index.ContentIndex.flush`."""
+        queue = self.queue
+        before = queue.counts().backed_up
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        def busy() -> ResourceExhausted:
+            return ResourceExhausted(
+                f"{queue.counts().queued} backup pages still queued after {timeout_s} s", retry_after_ms=100
+            )
+
+        if self._policy is WritePolicy.WRITE_BACK and self._backend is not None:
+            for chunk in batches(self._table.dirty(), queue.max_pages):
+                if not queue.wait_queued_at_most(queue.max_pages - len(chunk), remaining()):
+                    raise busy()
+                self._queue(chunk, explicit=False)
+        if not queue.wait_queued_at_most(0, remaining()):
+            raise busy()
+        return queue.counts().backed_up - before
+
+    def counts(self) -> BackupCounts:
+        return self.queue.counts()
