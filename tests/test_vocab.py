@@ -11,6 +11,7 @@ from hicached_client import types, vocab
 from hicached_client.v1 import types_pb2 as tpb
 
 from hicached.core.types import PoolRole
+from hicached.index.types import PrefetchState
 from hicached.l2.layout import HostLayout, PoolKind
 from hicached.server import convert
 from hicached.transfer.handles import DTYPE_BY_NAME
@@ -34,3 +35,8 @@ def test_the_daemon_tables_are_the_inverses_of_the_client_tables() -> None:
     assert {w: e for e, w in vocab.POOL_ROLES.items()} == convert.ROLES
     assert {w: e for e, w in vocab.POOL_KINDS.items()} == convert.KINDS
     assert {w: e for e, w in vocab.HOST_LAYOUTS.items()} == convert.LAYOUTS
+
+
+def test_the_daemon_prefetch_state_is_the_client_one() -> None:
+    """Fails before the change: the content index kept its own PrefetchState class."""
+    assert PrefetchState is vocab.PrefetchState is types.PrefetchState

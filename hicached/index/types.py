@@ -1,6 +1,7 @@
 """Value types of the content-addressed cache: policies, results and the deadline formula.
 
 Pure data: no I/O, no threads, no imports from the pool or storage layers.
+``PrefetchState`` is the wire vocabulary's (:mod:`hicached_client.vocab`).
 Every result is a frozen dataclass, safe to hand to any thread.
 """
 
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import numpy.typing as npt
+from hicached_client import vocab
 
 from hicached.errors import InvalidArgument
 
@@ -61,13 +63,8 @@ class PrefetchPolicy(enum.StrEnum):
     TIMEOUT = "timeout"
 
 
-class PrefetchState(enum.StrEnum):
-    RUNNING = "running"
-    DONE = "done"
-    CANCELLED = "cancelled"
-    TIMED_OUT = "timed_out"
-    # Stopped early: a page was missing or corrupt in L3, or L2 had no room.
-    FAILED = "failed"
+# One type with the client's (the wire vocabulary): a task is never UNSPECIFIED.
+PrefetchState = vocab.PrefetchState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ PoolRole = vocab.PoolRole
 PoolKind = vocab.PoolKind
 HostLayout = vocab.HostLayout
 DataType = vocab.DataType
+PrefetchState = vocab.PrefetchState
 
 # ------------------------------------------------------------------- inputs
 
@@ -47,17 +48,6 @@ class PrefetchPolicy(StrEnum):
     BEST_EFFORT = "best_effort"
     WAIT_COMPLETE = "wait_complete"
     TIMEOUT = "timeout"
-
-
-class PrefetchState(StrEnum):
-    """State of a prefetch."""
-
-    UNSPECIFIED = "unspecified"
-    RUNNING = "running"
-    DONE = "done"
-    CANCELLED = "cancelled"
-    TIMED_OUT = "timed_out"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)

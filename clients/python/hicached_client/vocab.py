@@ -1,4 +1,4 @@
-"""The shared vocabulary of the wire contract: pool roles, kinds, host layouts, dtypes.
+"""The shared vocabulary of the wire contract: pool roles, kinds, host layouts, prefetch states, dtypes.
 
 One definition for the client and the daemon (``hicached`` depends on
 ``hicached-client`` and imports these), each enum with its one table to the
@@ -36,6 +36,19 @@ class HostLayout(StrEnum):
     LAYER_FIRST = "layer_first"
     PAGE_FIRST = "page_first"
     PAGE_FIRST_DIRECT = "page_first_direct"
+
+
+class PrefetchState(StrEnum):
+    """State of a prefetch (the daemon's tasks use every member but ``UNSPECIFIED``,
+    which only a reply without a state decodes to)."""
+
+    UNSPECIFIED = "unspecified"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+    # Stopped early: a page was missing or corrupt in L3, or L2 had no room.
+    FAILED = "failed"
 
 
 class DataType(StrEnum):
