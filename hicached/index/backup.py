@@ -9,7 +9,7 @@ that runs a job on the I/O threads (``submit``).
 
 Thread-safety: every method may be called from any thread. The queue has
 its own lock (a condition), never held while calling ``store``,
-``release`` or ``submit``. :meth:`admit` and :meth:`begin_eviction` only
+``release`` or ``submit``. :meth:`admit` and :meth:`reserve_eviction` only
 take that lock, so an owner may call them with its own lock held (the
 content index does: lock order index lock -> queue lock, never the reverse).
 """
@@ -88,6 +88,7 @@ class BackupQueue(Generic[E]):
 
     def admit(self, n: int, *, explicit: bool) -> int:
         """Reserve room for ``n`` items; returns how many fit (the rest count as dropped).
+        Pass them to :meth:`run`.
 
         ``explicit`` (a caller asked for these backups): ResourceExhausted
         when they do not all fit, and nothing is reserved.
@@ -107,7 +108,7 @@ class BackupQueue(Generic[E]):
     def begin_eviction(self) -> bool:
         """Claim the one write-back eviction slot; False while an eviction is in flight.
 
-        The claimer must call :meth:`run_eviction` next (with no items if it evicted none).
+        The claimer must call :meth:`reserve_eviction` next (with 0 if it evicts nothing).
         """
         with self._cond:
             if self._eviction is not None:
@@ -121,12 +122,16 @@ class BackupQueue(Generic[E]):
         """Write admitted ``items`` in the background, in order; the job (None when empty)."""
         return self._run(items, self._release_items)
 
-    def run_eviction(self, items: Sequence[E]) -> None:
-        """Write the items of the claimed eviction in the background; they bypass the bound
-        (they are the only copy) and the slot frees once all are released."""
+    def reserve_eviction(self, n: int) -> None:
+        """Queue ``n`` items of the claimed eviction, past the bound (they are the only copy);
+        the slot frees once all are released (at once when ``n`` is 0). Pass them to
+        :meth:`run_eviction`."""
         with self._cond:
-            self._queued += len(items)
-            self._eviction = len(items) or None
+            self._queued += n
+            self._eviction = n or None
+
+    def run_eviction(self, items: Sequence[E]) -> None:
+        """Write the items :meth:`reserve_eviction` queued, in the background."""
         self._run(items, self._release_evicted)
 
     def _run(self, items: Sequence[E], release: Release[E]) -> BackupJob[E] | None:

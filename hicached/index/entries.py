@@ -19,7 +19,7 @@ SELECTIVE_HITS = 2  # write_through_selective backs a page up on its second hit
 
 @dataclasses.dataclass(eq=False)
 class Entry:
-    """One cached key: its pages and who holds them. Guarded by the index lock."""
+    """One cached key: its pages and who holds them. Guarded by the :class:`EntryTable` lock."""
 
     key: str
     pages: tuple[int, ...]  # one page per independent pool (GroupView.alloc_names order)

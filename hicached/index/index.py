@@ -399,6 +399,7 @@ class ContentIndex:
         return dropped, deleted
 
     def stats(self) -> IndexStats:
+        """Counters of the index (each room's read atomically, the rooms one after another)."""
         entries, pinned, in_l3, totals = self._table.sizes()
         backups = self._writer.counts()
         return IndexStats(

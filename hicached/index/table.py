@@ -4,8 +4,9 @@
 other rooms (:mod:`.backup`, :mod:`.writer`, :mod:`.prefetch`) change
 entries only through its methods. Each method is one critical section:
 it takes the table's lock, never holds it while calling anything but the
-``admit`` function handed to :meth:`EntryTable.claim` (the backup queue's,
-which only takes its own lock), and never does I/O.
+backup queue's reservations handed to :meth:`EntryTable.claim` and
+:meth:`EntryTable.evict` (which only take the queue's own lock), and never
+does I/O.
 
 Holds: an entry's pages are freed exactly once, when it has left the
 table (``detached``) and its last hold is dropped (``refs``: pins plus
@@ -255,16 +256,22 @@ class EntryTable:
                     able += 1
             return able
 
-    def evict(self, wanted: int, *, hold_dirty: bool, queue_dirty: bool = False) -> tuple[int, list[Entry]]:
+    def evict(
+        self, wanted: int, *, hold_dirty: bool, queue_dirty: Callable[[int], None] | None = None
+    ) -> tuple[int, list[Entry]]:
         """Detach up to ``wanted`` least recently used unreferenced entries; (evicted, dirty ones held).
 
         The pages of evicted entries already in L3 are freed now. With
         ``hold_dirty`` the others stay held for the caller to write and then
-        :meth:`release` (or, with ``queue_dirty``, marked queued for a backup
-        that :meth:`unclaim` ends); without, they are freed too.
+        :meth:`release`; without, they are freed too. ``queue_dirty(n)`` (the
+        backup queue's reservation, called under the table's lock, also with 0)
+        queues the held ones at once: they are marked queued for a backup that
+        :meth:`unclaim` ends, so a flush waits for them.
         """
         with self._lock:
             if self.closed or self._frozen:
+                if queue_dirty is not None:
+                    queue_dirty(0)
                 return 0, []
             victims: list[Entry] = []
             for entry in self._entries.values():
@@ -277,8 +284,10 @@ class EntryTable:
                 entry.detached = True
                 entry.refs += 1
             dirty = [e for e in victims if not e.in_l3] if hold_dirty else []
-            for entry in dirty:
-                entry.backup_queued = queue_dirty
+            if queue_dirty is not None:  # (a victim had no hold, so no backup was queued for it)
+                for entry in dirty:
+                    entry.backup_queued = True
+                queue_dirty(len(dirty))
             self._counts["evicted"] += len(victims)
             self._drop_refs_locked([e for e in victims if not (hold_dirty and not e.in_l3)], pinned=False)
             return len(victims), dirty

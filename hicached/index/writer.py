@@ -121,7 +121,7 @@ class Writer:
         want = max(int(a.capacity * 2 * fraction) - a.available() for a in allocators)
         if not self.queue.begin_eviction():
             return
-        evicted, dirty = self._table.evict(want, hold_dirty=True, queue_dirty=True)
+        evicted, dirty = self._table.evict(want, hold_dirty=True, queue_dirty=self.queue.reserve_eviction)
         self.queue.run_eviction(dirty)
         if evicted:
             self._obs.evicted("l2", "lru", evicted)

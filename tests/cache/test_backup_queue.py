@@ -114,13 +114,14 @@ def test_one_eviction_at_a_time_and_it_bypasses_the_bound(io: IoScheduler) -> No
     h.gate.clear()
     assert h.queue.begin_eviction()
     assert not h.queue.begin_eviction()  # claimed, not yet running
-    h.queue.run_eviction([0, 1, 2, 3])  # the only copies: over the bound of 2
+    h.queue.reserve_eviction(4)  # the only copies: over the bound of 2
+    h.queue.run_eviction([0, 1, 2, 3])
     assert h.queue.counts().queued == 4
     assert not h.queue.begin_eviction()
     h.gate.set()
     assert h.queue.wait_queued_at_most(0, 30)
     assert h.queue.wait_for(h.queue.begin_eviction, 30)  # the slot is free once all are released
-    h.queue.run_eviction([])  # an eviction that found nothing to write frees the slot at once
+    h.queue.reserve_eviction(0)  # an eviction that found nothing to write frees the slot at once
     assert h.queue.begin_eviction()
 
 
