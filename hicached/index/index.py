@@ -50,7 +50,7 @@ import numpy.typing as npt
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.index.entries import EntryRecord, check_keys, check_records, check_rows
 from hicached.index.jobs import IoPriority, IoScheduler, PrefetchTask
-from hicached.index.observer import CacheObserver
+from hicached.index.observer import IndexObserver, NullIndexObserver
 from hicached.index.pools import GroupView
 from hicached.index.prefetch import Prefetcher
 from hicached.index.table import EntryTable
@@ -89,7 +89,7 @@ class ContentIndex:
         write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
         io_workers: int = 2,
         max_queued_pages: int = 65536,
-        observer: CacheObserver | None = None,
+        observer: IndexObserver | None = None,
         batch_pages: int = DEFAULT_BATCH_PAGES,
         prefetch_timeout_base_s: float = 1.0,
         prefetch_timeout_per_1k_tokens_s: float = 0.25,
@@ -120,7 +120,7 @@ class ContentIndex:
         self.backend = backend
         self.batch_pages = batch_pages
         self._view = GroupView(group)
-        self._obs = observer if observer is not None else CacheObserver()
+        self._obs: IndexObserver = observer if observer is not None else NullIndexObserver()
         self._timeout_base = prefetch_timeout_base_s
         self._timeout_per_1k = prefetch_timeout_per_1k_tokens_s
         self._table = EntryTable(self._view)

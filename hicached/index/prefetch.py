@@ -24,7 +24,7 @@ import numpy as np
 from hicached.errors import NotFound
 from hicached.index.entries import batches
 from hicached.index.jobs import PrefetchTask
-from hicached.index.observer import CacheObserver
+from hicached.index.observer import IndexObserver
 from hicached.index.pools import GroupView
 from hicached.index.table import EntryTable
 from hicached.index.types import PrefetchPolicy
@@ -46,7 +46,7 @@ class Prefetcher:
         namespace: str,
         batch_pages: int,
         max_finished: int,
-        observer: CacheObserver,
+        observer: IndexObserver,
         submit: Callable[[PrefetchTask], None],
     ) -> None:
         self._table = table

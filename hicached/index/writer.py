@@ -22,7 +22,7 @@ from hicached.errors import FailedPrecondition, ResourceExhausted
 from hicached.index.backup import BackupCounts, BackupQueue
 from hicached.index.entries import Entry, batches
 from hicached.index.jobs import BackupJob
-from hicached.index.observer import CacheObserver
+from hicached.index.observer import IndexObserver
 from hicached.index.pools import GroupView
 from hicached.index.table import EntryTable
 from hicached.index.types import BackupResult, WritePolicy
@@ -49,7 +49,7 @@ class Writer:
         max_queued_pages: int,
         batch_pages: int,
         free_fraction: float,
-        observer: CacheObserver,
+        observer: IndexObserver,
         submit: Callable[[BackupJob[Entry]], None],
     ) -> None:
         self._table = table
