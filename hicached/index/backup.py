@@ -11,7 +11,8 @@ Thread-safety: every method may be called from any thread. The queue has
 its own lock (a condition), never held while calling ``store``,
 ``release`` or ``submit``. :meth:`admit` and :meth:`reserve_eviction` only
 take that lock, so an owner may call them with its own lock held (the
-content index does: lock order index lock -> queue lock, never the reverse).
+content index's entry table does: lock order table lock -> queue lock,
+never the reverse).
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ class BackupQueue(Generic[E]):
 
     Each admitted item is released exactly once, through ``release``: after
     ``store`` returned for its batch, or when its job stopped first (a failed
-    batch stops the job) or was abandoned. Only then does it leave
-    :attr:`queued`, so :meth:`wait_queued_at_most` returning means the owner
-    has dropped its holds on everything released so far.
+    batch stops the job) or was abandoned. Only then does it leave the
+    queued count, so :meth:`wait_queued_at_most` returning means ``release``
+    has run for everything that left.
     """
 
     def __init__(
