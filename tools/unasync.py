@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "clients" / "python" / "hicached_client"
-TWINS = {"aio.py": "sync.py", "_aio_session.py": "_sync_session.py"}
+TWINS = {"aio.py": "sync.py", "_aio_session.py": "_sync_session.py", "_aio_lane.py": "_sync_lane.py"}
 
 # Applied in order, each as a whole-word regex; the first rules are the more specific.
 RULES: list[tuple[str, str]] = [
@@ -41,6 +41,7 @@ RULES: list[tuple[str, str]] = [
     (r"aio_channel", "sync_channel"),
     (r"_aio_backend", "_sync_backend"),
     (r"_aio_session", "_sync_session"),
+    (r"_aio_lane", "_sync_lane"),
     (r"fastlane_aio", "fastlane"),
     (r"hicached_client\.aio", "hicached_client.sync"),
     # AsyncHiCacheClient -> HiCacheClient, AsyncSession -> Session, AsyncBeat -> Beat, ...

@@ -7,8 +7,15 @@ Every method carries the session id, the session's secret and an op_id (fresh, o
 caller's ``op_id=``: e.g. the same id on every TP rank's retry path), so a retried call is
 answered once.
 
+With ``fast_lane=True`` on the client, the hot operations (``write``, ``load_wait``,
+``resolve_transfers``, ``release_transfers``) go over the daemon's fast lane (docs/fastlane.md),
+opened on first use; a call the lane cannot carry (primary pages, a ready fence), a daemon
+without a lane, or a lane that is lost (UNAVAILABLE: the op is re-sent over gRPC with the same
+op_id, so it runs once) uses gRPC. Results and errors are the same either way.
+
 Thread-safety: a blocking session may be used from many threads (its mutable state -- the
-closed flag and the heartbeat -- is guarded); an asyncio session belongs to its event loop.
+closed flag, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an
+asyncio session belongs to its event loop.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import grpc
 
 from hicached_client import _calls
 from hicached_client._aio_backend import AsyncBeat, AsyncLock
+from hicached_client._aio_lane import AsyncLaneSlot
 from hicached_client._calls import Call, new_op_id
 from hicached_client.errors import LEASE_LOST_CODES, HiCacheError
 from hicached_client.types import (
@@ -69,6 +77,7 @@ class AsyncSession:
         self._lease_lost: HiCacheError | None = None
         self.heartbeats = 0
         self._beat: AsyncBeat | None = None
+        self._slot = AsyncLaneSlot(client.fast_lane)
         if heartbeat:
             if info.lease_ms <= 0:
                 raise ValueError(
@@ -115,11 +124,15 @@ class AsyncSession:
         return await self.client.invoke(call.signed(self.info.session_secret), timeout_s)
 
     async def _end(self) -> bool:
-        """Mark the session closed; False when it already was."""
+        """Mark the session closed and close its fast lane; False when it already was."""
         async with self._lock:
             was, self._closed = self._closed, True
         await self.stop_heartbeat()
+        await self._slot.close()
         return not was
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.client.config.timeout_s if timeout_s is None else timeout_s
 
     # -------------------------------------------------------------- lifecycle
 
@@ -178,17 +191,29 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> ResolveResult:
+        op = self._op(op_id)
+        lane = await self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
+        if lane is not None:
+            try:
+                return await lane.resolve_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+            except HiCacheError as exc:
+                await self._slot.failed(exc, "ResolveTransfers")
         call = _calls.resolve_transfers(
-            self.session_id, self._op(op_id), transfers, primary_device_pages, primary_host_pages
+            self.session_id, op, transfers, primary_device_pages, primary_host_pages
         )
         return await self._invoke(call, timeout_s)
 
     async def release_transfers(
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
-        return await self._invoke(
-            _calls.release_transfers(self.session_id, self._op(op_id), transfers), timeout_s
-        )
+        op = self._op(op_id)
+        lane = await self._slot.get(self, True)
+        if lane is not None:
+            try:
+                return await lane.release_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+            except HiCacheError as exc:
+                await self._slot.failed(exc, "ReleaseTransfers")
+        return await self._invoke(_calls.release_transfers(self.session_id, op, transfers), timeout_s)
 
     # ------------------------------------------------------------ data plane
 
@@ -204,9 +229,20 @@ class AsyncSession:
         timeout_s: float | None = None,
     ) -> WriteResult:
         """Device -> host copy; with ``allocate`` host pages are resolved first (atomically)."""
+        op = self._op(op_id)
+        lane = await self._slot.get(
+            self, primary_device_pages is None and primary_host_pages is None and ready is None
+        )
+        if lane is not None:
+            try:
+                return await lane.write(
+                    transfers, allocate=allocate, op_id=op, timeout_s=self._timeout(timeout_s)
+                )
+            except HiCacheError as exc:
+                await self._slot.failed(exc, "Write")
         call = _calls.write(
             self.session_id,
-            self._op(op_id),
+            op,
             transfers=transfers,
             primary_device_pages=primary_device_pages,
             primary_host_pages=primary_host_pages,
@@ -225,7 +261,7 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncLoadStream:
-        """Host -> device copy, layer by layer; iterate the stream for per-layer progress."""
+        """Host -> device copy, layer by layer; iterate the stream for per-layer progress (gRPC)."""
         call = _calls.load(
             self.session_id,
             self._op(op_id),
@@ -236,9 +272,35 @@ class AsyncSession:
         )
         return self.client.stream(call.signed(self.info.session_secret), timeout_s)
 
-    async def load_wait(self, transfers: Sequence[Transfer], **kwargs: Any) -> LoadResult:
-        """:meth:`load` and wait for the end."""
-        return await self.load(transfers, **kwargs).wait()
+    async def load_wait(
+        self,
+        transfers: Sequence[Transfer],
+        *,
+        layer_progress: bool = True,
+        primary_device_pages: PageIndices | None = None,
+        primary_host_pages: PageIndices | None = None,
+        op_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> LoadResult:
+        """:meth:`load` and wait for the end (over the fast lane when the session has one)."""
+        op = self._op(op_id)
+        lane = await self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
+        if lane is not None:
+            try:
+                return await lane.load(
+                    transfers, layer_progress=layer_progress, op_id=op, timeout_s=self._timeout(timeout_s)
+                )
+            except HiCacheError as exc:
+                await self._slot.failed(exc, "Load")
+        stream = self.load(
+            transfers,
+            layer_progress=layer_progress,
+            primary_device_pages=primary_device_pages,
+            primary_host_pages=primary_host_pages,
+            op_id=op,
+            timeout_s=timeout_s,
+        )
+        return await stream.wait()
 
     # ------------------------------------------------------------ retraction
 

@@ -8,8 +8,15 @@ Every method carries the session id, the session's secret and an op_id (fresh, o
 caller's ``op_id=``: e.g. the same id on every TP rank's retry path), so a retried call is
 answered once.
 
+With ``fast_lane=True`` on the client, the hot operations (``write``, ``load_wait``,
+``resolve_transfers``, ``release_transfers``) go over the daemon's fast lane (docs/fastlane.md),
+opened on first use; a call the lane cannot carry (primary pages, a ready fence), a daemon
+without a lane, or a lane that is lost (UNAVAILABLE: the op is re-sent over gRPC with the same
+op_id, so it runs once) uses gRPC. Results and errors are the same either way.
+
 Thread-safety: a blocking session may be used from many threads (its mutable state -- the
-closed flag and the heartbeat -- is guarded); an asyncio session belongs to its event loop.
+closed flag, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an
+asyncio session belongs to its event loop.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import grpc
 from hicached_client import _calls
 from hicached_client._calls import Call, new_op_id
 from hicached_client._sync_backend import Beat, Lock
+from hicached_client._sync_lane import LaneSlot
 from hicached_client.errors import LEASE_LOST_CODES, HiCacheError
 from hicached_client.types import (
     AllocResult,
@@ -70,6 +78,7 @@ class Session:
         self._lease_lost: HiCacheError | None = None
         self.heartbeats = 0
         self._beat: Beat | None = None
+        self._slot = LaneSlot(client.fast_lane)
         if heartbeat:
             if info.lease_ms <= 0:
                 raise ValueError(
@@ -116,11 +125,15 @@ class Session:
         return self.client.invoke(call.signed(self.info.session_secret), timeout_s)
 
     def _end(self) -> bool:
-        """Mark the session closed; False when it already was."""
+        """Mark the session closed and close its fast lane; False when it already was."""
         with self._lock:
             was, self._closed = self._closed, True
         self.stop_heartbeat()
+        self._slot.close()
         return not was
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.client.config.timeout_s if timeout_s is None else timeout_s
 
     # -------------------------------------------------------------- lifecycle
 
@@ -179,15 +192,29 @@ class Session:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> ResolveResult:
+        op = self._op(op_id)
+        lane = self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
+        if lane is not None:
+            try:
+                return lane.resolve_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+            except HiCacheError as exc:
+                self._slot.failed(exc, "ResolveTransfers")
         call = _calls.resolve_transfers(
-            self.session_id, self._op(op_id), transfers, primary_device_pages, primary_host_pages
+            self.session_id, op, transfers, primary_device_pages, primary_host_pages
         )
         return self._invoke(call, timeout_s)
 
     def release_transfers(
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
-        return self._invoke(_calls.release_transfers(self.session_id, self._op(op_id), transfers), timeout_s)
+        op = self._op(op_id)
+        lane = self._slot.get(self, True)
+        if lane is not None:
+            try:
+                return lane.release_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+            except HiCacheError as exc:
+                self._slot.failed(exc, "ReleaseTransfers")
+        return self._invoke(_calls.release_transfers(self.session_id, op, transfers), timeout_s)
 
     # ------------------------------------------------------------ data plane
 
@@ -203,9 +230,18 @@ class Session:
         timeout_s: float | None = None,
     ) -> WriteResult:
         """Device -> host copy; with ``allocate`` host pages are resolved first (atomically)."""
+        op = self._op(op_id)
+        lane = self._slot.get(
+            self, primary_device_pages is None and primary_host_pages is None and ready is None
+        )
+        if lane is not None:
+            try:
+                return lane.write(transfers, allocate=allocate, op_id=op, timeout_s=self._timeout(timeout_s))
+            except HiCacheError as exc:
+                self._slot.failed(exc, "Write")
         call = _calls.write(
             self.session_id,
-            self._op(op_id),
+            op,
             transfers=transfers,
             primary_device_pages=primary_device_pages,
             primary_host_pages=primary_host_pages,
@@ -224,7 +260,7 @@ class Session:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> LoadStream:
-        """Host -> device copy, layer by layer; iterate the stream for per-layer progress."""
+        """Host -> device copy, layer by layer; iterate the stream for per-layer progress (gRPC)."""
         call = _calls.load(
             self.session_id,
             self._op(op_id),
@@ -235,9 +271,35 @@ class Session:
         )
         return self.client.stream(call.signed(self.info.session_secret), timeout_s)
 
-    def load_wait(self, transfers: Sequence[Transfer], **kwargs: Any) -> LoadResult:
-        """:meth:`load` and wait for the end."""
-        return self.load(transfers, **kwargs).wait()
+    def load_wait(
+        self,
+        transfers: Sequence[Transfer],
+        *,
+        layer_progress: bool = True,
+        primary_device_pages: PageIndices | None = None,
+        primary_host_pages: PageIndices | None = None,
+        op_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> LoadResult:
+        """:meth:`load` and wait for the end (over the fast lane when the session has one)."""
+        op = self._op(op_id)
+        lane = self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
+        if lane is not None:
+            try:
+                return lane.load(
+                    transfers, layer_progress=layer_progress, op_id=op, timeout_s=self._timeout(timeout_s)
+                )
+            except HiCacheError as exc:
+                self._slot.failed(exc, "Load")
+        stream = self.load(
+            transfers,
+            layer_progress=layer_progress,
+            primary_device_pages=primary_device_pages,
+            primary_host_pages=primary_host_pages,
+            op_id=op,
+            timeout_s=timeout_s,
+        )
+        return stream.wait()
 
     # ------------------------------------------------------------ retraction
 

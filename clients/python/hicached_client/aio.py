@@ -50,7 +50,8 @@ class AsyncHiCacheClient:
 
     ``target``: ``unix:///path.sock``, a socket path, or ``host:port`` (default:
     :func:`hicached_client.default_target`). ``timeout_s`` is each call's overall deadline,
-    retries included.
+    retries included. ``fast_lane``: sessions send their hot operations over the daemon's
+    fast lane where it has one (see the session's docstring and docs/fastlane.md).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class AsyncHiCacheClient:
         timeout_s: float | None = 30.0,
         retry: RetryPolicy | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        fast_lane: bool = False,
     ) -> None:
         kwargs: dict[str, Any] = {"target": target} if target is not None else {}
         self.config = ChannelConfig(
@@ -78,6 +80,7 @@ class AsyncHiCacheClient:
             Service.ADMIN: pb_grpc.AdminServiceStub(self._channel),  # type: ignore[no-untyped-call]
         }
         self._metadata = self.config.metadata()
+        self.fast_lane = fast_lane
         # Sessions whose heartbeat uses this channel; stopped before the channel closes.
         self._beating: weakref.WeakSet[AsyncSession] = weakref.WeakSet()
 
