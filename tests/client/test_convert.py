@@ -155,6 +155,9 @@ def test_retry_policy_is_the_channels_service_config() -> None:
     opted = RetryPolicy(retry_resource_exhausted=True).service_config()["methodConfig"][0]
     assert "RESOURCE_EXHAUSTED" in opted["retryPolicy"]["retryableStatusCodes"]
     assert all("retryPolicy" not in m for m in NO_RETRY.service_config()["methodConfig"])
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert RetryPolicy(retry_resource_exhausted=True).retries(exhausted) and not policy.retries(exhausted)
+    assert policy.retries(grpc.StatusCode.UNAVAILABLE) and not NO_RETRY.retries(grpc.StatusCode.UNAVAILABLE)
     options = dict(ChannelConfig(target="h:1", retry=policy).channel_options())
     assert json.loads(options["grpc.service_config"]) == policy.service_config()
     assert options["grpc.enable_retries"] == 1

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,7 +24,7 @@ from hicached_client import lane_wire as w
 
 from tests.fastlane.conftest import free_pages
 from tests.fastlane.test_lifecycle import daemon_resources
-from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.daemon import ROOT, Daemon, start_daemon
 from tests.integration.kv import WorkerPools, unique_tag
 from tests.integration.state import poll
 
@@ -157,3 +160,45 @@ def test_after_the_lane_is_lost_the_op_is_resent_over_grpc_with_its_op_id(
         assert session.release_transfers(list(first.transfers)) == 3
         assert session.release_transfers(list(fresh.transfers)) == 3
         session.close()
+
+
+DYING = """
+import os, sys
+from hicached_client import HiCacheClient, Transfer, WorkerIdentity
+from tests.integration.kv import WorkerPools
+pools = WorkerPools.create(sys.argv[2])
+client = HiCacheClient(sys.argv[1], fast_lane=True)
+session = client.attach(WorkerIdentity("dying-" + sys.argv[2], 1, "m-fastlane"), pools.specs())
+assert session.write([Transfer("kv", list(range(64)))], allocate=True).ok
+assert session._slot._lane is not None, "the write went over the lane"
+print(session.session_id, flush=True)
+os._exit(0)  # killed: no close, no detach
+"""
+
+
+def test_a_killed_worker_leaks_nothing_of_its_sessions_lane(daemon: Daemon, admin: HiCacheClient) -> None:
+    baseline = daemon_resources(daemon)
+    tag = unique_tag("fls-dying")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", DYING, daemon.target, tag], cwd=ROOT, capture_output=True, text=True, timeout=120,
+            check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        sid = proc.stdout.strip()
+        poll(
+            lambda: admin.get_stats().session(sid),
+            lambda s: s is None,
+            15,
+            "the dead worker's session expired",
+        )
+        poll(
+            lambda: daemon_resources(daemon),
+            lambda r: all(now <= then for now, then in zip(r, baseline, strict=True)),
+            15,
+            "the dead worker's lane freed",
+        )
+    finally:
+        for pool in ("kv", "draft"):
+            Path(f"/dev/shm/hct-{tag}-{pool}").unlink(missing_ok=True)
+    assert daemon.process.poll() is None

@@ -197,7 +197,7 @@ class AsyncSession:
             try:
                 return await lane.resolve_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
             except HiCacheError as exc:
-                await self._slot.failed(exc, "ResolveTransfers")
+                await self._slot.failed(exc, "ResolveTransfers", self.client.config.retry)
         call = _calls.resolve_transfers(
             self.session_id, op, transfers, primary_device_pages, primary_host_pages
         )
@@ -212,7 +212,7 @@ class AsyncSession:
             try:
                 return await lane.release_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
             except HiCacheError as exc:
-                await self._slot.failed(exc, "ReleaseTransfers")
+                await self._slot.failed(exc, "ReleaseTransfers", self.client.config.retry)
         return await self._invoke(_calls.release_transfers(self.session_id, op, transfers), timeout_s)
 
     # ------------------------------------------------------------ data plane
@@ -239,7 +239,7 @@ class AsyncSession:
                     transfers, allocate=allocate, op_id=op, timeout_s=self._timeout(timeout_s)
                 )
             except HiCacheError as exc:
-                await self._slot.failed(exc, "Write")
+                await self._slot.failed(exc, "Write", self.client.config.retry)
         call = _calls.write(
             self.session_id,
             op,
@@ -291,7 +291,7 @@ class AsyncSession:
                     transfers, layer_progress=layer_progress, op_id=op, timeout_s=self._timeout(timeout_s)
                 )
             except HiCacheError as exc:
-                await self._slot.failed(exc, "Load")
+                await self._slot.failed(exc, "Load", self.client.config.retry)
         stream = self.load(
             transfers,
             layer_progress=layer_progress,

@@ -128,20 +128,28 @@ class RetryPolicy:
         if grpc.StatusCode.OK in self.retry_codes:
             raise ValueError("RetryPolicy.retry_codes cannot contain OK")
 
+    def codes(self) -> frozenset[grpc.StatusCode]:
+        """The status codes retried (none with a single attempt)."""
+        if self.max_attempts == 1:
+            return frozenset()
+        if self.retry_resource_exhausted:
+            return self.retry_codes | {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        return self.retry_codes
+
+    def retries(self, code: grpc.StatusCode) -> bool:
+        return code in self.codes()
+
     def service_config(self) -> dict[str, Any]:
         """The channel's service config (``grpc.service_config``): retries for every RPC but Attach."""
         attach = {"name": [{"service": SERVICES[0], "method": "Attach"}]}
         if self.max_attempts == 1:
             return {"methodConfig": [attach]}
-        codes = set(self.retry_codes)
-        if self.retry_resource_exhausted:
-            codes.add(grpc.StatusCode.RESOURCE_EXHAUSTED)
         policy = {
             "maxAttempts": self.max_attempts,
             "initialBackoff": _duration(self.initial_backoff_s),
             "maxBackoff": _duration(self.max_backoff_s),
             "backoffMultiplier": self.multiplier,
-            "retryableStatusCodes": sorted(code.name for code in codes),
+            "retryableStatusCodes": sorted(code.name for code in self.codes()),
         }
         every = {"name": [{"service": s} for s in SERVICES], "retryPolicy": policy}
         # The most specific name wins: Attach's entry (no retryPolicy) overrides the service's.

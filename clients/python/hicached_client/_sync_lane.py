@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from hicached_client._channel import RetryPolicy
 from hicached_client._sync_backend import Lock
 from hicached_client.errors import HiCacheError
 from hicached_client.fastlane import FastLane
@@ -48,20 +49,25 @@ class LaneSlot:
                     self._off = True
             return self._lane
 
-    def failed(self, error: HiCacheError, rpc: str) -> None:
+    def failed(self, error: HiCacheError, rpc: str, retry: RetryPolicy) -> None:
         """After a lane op failed: return to re-send it over gRPC (same op_id), else raise.
 
         UNAVAILABLE means the lane is gone (the daemon closed it, or the op could not be
         sent): the slot drops it and the caller re-sends the op over gRPC with the same
-        op_id, so an op the daemon already ran is answered, not run again. Any other status
-        is the op's own answer, raised as the gRPC call raises it (named for its RPC).
+        op_id, so an op the daemon already ran is answered, not run again. Backpressure
+        (RESOURCE_EXHAUSTED) that ``retry`` retries goes to gRPC too, whose channel retries
+        it after the daemon's hint. Any other status is the op's own answer, raised as the
+        gRPC call raises it (named for its RPC).
         """
-        if error.code != grpc.StatusCode.UNAVAILABLE:
-            raise HiCacheError(
-                error.code, error.message, retry_after_ms=error.retry_after_ms, method=rpc
-            ) from None
-        log.warning("fast lane lost (%s); %s goes over gRPC", error, rpc)
-        self.close()
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            log.warning("fast lane lost (%s); %s goes over gRPC", error, rpc)
+            self.close()
+            return
+        if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry.retries(error.code):
+            return
+        raise HiCacheError(
+            error.code, error.message, retry_after_ms=error.retry_after_ms, method=rpc
+        ) from None
 
     def close(self) -> None:
         """Close the lane (if open) and stay off. Idempotent."""

@@ -198,7 +198,7 @@ class Session:
             try:
                 return lane.resolve_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
             except HiCacheError as exc:
-                self._slot.failed(exc, "ResolveTransfers")
+                self._slot.failed(exc, "ResolveTransfers", self.client.config.retry)
         call = _calls.resolve_transfers(
             self.session_id, op, transfers, primary_device_pages, primary_host_pages
         )
@@ -213,7 +213,7 @@ class Session:
             try:
                 return lane.release_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
             except HiCacheError as exc:
-                self._slot.failed(exc, "ReleaseTransfers")
+                self._slot.failed(exc, "ReleaseTransfers", self.client.config.retry)
         return self._invoke(_calls.release_transfers(self.session_id, op, transfers), timeout_s)
 
     # ------------------------------------------------------------ data plane
@@ -238,7 +238,7 @@ class Session:
             try:
                 return lane.write(transfers, allocate=allocate, op_id=op, timeout_s=self._timeout(timeout_s))
             except HiCacheError as exc:
-                self._slot.failed(exc, "Write")
+                self._slot.failed(exc, "Write", self.client.config.retry)
         call = _calls.write(
             self.session_id,
             op,
@@ -290,7 +290,7 @@ class Session:
                     transfers, layer_progress=layer_progress, op_id=op, timeout_s=self._timeout(timeout_s)
                 )
             except HiCacheError as exc:
-                self._slot.failed(exc, "Load")
+                self._slot.failed(exc, "Load", self.client.config.retry)
         stream = self.load(
             transfers,
             layer_progress=layer_progress,
