@@ -162,6 +162,21 @@ def test_after_the_lane_is_lost_the_op_is_resent_over_grpc_with_its_op_id(
         session.close()
 
 
+def test_closing_the_client_closes_its_sessions_lanes(daemon: Daemon, pools: WorkerPools) -> None:
+    """Before: nothing closed a session's lane but the session itself (its fds stayed open)."""
+    client = HiCacheClient(daemon.target, timeout_s=30.0, fast_lane=True)
+    session = _attach(client, pools)
+    written = session.write([Transfer("kv", [1])], allocate=True)
+    lane = session._slot._lane
+    assert lane is not None and not lane.closed
+    client.close()
+    assert lane.closed, "the client closed its session's lane"
+    with HiCacheClient(daemon.target, timeout_s=30.0) as again:  # the session stays attached
+        same = again.session(session.session_id, session_secret=session.info.session_secret)
+        assert same.release_transfers(list(written.transfers)) == 1
+        same.close()
+
+
 DYING = """
 import os, sys
 from hicached_client import HiCacheClient, Transfer, WorkerIdentity

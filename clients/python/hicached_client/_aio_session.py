@@ -78,6 +78,7 @@ class AsyncSession:
         self.heartbeats = 0
         self._beat: AsyncBeat | None = None
         self._slot = AsyncLaneSlot(client.fast_lane)
+        client._sessions.add(self)
         if heartbeat:
             if info.lease_ms <= 0:
                 raise ValueError(
@@ -85,7 +86,6 @@ class AsyncSession:
                 )
             name = f"hicached-heartbeat-{info.session_id[:8]}"
             self._beat = AsyncBeat(self._beat_once, info.lease_ms / 3000.0, name)
-            client._beating.add(self)
 
     @property
     def session_id(self) -> str:

@@ -79,6 +79,7 @@ class Session:
         self.heartbeats = 0
         self._beat: Beat | None = None
         self._slot = LaneSlot(client.fast_lane)
+        client._sessions.add(self)
         if heartbeat:
             if info.lease_ms <= 0:
                 raise ValueError(
@@ -86,7 +87,6 @@ class Session:
                 )
             name = f"hicached-heartbeat-{info.session_id[:8]}"
             self._beat = Beat(self._beat_once, info.lease_ms / 3000.0, name)
-            client._beating.add(self)
 
     @property
     def session_id(self) -> str:

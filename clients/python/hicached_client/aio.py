@@ -81,8 +81,8 @@ class AsyncHiCacheClient:
         }
         self._metadata = self.config.metadata()
         self.fast_lane = fast_lane
-        # Sessions whose heartbeat uses this channel; stopped before the channel closes.
-        self._beating: weakref.WeakSet[AsyncSession] = weakref.WeakSet()
+        # Sessions of this client: their heartbeats and fast lanes end before the channel closes.
+        self._sessions: weakref.WeakSet[AsyncSession] = weakref.WeakSet()
 
     # ------------------------------------------------------------ plumbing
 
@@ -91,9 +91,11 @@ class AsyncHiCacheClient:
         return self.config.target
 
     async def close(self) -> None:
-        """Stop the heartbeats of this client's sessions, then close the channel (sessions stay attached)."""
-        for session in list(self._beating):
+        """Stop the heartbeats and close the fast lanes of this client's sessions, then close the
+        channel. The sessions stay attached (until their lease runs out)."""
+        for session in list(self._sessions):
             await session.stop_heartbeat()
+            await session._slot.close()
         await backend.close_channel(self._channel)
 
     async def __aenter__(self) -> Self:

@@ -82,8 +82,8 @@ class HiCacheClient:
         }
         self._metadata = self.config.metadata()
         self.fast_lane = fast_lane
-        # Sessions whose heartbeat uses this channel; stopped before the channel closes.
-        self._beating: weakref.WeakSet[Session] = weakref.WeakSet()
+        # Sessions of this client: their heartbeats and fast lanes end before the channel closes.
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 
     # ------------------------------------------------------------ plumbing
 
@@ -92,9 +92,11 @@ class HiCacheClient:
         return self.config.target
 
     def close(self) -> None:
-        """Stop the heartbeats of this client's sessions, then close the channel (sessions stay attached)."""
-        for session in list(self._beating):
+        """Stop the heartbeats and close the fast lanes of this client's sessions, then close the
+        channel. The sessions stay attached (until their lease runs out)."""
+        for session in list(self._sessions):
             session.stop_heartbeat()
+            session._slot.close()
         backend.close_channel(self._channel)
 
     def __enter__(self) -> Self:
