@@ -153,7 +153,7 @@ class _Base:
                 f"internal error in {method}: {type(exc).__name__}: {exc}",
             )
         elif isinstance(exc, OSError) and exc.errno is not None:
-            # The daemon's own resources ran out (status.ExhaustedOSError): say which.
+            # The daemon's own resources ran out (status.exhausted_os_error): say which.
             name = errno.errorcode.get(exc.errno, str(exc.errno))
             message = (
                 f"the daemon is out of resources in {method}: {name} ({exc.strerror}); retry later "
