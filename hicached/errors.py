@@ -130,9 +130,3 @@ class LimitExceeded(ResourceExhausted):
     def __init__(self, message: str, key: str) -> None:
         super().__init__(message)
         self.key = key
-
-
-class DeadlineExceeded(HiCacheError):
-    """A blocking wait reached its configured deadline (``limits.max_wait_s``)."""
-
-    code = "DEADLINE_EXCEEDED"
