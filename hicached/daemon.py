@@ -7,7 +7,6 @@ core or the server; tests and the CLI go through :class:`Daemon`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -23,16 +22,15 @@ from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 from hicached.config import Config, ConfigError, as_dict
 from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry
-from hicached.core.hooks import CoreHooks
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
-from hicached.core.sessions import Session
 from hicached.index.index import ContentIndex
-from hicached.index.observer import CacheObserver, MetricsObserver
+from hicached.index.observer import IndexObserver, NullIndexObserver
 from hicached.l3.base import StorageBackend
 from hicached.l3.stats_cache import StatsCache
 from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
+from hicached.observability import CoreMetrics, HostGauges, IndexMetrics, RpcMetrics
 from hicached.server import credentials
 from hicached.server.app import Server, claim_sockets
 from hicached.server.fastlane import LaneServer, lane_path
@@ -45,7 +43,6 @@ from hicached.shutdown import flush_within, rpc_grace_s
 from hicached.startup import banner, open_l3
 from hicached.tasks import supervise
 from hicached.transfer.engine import CopyEngine
-from hicached.transfer.plan import CopyPlan, Direction
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +57,10 @@ def attach_content_index(
 ) -> None:
     """Give a new pool group its content index (the index installs its reclaim callbacks)."""
     l3 = config.l3
-    observer: CacheObserver = (
-        MetricsObserver(metrics, backend=l3.backend, page_size=state.group.anchor.host_pool.page_size)
+    observer: IndexObserver = (
+        IndexMetrics(metrics, backend=l3.backend, page_size=state.group.anchor.host_pool.page_size)
         if metrics is not None
-        else CacheObserver()
+        else NullIndexObserver()
     )
     state.index = ContentIndex(
         state.group,
@@ -75,31 +72,6 @@ def attach_content_index(
         prefetch_timeout_base_s=l3.prefetch_timeout_base_s,
         prefetch_timeout_per_1k_tokens_s=l3.prefetch_timeout_per_1k_tokens_s,
     )
-
-
-class MetricsHooks(CoreHooks):
-    """Feeds the core's events into Prometheus metrics."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._m = metrics
-
-    def on_session(self, event: str, session: Session) -> None:
-        if event == "attach":
-            self._m.sessions.inc()
-        else:
-            self._m.sessions.dec()
-
-    def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float, model: str = "") -> None:
-        tokens, nbytes = (
-            (self._m.write_tokens, self._m.write_bytes)
-            if direction is Direction.D2H
-            else (self._m.load_tokens, self._m.load_bytes)
-        )
-        for pool, n in plan.tokens_by_pool.items():
-            tokens.labels(model=model, pool=pool).inc(n)
-        for pool, n in plan.bytes_by_pool.items():
-            nbytes.labels(model=model, pool=pool).inc(n)
-        self._m.transfer_duration.labels(direction=self._m.direction(direction.value)).observe(seconds)
 
 
 def l3_backend(config: Config) -> StorageBackend | None:
@@ -119,6 +91,7 @@ class Daemon:
         admin_gid = claim_sockets(config)
         self.daemon_id = daemon_id or f"{os.getpid():x}{uuid.uuid4().hex[:4]}"
         self.metrics = Metrics()
+        self._observe_rpc = RpcMetrics(self.metrics)
         self.backend = l3_backend(config)  # first: a backend that cannot start leaves nothing behind
         self.engine = CopyEngine(workers=config.copy.workers, max_queued_bytes=config.copy.max_queued)
         self.groups = GroupRegistry(config.host, daemon_id=self.daemon_id)
@@ -127,7 +100,7 @@ class Daemon:
             groups=self.groups,
             engine=self.engine,
             attach_index=self._attach_index,
-            hooks=MetricsHooks(self.metrics),
+            hooks=CoreMetrics(self.metrics),
         )
         self.keyed = KeyedCache(config, core=self.core, backend=self.backend)
         self.lanes = Lanes.from_config(config)
@@ -164,7 +137,7 @@ class Daemon:
             admin_gid=admin_gid,
         )
         self.metrics_server: MetricsServer | None = None
-        self._gauge_labels: set[tuple[str, str]] = set()
+        self._gauges = HostGauges(self.metrics, self.groups, self.engine)
 
     def _registrations(self, access: Access) -> list[Callable[[grpc.aio.Server], None]]:
         """The services of one listener, their servicers bound to its role."""
@@ -186,30 +159,9 @@ class Daemon:
     def _attach_index(self, state: GroupState) -> None:
         attach_content_index(self.config, state, backend=self.backend, metrics=self.metrics)
 
-    def _observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
-        self.metrics.rpcs.labels(method=method, code=code.name).inc()
-        self.metrics.rpc_duration.labels(method=method).observe(seconds)
-
     def refresh_gauges(self) -> None:
         """Host usage and queue depths (cheap; called by the lease reaper)."""
-        m = self.metrics
-        seen: set[tuple[str, str]] = set()
-        for state in self.groups.all():
-            for p in state.states():
-                labels = {"model": state.model_name, "pool": p.name}
-                seen.add((state.model_name, p.name))
-                used = p.total_pages - p.free_pages
-                m.host_used_tokens.labels(**labels).set(used * p.page_size)
-                m.host_total_tokens.labels(**labels).set(p.total_pages * p.page_size)
-                m.host_used_bytes.labels(**labels).set(used * p.page_bytes)
-                m.host_total_bytes.labels(**labels).set(p.total_pages * p.page_bytes)
-        for model, pool in self._gauge_labels - seen:  # a retired group's series go with it
-            for gauge in (m.host_used_tokens, m.host_total_tokens, m.host_used_bytes, m.host_total_bytes):
-                with contextlib.suppress(KeyError):
-                    gauge.remove(model, pool)
-        self._gauge_labels = seen
-        for priority, depth in self.engine.queue_depth().items():
-            m.queue_depth.labels(priority=m.priority(priority)).set(depth)
+        self._gauges.refresh()
 
     async def start(self) -> None:
         await self.server.start()

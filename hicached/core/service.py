@@ -29,7 +29,7 @@ from hicached.config import Config
 from hicached.core.checks import bind_derived, check_indices, check_owned, check_transfers, known_pool
 from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry, validate_pool_requests, validate_worker
-from hicached.core.hooks import CoreHooks
+from hicached.core.hooks import CoreObserver, NullCoreObserver
 from hicached.core.retraction import BackupStore
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
 from hicached.core.stats import BackupStats, DaemonStats, GroupStats, SessionStats
@@ -70,13 +70,13 @@ class HiCacheCore:
         groups: GroupRegistry,
         engine: CopyEngine,
         attach_index: Callable[[GroupState], None] | None = None,
-        hooks: CoreHooks | None = None,
+        hooks: CoreObserver | None = None,
     ) -> None:
         self._cfg = config
         self._groups = groups
         self._engine = engine
         self._attach_index = attach_index or (lambda state: None)
-        self._hooks = hooks or CoreHooks()
+        self._hooks: CoreObserver = hooks or NullCoreObserver()
         self._sessions = SessionTable()
         self._backups = BackupStore()
         self._detached: OrderedDict[tuple[str, str], int] = OrderedDict()

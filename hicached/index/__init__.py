@@ -7,7 +7,7 @@ group.
 
 from hicached.index.index import ContentIndex
 from hicached.index.jobs import PrefetchTask
-from hicached.index.observer import CacheObserver, MetricsObserver
+from hicached.index.observer import IndexObserver, NullIndexObserver
 from hicached.index.types import (
     DEFAULT_BATCH_PAGES,
     BackupResult,
@@ -24,11 +24,11 @@ from hicached.index.types import (
 __all__ = [
     "DEFAULT_BATCH_PAGES",
     "BackupResult",
-    "CacheObserver",
     "ContentIndex",
+    "IndexObserver",
     "IndexStats",
     "LookupResult",
-    "MetricsObserver",
+    "NullIndexObserver",
     "Pin",
     "PrefetchPolicy",
     "PrefetchState",

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from hicached.errors import FailedPrecondition, ResourceExhausted
 from hicached.index.entries import Entry, batches, check_keys
 from hicached.index.jobs import BackupJob, IoPriority, IoScheduler
-from hicached.index.observer import CacheObserver
+from hicached.index.observer import IndexObserver
 from hicached.index.pools import GroupView
 from hicached.index.types import BackupResult, WritePolicy
 from hicached.l3.base import StorageBackend
@@ -41,7 +41,7 @@ class BackupMixin:
     _idle: threading.Condition
     _entries: collections.OrderedDict[str, Entry]
     _view: GroupView
-    _obs: CacheObserver
+    _obs: IndexObserver
     _io: IoScheduler
     _counts: collections.Counter[str]
     _queued_pages: int

@@ -59,7 +59,7 @@ from hicached.index.entries import (
     check_rows,
 )
 from hicached.index.jobs import IoPriority, IoScheduler, PrefetchTask
-from hicached.index.observer import CacheObserver
+from hicached.index.observer import IndexObserver, NullIndexObserver
 from hicached.index.pools import GroupView
 from hicached.index.types import (
     DEFAULT_BATCH_PAGES,
@@ -100,7 +100,7 @@ class ContentIndex(BackupMixin):
         write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
         io_workers: int = 2,
         max_queued_pages: int = 65536,
-        observer: CacheObserver | None = None,
+        observer: IndexObserver | None = None,
         batch_pages: int = DEFAULT_BATCH_PAGES,
         prefetch_timeout_base_s: float = 1.0,
         prefetch_timeout_per_1k_tokens_s: float = 0.25,
@@ -133,7 +133,7 @@ class ContentIndex(BackupMixin):
         self.batch_pages = batch_pages
         self.max_queued_pages = max_queued_pages
         self._view = GroupView(group)
-        self._obs = observer if observer is not None else CacheObserver()
+        self._obs: IndexObserver = observer if observer is not None else NullIndexObserver()
         self._timeout_base = prefetch_timeout_base_s
         self._timeout_per_1k = prefetch_timeout_per_1k_tokens_s
         self._max_finished = max_finished_prefetches

@@ -1,13 +1,14 @@
-"""The index feeds the daemon's Prometheus metrics through MetricsObserver."""
+"""The index feeds the daemon's Prometheus metrics through IndexMetrics."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from hicached.index import ContentIndex, MetricsObserver, PrefetchPolicy, PrefetchState
+from hicached.index import ContentIndex, PrefetchPolicy, PrefetchState
 from hicached.l2 import HostPoolGroup
 from hicached.l3 import StorageBackend
 from hicached.metrics import Metrics
+from hicached.observability import IndexMetrics
 
 from .conftest import PAGE_SIZE, keys_of, write_pages
 
@@ -24,7 +25,7 @@ def test_lookup_backup_eviction_and_prefetch_are_counted(
 ) -> None:
     metrics = Metrics()
     group = make_group(8)
-    observer = MetricsObserver(metrics, backend="file", page_size=PAGE_SIZE)
+    observer = IndexMetrics(metrics, backend="file", page_size=PAGE_SIZE)
     index = make_index(group, file_backend, observer=observer)
     keys = keys_of("m", 6)
     index.publish(keys, write_pages(group, 6, seed=1))

@@ -1,0 +1,142 @@
+"""Every observation seam's Prometheus adapter, in one place.
+
+Each layer declares what it reports as a Protocol beside its code, no-op by default:
+:class:`~hicached.core.hooks.CoreObserver` (sessions, copies),
+:class:`~hicached.index.observer.IndexObserver` (lookups, evictions, backups, prefetches) and
+:data:`~hicached.server.servicer.RpcObserver` (one finished RPC). The adapters below turn those
+events into the daemon's :class:`~hicached.metrics.Metrics`; :class:`HostGauges` reads the pool
+groups' levels for the gauges. The composition root (``daemon.py``) wires them; no layer imports
+this module, so every layer works, and is tested, without Prometheus.
+
+Thread-safety: adapters only touch prometheus_client metric objects (thread-safe) and hold no
+state of their own, except :class:`HostGauges`, whose ``refresh`` is called from one thread (the
+daemon's reaper).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+from hicached.transfer.plan import CopyPlan, Direction
+
+if TYPE_CHECKING:
+    import grpc
+
+    from hicached.core.groups import GroupRegistry
+    from hicached.core.sessions import Session
+    from hicached.metrics import Metrics
+    from hicached.transfer.engine import CopyEngine
+
+__all__ = ["CoreMetrics", "HostGauges", "IndexMetrics", "RpcMetrics"]
+
+
+class CoreMetrics:
+    """:class:`~hicached.core.hooks.CoreObserver` feeding sessions and transfer metrics."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    def on_session(self, event: str, session: Session) -> None:
+        if event == "attach":
+            self._m.sessions.inc()
+        else:
+            self._m.sessions.dec()
+
+    def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float, model: str = "") -> None:
+        tokens, nbytes = (
+            (self._m.write_tokens, self._m.write_bytes)
+            if direction is Direction.D2H
+            else (self._m.load_tokens, self._m.load_bytes)
+        )
+        for pool, n in plan.tokens_by_pool.items():
+            tokens.labels(model=model, pool=pool).inc(n)
+        for pool, n in plan.bytes_by_pool.items():
+            nbytes.labels(model=model, pool=pool).inc(n)
+        self._m.transfer_duration.labels(direction=self._m.direction(direction.value)).observe(seconds)
+
+
+class IndexMetrics:
+    """:class:`~hicached.index.observer.IndexObserver` of one pool group's content index;
+    ``backend`` labels the L3 series, ``page_size`` turns pages into tokens."""
+
+    def __init__(self, metrics: Metrics, *, backend: str, page_size: int) -> None:
+        self._m = metrics
+        self._backend = backend
+        self._page_size = page_size
+
+    def lookup(self, query_pages: int, l2_hit_pages: int, l3_hit_pages: int) -> None:
+        self._m.lookup_query_pages.inc(query_pages)
+        self._m.lookup_hit_pages.labels(tier="l2").inc(l2_hit_pages)
+        self._m.lookup_hit_pages.labels(tier="l3").inc(l3_hit_pages)
+
+    def evicted(self, tier: str, reason: str, pages: int) -> None:
+        self._m.evicted_tokens.labels(tier=self._m.tier(tier), reason=reason).inc(pages * self._page_size)
+
+    def dropped(self, reason: str, pages: int) -> None:
+        self._m.dropped_tokens.labels(reason=reason).inc(pages * self._page_size)
+
+    def prefetched(self, pages: int, nbytes: int, seconds: float) -> None:
+        b = self._backend
+        self._m.prefetch_pages.labels(backend=b).inc(pages)
+        self._m.prefetch_bytes.labels(backend=b).inc(nbytes)
+        self._m.prefetched_tokens.labels(backend=b).inc(pages * self._page_size)
+        self._m.prefetch_batch_pages.labels(backend=b).observe(pages)
+        self._m.prefetch_duration.labels(backend=b).observe(seconds)
+        if seconds > 0:
+            self._m.prefetch_bandwidth.labels(backend=b).observe(nbytes / seconds / 1e9)
+
+    def backed_up(self, pages: int, nbytes: int, seconds: float) -> None:
+        b = self._backend
+        self._m.backup_pages.labels(backend=b).inc(pages)
+        self._m.backup_bytes.labels(backend=b).inc(nbytes)
+        self._m.backuped_tokens.labels(backend=b).inc(pages * self._page_size)
+        self._m.backup_batch_pages.labels(backend=b).observe(pages)
+        self._m.backup_duration.labels(backend=b).observe(seconds)
+        if seconds > 0:
+            self._m.backup_bandwidth.labels(backend=b).observe(nbytes / seconds / 1e9)
+
+
+class RpcMetrics:
+    """:data:`~hicached.server.servicer.RpcObserver` counting RPCs by method and code."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    def __call__(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        self._m.rpcs.labels(method=method, code=code.name).inc()
+        self._m.rpc_duration.labels(method=method).observe(seconds)
+
+
+class HostGauges:
+    """Host pool usage and copy-queue depths, read from the live objects on each ``refresh``.
+
+    A retired pool group's series are removed with it, so a scrape never shows a group that is
+    gone. Not thread-safe: one caller (the daemon's reaper) refreshes.
+    """
+
+    def __init__(self, metrics: Metrics, groups: GroupRegistry, engine: CopyEngine) -> None:
+        self._m = metrics
+        self._groups = groups
+        self._engine = engine
+        self._labels: set[tuple[str, str]] = set()
+
+    def refresh(self) -> None:
+        m = self._m
+        seen: set[tuple[str, str]] = set()
+        for state in self._groups.all():
+            for p in state.states():
+                labels = {"model": state.model_name, "pool": p.name}
+                seen.add((state.model_name, p.name))
+                used = p.total_pages - p.free_pages
+                m.host_used_tokens.labels(**labels).set(used * p.page_size)
+                m.host_total_tokens.labels(**labels).set(p.total_pages * p.page_size)
+                m.host_used_bytes.labels(**labels).set(used * p.page_bytes)
+                m.host_total_bytes.labels(**labels).set(p.total_pages * p.page_bytes)
+        for model, pool in self._labels - seen:
+            for gauge in (m.host_used_tokens, m.host_total_tokens, m.host_used_bytes, m.host_total_bytes):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(model, pool)
+        self._labels = seen
+        for priority, depth in self._engine.queue_depth().items():
+            m.queue_depth.labels(priority=m.priority(priority)).set(depth)
