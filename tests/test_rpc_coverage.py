@@ -90,3 +90,23 @@ def test_the_servicer_runs_where_the_table_says(service: str, method: str) -> No
         assert named, f"{method} runs its core call without offload (RPC_LANES[{method!r}] unused)"
     else:
         assert RPC_LANES[method] is Where.LOOP
+
+
+def test_the_table_picks_the_lane() -> None:
+    """A placement resolves to the lane the table means: page bookkeeping stays on the loop
+    unless an allocation may wait for L3; COPY_OR_L3 follows the call."""
+    from hicached.config import Config
+    from hicached.server.lanes import Lanes
+
+    lanes = Lanes.from_config(Config())
+    try:
+        assert lanes.lane_for(Where.LOOP, l3=True, pages_block=True) is None
+        assert lanes.lane_for(Where.PAGES, l3=False, pages_block=False) is None
+        assert lanes.lane_for(Where.PAGES, l3=False, pages_block=True) is lanes.l3
+        assert lanes.lane_for(Where.COPY_OR_L3, l3=False, pages_block=False) is lanes.copy
+        assert lanes.lane_for(Where.COPY_OR_L3, l3=True, pages_block=False) is lanes.l3
+        assert lanes.lane_for(Where.COPY, l3=True, pages_block=True) is lanes.copy
+        assert lanes.lane_for(Where.L3, l3=False, pages_block=False) is lanes.l3
+        assert lanes.lane_for(Where.BOOKKEEPING, l3=False, pages_block=False) is lanes.bookkeeping
+    finally:
+        lanes.shutdown()
