@@ -22,8 +22,6 @@ OVERSIZED: dict[str, tuple[int, str]] = {
     ),
     "hicached/l3/file.py": (785, "file backend: index, framing and eviction in one class"),
     "hicached/core/service.py": (695, "the core facade; issue 14 item 1 splits it further"),
-    "clients/python/hicached_client/sync.py": (701, "sync client; issue 14 item 4 generates it from aio.py"),
-    "clients/python/hicached_client/aio.py": (685, "async client, written twice today (issue 14 item 4)"),
 }
 
 

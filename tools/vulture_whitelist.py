@@ -7,8 +7,8 @@
 # Candidates worth a look (kept here, not removed, as removing them would change behaviour or
 # the metric surface): metrics.l3_corrupt_pages / retraction_backups, CacheStats.running_prefetches.
 # ruff: noqa
-exc_type  # unused variable (clients/python/hicached_client/aio.py:412)
-tb  # unused variable (clients/python/hicached_client/aio.py:412)
+exc_type  # unused variable (clients/python/hicached_client/_aio_session.py)
+tb  # unused variable (clients/python/hicached_client/_aio_session.py)
 export_cuda_ipc  # unused function (clients/python/hicached_client/export.py:228)
 __getattr__  # unused function (clients/python/hicached_client/sglang/__init__.py:29)
 BYTES  # unused variable (clients/python/hicached_client/sglang/config.py:45)
@@ -21,8 +21,8 @@ target_sizes  # unused variable (clients/python/hicached_client/sglang/storage.p
 target_sizes  # unused variable (clients/python/hicached_client/sglang/storage.py:381)
 target_sizes  # unused variable (clients/python/hicached_client/sglang/storage.py:410)
 target_sizes  # unused variable (clients/python/hicached_client/sglang/storage.py:415)
-exc_type  # unused variable (clients/python/hicached_client/sync.py:438)
-tb  # unused variable (clients/python/hicached_client/sync.py:438)
+exc_type  # unused variable (clients/python/hicached_client/_sync_session.py)
+tb  # unused variable (clients/python/hicached_client/_sync_session.py)
 running_prefetches  # unused variable (hicached/index/types.py:124)
 mooncake  # unused variable (hicached/config.py:216)
 is_draft  # unused variable (hicached/l2/group.py:176)

@@ -23,7 +23,7 @@ from hicached_client import (
 
 from tests.client.scripted import GONE_SESSION, RETRY_AFTER_MS, SESSION, ScriptedServer
 
-FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.005)
+FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
 
 
 def _run(

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import grpc
 import pytest
 import torch
 from hicached_client import (
+    NO_RETRY,
     ChannelConfig,
-    HiCacheError,
     HostLayout,
     PoolKind,
     RetryPolicy,
@@ -138,17 +139,32 @@ def test_channel_config_validation() -> None:
     assert ChannelConfig(target="h:1", token="t").metadata() == (("authorization", "Bearer t"),)
 
 
-def test_retry_policy_delays() -> None:
+def test_retry_policy_is_the_channels_service_config() -> None:
+    """Retries are gRPC's (issue 14): the policy becomes a retryPolicy for every RPC but Attach."""
     policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=0.15)
-    unavailable = HiCacheError(grpc.StatusCode.UNAVAILABLE, "x")
-    first, second = policy.delay_s(1, unavailable), policy.delay_s(2, unavailable)
-    assert first is not None and 0.05 <= first <= 0.1
-    assert second is not None and 0.075 <= second <= 0.15
-    assert policy.delay_s(3, unavailable) is None
-    assert policy.delay_s(1, HiCacheError(grpc.StatusCode.NOT_FOUND, "x")) is None
-    exhausted = HiCacheError(grpc.StatusCode.RESOURCE_EXHAUSTED, "x", retry_after_ms=40)
-    assert policy.delay_s(1, exhausted) is None
-    assert RetryPolicy(retry_resource_exhausted=True).delay_s(1, exhausted) == 0.04
+    every, attach = policy.service_config()["methodConfig"]
+    assert every["retryPolicy"] == {
+        "maxAttempts": 3,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "0.15s",
+        "backoffMultiplier": 2.0,
+        "retryableStatusCodes": ["DEADLINE_EXCEEDED", "UNAVAILABLE"],
+    }
+    assert {n["service"] for n in every["name"]} == {"hicached.v1.HiCacheService", "hicached.v1.AdminService"}
+    assert attach == {"name": [{"service": "hicached.v1.HiCacheService", "method": "Attach"}]}
+    opted = RetryPolicy(retry_resource_exhausted=True).service_config()["methodConfig"][0]
+    assert "RESOURCE_EXHAUSTED" in opted["retryPolicy"]["retryableStatusCodes"]
+    assert all("retryPolicy" not in m for m in NO_RETRY.service_config()["methodConfig"])
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert RetryPolicy(retry_resource_exhausted=True).retries(exhausted) and not policy.retries(exhausted)
+    assert policy.retries(grpc.StatusCode.UNAVAILABLE) and not NO_RETRY.retries(grpc.StatusCode.UNAVAILABLE)
+    options = dict(ChannelConfig(target="h:1", retry=policy).channel_options())
+    assert json.loads(options["grpc.service_config"]) == policy.service_config()
+    assert options["grpc.enable_retries"] == 1
+    with pytest.raises(ValueError, match="gRPC's limit"):
+        RetryPolicy(max_attempts=6)
+    with pytest.raises(ValueError, match=r">= 0\.01 s"):
+        RetryPolicy(initial_backoff_s=0.001)
 
 
 class _FakeCall(grpc.RpcError):

@@ -22,7 +22,7 @@ from hicached_client import (
 
 from tests.client.scripted import GONE_SESSION, RETRY_AFTER_MS, SESSION, ScriptedServer
 
-FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.005)
+FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
 
 
 def _client(server: ScriptedServer, **kwargs: object) -> HiCacheClient:
@@ -81,7 +81,7 @@ def test_transient_failures_are_retried_with_the_same_op_id(scripted_server: Scr
 
 def test_retries_are_bounded(scripted_server: ScriptedServer) -> None:
     scripted_server.servicer.script.fail_first["Alloc"] = 10
-    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.001)
+    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.01)
     with _client(scripted_server, retry=policy) as client, pytest.raises(HiCacheError) as info:
         client.session(SESSION).alloc("kv", 1)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
@@ -161,9 +161,9 @@ def test_attach_heartbeats_at_a_third_of_the_lease_and_stops_on_detach(
 def test_heartbeat_stops_when_the_lease_is_lost(scripted_server: ScriptedServer) -> None:
     with _client(scripted_server) as client:
         session = client.session(GONE_SESSION, lease_ms=30, heartbeat=True)
-        thread = session._thread  # the heartbeat thread ends by itself once the lease is lost
-        assert thread is not None
-        thread.join(timeout=5.0)
+        beat = session._beat  # the heartbeat thread ends by itself once the lease is lost
+        assert beat is not None
+        beat._thread.join(timeout=5.0)
         assert not session.heartbeat_running
         assert session.lease_lost is not None
         assert session.lease_lost.code == grpc.StatusCode.NOT_FOUND

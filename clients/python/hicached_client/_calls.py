@@ -8,6 +8,7 @@ call does no I/O; invoking it is the client's job.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -47,6 +48,11 @@ from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
 
 T = TypeVar("T")
+
+
+def new_op_id() -> str:
+    """A fresh operation id (uuid4 hex): unique per session, reused by retries."""
+    return uuid.uuid4().hex
 
 
 class Service(Enum):

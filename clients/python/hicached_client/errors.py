@@ -18,6 +18,10 @@ import grpc
 # daemons before the change sent the private "retry-after-ms", still read.
 RETRY_AFTER_KEY = "grpc-retry-pushback-ms"
 _LEGACY_RETRY_AFTER_KEY = "retry-after-ms"
+# Heartbeat answers after which the lease is gone for good: stop beating.
+LEASE_LOST_CODES = frozenset(
+    {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED}
+)
 
 
 class HiCacheError(Exception):

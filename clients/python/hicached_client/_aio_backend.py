@@ -1,0 +1,74 @@
+"""What the asyncio client does differently from the blocking one, written by hand.
+
+``tools/unasync.py`` generates the blocking client (``sync.py``, ``_sync_session.py``) from
+the asyncio one (``aio.py``, ``_aio_session.py``) by renaming (``async def`` -> ``def``,
+``AsyncBeat`` -> ``Beat``, ``_aio_backend`` -> ``_sync_backend``, ...). What a rename cannot
+express lives here and, under the same names without ``Async``, in ``_sync_backend.py``.
+
+Thread-safety: everything here belongs to the event loop that created it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc.aio import EOF  # type: ignore[attr-defined]
+
+from hicached_client import _handoff
+
+# Guards a session's closed flag and its lazily opened fast lane.
+AsyncLock = asyncio.Lock
+
+
+async def close_channel(channel: grpc.aio.Channel) -> None:
+    await channel.close(grace=None)
+
+
+async def channel_ready(channel: grpc.aio.Channel, timeout_s: float) -> bool:
+    """True once the channel connects, False after ``timeout_s``."""
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
+
+
+async def hand_over(path: str, fds: Sequence[int], timeout_s: float | None) -> str | None:
+    """:func:`hicached_client._handoff.hand_over` on a thread (one blocking round trip)."""
+    return await asyncio.to_thread(_handoff.hand_over, path, fds, timeout_s)
+
+
+async def next_message(rpc: Any) -> Any | None:
+    """The next message of a server stream, None at its end (``grpc.RpcError`` on failure)."""
+    message = await rpc.read()
+    return None if message is EOF else message
+
+
+class AsyncBeat:
+    """Awaits ``body()`` every ``interval_s`` on a task of the running loop until it returns False."""
+
+    def __init__(self, body: Callable[[], Awaitable[bool]], interval_s: float, name: str) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(body, interval_s), name=name)
+
+    @staticmethod
+    async def _run(body: Callable[[], Awaitable[bool]], interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)  # the period itself, not synchronisation
+            if not await body():
+                return
+
+    @property
+    def running(self) -> bool:
+        return not self._task.done()
+
+    async def stop(self) -> None:
+        """Stop beating and wait for the task to end (a no-op from the beat itself)."""
+        if self._task is asyncio.current_task():
+            return
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task

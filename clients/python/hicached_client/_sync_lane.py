@@ -1,0 +1,77 @@
+# Generated from _aio_lane.py by tools/unasync.py (./dev unasync). Do not edit.
+"""A session's fast lane: :class:`LaneSlot` opens it on first use and drops it when lost.
+
+``_aio_lane.py`` is written by hand and ``_sync_lane.py`` generated from it (see ``aio.py``).
+The session asks the slot for the lane before each hot operation; ``None`` means gRPC (the
+client did not ask for the lane, the daemon has none or refused it, it was lost, or the
+session ended). Once off, the slot stays off: a lane is opened at most once per session.
+
+Thread-safety: the blocking slot guards its state with a lock (opening happens under it, so
+two threads never open two lanes); the asyncio slot belongs to its session's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+
+from hicached_client._channel import RetryPolicy
+from hicached_client._sync_backend import Lock
+from hicached_client.errors import HiCacheError
+from hicached_client.fastlane import FastLane
+
+log = logging.getLogger(__name__)
+
+
+class LaneSlot:
+    """The fast lane of one session, or why there is none (see the module docstring)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._lock = Lock()
+        self._lane: FastLane | None = None
+        self._off = not enabled  # not asked for, refused, lost or closed
+
+    def get(self, session: Any, fits: bool) -> FastLane | None:
+        """The lane for a call of ``session``; None: send it over gRPC.
+
+        ``fits``: the call uses nothing the lane lacks (primary pages, a ready fence).
+        """
+        if not fits or self._off:
+            return None
+        with self._lock:
+            if self._lane is None and not self._off:
+                try:
+                    self._lane = FastLane.open(session)
+                except HiCacheError as exc:
+                    log.info("session %s: no fast lane, using gRPC: %s", session.session_id, exc)
+                    self._off = True
+            return self._lane
+
+    def failed(self, error: HiCacheError, rpc: str, retry: RetryPolicy) -> None:
+        """After a lane op failed: return to re-send it over gRPC (same op_id), else raise.
+
+        UNAVAILABLE means the lane is gone (the daemon closed it, or the op could not be
+        sent): the slot drops it and the caller re-sends the op over gRPC with the same
+        op_id, so an op the daemon already ran is answered, not run again. Backpressure
+        (RESOURCE_EXHAUSTED) that ``retry`` retries goes to gRPC too, whose channel retries
+        it after the daemon's hint. Any other status is the op's own answer, raised as the
+        gRPC call raises it (named for its RPC).
+        """
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            log.warning("fast lane lost (%s); %s goes over gRPC", error, rpc)
+            self.close()
+            return
+        if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry.retries(error.code):
+            return
+        raise HiCacheError(
+            error.code, error.message, retry_after_ms=error.retry_after_ms, method=rpc
+        ) from None
+
+    def close(self) -> None:
+        """Close the lane (if open) and stay off. Idempotent."""
+        with self._lock:
+            lane, self._lane, self._off = self._lane, None, True
+        if lane is not None:
+            lane.close()
