@@ -133,6 +133,7 @@ class Daemon:
             self._registrations,
             executor=self.lanes.bookkeeping.executor,
             credentials=creds,
+            observe=self._observe_rpc,
             admin_gid=admin_gid,
         )
         self.metrics_server: MetricsServer | None = None
@@ -140,8 +141,7 @@ class Daemon:
 
     def _registrations(self, access: Access) -> list[Callable[[grpc.aio.Server], None]]:
         """The services of one listener, their servicers bound to its role."""
-        observe = self._observe_rpc
-        shared = {"observe": observe, "access": access, "peers": self.peers, "l3_stats": self.l3_stats}
+        shared = {"access": access, "peers": self.peers, "l3_stats": self.l3_stats}
         cache = CacheServicer(self.core, self.lanes, keyed=self.keyed, handoff=self.handoff, **shared)
         admin = AdminServicer(
             self.core,

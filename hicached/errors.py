@@ -2,29 +2,43 @@
 
 Programming errors and bad input are exceptions; expected outcomes (no host
 room, cache miss, backpressure that a caller can wait out) are return values.
-Each class corresponds to exactly one gRPC status code; the single mapping
-table lives in ``hicached.server.status``. Every message must name the
-offending value so that a person can act on it, and a raised error must leave
-the object it was raised from unchanged.
+Each class carries the name of its gRPC status code (``code``, a
+``grpc.StatusCode`` member name, so this module stays free of gRPC); a
+subclass inherits its base's code unless it names its own, so the mapping
+cannot depend on the order anything is listed in (python-api-core's
+``grpc_status_code`` idea). ``hicached.server.status`` turns the name into the
+status. Every message must name the offending value so that a person can act
+on it, and a raised error must leave the object it was raised from unchanged.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class HiCacheError(Exception):
-    """Base of every error the daemon reports to a caller."""
+    """Base of every error the daemon reports to a caller; raised as such it is a bug
+    (no code: the server answers INTERNAL and logs it)."""
+
+    code: ClassVar[str | None] = None
 
 
 class InvalidArgument(HiCacheError, ValueError):
     """Malformed input: shapes, lengths, alignment, duplicate indices, bad handles."""
 
+    code = "INVALID_ARGUMENT"
+
 
 class OutOfRange(InvalidArgument):
     """An index beyond the bounds of the object it addresses."""
 
+    code = "OUT_OF_RANGE"
+
 
 class NotFound(HiCacheError, KeyError):
     """Unknown session, pool, backup, prefetch or shared-memory segment."""
+
+    code = "NOT_FOUND"
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
@@ -33,9 +47,13 @@ class NotFound(HiCacheError, KeyError):
 class AlreadyExists(HiCacheError):
     """A name that must be unique is taken (pool names, anchors)."""
 
+    code = "ALREADY_EXISTS"
+
 
 class FailedPrecondition(HiCacheError):
     """Valid request, wrong state: stale generation, double free, double alloc."""
+
+    code = "FAILED_PRECONDITION"
 
 
 class DoubleFree(FailedPrecondition):
@@ -45,6 +63,8 @@ class DoubleFree(FailedPrecondition):
 class ResourceExhausted(HiCacheError):
     """Backpressure or budget; ``retry_after_ms`` says when a retry may succeed."""
 
+    code = "RESOURCE_EXHAUSTED"
+
     def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
@@ -53,21 +73,31 @@ class ResourceExhausted(HiCacheError):
 class PermissionDenied(HiCacheError):
     """The caller may not touch this object (another session's, another tenant's)."""
 
+    code = "PERMISSION_DENIED"
+
 
 class Unauthenticated(HiCacheError):
     """Missing or wrong credentials."""
+
+    code = "UNAUTHENTICATED"
 
 
 class Unavailable(HiCacheError):
     """The daemon is draining or shutting down."""
 
+    code = "UNAVAILABLE"
+
 
 class Unimplemented(HiCacheError):
     """A valid request for something this build does not do yet."""
 
+    code = "UNIMPLEMENTED"
+
 
 class Cancelled(HiCacheError):
     """The operation was cancelled (session ended, prefetch cancelled)."""
+
+    code = "CANCELLED"
 
 
 CLIP_CHARS = 32
@@ -100,7 +130,3 @@ class LimitExceeded(ResourceExhausted):
     def __init__(self, message: str, key: str) -> None:
         super().__init__(message)
         self.key = key
-
-
-class DeadlineExceeded(HiCacheError):
-    """A blocking wait reached its configured deadline (``limits.max_wait_s``)."""

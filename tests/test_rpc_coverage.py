@@ -2,8 +2,9 @@
 
 For each method of both services (read from the generated descriptor, so a new rpc in
 the .proto is picked up without editing this file) there must be: a servicer method of
-that name, a builder in ``hicached_client/_calls.py`` that names it, and a method of the
-snake_case name on the client or its session, in both the sync and the asyncio client.
+that name, a builder in ``hicached_client/_calls.py`` that names it, a method of the
+snake_case name on the client or its session, in both the sync and the asyncio client, and
+an entry in the lane table (``hicached.server.lanes.RPC_LANES``) that the servicer method uses.
 See docs/architecture.md, "Adding an RPC".
 """
 
@@ -16,6 +17,7 @@ import pytest
 from hicached_client import _calls, aio, sync
 from hicached_client.v1 import hicached_pb2
 
+from hicached.server.lanes import RPC_LANES, Where
 from hicached.server.servicer import AdminServicer, CacheServicer
 
 SERVICERS = {"HiCacheService": CacheServicer, "AdminService": AdminServicer}
@@ -71,3 +73,40 @@ def test_both_clients_offer_it(service: str, method: str, client: tuple[type, ty
     assert any(hasattr(cls, alias) for cls in client for alias in aliases), (
         f"{client[0].__name__} and {client[1].__name__} have no method {name!r} for {service}.{method}"
     )
+
+
+def test_the_lane_table_names_exactly_the_proto_methods() -> None:
+    assert set(RPC_LANES) == {m for _, m in METHODS}
+
+
+@pytest.mark.parametrize(("service", "method"), METHODS)
+def test_the_servicer_runs_where_the_table_says(service: str, method: str) -> None:
+    """Its core call goes through ``offload`` under its own name (so the table decides the
+    lane); only Ping, which calls nothing, offloads nothing."""
+    source = inspect.getsource(getattr(SERVICERS[service], method))
+    named = re.findall(r'(?:offload|stream_layers)\(\s*"(\w+)"', source)
+    assert set(named) <= {method}, f"{method} offloads under another RPC's name: {named}"
+    if method != "Ping":
+        assert named, f"{method} runs its core call without offload (RPC_LANES[{method!r}] unused)"
+    else:
+        assert RPC_LANES[method] is Where.LOOP
+
+
+def test_the_table_picks_the_lane() -> None:
+    """A placement resolves to the lane the table means: page bookkeeping stays on the loop
+    unless an allocation may wait for L3; COPY_OR_L3 follows the call."""
+    from hicached.config import Config
+    from hicached.server.lanes import Lanes
+
+    lanes = Lanes.from_config(Config())
+    try:
+        assert lanes.lane_for(Where.LOOP, l3=True, pages_block=True) is None
+        assert lanes.lane_for(Where.PAGES, l3=False, pages_block=False) is None
+        assert lanes.lane_for(Where.PAGES, l3=False, pages_block=True) is lanes.l3
+        assert lanes.lane_for(Where.COPY_OR_L3, l3=False, pages_block=False) is lanes.copy
+        assert lanes.lane_for(Where.COPY_OR_L3, l3=True, pages_block=False) is lanes.l3
+        assert lanes.lane_for(Where.COPY, l3=True, pages_block=True) is lanes.copy
+        assert lanes.lane_for(Where.L3, l3=False, pages_block=False) is lanes.l3
+        assert lanes.lane_for(Where.BOOKKEEPING, l3=False, pages_block=False) is lanes.bookkeeping
+    finally:
+        lanes.shutdown()

@@ -34,8 +34,14 @@ from hicached.core.service import HiCacheCore
 from hicached.server import sockets
 from hicached.server.credentials import TcpCredentials
 from hicached.server.decode import DecodeInterceptor
-from hicached.server.roles import Access, TokenInterceptor
-from hicached.server.servicer import RpcObserver
+from hicached.server.interceptors import (
+    ErrorInterceptor,
+    MetricsInterceptor,
+    RpcObserver,
+    SessionInterceptor,
+    TokenInterceptor,
+)
+from hicached.server.roles import Access
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +69,8 @@ class Server:
 
     ``registrations(access)`` returns the servicer registrations of one listener,
     built for that listener's role. ``executor`` runs the lease reaper (the
-    bookkeeping lane: never shared with copies or L3 calls).
+    bookkeeping lane: never shared with copies or L3 calls). ``observe`` gets one
+    observation per RPC of the daemon's services (the Prometheus RPC metrics).
     """
 
     def __init__(
@@ -74,6 +81,7 @@ class Server:
         *,
         executor: ThreadPoolExecutor,
         credentials: TcpCredentials,
+        observe: RpcObserver,
         admin_gid: int | None = None,
     ) -> None:
         self._cfg = config
@@ -81,6 +89,7 @@ class Server:
         self._registrations = registrations
         self._executor = executor
         self._creds = credentials
+        self._observe = observe
         self._admin_gid = admin_gid
         self._servers: list[grpc.aio.Server] = []
         self._bound: list[sockets.BoundSocket] = []
@@ -88,17 +97,29 @@ class Server:
         self._reaper: asyncio.Task[None] | None = None
         self.tcp_port: int | None = None
 
-    def _new_server(
-        self, access: Access, interceptors: Sequence[grpc.aio.ServerInterceptor[Any, Any]] = ()
-    ) -> grpc.aio.Server:
+    def _interceptors(self, access: Access) -> tuple[grpc.aio.ServerInterceptor[Any, Any], ...]:
+        """Outermost first (docs: :mod:`hicached.server.interceptors`). The listener's token
+        refuses before anything is decoded; undecodable bytes are INVALID_ARGUMENT before any
+        per-call work; errors map to status around the metrics, which observe every answer of
+        the daemon's services, including the session checks' refusals."""
+        ours = SERVICE_NAMES
+        token = (TokenInterceptor(access),) if access.tcp else ()
+        return (
+            *token,
+            DecodeInterceptor(),
+            ErrorInterceptor(ours),
+            MetricsInterceptor(self._observe, ours),
+            SessionInterceptor(self._core, self._cfg.limits, ours),
+        )
+
+    def _new_server(self, access: Access) -> grpc.aio.Server:
         cfg = self._cfg.server
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        # Undecodable bytes are INVALID_ARGUMENT (not grpc's UNKNOWN), after authentication.
-        server = grpc.aio.server(options=options, interceptors=(*interceptors, DecodeInterceptor()))
+        server = grpc.aio.server(options=options, interceptors=self._interceptors(access))
         for register in self._registrations(access):
             register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -148,7 +169,7 @@ class Server:
                 cfg.listen,
                 extra={"event": "insecure_tcp", "listen": cfg.listen},
             )
-        tcp = self._new_server(access, (TokenInterceptor(access),))
+        tcp = self._new_server(access)
         if creds.tls_cert is not None and creds.tls_key is not None:
             tls = grpc.ssl_server_credentials(
                 [(creds.tls_key, creds.tls_cert)],

@@ -6,16 +6,20 @@ do not parse become an :class:`Undecodable` marker instead, and the wrapped
 behaviour answers it INVALID_ARGUMENT (naming the method and the size) before
 the servicer — and anything that could change state — runs.
 
-Thread-safety: stateless; handlers are wrapped once per method and cached.
+Thread-safety: stateless; handlers are wrapped once per method and cached
+(:class:`hicached.server.interceptors.CallInterceptor`).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
 from typing import Any
 
 import grpc
+
+from hicached.server.interceptors import CallInterceptor, Ctx
 
 __all__ = ["DecodeInterceptor", "Undecodable"]
 
@@ -45,61 +49,30 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], A
     return decode
 
 
-class DecodeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Wraps unary-request handlers (every RPC of the daemon's services has one request)."""
+class _Refuse:
+    """INVALID_ARGUMENT for an undecodable request, before the handler runs."""
 
-    def __init__(self) -> None:
-        self._cache: dict[str, grpc.RpcMethodHandler[Any, Any] | None] = {}
+    __slots__ = ("context", "method", "request")
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(details)
-        if handler is None or handler.request_streaming:
-            return handler
-        method = details.method  # type: ignore[attr-defined]
-        if method not in self._cache:
-            self._cache[method] = _wrap(handler, str(method).rpartition("/")[2])
-        return self._cache[method] or handler
+    def __init__(self, method: str, request: Any, context: Ctx) -> None:
+        self.method = method
+        self.request = request
+        self.context = context
+
+    async def __aenter__(self) -> None:
+        if isinstance(self.request, Undecodable):
+            await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.request.message(self.method))
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:  # fmt: skip
+        return False
 
 
-def _wrap(handler: grpc.RpcMethodHandler[Any, Any], name: str) -> grpc.RpcMethodHandler[Any, Any] | None:
-    """The handler with a tolerant deserializer; None (leave it as is) for a sync handler."""
-    decode = _tolerant(handler.request_deserializer)
-    serialize = handler.response_serializer
-    if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
-        inner = handler.unary_unary
+class DecodeInterceptor(CallInterceptor):
+    """Wraps the unary-request handlers of every service (every RPC of the daemon's services
+    has one request): a tolerant deserializer, and the refusal of what it could not parse."""
 
-        async def unary(request: Any, context: Any) -> Any:
-            if isinstance(request, Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(name))
-            return await inner(request, context)
+    def deserializer(self, inner: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+        return _tolerant(inner)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary, request_deserializer=decode, response_serializer=serialize
-        )
-    stream_inner = handler.unary_stream
-    if stream_inner is not None and inspect.isasyncgenfunction(stream_inner):
-
-        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-            if isinstance(request, Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(name))
-            async for reply in stream_inner(request, context):
-                yield reply
-
-        return grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer=decode, response_serializer=serialize
-        )
-    if stream_inner is not None and inspect.iscoroutinefunction(stream_inner):  # writes with context.write
-
-        async def writer(request: Any, context: Any) -> None:
-            if isinstance(request, Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(name))
-            await stream_inner(request, context)
-
-        return grpc.unary_stream_rpc_method_handler(
-            writer, request_deserializer=decode, response_serializer=serialize
-        )
-    return None
+    def around(self, method: str, request: Any, context: Ctx) -> AbstractAsyncContextManager[None]:
+        return _Refuse(method, request, context)

@@ -10,7 +10,12 @@ lease reaper or GetStats (bookkeeping), nor a copy:
   with at most ``limits.max_l3_calls_queued`` waiting beyond its threads
   (then RESOURCE_EXHAUSTED naming the key, before any work);
 * ``hash``: token-chain hashing and key checks (CPU-bound);
-* ``bookkeeping``: attach, stats, the lease reaper, page bookkeeping.
+* ``bookkeeping``: attach, stats, the lease reaper.
+
+:data:`RPC_LANES` is the one table of where each RPC's core call runs: on the event
+loop (O(1) work, or page bookkeeping, whose thread hop would cost more than the
+call) or on which lane; servicers only say ``offload("Name", fn, ...)``
+(``rpc_base.ServicerBase.offload``), and tests check the table names every RPC.
 
 Thread-safety: :meth:`Lane.run` is called on the event loop only (its counter is
 loop-confined); the pools themselves are thread-safe.
@@ -20,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from hicached.config import Config
@@ -30,7 +37,7 @@ from hicached.errors import LimitExceeded
 
 T = TypeVar("T")
 
-__all__ = ["Lane", "Lanes"]
+__all__ = ["RPC_LANES", "Lane", "Lanes", "Where"]
 
 
 class Lane:
@@ -62,6 +69,59 @@ class Lane:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
+class Where(Enum):
+    """Where an RPC's core call runs."""
+
+    LOOP = "loop"  # O(1) work: the event loop itself
+    COPY = "copy"  # waits for the copy engine
+    L3 = "l3"  # may wait for the L3 backend
+    BOOKKEEPING = "bookkeeping"  # attach and stats: never behind copies or L3
+    # Page bookkeeping (alloc/free/resolve/release): microseconds of work, so the event
+    # loop (the thread hop would cost more, ~200 us here); the L3 lane when an allocation
+    # may evict synchronously to L3 (a write_back backend writes before it frees).
+    PAGES = "pages"
+    COPY_OR_L3 = "copy_or_l3"  # the copy lane; the L3 lane when the call reaches L3
+
+
+RPC_LANES: Mapping[str, Where] = MappingProxyType(
+    {
+        # HiCacheService: sessions
+        "Attach": Where.BOOKKEEPING,
+        "Detach": Where.COPY,  # waits for the session's copies to finish
+        "Heartbeat": Where.LOOP,
+        # host pages
+        "Alloc": Where.PAGES,
+        "Free": Where.PAGES,
+        "ResolveTransfers": Where.PAGES,
+        "ReleaseTransfers": Where.PAGES,
+        # data plane and retraction
+        "Write": Where.COPY,
+        "Load": Where.COPY,
+        "RetractBackup": Where.COPY,
+        "RetractRestore": Where.COPY,
+        "RetractDiscard": Where.PAGES,
+        # content-addressed (a KeySource is hashed and checked on the hash lane first)
+        "Lookup": Where.COPY_OR_L3,  # L3 when a backend is configured (it asks L3 for what L2 lacks)
+        "Publish": Where.COPY,
+        "PutPages": Where.COPY,
+        "GetPages": Where.COPY_OR_L3,  # L3 with include_l3
+        "Prefetch": Where.L3,
+        "PrefetchStatus": Where.L3,
+        "CancelPrefetch": Where.L3,
+        "Backup": Where.L3,
+        "PutBytes": Where.COPY,
+        "GetBytes": Where.COPY_OR_L3,  # L3 with include_l3
+        # observability
+        "GetStats": Where.BOOKKEEPING,
+        "Ping": Where.LOOP,
+        # AdminService
+        "Drain": Where.L3,  # flushes the write-back queue
+        "Resume": Where.LOOP,
+        "ClearNamespace": Where.L3,
+    }
+)
+
+
 @dataclass(frozen=True)
 class Lanes:
     copy: Lane
@@ -78,6 +138,15 @@ class Lanes:
             hash=Lane("hash", s.hash_threads),
             bookkeeping=Lane("bookkeeping", s.bookkeeping_threads),
         )
+
+    def lane_for(self, where: Where, *, l3: bool, pages_block: bool) -> Lane | None:
+        """The lane of a placement (None: the event loop). ``l3``: this call reaches L3
+        (COPY_OR_L3); ``pages_block``: an allocation may wait for L3 (PAGES)."""
+        if where is Where.COPY_OR_L3:
+            return self.l3 if l3 else self.copy
+        if where is Where.PAGES:
+            return self.l3 if pages_block else None
+        return {Where.COPY: self.copy, Where.L3: self.l3, Where.BOOKKEEPING: self.bookkeeping}.get(where)
 
     def shutdown(self) -> None:
         for lane in (self.copy, self.l3, self.hash, self.bookkeeping):

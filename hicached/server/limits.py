@@ -41,9 +41,28 @@ def _check_string(field: str, value: str, limit: int, key: str) -> None:
         raise InvalidArgument(f"{field} {clip(value)} is longer than {key}={limit} bytes (UTF-8)")
 
 
+# Message class -> the ID_FIELDS it declares. Every RPC checks its ids; a getattr of a field a
+# message lacks raises inside protobuf (~3 us each, ~25 us per call for all eight), so each
+# class is asked once. Filled idempotently; a racing fill from the fast lane's threads writes
+# the same value.
+_DECLARED: dict[type, tuple[str, ...]] = {}
+
+
+def _id_fields(request: Any) -> tuple[str, ...]:
+    kind = type(request)
+    fields = _DECLARED.get(kind)
+    if fields is None:
+        descriptor = getattr(kind, "DESCRIPTOR", None)
+        if descriptor is None:  # not a protobuf message: ask the object itself
+            return tuple(name for name in ID_FIELDS if hasattr(request, name))
+        fields = tuple(name for name in ID_FIELDS if name in descriptor.fields_by_name)
+        _DECLARED[kind] = fields
+    return fields
+
+
 def check_ids(request: Any, limits: LimitsConfig) -> None:
     """Every identifier field the request has is at most ``limits.max_identity_bytes``."""
-    for name in ID_FIELDS:
+    for name in _id_fields(request):
         value = getattr(request, name, None)
         if isinstance(value, str) and value:
             _check_string(name, value, limits.max_identity_bytes, "limits.max_identity_bytes")

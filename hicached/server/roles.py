@@ -12,8 +12,8 @@ peer string:
   makes it an admin, the worker token a worker. Without a worker token
   (mTLS only, or ``server.insecure_tcp``) a TCP caller is a worker unless it
   carries the admin token.
-  :class:`TokenInterceptor` applies this to every service but health (probes
-  stay open), reflection included.
+  ``interceptors.TokenInterceptor`` applies this to every service but health
+  (probes stay open), reflection included.
 
 Immutable; safe from any thread.
 """
@@ -21,15 +21,12 @@ Immutable; safe from any thread.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
 from hicached.errors import PermissionDenied, Unauthenticated
 
-__all__ = ["HEALTH_PREFIX", "Access", "TokenInterceptor"]
+__all__ = ["HEALTH_PREFIX", "Access"]
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -81,47 +78,3 @@ class Access:
                 f"{what} needs the admin role: call it on the admin socket {self.admin_socket} "
                 "(or over TCP with the admin token, server.admin_token_file)"
             )
-
-
-def _deny(
-    code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler[Any, Any]
-) -> grpc.RpcMethodHandler[Any, Any]:
-    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort(code, message)
-
-    async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort(code, message)
-
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(streaming, **kw)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-    return grpc.unary_unary_rpc_method_handler(unary, **kw)
-
-
-class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Refuses TCP calls without a configured token before any service runs (health excepted)."""
-
-    def __init__(self, access: Access) -> None:
-        self._access = access
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method  # type: ignore[attr-defined]
-        if handler is None or method.startswith(HEALTH_PREFIX):
-            return handler
-        try:
-            self._access.authenticate(handler_call_details.invocation_metadata)  # type: ignore[attr-defined]
-        except Unauthenticated as exc:
-            return _deny(grpc.StatusCode.UNAUTHENTICATED, str(exc), handler)
-        return handler

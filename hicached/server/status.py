@@ -1,50 +1,24 @@
-"""The one table from daemon exceptions to gRPC status codes.
+"""Daemon exceptions to gRPC status codes.
 
-Every servicer method goes through :func:`status_for`; the client maps codes
-back to its single ``HiCacheError``. Order matters: the first matching class
-wins, so subclasses come before their bases.
+Each error class of :mod:`hicached.errors` carries the name of its code (``code``),
+inherited by its subclasses unless they name their own: the most derived class
+decides, so no table order can map a subclass to its base's code. Every RPC goes
+through :func:`status_for` (the error interceptor, :mod:`hicached.server.interceptors`,
+and the fast lane); the client maps codes back to its single ``HiCacheError``.
 """
 
 from __future__ import annotations
 
 import errno
-from typing import Any
 
 import grpc
 
 from hicached import errors
 
-STATUS_TABLE: tuple[tuple[type[Any], grpc.StatusCode], ...] = (
-    (errors.OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
-    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
-    (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
-    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (errors.Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
-    (errors.Cancelled, grpc.StatusCode.CANCELLED),
-    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
-)
-
-
-class _ExhaustedOSError(type):
-    """``isinstance(exc, ExhaustedOSError)``: an OSError whose errno says a resource ran out."""
-
-    ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC})
-
-    def __instancecheck__(cls, exc: object) -> bool:
-        return isinstance(exc, OSError) and exc.errno in cls.ERRNOS
-
-
-class ExhaustedOSError(metaclass=_ExhaustedOSError):
-    """Out of descriptors (EMFILE/ENFILE), memory (ENOMEM) or space (ENOSPC): the
-    daemon's resources, not the request, are at fault; a retry may succeed."""
-
-
-STATUS_TABLE += ((ExhaustedOSError, grpc.StatusCode.RESOURCE_EXHAUSTED),)
+# An OSError with one of these errnos means the daemon's own resources ran out
+# (descriptors EMFILE/ENFILE, memory ENOMEM, space ENOSPC), not that the request is
+# at fault: RESOURCE_EXHAUSTED, and a retry may succeed.
+EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC})
 
 # gRPC's own retry-hint key: a channel whose service config retries the code
 # waits this long before its next attempt (and a negative or absent value means
@@ -53,11 +27,18 @@ STATUS_TABLE += ((ExhaustedOSError, grpc.StatusCode.RESOURCE_EXHAUSTED),)
 RETRY_AFTER_KEY = "grpc-retry-pushback-ms"
 
 
+def exhausted_os_error(exc: BaseException) -> bool:
+    """An OSError whose errno says one of the daemon's resources ran out."""
+    return isinstance(exc, OSError) and exc.errno in EXHAUSTED_ERRNOS
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode | None:
     """The status code of a daemon error; None for anything else (a bug: INTERNAL)."""
-    for cls, code in STATUS_TABLE:
-        if isinstance(exc, cls):
-            return code
+    if isinstance(exc, errors.HiCacheError):
+        name = type(exc).code
+        return grpc.StatusCode[name] if name is not None else None
+    if exhausted_os_error(exc):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     return None
 
 

@@ -1,0 +1,121 @@
+"""What every servicer shares: its collaborators and where a core call runs.
+
+A servicer method is thin: check O(1) limits -> convert -> ``offload`` the core call
+-> build the response. Authentication, the session capability, identifier limits,
+error -> status and the RPC metrics are not here but in the interceptors around every
+call (:mod:`hicached.server.interceptors`); where each RPC's core call runs (the event
+loop or which lane) is the one table :data:`hicached.server.lanes.RPC_LANES`.
+
+Thread-safety: servicer methods run on the event loop; what they offload runs on a
+lane's thread and touches only the (thread-safe) core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+from hicached_client.v1 import hicached_pb2 as pb
+from hicached_client.v1 import types_pb2 as tpb
+
+from hicached.config import LimitsConfig
+from hicached.core.service import HiCacheCore
+from hicached.core.types import Ack
+from hicached.errors import PermissionDenied, Unimplemented, clip
+from hicached.l3.stats_cache import StatsCache
+from hicached.server import convert
+from hicached.server.handoff import HandoffRegistry
+from hicached.server.lanes import RPC_LANES, Lanes
+from hicached.server.peers import PeerSessions
+from hicached.server.roles import Access
+
+T = TypeVar("T")
+Ctx = grpc.aio.ServicerContext[Any, Any]
+LayerCall = Callable[[Callable[[int], None] | None], tuple[Ack, ...]]
+
+
+class ServicerBase:
+    """The collaborators of one listener's servicers (bound to its role, ``access``)."""
+
+    def __init__(
+        self,
+        core: HiCacheCore,
+        lanes: Lanes,
+        *,
+        access: Access,
+        handoff: HandoffRegistry | None = None,
+        peers: PeerSessions | None = None,
+        l3_stats: StatsCache | None = None,
+    ) -> None:
+        self.core = core
+        self.lanes = lanes
+        self.limits: LimitsConfig = core.config.limits
+        self.access = access
+        self._handoff = handoff
+        self._peers = peers
+        self._l3_stats = l3_stats
+
+    def is_admin(self, context: Ctx) -> bool:
+        return self.access.is_admin(context.invocation_metadata())
+
+    def require_admin(self, context: Ctx, what: str) -> None:
+        self.access.require_admin(context.invocation_metadata(), what)
+
+    def anchor(self, session_id: str) -> str:
+        return self.core.anchor_pool(session_id)
+
+    def has_l3(self) -> bool:
+        return self.core.config.l3.backend != "none"
+
+    async def offload(self, rpc: str, fn: Callable[..., T], *args: Any, l3: bool = False, **kwargs: Any) -> T:
+        """Run ``rpc``'s core call where :data:`RPC_LANES` places it: inline on the event loop,
+        or on a lane (awaited). ``l3``: this call reaches L3 (a COPY_OR_L3 placement)."""
+        lane = self.lanes.lane_for(RPC_LANES[rpc], l3=l3, pages_block=self.core.allocation_may_block)
+        if lane is None:
+            return fn(*args, **kwargs)
+        return await lane.run(fn, *args, **kwargs)
+
+    async def stream_layers(
+        self, rpc: str, layer_progress: bool, call: LayerCall
+    ) -> AsyncIterator[pb.LoadProgress]:
+        """Run a layer-by-layer copy and stream one message per finished layer, then the acks."""
+        loop = asyncio.get_running_loop()
+        layers: asyncio.Queue[int] = asyncio.Queue()
+
+        def on_layer(layer: int) -> None:  # on the copy engine's thread
+            loop.call_soon_threadsafe(layers.put_nowait, layer)
+
+        task = asyncio.ensure_future(self.offload(rpc, call, on_layer if layer_progress else None))
+        while True:
+            getter = asyncio.ensure_future(layers.get())
+            done, _ = await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                yield pb.LoadProgress(layer=getter.result())
+                continue
+            getter.cancel()
+            break
+        while not layers.empty():
+            yield pb.LoadProgress(layer=layers.get_nowait())
+        acks = task.result()
+        yield pb.LoadProgress(layer=-1, done=True, acks=convert.acks_out(acks))
+
+
+def no_fence(ready: tpb.Fence) -> None:
+    """Ready fences are not wired to the copy engine yet: refuse one rather than copy
+    memory the worker may still be writing (a worker synchronises before the call)."""
+    if ready.WhichOneof("kind") is not None:
+        raise Unimplemented(
+            "ready fences (cuda_ipc_event) are not supported yet: synchronise the worker's stream "
+            "before Write/RetractBackup/PutPages and send no fence"
+        )
+
+
+def same_tenant(session_tenant: str, given: str, field: str) -> None:
+    """A per-call tenant (deprecated) must be empty or the session's own."""
+    if given and given != session_tenant:
+        raise PermissionDenied(
+            f"{field} {clip(given)} is not this session's tenant {clip(session_tenant)}: "
+            "a session works only in the tenant it attached with (identity.tenant)"
+        )

@@ -1,0 +1,220 @@
+"""Content-addressed RPCs of HiCacheService: Lookup, Publish, Put/GetPages, Prefetch, Backup,
+Put/GetBytes (see :mod:`hicached.core.keyed`).
+
+A request's KeySource is turned into page keys first: counts are checked on the event
+loop (O(1)); copying, hashing and the per-key checks run on the hash lane. The tenant is
+always the session's own.
+
+Thread-safety: as :mod:`hicached.server.rpc_base` (methods on the event loop).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hicached_client.v1 import hicached_pb2 as pb
+from hicached_client.v1 import types_pb2 as tpb
+
+from hicached.core.keyed import KeyedCache
+from hicached.errors import InvalidArgument
+from hicached.index.keys import page_keys
+from hicached.index.types import PrefetchState
+from hicached.server import convert
+from hicached.server.limits import check_count, check_keys, check_response
+from hicached.server.rpc_base import Ctx, ServicerBase, no_fence, same_tenant
+
+
+class KeyedRpcs(ServicerBase):
+    """The content-addressed RPCs of HiCacheService (see hicached.core.keyed)."""
+
+    keyed: KeyedCache
+
+    async def keys_of(self, session_id: str, source: tpb.KeySource) -> tuple[list[str], str]:
+        """(keys, tenant) of a KeySource; token chains are hashed with the group's page size.
+
+        The tenant is the session's; a KeySource.tenant naming another is PERMISSION_DENIED.
+        Counts are checked here (O(1)); copying, hashing and the per-key length checks run
+        on the hash lane, never on the event loop.
+        """
+        kind = source.WhichOneof("source")
+        tenant = self.keyed.tenant(session_id)
+        same_tenant(tenant, source.tenant, "keys.tenant")
+        lim = self.limits
+        if kind == "keys":
+            check_count("keys in this request", len(source.keys.keys), lim.max_keys_per_request,
+                        "limits.max_keys_per_request")  # fmt: skip
+            return await self.lanes.hash.run(self._given_keys, source.keys), tenant
+        if kind == "tokens":
+            chain = source.tokens
+            check_count("token ids in keys.tokens", len(chain.token_ids), lim.max_tokens_per_request,
+                        "limits.max_tokens_per_request")  # fmt: skip
+            page = self.keyed.page_size(session_id)
+            check_count("keys in this request", len(chain.token_ids) // page, lim.max_keys_per_request,
+                        "limits.max_keys_per_request")  # fmt: skip
+            return await self.lanes.hash.run(self._token_keys, chain, page), tenant
+        raise InvalidArgument("keys is empty: set keys.keys or keys.tokens")
+
+    def _given_keys(self, keys: tpb.PageKeys) -> list[str]:
+        out = list(keys.keys)
+        check_keys(out, self.limits)
+        return out
+
+    def _given_pages(self, given: Any) -> list[tuple[str, str, bytes]]:
+        pages = [(p.key, p.pool, p.data) for p in given]
+        check_keys([key for key, _, _ in pages], self.limits)
+        return pages
+
+    def _token_keys(self, chain: tpb.TokenChain, page_size: int) -> list[str]:
+        # The repeated field itself, not list(...) of it: page_keys slices one page at a time,
+        # so no single C call holds the GIL for the whole chain (4 M ids: ~0.2 s of event-loop stall).
+        return page_keys(
+            chain.token_ids,  # type: ignore[arg-type]
+            page_size,
+            extra_key=chain.extra_key if chain.HasField("extra_key") else None,
+            cache_salt=chain.cache_salt if chain.HasField("cache_salt") else None,
+            include_partial=chain.include_partial_page,
+        )
+
+    async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
+        keys, _ = await self.keys_of(request.session_id, request.keys)
+        result = await self.offload("Lookup", self.keyed.lookup, request.session_id, keys, l3=self.has_l3())
+        return pb.LookupResponse(
+            keys=keys, l2_hit_pages=result.l2_hit_pages, total_hit_pages=result.total_hit_pages
+        )
+
+    async def Publish(self, request: pb.PublishRequest, context: Ctx) -> pb.PublishResponse:
+        keys, _ = await self.keys_of(request.session_id, request.keys)
+        transfers = [convert.transfer_in(t) for t in request.transfers]
+        published, existing = await self.offload(
+            "Publish", self.keyed.publish, request.session_id, request.op_id, keys, transfers
+        )
+        return pb.PublishResponse(published_pages=published, existing_pages=existing)
+
+    async def PutPages(self, request: pb.PutPagesRequest, context: Ctx) -> pb.PutPagesResponse:
+        no_fence(request.ready)
+        keys, _ = await self.keys_of(request.session_id, request.keys)
+        transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+        r = await self.offload(
+            "PutPages", self.keyed.put_pages, request.session_id, request.op_id, keys, transfers
+        )
+        return pb.PutPagesResponse(
+            ok=r.ok,
+            stored_pages=r.stored_pages,
+            existing_pages=r.existing_pages,
+            acks=convert.acks_out(r.acks),
+            reason=r.reason,
+        )
+
+    async def GetPages(self, request: pb.GetPagesRequest, context: Ctx) -> pb.GetPagesResponse:
+        keys, _ = await self.keys_of(request.session_id, request.keys)
+        transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+        hit, acks = await self.offload(
+            "GetPages",
+            self.keyed.get_pages,
+            request.session_id,
+            request.op_id,
+            keys,
+            transfers,
+            include_l3=request.include_l3,
+            l3=request.include_l3,
+        )
+        return pb.GetPagesResponse(hit_pages=hit, acks=convert.acks_out(acks))
+
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Ctx) -> pb.PrefetchResponse:
+        keys, _ = await self.keys_of(request.session_id, request.keys)
+        policy = PREFETCH_POLICIES.get(request.policy)
+        if policy is None:
+            raise InvalidArgument(f"policy = {request.policy} is not a PrefetchPolicy")
+        pid, planned = await self.offload(
+            "Prefetch",
+            self.keyed.prefetch,
+            request.session_id,
+            keys,
+            policy=policy,
+            timeout_ms=request.timeout_ms,
+        )
+        return pb.PrefetchResponse(prefetch_id=pid, planned_pages=planned)
+
+    async def PrefetchStatus(
+        self, request: pb.PrefetchStatusRequest, context: Ctx
+    ) -> pb.PrefetchStatusResponse:
+        status = await self.offload(
+            "PrefetchStatus",
+            self.keyed.prefetch_status,
+            request.session_id,
+            request.prefetch_id,
+            wait=request.wait,
+            timeout_s=self.limits.max_wait_s,
+        )
+        return pb.PrefetchStatusResponse(
+            state=PREFETCH_STATES[status.state],
+            completed_pages=status.completed_pages,
+            planned_pages=status.planned_pages,
+        )
+
+    async def CancelPrefetch(
+        self, request: pb.CancelPrefetchRequest, context: Ctx
+    ) -> pb.CancelPrefetchResponse:
+        done = await self.offload(
+            "CancelPrefetch", self.keyed.cancel_prefetch, request.session_id, request.prefetch_id
+        )
+        return pb.CancelPrefetchResponse(completed_pages=done)
+
+    async def Backup(self, request: pb.BackupRequest, context: Ctx) -> pb.BackupResponse:
+        keys, _ = await self.keys_of(request.session_id, request.keys)
+        r = await self.offload(
+            "Backup",
+            self.keyed.backup,
+            request.session_id,
+            keys,
+            wait=request.wait,
+            timeout_s=self.limits.max_wait_s,
+        )
+        return pb.BackupResponse(queued_pages=r.queued, stored_pages=r.stored)
+
+    async def PutBytes(self, request: pb.PutBytesRequest, context: Ctx) -> pb.PutBytesResponse:
+        same_tenant(self.keyed.tenant(request.session_id), request.tenant, "tenant")
+        check_count("pages in this request", len(request.pages), self.limits.max_keys_per_request,
+                    "limits.max_keys_per_request")  # fmt: skip
+        pages = await self.lanes.hash.run(self._given_pages, request.pages)
+        stored, existing = await self.offload(
+            "PutBytes", self.keyed.put_bytes, request.session_id, request.op_id, pages
+        )
+        return pb.PutBytesResponse(stored_pages=stored, existing_pages=existing)
+
+    async def GetBytes(self, request: pb.GetBytesRequest, context: Ctx) -> pb.GetBytesResponse:
+        keys, _ = await self.keys_of(request.session_id, request.keys)
+        # The answer's size, before building it: every key may hit, each with its pages of every pool.
+        check_response(
+            f"GetBytes of {len(keys)} keys",
+            len(keys) * self.keyed.page_bytes(request.session_id),
+            self.limits,
+            self.core.config.server.max_message_bytes,
+        )
+        pages = await self.offload(
+            "GetBytes",
+            self.keyed.get_bytes,
+            request.session_id,
+            keys,
+            include_l3=request.include_l3,
+            l3=request.include_l3,
+        )
+        hit = len({k for k, _, _ in pages})
+        return pb.GetBytesResponse(
+            pages=[tpb.PageBytes(key=k, pool=p, data=d) for k, p, d in pages], hit_pages=hit
+        )
+
+
+PREFETCH_POLICIES = {
+    pb.PREFETCH_POLICY_UNSPECIFIED: "",
+    pb.PREFETCH_POLICY_BEST_EFFORT: "best_effort",
+    pb.PREFETCH_POLICY_WAIT_COMPLETE: "wait_complete",
+    pb.PREFETCH_POLICY_TIMEOUT: "timeout",
+}
+PREFETCH_STATES = {
+    PrefetchState.RUNNING: pb.PREFETCH_STATE_RUNNING,
+    PrefetchState.DONE: pb.PREFETCH_STATE_DONE,
+    PrefetchState.CANCELLED: pb.PREFETCH_STATE_CANCELLED,
+    PrefetchState.TIMED_OUT: pb.PREFETCH_STATE_TIMED_OUT,
+    PrefetchState.FAILED: pb.PREFETCH_STATE_FAILED,
+}

@@ -1,0 +1,118 @@
+"""Index-addressed RPCs of HiCacheService: host pages, the data plane and retraction.
+
+Alloc/Free/ResolveTransfers/ReleaseTransfers (page bookkeeping), Write and Load (copies
+between a worker's device pools and host pages), RetractBackup/RetractRestore/
+RetractDiscard. Load and RetractRestore stream one message per finished layer.
+
+Thread-safety: as :mod:`hicached.server.rpc_base` (methods on the event loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from hicached_client.v1 import hicached_pb2 as pb
+
+from hicached.core.types import Ack
+from hicached.server import convert
+from hicached.server.rpc_base import Ctx, ServicerBase, no_fence
+
+
+class PageRpcs(ServicerBase):
+    """Host pages, Write/Load and retraction."""
+
+    # ---- host pages
+
+    async def Alloc(self, request: pb.AllocRequest, context: Ctx) -> pb.AllocResponse:
+        pages = await self.offload(
+            "Alloc", self.core.alloc, request.session_id, request.op_id, request.pool, request.num_pages
+        )
+        if pages is None:
+            return pb.AllocResponse(ok=False)
+        return pb.AllocResponse(ok=True, host_pages=pages.tolist())
+
+    async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
+        freed = await self.offload(
+            "Free", self.core.free, request.session_id, request.op_id, request.pool, list(request.host_pages)
+        )
+        return pb.FreeResponse(freed_pages=freed)
+
+    async def ResolveTransfers(
+        self, request: pb.ResolveTransfersRequest, context: Ctx
+    ) -> pb.ResolveTransfersResponse:
+        transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+        result = await self.offload(
+            "ResolveTransfers", self.core.resolve, request.session_id, request.op_id, transfers
+        )
+        return pb.ResolveTransfersResponse(ok=result.ok, batch=convert.batch_out(result.transfers))
+
+    async def ReleaseTransfers(
+        self, request: pb.ReleaseTransfersRequest, context: Ctx
+    ) -> pb.ReleaseTransfersResponse:
+        transfers = [convert.transfer_in(t) for t in request.transfers]
+        freed = await self.offload(
+            "ReleaseTransfers", self.core.release, request.session_id, request.op_id, transfers
+        )
+        return pb.ReleaseTransfersResponse(freed_pages=freed)
+
+    # ---- data plane
+
+    async def Write(self, request: pb.WriteRequest, context: Ctx) -> pb.WriteResponse:
+        no_fence(request.ready)
+        transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+        result = await self.offload(
+            "Write", self.core.write, request.session_id, request.op_id, transfers, allocate=request.allocate
+        )
+        return pb.WriteResponse(
+            ok=result.ok, batch=convert.batch_out(result.transfers), acks=convert.acks_out(result.acks)
+        )
+
+    async def Load(self, request: pb.LoadRequest, context: Ctx) -> AsyncIterator[pb.LoadProgress]:
+        def call(on_layer: Callable[[int], None] | None) -> tuple[Ack, ...]:
+            transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+            return self.core.load(request.session_id, request.op_id, transfers, on_layer=on_layer)
+
+        async for msg in self.stream_layers("Load", request.layer_progress, call):
+            yield msg
+
+    # ---- retraction
+
+    async def RetractBackup(self, request: pb.RetractBackupRequest, context: Ctx) -> pb.RetractBackupResponse:
+        no_fence(request.ready)
+        transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+        result = await self.offload(
+            "RetractBackup",
+            self.core.retract_backup,
+            request.session_id,
+            request.op_id,
+            request.request_id,
+            transfers,
+            num_tokens=request.num_tokens,
+            lease_ms=request.lease_ms,
+        )
+        return pb.RetractBackupResponse(
+            ok=result.ok,
+            backup_id=result.backup_id,
+            lease_expires_unix_ms=result.lease_expires_unix_ms,
+            acks=convert.acks_out(result.acks),
+        )
+
+    async def RetractRestore(
+        self, request: pb.RetractRestoreRequest, context: Ctx
+    ) -> AsyncIterator[pb.LoadProgress]:
+        def call(on_layer: Callable[[int], None] | None) -> tuple[Ack, ...]:
+            transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+            return self.core.retract_restore(
+                request.session_id, request.op_id, request.backup_id, transfers, on_layer=on_layer
+            )
+
+        async for msg in self.stream_layers("RetractRestore", request.layer_progress, call):
+            yield msg
+
+    async def RetractDiscard(
+        self, request: pb.RetractDiscardRequest, context: Ctx
+    ) -> pb.RetractDiscardResponse:
+        freed = await self.offload(
+            "RetractDiscard", self.core.retract_discard, request.session_id, request.op_id, request.backup_id
+        )
+        return pb.RetractDiscardResponse(freed_pages=freed)

@@ -1,0 +1,61 @@
+"""Each error class carries its gRPC code; the most derived class decides (issue 14 item 3)."""
+
+from __future__ import annotations
+
+import errno
+
+import grpc
+import pytest
+
+from hicached import errors
+from hicached.config import ConfigError
+from hicached.server.status import status_for
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
+ERROR_CLASSES = sorted({c for c in _subclasses(errors.HiCacheError) if c.__module__.startswith("hicached")},
+                       key=lambda c: c.__qualname__)  # fmt: skip
+
+
+def test_the_scan_sees_the_error_classes() -> None:
+    assert {errors.OutOfRange, errors.LimitExceeded, ConfigError} <= set(ERROR_CLASSES)
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__qualname__)
+def test_every_error_class_answers_a_client_code(cls: type[errors.HiCacheError]) -> None:
+    """No daemon error class may fall through to INTERNAL (that is for bugs) or UNKNOWN."""
+    assert cls.code is not None, f"{cls.__qualname__} names no code"
+    code = grpc.StatusCode[cls.code]
+    assert code not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+    exc = cls.__new__(cls)
+    assert status_for(exc) is code
+
+
+def test_a_subclass_with_its_own_code_wins_over_its_base() -> None:
+    """Failed on the ordered table it replaces: a subclass declared after its base's entry
+    (here, after the whole table) got the base's code."""
+
+    class Lost(errors.InvalidArgument):
+        code = "DATA_LOSS"
+
+    assert status_for(Lost("x")) is grpc.StatusCode.DATA_LOSS
+    assert status_for(errors.OutOfRange("x")) is grpc.StatusCode.OUT_OF_RANGE
+    assert status_for(errors.InvalidArgument("x")) is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_subclass_without_a_code_inherits_its_base_code() -> None:
+    assert status_for(errors.DoubleFree("x")) is grpc.StatusCode.FAILED_PRECONDITION
+    assert status_for(errors.LimitExceeded("x", "limits.k")) is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_the_base_class_and_foreign_errors_are_bugs() -> None:
+    assert status_for(errors.HiCacheError("x")) is None
+    assert status_for(ValueError("x")) is None
+    assert status_for(OSError(errno.ENOENT, "x")) is None
+    assert status_for(OSError(errno.EMFILE, "x")) is grpc.StatusCode.RESOURCE_EXHAUSTED
