@@ -19,7 +19,6 @@ OVERSIZED: dict[str, tuple[int, str]] = {
         767,
         "content index; issue 14 item 2 (backup queue by composition) splits it",
     ),
-    "hicached/l3/file.py": (785, "file backend: index, framing and eviction in one class"),
     "hicached/server/servicer.py": (
         779,
         "servicers of both services; issue 14 item 3 (interceptors) thins it",
