@@ -182,16 +182,16 @@ class PageIndex:
                 return True
         return False
 
-    def reserve(self, key: str, length: int, checksum: int) -> Entry | None:
+    def reserve(self, key: str, length: int) -> Entry | None:
         """A fresh entry in a newly allocated slot for ``key`` (evicting for room), not yet
-        indexed; None when the page cannot fit."""
+        indexed (its checksum is set by the write); None when the page cannot fit."""
         size = slot_bytes_for(length)
         if size > self.capacity or not self.evict_for(size):
             return None
         slab = self.slab(size)
         self.seq += 1
         self.used += size
-        return Entry(key, slab, slab.alloc(), length, checksum, self.seq)
+        return Entry(key, slab, slab.alloc(), length, 0, self.seq)
 
     def reserve_on_disk(self, failed: Entry) -> Entry | None:
         """After a full disk: a new slot with existing disk blocks for ``failed``'s page."""

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from hicached.errors import InvalidArgument
 from hicached.l3.file.layout import HEADER_BYTES, SLOT_ALIGN, ZEROS, header_matches, pack_header
 from hicached.l3.file.slabs import Entry
+from hicached.l3.framing import payload_checksum
 
 __all__ = ["IoPool", "as_bytes_view", "read_run", "runs", "write_run"]
 
@@ -146,15 +147,19 @@ def verify(entry: Entry, header: bytes | bytearray | memoryview, chunks: Sequenc
 
 
 def write_run(
-    run: Run, srcs: Sequence[Sequence[memoryview]], encoded: Sequence[bytes], *, fsync: bool, root: Path
+    run: Run, srcs: Sequence[Sequence[memoryview]], encoded: Sequence[bytes], *, root: Path
 ) -> tuple[list[int], bool]:
-    """Write one run of adjacent slots in one vectored call: the batch indices written whole,
-    and whether the disk was full (ENOSPC/EDQUOT or a short write)."""
+    """Checksum and write one run of adjacent slots in one vectored call: the batch indices
+    written whole, and whether the disk was full (ENOSPC/EDQUOT or a short write).
+
+    Sets each entry's ``checksum`` (the entries are not indexed yet: nobody else reads it).
+    """
     slab = run[0][1].slab
     iov: list[bytes | memoryview] = []
     ends: list[tuple[int, int]] = []
     pos = 0
     for n, (i, entry) in enumerate(run):
+        entry.checksum = payload_checksum(srcs[i])
         iov.append(pack_header(encoded[i], entry.seq, entry.length, entry.checksum))
         iov.extend(srcs[i])
         pos += HEADER_BYTES + entry.length
@@ -170,11 +175,4 @@ def write_run(
             return [], True  # a full disk is a capacity, not a fault (the caller evicts)
         log.warning("file backend %s: write of %d pages failed: %s", root, len(run), exc)
         return [], False
-    written = [i for i, end in ends if end <= done]
-    if written and fsync:
-        try:
-            os.fdatasync(slab.fd)
-        except OSError as exc:
-            log.warning("file backend %s: fdatasync failed: %s", root, exc)
-            return [], exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    return written, done < pos
+    return [i for i, end in ends if end <= done], done < pos

@@ -1,0 +1,111 @@
+"""A cold prefix restored through the content index: L3 (file backend) -> L2 -> the worker.
+
+``l3_restore_gbps`` (GB/s, 10**9 bytes per second): the pages of a prefix are
+backed up from an L2 host pool into the ``file`` backend by the content index
+(``write_through``, flushed, slab files fdatasync'ed), dropped from L2
+(``reclaim``) and from the page cache (``posix_fadvise(DONTNEED)``), then the
+timed part: one :meth:`~hicached.index.ContentIndex.prefetch` of every key with
+the ``wait_complete`` policy (cold L3 reads into fresh L2 pages, published), a
+pin of the restored run, a copy of every page into a preallocated worker buffer
+of one batch (on a machine without a GPU the worker's H2D copy is this memcpy),
+and the unpin. The last batch the worker received is checked byte for byte
+against what was backed up (untimed). The l3 suite divides it by the raw cold sequential read of the
+same bytes measured in the same repetition (``l3_restore_vs_disk``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from hicached.bench.timing import gbps, timed
+from hicached.index import ContentIndex, PrefetchPolicy, PrefetchState, WritePolicy
+from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
+from hicached.l3.file import FileBackend, FileBackendConfig
+
+__all__ = ["SPEC", "host_group", "restore_gbps"]
+
+BATCH = 128
+# (k + v) * 8 heads * 64 dims * 8 layers * 2 bytes * 4 tokens = 64 KiB per page.
+SPEC = KVSpec(PoolKind.MHA, torch.float16, num_layers=8, num_heads=8, head_dim=64, page_size=4)
+
+
+@contextlib.contextmanager
+def host_group(num_pages: int) -> Iterator[HostPoolGroup]:
+    """An L2 host pool of ``num_pages`` 64 KiB pages in a fresh shared-memory segment."""
+    name = f"hicached-bench-restore-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    pool = create_host_pool(SPEC, HostLayout.PAGE_FIRST, num_pages, segment_name=name, pin=False)
+    try:
+        yield HostPoolGroup([PoolEntry("kv", pool, is_primary_index_anchor=True)])
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def _drop_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def restore_gbps(group: HostPoolGroup, source: memoryview, num_pages: int, root: Path) -> float:
+    """Back up ``num_pages`` pages (cycled from ``source``) to a fresh file backend under
+    ``root``, drop them from L2 and the page cache, and time their restore to a worker buffer."""
+    pool = group.anchor.host_pool
+    page_bytes = SPEC.page_bytes
+    distinct = source.nbytes // page_bytes
+    keys = [f"prefix-{i:08x}" for i in range(num_pages)]
+    worker = memoryview(bytearray(BATCH * page_bytes))
+    worker[:] = b"\1" * worker.nbytes  # faulted in before timing
+    backend = FileBackend(FileBackendConfig(path=str(root), capacity_bytes=4 * num_pages * page_bytes))
+    index = ContentIndex(group, namespace="bench", backend=backend, write_policy=WritePolicy.WRITE_THROUGH)
+    try:
+        pages = pool.allocator.alloc(num_pages)
+        if pages is None:
+            raise RuntimeError(f"the bench host pool has no {num_pages} free pages")
+        for n, page in enumerate(pages.tolist()):
+            j = n % distinct
+            pool.set_page_flat(page, source[j * page_bytes : (j + 1) * page_bytes])
+        for start in range(0, num_pages, BATCH):
+            index.publish(keys[start : start + BATCH], {"kv": pages[start : start + BATCH]})
+        index.flush()
+        backend.sync()
+        if index.reclaim("kv", num_pages) != num_pages:
+            raise RuntimeError("the bench prefix did not leave L2")
+        _drop_cache(sorted(root.glob("slab-*.dat")))
+
+        def restore() -> None:
+            status = index.prefetch(keys, policy=PrefetchPolicy.WAIT_COMPLETE).wait()
+            if status.state is not PrefetchState.DONE:
+                raise RuntimeError(f"bench restore ended {status}")
+            pin = index.pin(keys)
+            try:
+                if len(pin) != num_pages:
+                    raise RuntimeError(f"bench restore left {len(pin)} of {num_pages} pages in L2")
+                for start in range(0, num_pages, BATCH):
+                    pos = 0
+                    for page in pin.pages["kv"][start : start + BATCH].tolist():
+                        for chunk in pool.page_chunks(page):
+                            worker[pos : pos + chunk.nbytes] = chunk
+                            pos += chunk.nbytes
+            finally:
+                index.unpin(pin)
+
+        seconds = timed(restore)
+        last = range((num_pages - 1) // BATCH * BATCH, num_pages)  # what the worker buffer holds now
+        want = b"".join(source[(n % distinct) * page_bytes : (n % distinct + 1) * page_bytes] for n in last)
+        if worker[: len(want)] != want:
+            raise RuntimeError("bench restore delivered other bytes than were backed up")
+    finally:
+        index.close()
+        backend.close()
+    return gbps(num_pages * page_bytes, seconds)
