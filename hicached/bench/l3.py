@@ -28,7 +28,7 @@ cold: the files read are synced and dropped from the page cache with
 write of the same size warms the page cache's allocator: the first large write
 of a process measured 0.2-0.3 GB/s against 0.8-1.4 GB/s for the next ones.
 
-Raw disk, the file backend and the restore run three times, rotating which
+Raw disk, the file backend and the restore run five times, rotating which
 goes first; each figure is a median and ``l3_file_{write,read}_vs_disk`` /
 ``l3_restore_vs_disk`` are medians of the ratios within one repetition (the
 restore against that repetition's raw read).
@@ -326,7 +326,7 @@ def run(quick: bool, workdir: Path | None = None) -> dict[str, float]:
     results: dict[str, float] = {}
     try:
         with host_group(pages.n) as group:
-            results.update(_paired_file_runs(pages, scratch, reps=3, group=group))
+            results.update(_paired_file_runs(pages, scratch, reps=5, group=group))
         results.update(_per_page_files(per_page, scratch / "per-page"))
         why_not = missing_program("redis-server", "Debian package redis-server") or missing_package("redis")
         if why_not:
