@@ -82,6 +82,8 @@ def _vectored(op: Callable[[int, list[Any], int], int], fd: int, iov: list[Any],
     Returns the bytes moved; stops at the first short transfer (end of file,
     disk full), so everything below the returned count was moved.
     """
+    if len(iov) <= _IOV_MAX:  # one call (a run of a batch always is): its count says it all
+        return op(fd, iov, offset)
     done = 0
     for start in range(0, len(iov), _IOV_MAX):
         group = iov[start : start + _IOV_MAX]

@@ -105,9 +105,8 @@ def header_matches(
     header without rehashing it (the start-up scan does); the payload is hashed.
     """
     raw = key.encode("utf-8")
-    expected = (MAGIC, VERSION, len(raw), 0, seq, length, checksum)
     return (
-        _FIXED.unpack_from(header) == expected
+        header[: _FIXED.size] == _FIXED.pack(MAGIC, VERSION, len(raw), 0, seq, length, checksum)
         and header[_KEY_OFFSET : _KEY_OFFSET + len(raw)] == raw
         and payload_checksum(chunks) == checksum
     )
