@@ -24,7 +24,7 @@ target_sizes  # unused variable (clients/python/hicached_client/sglang/storage.p
 exc_type  # unused variable (clients/python/hicached_client/_sync_session.py)
 tb  # unused variable (clients/python/hicached_client/_sync_session.py)
 running_prefetches  # unused variable (hicached/index/types.py:124)
-mooncake  # unused variable (hicached/config.py:216)
+mooncake  # unused variable (hicached/config/sections.py:242)
 is_draft  # unused variable (hicached/l2/group.py:176)
 _.replica_num  # unused attribute (hicached/l3/mooncake.py:168)
 _.l3_corrupt_pages  # unused attribute (hicached/metrics.py:232)

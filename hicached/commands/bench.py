@@ -59,6 +59,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("hicached_get_gbps", "hicachefile_get_gbps", "SGLang batch_get via hicached vs HiCacheFile"),
     ("l3_file_write_gbps", "disk_write_gbps", "L3 file backend write vs raw sequential write"),
     ("l3_file_read_gbps", "disk_read_gbps", "L3 file backend read vs raw sequential read"),
+    ("l3_restore_gbps", "disk_read_gbps", "cold prefix restore, L3 -> L2 -> worker, vs raw sequential read"),
     ("key_put_gbps", "redis_set_gbps", "keyed PutPages through the daemon vs redis-py pipelined SET"),
     ("key_get_gbps", "redis_get_gbps", "keyed GetPages through the daemon vs redis-py pipelined GET"),
     ("s3_put_gbps", "s3_raw_put_gbps", "s3 backend PUT vs bare boto3 (same threads)"),

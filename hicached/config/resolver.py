@@ -1,0 +1,307 @@
+"""Resolution of the configuration: CLI > environment > TOML file > defaults.
+
+:func:`resolve` is the only function that reads any of those sources; every value
+goes through one typed coercer (:mod:`hicached.coerce`), is checked against its
+allowed choices and ranges, then the sections are cross-checked. Pure functions
+over immutable tables: thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hicached.coerce import coerce, type_hints
+from hicached.config.sections import SECTION_TYPES, Config, ConfigError, ServerConfig
+from hicached.errors import InvalidArgument
+
+__all__ = ["ALIASES", "KEYS", "OTHER_ENV", "all_keys", "env_var", "resolve"]
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "l3.backend": ("file", "redis", "s3", "mooncake", "none"),
+    "l3.write_policy": ("write_through", "write_through_selective", "write_back"),
+    "l3.prefetch_policy": ("best_effort", "wait_complete", "timeout"),
+    "log.level": ("debug", "info", "warning", "error"),
+    "log.format": ("text", "json"),
+}
+_POSITIVE = {
+    "server.handoff_max_fds",
+    "server.handoff_ticket_ttl_s",
+    "server.handoff_max_pending",
+    "server.handoff_max_pending_per_uid",
+    "server.fast_lane_max",
+    "server.fast_lane_max_per_session",
+    "server.fast_lane_max_per_uid",
+    "server.max_batch_pages",
+    "server.max_message_bytes",
+    "sessions.lease_ms",
+    "sessions.min_lease_ms",
+    "sessions.max_lease_ms",
+    "sessions.retraction_lease_ms",
+    "sessions.op_cache_size",
+    "sessions.op_cache_bytes",
+    "copy.workers",
+    "copy.max_queued",
+    "l3.io_workers",
+    "l3.stats_interval_s",
+    "host.default_ratio",
+    "server.copy_threads",
+    "server.l3_threads",
+    "server.hash_threads",
+    "server.bookkeeping_threads",
+    "limits.max_tokens_per_request",
+    "limits.max_keys_per_request",
+    "limits.max_key_bytes",
+    "limits.max_identity_bytes",
+    "limits.max_response_bytes",
+    "limits.max_sessions_per_peer",
+    "limits.max_buffers_per_attach",
+    "limits.max_l3_calls_queued",
+    "limits.max_wait_s",
+}
+
+
+def _coerce(key: str, f: dataclasses.Field[Any], value: Any, tp: Any = None, *, text: bool = True) -> Any:
+    """``value`` for the field ``f`` of ``key``, by the one typed coercer (:mod:`hicached.coerce`)."""
+    if tp is None:
+        section, _, name = key.partition(".")
+        tp = type_hints(SECTION_TYPES[section])[name]
+    if key in _CHOICES and not (isinstance(value, str) and value in _CHOICES[key]):
+        raise ConfigError(f"invalid {key} = {value!r}: expected one of {', '.join(_CHOICES[key])}")
+    try:
+        out = coerce(value, tp, label=key, metadata=f.metadata, text=text)
+    except InvalidArgument as exc:
+        raise ConfigError(str(exc)) from exc
+    if key in _POSITIVE and out <= 0:
+        raise ConfigError(f"invalid {key} = {value!r}: must be > 0")
+    return out
+
+
+def _check_cross(cfg: Config) -> None:
+    s = cfg.sessions
+    if not s.min_lease_ms <= s.lease_ms <= s.max_lease_ms:
+        raise ConfigError(
+            f"invalid sessions.lease_ms = {s.lease_ms}: must lie in "
+            f"[sessions.min_lease_ms={s.min_lease_ms}, sessions.max_lease_ms={s.max_lease_ms}]"
+        )
+    if not 0 < cfg.host.budget_fraction <= 1:
+        raise ConfigError(f"invalid host.budget_fraction = {cfg.host.budget_fraction}: must lie in (0, 1]")
+    if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
+        given, missing = (
+            ("server.tls_cert", "server.tls_key")
+            if cfg.server.tls_cert
+            else ("server.tls_key", "server.tls_cert")
+        )
+        value = cfg.server.tls_cert or cfg.server.tls_key
+        raise ConfigError(f"{given} = {value!r} is set but {missing} is not: TLS needs both")
+    _check_tcp(cfg.server)
+    for key, number in (
+        ("server.grace_s", cfg.server.grace_s),
+        ("l3.prefetch_timeout_base_s", cfg.l3.prefetch_timeout_base_s),
+        ("l3.prefetch_timeout_per_1k_tokens_s", cfg.l3.prefetch_timeout_per_1k_tokens_s),
+        ("l3.stats_wait_s", cfg.l3.stats_wait_s),
+    ):
+        if number < 0:
+            raise ConfigError(f"invalid {key} = {number}: must be >= 0")
+    if cfg.server.metrics_port < -1 or cfg.server.metrics_port > 65535:
+        raise ConfigError(
+            f"invalid server.metrics_port = {cfg.server.metrics_port}: expected -1, 0 or a port"
+        )
+
+
+def _check_tcp(server: ServerConfig) -> None:
+    """TCP fails closed: a listener needs a token or mTLS unless insecure_tcp says otherwise."""
+    if server.tls_client_ca and not server.tls_cert:
+        raise ConfigError(
+            f"server.tls_client_ca = {server.tls_client_ca!r} is set but server.tls_cert is not: "
+            "mTLS needs server.tls_cert and server.tls_key (without them TCP would be plaintext)"
+        )
+    if server.listen and not (server.auth_token_file or server.tls_client_ca or server.insecure_tcp):
+        raise ConfigError(
+            f"server.listen = {server.listen!r} needs server.auth_token_file or server.tls_client_ca "
+            "(mTLS); set server.insecure_tcp = true to serve TCP without authentication"
+        )
+    if server.admin_socket and Path(server.admin_socket) == Path(server.socket):
+        raise ConfigError(f"server.admin_socket = {server.admin_socket!r} must differ from server.socket")
+
+
+def env_var(key: str) -> str:
+    """``server.socket`` -> ``HICACHED_SERVER_SOCKET``; ``l3.redis.host`` -> ``HICACHED_L3_REDIS_HOST``."""
+    return "HICACHED_" + key.replace(".", "_").upper()
+
+
+# Documented aliases of backend options (the loose [l3] keys of earlier versions).
+ALIASES: dict[str, str] = {"l3.path": "l3.file.path", "l3.capacity": "l3.file.capacity_bytes"}
+# Keys that were removed, with what replaces them (an error names the replacement).
+_REMOVED: dict[str, str] = {
+    "l3.url": "l3.redis.host/l3.redis.port, l3.s3.endpoint_url or l3.mooncake.master_addr",
+    "l3.bucket": "l3.s3.bucket",
+}
+# HICACHED_* variables that are not configuration keys but are read elsewhere.
+OTHER_ENV: dict[str, str] = {
+    "HICACHED_CONFIG": "the configuration file",
+    "HICACHED_SOCKET": "the daemon address clients connect to",
+    "HICACHED_PYTHON": "the Python ./dev uses",
+    "HICACHED_TORCH": "the torch wheel ./dev installs",
+}
+
+
+def _tables(section: str) -> dict[str, type[Any]]:
+    """``{table name: config dataclass}`` of the sub-tables of ``section`` (``[l3.redis]``...)."""
+    hints = type_hints(SECTION_TYPES[section])
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(SECTION_TYPES[section])
+        if dataclasses.is_dataclass(hints[f.name])
+    }
+
+
+def all_keys() -> list[tuple[str, dataclasses.Field[Any], Any]]:
+    """``(dotted key, field, type)`` of every settable key, tables' options included."""
+    out = []
+    for section, cls in SECTION_TYPES.items():
+        hints = type_hints(cls)
+        tables = _tables(section)
+        for f in dataclasses.fields(cls):
+            if f.name not in tables:
+                out.append((f"{section}.{f.name}", f, hints[f.name]))
+                continue
+            table_hints = type_hints(tables[f.name])
+            for g in dataclasses.fields(tables[f.name]):
+                out.append((f"{section}.{f.name}.{g.name}", g, table_hints[g.name]))
+    return out
+
+
+def _flatten(prefix: str, data: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """TOML tables -> dotted keys (``{"l3": {"redis": {"host": h}}}`` -> ``l3.redis.host``)."""
+    out: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict) and dotted.count(".") < 2 and dotted not in KEYS:
+            out.extend(_flatten(dotted, value))
+        else:
+            out.append((dotted, value))
+    return out
+
+
+_MODE_LITERAL = re.compile(r"^\s*(\w+)\s*=\s*([^\s#]+)", re.MULTILINE)
+
+
+def _check_mode_literals(text: str, file: Path) -> None:
+    """A mode written as a bare decimal in TOML (``socket_mode = 660``) is refused, not
+    taken as decimal: TOML has no implicit octal, so write ``0o660`` or ``"660"``."""
+    modes = {key.rpartition(".")[2]: key for key, f, _ in all_keys() if f.metadata.get("mode")}
+    for name, literal in _MODE_LITERAL.findall(text):
+        if name in modes and literal[:1].isdigit() and not literal.lower().startswith("0o"):
+            raise ConfigError(
+                f"invalid {modes[name]} = {literal} in {file}: a permission mode must be written "
+                f'in octal, e.g. {name} = 0o660 (or "660")'
+            )
+
+
+def resolve(
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    file: Path | None = None,
+) -> Config:
+    """Build the configuration: ``cli`` (dotted keys) > ``env`` > ``file`` > defaults.
+
+    ``env`` defaults to ``os.environ``; ``file`` defaults to ``$HICACHED_CONFIG`` if set.
+    Backend tables (``[l3.redis]``, ``HICACHED_L3_REDIS_HOST``, ``--set l3.redis.host=...``)
+    go through the same coercer and end as that backend's own config dataclass.
+    """
+    env = os.environ if env is None else env
+    if file is None and env.get("HICACHED_CONFIG"):
+        file = Path(env["HICACHED_CONFIG"])
+    layered: dict[str, dict[str, Any]] = {name: {} for name in SECTION_TYPES}
+    if file is not None:
+        try:
+            text = file.read_bytes().decode("utf-8")
+            data = tomllib.loads(text)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {file} is not valid UTF-8 (byte {exc.start}: {exc.reason})"
+            ) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+        except RecursionError:
+            # tomllib recurses per nesting level; a deep file is a config error, not a crash.
+            raise ConfigError(f"config file {file} is nested too deeply to be a configuration") from None
+        _check_mode_literals(text, file)
+        for section, values in data.items():
+            if section not in SECTION_TYPES or not isinstance(values, dict):
+                raise ConfigError(
+                    f"unknown section [{section}] in {file}: expected one of {', '.join(SECTION_TYPES)}"
+                )
+            for dotted, value in _flatten(section, values):
+                _set(layered, dotted, value, origin=str(file), text=False)
+    for alias in ALIASES:
+        if env_var(alias) in env:
+            _set(layered, alias, env[env_var(alias)], origin=env_var(alias))
+    for key in KEYS:
+        name = env_var(key)
+        if name in env:
+            _set(layered, key, env[name], origin=name)
+    for dotted, value in (cli or {}).items():
+        if value is not None:
+            _set(layered, dotted, value, origin="command line")
+    defaults = Config()
+    sections = {}
+    for name, vals in layered.items():
+        tables = {
+            table: _build_table(name, table, getattr(getattr(defaults, name), table), vals.pop(table))
+            for table in _tables(name)
+            if table in vals
+        }
+        sections[name] = SECTION_TYPES[name](**vals, **tables)
+    cfg = Config(**sections)
+    _check_cross(cfg)
+    return cfg
+
+
+def _build_table(section: str, table: str, default: Any, values: Mapping[str, Any]) -> Any:
+    try:
+        return dataclasses.replace(default, **values)
+    except InvalidArgument as exc:  # the backend's own cross-checks (__post_init__)
+        raise ConfigError(f"invalid [{section}.{table}]: {exc}") from exc
+
+
+def _set(
+    layered: dict[str, dict[str, Any]], dotted: str, value: Any, *, origin: str, text: bool = True
+) -> None:
+    dotted = ALIASES.get(dotted, dotted)
+    if dotted in _REMOVED:
+        raise ConfigError(f"configuration key {dotted!r} (from {origin}) was removed: use {_REMOVED[dotted]}")
+    entry = KEYS.get(dotted)
+    if entry is None:
+        section, _, rest = dotted.partition(".")
+        table = rest.partition(".")[0]
+        if section in SECTION_TYPES and table in _tables(section):
+            scope = f"{section}.{table}."
+        elif section in SECTION_TYPES:
+            scope = f"{section}."
+        else:
+            scope = ""
+        known = ", ".join(k for k in KEYS if k.startswith(scope) and k.count(".") == scope.count("."))
+        raise ConfigError(
+            f"unknown configuration key {dotted!r} (from {origin}); known: "
+            + (known if scope else ", ".join(SECTION_TYPES))
+        )
+    f, tp = entry
+    coerced = _coerce(dotted, f, value, tp, text=text)
+    parts = dotted.split(".")
+    if len(parts) == 3:
+        layered[parts[0]].setdefault(parts[1], {})[parts[2]] = coerced
+    else:
+        layered[parts[0]][parts[1]] = coerced
+
+
+KEYS: dict[str, tuple[dataclasses.Field[Any], Any]] = {key: (f, tp) for key, f, tp in all_keys()}

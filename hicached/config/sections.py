@@ -1,0 +1,309 @@
+"""The configuration's sections: one frozen dataclass per ``[section]`` of the TOML file.
+
+Each field's ``metadata["help"]`` documents it (``describe()`` renders the table); a
+section's defaults are the daemon's. The L3 backends' tables (``[l3.file]``, ...) are
+each backend's own config dataclass (``hicached/l3/<backend>.py``). Immutable, so
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hicached.coerce import parse_size
+from hicached.errors import InvalidArgument
+from hicached.l3.file import FileBackendConfig
+from hicached.l3.mooncake import MooncakeBackendConfig
+from hicached.l3.redis import RedisBackendConfig
+from hicached.l3.s3 import S3BackendConfig
+
+__all__ = [
+    "SECTION_TYPES",
+    "Config",
+    "ConfigError",
+    "CopyConfig",
+    "HostConfig",
+    "L3Config",
+    "LimitsConfig",
+    "LogConfig",
+    "ServerConfig",
+    "SessionConfig",
+    "available_memory_bytes",
+    "default_cache_dir",
+]
+
+
+class ConfigError(InvalidArgument):
+    """An invalid configuration value (names key, value and what is allowed)."""
+
+
+def _runtime_dir() -> Path:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "hicached"
+    if os.geteuid() == 0:
+        return Path("/run/hicached")
+    return Path(f"/tmp/hicached-{os.geteuid()}")
+
+
+def default_cache_dir() -> Path:
+    """Parent of the default L3 path and journal directory (XDG_CACHE_HOME, root, else HOME)."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg) / "hicached"
+    if os.geteuid() == 0:
+        return Path("/var/cache/hicached")
+    return Path.home() / ".cache" / "hicached"
+
+
+def available_memory_bytes() -> int:
+    """Memory this process may use: MemAvailable, capped by the cgroup v2/v1 limit."""
+    avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            raw = Path(limit_file).read_text().strip()
+            if raw == "max":
+                continue
+            limit = int(raw)
+            if limit >= 1 << 60:  # cgroup v1 "unlimited"
+                continue
+            used = int(Path(usage_file).read_text().strip())
+            avail = min(avail, max(limit - used, 0))
+        except (OSError, ValueError):
+            continue
+    return avail
+
+
+def _f(
+    default: Any, help: str, *, parse: Callable[[Any], Any] | None = None, mode: bool = False, **kw: Any
+) -> Any:
+    meta: dict[str, Any] = {"help": help}
+    if parse is not None:
+        meta["parse"] = parse
+    if mode:
+        meta["mode"] = True  # octal permission bits: text is octal, written back as 0o660
+    if callable(default) and not isinstance(default, type):
+        return field(default_factory=default, metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    socket: Path = _f(lambda: _runtime_dir() / "hicached.sock", "Unix socket path the daemon listens on.")
+    socket_mode: int = _f(
+        0o660, "Permission bits of the socket file (octal: 0o660 in TOML, 660 in env/--set).", mode=True
+    )
+    admin_socket: str = _f(
+        "",
+        "Unix socket of the admin role (Drain, Resume, ClearNamespace, full GetStats); empty = "
+        "admin.sock next to server.socket. Mode 0600, or 0660 with group server.admin_group.",
+    )
+    admin_group: str = _f(
+        "", "Group (name or gid) whose members may use the admin socket (empty = the daemon's user only)."
+    )
+    admin_token_file: str = _f(
+        "", "File holding the bearer token of the admin role on TCP (must differ from the worker token)."
+    )
+    insecure_tcp: bool = _f(
+        False, "Serve server.listen without a token or mTLS (every TCP client is a worker; logs a warning)."
+    )
+    listen: str = _f("", "Also listen on TCP HOST:PORT (empty = Unix socket only).")
+    auth_token_file: str = _f("", "File holding the bearer token required on TCP (empty = none).")
+    tls_cert: str = _f("", "PEM certificate for TCP (with tls_key enables TLS).")
+    tls_key: str = _f("", "PEM private key for TCP.")
+    tls_client_ca: str = _f("", "PEM CA bundle; when set, TCP clients must present a certificate (mTLS).")
+    max_batch_pages: int = _f(1 << 16, "Largest number of pages one request may carry.")
+    max_message_bytes: int = _f(64 << 20, "Largest gRPC message (bytes).", parse=parse_size)
+    metrics_host: str = _f("127.0.0.1", "Address of the Prometheus /metrics HTTP server.")
+    metrics_port: int = _f(-1, "Port of /metrics (-1 = disabled, 0 = any free port).")
+    grace_s: float = _f(
+        10.0,
+        "Shutdown budget on SIGTERM (seconds): in-flight RPCs get up to half, the L3 flush the rest; "
+        "keep the pod's terminationGracePeriodSeconds >= grace_s + 15 (journals, exit).",
+    )
+    handoff_max_fds: int = _f(64, "Most file descriptors one fd handoff (socket <socket>.fds) may carry.")
+    handoff_ticket_ttl_s: float = _f(30.0, "Seconds an fd handoff ticket waits for its Attach.")
+    handoff_max_pending: int = _f(256, "Most unused fd handoff tickets in total.")
+    handoff_max_pending_per_uid: int = _f(32, "Most unused fd handoff tickets per client uid.")
+    fast_lane: bool = _f(
+        True, "Serve the fast lane (<socket>.lane: shared-memory rings for Write/Load; see docs/fastlane.md)."
+    )
+    fast_lane_max: int = _f(64, "Most fast lanes (open or negotiating) in total; each holds one thread.")
+    fast_lane_max_per_session: int = _f(4, "Most open fast lanes per session.")
+    fast_lane_max_per_uid: int = _f(16, "Most open fast lanes per client uid (SO_PEERCRED).")
+    copy_threads: int = _f(
+        16, "Threads that run copy-bound RPCs (Write, Load, PutPages, GetPages, PutBytes, Detach...)."
+    )
+    l3_threads: int = _f(
+        8, "Threads that run RPCs waiting on L3 (include_l3, Lookup with L3, Backup, Prefetch...)."
+    )
+    hash_threads: int = _f(
+        2, "Threads that hash token chains and check keys (CPU-bound; off the event loop)."
+    )
+    bookkeeping_threads: int = _f(
+        8,
+        "Threads of short bookkeeping (Attach, GetStats, the lease reaper): never shared with copies or L3.",
+    )
+
+    def admin_socket_path(self) -> Path:
+        """The admin socket: ``admin_socket``, or ``admin.sock`` next to the worker socket."""
+        return Path(self.admin_socket) if self.admin_socket else Path(self.socket).parent / "admin.sock"
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    budget: int = _f(0, "Node-wide host (L2) memory budget in bytes; 0 = budget_fraction.", parse=parse_size)
+    budget_fraction: float = _f(
+        0.25, "Budget as a fraction of available memory (cgroup-aware) when budget=0."
+    )
+    default_ratio: float = _f(
+        2.0, "Host pool size as a multiple of the device pool when a pool asks for none."
+    )
+    shm_prefix: str = _f("hicached", "Prefix of the daemon's shared-memory segment names.")
+    prefault: bool = _f(True, "Prefault host pools at creation (first touch is ~8x slower than a warm copy).")
+    warm_restart: bool = _f(
+        False,
+        "Keep host pools and the content index across a clean restart (segments stay in /dev/shm; "
+        "the next daemon with the same shm_prefix re-maps them).",
+    )
+    journal_dir: str = _f(
+        lambda: str(default_cache_dir() / "l2"),
+        "Directory of the warm-restart journals (one per pool group, written on clean shutdown).",
+    )
+
+    def budget_bytes(self) -> int:
+        return self.budget if self.budget > 0 else int(available_memory_bytes() * self.budget_fraction)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    lease_ms: int = _f(10_000, "Default session lease; a session missing heartbeats this long is ended.")
+    min_lease_ms: int = _f(500, "Smallest lease a worker may ask for.")
+    max_lease_ms: int = _f(300_000, "Largest lease a worker may ask for.")
+    retraction_lease_ms: int = _f(60_000, "Default time a retraction backup is guaranteed resident.")
+    op_cache_size: int = _f(4096, "Operation ids remembered per session for idempotent retries.")
+    op_cache_bytes: int = _f(
+        4 << 20, "Bytes of remembered answers per session for idempotent retries (LRU).", parse=parse_size
+    )
+
+
+@dataclass(frozen=True)
+class CopyConfig:
+    workers: int = _f(2, "Copy engine worker threads (node-wide).")
+    max_queued: int = _f(
+        1 << 30, "Bytes of copies that may wait before RESOURCE_EXHAUSTED.", parse=parse_size
+    )
+
+
+def _default_file_backend() -> FileBackendConfig:
+    return FileBackendConfig(path=str(default_cache_dir() / "l3"), capacity_bytes=16 << 30)
+
+
+# Each backend's table ([l3.file], [l3.redis], ...) is that backend's own config dataclass;
+# the daemon's defaults for the options a backend requires are given here.
+_BACKEND_HELP = "Options of the {} backend (table [l3.{}]; see the l3.{}.* keys)."
+
+
+@dataclass(frozen=True)
+class L3Config:
+    backend: str = _f("file", "Storage backend: file, redis, s3, mooncake, or none.")
+    write_policy: str = _f("write_through", "write_through, write_through_selective or write_back.")
+    prefetch_policy: str = _f("best_effort", "best_effort, wait_complete or timeout.")
+    prefetch_timeout_base_s: float = _f(1.0, "Timeout policy: base seconds.")
+    prefetch_timeout_per_1k_tokens_s: float = _f(0.25, "Timeout policy: seconds per 1024 tokens.")
+    io_workers: int = _f(2, "Threads doing L3 I/O.")
+    stats_interval_s: float = _f(
+        5.0, "Seconds between background refreshes of the L3 backend's stats (GetStats answers from them)."
+    )
+    stats_wait_s: float = _f(
+        0.5,
+        "Longest GetStats waits for a fresh L3 stats refresh before answering the last stats (0 = never).",
+    )
+    file: FileBackendConfig = _f(_default_file_backend, _BACKEND_HELP.format("file", "file", "file"))
+    redis: RedisBackendConfig = field(
+        default_factory=RedisBackendConfig, metadata={"help": _BACKEND_HELP.format("redis", "redis", "redis")}
+    )
+    s3: S3BackendConfig = _f(
+        lambda: S3BackendConfig(bucket="hicached"), _BACKEND_HELP.format("s3", "s3", "s3")
+    )
+    mooncake: MooncakeBackendConfig = _f(
+        lambda: MooncakeBackendConfig(master_addr="127.0.0.1:50051"),
+        _BACKEND_HELP.format("mooncake", "mooncake", "mooncake"),
+    )
+
+    def backend_config(self) -> Any:
+        """The selected backend's config dataclass (None for ``backend = "none"``)."""
+        return None if self.backend == "none" else getattr(self, self.backend)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Per-request and per-peer limits, checked before any work starts (see docs/limits.md)."""
+
+    max_tokens_per_request: int = _f(1 << 20, "Most token ids one KeySource.tokens chain may carry.")
+    max_keys_per_request: int = _f(1 << 16, "Most keys one request may carry (given or hashed from tokens).")
+    max_key_bytes: int = _f(512, "Longest key (UTF-8 bytes).")
+    max_identity_bytes: int = _f(
+        256, "Longest identity string (instance_id, model_name, tenant, op_id, request_id; UTF-8 bytes)."
+    )
+    max_response_bytes: int = _f(
+        32 << 20,
+        "Largest response a request may ask for, computed before it is built (capped by "
+        "server.max_message_bytes).",
+        parse=parse_size,
+    )
+    max_sessions_per_peer: int = _f(
+        256, "Most live sessions of one peer (the handoff's SO_PEERCRED uid, the TCP host, or the socket)."
+    )
+    max_buffers_per_attach: int = _f(
+        512, "Most device buffers (K and V of every pool) one Attach may hand over."
+    )
+    max_l3_calls_queued: int = _f(
+        64, "RPCs that may wait for an L3 thread (server.l3_threads) before RESOURCE_EXHAUSTED."
+    )
+    max_wait_s: float = _f(
+        30.0,
+        "Deadline of a blocking wait (Backup wait, PrefetchStatus wait, the wait at session end): "
+        "past it the call answers the state so far.",
+    )
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = _f("info", "debug, info, warning or error.")
+    format: str = _f("text", "text or json (one JSON object per line).")
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
+    copy: CopyConfig = field(default_factory=CopyConfig)
+    l3: L3Config = field(default_factory=L3Config)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+SECTION_TYPES: dict[str, type[Any]] = {
+    "server": ServerConfig,
+    "host": HostConfig,
+    "sessions": SessionConfig,
+    "copy": CopyConfig,
+    "l3": L3Config,
+    "limits": LimitsConfig,
+    "log": LogConfig,
+}

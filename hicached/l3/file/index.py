@@ -1,0 +1,276 @@
+"""The file backend's key -> slot index: LRU order, byte accounting and eviction.
+
+The index lives in memory and is rebuilt at start by reading every slot header
+(headers verified; payloads verified on read; duplicates of one key resolved by
+the higher sequence number), about 8 us per page from the page cache. LRU order
+is restored from write order.
+
+``capacity`` bounds the bytes of occupied slots; a page that needs room evicts
+least-recently-used pages that no reader pins. A freed slot is reused by later
+pages of its size. Deleted, evicted and corrupt pages get their slot header
+zeroed so they do not come back at the next start.
+
+Not thread-safe: the backend calls every method with its lock held (the only
+I/O here is the start-up scan and the 4-byte header clears).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from hicached.l3.base import BackendStats
+from hicached.l3.file.layout import (
+    HEADER_BYTES,
+    SLAB_NAME,
+    SLOT_ALIGN,
+    TOMBSTONE,
+    parse_header,
+    slot_bytes_for,
+)
+from hicached.l3.file.slabs import Entry, Slab
+
+__all__ = ["PageIndex"]
+
+log = logging.getLogger(__name__)
+
+
+class PageIndex:
+    """Entries of the stored pages, their slabs and the counters (guarded by the backend lock)."""
+
+    def __init__(self, root: Path, capacity: int) -> None:
+        self.root = root
+        self.entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order: oldest first
+        self.slabs: dict[int, Slab] = {}
+        self.used = 0  # bytes of occupied or reserved slots
+        self.payload = 0
+        self.seq = 0
+        # The configured capacity, lowered when the disk fills up first (ENOSPC): from then
+        # on LRU eviction makes room instead of every write failing.
+        self.capacity = capacity
+        self.hits = self.misses = self.corrupt = self.evicted = 0
+        self.closed = False  # files closed: freeing a slot no longer touches them
+
+    def slab(self, slot_bytes: int) -> Slab:
+        slab = self.slabs.get(slot_bytes)
+        if slab is None:
+            slab = Slab(self.root / f"slab-{slot_bytes}.dat", slot_bytes)
+            self.slabs[slot_bytes] = slab
+        return slab
+
+    def close_files(self) -> None:
+        self.closed = True
+        for slab in self.slabs.values():
+            os.close(slab.fd)
+        self.slabs.clear()
+
+    # ------------------------------------------------------------------ start
+
+    def rebuild(self) -> None:
+        """Read every slot header of the slab files under ``root`` into the index."""
+        found: dict[str, Entry] = {}
+        corrupt: list[tuple[Slab, int]] = []
+        for path in sorted(self.root.iterdir()):
+            match = SLAB_NAME.match(path.name)
+            if match is None or int(match.group(1)) % SLOT_ALIGN:
+                continue
+            slab = self.slab(int(match.group(1)))
+            nslots = -(-os.fstat(slab.fd).st_size // slab.slot_bytes)
+            used: set[int] = set()
+            for slot in range(nslots):
+                header = os.pread(slab.fd, HEADER_BYTES, slab.offset(slot))
+                parsed = parse_header(header)
+                if parsed is None or slot_bytes_for(parsed[2]) != slab.slot_bytes:
+                    # A never-written or cleared slot starts with a zero magic; anything else
+                    # that does not verify is a damaged page, dropped and counted.
+                    if header[: len(TOMBSTONE)].strip(b"\0"):
+                        corrupt.append((slab, slot))
+                    continue
+                key, seq, length, checksum = parsed
+                entry = Entry(key, slab, slot, length, checksum, seq)
+                old = found.get(key)
+                if old is not None and old.seq > seq:
+                    continue
+                if old is not None and old.slab is slab:
+                    used.discard(old.slot)
+                elif old is not None:
+                    old.slab.release(old.slot)
+                found[key] = entry
+                used.add(slot)
+            slab.high = nslots
+            slab.free = [s for s in range(nslots) if s not in used]
+            heapq.heapify(slab.free)
+        for entry in sorted(found.values(), key=lambda e: e.seq):
+            self.entries[entry.key] = entry
+            self.used += entry.slab.slot_bytes
+            self.payload += entry.length
+            self.seq = max(self.seq, entry.seq)
+        if corrupt:
+            self.corrupt += len(corrupt)
+            log.warning(
+                "file backend %s: dropped %d page(s) whose slot header failed verification",
+                self.root,
+                len(corrupt),
+            )
+            for slab, slot in corrupt:  # cleared: counted once, not again at every start
+                self.tombstone(Entry("", slab, slot, 0, 0, 0))
+        self.evict_for(0)  # a smaller capacity than last time: trim the oldest
+        if self.entries:
+            log.info("file backend %s: rebuilt index of %d pages", self.root, len(self.entries))
+
+    # -------------------------------------------------------- slots and eviction
+
+    def tombstone(self, entry: Entry) -> None:
+        try:
+            os.pwrite(entry.slab.fd, TOMBSTONE, entry.slab.offset(entry.slot))
+        except OSError as exc:  # the slot is still freed; its stale header only costs a miss
+            log.warning("file backend %s: could not clear slot header: %s", self.root, exc)
+
+    def drop(self, entry: Entry, *, tombstone: bool) -> None:
+        """Remove an indexed entry; its slot is freed once unpinned."""
+        del self.entries[entry.key]
+        self.payload -= entry.length
+        entry.dead = True
+        entry.tomb = tombstone
+        self.maybe_free(entry)
+
+    def maybe_free(self, entry: Entry) -> None:
+        if not entry.dead or entry.pins or entry.freed:
+            return
+        entry.freed = True
+        self.used -= entry.slab.slot_bytes
+        if self.closed:  # files are gone; the next start rebuilds the allocator
+            return
+        if entry.tomb:
+            self.tombstone(entry)
+        entry.slab.release(entry.slot)
+
+    def evict_for(self, need: int) -> bool:
+        """Evict LRU unpinned pages until ``need`` more bytes fit; False (nothing evicted)
+        when they cannot."""
+        if self.used + need <= self.capacity:
+            return True
+        victims: list[Entry] = []
+        freed = 0
+        excess = self.used + need - self.capacity
+        for entry in self.entries.values():
+            if freed >= excess:
+                break
+            if entry.pins == 0:
+                victims.append(entry)
+                freed += entry.slab.slot_bytes
+        if freed < excess:
+            return False
+        for entry in victims:
+            # Cleared so an evicted page does not come back at the next start
+            # when its slot is not reused before then.
+            self.drop(entry, tombstone=True)
+        self.evicted += len(victims)
+        return True
+
+    def evict_same_slab(self, slab: Slab) -> bool:
+        """Evict the least recently used unpinned page of ``slab``: on a full disk only a slot
+        of the same size has blocks a new page can use. False when there is none."""
+        for victim in self.entries.values():
+            if victim.slab is slab and victim.pins == 0:
+                self.drop(victim, tombstone=True)
+                self.evicted += 1
+                return True
+        return False
+
+    def reserve(self, key: str, length: int) -> Entry | None:
+        """A fresh entry in a newly allocated slot for ``key`` (evicting for room), not yet
+        indexed (its checksum is set by the write); None when the page cannot fit."""
+        size = slot_bytes_for(length)
+        if size > self.capacity or not self.evict_for(size):
+            return None
+        slab = self.slab(size)
+        self.seq += 1
+        self.used += size
+        return Entry(key, slab, slab.alloc(), length, 0, self.seq)
+
+    def reserve_on_disk(self, failed: Entry) -> Entry | None:
+        """After a full disk: a new slot with existing disk blocks for ``failed``'s page."""
+        size = failed.slab.slot_bytes
+        if not self.evict_for(size):
+            return None
+        slot = failed.slab.alloc_on_disk()
+        while slot is None and self.evict_same_slab(failed.slab):
+            slot = failed.slab.alloc_on_disk()
+        if slot is None:
+            return None
+        self.seq += 1
+        self.used += size
+        return Entry(failed.key, failed.slab, slot, failed.length, failed.checksum, self.seq)
+
+    def lower_capacity_to_disk(self) -> None:
+        """The disk filled before the capacity did: what it holds for us is what the slab files
+        already occupy (free slots included: their blocks exist)."""
+        on_disk = sum(os.fstat(slab.fd).st_size for slab in self.slabs.values())
+        lowered = max(on_disk, SLOT_ALIGN)
+        if lowered < self.capacity:
+            log.warning(
+                "file backend %s: the disk is full at %d bytes of slab files; capacity lowered "
+                "from %d to %d bytes (LRU eviction makes room from now on)",
+                self.root,
+                on_disk,
+                self.capacity,
+                lowered,
+            )
+            self.capacity = lowered
+
+    def commit(self, entry: Entry, written: bool) -> bool:
+        """Index a fresh entry whose write ended; whether it is now indexed. One that lost a race
+        with another writer of its key (that copy stands), or whose write failed (its torn
+        header is cleared), is freed."""
+        if written and entry.key not in self.entries:
+            self.entries[entry.key] = entry
+            self.payload += entry.length
+            return True
+        entry.dead = True
+        entry.tomb = True
+        self.maybe_free(entry)
+        return False
+
+    # ------------------------------------------------------------------ reads
+
+    def pin(self, keys: Sequence[str]) -> list[Entry | None]:
+        pinned: list[Entry | None] = []
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None:
+                entry.pins += 1
+                self.entries.move_to_end(key)
+            pinned.append(entry)
+        return pinned
+
+    def unpin(self, entries: Sequence[Entry | None], ok: Sequence[bool]) -> None:
+        """Release pins; count hits and misses; drop a pinned page that failed verification."""
+        for entry, good in zip(entries, ok, strict=True):
+            if good:
+                self.hits += 1
+            else:
+                self.misses += 1
+            if entry is None:
+                continue
+            entry.pins -= 1
+            if not good and not entry.dead:
+                self.corrupt += 1
+                log.warning("file backend %s: page %r failed verification", self.root, entry.key)
+                self.drop(entry, tombstone=True)
+            self.maybe_free(entry)
+
+    def stats(self) -> BackendStats:
+        return BackendStats(
+            pages=len(self.entries),
+            bytes=self.payload,
+            capacity_bytes=self.capacity,
+            hits=self.hits,
+            misses=self.misses,
+            corrupt_pages=self.corrupt,
+            evicted_pages=self.evicted,
+        )

@@ -1,0 +1,40 @@
+"""Options of the ``file`` backend (the ``[l3.file]`` table). Frozen: thread-safe."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hicached.coerce import option, parse_size
+from hicached.errors import InvalidArgument
+from hicached.l3.file.layout import SLOT_ALIGN
+
+__all__ = ["FileBackendConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FileBackendConfig:
+    """Options of the ``file`` backend.
+
+    ``path``: directory (created if missing). ``capacity_bytes``: bound on the
+    bytes of occupied slots. ``fsync``: fdatasync each ``set`` batch before
+    acknowledging it (survives power loss, costs throughput). ``io_threads``:
+    threads that issue the syscalls of one batch's non-adjacent slot runs
+    concurrently (random cold reads gain from queue depth; 1 = caller only).
+    """
+
+    path: str = option(help="Directory of the slot files (created if missing; one daemon at a time).")
+    capacity_bytes: int = option(
+        64 << 30, help="Bound on the bytes of stored pages (LRU eviction beyond).", parse=parse_size
+    )
+    fsync: bool = option(False, help="fdatasync each set batch before acknowledging it (power-loss safe).")
+    io_threads: int = option(4, help="Threads issuing one batch's syscalls concurrently (1 = caller only).")
+
+    def __post_init__(self) -> None:
+        if self.io_threads < 1:
+            raise InvalidArgument(f"file backend option 'io_threads' must be >= 1, got {self.io_threads}")
+        if not self.path:
+            raise InvalidArgument("file backend option 'path' must be a non-empty directory path")
+        if self.capacity_bytes < SLOT_ALIGN:
+            raise InvalidArgument(
+                f"file backend option 'capacity_bytes' must be >= {SLOT_ALIGN}, got {self.capacity_bytes}"
+            )
