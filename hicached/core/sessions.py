@@ -20,6 +20,7 @@ backpressure runs again. The store is an LRU bounded by entries and bytes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -48,7 +49,7 @@ from hicached.errors import (
 )
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.handles import DeviceMappings
-from hicached.transfer.plan import DevicePoolView
+from hicached.transfer.plan import DevicePoolView, LayerCache
 
 T = TypeVar("T")
 
@@ -86,13 +87,16 @@ def _feed(h: Any, value: object) -> None:
         raw = bytes(value)
         h.update(b"b%d:" % len(raw) + raw)
     elif isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value.astype(np.int64) if value.dtype.kind in "iub" else value)
-        h.update(b"a%s%d:" % (arr.dtype.str.encode(), arr.size) + arr.tobytes())
+        # int64 pages (the common case) are hashed in place: no conversion, no copy.
+        arr = np.ascontiguousarray(value, dtype=np.int64) if value.dtype.kind in "iub" else value
+        h.update(b"a%s%d:" % (arr.dtype.str.encode(), arr.size))
+        h.update(arr.data if arr.flags.c_contiguous else arr.tobytes())
     elif is_dataclass(value) and not isinstance(value, type):
-        h.update(b"d" + type(value).__name__.encode() + b"{")
-        for f in fields(value):
-            _feed(h, f.name)
-            _feed(h, getattr(value, f.name))
+        head, names = _dataclass_layout(type(value))
+        h.update(head)
+        for tag, name in names:
+            h.update(tag)
+            _feed(h, getattr(value, name))
         h.update(b"}")
     elif isinstance(value, dict):
         h.update(b"m%d{" % len(value))
@@ -109,6 +113,17 @@ def _feed(h: Any, value: object) -> None:
         raise TypeError(f"op_digest cannot encode {type(value).__name__}")
 
 
+@functools.cache
+def _dataclass_layout(cls: type) -> tuple[bytes, tuple[tuple[bytes, str], ...]]:
+    """A dataclass's digest header and its fields' (encoded name, name): ``fields()`` once per
+    class, not once per value (it dominated the digest of a page batch)."""
+    names = []
+    for f in fields(cls):
+        raw = f.name.encode("utf-8", "surrogatepass")
+        names.append((b"s%d:" % len(raw) + raw, f.name))
+    return b"d" + cls.__name__.encode() + b"{", tuple(names)
+
+
 def answer_bytes(value: object) -> int:
     """Estimated memory a remembered answer holds (what the byte bound counts)."""
     if isinstance(value, np.ndarray):
@@ -120,7 +135,7 @@ def answer_bytes(value: object) -> int:
     if isinstance(value, dict):
         return sys.getsizeof(value) + sum(answer_bytes(k) + answer_bytes(v) for k, v in value.items())
     if is_dataclass(value) and not isinstance(value, type):
-        return 64 + sum(answer_bytes(getattr(value, f.name)) for f in fields(value))
+        return 64 + sum(answer_bytes(getattr(value, name)) for _, name in _dataclass_layout(type(value))[1])
     return sys.getsizeof(value)
 
 
@@ -299,6 +314,8 @@ class Session:
     secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     # Who attached it, from the kernel (fd handoff); None for TCP / no-handoff attaches.
     peer: PeerCred | None = None
+    # build_plan's checked layers of this session's views (see hicached.transfer.plan).
+    plan_layers: LayerCache = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.idle = threading.Condition(self.lock)

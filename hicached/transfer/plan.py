@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
@@ -116,15 +116,24 @@ def page_nbytes(pages: torch.Tensor) -> int:
 
 
 Item = tuple[DevicePoolView, HostPoolLike, np.ndarray, np.ndarray]
+Layers = list[tuple[int, torch.Tensor, torch.Tensor]]
+# What build_plan may remember between calls: pool name -> (view, host pool, checked layers).
+LayerCache = MutableMapping[str, tuple[DevicePoolView, HostPoolLike, Layers]]
 
 
-def build_plan(direction: Direction, items: Sequence[Item]) -> CopyPlan:
+def build_plan(direction: Direction, items: Sequence[Item], *, cache: LayerCache | None = None) -> CopyPlan:
     """Plan the copies of ``items`` = (device view, host pool, device_pages, host_pages) per pool.
 
     D2H copies device pages to host pages, H2D the reverse. Everything is validated
     first (InvalidArgument / OutOfRange naming the pool and the offending value), so
     a rejected plan never leads to a partial copy. Steps come in ascending global
     layer order with the tail (-1) last; a step holds every pool's copies of its layer.
+
+    ``cache`` (owned by the caller, e.g. one per session, and dropped with it) keeps the
+    check of each (view, host pool) pair and its per-layer page views: they never change,
+    and checking them costs more than planning a small copy. An entry is used only for
+    the very same view and pool objects. It references the views' tensors: whoever owns
+    it must drop it when the views' memory is unmapped.
     """
     direction = Direction(direction)
     by_layer: dict[int, list[PageCopy]] = {}
@@ -140,7 +149,13 @@ def build_plan(direction: Direction, items: Sequence[Item]) -> CopyPlan:
             raise InvalidArgument(
                 f"pool {view.name!r}: {len(dev_pages)} device pages but {len(host_pages)} host pages"
             )
-        layers = _check_pool(view, host)
+        hit = cache.get(view.name) if cache is not None else None
+        if hit is not None and hit[0] is view and hit[1] is host:
+            layers = hit[2]
+        else:
+            layers = _check_pool(view, host)
+            if cache is not None:
+                cache[view.name] = (view, host, layers)
         _check_range(view.name, "device", dev_pages, view.num_pages)
         _check_range(view.name, "host", host_pages, int(host.total_pages))
         dst_kind, dst_pages = ("host", host_pages) if direction is Direction.D2H else ("device", dev_pages)
@@ -204,7 +219,7 @@ def _check_unique(pool: str, kind: str, pages: np.ndarray) -> None:
         )
 
 
-def _check_pool(view: DevicePoolView, host: HostPoolLike) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+def _check_pool(view: DevicePoolView, host: HostPoolLike) -> Layers:
     """Check a device view against its host pool; (global layer, device pages, host pages) per buffer."""
     spec = host.spec
     name = view.name
@@ -220,7 +235,7 @@ def _check_pool(view: DevicePoolView, host: HostPoolLike) -> list[tuple[int, tor
     tokens = int(view.k[0].shape[0]) if view.k else 0
     if tokens % view.page_size:
         raise InvalidArgument(f"pool {name!r}: {tokens} device tokens is not a multiple of page size")
-    out: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    out: Layers = []
     for kv, buffers in enumerate((view.k, view.v)):
         for layer, buf in enumerate(buffers):
             label = f"pool {name!r} {'KV'[kv]} layer {layer}"

