@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hicached.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
-from hicached.transfer.plan import CopyPlan
-from hicached.transfer.routes import CopyContext, run_copy
+from hicached.transfer.plan import CopyPlan, PageCopy
+from hicached.transfer.routes import CopyContext, run_copies
 
 log = logging.getLogger(__name__)
 
@@ -359,13 +359,13 @@ class CopyEngine:
             self._check_stop(job)
             if job.ready is not None:
                 job.ready()
-            for step in job.plan.steps:
+            for layers, copies in _batches(job.plan, merge=job.on_layer is None):
                 self._check_stop(job)
-                for copy in step.copies:
-                    run_copy(copy, ctx)
+                run_copies(copies, ctx)
                 ctx.flush()
                 if job.on_layer is not None:
-                    job.on_layer(step.layer)
+                    for layer in layers:
+                        job.on_layer(layer)
         except BaseException as exc:
             ctx.settle()  # copies already issued must end before the future reports
             job.future.set_exception(exc)
@@ -390,6 +390,27 @@ class CopyEngine:
             return
         with self._cv:
             self._rate_bps += _RATE_SMOOTHING * (nbytes / seconds - self._rate_bps)
+
+
+# Without progress reports, consecutive layers are copied as one set of up to this many bytes
+# (one hand-off to the helper threads per set); cancellation is checked between sets.
+MERGE_BYTES = 64 << 20
+
+
+def _batches(plan: CopyPlan, *, merge: bool) -> list[tuple[list[int], list[PageCopy]]]:
+    """(layers, copies) to run in order: one per step, or merged steps when ``merge``."""
+    out: list[tuple[list[int], list[PageCopy]]] = []
+    size = 0
+    for step in plan.steps:
+        nbytes = sum(c.nbytes for c in step.copies)
+        if merge and out and size + nbytes <= MERGE_BYTES:
+            out[-1][0].append(step.layer)
+            out[-1][1].extend(step.copies)
+            size += nbytes
+        else:
+            out.append(([step.layer], list(step.copies)))
+            size = nbytes
+    return out
 
 
 def _check_args(priority: Priority, owner: str) -> Priority:

@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -147,6 +147,57 @@ def route(src: Medium, dst: Medium) -> CopyFn:
 def run_copy(copy: PageCopy, ctx: CopyContext) -> None:
     """Perform one page copy on the route its tensors' devices select."""
     route(medium_of(copy.src), medium_of(copy.dst))(copy, ctx)
+
+
+def run_copies(copies: Sequence[PageCopy], ctx: CopyContext) -> None:
+    """Perform ``copies``; a large CPU-to-CPU set is split by page position across ``ctx.helpers``.
+
+    One hand-off per set (a layer, or a whole plan without progress reports) instead of
+    one per copy: waking a helper thread costs 0.05-1.5 ms on a loaded 2-core machine,
+    as much as copying a few MiB. Every page is bounds-checked before any part starts.
+    """
+    parts = 1
+    if ctx.helpers is not None and ctx.parallelism > 1:
+        nbytes = sum(c.nbytes for c in copies)
+        parts = min(ctx.parallelism, nbytes // SPLIT_MIN_BYTES)
+    cpu = parts > 1 and all(medium_of(c.src) is Medium.CPU and medium_of(c.dst) is Medium.CPU for c in copies)
+    if not cpu:
+        for c in copies:
+            run_copy(c, ctx)
+        return
+    for c in copies:
+        if len(c.src_pages):
+            check_bounds("source", c.src_pages, c.src.shape[0])
+            check_bounds("destination", c.dst_pages, c.dst.shape[0])
+    pieces: list[list[PageCopy]] = [[] for _ in range(parts)]
+    for c in copies:
+        bounds = np.linspace(0, len(c.src_pages), parts + 1).astype(np.int64).tolist()
+        for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            if hi > lo:
+                pieces[k].append(PageCopy(c.src, c.dst, c.src_pages[lo:hi], c.dst_pages[lo:hi]))
+    assert ctx.helpers is not None
+    futures = [ctx.helpers.submit(_run_part, piece) for piece in pieces[1:]]
+    ctx.parallelism, parallelism = 1, ctx.parallelism  # this thread's part: no nested split
+    try:
+        for c in pieces[0]:
+            copy_cpu_cpu(c, ctx)
+    finally:
+        ctx.parallelism = parallelism
+        for f in futures:
+            f.result()
+
+
+_helper = threading.local()
+
+
+def _run_part(copies: list[PageCopy]) -> None:
+    """A helper thread's part of :func:`run_copies`, with that thread's own context (its
+    staging buffer lives as long as the thread, which the engine owns)."""
+    ctx = getattr(_helper, "ctx", None)
+    if ctx is None:
+        ctx = _helper.ctx = CopyContext()
+    for c in copies:
+        copy_cpu_cpu(c, ctx)
 
 
 def word_rows(pages: torch.Tensor) -> torch.Tensor:
