@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
@@ -21,6 +21,7 @@ import torch
 
 from hicached.errors import InvalidArgument, OutOfRange
 from hicached.transfer.handles import Medium, medium_of
+from hicached.transfer.words import matched_rows
 
 TAIL_LAYER = -1  # global layer id of pool layers after the last mapped one (draft layers)
 
@@ -87,6 +88,9 @@ class PageCopy:
     dst: torch.Tensor
     src_pages: np.ndarray
     dst_pages: np.ndarray
+    # (src, dst) as matched word rows (hicached.transfer.words), when the planner had them
+    # cached; the CPU route computes them otherwise.
+    rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -117,8 +121,22 @@ def page_nbytes(pages: torch.Tensor) -> int:
 
 Item = tuple[DevicePoolView, HostPoolLike, np.ndarray, np.ndarray]
 Layers = list[tuple[int, torch.Tensor, torch.Tensor]]
-# What build_plan may remember between calls: pool name -> (view, host pool, checked layers).
-LayerCache = MutableMapping[str, tuple[DevicePoolView, HostPoolLike, Layers]]
+Rows = list[tuple[torch.Tensor, torch.Tensor] | None]
+
+
+@dataclass
+class CheckedPool:
+    """What build_plan remembers of one (view, host pool) pair: its checked layers and,
+    per direction, each layer's (source, destination) word rows (CPU layers only)."""
+
+    view: DevicePoolView
+    host: HostPoolLike
+    layers: Layers
+    rows: dict[Direction, Rows] = field(default_factory=dict)
+
+
+# What build_plan may remember between calls: pool name -> CheckedPool.
+LayerCache = MutableMapping[str, CheckedPool]
 
 
 def build_plan(direction: Direction, items: Sequence[Item], *, cache: LayerCache | None = None) -> CopyPlan:
@@ -150,12 +168,12 @@ def build_plan(direction: Direction, items: Sequence[Item], *, cache: LayerCache
                 f"pool {view.name!r}: {len(dev_pages)} device pages but {len(host_pages)} host pages"
             )
         hit = cache.get(view.name) if cache is not None else None
-        if hit is not None and hit[0] is view and hit[1] is host:
-            layers = hit[2]
-        else:
-            layers = _check_pool(view, host)
+        if hit is None or hit.view is not view or hit.host is not host:
+            hit = CheckedPool(view, host, _check_pool(view, host))
             if cache is not None:
-                cache[view.name] = (view, host, layers)
+                cache[view.name] = hit
+        layers = hit.layers
+        rows = _rows(hit, direction) if cache is not None else [None] * len(layers)
         _check_range(view.name, "device", dev_pages, view.num_pages)
         _check_range(view.name, "host", host_pages, int(host.total_pages))
         dst_kind, dst_pages = ("host", host_pages) if direction is Direction.D2H else ("device", dev_pages)
@@ -163,13 +181,13 @@ def build_plan(direction: Direction, items: Sequence[Item], *, cache: LayerCache
         tokens[view.name] = len(dev_pages) * view.page_size
         pool_bytes = 0
         if len(dev_pages):
-            for layer_id, dev, host_t in layers:
+            for (layer_id, dev, host_t), pair in zip(layers, rows, strict=True):
                 src, dst, sp, dp = (
                     (dev, host_t, dev_pages, host_pages)
                     if direction is Direction.D2H
                     else (host_t, dev, host_pages, dev_pages)
                 )
-                copy = PageCopy(src=src, dst=dst, src_pages=sp, dst_pages=dp)
+                copy = PageCopy(src=src, dst=dst, src_pages=sp, dst_pages=dp, rows=pair)
                 pool_bytes += copy.nbytes
                 by_layer.setdefault(layer_id, []).append(copy)
         nbytes_by_pool[view.name] = pool_bytes
@@ -182,6 +200,19 @@ def build_plan(direction: Direction, items: Sequence[Item], *, cache: LayerCache
         tokens_by_pool=MappingProxyType(tokens),
         bytes_by_pool=MappingProxyType(nbytes_by_pool),
     )
+
+
+def _rows(checked: CheckedPool, direction: Direction) -> Rows:
+    """The word rows of each layer's (source, destination) in ``direction``, made once."""
+    rows = checked.rows.get(direction)
+    if rows is None:
+        rows = []
+        for _, dev, host_t in checked.layers:
+            src, dst = (dev, host_t) if direction is Direction.D2H else (host_t, dev)
+            cpu = medium_of(src) is Medium.CPU and medium_of(dst) is Medium.CPU
+            rows.append(matched_rows(src, dst) if cpu else None)
+        checked.rows[direction] = rows
+    return rows
 
 
 def _pages(pool: str, kind: str, pages: object) -> np.ndarray:

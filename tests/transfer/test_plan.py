@@ -179,6 +179,8 @@ def test_the_layer_cache_serves_only_the_view_and_pool_it_checked(
     assert list(cache) == ["kv"]
     again = build_plan(Direction.D2H, [(view, host, pages(3), pages(4))], cache=cache)
     assert again.steps[0].copies[0].src is first.steps[0].copies[0].src  # the cached page views
+    assert again.steps[0].copies[0].rows is first.steps[0].copies[0].rows  # and their word rows
+    assert first.steps[0].copies[0].rows is not None
     bad = replace(view, page_size=view.page_size * 2)
     with pytest.raises(InvalidArgument, match="device page size"):
         build_plan(Direction.D2H, [(bad, host, pages(1), pages(2))], cache=cache)

@@ -22,8 +22,8 @@ from hicached.transfer.routes import (
     route,
     run_copies,
     runs,
-    word_rows,
 )
+from hicached.transfer.words import word_rows
 
 
 def rand_pages(n: int, *page_shape: int, seed: int = 0) -> torch.Tensor:
