@@ -10,6 +10,7 @@ Plans are immutable and may be shared between threads.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -70,8 +71,8 @@ class DevicePoolView:
     layer_ids: Sequence[int]
     medium: Medium
 
-    @property
-    def num_pages(self) -> int:
+    @functools.cached_property
+    def num_pages(self) -> int:  # read by every request's checks; the buffers never change
         return int(self.k[0].shape[0]) // self.page_size if self.k else 0
 
 
