@@ -414,6 +414,8 @@ def _batches(plan: CopyPlan, *, merge: bool) -> list[tuple[list[int], list[PageC
 
 
 def _check_args(priority: Priority, owner: str) -> Priority:
+    if type(priority) is Priority and type(owner) is str and owner:
+        return priority  # the core's calls: no enum conversion (it costs more than the checks)
     try:
         priority = Priority(priority)
     except ValueError:

@@ -93,8 +93,8 @@ class PageCopy:
     # cached; the CPU route computes them otherwise.
     rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # read by the plan, the engine and the split: computed once
         return len(self.src_pages) * page_nbytes(self.src)
 
 
@@ -154,7 +154,8 @@ def build_plan(direction: Direction, items: Sequence[Item], *, cache: LayerCache
     the very same view and pool objects. It references the views' tensors: whoever owns
     it must drop it when the views' memory is unmapped.
     """
-    direction = Direction(direction)
+    if type(direction) is not Direction:
+        direction = Direction(direction)
     by_layer: dict[int, list[PageCopy]] = {}
     tokens: dict[str, int] = {}
     nbytes_by_pool: dict[str, int] = {}
