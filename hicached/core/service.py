@@ -7,7 +7,7 @@ engine), so the servicer runs them on a thread pool.
 Atomicity: each mutating call validates everything first, then allocates,
 then copies; when a later step fails, what the call allocated is freed before
 the error propagates. ``Session.run`` makes a retried (rpc, op_id) return
-the first remembered outcome (see :mod:`hicached.core.sessions`). Ownership: a host page is owned by exactly one holder at a time — a
+the first remembered outcome (see :mod:`hicached.core.opcache`). Ownership: a host page is owned by exactly one holder at a time — a
 session's ledger, a retraction backup, or the content index — and is freed by
 that holder exactly once (``GroupState.free`` defers frees that race a copy).
 """

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from hicached.core.sessions import OpCache, op_digest
+from hicached.core.opcache import OpCache, op_digest
 from hicached.errors import InvalidArgument, OutOfRange, ResourceExhausted
 from hicached.l2.group import PoolTransfer
 from tests.core.conftest import Core, pages
