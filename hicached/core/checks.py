@@ -78,10 +78,12 @@ def check_transfers(
 
 
 def known_pool(state: GroupState, name: str) -> None:
-    if name not in {e.name for e in state.group.entries}:
+    try:
+        state.group.get_entry(name)  # a dict lookup; the entries list is built only for the message
+    except NotFound:
         raise NotFound(
             f"unknown pool {name!r} (this session's pools: {sorted(e.name for e in state.group.entries)})"
-        )
+        ) from None
 
 
 def device_view(session: Session, state: GroupState, name: str) -> DevicePoolView:

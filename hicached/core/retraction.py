@@ -1,17 +1,31 @@
-"""BackupStore: retraction backups held by the daemon, with their own lock.
+"""Retraction: a retracted request's pages backed up to host and restored (or discarded).
 
+:class:`BackupStore` holds the backups with their own lock; :class:`Retraction` is the part
+of :class:`hicached.core.service.HiCacheCore` that makes, restores and discards them.
 A backup owns its host pages (see :mod:`hicached.core.service` on ownership): the
 store only keeps the records; whoever takes a record out frees its pages exactly once.
-Thread-safe: every method holds the store's lock for a dict operation only, never
+Thread-safe: every store method holds the store's lock for a dict operation only, never
 across a copy or a free.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import replace
 
-from hicached.core.sessions import Backup
-from hicached.errors import NotFound, PermissionDenied
+from hicached.core.checks import bind_derived
+from hicached.core.dataplane import DataPlane, LayerCallback
+from hicached.core.sessions import Backup, now_ms
+from hicached.core.types import Ack, RetractResult
+from hicached.errors import InvalidArgument, NotFound, PermissionDenied
+from hicached.l2.group import PoolTransfer
+from hicached.transfer.engine import Priority
+from hicached.transfer.plan import Direction
+
+logger = logging.getLogger(__name__)
 
 
 class BackupStore:
@@ -65,3 +79,116 @@ class BackupStore:
         """The backups (of one session when ``session_id`` is given), for stats."""
         with self._lock:
             return [b for b in self._backups.values() if not session_id or b.session_id == session_id]
+
+
+class Retraction(DataPlane):
+    """RetractBackup / RetractRestore / RetractDiscard; the facade sets ``_backups``."""
+
+    _backups: BackupStore
+
+    def retract_backup(
+        self,
+        session_id: str,
+        op_id: str,
+        request_id: str,
+        transfers: Sequence[PoolTransfer],
+        *,
+        num_tokens: int,
+        lease_ms: int = 0,
+    ) -> RetractResult:
+        session, state = self._session(session_id)
+        checked = self.check_transfers(session, state, transfers, host="forbidden")
+        anchor = state.group.anchor.name
+        if not any(t.name == anchor for t in checked):
+            raise InvalidArgument(f"a retraction backup must include the anchor pool {anchor!r}")
+        pages = max(len(t.device_indices) for t in checked if t.device_indices is not None)
+        page_size = state.pool(anchor).page_size
+        if num_tokens < 0 or num_tokens > pages * page_size:
+            raise InvalidArgument(
+                f"num_tokens={num_tokens} exceeds the {pages} pages x page_size={page_size}"
+            )
+        lease = lease_ms or self._cfg.sessions.retraction_lease_ms
+
+        def run() -> RetractResult:
+            result = state.group.resolve_all(checked)
+            if not result.ok:
+                logger.info("retraction backup declined: no host room", extra={"session": session_id})
+                return RetractResult(ok=False)
+            try:
+                acks = self.copy_pages(
+                    session, state, Direction.D2H, result.transfers, priority=Priority.DEMAND
+                )
+            except BaseException:
+                state.release_transfers(result.transfers)
+                raise
+            backup = Backup(
+                backup_id=uuid.uuid4().hex,
+                session_id=session.session_id,
+                group_id=state.group_id,
+                request_id=request_id,
+                transfers=tuple(result.transfers),
+                num_tokens=num_tokens,
+                expires_ms=now_ms() + lease,
+            )
+            self._backups.add(backup)
+            return RetractResult(
+                ok=True, backup_id=backup.backup_id, lease_expires_unix_ms=backup.expires_ms, acks=acks
+            )
+
+        return session.run("RetractBackup", op_id, (request_id, checked, num_tokens, lease), run)
+
+    def retract_restore(
+        self,
+        session_id: str,
+        op_id: str,
+        backup_id: str,
+        transfers: Sequence[PoolTransfer],
+        *,
+        on_layer: LayerCallback | None = None,
+    ) -> tuple[Ack, ...]:
+        session, state = self._session(session_id)
+
+        def run() -> tuple[Ack, ...]:
+            backup = self._backups.owned(session.session_id, backup_id)
+            checked = bind_derived(state, self.check_transfers(session, state, transfers, host="forbidden"))
+            saved = {t.name: t for t in backup.transfers}
+            given = {t.name: t for t in checked}
+            if set(saved) != set(given):
+                raise InvalidArgument(
+                    f"restore must name the same pools as the backup: backup has {sorted(saved)}, got {sorted(given)}"
+                )
+            for name, t in given.items():
+                saved_pages = saved[name].host_indices
+                want = 0 if saved_pages is None else len(saved_pages)
+                got = 0 if t.device_indices is None else len(t.device_indices)
+                if got != want:
+                    raise InvalidArgument(
+                        f"restore of pool {name!r}: backup holds {want} pages, got {got} device pages"
+                    )
+            bound = [replace(t, host_indices=saved[t.name].host_indices) for t in checked]
+            if self._backups.take(backup_id) is None:
+                raise NotFound(
+                    f"unknown retraction backup {backup_id!r} (restored or discarded concurrently)"
+                )
+            try:
+                acks = self.copy_pages(
+                    session, state, Direction.H2D, bound, priority=Priority.RESTORE, on_layer=on_layer
+                )
+            except BaseException:
+                self._backups.add(backup)  # the backup stays restorable
+                raise
+            state.release_transfers(backup.transfers)
+            return acks
+
+        return session.run("RetractRestore", op_id, (backup_id, transfers), run)
+
+    def retract_discard(self, session_id: str, op_id: str, backup_id: str) -> int:
+        session, state = self._session(session_id)
+
+        def run() -> int:
+            backup = self._backups.owned(session.session_id, backup_id)
+            if self._backups.take(backup_id) is None:
+                raise NotFound(f"unknown retraction backup {backup_id!r}")
+            return state.release_transfers(backup.transfers)
+
+        return session.run("RetractDiscard", op_id, backup_id, run)

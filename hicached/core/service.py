@@ -7,7 +7,7 @@ engine), so the servicer runs them on a thread pool.
 Atomicity: each mutating call validates everything first, then allocates,
 then copies; when a later step fails, what the call allocated is freed before
 the error propagates. ``Session.run`` makes a retried (rpc, op_id) return
-the first remembered outcome (see :mod:`hicached.core.sessions`). Ownership: a host page is owned by exactly one holder at a time — a
+the first remembered outcome (see :mod:`hicached.core.opcache`). Ownership: a host page is owned by exactly one holder at a time — a
 session's ledger, a retraction backup, or the content index — and is freed by
 that holder exactly once (``GroupState.free`` defers frees that race a copy).
 """
@@ -18,29 +18,21 @@ import contextlib
 import functools
 import logging
 import threading
-import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
-
-import numpy as np
+from collections.abc import Callable, Sequence
 
 from hicached.config import Config
-from hicached.core.checks import bind_derived, check_indices, check_owned, check_transfers, known_pool
 from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry, validate_pool_requests, validate_worker
 from hicached.core.hooks import CoreObserver, NullCoreObserver
-from hicached.core.retraction import BackupStore
+from hicached.core.retraction import BackupStore, Retraction
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
 from hicached.core.stats import BackupStats, DaemonStats, GroupStats, SessionStats
 from hicached.core.types import (
-    Ack,
     AttachResult,
     PeerCred,
     PoolRequest,
     PoolRole,
-    RetractResult,
-    TransferResult,
     WorkerId,
 )
 from hicached.errors import (
@@ -49,19 +41,19 @@ from hicached.errors import (
     PermissionDenied,
     Unavailable,
 )
-from hicached.l2.allocator import as_page_array
-from hicached.l2.group import PoolTransfer
-from hicached.transfer.engine import CopyEngine, Priority
+from hicached.transfer.engine import CopyEngine
 from hicached.transfer.handles import DeviceMappings, medium_of
-from hicached.transfer.plan import DevicePoolView, Direction, build_plan
+from hicached.transfer.plan import DevicePoolView
 
 logger = logging.getLogger(__name__)
 
-LayerCallback = Callable[[int], None]
 
+class HiCacheCore(Retraction):
+    """Thread-safe: sessions, groups and backups each have their own lock.
 
-class HiCacheCore:
-    """Thread-safe: sessions, groups and backups each have their own lock."""
+    This module holds sessions (attach, detach, leases, teardown) and admin; the page
+    operations live in :class:`hicached.core.dataplane.DataPlane` and retraction in
+    :class:`hicached.core.retraction.Retraction`, which this class extends."""
 
     def __init__(
         self,
@@ -274,6 +266,7 @@ class HiCacheCore:
             if index is not None:
                 with contextlib.suppress(NotFound):
                     index.get_prefetch(pid).cancel()
+        session.plan_layers.clear()  # it references the device views unmapped now
         session.mappings.close()
         self._hooks.on_session(reason, session)
         logger.info(
@@ -284,313 +277,6 @@ class HiCacheCore:
 
     def _free_backup(self, backup: Backup) -> int:
         return self._groups.get(backup.group_id).release_transfers(backup.transfers)
-
-    # ------------------------------------------------------------ request checks
-
-    def _session(self, session_id: str) -> tuple[Session, GroupState]:
-        session = self._sessions.get(session_id)
-        session.touch()  # any call proves the worker alive, not only heartbeats
-        return session, self._groups.get(session.group_id)
-
-    def check_transfers(
-        self,
-        session: Session,
-        state: GroupState,
-        transfers: Sequence[PoolTransfer],
-        *,
-        need_device: bool = True,
-        host: str = "optional",  # "required", "optional", "forbidden"
-    ) -> list[PoolTransfer]:
-        """:func:`hicached.core.checks.check_transfers` under this daemon's batch limit."""
-        return check_transfers(
-            session,
-            state,
-            transfers,
-            max_batch_pages=self._cfg.server.max_batch_pages,
-            need_device=need_device,
-            host=host,
-        )
-
-    # ----------------------------------------------------------------- the copies
-
-    def copy_pages(
-        self,
-        session: Session,
-        state: GroupState,
-        direction: Direction,
-        transfers: Sequence[PoolTransfer],
-        *,
-        priority: Priority,
-        on_layer: LayerCallback | None = None,
-    ) -> tuple[Ack, ...]:
-        items = []
-        busy = []
-        for t in transfers:
-            if t.host_indices is None or t.device_indices is None or len(t.device_indices) == 0:
-                continue
-            items.append((session.views[t.name], state.pool(t.name), t.device_indices, t.host_indices))
-            busy.append((t.name, t.host_indices))
-        plan = build_plan(direction, items)
-        state.acquire(busy)
-        try:
-            future = self._engine.submit(
-                plan, priority=priority, owner=session.session_id, on_layer=on_layer, cancel=session.cancel
-            )
-            result = future.result()
-        finally:
-            state.release(busy)
-        self._hooks.on_copy(direction, plan, result.seconds, model=state.model_name)
-        return tuple(
-            Ack(
-                pool=t.name,
-                pages=len(t.device_indices) if t.device_indices is not None else 0,
-                tokens=plan.tokens_by_pool.get(t.name, 0),
-                bytes=plan.bytes_by_pool.get(t.name, 0),
-            )
-            for t in transfers
-        )
-
-    def allocate(
-        self, session: Session, state: GroupState, transfers: Sequence[PoolTransfer]
-    ) -> TransferResult:
-        """Allocate missing host pages across the group (atomic); record ownership."""
-        result = state.group.resolve_all(list(transfers))
-        if not result.ok:
-            return TransferResult(ok=False, reason=result.reason)
-        for t in result.transfers:
-            if t.host_allocated and t.host_indices is not None:
-                session.ledger.add(t.name, t.host_indices)
-        return TransferResult(ok=True, transfers=tuple(result.transfers))
-
-    def release_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> int:
-        """Free the session's allocated pages of ``transfers`` (derived ones skipped by role).
-
-        Atomic: ``state.release_transfers`` validates the whole batch before
-        freeing; the ledger forgets the pages only once they are freed.
-        """
-        owned = state.allocated_transfers(transfers)
-        freed = state.release_transfers(owned)
-        for t in owned:
-            session.ledger.remove(t.name, t.host_indices)  # type: ignore[arg-type]
-        return freed
-
-    # ---------------------------------------------------------------- host pages
-
-    def alloc(self, session_id: str, op_id: str, pool: str, num_pages: int) -> np.ndarray | None:
-        session, state = self._session(session_id)
-        known_pool(state, pool)
-        entry = state.group.get_entry(pool)
-        if entry.indices_from_pool:
-            raise InvalidArgument(
-                f"pool {pool!r} is derived from {entry.indices_from_pool!r}: it does not allocate"
-            )
-        if num_pages <= 0 or num_pages > self._cfg.server.max_batch_pages:
-            raise InvalidArgument(
-                f"num_pages={num_pages} must lie in [1, server.max_batch_pages={self._cfg.server.max_batch_pages}]"
-            )
-
-        def run() -> np.ndarray | None:
-            got = state.group.allocate({pool: num_pages})
-            if not got.ok:
-                return None
-            pages = got.pages[pool]
-            session.ledger.add(pool, pages)
-            return pages
-
-        return session.run("Alloc", op_id, (pool, num_pages), run)
-
-    def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
-        session, state = self._session(session_id)
-        known_pool(state, pool)
-        arr = as_page_array(pages, f"pool {pool!r} host pages")
-
-        def run() -> int:
-            check_indices(pool, "host", arr, state.pool(pool).num_pages)
-            check_owned(session, state, [PoolTransfer(pool, arr, arr)])
-            freed = state.free(pool, arr)
-            session.ledger.remove(pool, arr)
-            return freed
-
-        return session.run("Free", op_id, (pool, arr), run)
-
-    def resolve(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> TransferResult:
-        session, state = self._session(session_id)
-        checked = self.check_transfers(session, state, transfers)
-
-        def run() -> TransferResult:
-            check_owned(session, state, checked)  # inside: a replay must not re-check
-            return self.allocate(session, state, checked)
-
-        return session.run("ResolveTransfers", op_id, checked, run)
-
-    def release(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> int:
-        session, state = self._session(session_id)
-        checked = self.check_transfers(session, state, transfers, need_device=False, host="required")
-        flagged = [
-            replace(c, host_allocated=t.host_allocated) for c, t in zip(checked, transfers, strict=True)
-        ]
-
-        def run() -> int:
-            check_owned(session, state, state.allocated_transfers(flagged))  # the whole batch first
-            return self.release_owned(session, state, flagged)
-
-        return session.run("ReleaseTransfers", op_id, flagged, run)
-
-    # ---------------------------------------------------------------- data plane
-
-    def write(
-        self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer], *, allocate: bool
-    ) -> TransferResult:
-        session, state = self._session(session_id)
-        checked = self.check_transfers(session, state, transfers, host="optional" if allocate else "required")
-        if not allocate:
-            checked = bind_derived(state, checked)
-
-        def run() -> TransferResult:
-            check_owned(session, state, checked)
-            resolved = (
-                self.allocate(session, state, checked) if allocate else TransferResult(True, tuple(checked))
-            )
-            if not resolved.ok:
-                return resolved
-            try:
-                acks = self.copy_pages(
-                    session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND
-                )
-            except BaseException:
-                self.release_owned(session, state, resolved.transfers)
-                raise
-            return TransferResult(ok=True, transfers=resolved.transfers, acks=acks)
-
-        return session.run("Write", op_id, (checked, allocate), run)
-
-    def load(
-        self,
-        session_id: str,
-        op_id: str,
-        transfers: Sequence[PoolTransfer],
-        *,
-        on_layer: LayerCallback | None = None,
-    ) -> tuple[Ack, ...]:
-        session, state = self._session(session_id)
-        checked = bind_derived(state, self.check_transfers(session, state, transfers, host="required"))
-
-        def run() -> tuple[Ack, ...]:
-            check_owned(session, state, checked)
-            return self.copy_pages(
-                session, state, Direction.H2D, checked, priority=Priority.DEMAND, on_layer=on_layer
-            )
-
-        return session.run("Load", op_id, checked, run)
-
-    # ---------------------------------------------------------------- retraction
-
-    def retract_backup(
-        self,
-        session_id: str,
-        op_id: str,
-        request_id: str,
-        transfers: Sequence[PoolTransfer],
-        *,
-        num_tokens: int,
-        lease_ms: int = 0,
-    ) -> RetractResult:
-        session, state = self._session(session_id)
-        checked = self.check_transfers(session, state, transfers, host="forbidden")
-        anchor = state.group.anchor.name
-        if not any(t.name == anchor for t in checked):
-            raise InvalidArgument(f"a retraction backup must include the anchor pool {anchor!r}")
-        pages = max(len(t.device_indices) for t in checked if t.device_indices is not None)
-        page_size = state.pool(anchor).page_size
-        if num_tokens < 0 or num_tokens > pages * page_size:
-            raise InvalidArgument(
-                f"num_tokens={num_tokens} exceeds the {pages} pages x page_size={page_size}"
-            )
-        lease = lease_ms or self._cfg.sessions.retraction_lease_ms
-
-        def run() -> RetractResult:
-            result = state.group.resolve_all(checked)
-            if not result.ok:
-                logger.info("retraction backup declined: no host room", extra={"session": session_id})
-                return RetractResult(ok=False)
-            try:
-                acks = self.copy_pages(
-                    session, state, Direction.D2H, result.transfers, priority=Priority.DEMAND
-                )
-            except BaseException:
-                state.release_transfers(result.transfers)
-                raise
-            backup = Backup(
-                backup_id=uuid.uuid4().hex,
-                session_id=session.session_id,
-                group_id=state.group_id,
-                request_id=request_id,
-                transfers=tuple(result.transfers),
-                num_tokens=num_tokens,
-                expires_ms=now_ms() + lease,
-            )
-            self._backups.add(backup)
-            return RetractResult(
-                ok=True, backup_id=backup.backup_id, lease_expires_unix_ms=backup.expires_ms, acks=acks
-            )
-
-        return session.run("RetractBackup", op_id, (request_id, checked, num_tokens, lease), run)
-
-    def retract_restore(
-        self,
-        session_id: str,
-        op_id: str,
-        backup_id: str,
-        transfers: Sequence[PoolTransfer],
-        *,
-        on_layer: LayerCallback | None = None,
-    ) -> tuple[Ack, ...]:
-        session, state = self._session(session_id)
-
-        def run() -> tuple[Ack, ...]:
-            backup = self._backups.owned(session.session_id, backup_id)
-            checked = bind_derived(state, self.check_transfers(session, state, transfers, host="forbidden"))
-            saved = {t.name: t for t in backup.transfers}
-            given = {t.name: t for t in checked}
-            if set(saved) != set(given):
-                raise InvalidArgument(
-                    f"restore must name the same pools as the backup: backup has {sorted(saved)}, got {sorted(given)}"
-                )
-            for name, t in given.items():
-                saved_pages = saved[name].host_indices
-                want = 0 if saved_pages is None else len(saved_pages)
-                got = 0 if t.device_indices is None else len(t.device_indices)
-                if got != want:
-                    raise InvalidArgument(
-                        f"restore of pool {name!r}: backup holds {want} pages, got {got} device pages"
-                    )
-            bound = [replace(t, host_indices=saved[t.name].host_indices) for t in checked]
-            if self._backups.take(backup_id) is None:
-                raise NotFound(
-                    f"unknown retraction backup {backup_id!r} (restored or discarded concurrently)"
-                )
-            try:
-                acks = self.copy_pages(
-                    session, state, Direction.H2D, bound, priority=Priority.RESTORE, on_layer=on_layer
-                )
-            except BaseException:
-                self._backups.add(backup)  # the backup stays restorable
-                raise
-            state.release_transfers(backup.transfers)
-            return acks
-
-        return session.run("RetractRestore", op_id, (backup_id, transfers), run)
-
-    def retract_discard(self, session_id: str, op_id: str, backup_id: str) -> int:
-        session, state = self._session(session_id)
-
-        def run() -> int:
-            backup = self._backups.owned(session.session_id, backup_id)
-            if self._backups.take(backup_id) is None:
-                raise NotFound(f"unknown retraction backup {backup_id!r}")
-            return state.release_transfers(backup.transfers)
-
-        return session.run("RetractDiscard", op_id, backup_id, run)
 
     # ------------------------------------------------------------------- admin
 

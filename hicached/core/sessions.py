@@ -5,224 +5,38 @@ Thread-safety: ``Session`` guards its mutable state with its own lock; the
 ownership lives here (not in the pools) so that a session that ends can give
 back exactly what it held, once.
 
-Idempotent operations (:meth:`Session.run`, the one way an operation runs):
-an answer is remembered per session under ``(rpc, op_id)`` together with a
-digest of the call's arguments (:func:`op_digest`, computed by the core from
-the decoded call, so the servicer passes nothing extra and in-process callers
-get the same contract). A retry with the same key and digest gets the stored
-answer; the same key with another digest is INVALID_ARGUMENT. Only answers no
-retry could change are remembered: successes, and errors that depend on the
-request alone (:data:`PERMANENT_ERRORS`), stored as class and message, never
-as the exception with its traceback. "No room" answers (``None`` or a result
-whose ``ok`` is False) and every other error are forgotten, so a retry after
-backpressure runs again. The store is an LRU bounded by entries and bytes.
+Idempotent operations (:meth:`Session.run`, the one way an operation runs)
+remember their answers by ``(rpc, op_id)`` in the session's
+:class:`hicached.core.opcache.OpCache` (see that module for what a retry gets).
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
-import sys
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
+from hicached.core.opcache import OpCache
 from hicached.core.types import PeerCred, WorkerId
 from hicached.errors import (
     Cancelled,
     FailedPrecondition,
-    HiCacheError,
-    InvalidArgument,
     NotFound,
-    OutOfRange,
     PermissionDenied,
 )
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.handles import DeviceMappings
-from hicached.transfer.plan import DevicePoolView
+from hicached.transfer.plan import DevicePoolView, LayerCache
 
 T = TypeVar("T")
-
-PERMANENT_ERRORS: tuple[type[HiCacheError], ...] = (InvalidArgument, OutOfRange)
-"""Errors that depend only on the request (and the group's fixed shape): remembered."""
-
-_OP_ID_QUOTE = 32  # characters of a client's op_id quoted in an error
-
-
-def op_digest(body: object) -> bytes:
-    """A 16-byte digest of a decoded call (strings, numbers, bytes, arrays, dataclasses, containers).
-
-    Canonical: equal calls (e.g. the same page list as a list or an int64
-    array) digest equally; each value is tagged with its kind and length so
-    that no two different bodies share an encoding.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    _feed(h, body)
-    return h.digest()
-
-
-def _feed(h: Any, value: object) -> None:
-    if value is None:
-        h.update(b"N")
-    elif isinstance(value, bool):
-        h.update(b"T" if value else b"F")
-    elif isinstance(value, (int, np.integer)):
-        h.update(b"i" + str(int(value)).encode() + b";")
-    elif isinstance(value, float):
-        h.update(b"f" + value.hex().encode() + b";")
-    elif isinstance(value, str):
-        raw = value.encode("utf-8", "surrogatepass")
-        h.update(b"s%d:" % len(raw) + raw)
-    elif isinstance(value, (bytes, bytearray, memoryview)):
-        raw = bytes(value)
-        h.update(b"b%d:" % len(raw) + raw)
-    elif isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value.astype(np.int64) if value.dtype.kind in "iub" else value)
-        h.update(b"a%s%d:" % (arr.dtype.str.encode(), arr.size) + arr.tobytes())
-    elif is_dataclass(value) and not isinstance(value, type):
-        h.update(b"d" + type(value).__name__.encode() + b"{")
-        for f in fields(value):
-            _feed(h, f.name)
-            _feed(h, getattr(value, f.name))
-        h.update(b"}")
-    elif isinstance(value, dict):
-        h.update(b"m%d{" % len(value))
-        for k in sorted(value, key=repr):
-            _feed(h, k)
-            _feed(h, value[k])
-        h.update(b"}")
-    elif isinstance(value, (list, tuple)):
-        h.update(b"l%d[" % len(value))
-        for item in value:
-            _feed(h, item)
-        h.update(b"]")
-    else:
-        raise TypeError(f"op_digest cannot encode {type(value).__name__}")
-
-
-def answer_bytes(value: object) -> int:
-    """Estimated memory a remembered answer holds (what the byte bound counts)."""
-    if isinstance(value, np.ndarray):
-        return 112 + int(value.nbytes)
-    if isinstance(value, (str, bytes, bytearray)):
-        return sys.getsizeof(value)
-    if isinstance(value, (list, tuple)):
-        return sys.getsizeof(value) + sum(answer_bytes(v) for v in value)
-    if isinstance(value, dict):
-        return sys.getsizeof(value) + sum(answer_bytes(k) + answer_bytes(v) for k, v in value.items())
-    if is_dataclass(value) and not isinstance(value, type):
-        return 64 + sum(answer_bytes(getattr(value, f.name)) for f in fields(value))
-    return sys.getsizeof(value)
-
-
-def quote_op_id(op_id: str) -> str:
-    """A client's op_id as quoted in messages: at most a short prefix."""
-    clipped = op_id[:_OP_ID_QUOTE]
-    return repr(clipped) + ("..." if len(op_id) > _OP_ID_QUOTE else "")
-
-
-@dataclass(frozen=True)
-class _Remembered:
-    """A stored answer: a value, or a permanent error's class and message (no traceback)."""
-
-    digest: bytes
-    nbytes: int
-    value: object = None
-    error: tuple[type[HiCacheError], str] | None = None
-
-    def replay(self) -> Any:
-        if self.error is not None:
-            cls, message = self.error
-            raise cls(message)
-        return self.value
-
-
-class OpCache:
-    """Answers of one session's operations by ``(rpc, op_id)``; LRU, bounded by entries and bytes.
-
-    Thread-safety: one lock; a concurrent duplicate of an operation in flight
-    waits for its outcome (result or error) instead of running it twice.
-    """
-
-    def __init__(self, *, max_entries: int, max_bytes: int) -> None:
-        self._lock = threading.Lock()
-        self._done: OrderedDict[tuple[str, str], _Remembered] = OrderedDict()
-        self._running: dict[tuple[str, str], tuple[bytes, Future[Any]]] = {}
-        self._bytes = 0
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            return self._bytes
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._done)
-
-    def run(self, rpc: str, op_id: str, body: object, fn: Callable[[], T]) -> T:
-        key = (rpc, op_id)
-        digest = op_digest(body)
-        with self._lock:
-            done = self._done.get(key)
-            if done is not None:
-                self._done.move_to_end(key)
-                self._check_digest(done.digest, digest, rpc, op_id)
-                replay: T = done.replay()
-                return replay
-            running = self._running.get(key)
-            if running is None:
-                fut: Future[Any] = Future()
-                self._running[key] = (digest, fut)
-            else:
-                self._check_digest(running[0], digest, rpc, op_id)
-                fut = running[1]
-        if running is not None:
-            shared: T = fut.result()  # a concurrent duplicate shares the first one's outcome
-            return shared
-        try:
-            value = fn()
-        except BaseException as exc:
-            remembered = None
-            if isinstance(exc, PERMANENT_ERRORS):
-                remembered = _Remembered(digest, 200 + len(str(exc)), error=(type(exc), str(exc)))
-            self._finish(key, remembered)
-            fut.set_exception(exc)
-            del fut  # the traceback must not outlive this call
-            raise
-        transient = value is None or getattr(value, "ok", True) is False
-        self._finish(key, None if transient else _Remembered(digest, 200 + answer_bytes(value), value=value))
-        fut.set_result(value)
-        return value
-
-    @staticmethod
-    def _check_digest(stored: bytes, digest: bytes, rpc: str, op_id: str) -> None:
-        if stored != digest:
-            raise InvalidArgument(
-                f"op_id {quote_op_id(op_id)} was already used for a different {rpc} request in this "
-                "session; a retry must resend the same request, a new operation needs a new op_id"
-            )
-
-    def _finish(self, key: tuple[str, str], answer: _Remembered | None) -> None:
-        with self._lock:
-            self._running.pop(key, None)
-            if answer is None or answer.nbytes > self.max_bytes:
-                return
-            self._done[key] = answer
-            self._bytes += answer.nbytes
-            while self._done and (len(self._done) > self.max_entries or self._bytes > self.max_bytes):
-                _, old = self._done.popitem(last=False)
-                self._bytes -= old.nbytes
 
 
 def now_ms() -> int:
@@ -299,6 +113,8 @@ class Session:
     secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     # Who attached it, from the kernel (fd handoff); None for TCP / no-handoff attaches.
     peer: PeerCred | None = None
+    # build_plan's checked layers of this session's views (see hicached.transfer.plan).
+    plan_layers: LayerCache = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.idle = threading.Condition(self.lock)

@@ -27,6 +27,8 @@ PagesLike = PageArray | Sequence[int]
 
 def as_page_array(pages: object, what: str = "page indices") -> PageArray:
     """A fresh 1-D int64 copy of ``pages``; InvalidArgument if it is not integral and 1-D."""
+    if type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 1:
+        return pages.copy()  # the common case, without the checks' dozen numpy calls
     arr = np.asarray(pages)
     if arr.size == 0:
         return np.empty(0, dtype=np.int64)

@@ -30,10 +30,10 @@ from hicached.transfer.routes import (
     Staging,
     check_bounds,
     few_runs,
-    matched_rows,
     register_route,
     scatter_rows,
 )
+from hicached.transfer.words import matched_rows
 
 _LAZY_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 _CUDA_ERROR_INVALID_VALUE = 1

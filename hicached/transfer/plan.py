@@ -10,9 +10,10 @@ Plans are immutable and may be shared between threads.
 from __future__ import annotations
 
 import enum
+import functools
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
@@ -21,6 +22,7 @@ import torch
 
 from hicached.errors import InvalidArgument, OutOfRange
 from hicached.transfer.handles import Medium, medium_of
+from hicached.transfer.words import matched_rows
 
 TAIL_LAYER = -1  # global layer id of pool layers after the last mapped one (draft layers)
 
@@ -69,8 +71,8 @@ class DevicePoolView:
     layer_ids: Sequence[int]
     medium: Medium
 
-    @property
-    def num_pages(self) -> int:
+    @functools.cached_property
+    def num_pages(self) -> int:  # read by every request's checks; the buffers never change
         return int(self.k[0].shape[0]) // self.page_size if self.k else 0
 
 
@@ -87,9 +89,12 @@ class PageCopy:
     dst: torch.Tensor
     src_pages: np.ndarray
     dst_pages: np.ndarray
+    # (src, dst) as matched word rows (hicached.transfer.words), when the planner had them
+    # cached; the CPU route computes them otherwise.
+    rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # read by the plan, the engine and the split: computed once
         return len(self.src_pages) * page_nbytes(self.src)
 
 
@@ -116,17 +121,41 @@ def page_nbytes(pages: torch.Tensor) -> int:
 
 
 Item = tuple[DevicePoolView, HostPoolLike, np.ndarray, np.ndarray]
+Layers = list[tuple[int, torch.Tensor, torch.Tensor]]
+Rows = list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
-def build_plan(direction: Direction, items: Sequence[Item]) -> CopyPlan:
+@dataclass
+class CheckedPool:
+    """What build_plan remembers of one (view, host pool) pair: its checked layers and,
+    per direction, each layer's (source, destination) word rows (CPU layers only)."""
+
+    view: DevicePoolView
+    host: HostPoolLike
+    layers: Layers
+    rows: dict[Direction, Rows] = field(default_factory=dict)
+
+
+# What build_plan may remember between calls: pool name -> CheckedPool.
+LayerCache = MutableMapping[str, CheckedPool]
+
+
+def build_plan(direction: Direction, items: Sequence[Item], *, cache: LayerCache | None = None) -> CopyPlan:
     """Plan the copies of ``items`` = (device view, host pool, device_pages, host_pages) per pool.
 
     D2H copies device pages to host pages, H2D the reverse. Everything is validated
     first (InvalidArgument / OutOfRange naming the pool and the offending value), so
     a rejected plan never leads to a partial copy. Steps come in ascending global
     layer order with the tail (-1) last; a step holds every pool's copies of its layer.
+
+    ``cache`` (owned by the caller, e.g. one per session, and dropped with it) keeps the
+    check of each (view, host pool) pair and its per-layer page views: they never change,
+    and checking them costs more than planning a small copy. An entry is used only for
+    the very same view and pool objects. It references the views' tensors: whoever owns
+    it must drop it when the views' memory is unmapped.
     """
-    direction = Direction(direction)
+    if type(direction) is not Direction:
+        direction = Direction(direction)
     by_layer: dict[int, list[PageCopy]] = {}
     tokens: dict[str, int] = {}
     nbytes_by_pool: dict[str, int] = {}
@@ -140,7 +169,13 @@ def build_plan(direction: Direction, items: Sequence[Item]) -> CopyPlan:
             raise InvalidArgument(
                 f"pool {view.name!r}: {len(dev_pages)} device pages but {len(host_pages)} host pages"
             )
-        layers = _check_pool(view, host)
+        hit = cache.get(view.name) if cache is not None else None
+        if hit is None or hit.view is not view or hit.host is not host:
+            hit = CheckedPool(view, host, _check_pool(view, host))
+            if cache is not None:
+                cache[view.name] = hit
+        layers = hit.layers
+        rows = _rows(hit, direction) if cache is not None else [None] * len(layers)
         _check_range(view.name, "device", dev_pages, view.num_pages)
         _check_range(view.name, "host", host_pages, int(host.total_pages))
         dst_kind, dst_pages = ("host", host_pages) if direction is Direction.D2H else ("device", dev_pages)
@@ -148,13 +183,13 @@ def build_plan(direction: Direction, items: Sequence[Item]) -> CopyPlan:
         tokens[view.name] = len(dev_pages) * view.page_size
         pool_bytes = 0
         if len(dev_pages):
-            for layer_id, dev, host_t in layers:
+            for (layer_id, dev, host_t), pair in zip(layers, rows, strict=True):
                 src, dst, sp, dp = (
                     (dev, host_t, dev_pages, host_pages)
                     if direction is Direction.D2H
                     else (host_t, dev, host_pages, dev_pages)
                 )
-                copy = PageCopy(src=src, dst=dst, src_pages=sp, dst_pages=dp)
+                copy = PageCopy(src=src, dst=dst, src_pages=sp, dst_pages=dp, rows=pair)
                 pool_bytes += copy.nbytes
                 by_layer.setdefault(layer_id, []).append(copy)
         nbytes_by_pool[view.name] = pool_bytes
@@ -167,6 +202,19 @@ def build_plan(direction: Direction, items: Sequence[Item]) -> CopyPlan:
         tokens_by_pool=MappingProxyType(tokens),
         bytes_by_pool=MappingProxyType(nbytes_by_pool),
     )
+
+
+def _rows(checked: CheckedPool, direction: Direction) -> Rows:
+    """The word rows of each layer's (source, destination) in ``direction``, made once."""
+    rows = checked.rows.get(direction)
+    if rows is None:
+        rows = []
+        for _, dev, host_t in checked.layers:
+            src, dst = (dev, host_t) if direction is Direction.D2H else (host_t, dev)
+            cpu = medium_of(src) is Medium.CPU and medium_of(dst) is Medium.CPU
+            rows.append(matched_rows(src, dst) if cpu else None)
+        checked.rows[direction] = rows
+    return rows
 
 
 def _pages(pool: str, kind: str, pages: object) -> np.ndarray:
@@ -204,7 +252,7 @@ def _check_unique(pool: str, kind: str, pages: np.ndarray) -> None:
         )
 
 
-def _check_pool(view: DevicePoolView, host: HostPoolLike) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+def _check_pool(view: DevicePoolView, host: HostPoolLike) -> Layers:
     """Check a device view against its host pool; (global layer, device pages, host pages) per buffer."""
     spec = host.spec
     name = view.name
@@ -220,7 +268,7 @@ def _check_pool(view: DevicePoolView, host: HostPoolLike) -> list[tuple[int, tor
     tokens = int(view.k[0].shape[0]) if view.k else 0
     if tokens % view.page_size:
         raise InvalidArgument(f"pool {name!r}: {tokens} device tokens is not a multiple of page size")
-    out: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    out: Layers = []
     for kv, buffers in enumerate((view.k, view.v)):
         for layer, buf in enumerate(buffers):
             label = f"pool {name!r} {'KV'[kv]} layer {layer}"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from hicached.core.sessions import OpCache, op_digest
+from hicached.core.opcache import OpCache, op_digest
 from hicached.errors import InvalidArgument, OutOfRange, ResourceExhausted
 from hicached.l2.group import PoolTransfer
 from tests.core.conftest import Core, pages
@@ -151,6 +151,23 @@ def test_digest_is_canonical_and_tells_bodies_apart() -> None:
     assert op_digest((t, True)) != op_digest((t, False))
     assert op_digest(("ab", "c")) != op_digest(("a", "bc"))
     assert op_digest([b"\x00"]) != op_digest([b"\x00\x00"])
+
+
+def test_digest_fast_path_and_general_path_encode_alike() -> None:
+    """Exact types go through a dict of encoders, anything else through isinstance checks:
+    both must give one encoding per value (a bool is never an int; a non-contiguous page
+    array digests like its contiguous copy)."""
+
+    class Name(str):
+        pass
+
+    strided = np.arange(8, dtype=np.int64)[::2]
+    assert op_digest(Name("kv")) == op_digest("kv")
+    assert op_digest(np.int64(5)) == op_digest(5)
+    assert op_digest(True) != op_digest(1)
+    assert op_digest(strided) == op_digest(np.array([0, 2, 4, 6]))
+    assert op_digest(strided) != op_digest(np.array([0, 2, 4, 8]))
+    assert op_digest(bytearray(b"ab")) == op_digest(b"ab")
 
 
 def test_a_write_replay_returns_the_first_result(make_core: Callable[..., Core]) -> None:

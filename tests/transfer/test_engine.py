@@ -327,3 +327,72 @@ def test_close_joins_the_helper_threads_of_large_copies() -> None:
         assert [t for t in threading.enumerate() if t.name.startswith("hicached-copy-helper")]
     engine.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("hicached-copy")]
+
+
+def test_run_copies_on_the_calling_thread_when_a_slot_is_free(engine: CopyEngine) -> None:
+    """No hand-off to a worker thread for a caller that waits anyway (the fixed cost of a call).
+    Fails on the engine before CopyEngine.run, whose copies always ran on hicached-copy-*."""
+    plan, srcs, dsts = make_plan()
+    threads: list[threading.Thread] = []
+    layers: list[int] = []
+    result = engine.run(
+        plan,
+        priority=Priority.DEMAND,
+        owner="w",
+        ready=lambda: threads.append(threading.current_thread()),
+        on_layer=layers.append,
+    )
+    assert threads == [threading.current_thread()]
+    assert layers == [0, 1]
+    assert result.nbytes == plan.nbytes
+    assert all(copied(s, d) for s, d in zip(srcs, dsts, strict=True))
+
+
+def test_run_waits_for_a_slot_and_runs_on_a_worker_when_all_are_busy(engine: CopyEngine) -> None:
+    """With the only slot held, run() queues like submit() (never a second copy at once)."""
+    gate = Gate()
+    held = gate.hold(engine)
+    plan, srcs, dsts = make_plan(seed=1)
+    names: list[str] = []
+    box: list[object] = []
+
+    def call() -> None:
+        box.append(
+            engine.run(
+                plan,
+                priority=Priority.DEMAND,
+                owner="w",
+                ready=lambda: names.append(threading.current_thread().name),
+            )
+        )
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    # Woken by submit()'s notify (the only worker is inside the gate, so this is the only waiter).
+    with engine._cv:
+        assert engine._cv.wait_for(lambda: engine.queue_depth()[Priority.DEMAND] == 1, WAIT)
+    gate.opened.set()
+    held.result(WAIT)
+    caller.join(WAIT)
+    assert names and names[0].startswith("hicached-copy-")
+    assert all(copied(s, d) for s, d in zip(srcs, dsts, strict=True))
+
+
+def test_a_copy_run_on_the_caller_is_cancelled_with_its_owner(engine: CopyEngine) -> None:
+    """cancel_owner() stops a copy running on a caller's thread like one on a worker."""
+    plan, _, dsts = make_plan()
+    with pytest.raises(Cancelled):
+        engine.run(plan, priority=Priority.DEMAND, owner="w", ready=lambda: engine.cancel_owner("w"))
+    assert not any(bool(d.any()) for d in dsts)  # stopped before the first layer
+    plan2, srcs2, dsts2 = make_plan(seed=2)
+    engine.run(plan2, priority=Priority.DEMAND, owner="other")  # the slot was given back
+    assert all(copied(s, d) for s, d in zip(srcs2, dsts2, strict=True))
+
+
+def test_run_after_close_is_refused() -> None:
+    eng = CopyEngine(workers=1)
+    plan, _, _ = make_plan()
+    eng.run(plan, priority=Priority.DEMAND, owner="w")  # leaves an idle caller context
+    eng.close()
+    with pytest.raises(Unavailable):
+        eng.run(plan, priority=Priority.DEMAND, owner="w")

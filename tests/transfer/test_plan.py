@@ -14,6 +14,7 @@ from hicached.errors import InvalidArgument, OutOfRange
 from hicached.l2.host_pool import HostKVPool
 from hicached.l2.layout import HostLayout, PoolKind
 from hicached.transfer import DeviceMappings, DevicePoolView, Direction, Medium, build_plan
+from hicached.transfer.plan import LayerCache
 
 from .conftest import DIM, HEADS, PAGE, open_view, pages, spec_of
 
@@ -165,3 +166,21 @@ def test_mla_pool_has_no_v_buffers(
     assert [len(s.copies) for s in plan.steps] == [1, 1]
     with pytest.raises(InvalidArgument, match="1 device V buffers, expected 0"):
         build_plan(Direction.D2H, [(replace(view, v=[view.k[0]]), host, pages(0), pages(0))])
+
+
+def test_the_layer_cache_serves_only_the_view_and_pool_it_checked(
+    pool: tuple[DevicePoolView, HostKVPool],
+) -> None:
+    """A cached check is reused for the same (view, host pool) objects and never for another
+    view of the same name: a mismatching one is still refused."""
+    view, host = pool
+    cache: LayerCache = {}
+    first = build_plan(Direction.D2H, [(view, host, pages(1), pages(2))], cache=cache)
+    assert list(cache) == ["kv"]
+    again = build_plan(Direction.D2H, [(view, host, pages(3), pages(4))], cache=cache)
+    assert again.steps[0].copies[0].src is first.steps[0].copies[0].src  # the cached page views
+    assert again.steps[0].copies[0].rows is first.steps[0].copies[0].rows  # and their word rows
+    assert first.steps[0].copies[0].rows is not None
+    bad = replace(view, page_size=view.page_size * 2)
+    with pytest.raises(InvalidArgument, match="device page size"):
+        build_plan(Direction.D2H, [(bad, host, pages(1), pages(2))], cache=cache)

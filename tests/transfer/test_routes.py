@@ -14,7 +14,16 @@ import torch
 from hicached.errors import InvalidArgument, OutOfRange
 from hicached.transfer import Medium
 from hicached.transfer.plan import PageCopy
-from hicached.transfer.routes import CopyContext, Run, Staging, copy_cpu_cpu, route, runs, word_rows
+from hicached.transfer.routes import (
+    CopyContext,
+    Run,
+    Staging,
+    copy_cpu_cpu,
+    route,
+    run_copies,
+    runs,
+)
+from hicached.transfer.words import word_rows
 
 
 def rand_pages(n: int, *page_shape: int, seed: int = 0) -> torch.Tensor:
@@ -215,3 +224,24 @@ def test_run_analysis_is_shared_across_layers_and_never_stale() -> None:
             ctx,
         )
     ctx.close()
+
+
+def test_a_large_set_of_copies_is_split_across_helpers_exactly_and_checked_first() -> None:
+    """run_copies hands one part of every copy to a helper (one hand-off per set): the result
+    is byte-exact, and a bad page in the helper's part is refused before anything is written."""
+    rng = np.random.default_rng(3)
+    srcs = [torch.randint(0, 1 << 62, (700, 2048), dtype=torch.int64) for _ in range(2)]  # 16 KiB pages
+    dsts = [torch.zeros(700, 2048, dtype=torch.int64) for _ in range(2)]
+    sp = rng.permutation(700)[:600].astype(np.int64)
+    dp = rng.permutation(700)[:600].astype(np.int64)
+    with ThreadPoolExecutor(1) as helpers:
+        ctx = CopyContext(helpers=helpers, parallelism=2)
+        bad_dp = dp.copy()
+        bad_dp[-1] = 700  # in the helper's half
+        with pytest.raises(OutOfRange):
+            run_copies([PageCopy(s, d, sp, bad_dp) for s, d in zip(srcs, dsts, strict=True)], ctx)
+        assert not any(bool(d.any()) for d in dsts)
+        run_copies([PageCopy(s, d, sp, dp) for s, d in zip(srcs, dsts, strict=True)], ctx)
+        ctx.close()
+    for s, d in zip(srcs, dsts, strict=True):
+        assert torch.equal(d[torch.from_numpy(dp)], s[torch.from_numpy(sp)])

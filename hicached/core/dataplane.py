@@ -1,0 +1,241 @@
+"""The data plane of the core: request checks, host-page bookkeeping and page copies.
+
+:class:`DataPlane` is the part of :class:`hicached.core.service.HiCacheCore` that moves
+and books pages for one session's request (Alloc/Free/Resolve/Release, Write, Load);
+the facade holds the state it reads (sessions, groups, engine, config). Atomicity and
+ownership: see :mod:`hicached.core.service`. Thread-safe as the facade is.
+
+The fixed cost of a call is kept small (docs/performance.md): the copy runs on the
+calling thread when the engine has a free slot (``CopyEngine.run``), the plan reuses the
+session's checked layer views (``Session.plan_layers``), and the op-id digest hashes page
+arrays in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from hicached.config import Config
+from hicached.core.checks import bind_derived, check_indices, check_owned, check_transfers, known_pool
+from hicached.core.group_state import GroupState
+from hicached.core.groups import GroupRegistry
+from hicached.core.hooks import CoreObserver
+from hicached.core.sessions import Session, SessionTable
+from hicached.core.types import Ack, TransferResult
+from hicached.errors import InvalidArgument
+from hicached.l2.allocator import as_page_array
+from hicached.l2.group import PoolTransfer
+from hicached.transfer.engine import CopyEngine, Priority
+from hicached.transfer.plan import Direction, build_plan
+
+LayerCallback = Callable[[int], None]
+
+
+class DataPlane:
+    """Page operations of one session's requests; the facade sets the attributes below."""
+
+    _cfg: Config
+    _groups: GroupRegistry
+    _engine: CopyEngine
+    _hooks: CoreObserver
+    _sessions: SessionTable
+
+    # ------------------------------------------------------------ request checks
+
+    def _session(self, session_id: str) -> tuple[Session, GroupState]:
+        session = self._sessions.get(session_id)
+        session.touch()  # any call proves the worker alive, not only heartbeats
+        return session, self._groups.get(session.group_id)
+
+    def check_transfers(
+        self,
+        session: Session,
+        state: GroupState,
+        transfers: Sequence[PoolTransfer],
+        *,
+        need_device: bool = True,
+        host: str = "optional",  # "required", "optional", "forbidden"
+    ) -> list[PoolTransfer]:
+        """:func:`hicached.core.checks.check_transfers` under this daemon's batch limit."""
+        return check_transfers(
+            session,
+            state,
+            transfers,
+            max_batch_pages=self._cfg.server.max_batch_pages,
+            need_device=need_device,
+            host=host,
+        )
+
+    # ----------------------------------------------------------------- the copies
+
+    def copy_pages(
+        self,
+        session: Session,
+        state: GroupState,
+        direction: Direction,
+        transfers: Sequence[PoolTransfer],
+        *,
+        priority: Priority,
+        on_layer: LayerCallback | None = None,
+    ) -> tuple[Ack, ...]:
+        items = []
+        busy = []
+        for t in transfers:
+            if t.host_indices is None or t.device_indices is None or len(t.device_indices) == 0:
+                continue
+            items.append((session.views[t.name], state.pool(t.name), t.device_indices, t.host_indices))
+            busy.append((t.name, t.host_indices))
+        plan = build_plan(direction, items, cache=session.plan_layers)
+        state.acquire(busy)
+        try:
+            result = self._engine.run(
+                plan, priority=priority, owner=session.session_id, on_layer=on_layer, cancel=session.cancel
+            )
+        finally:
+            state.release(busy)
+        self._hooks.on_copy(direction, plan, result.seconds, model=state.model_name)
+        return tuple(
+            Ack(
+                pool=t.name,
+                pages=len(t.device_indices) if t.device_indices is not None else 0,
+                tokens=plan.tokens_by_pool.get(t.name, 0),
+                bytes=plan.bytes_by_pool.get(t.name, 0),
+            )
+            for t in transfers
+        )
+
+    def allocate(
+        self, session: Session, state: GroupState, transfers: Sequence[PoolTransfer]
+    ) -> TransferResult:
+        """Allocate missing host pages across the group (atomic); record ownership."""
+        result = state.group.resolve_all(list(transfers))
+        if not result.ok:
+            return TransferResult(ok=False, reason=result.reason)
+        for t in result.transfers:
+            if t.host_allocated and t.host_indices is not None:
+                session.ledger.add(t.name, t.host_indices)
+        return TransferResult(ok=True, transfers=tuple(result.transfers))
+
+    def release_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> int:
+        """Free the session's allocated pages of ``transfers`` (derived ones skipped by role).
+
+        Atomic: ``state.release_transfers`` validates the whole batch before
+        freeing; the ledger forgets the pages only once they are freed.
+        """
+        owned = state.allocated_transfers(transfers)
+        freed = state.release_transfers(owned)
+        for t in owned:
+            session.ledger.remove(t.name, t.host_indices)  # type: ignore[arg-type]
+        return freed
+
+    # ---------------------------------------------------------------- host pages
+
+    def alloc(self, session_id: str, op_id: str, pool: str, num_pages: int) -> np.ndarray | None:
+        session, state = self._session(session_id)
+        known_pool(state, pool)
+        entry = state.group.get_entry(pool)
+        if entry.indices_from_pool:
+            raise InvalidArgument(
+                f"pool {pool!r} is derived from {entry.indices_from_pool!r}: it does not allocate"
+            )
+        if num_pages <= 0 or num_pages > self._cfg.server.max_batch_pages:
+            raise InvalidArgument(
+                f"num_pages={num_pages} must lie in [1, server.max_batch_pages={self._cfg.server.max_batch_pages}]"
+            )
+
+        def run() -> np.ndarray | None:
+            got = state.group.allocate({pool: num_pages})
+            if not got.ok:
+                return None
+            pages = got.pages[pool]
+            session.ledger.add(pool, pages)
+            return pages
+
+        return session.run("Alloc", op_id, (pool, num_pages), run)
+
+    def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
+        session, state = self._session(session_id)
+        known_pool(state, pool)
+        arr = as_page_array(pages, f"pool {pool!r} host pages")
+
+        def run() -> int:
+            check_indices(pool, "host", arr, state.pool(pool).num_pages)
+            check_owned(session, state, [PoolTransfer(pool, arr, arr)])
+            freed = state.free(pool, arr)
+            session.ledger.remove(pool, arr)
+            return freed
+
+        return session.run("Free", op_id, (pool, arr), run)
+
+    def resolve(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> TransferResult:
+        session, state = self._session(session_id)
+        checked = self.check_transfers(session, state, transfers)
+
+        def run() -> TransferResult:
+            check_owned(session, state, checked)  # inside: a replay must not re-check
+            return self.allocate(session, state, checked)
+
+        return session.run("ResolveTransfers", op_id, checked, run)
+
+    def release(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> int:
+        session, state = self._session(session_id)
+        checked = self.check_transfers(session, state, transfers, need_device=False, host="required")
+        flagged = [
+            replace(c, host_allocated=t.host_allocated) for c, t in zip(checked, transfers, strict=True)
+        ]
+
+        def run() -> int:
+            check_owned(session, state, state.allocated_transfers(flagged))  # the whole batch first
+            return self.release_owned(session, state, flagged)
+
+        return session.run("ReleaseTransfers", op_id, flagged, run)
+
+    # ---------------------------------------------------------------- data plane
+
+    def write(
+        self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer], *, allocate: bool
+    ) -> TransferResult:
+        session, state = self._session(session_id)
+        checked = self.check_transfers(session, state, transfers, host="optional" if allocate else "required")
+        if not allocate:
+            checked = bind_derived(state, checked)
+
+        def run() -> TransferResult:
+            check_owned(session, state, checked)
+            resolved = (
+                self.allocate(session, state, checked) if allocate else TransferResult(True, tuple(checked))
+            )
+            if not resolved.ok:
+                return resolved
+            try:
+                acks = self.copy_pages(
+                    session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND
+                )
+            except BaseException:
+                self.release_owned(session, state, resolved.transfers)
+                raise
+            return TransferResult(ok=True, transfers=resolved.transfers, acks=acks)
+
+        return session.run("Write", op_id, (checked, allocate), run)
+
+    def load(
+        self,
+        session_id: str,
+        op_id: str,
+        transfers: Sequence[PoolTransfer],
+        *,
+        on_layer: LayerCallback | None = None,
+    ) -> tuple[Ack, ...]:
+        session, state = self._session(session_id)
+        checked = bind_derived(state, self.check_transfers(session, state, transfers, host="required"))
+
+        def run() -> tuple[Ack, ...]:
+            check_owned(session, state, checked)
+            return self.copy_pages(
+                session, state, Direction.H2D, checked, priority=Priority.DEMAND, on_layer=on_layer
+            )
+
+        return session.run("Load", op_id, checked, run)
