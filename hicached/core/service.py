@@ -32,7 +32,7 @@ from hicached.core.groups import GroupRegistry, validate_pool_requests, validate
 from hicached.core.hooks import CoreHooks
 from hicached.core.retraction import BackupStore
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
-from hicached.core.stats import BackupStats, DaemonStats, GroupStats, SessionStats
+from hicached.core.stats import BackupStats, DaemonStats, GroupStats, session_pools
 from hicached.core.types import (
     Ack,
     AttachResult,
@@ -139,6 +139,7 @@ class HiCacheCore:
             op_cache_size=self._cfg.sessions.op_cache_size,
             peer=peer,
             op_cache_bytes=self._cfg.sessions.op_cache_bytes,
+            pools=session_pools(pools),
         )
         self._sessions.add(session)
         self._hooks.on_session("attach", session)
@@ -603,10 +604,7 @@ class HiCacheCore:
             groups = [g for g in groups if g.group_id == sessions[0].group_id]
         backups = self._backups.snapshot(session_id)
         return DaemonStats(
-            sessions=tuple(
-                SessionStats(s.session_id, s.worker, s.group_id, s.ledger.count(), s.expires_ms)
-                for s in sessions
-            ),
+            sessions=tuple(s.stats() for s in sessions),
             groups=tuple(
                 GroupStats(
                     g.group_id,

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from hicached.core.stats import SessionPoolStats, SessionStats
 from hicached.core.types import PeerCred, WorkerId
 from hicached.errors import (
     Cancelled,
@@ -299,6 +300,8 @@ class Session:
     secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     # Who attached it, from the kernel (fd handoff); None for TCP / no-handoff attaches.
     peer: PeerCred | None = None
+    # Its pools as GetStats reports them (buffers, data path).
+    pools: tuple[SessionPoolStats, ...] = ()
 
     def __post_init__(self) -> None:
         self.idle = threading.Condition(self.lock)
@@ -308,6 +311,12 @@ class Session:
     def touch(self) -> int:
         self.expires_ms = now_ms() + self.lease_ms
         return self.expires_ms
+
+    def stats(self) -> SessionStats:
+        """A snapshot for GetStats (pages owned now, lease end, pools as attached)."""
+        return SessionStats(
+            self.session_id, self.worker, self.group_id, self.ledger.count(), self.expires_ms, self.pools
+        )
 
     def run(self, rpc: str, op_id: str, body: object, fn: Callable[[], T], *, in_flight: bool = True) -> T:
         """Run one operation of RPC ``rpc``: the one way a mutating call runs.
