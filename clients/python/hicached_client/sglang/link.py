@@ -367,10 +367,8 @@ class PoolLink:
         for lo in range(0, len(keys), cap):
             hi = min(lo + cap, len(keys))
             batch, fill = keys[lo:hi], filler(lo, hi)
-            refused = self._call(lambda _, transport: transport.put(batch, fill))  # noqa: B023 - called at once
-            if refused is not None and self._refusals is not None:
-                self._refusals.refused(self.keys.pool, hi - lo, refused)
-            results.extend([refused is None] * (hi - lo))
+            ok = self._store(hi - lo, lambda _, transport: transport.put(batch, fill))  # noqa: B023 - called at once
+            results.extend([ok] * (hi - lo))
         return results
 
     def _put_host(self, keys: Sequence[str], pages: list[int]) -> list[bool]:
@@ -379,11 +377,22 @@ class PoolLink:
         for lo in range(0, len(keys), cap):
             hi = min(lo + cap, len(keys))
             batch, idx = keys[lo:hi], pages[lo:hi]
-            refused = self._call(lambda _, t: _zero_copy(t).put_host(batch, idx))  # noqa: B023 - called at once
-            if refused is not None and self._refusals is not None:
-                self._refusals.refused(self.keys.pool, hi - lo, refused)
-            results.extend([refused is None] * (hi - lo))
+            ok = self._store(hi - lo, lambda _, t: _zero_copy(t).put_host(batch, idx))  # noqa: B023 - called at once
+            results.extend([ok] * (hi - lo))
         return results
+
+    def _store(self, pages: int, op: Callable[[Session, PageTransport], str | None]) -> bool:
+        """One batch's write: True when stored. A refusal -- ``ok=false``, or RESOURCE_EXHAUSTED
+        (a configured limit, backpressure) -- is False, logged rate-limited with the daemon's reason."""
+        try:
+            refused = self._call(op)
+        except HiCacheError as exc:
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            refused = exc.message
+        if refused is not None and self._refusals is not None:
+            self._refusals.refused(self.keys.pool, pages, refused)
+        return refused is None
 
     def _get_host(self, keys: Sequence[str], pages: list[int]) -> int:
         loaded = 0
