@@ -60,6 +60,7 @@ __all__ = ["run"]
 BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
 LAYERS, HEADS, HEAD_DIM = 8, 8, 64
 DTYPE = torch.float16
+_PRIME = 1_000_003  # elements of the random block the pool is tiled with (2 MB)
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,17 @@ def _host_pool(size: Size) -> Any:
         )
     finally:
         sgl_mmap.alloc_shm = original
-    bits = pool.kv_buffer.view(torch.int16)
-    bits.copy_(torch.randint(-(2**15), 2**15, bits.shape, dtype=torch.int16))
+    _fill(pool.kv_buffer.view(torch.int16).reshape(-1))
     return pool
+
+
+def _fill(flat: torch.Tensor) -> None:
+    """Random bits, cheaply: one random block of a prime number of elements, tiled. No page size
+    is a multiple of the prime, so every page of the pool differs from every other."""
+    block = torch.randint(-(2**15), 2**15, (_PRIME,), dtype=torch.int16)
+    whole = flat.numel() // _PRIME
+    flat[: whole * _PRIME].view(whole, _PRIME).copy_(block.expand(whole, _PRIME))
+    flat[whole * _PRIME :].copy_(block[: flat.numel() - whole * _PRIME])
 
 
 def _storage_config(model: str, extra: dict[str, Any]) -> Any:
