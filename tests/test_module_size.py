@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LINES = 600
+MAX_LINES = 500
 
 
 def _lines(path: Path) -> int:

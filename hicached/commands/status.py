@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             f"  {s.session_id}  {w.instance_id} gen {w.generation}  model {w.model_name!r} "
             f"tp {w.tp_rank}/{w.tp_size} pp {w.pp_rank}/{w.pp_size}  owns {s.owned_pages} pages"
         )
+        for sp in s.pools:
+            print(f"    pool {sp.name}: buffers {sp.buffers}, data path {sp.data_path or '(not given)'}")
     print(f"\npool groups ({len(stats.groups)}):")
     for g in stats.groups:
         print(f"  {g.group}  model {g.model_name!r}  sessions {g.sessions}  indexed pages {g.indexed_pages}")

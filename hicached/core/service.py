@@ -27,7 +27,7 @@ from hicached.core.groups import GroupRegistry, validate_pool_requests, validate
 from hicached.core.hooks import CoreObserver, NullCoreObserver
 from hicached.core.retraction import BackupStore, Retraction
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
-from hicached.core.stats import BackupStats, DaemonStats, GroupStats, SessionStats
+from hicached.core.stats import BackupStats, DaemonStats, GroupStats, session_pools
 from hicached.core.types import (
     AttachResult,
     PeerCred,
@@ -131,6 +131,7 @@ class HiCacheCore(Retraction):
             op_cache_size=self._cfg.sessions.op_cache_size,
             peer=peer,
             op_cache_bytes=self._cfg.sessions.op_cache_bytes,
+            pools=session_pools(pools),
         )
         self._sessions.add(session)
         self._hooks.on_session("attach", session)
@@ -289,10 +290,7 @@ class HiCacheCore(Retraction):
             groups = [g for g in groups if g.group_id == sessions[0].group_id]
         backups = self._backups.snapshot(session_id)
         return DaemonStats(
-            sessions=tuple(
-                SessionStats(s.session_id, s.worker, s.group_id, s.ledger.count(), s.expires_ms)
-                for s in sessions
-            ),
+            sessions=tuple(s.stats() for s in sessions),
             groups=tuple(
                 GroupStats(
                     g.group_id,

@@ -25,6 +25,7 @@ from typing import TypeVar
 import numpy as np
 
 from hicached.core.opcache import OpCache
+from hicached.core.stats import SessionPoolStats, SessionStats
 from hicached.core.types import PeerCred, WorkerId
 from hicached.errors import (
     Cancelled,
@@ -115,6 +116,8 @@ class Session:
     peer: PeerCred | None = None
     # build_plan's checked layers of this session's views (see hicached.transfer.plan).
     plan_layers: LayerCache = field(default_factory=dict)
+    # Its pools as GetStats reports them (buffers, data path).
+    pools: tuple[SessionPoolStats, ...] = ()
 
     def __post_init__(self) -> None:
         self.idle = threading.Condition(self.lock)
@@ -124,6 +127,12 @@ class Session:
     def touch(self) -> int:
         self.expires_ms = now_ms() + self.lease_ms
         return self.expires_ms
+
+    def stats(self) -> SessionStats:
+        """A snapshot for GetStats (pages owned now, lease end, pools as attached)."""
+        return SessionStats(
+            self.session_id, self.worker, self.group_id, self.ledger.count(), self.expires_ms, self.pools
+        )
 
     def run(self, rpc: str, op_id: str, body: object, fn: Callable[[], T], *, in_flight: bool = True) -> T:
         """Run one operation of RPC ``rpc``: the one way a mutating call runs.

@@ -2,9 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hicached.core.types import PoolState, WorkerId
+from hicached.core.types import PoolRequest, PoolState, WorkerId
+from hicached.transfer.handles import CudaFdBufferHandle, CudaIpcBufferHandle, FdBufferHandle
+
+# How the daemon reaches a pool's buffers, by the handle it opened.
+_BUFFERS = {FdBufferHandle: "memfd", CudaFdBufferHandle: "cuda-fd", CudaIpcBufferHandle: "cuda-ipc"}
+
+
+@dataclass(frozen=True)
+class SessionPoolStats:
+    """One pool of a session: ``buffers`` as the daemon opened them, ``data_path`` the worker's label."""
+
+    name: str
+    buffers: str
+    data_path: str
+
+
+def session_pools(pools: Sequence[PoolRequest]) -> tuple[SessionPoolStats, ...]:
+    """What stats report about an attaching session's pools (fixed for the session's life)."""
+    return tuple(
+        SessionPoolStats(
+            p.name,
+            "bytes" if p.byte_only else _BUFFERS.get(type(p.k_buffers[0].handle), "other"),
+            p.data_path,
+        )
+        for p in pools
+    )
 
 
 @dataclass(frozen=True)
@@ -14,6 +40,7 @@ class SessionStats:
     group_id: str
     owned_pages: int
     lease_expires_unix_ms: int
+    pools: tuple[SessionPoolStats, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ class PoolRequest:
     layer_ids: tuple[int, ...] = ()
     host_ratio: float | None = None
     host_bytes: int | None = None
+    # The worker's own label for its buffers (PoolSpec.data_path), only reported in stats.
+    data_path: str = ""
 
     @property
     def byte_only(self) -> bool:

@@ -6,6 +6,7 @@ message never reaches the core.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -15,6 +16,7 @@ from hicached_client import vocab
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
 
+from hicached.core.stats import SessionStats
 from hicached.core.types import Ack, PoolRequest, PoolRole, PoolState, WorkerId
 from hicached.errors import InvalidArgument
 from hicached.l2.group import PoolTransfer
@@ -38,6 +40,9 @@ ROLES: dict[int, PoolRole] = {wire: r for r, wire in vocab.POOL_ROLES.items()}
 # Typed Any: the generated stubs want their own enum ValueType, which is an int.
 LAYOUT_TO_WIRE: Mapping[HostLayout, Any] = vocab.HOST_LAYOUTS
 ROLE_TO_WIRE: Mapping[PoolRole, Any] = vocab.POOL_ROLES
+
+# PoolSpec.data_path: a worker label (possibly empty), shown by `hicached status`.
+_DATA_PATH = re.compile(r"[A-Za-z0-9._-]*")
 
 
 def _enum(table: Mapping[Any, T], value: int, what: str, enum_type: object) -> T:
@@ -139,7 +144,15 @@ def pool_request(spec: tpb.PoolSpec, index: int, fds: Sequence[int] = ()) -> Poo
         layer_ids=tuple(spec.layer_ids),
         host_ratio=ratio,
         host_bytes=nbytes,
+        data_path=_data_path(spec.data_path, f"{what}.data_path"),
     )
+
+
+def _data_path(value: str, what: str) -> str:
+    """The worker's label, short and plain (it is shown by operators' tools)."""
+    if len(value) > 32 or not _DATA_PATH.fullmatch(value):
+        raise InvalidArgument(f"{what} {value[:32]!r} must be at most 32 characters of [A-Za-z0-9._-]")
+    return value
 
 
 def _pages(values: Iterable[int]) -> np.ndarray:
@@ -219,3 +232,14 @@ def identity_out(w: WorkerId) -> tpb.WorkerIdentity:
 
 
 __all__ = ["pb", "tpb"]
+
+
+def session_info(s: SessionStats) -> pb.SessionInfo:
+    return pb.SessionInfo(
+        session_id=s.session_id,
+        identity=identity_out(s.worker),
+        group=s.group_id,
+        owned_pages=s.owned_pages,
+        lease_expires_unix_ms=s.lease_expires_unix_ms,
+        pools=[pb.SessionPool(name=p.name, buffers=p.buffers, data_path=p.data_path) for p in s.pools],
+    )

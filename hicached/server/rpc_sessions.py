@@ -141,16 +141,7 @@ def worker_view(full: pb.GetStatsResponse, *, own: bool) -> pb.GetStatsResponse:
 
 def stats_out(stats: DaemonStats, backends: list[pb.BackendInfo]) -> pb.GetStatsResponse:
     return pb.GetStatsResponse(
-        sessions=[
-            pb.SessionInfo(
-                session_id=s.session_id,
-                identity=convert.identity_out(s.worker),
-                group=s.group_id,
-                owned_pages=s.owned_pages,
-                lease_expires_unix_ms=s.lease_expires_unix_ms,
-            )
-            for s in stats.sessions
-        ],
+        sessions=[convert.session_info(s) for s in stats.sessions],
         groups=[
             pb.GroupInfo(
                 group=g.group_id,

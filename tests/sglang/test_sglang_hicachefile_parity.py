@@ -7,8 +7,9 @@ pool and with one, and compares the normalised results: tensors by their bytes,
 on a storage without a pool raised ``ValueError: pool 'kv' is not registered``,
 and a tensor that was not one KV page failed in ``flat_to_chunks``.
 
-Also here: a write the daemon refuses is logged with the daemon's reason
-(before, ``ok=false`` was passed back silently).
+Also here: a write the daemon refuses (no room, or over a configured limit) is
+logged, rate-limited, with the daemon's reason (before, ``ok=false`` was passed
+back silently and a limit logged a warning per call).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hicached_client.sglang import HiCachedStorage
 from hicached_client.sglang.refusals import RefusalLog
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolHitPolicy, PoolTransfer, PoolTransferResult
 
+from tests.integration.daemon import start_daemon
 from tests.sglang.pools import PoolShape, StorageFactory, make_host_pool, page_bits, sglang_keys, unique_model
 
 Backend = Any
@@ -255,6 +257,29 @@ def test_a_refused_byte_write_logs_the_daemons_reason(
     assert len(lines) == 1 and "pool blob" in lines[0] and "no host room" in lines[0], lines
     assert storage.exists("huge") is False
     assert storage.set("small", torch.zeros(8)) is True
+
+
+def test_a_write_over_a_daemon_limit_logs_the_limit_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    """A PutPages over a configured limit (RESOURCE_EXHAUSTED) is a refusal like ``ok=false``:
+    ``False`` to SGLang, one rate-limited line naming the limit. Before: a WARNING per call
+    ("storing 4 pages of pool kv failed"), never counted in ``refusals``."""
+    daemon = start_daemon("--set", "limits.max_keys_per_request=2")
+    storages = StorageFactory(daemon.target)
+    try:
+        pool = make_host_pool(PoolShape())
+        storage = ours(storages, pool, staging_pages=4)
+        keys = sglang_keys(4, 4)
+        with caplog.at_level(logging.WARNING, logger="hicached_client.sglang"):
+            assert storage.batch_set_v1(keys, pool.alloc(16)) == [False] * 4
+            assert storage.batch_set_v1(keys, pool.alloc(16)) == [False] * 4
+            assert storage.batch_set_v1(keys[:2], pool.alloc(8)) == [True] * 2  # within the limit
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1, lines
+        assert "refused to store 4 pages of pool kv" in lines[0] and "limits.max_keys_per_request" in lines[0]
+        assert storage.refusals.total == 2
+    finally:
+        storages.close_all()
+        daemon.stop()
 
 
 def test_refusal_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:

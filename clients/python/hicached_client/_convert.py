@@ -38,6 +38,7 @@ from hicached_client.types import (
     RetractBackupResult,
     RetractionInfo,
     SessionInfo,
+    SessionPool,
     Stats,
     TokenChain,
     Transfer,
@@ -314,6 +315,7 @@ def stats(msg: pb.GetStatsResponse) -> Stats:
                 group=s.group,
                 owned_pages=s.owned_pages,
                 lease_expires_unix_ms=s.lease_expires_unix_ms,
+                pools=tuple(SessionPool(p.name, p.buffers, p.data_path) for p in s.pools),
             )
             for s in msg.sessions
         ),

@@ -39,13 +39,16 @@ def pool_spec(
     layer_ids: Sequence[int] | None = None,
     host_ratio: float | None = None,
     host_bytes: int | None = None,
+    data_path: str = "",
 ) -> tpb.PoolSpec:
     """A ``PoolSpec`` for ``Attach``; strings are accepted for every enum (any case).
 
     ``host_ratio`` (host tokens per device token) and ``host_bytes`` size the
     host pool; give at most one (neither = the daemon's default). Structural
     checks (buffer counts, shapes, MLA rules) are the daemon's: it answers
-    ``INVALID_ARGUMENT`` naming the offending field.
+    ``INVALID_ARGUMENT`` naming the offending field. ``data_path`` is this
+    worker's own label for how the pool's pages reach it (at most 32 characters
+    of ``[A-Za-z0-9._-]``); the daemon shows it per session in ``GetStats``.
     """
     if host_ratio is not None and host_bytes is not None:
         raise ValueError(
@@ -67,6 +70,7 @@ def pool_spec(
         layer_ids=list(layer_ids) if layer_ids is not None else [],
         k_buffers=list(k_buffers),
         v_buffers=list(v_buffers),
+        data_path=data_path,
     )
     if host_ratio is not None:
         spec.host_size.ratio = host_ratio

@@ -271,12 +271,23 @@ class GetBytesResult:
 
 
 @dataclass(frozen=True)
+class SessionPool:
+    """One pool of a session: ``buffers`` as the daemon opened them ("memfd", "cuda-fd",
+    "cuda-ipc", "bytes" = byte-only), ``data_path`` the worker's own label ("" = none)."""
+
+    name: str
+    buffers: str
+    data_path: str
+
+
+@dataclass(frozen=True)
 class SessionInfo:
     session_id: str
     identity: WorkerIdentity
     group: str
     owned_pages: int
     lease_expires_unix_ms: int
+    pools: tuple[SessionPool, ...] = ()
 
 
 @dataclass(frozen=True)

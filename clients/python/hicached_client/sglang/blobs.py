@@ -114,6 +114,7 @@ class BlobStore:
             k_buffers=[],
             host_layout="page_first",
             host_bytes=max(self._config.blob_host_bytes, self.chunk_bytes),
+            data_path="bytes",
         )
         session = self._client.attach(
             self._identity, [spec], lease_ms=self._config.lease_ms, timeout_s=self._config.timeout_s

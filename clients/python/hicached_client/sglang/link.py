@@ -209,6 +209,7 @@ class PoolLink:
         elif shm:
             half = max(1, min(config.staging_pages, config.staging_bytes // g.page_bytes))
             staging = StagingArea(f"{self._segment_prefix}-{self._attaches}", g, half)
+        path = "zero-copy" if zero_copy is not None and zero_copy.ok else "staging" if shm else "bytes"
         try:
             if staging is not None:
                 k_bufs, v_bufs = staging.device_buffers()
@@ -227,6 +228,7 @@ class PoolLink:
                 v_buffers=v_bufs,
                 host_layout=g.host_layout,
                 host_bytes=config.host_bytes or max(self.binding.host_bytes(), g.page_bytes),
+                data_path=path,  # shown per session by `hicached status`
             )
             session = self._client.attach(
                 self._identity, [spec], lease_ms=config.lease_ms, timeout_s=config.timeout_s
@@ -236,17 +238,15 @@ class PoolLink:
                 staging.close()
             raise
         transport: PageTransport
-        if zero_copy is not None and zero_copy.ok:
+        if path == "zero-copy":
             transport = ZeroCopyTransport(session, self.binding, config)
-            self.path = "zero-copy"
         elif staging is not None:
             # The daemon has mapped the memfd; unlink() is a no-op kept for symmetry.
             staging.unlink()
             transport = ShmTransport(session, staging, config)
-            self.path = "staging"
         else:
             transport = BytesTransport(session, self.binding, config)
-            self.path = "bytes"
+        self.path = path
         log.info(
             "hicached: pool %s attached (session %s, %s transport, path %s%s, %d-byte pages, joined=%s)",
             self.keys.pool,
@@ -367,10 +367,8 @@ class PoolLink:
         for lo in range(0, len(keys), cap):
             hi = min(lo + cap, len(keys))
             batch, fill = keys[lo:hi], filler(lo, hi)
-            refused = self._call(lambda _, transport: transport.put(batch, fill))  # noqa: B023 - called at once
-            if refused is not None and self._refusals is not None:
-                self._refusals.refused(self.keys.pool, hi - lo, refused)
-            results.extend([refused is None] * (hi - lo))
+            ok = self._store(hi - lo, lambda _, transport: transport.put(batch, fill))  # noqa: B023 - called at once
+            results.extend([ok] * (hi - lo))
         return results
 
     def _put_host(self, keys: Sequence[str], pages: list[int]) -> list[bool]:
@@ -379,11 +377,22 @@ class PoolLink:
         for lo in range(0, len(keys), cap):
             hi = min(lo + cap, len(keys))
             batch, idx = keys[lo:hi], pages[lo:hi]
-            refused = self._call(lambda _, t: _zero_copy(t).put_host(batch, idx))  # noqa: B023 - called at once
-            if refused is not None and self._refusals is not None:
-                self._refusals.refused(self.keys.pool, hi - lo, refused)
-            results.extend([refused is None] * (hi - lo))
+            ok = self._store(hi - lo, lambda _, t: _zero_copy(t).put_host(batch, idx))  # noqa: B023 - called at once
+            results.extend([ok] * (hi - lo))
         return results
+
+    def _store(self, pages: int, op: Callable[[Session, PageTransport], str | None]) -> bool:
+        """One batch's write: True when stored. A refusal -- ``ok=false``, or RESOURCE_EXHAUSTED
+        (a configured limit, backpressure) -- is False, logged rate-limited with the daemon's reason."""
+        try:
+            refused = self._call(op)
+        except HiCacheError as exc:
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            refused = exc.message
+        if refused is not None and self._refusals is not None:
+            self._refusals.refused(self.keys.pool, pages, refused)
+        return refused is None
 
     def _get_host(self, keys: Sequence[str], pages: list[int]) -> int:
         loaded = 0

@@ -33,12 +33,9 @@ threads concurrently; every method is safe for that. Pool registration and
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -52,42 +49,16 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untype
 )
 
 from hicached_client.errors import HiCacheError
-from hicached_client.sglang.blobs import BLOB_POOL, BlobStore
 from hicached_client.sglang.config import AdapterConfig
-from hicached_client.sglang.layouts import bind_host_pool
+from hicached_client.sglang.factory import new_blob_store, new_pool_link
+from hicached_client.sglang.iostats import IoCounters
 from hicached_client.sglang.link import PoolLink
-from hicached_client.sglang.namespace import KV_POOL, KeySpace, key_space
+from hicached_client.sglang.namespace import KV_POOL, KeySpace
 from hicached_client.sglang.refusals import RefusalLog
 from hicached_client.sync import HiCacheClient
-from hicached_client.types import WorkerIdentity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class _IoCounters:
-    """Per-call page counts and bandwidths since the last ``get_stats`` (SGLang's StorageMetrics)."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    prefetch_pgs: list[int] = field(default_factory=list)
-    backup_pgs: list[int] = field(default_factory=list)
-    prefetch_bandwidth: list[float] = field(default_factory=list)
-    backup_bandwidth: list[float] = field(default_factory=list)
-
-    def record(self, kind: str, pages: int, page_bytes: int, seconds: float) -> None:
-        gbps = pages * page_bytes / max(seconds, 1e-9) / 1e9
-        with self.lock:
-            getattr(self, f"{kind}_pgs").append(pages)
-            getattr(self, f"{kind}_bandwidth").append(gbps)
-
-    def drain(self) -> dict[str, list[Any]]:
-        with self.lock:
-            out: dict[str, list[Any]] = {}
-            for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
-                out[name] = list(getattr(self, name))
-                getattr(self, name).clear()
-            return out
 
 
 class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
@@ -110,11 +81,17 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._closed = False
         self._metrics_enabled = bool(storage_config.enable_storage_metrics)
-        self._io = _IoCounters()
+        self._io = IoCounters()
         self._generation = time.time_ns()
         self.refusals = RefusalLog(log)
         self._unregistered = RefusalLog(log, template="hicached: %d keys for pool %s: %s%s")
-        self._blobs = self._new_blob_store()
+        self._blobs = new_blob_store(
+            self._client,
+            storage_config,
+            self.config,
+            generation=self._generation,
+            refusals=self.refusals,
+        )
         log.info(
             "hicached storage for model %r rank tp%d/%d pp%d/%d at %s",
             self.model_name,
@@ -157,70 +134,14 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
             return link
 
     def _new_link(self, name: str, host_pool: Any) -> PoolLink:
-        cfg = self.storage_config
-        binding = bind_host_pool(host_pool)
-        # The daemon separates TP ranks for MHA groups by itself; pools it sees as
-        # rank-shared (MLA kind) carry the rank in the key unless SGLang shares them.
-        daemon_shares_tp = binding.geometry.kind.value == "mla"
-        sglang_shares_tp = bool(cfg.is_mla_model) and name != "mamba"
-        keys = key_space(
-            name,
-            tenant=self.config.tenant,
-            tp_rank=cfg.tp_rank,
-            tp_size=cfg.tp_size,
-            tp_sharded_in_key=daemon_shares_tp and not sglang_shares_tp,
-            attn_cp_rank=cfg.attn_cp_rank,
-            attn_cp_size=cfg.attn_cp_size,
-            dcp_rank=getattr(cfg, "dcp_rank", 0),
-            dcp_size=getattr(cfg, "dcp_size", 1),
-            logical_page_size=getattr(cfg, "logical_page_size", None),
-        )
-        identity = WorkerIdentity(
-            instance_id=self.config.instance_id if name == KV_POOL else f"{self.config.instance_id}.{name}",
-            generation=self._generation,
-            model_name=self.model_name,
-            tp_rank=cfg.tp_rank,
-            tp_size=cfg.tp_size,
-            pp_rank=cfg.pp_rank,
-            pp_size=cfg.pp_size,
-            tenant=self.config.tenant,
-        )
-        segment = f"hicached-sgl-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        return PoolLink(
+        return new_pool_link(
             self._client,
-            config=self.config,
-            identity=identity,
-            binding=binding,
-            keys=keys,
-            segment_name=segment,
-            refusals=self.refusals,
-        )
-
-    def _new_blob_store(self) -> BlobStore:
-        cfg = self.storage_config
-        keys = key_space(
-            BLOB_POOL,
-            tenant=self.config.tenant,
-            tp_rank=cfg.tp_rank,
-            tp_size=cfg.tp_size,
-            # The byte-path group is rank-shared; MLA models share by-key tensors
-            # across TP ranks as HiCacheFile's config_suffix does, others do not.
-            tp_sharded_in_key=not cfg.is_mla_model,
-            attn_cp_rank=cfg.attn_cp_rank,
-            attn_cp_size=cfg.attn_cp_size,
-            dcp_rank=getattr(cfg, "dcp_rank", 0),
-            dcp_size=getattr(cfg, "dcp_size", 1),
-            logical_page_size=getattr(cfg, "logical_page_size", None),
-        )
-        identity = WorkerIdentity(
-            instance_id=f"{self.config.instance_id}.{BLOB_POOL}",
+            self.storage_config,
+            self.config,
+            name=name,
+            host_pool=host_pool,
             generation=self._generation,
-            model_name=self.model_name,
-            pp_rank=cfg.pp_rank,
-            pp_size=cfg.pp_size,
-        )
-        return BlobStore(
-            self._client, config=self.config, identity=identity, keys=keys, refusals=self.refusals
+            refusals=self.refusals,
         )
 
     def _link(self, name: str) -> PoolLink | None:

@@ -491,18 +491,30 @@ class GetStatsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "identity", "group", "owned_pages", "lease_expires_unix_ms")
+    __slots__ = ("session_id", "identity", "group", "owned_pages", "lease_expires_unix_ms", "pools")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     OWNED_PAGES_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     identity: _types_pb2.WorkerIdentity
     group: str
     owned_pages: int
     lease_expires_unix_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., identity: _Optional[_Union[_types_pb2.WorkerIdentity, _Mapping]] = ..., group: _Optional[str] = ..., owned_pages: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[SessionPool]
+    def __init__(self, session_id: _Optional[str] = ..., identity: _Optional[_Union[_types_pb2.WorkerIdentity, _Mapping]] = ..., group: _Optional[str] = ..., owned_pages: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[SessionPool, _Mapping]]] = ...) -> None: ...
+
+class SessionPool(_message.Message):
+    __slots__ = ("name", "buffers", "data_path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    buffers: str
+    data_path: str
+    def __init__(self, name: _Optional[str] = ..., buffers: _Optional[str] = ..., data_path: _Optional[str] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
     __slots__ = ("group", "model_name", "pools", "indexed_pages", "sessions")

@@ -145,7 +145,7 @@ class HostSizing(_message.Message):
     def __init__(self, ratio: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PoolSpec(_message.Message):
-    __slots__ = ("name", "role", "indices_from_pool", "kind", "dtype", "host_layout", "page_size", "num_layers", "packed_draft_layers", "num_heads", "head_dim", "v_head_dim", "layer_ids", "host_size", "k_buffers", "v_buffers")
+    __slots__ = ("name", "role", "indices_from_pool", "kind", "dtype", "host_layout", "page_size", "num_layers", "packed_draft_layers", "num_heads", "head_dim", "v_head_dim", "layer_ids", "host_size", "k_buffers", "v_buffers", "data_path")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDICES_FROM_POOL_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class PoolSpec(_message.Message):
     HOST_SIZE_FIELD_NUMBER: _ClassVar[int]
     K_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     V_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: PoolRole
     indices_from_pool: str
@@ -178,7 +179,8 @@ class PoolSpec(_message.Message):
     host_size: HostSizing
     k_buffers: _containers.RepeatedCompositeFieldContainer[DeviceBuffer]
     v_buffers: _containers.RepeatedCompositeFieldContainer[DeviceBuffer]
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[PoolRole, str]] = ..., indices_from_pool: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., host_layout: _Optional[_Union[HostLayout, str]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., packed_draft_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., host_size: _Optional[_Union[HostSizing, _Mapping]] = ..., k_buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., v_buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ...) -> None: ...
+    data_path: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[PoolRole, str]] = ..., indices_from_pool: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., host_layout: _Optional[_Union[HostLayout, str]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., packed_draft_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., host_size: _Optional[_Union[HostSizing, _Mapping]] = ..., k_buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., v_buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., data_path: _Optional[str] = ...) -> None: ...
 
 class WorkerIdentity(_message.Message):
     __slots__ = ("instance_id", "generation", "model_name", "tp_rank", "tp_size", "pp_rank", "pp_size", "tenant")
