@@ -1,8 +1,8 @@
 """The data plane of the core: request checks, host-page bookkeeping and page copies.
 
-:class:`DataPlane` is the part of :class:`hicached.core.service.HiCacheCore` that moves
+:class:`DataPlane` is the room of :class:`hicached.core.service.HiCacheCore` that moves
 and books pages for one session's request (Alloc/Free/Resolve/Release, Write, Load);
-the facade holds the state it reads (sessions, groups, engine, config). Atomicity and
+the facade owns the state it reads (sessions, groups, engine, config). Atomicity and
 ownership: see :mod:`hicached.core.service`. Thread-safe as the facade is.
 
 The fixed cost of a call is kept small (docs/performance.md): the copy runs on the
@@ -35,17 +35,31 @@ LayerCallback = Callable[[int], None]
 
 
 class DataPlane:
-    """Page operations of one session's requests; the facade sets the attributes below."""
+    """Page operations of one session's requests.
 
-    _cfg: Config
-    _groups: GroupRegistry
-    _engine: CopyEngine
-    _hooks: CoreObserver
-    _sessions: SessionTable
+    Thread-safe: it keeps no state of its own; it reads the session table, the pool groups
+    and the copy engine it is given (each locks its own state) and reports copies to
+    ``observer``. Built by :class:`hicached.core.service.HiCacheCore`, which owns those parts.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        groups: GroupRegistry,
+        engine: CopyEngine,
+        sessions: SessionTable,
+        observer: CoreObserver,
+    ) -> None:
+        self._cfg = config
+        self._groups = groups
+        self._engine = engine
+        self._sessions = sessions
+        self._hooks = observer
 
     # ------------------------------------------------------------ request checks
 
-    def _session(self, session_id: str) -> tuple[Session, GroupState]:
+    def session(self, session_id: str) -> tuple[Session, GroupState]:
         session = self._sessions.get(session_id)
         session.touch()  # any call proves the worker alive, not only heartbeats
         return session, self._groups.get(session.group_id)
@@ -134,7 +148,7 @@ class DataPlane:
     # ---------------------------------------------------------------- host pages
 
     def alloc(self, session_id: str, op_id: str, pool: str, num_pages: int) -> np.ndarray | None:
-        session, state = self._session(session_id)
+        session, state = self.session(session_id)
         known_pool(state, pool)
         entry = state.group.get_entry(pool)
         if entry.indices_from_pool:
@@ -157,7 +171,7 @@ class DataPlane:
         return session.run("Alloc", op_id, (pool, num_pages), run)
 
     def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
-        session, state = self._session(session_id)
+        session, state = self.session(session_id)
         known_pool(state, pool)
         arr = as_page_array(pages, f"pool {pool!r} host pages")
 
@@ -171,7 +185,7 @@ class DataPlane:
         return session.run("Free", op_id, (pool, arr), run)
 
     def resolve(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> TransferResult:
-        session, state = self._session(session_id)
+        session, state = self.session(session_id)
         checked = self.check_transfers(session, state, transfers)
 
         def run() -> TransferResult:
@@ -181,7 +195,7 @@ class DataPlane:
         return session.run("ResolveTransfers", op_id, checked, run)
 
     def release(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> int:
-        session, state = self._session(session_id)
+        session, state = self.session(session_id)
         checked = self.check_transfers(session, state, transfers, need_device=False, host="required")
         flagged = [
             replace(c, host_allocated=t.host_allocated) for c, t in zip(checked, transfers, strict=True)
@@ -198,7 +212,7 @@ class DataPlane:
     def write(
         self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer], *, allocate: bool
     ) -> TransferResult:
-        session, state = self._session(session_id)
+        session, state = self.session(session_id)
         checked = self.check_transfers(session, state, transfers, host="optional" if allocate else "required")
         if not allocate:
             checked = bind_derived(state, checked)
@@ -229,7 +243,7 @@ class DataPlane:
         *,
         on_layer: LayerCallback | None = None,
     ) -> tuple[Ack, ...]:
-        session, state = self._session(session_id)
+        session, state = self.session(session_id)
         checked = bind_derived(state, self.check_transfers(session, state, transfers, host="required"))
 
         def run() -> tuple[Ack, ...]:

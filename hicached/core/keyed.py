@@ -172,8 +172,8 @@ class KeyedCache:
         session, state, index, keys = self._scoped(session_id, keys)
         index.check_storable(keys)  # before any allocation or eviction
         tenant = session.worker.tenant
-        core = self.core
-        checked = core.check_transfers(session, state, transfers, host="forbidden")
+        data = self.core.data
+        checked = data.check_transfers(session, state, transfers, host="forbidden")
         self._columns(state, keys, checked, side="device")
 
         def run() -> PutResult:
@@ -182,17 +182,17 @@ class KeyedCache:
             new_keys = list(keys[skip:])
             if not new_keys:
                 return PutResult(ok=True, existing_pages=len(keys))
-            resolved = core.allocate(session, state, todo)
+            resolved = data.allocate(session, state, todo)
             if not resolved.ok:
                 return PutResult(ok=False, reason=resolved.reason or "no host room")
             try:
-                acks = core.copy_pages(
+                acks = data.copy_pages(
                     session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND
                 )
                 pages = {t.name: t.host_indices for t in resolved.transfers if t.host_allocated}
                 mask = index.publish(new_keys, pages, tenant=tenant)  # type: ignore[arg-type]
             except BaseException:
-                core.release_owned(session, state, resolved.transfers)
+                data.release_owned(session, state, resolved.transfers)
                 raise
             for name, arr in pages.items():
                 session.ledger.remove(name, arr[mask])  # type: ignore[index]
@@ -201,7 +201,7 @@ class KeyedCache:
                 for t in resolved.transfers
                 if t.host_allocated
             ]
-            core.release_owned(session, state, leftovers)
+            data.release_owned(session, state, leftovers)
             stored = int(mask.sum())
             return PutResult(ok=True, stored_pages=stored, existing_pages=len(keys) - stored, acks=acks)
 
@@ -219,8 +219,8 @@ class KeyedCache:
         """Host -> device copy of the keys' longest cached prefix."""
         session, state, index, keys = self._scoped(session_id, keys)
         tenant = session.worker.tenant
-        core = self.core
-        checked = core.check_transfers(session, state, transfers, host="forbidden")
+        data = self.core.data
+        checked = data.check_transfers(session, state, transfers, host="forbidden")
         self._columns(state, keys, checked, side="device")
 
         def run() -> tuple[int, tuple[Ack, ...]]:
@@ -239,7 +239,7 @@ class KeyedCache:
                     )
                     for t in checked
                 ]
-                acks = core.copy_pages(session, state, Direction.H2D, bound, priority=Priority.DEMAND)
+                acks = data.copy_pages(session, state, Direction.H2D, bound, priority=Priority.DEMAND)
             finally:
                 index.unpin(pin)
             return hit, acks

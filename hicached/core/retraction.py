@@ -1,6 +1,6 @@
 """Retraction: a retracted request's pages backed up to host and restored (or discarded).
 
-:class:`BackupStore` holds the backups with their own lock; :class:`Retraction` is the part
+:class:`BackupStore` holds the backups with their own lock; :class:`Retraction` is the room
 of :class:`hicached.core.service.HiCacheCore` that makes, restores and discards them.
 A backup owns its host pages (see :mod:`hicached.core.service` on ownership): the
 store only keeps the records; whoever takes a record out frees its pages exactly once.
@@ -81,10 +81,17 @@ class BackupStore:
             return [b for b in self._backups.values() if not session_id or b.session_id == session_id]
 
 
-class Retraction(DataPlane):
-    """RetractBackup / RetractRestore / RetractDiscard; the facade sets ``_backups``."""
+class Retraction:
+    """RetractBackup / RetractRestore / RetractDiscard over ``data``'s checks and copies.
 
-    _backups: BackupStore
+    Thread-safe: the backups are in ``backups`` (its own lock); nothing else is kept here.
+    ``lease_ms`` is the default lifetime of a backup whose request names none.
+    """
+
+    def __init__(self, data: DataPlane, backups: BackupStore, *, lease_ms: int) -> None:
+        self._data = data
+        self._backups = backups
+        self._lease_ms = lease_ms
 
     def retract_backup(
         self,
@@ -96,8 +103,8 @@ class Retraction(DataPlane):
         num_tokens: int,
         lease_ms: int = 0,
     ) -> RetractResult:
-        session, state = self._session(session_id)
-        checked = self.check_transfers(session, state, transfers, host="forbidden")
+        session, state = self._data.session(session_id)
+        checked = self._data.check_transfers(session, state, transfers, host="forbidden")
         anchor = state.group.anchor.name
         if not any(t.name == anchor for t in checked):
             raise InvalidArgument(f"a retraction backup must include the anchor pool {anchor!r}")
@@ -107,7 +114,7 @@ class Retraction(DataPlane):
             raise InvalidArgument(
                 f"num_tokens={num_tokens} exceeds the {pages} pages x page_size={page_size}"
             )
-        lease = lease_ms or self._cfg.sessions.retraction_lease_ms
+        lease = lease_ms or self._lease_ms
 
         def run() -> RetractResult:
             result = state.group.resolve_all(checked)
@@ -115,7 +122,7 @@ class Retraction(DataPlane):
                 logger.info("retraction backup declined: no host room", extra={"session": session_id})
                 return RetractResult(ok=False)
             try:
-                acks = self.copy_pages(
+                acks = self._data.copy_pages(
                     session, state, Direction.D2H, result.transfers, priority=Priority.DEMAND
                 )
             except BaseException:
@@ -146,11 +153,13 @@ class Retraction(DataPlane):
         *,
         on_layer: LayerCallback | None = None,
     ) -> tuple[Ack, ...]:
-        session, state = self._session(session_id)
+        session, state = self._data.session(session_id)
 
         def run() -> tuple[Ack, ...]:
             backup = self._backups.owned(session.session_id, backup_id)
-            checked = bind_derived(state, self.check_transfers(session, state, transfers, host="forbidden"))
+            checked = bind_derived(
+                state, self._data.check_transfers(session, state, transfers, host="forbidden")
+            )
             saved = {t.name: t for t in backup.transfers}
             given = {t.name: t for t in checked}
             if set(saved) != set(given):
@@ -171,7 +180,7 @@ class Retraction(DataPlane):
                     f"unknown retraction backup {backup_id!r} (restored or discarded concurrently)"
                 )
             try:
-                acks = self.copy_pages(
+                acks = self._data.copy_pages(
                     session, state, Direction.H2D, bound, priority=Priority.RESTORE, on_layer=on_layer
                 )
             except BaseException:
@@ -183,7 +192,7 @@ class Retraction(DataPlane):
         return session.run("RetractRestore", op_id, (backup_id, transfers), run)
 
     def retract_discard(self, session_id: str, op_id: str, backup_id: str) -> int:
-        session, state = self._session(session_id)
+        session, state = self._data.session(session_id)
 
         def run() -> int:
             backup = self._backups.owned(session.session_id, backup_id)

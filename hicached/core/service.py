@@ -21,7 +21,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from hicached.config import Config
+from hicached.core.dataplane import DataPlane, LayerCallback
 from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry, validate_pool_requests, validate_worker
 from hicached.core.hooks import CoreObserver, NullCoreObserver
@@ -29,10 +32,13 @@ from hicached.core.retraction import BackupStore, Retraction
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
 from hicached.core.stats import BackupStats, DaemonStats, GroupStats, session_pools
 from hicached.core.types import (
+    Ack,
     AttachResult,
     PeerCred,
     PoolRequest,
     PoolRole,
+    RetractResult,
+    TransferResult,
     WorkerId,
 )
 from hicached.errors import (
@@ -41,6 +47,7 @@ from hicached.errors import (
     PermissionDenied,
     Unavailable,
 )
+from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine
 from hicached.transfer.handles import DeviceMappings, medium_of
 from hicached.transfer.plan import DevicePoolView
@@ -48,12 +55,13 @@ from hicached.transfer.plan import DevicePoolView
 logger = logging.getLogger(__name__)
 
 
-class HiCacheCore(Retraction):
+class HiCacheCore:
     """Thread-safe: sessions, groups and backups each have their own lock.
 
-    This module holds sessions (attach, detach, leases, teardown) and admin; the page
-    operations live in :class:`hicached.core.dataplane.DataPlane` and retraction in
-    :class:`hicached.core.retraction.Retraction`, which this class extends."""
+    A thin facade over its rooms: this module holds sessions (attach, detach, leases,
+    teardown) and admin; the page operations are :class:`~hicached.core.dataplane.DataPlane`'s
+    and retraction is :class:`~hicached.core.retraction.Retraction`'s, both built here over
+    the same session table, groups and engine, and exposed below one call each."""
 
     def __init__(
         self,
@@ -71,10 +79,76 @@ class HiCacheCore(Retraction):
         self._hooks: CoreObserver = hooks or NullCoreObserver()
         self._sessions = SessionTable()
         self._backups = BackupStore()
+        self._data = DataPlane(
+            config, groups=groups, engine=engine, sessions=self._sessions, observer=self._hooks
+        )
+        self._retraction = Retraction(self._data, self._backups, lease_ms=config.sessions.retraction_lease_ms)
         self._detached: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._detached_lock = threading.Lock()
         self._draining = threading.Event()
         self._closed = False
+
+    # -------------------------------------------------------- the rooms' operations
+
+    @property
+    def data(self) -> DataPlane:
+        """The page operations on a session's checked requests (used by ``KeyedCache``)."""
+        return self._data
+
+    def alloc(self, session_id: str, op_id: str, pool: str, num_pages: int) -> np.ndarray | None:
+        return self._data.alloc(session_id, op_id, pool, num_pages)
+
+    def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
+        return self._data.free(session_id, op_id, pool, pages)
+
+    def resolve(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> TransferResult:
+        return self._data.resolve(session_id, op_id, transfers)
+
+    def release(self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer]) -> int:
+        return self._data.release(session_id, op_id, transfers)
+
+    def write(
+        self, session_id: str, op_id: str, transfers: Sequence[PoolTransfer], *, allocate: bool
+    ) -> TransferResult:
+        return self._data.write(session_id, op_id, transfers, allocate=allocate)
+
+    def load(
+        self,
+        session_id: str,
+        op_id: str,
+        transfers: Sequence[PoolTransfer],
+        *,
+        on_layer: LayerCallback | None = None,
+    ) -> tuple[Ack, ...]:
+        return self._data.load(session_id, op_id, transfers, on_layer=on_layer)
+
+    def retract_backup(
+        self,
+        session_id: str,
+        op_id: str,
+        request_id: str,
+        transfers: Sequence[PoolTransfer],
+        *,
+        num_tokens: int,
+        lease_ms: int = 0,
+    ) -> RetractResult:
+        return self._retraction.retract_backup(
+            session_id, op_id, request_id, transfers, num_tokens=num_tokens, lease_ms=lease_ms
+        )
+
+    def retract_restore(
+        self,
+        session_id: str,
+        op_id: str,
+        backup_id: str,
+        transfers: Sequence[PoolTransfer],
+        *,
+        on_layer: LayerCallback | None = None,
+    ) -> tuple[Ack, ...]:
+        return self._retraction.retract_restore(session_id, op_id, backup_id, transfers, on_layer=on_layer)
+
+    def retract_discard(self, session_id: str, op_id: str, backup_id: str) -> int:
+        return self._retraction.retract_discard(session_id, op_id, backup_id)
 
     # ------------------------------------------------------------------ sessions
 
@@ -319,15 +393,15 @@ class HiCacheCore(Retraction):
 
     def anchor_pool(self, session_id: str) -> str:
         """The name of the anchor pool of session ``session_id``'s group (NotFound for unknown ids)."""
-        return self._session(session_id)[1].group.anchor.name
+        return self._data.session(session_id)[1].group.anchor.name
 
     def session_worker(self, session_id: str) -> WorkerId:
         """The worker identity session ``session_id`` attached with (NotFound for unknown ids)."""
-        return self._session(session_id)[0].worker
+        return self._data.session(session_id)[0].worker
 
     def session_group(self, session_id: str) -> tuple[Session, GroupState]:
         """For the content-cache operations (``hicached.core.keyed``)."""
-        return self._session(session_id)
+        return self._data.session(session_id)
 
     @property
     def allocation_may_block(self) -> bool:
