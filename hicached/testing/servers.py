@@ -82,6 +82,8 @@ def seaweedfs(
         s3_grpc,
     ) = free_ports(8)
     log = workdir / "weed.log"
+    # Beside weed's own sockets: ``workdir`` may be too deep for an AF_UNIX path (~107 bytes).
+    local_socket = f"/tmp/seaweedfs-filer-local-{filer}.sock"
     args = [
         weed,
         "-logtostderr=false",
@@ -98,7 +100,7 @@ def seaweedfs(
         "-volume.preStopSeconds=0",
         f"-filer.port={filer}",
         f"-filer.port.grpc={filer_grpc}",
-        f"-filer.localSocket={workdir / 'filer.sock'}",
+        f"-filer.localSocket={local_socket}",
         "-s3",
         f"-s3.port={s3_port}",
         f"-s3.port.grpc={s3_grpc}",
@@ -145,6 +147,8 @@ def seaweedfs(
             for port in (master_grpc, volume_grpc, s3_port, s3_grpc, filer, filer_grpc):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"/tmp/seaweedfs-{name}-{port}.sock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(local_socket)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
