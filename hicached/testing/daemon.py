@@ -132,14 +132,15 @@ def launch(
     clean_env: bool = True,
     cwd: Path | None = None,
     owns_workdir: bool | None = None,
+    log_name: str = "daemon.log",
     timeout_s: float = 60.0,
 ) -> Daemon:
     """``python -m hicached serve --socket SOCKET --set host.shm_prefix=PREFIX ARGS``, waited
     for until SERVING.
 
     ``workdir`` (default: a new :func:`scratch_dir`, removed by :meth:`Daemon.stop`) holds
-    ``daemon.log`` and, unless ``socket`` says otherwise, ``d.sock``. ``shm_prefix`` defaults
-    to a unique one. The child's environment is ``env`` (default this process's) without
+    its log (``log_name``) and, unless ``socket`` says otherwise, ``d.sock``. ``shm_prefix``
+    defaults to a unique one. The child's environment is ``env`` (default this process's) without
     ``HICACHED_*`` when ``clean_env``, importing this very hicached (:func:`child_env`); it
     runs in ``cwd`` (default ``workdir``). ``owns_workdir`` (default: whether the launcher made
     it) says whether :meth:`Daemon.stop` removes ``workdir``. If it exits or is not SERVING within ``timeout_s``,
@@ -151,7 +152,7 @@ def launch(
     prefix = shm_prefix or f"hcdt{uuid.uuid4().hex[:8]}"
     cmd = [sys.executable, "-m", "hicached", "serve", "--socket", str(sock),
            "--set", f"host.shm_prefix={prefix}", *args]  # fmt: skip
-    log_path = workdir / "daemon.log"
+    log_path = workdir / log_name
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             cmd,

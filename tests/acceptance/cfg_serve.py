@@ -53,13 +53,15 @@ def serve(
 ) -> Served:
     """``hicached serve --config hicached.toml`` (written from ``config_text`` in ``cwd``), with
     a short socket path and a unique shm prefix as flags, waited for until SERVING; its
-    output goes to ``cwd/daemon.log``."""
+    output goes to ``cwd/serve-N.log`` (N counts the starts in ``cwd``)."""
     (cwd / "hicached.toml").write_text(config_text)
+    log_name = f"serve-{len(list(cwd.glob('serve-*.log')))}.log"
     sockdir = scratch_dir("hca")  # AF_UNIX paths are short
     try:
         d = launch(
             "--config", "hicached.toml", *extra,
-            workdir=cwd, socket=sockdir / "d.sock", env=clean_env(env), clean_env=False, timeout_s=timeout_s,
+            workdir=cwd, socket=sockdir / "d.sock", log_name=log_name,
+            env=clean_env(env), clean_env=False, timeout_s=timeout_s,
         )  # fmt: skip
     except BaseException:
         shutil.rmtree(sockdir, ignore_errors=True)
