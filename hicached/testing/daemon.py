@@ -140,11 +140,12 @@ def launch(
 
     ``workdir`` (default: a new :func:`scratch_dir`, removed by :meth:`Daemon.stop`) holds
     its log (``log_name``) and, unless ``socket`` says otherwise, ``d.sock``. ``shm_prefix``
-    defaults to a unique one. The child's environment is ``env`` (default this process's) without
-    ``HICACHED_*`` when ``clean_env``, importing this very hicached (:func:`child_env`); it
-    runs in ``cwd`` (default ``workdir``). ``owns_workdir`` (default: whether the launcher made
-    it) says whether :meth:`Daemon.stop` removes ``workdir``. If it exits or is not SERVING within ``timeout_s``,
-    it is stopped and :class:`DaemonDied` raised with the end of its log.
+    defaults to a unique one. The child's environment is ``env`` (default this process's)
+    without ``HICACHED_*`` when ``clean_env``, importing this very hicached (:func:`child_env`);
+    it runs in ``cwd`` (default ``workdir``). ``owns_workdir`` (default: whether the launcher
+    made it) says whether :meth:`Daemon.stop` removes ``workdir``. If it exits or is not
+    SERVING within ``timeout_s``, it is stopped and :class:`DaemonDied` raised with the end of
+    its log.
     """
     owns = workdir is None if owns_workdir is None else owns_workdir
     workdir = scratch_dir() if workdir is None else workdir
