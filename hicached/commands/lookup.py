@@ -21,10 +21,7 @@ from hicached_client import HiCacheClient, HiCacheError, TokenChain, WorkerIdent
 
 from hicached.commands._target import add_target_flags, failure_message, target_of
 from hicached.commands.keys import parse_tokens
-from hicached.core.groups import group_id_for, group_key
-from hicached.core.types import WorkerId
 from hicached.errors import InvalidArgument
-from hicached.server.convert import pool_request
 
 EXIT_MISS = 1
 EXIT_USAGE = 2
@@ -109,6 +106,11 @@ def _specs(args: argparse.Namespace) -> tuple[WorkerIdentity, Any]:
 
 
 def _group_id(identity: WorkerIdentity, spec: Any) -> str:
+    # The core (and torch) only when the command runs: `hicached --help` stays quick.
+    from hicached.core.groups import group_id_for, group_key
+    from hicached.core.types import WorkerId
+    from hicached.server.convert import pool_request
+
     worker = WorkerId(
         identity.instance_id,
         identity.generation,

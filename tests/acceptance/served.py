@@ -5,28 +5,20 @@ from __future__ import annotations
 
 import os
 import re
-import signal
+import shutil
 import subprocess
-import sys
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-from tests.integration.daemon import wait_serving
+from hicached.testing.daemon import Daemon, launch, scratch_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
 
 
-@dataclass
-class Served:
-    target: str
-    socket: Path
-    workdir: Path
-    shm_prefix: str
-    process: subprocess.Popen[bytes]
+class Served(Daemon):
+    """A daemon a user started (:func:`served`)."""
 
     def env(self) -> dict[str, str]:
         """A user's environment pointing at this daemon ($HICACHED_SOCKET), no other HICACHED_*."""
@@ -34,48 +26,30 @@ class Served:
         env["HICACHED_SOCKET"] = str(self.socket)
         return env
 
-    def log(self) -> str:
-        path = self.workdir / "daemon.log"
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
-
 
 @contextmanager
 def served(workdir: Path, *extra: str) -> Iterator[Served]:
-    """``python -m hicached serve`` (the ``hicached`` script) on a socket in ``workdir``."""
-    # AF_UNIX paths are limited to ~107 bytes: the socket goes in a short directory.
-    sockdir = Path("/tmp") / f"hca-{uuid.uuid4().hex[:10]}"
-    sockdir.mkdir()
-    sock = sockdir / "d.sock"
-    prefix = f"hcacc{uuid.uuid4().hex[:8]}"
-    cmd = [
-        sys.executable, "-m", "hicached", "serve",
-        "--socket", str(sock),
+    """``python -m hicached serve`` (the ``hicached`` script) with its socket in a short
+    scratch directory, its log, L3 and journal in ``workdir``."""
+    sockdir = scratch_dir("hca")  # AF_UNIX paths are limited to ~107 bytes
+    d = launch(
         "--host-budget", "256MiB",
         "--l3", "file",
         "--l3-path", str(workdir / "l3"),
-        "--set", f"host.shm_prefix={prefix}",
         "--set", f"host.journal_dir={workdir / 'journal'}",
         *extra,
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
-    with (workdir / "daemon.log").open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, env=env)
-    daemon = Served(f"unix://{sock}", sock, workdir, prefix, proc)
+        workdir=workdir, socket=sockdir / "d.sock", timeout_s=90.0,
+    )  # fmt: skip
+    daemon = Served(d.target, d.process, d.workdir, d.shm_prefix, d.log_path, owns_workdir=False)
     try:
-        wait_serving(daemon.target, proc, 90.0)
         yield daemon
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        sock.unlink(missing_ok=True)
-        sockdir.rmdir()
-    assert proc.returncode == 0, f"daemon exited with {proc.returncode}:\n{daemon.log()}"
-    assert not list(SHM.glob(f"{prefix}*")), "a cleanly stopped daemon leaves no host segments"
+        code = daemon.terminate(60.0)
+        left = list(SHM.glob(f"{daemon.shm_prefix}*"))
+        daemon.stop()
+        shutil.rmtree(sockdir, ignore_errors=True)
+    assert code == 0, f"daemon exited with {code}:\n{daemon.log}"
+    assert not left, "a cleanly stopped daemon leaves no host segments"
 
 
 def shm_left_by(pid: int) -> list[str]:

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from hicached_client import HiCacheClient, TokenChain, WorkerIdentity
 
-from tests.acceptance.cfg_serve import Served, hicached, serve, start
+from hicached.testing.servers import free_ports, mooncake_master, redis_server, seaweedfs
+from tests.acceptance.cfg_serve import Served, hicached, serve
 from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
-from tests.servers import free_ports, mooncake_master, redis_server, seaweedfs
 
 PAGES = 16
 MODEL = "acceptance-l3"
@@ -213,13 +213,10 @@ def test_env_and_set_forms_reach_the_backend(tmp_path: Path) -> None:
     with redis_server() as r:
         (dead,) = free_ports(1)
         config = BASE + f'[l3]\nbackend = "redis"\n[l3.redis]\nhost = "192.0.2.1"\nport = {dead}\n'
-        proc = start(tmp_path, config, "--socket", str(tmp_path / "x.sock"), "--set", f"l3.redis.host={r.host}",
-                     env={"HICACHED_L3_REDIS_PORT": str(r.port), "HICACHED_HOST_SHM_PREFIX": f"hce{uuid.uuid4().hex[:8]}"})  # fmt: skip
-        served = Served(proc, tmp_path / "x.sock", tmp_path / "serve-0.log", "hce-unused")
+        served = serve(tmp_path, config, "--set", f"l3.redis.host={r.host}",
+                       env={"HICACHED_L3_REDIS_PORT": str(r.port)})  # fmt: skip
         try:
-            from tests.integration.daemon import wait_serving
-
-            wait_serving(served.target, proc, 90.0)
             assert f"l3_target={r.host}:{r.port}/0" in served.log, served.log
         finally:
             assert served.stop() == 0, served.log
+            served.cleanup()

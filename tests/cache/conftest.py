@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from servers import RedisServer, redis_server
 
 from hicached.index import ContentIndex, WritePolicy
 from hicached.l2 import HostKVPool, HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.l3 import StorageBackend, create_backend
 from hicached.l3.base import BackendStats
+from hicached.testing.servers import RedisServer, redis_server
 
 PAGE_SIZE = 4
 

@@ -3,7 +3,6 @@ file L3 backend in a temp dir, shared-memory worker pools, and the daemon's own 
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,15 +10,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hicached.testing.procs import free_ports
 from tests.integration.daemon import Daemon, start_daemon
 from tests.integration.kv import WorkerPools, unique_tag
 
 
 def free_port() -> int:
     """A TCP port nobody listens on now (the daemon cannot report the port it picked for 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def start_file_daemon(l3: Path, *extra: str) -> Daemon:

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import RedisServer, redis_server
 
 from hicached.l3 import StorageBackend, create_backend
+from hicached.testing.servers import RedisServer, redis_server
 
 from .test_mooncake_fixtures import mooncake_backend, mooncake_srv  # noqa: F401 - fixtures
 from .test_s3_fixtures import s3_backend, seaweed_srv  # noqa: F401 - fixtures

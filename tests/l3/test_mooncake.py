@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 from mooncake.store import MooncakeDistributedStore
-from servers import MooncakeMaster, free_ports, mooncake_master
 
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3 import StorageBackend, create_backend
 from hicached.l3.framing import frame
 from hicached.l3.mooncake import MooncakeBackend
+from hicached.testing.procs import free_ports
+from hicached.testing.servers import MooncakeMaster, mooncake_master
 
 from .test_mooncake_fixtures import mc_options
 

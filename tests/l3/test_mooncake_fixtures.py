@@ -12,9 +12,9 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from servers import MooncakeMaster, mooncake_master
 
 from hicached.l3 import StorageBackend, create_backend
+from hicached.testing.servers import MooncakeMaster, mooncake_master
 
 __all__ = ["mc_options", "mooncake_backend", "mooncake_srv"]
 

