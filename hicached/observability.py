@@ -3,7 +3,7 @@
 Each layer declares what it reports as a Protocol beside its code, no-op by default:
 :class:`~hicached.core.hooks.CoreObserver` (sessions, copies),
 :class:`~hicached.index.observer.IndexObserver` (lookups, evictions, backups, prefetches) and
-:data:`~hicached.server.interceptors.RpcObserver` (one finished RPC). The adapters below turn those
+:class:`~hicached.server.observer.RpcObserver` (one finished RPC). The adapters below turn those
 events into the daemon's :class:`~hicached.metrics.Metrics`; :class:`HostGauges` reads the pool
 groups' levels for the gauges. The composition root (``daemon.py``) wires them; no layer imports
 this module, so every layer works, and is tested, without Prometheus.
@@ -98,12 +98,12 @@ class IndexMetrics:
 
 
 class RpcMetrics:
-    """:data:`~hicached.server.interceptors.RpcObserver` counting RPCs by method and code."""
+    """:class:`~hicached.server.observer.RpcObserver` counting RPCs by method and code."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._m = metrics
 
-    def __call__(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+    def on_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self._m.rpcs.labels(method=method, code=code.name).inc()
         self._m.rpc_duration.labels(method=method).observe(seconds)
 

@@ -64,15 +64,16 @@ Outcome = tuple[grpc.StatusCode, str, dict[str, str], list[bytes]]
 async def _run(requests: list[tuple[str, bytes]]) -> tuple[list[Outcome], list[tuple[str, str]]]:
     seen: list[tuple[str, str]] = []
 
-    def observe(method: str, code: grpc.StatusCode, seconds: float) -> None:
-        assert seconds >= 0
-        seen.append((method, code.name))
+    class Observe:
+        def on_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+            assert seconds >= 0
+            seen.append((method, code.name))
 
     server = grpc.aio.server(
         interceptors=(
             DecodeInterceptor(),
             ErrorInterceptor([SERVICE]),
-            MetricsInterceptor(observe, [SERVICE]),
+            MetricsInterceptor(Observe(), [SERVICE]),
         )
     )
     server.add_generic_rpc_handlers((HANDLERS,))

@@ -37,10 +37,10 @@ from hicached.server.decode import DecodeInterceptor
 from hicached.server.interceptors import (
     ErrorInterceptor,
     MetricsInterceptor,
-    RpcObserver,
     SessionInterceptor,
     TokenInterceptor,
 )
+from hicached.server.observer import RpcObserver
 from hicached.server.roles import Access
 
 logger = logging.getLogger(__name__)

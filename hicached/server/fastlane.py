@@ -23,11 +23,11 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-import grpc
 from hicached_client.lane_wire import SUFFIX
 
 from hicached.core.service import HiCacheCore
-from hicached.server.lane import Lane, Observer, Refused
+from hicached.server.lane import Lane, Refused
+from hicached.server.observer import NullRpcObserver, RpcObserver
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +37,6 @@ __all__ = ["LaneServer", "lane_path"]
 def lane_path(grpc_socket: str | Path) -> Path:
     """The lane socket of a daemon serving gRPC on ``grpc_socket``."""
     return Path(f"{grpc_socket}{SUFFIX}")
-
-
-def _no_observer(method: str, code: grpc.StatusCode, seconds: float) -> None:
-    """Default: no metrics."""
 
 
 class LaneServer:
@@ -55,7 +51,7 @@ class LaneServer:
         max_lanes: int,
         max_per_session: int,
         max_per_uid: int,
-        observe: Observer | None = None,
+        observe: RpcObserver | None = None,
     ) -> None:
         self._core = core
         self._path = path
@@ -63,7 +59,7 @@ class LaneServer:
         self._max_lanes = max_lanes
         self._max_per_session = max_per_session
         self._max_per_uid = max_per_uid
-        self._observe = observe or _no_observer
+        self._observe: RpcObserver = observe or NullRpcObserver()
         self._lock = threading.Lock()
         self._threads: dict[Lane, threading.Thread] = {}
         self._per_session: Counter[str] = Counter()

@@ -40,6 +40,7 @@ from hicached.config import LimitsConfig
 from hicached.core.service import HiCacheCore
 from hicached.errors import Unauthenticated
 from hicached.server.limits import check_ids
+from hicached.server.observer import RpcObserver
 from hicached.server.roles import HEALTH_PREFIX, Access
 from hicached.server.status import status_for, trailing_metadata_for
 
@@ -49,7 +50,6 @@ __all__ = [
     "CallInterceptor",
     "ErrorInterceptor",
     "MetricsInterceptor",
-    "RpcObserver",
     "SessionInterceptor",
     "TokenInterceptor",
 ]
@@ -59,7 +59,6 @@ Ctx = grpc.aio.ServicerContext[Any, Any]
 if TYPE_CHECKING:  # grpc's handler type is generic only in its stubs
     Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
     Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable[Handler]]
-RpcObserver = Callable[[str, grpc.StatusCode, float], None]
 # Metadata key of the session capability (AttachResponse.session_secret).
 SESSION_SECRET_METADATA = "x-hicached-session-secret"
 # An error message longer than this is cut (gRPC carries it in a header).
@@ -209,7 +208,7 @@ class _Timed:
             code = grpc.StatusCode.CANCELLED
         elif isinstance(exc, Exception):
             code = status_for(exc) or grpc.StatusCode.INTERNAL
-        self.observe(self.method, code, time.perf_counter() - self.start)
+        self.observe.on_rpc(self.method, code, time.perf_counter() - self.start)
         return False
 
 

@@ -45,6 +45,7 @@ from hicached.errors import PermissionDenied
 from hicached.l2.group import PoolTransfer
 from hicached.server.handoff import peer_cred
 from hicached.server.limits import check_ids
+from hicached.server.observer import RpcObserver
 from hicached.server.status import status_for
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,6 @@ NEGOTIATE_TIMEOUT_S = 2.0
 # How often a sleeping lane checks whether its session has ended.
 SESSION_CHECK_MS = 250
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-Observer = Callable[[str, grpc.StatusCode, float], None]
 
 
 class Refused(Exception):
@@ -104,7 +104,7 @@ class Lane:
         stop_fd: int,
         admit: Callable[[Lane, str, int], None],
         release: Callable[[Lane], None],
-        observe: Observer,
+        observe: RpcObserver,
     ) -> None:
         self._core = core
         self._conn = conn
@@ -321,7 +321,7 @@ class Lane:
                 w.Completion(opcode, seq, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], False, None, str(exc)),
             )
         name = _OP_NAMES.get(opcode, "FastLaneUnknown")
-        self._observe(name, _status(done.status), time.perf_counter() - start)
+        self._observe.on_rpc(name, _status(done.status), time.perf_counter() - start)
 
     def _execute(self, req: w.Request) -> w.Completion:
         sid, op, seq = self.session_id, req.op_id, req.seq
