@@ -21,7 +21,7 @@ from hicached_client import HiCacheClient, TokenChain, WorkerIdentity
 
 from hicached.testing.servers import free_ports, mooncake_master, redis_server, seaweedfs
 from tests.acceptance.cfg_serve import Served, hicached, serve
-from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
 
 PAGES = 16
 MODEL = "acceptance-l3"

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.acceptance.served import ROOT
-from tests.integration.daemon import wait_serving
+from tests.support.daemon import wait_serving
 
 INSTALLING = "dev: installing"
 

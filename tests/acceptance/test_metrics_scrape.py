@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicached.testing.procs import free_ports
 from tests.acceptance.cfg_serve import serve
-from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
 
 MODEL = "acceptance-metrics"
 PAGES = 8

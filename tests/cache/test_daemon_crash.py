@@ -16,8 +16,8 @@ from hicached_client.export import ShmKVPool
 from hicached_client.v1 import types_pb2 as tpb
 
 from hicached.index.keys import page_keys
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.kv import unique_tag
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.kv import unique_tag
 
 PAGE_SIZE = 4
 LAYERS, HEADS, DIM = 8, 8, 64  # float16 K and V: 64 KiB per 4-token page

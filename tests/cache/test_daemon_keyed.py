@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 from hicached_client import HiCacheClient, PrefetchState, TokenChain, WorkerIdentity
 
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
 
 MODEL = "m-keyed"
 PAGES = 64

@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicached.testing.procs import free_ports
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.kv import WorkerPools, unique_tag
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.kv import WorkerPools, unique_tag
 
 
 def free_port() -> int:

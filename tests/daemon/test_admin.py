@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hicached_client import HiCacheClient, HiCacheError, TokenChain, WorkerIdentity
 
 from tests.daemon.conftest import new_pools, start_file_daemon
-from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
 
 PAGES = 16
 

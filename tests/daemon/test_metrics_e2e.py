@@ -13,7 +13,7 @@ from pathlib import Path
 from hicached_client import HiCacheClient, PrefetchState, TokenChain, WorkerIdentity
 
 from tests.daemon.conftest import free_port, new_pools, scrape, start_file_daemon, total
-from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, host_pages_of, transfers
+from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, host_pages_of, transfers
 
 MODEL = "m-metrics"
 PAGES = 32

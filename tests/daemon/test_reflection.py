@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.daemon.conftest import start_file_daemon
-from tests.integration.daemon import Daemon
+from tests.support.daemon import Daemon
 
 SERVICES = ("hicached.v1.HiCacheService", "hicached.v1.AdminService", "grpc.health.v1.Health")
 

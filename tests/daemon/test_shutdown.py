@@ -31,8 +31,8 @@ from hicached_client.export import ShmKVPool
 from hicached_client.v1 import types_pb2 as tpb
 
 from tests.daemon.conftest import free_port, scrape, start_file_daemon, total
-from tests.integration.daemon import Daemon
-from tests.integration.kv import WorkerPools, host_pages_of, transfers, unique_tag
+from tests.support.daemon import Daemon
+from tests.support.kv import WorkerPools, host_pages_of, transfers, unique_tag
 
 PAGE_SIZE = 4
 LAYERS, HEADS, DIM = 16, 4, 32  # float16 K and V: 32 KiB per page, 2 KiB per page and layer

@@ -14,8 +14,8 @@ import pytest
 from hicached_client import HiCacheClient, Session, WorkerIdentity
 
 from tests.daemon.conftest import new_pools, start_file_daemon
-from tests.integration.daemon import ROOT, Daemon
-from tests.integration.kv import WorkerPools, transfers
+from tests.support.daemon import ROOT, Daemon
+from tests.support.kv import WorkerPools, transfers
 
 MODEL = "m-status"
 

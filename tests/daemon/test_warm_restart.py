@@ -25,8 +25,8 @@ from hicached.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hicached.index import ContentIndex
 from hicached.index.entries import EntryRecord
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
 
 MODEL = "m-warm"
 N = 48  # keys put before the restart

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.daemon import ROOT, Daemon, start_daemon
+from tests.support.daemon import ROOT, Daemon, start_daemon
 
 
 @pytest.fixture(scope="module")

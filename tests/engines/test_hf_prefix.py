@@ -20,7 +20,7 @@ import torch
 
 from tests.engines.conftest import run_hf_worker, unique_model
 from tests.engines.model import GENERATE, PAGE_SIZE, PROMPT_TOKENS, full_run, prompt, tiny_llama
-from tests.integration.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon, start_daemon
 
 PREFIX = (PROMPT_TOKENS - 1) // PAGE_SIZE * PAGE_SIZE  # 96 tokens in 6 pages
 

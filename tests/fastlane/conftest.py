@@ -11,8 +11,8 @@ import pytest
 from hicached_client import HiCacheClient, Session, WorkerIdentity
 from hicached_client.fastlane import FastLane
 
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.kv import WorkerPools, unique_tag
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.kv import WorkerPools, unique_tag
 
 
 @pytest.fixture(scope="module")

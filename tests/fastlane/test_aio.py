@@ -10,8 +10,8 @@ import pytest
 from hicached_client import AsyncHiCacheClient, HiCacheError, Transfer, WorkerIdentity
 from hicached_client.fastlane_aio import AsyncFastLane
 
-from tests.integration.daemon import Daemon
-from tests.integration.kv import WorkerPools, unique_tag
+from tests.support.daemon import Daemon
+from tests.support.kv import WorkerPools, unique_tag
 
 
 def test_async_lane_write_and_load_are_byte_exact(daemon: Daemon) -> None:

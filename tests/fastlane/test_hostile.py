@@ -13,7 +13,7 @@ from hicached_client import HiCacheClient, HiCacheError, Transfer
 from hicached_client import lane_wire as w
 
 from tests.fastlane.conftest import Worker
-from tests.integration.state import state
+from tests.support.state import state
 
 Desc = tuple[bytes, int, int, int, int]  # pool, ndevice, nhost, tflags, reserved
 

@@ -17,10 +17,10 @@ from hicached_client import lane_wire as w
 from hicached_client.fastlane import FastLane, lane_path
 
 from tests.fastlane.conftest import Worker
-from tests.integration.daemon import ROOT, Daemon, start_daemon
-from tests.integration.kv import WorkerPools, unique_tag
-from tests.integration.state import poll, state
 from tests.security.users import other_user, run_as_other
+from tests.support.daemon import ROOT, Daemon, start_daemon
+from tests.support.kv import WorkerPools, unique_tag
+from tests.support.state import poll, state
 
 
 def daemon_resources(daemon: Daemon) -> tuple[int, int, int]:
@@ -144,7 +144,7 @@ DYING = """
 import os, sys
 from hicached_client import HiCacheClient, Transfer, WorkerIdentity
 from hicached_client.fastlane import FastLane
-from tests.integration.kv import WorkerPools
+from tests.support.kv import WorkerPools
 pools = WorkerPools.create(sys.argv[2])
 client = HiCacheClient(sys.argv[1])
 session = client.attach(WorkerIdentity("dying-" + sys.argv[2], 1, "m-fastlane"), pools.specs())

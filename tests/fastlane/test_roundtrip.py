@@ -7,7 +7,7 @@ import pytest
 from hicached_client import HiCacheError, Transfer
 
 from tests.fastlane.conftest import Worker, free_pages
-from tests.integration.kv import PAGE_SIZE
+from tests.support.kv import PAGE_SIZE
 
 PAGES = 64
 

@@ -24,9 +24,9 @@ from hicached_client import lane_wire as w
 
 from tests.fastlane.conftest import free_pages
 from tests.fastlane.test_lifecycle import daemon_resources
-from tests.integration.daemon import ROOT, Daemon, start_daemon
-from tests.integration.kv import WorkerPools, unique_tag
-from tests.integration.state import poll
+from tests.support.daemon import ROOT, Daemon, start_daemon
+from tests.support.kv import WorkerPools, unique_tag
+from tests.support.state import poll
 
 PAGES = 8
 
@@ -180,7 +180,7 @@ def test_closing_the_client_closes_its_sessions_lanes(daemon: Daemon, pools: Wor
 DYING = """
 import os, sys
 from hicached_client import HiCacheClient, Transfer, WorkerIdentity
-from tests.integration.kv import WorkerPools
+from tests.support.kv import WorkerPools
 pools = WorkerPools.create(sys.argv[2])
 client = HiCacheClient(sys.argv[1], fast_lane=True)
 session = client.attach(WorkerIdentity("dying-" + sys.argv[2], 1, "m-fastlane"), pools.specs())

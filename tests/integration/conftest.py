@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from hicached_client import HiCacheClient
 
-from tests.integration.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon, start_daemon
 
 
 @pytest.fixture(scope="module")

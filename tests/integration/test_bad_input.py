@@ -19,9 +19,9 @@ import pytest
 from hicached_client import HiCacheClient, HiCacheError, Session, Transfer, WorkerIdentity
 from hicached_client.v1 import types_pb2 as tpb
 
-from tests.integration.daemon import MAX_BATCH_PAGES, Daemon
-from tests.integration.kv import DEVICE_PAGES, WorkerPools, transfers, unique_tag
-from tests.integration.state import state
+from tests.support.daemon import MAX_BATCH_PAGES, Daemon
+from tests.support.kv import DEVICE_PAGES, WorkerPools, transfers, unique_tag
+from tests.support.state import state
 
 MODEL = "m-matrix"
 GENERATION = 5

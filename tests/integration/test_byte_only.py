@@ -13,7 +13,7 @@ from hicached_client import HiCacheClient, HiCacheError, PageBytes, Transfer, Wo
 from hicached_client.export import ShmKVPool
 from hicached_client.v1 import types_pb2 as tpb
 
-from tests.integration.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon, start_daemon
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 16, 4
 TOKENS = 64 * PAGE

@@ -19,9 +19,9 @@ from hicached_client import (
     WorkerIdentity,
 )
 
-from tests.integration.daemon import Daemon
-from tests.integration.kv import POOLS, WorkerPools, host_pages_of, transfers, unique_tag
-from tests.integration.state import poll
+from tests.support.daemon import Daemon
+from tests.support.kv import POOLS, WorkerPools, host_pages_of, transfers, unique_tag
+from tests.support.state import poll
 
 LEASE_MS = 600  # the daemon's minimum is 500
 

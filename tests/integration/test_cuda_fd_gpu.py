@@ -14,8 +14,8 @@ import pytest
 import torch
 from hicached_client import HiCacheClient, Transfer, WorkerIdentity, pool_spec
 
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.kv import unique_tag
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.kv import unique_tag
 
 pytestmark = [
     pytest.mark.gpu,

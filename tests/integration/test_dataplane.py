@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tests.integration.daemon import Daemon
-from tests.integration.kv import DRAFT_DIM, DRAFT_HEADS, DRAFT_LAYERS, KV_DIM, KV_HEADS, KV_LAYERS, PAGE_SIZE
-from tests.integration.workers import run_worker
+from tests.support.daemon import Daemon
+from tests.support.kv import DRAFT_DIM, DRAFT_HEADS, DRAFT_LAYERS, KV_DIM, KV_HEADS, KV_LAYERS, PAGE_SIZE
+from tests.support.workers import run_worker
 
 PAGES = 256
 KV_PAGE_BYTES = PAGE_SIZE * KV_LAYERS * 2 * KV_HEADS * KV_DIM * 2  # K and V, float16

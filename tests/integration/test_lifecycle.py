@@ -14,10 +14,10 @@ import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, Stats, Transfer, WorkerIdentity
 
-from tests.integration.daemon import LEASE_MS, Daemon
-from tests.integration.kv import WorkerPools, transfers, unique_tag
-from tests.integration.state import poll, state
-from tests.integration.workers import read_report, spawn_worker
+from tests.support.daemon import LEASE_MS, Daemon
+from tests.support.kv import WorkerPools, transfers, unique_tag
+from tests.support.state import poll, state
+from tests.support.workers import read_report, spawn_worker
 
 
 def _unlink_segments(tag: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hicached_client import HiCacheClient, HiCacheError
 
-from tests.integration.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon, start_daemon
 
 TOKEN = "s3cret-token"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.daemon import wait_serving
+from tests.support.daemon import wait_serving
 
 from .dockerfile import Instruction, Stage, dockerignore_excludes, parse, read_dockerignore
 

@@ -14,7 +14,7 @@ from hicached_client import HiCacheClient, RetryPolicy, pool_spec
 from hicached_client.export import ShmKVPool
 from hicached_client.v1 import types_pb2 as tpb
 
-from tests.integration.state import snapshot
+from tests.support.state import snapshot
 
 PAGE, LAYERS, HEADS, DIM = 4, 2, 2, 8
 DEVICE_PAGES = 64

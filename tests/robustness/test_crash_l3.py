@@ -22,8 +22,8 @@ from hicached_client import HiCacheClient, PageBytes, WorkerIdentity
 from hicached_client.errors import HiCacheError
 
 from hicached.l3.file import HEADER_BYTES, MAX_KEY_BYTES, FileBackend, FileBackendConfig, slot_bytes_for
-from tests.integration.daemon import start_daemon
-from tests.integration.kv import POOLS, WorkerPools, transfers, unique_tag
+from tests.support.daemon import start_daemon
+from tests.support.kv import POOLS, WorkerPools, transfers, unique_tag
 
 PAGE = 64 << 10
 KEY_OFFSET = 44  # magic..checksum (36 bytes) and the header's own checksum (8) precede the key

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from hicached_client import HiCacheClient, WorkerIdentity
 
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.kv import WorkerPools, transfers, unique_tag
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.kv import WorkerPools, transfers, unique_tag
 
 TIMEOUT_S = 30.0
 SHM = Path("/dev/shm")

@@ -18,8 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hicached_client import HiCacheClient, WorkerIdentity
 
-from tests.integration.daemon import ROOT, Daemon, start_daemon
-from tests.integration.kv import WorkerPools, transfers, unique_tag
+from tests.support.daemon import ROOT, Daemon, start_daemon
+from tests.support.kv import WorkerPools, transfers, unique_tag
 
 TIMEOUT_S = 30.0
 NOT_UTF8 = b"[log]\nlevel = 'info'\n# \xff\xfe not utf-8\n"

@@ -31,9 +31,9 @@ from hicached_client.v1 import hicached_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.daemon import Daemon, start_daemon
 from tests.robustness.fuzz_support import TALLY, build, decodes, message_fields, undecodable
 from tests.robustness.state_support import device_pools, no_retry_client, specs, state
+from tests.support.daemon import Daemon, start_daemon
 
 SECRET = "x-hicached-session-secret"
 CALL_TIMEOUT_S = 20.0

@@ -26,10 +26,10 @@ from hicached_client import (
 )
 from hicached_client.export import ShmKVPool
 
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.state import state
 from tests.robustness.loop_support import PAGE_BYTES, attach_bytes, byte_spec, peak_rss, raw_unary
 from tests.robustness.state_support import device_pools, no_retry_client, specs
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.state import state
 
 C = grpc.StatusCode
 MODEL = "m-limits"

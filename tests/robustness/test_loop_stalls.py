@@ -17,8 +17,8 @@ import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, PageBytes
 
-from tests.integration.daemon import ROOT, Daemon, start_daemon
 from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes
+from tests.support.daemon import ROOT, Daemon, start_daemon
 
 LEASE_MS = 1500
 TOKENS = 1 << 22  # 4 M tokens: 262,144 keys of 16 tokens (limits raised to allow them)

@@ -13,8 +13,8 @@ import pytest
 from hicached_client import HiCacheClient, HiCacheError, WorkerIdentity
 from hicached_client.export import ShmKVPool
 
-from tests.integration.daemon import Daemon, start_daemon
 from tests.robustness.state_support import device_pools, no_retry_client, specs, state
+from tests.support.daemon import Daemon, start_daemon
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from hicached_client import HiCacheError, PageBytes, Session, WorkerIdentity
 
-from tests.integration.daemon import Daemon, start_daemon
 from tests.robustness.state_support import device_pools, no_retry_client, specs
+from tests.support.daemon import Daemon, start_daemon
 
 OP_CACHE_BYTES = 1 << 20
 

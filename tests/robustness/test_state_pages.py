@@ -10,8 +10,8 @@ import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session, Transfer, WorkerIdentity
 
-from tests.integration.daemon import Daemon, start_daemon
 from tests.robustness.state_support import device_pools, no_retry_client, specs, state
+from tests.support.daemon import Daemon, start_daemon
 
 
 @pytest.fixture(scope="module")

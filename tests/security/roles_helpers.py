@@ -13,7 +13,7 @@ import pytest
 
 from hicached.testing import daemon as harness
 from hicached.testing.daemon import Daemon, scratch_dir
-from tests.integration.daemon import ROOT
+from tests.support.daemon import ROOT
 
 OTHER_USER = "hicached-sectest"
 

@@ -26,10 +26,10 @@ import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, Session, Stats, TokenChain, WorkerIdentity
 
-from tests.integration.daemon import ROOT, Daemon
-from tests.integration.kv import PAGE_SIZE, WorkerPools, transfers, unique_tag
-from tests.integration.state import snapshot
 from tests.security.roles_helpers import connect_as, launch, other_user, scratch_dir
+from tests.support.daemon import ROOT, Daemon
+from tests.support.kv import PAGE_SIZE, WorkerPools, transfers, unique_tag
+from tests.support.state import snapshot
 
 WORKER_TOKEN = "worker-token-roles"
 ADMIN_TOKEN = "admin-token-roles"

@@ -28,9 +28,9 @@ from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 from hicached_client.v1 import types_pb2 as tpb
 
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.kv import KV_DIM, KV_HEADS, PAGE_SIZE, WorkerPools, transfers, unique_tag
-from tests.integration.state import state
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.kv import KV_DIM, KV_HEADS, PAGE_SIZE, WorkerPools, transfers, unique_tag
+from tests.support.state import state
 
 from .users import other_user, run_as_other
 

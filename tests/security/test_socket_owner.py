@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from hicached_client import HiCacheClient
 
-from tests.integration.daemon import Daemon
 from tests.security.roles_helpers import launch, one_line_error, other_user, scratch_dir, serve
+from tests.support.daemon import Daemon
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hicached_client import HiCacheClient
 
-from tests.integration.daemon import Daemon
 from tests.security.roles_helpers import launch, one_line_error, scratch_dir, serve
+from tests.support.daemon import Daemon
 
 TOKEN = "worker-token-1"
 

@@ -15,9 +15,9 @@ from hicached_client._handoff import hand_over, handoff_path
 from hicached_client.export import ShmKVPool
 from hicached_client.v1 import types_pb2 as tpb
 
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.kv import unique_tag
-from tests.integration.state import state
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.kv import unique_tag
+from tests.support.state import state
 
 TOKEN = "tcp-memory-token"
 C = grpc.StatusCode

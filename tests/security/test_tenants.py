@@ -20,10 +20,10 @@ import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session, TokenChain, WorkerIdentity
 
-from tests.integration.daemon import Daemon
-from tests.integration.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
-from tests.integration.state import snapshot
 from tests.security.roles_helpers import launch, scratch_dir
+from tests.support.daemon import Daemon
+from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+from tests.support.state import snapshot
 
 MODEL = "m-tenants"
 PAGES = 8

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import tests.sglang.env  # noqa: F401  (before any SGLang import)
-from tests.integration.daemon import Daemon, start_daemon
 from tests.sglang.pools import StorageFactory
+from tests.support.daemon import Daemon, start_daemon
 
 SHM_DIR = Path("/dev/shm")
 

@@ -17,7 +17,6 @@ from hicached_client.sglang import HiCachedStorage
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolHitPolicy, PoolTransfer
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from tests.integration.daemon import Daemon
 from tests.sglang.pools import (
     LAYOUTS,
     PoolShape,
@@ -28,6 +27,7 @@ from tests.sglang.pools import (
     sglang_keys,
     unique_model,
 )
+from tests.support.daemon import Daemon
 
 SHAPES = [PoolShape(mla=mla, layout=layout) for mla in (False, True) for layout in LAYOUTS]
 

@@ -20,8 +20,8 @@ from hicached_client import HiCacheClient, HiCacheError, SessionPool, WorkerIden
 from hicached_client.sglang.zerocopy import install_sealed_shm
 from sglang.srt.mem_cache.storage import mmap as sgl_mmap
 
-from tests.integration.daemon import Daemon
 from tests.sglang.pools import PoolShape, StorageFactory, make_host_pool, unique_model
+from tests.support.daemon import Daemon
 
 
 @pytest.fixture

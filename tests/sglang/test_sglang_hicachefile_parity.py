@@ -25,8 +25,8 @@ from hicached_client.sglang import HiCachedStorage
 from hicached_client.sglang.refusals import RefusalLog
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolHitPolicy, PoolTransfer, PoolTransferResult
 
-from tests.integration.daemon import start_daemon
 from tests.sglang.pools import PoolShape, StorageFactory, make_host_pool, page_bits, sglang_keys, unique_model
+from tests.support.daemon import start_daemon
 
 Backend = Any
 Calls = Callable[[Backend], list[object]]

@@ -18,7 +18,6 @@ import pytest
 from hicached_client import HiCacheClient
 from hicached_client.sglang import HiCachedStorage
 
-from tests.integration.daemon import Daemon, start_daemon
 from tests.sglang.pools import (
     PoolShape,
     StorageFactory,
@@ -28,6 +27,7 @@ from tests.sglang.pools import (
     sglang_keys,
     unique_model,
 )
+from tests.support.daemon import Daemon, start_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,8 +21,8 @@ from hicached_client.sglang.staging import StagingArea
 from hicached_client.sglang.zerocopy import install_sealed_shm, is_sealed
 from sglang.srt.mem_cache.storage import mmap as sgl_mmap
 
-from tests.integration.daemon import Daemon
 from tests.sglang.pools import PoolShape, StorageFactory, make_host_pool, page_bits, sglang_keys, unique_model
+from tests.support.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,7 +109,7 @@ PLUGIN_PROBE = """
 import tests.sglang.env
 from sglang.srt.plugins import load_plugins
 from hicached_client.sglang.zerocopy import is_sealed
-from tests.integration.daemon import Daemon
+from tests.support.daemon import Daemon
 from tests.sglang.pools import PoolShape, make_host_pool
 load_plugins()
 pool = make_host_pool(PoolShape(layout="page_first"), allocator_type="shm")

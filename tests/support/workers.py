@@ -7,12 +7,12 @@ import subprocess
 import sys
 from typing import Any
 
-from tests.integration.daemon import ROOT, Daemon
-from tests.integration.kv import unique_tag
+from tests.support.daemon import ROOT, Daemon
+from tests.support.kv import unique_tag
 
 
 def worker_cmd(daemon: Daemon, scenario: str, model: str, tag: str, **options: object) -> list[str]:
-    cmd = [sys.executable, "-m", "tests.integration.worker_kv", scenario,
+    cmd = [sys.executable, "-m", "tests.support.worker_kv", scenario,
            "--target", daemon.target, "--tag", tag, "--model", model]  # fmt: skip
     for key, value in options.items():
         cmd += [f"--{key}", str(value)]

@@ -1,4 +1,4 @@
-"""A worker process for the integration tests: ``python -m tests.integration.worker_kv SCENARIO ...``.
+"""A worker process for the integration tests: ``python -m tests.support.worker_kv SCENARIO ...``.
 
 Each scenario creates its own shm "device" pools, attaches to the daemon with
 the client library, does its work and prints JSON lines on stdout (the last
@@ -18,7 +18,7 @@ from typing import Any
 
 from hicached_client import HiCacheClient, Session, WorkerIdentity
 
-from tests.integration.kv import DEVICE_PAGES, POOLS, WorkerPools, host_pages_of, transfers
+from tests.support.kv import DEVICE_PAGES, POOLS, WorkerPools, host_pages_of, transfers
 
 Report = dict[str, Any]
 SCENARIOS: dict[str, Callable[[argparse.Namespace, HiCacheClient, WorkerPools], Report]] = {}
