@@ -186,7 +186,7 @@ class FdOpener(HandleOpener[FdBufferHandle]):
         return ("fd", handle.fd)
 
     def open(self, handle: FdBufferHandle) -> OpenedAllocation:
-        from hicached.l2.shm import SharedSegment
+        from hicached.l2.shm import SharedSegment, populate_backed
 
         what = f"handed-over fd #{handle.index}"
         try:
@@ -215,6 +215,7 @@ class FdOpener(HandleOpener[FdBufferHandle]):
                 f"{what} cannot be mapped read-write ({exc.strerror}): send an O_RDWR memfd without "
                 "F_SEAL_WRITE / F_SEAL_FUTURE_WRITE"
             ) from None
+        populate_backed(mm, st)
         return _ShmAllocation(SharedSegment(f"fd#{handle.index}", mm, st.st_size, writable=True))
 
 

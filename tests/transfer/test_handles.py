@@ -197,6 +197,50 @@ def test_close_is_idempotent_and_final(segment: Memfd) -> None:
     assert mappings.open_count == 0
 
 
+def rss_of_mapping_at(address: int) -> int:
+    """Bytes of the mapping holding ``address`` that have page-table entries in this process."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:  # a mapping header, not a field line
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_backed_memfd_is_populated_at_open_so_copies_take_no_faults(segment: Memfd) -> None:
+    # sealed_memfd reserves every page: the daemon's new mapping gets all of them
+    # at open, none are faulted in later by the first copy.
+    mappings = DeviceMappings()
+    view = mappings.open(shm(segment, 0, (SEG_BYTES // 2,)))
+    assert rss_of_mapping_at(view.data_ptr()) == SEG_BYTES
+    del view
+    mappings.close()
+
+
+def test_sparse_memfd_is_not_populated_and_gains_no_memory(unique: Callable[[str], str]) -> None:
+    # Populating a sparse file would allocate memory the worker never held.
+    import fcntl
+
+    fd = os.memfd_create(unique("sparse"), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, SEG_BYTES)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        mappings = DeviceMappings()
+        view = mappings.open(BufferSpec(FdBufferHandle(fd, 0, SEG_BYTES), (SEG_BYTES // 2,), torch.float16))
+        assert rss_of_mapping_at(view.data_ptr()) == 0
+        assert os.fstat(fd).st_blocks == 0
+        view[0] = 1.0  # still usable: pages fault in as written
+        assert os.fstat(fd).st_blocks > 0
+        del view
+        mappings.close()
+    finally:
+        os.close(fd)
+
+
 def test_concurrent_opens_map_a_segment_once(segment: Memfd) -> None:
     mappings = DeviceMappings()
     start = threading.Barrier(8)
