@@ -100,7 +100,7 @@ class Daemon:
             groups=self.groups,
             engine=self.engine,
             attach_index=self._attach_index,
-            hooks=CoreMetrics(self.metrics),
+            observer=CoreMetrics(self.metrics),
         )
         self.keyed = KeyedCache(config, core=self.core, backend=self.backend)
         self.lanes = Lanes.from_config(config)

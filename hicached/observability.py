@@ -1,7 +1,7 @@
 """Every observation seam's Prometheus adapter, in one place.
 
 Each layer declares what it reports as a Protocol beside its code, no-op by default:
-:class:`~hicached.core.hooks.CoreObserver` (sessions, copies),
+:class:`~hicached.core.observer.CoreObserver` (sessions, copies),
 :class:`~hicached.index.observer.IndexObserver` (lookups, evictions, backups, prefetches) and
 :class:`~hicached.server.observer.RpcObserver` (one finished RPC). The adapters below turn those
 events into the daemon's :class:`~hicached.metrics.Metrics`; :class:`HostGauges` reads the pool
@@ -32,7 +32,7 @@ __all__ = ["CoreMetrics", "HostGauges", "IndexMetrics", "RpcMetrics"]
 
 
 class CoreMetrics:
-    """:class:`~hicached.core.hooks.CoreObserver` feeding sessions and transfer metrics."""
+    """:class:`~hicached.core.observer.CoreObserver` feeding sessions and transfer metrics."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._m = metrics

@@ -49,7 +49,7 @@ from typing import Any
 
 from hicached.bench import missing_package, missing_program
 from hicached.bench.l3_restore import SPEC, host_group, restore_gbps
-from hicached.bench.timing import gbps, timed
+from hicached.bench.timing import drop_cache, gbps, timed
 from hicached.l2 import HostPoolGroup
 from hicached.l3.file import FileBackend, FileBackendConfig
 from hicached.testing.servers import redis_server
@@ -59,16 +59,6 @@ log = logging.getLogger(__name__)
 PAGE_BYTES = SPEC.page_bytes  # 64 KiB
 BATCH = 128
 DISTINCT_PAGES = 512  # source pages cycled through; keys are all distinct
-
-
-def _drop_cache(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 class _Pages:
@@ -107,7 +97,7 @@ def _raw_disk(pages: _Pages, path: Path) -> dict[str, float]:
             os.close(fd)
 
     write_s = timed(write)
-    _drop_cache([path])
+    drop_cache([path])
 
     def read() -> None:
         fd = os.open(path, os.O_RDONLY)
@@ -136,7 +126,7 @@ def _l3_file(pages: _Pages, root: Path) -> dict[str, float]:
             backend.sync()
 
         write_s = timed(write)
-        _drop_cache(sorted(root.glob("slab-*.dat")))
+        drop_cache(sorted(root.glob("slab-*.dat")))
 
         def read() -> None:
             for batch in pages.batches():

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hicached.bench.timing import gbps, timed
+from hicached.bench.timing import drop_cache, gbps, timed
 from hicached.index import ContentIndex, PrefetchPolicy, PrefetchState, WritePolicy
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.l3.file import FileBackend, FileBackendConfig
@@ -46,16 +46,6 @@ def host_group(num_pages: int) -> Iterator[HostPoolGroup]:
     finally:
         pool.close()
         pool.unlink()
-
-
-def _drop_cache(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def restore_gbps(group: HostPoolGroup, source: memoryview, num_pages: int, root: Path) -> float:
@@ -84,7 +74,7 @@ def restore_gbps(group: HostPoolGroup, source: memoryview, num_pages: int, root:
         backend.sync()
         if index.reclaim("kv", num_pages) != num_pages:
             raise RuntimeError("the bench prefix did not leave L2")
-        _drop_cache(sorted(root.glob("slab-*.dat")))
+        drop_cache(sorted(root.glob("slab-*.dat")))
 
         last = [0, 0]  # the keys the worker buffer holds now
 

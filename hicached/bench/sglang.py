@@ -53,7 +53,7 @@ from hicached_client.sglang.cpu_compat import ensure_sglang_importable
 
 from hicached.bench import SuiteSkipped, missing_package
 from hicached.bench.daemon import running_daemon
-from hicached.bench.timing import gbps, timed
+from hicached.bench.timing import drop_cache, gbps, timed
 
 __all__ = ["run"]
 
@@ -164,13 +164,7 @@ def _batches(n: int) -> Iterator[tuple[int, int]]:
 
 def _evict(root: Path) -> None:
     """Write back and drop from the page cache every file under ``root`` (the bench's "cold")."""
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop_cache(sorted(p for p in root.rglob("*") if p.is_file()))
 
 
 def _check_same(pool: Any, size: Size, src: torch.Tensor, dst: torch.Tensor) -> None:

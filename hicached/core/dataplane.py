@@ -22,7 +22,7 @@ from hicached.config import Config
 from hicached.core.checks import bind_derived, check_indices, check_owned, check_transfers, known_pool
 from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry
-from hicached.core.hooks import CoreObserver
+from hicached.core.observer import CoreObserver
 from hicached.core.sessions import Session, SessionTable
 from hicached.core.types import Ack, TransferResult
 from hicached.errors import InvalidArgument
@@ -55,7 +55,7 @@ class DataPlane:
         self._groups = groups
         self._engine = engine
         self._sessions = sessions
-        self._hooks = observer
+        self._observer = observer
 
     # ------------------------------------------------------------ request checks
 
@@ -110,7 +110,7 @@ class DataPlane:
             )
         finally:
             state.release(busy)
-        self._hooks.on_copy(direction, plan, result.seconds, model=state.model_name)
+        self._observer.on_copy(direction, plan, result.seconds, model=state.model_name)
         return tuple(
             Ack(
                 pool=t.name,

@@ -27,7 +27,7 @@ from hicached.config import Config
 from hicached.core.dataplane import DataPlane, LayerCallback
 from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry, validate_pool_requests, validate_worker
-from hicached.core.hooks import CoreObserver, NullCoreObserver
+from hicached.core.observer import CoreObserver, NullCoreObserver
 from hicached.core.retraction import BackupStore, Retraction
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
 from hicached.core.stats import BackupStats, DaemonStats, GroupStats, session_pools
@@ -70,17 +70,17 @@ class HiCacheCore:
         groups: GroupRegistry,
         engine: CopyEngine,
         attach_index: Callable[[GroupState], None] | None = None,
-        hooks: CoreObserver | None = None,
+        observer: CoreObserver | None = None,
     ) -> None:
         self._cfg = config
         self._groups = groups
         self._engine = engine
         self._attach_index = attach_index or (lambda state: None)
-        self._hooks: CoreObserver = hooks or NullCoreObserver()
+        self._observer: CoreObserver = observer or NullCoreObserver()
         self._sessions = SessionTable()
         self._backups = BackupStore()
         self._data = DataPlane(
-            config, groups=groups, engine=engine, sessions=self._sessions, observer=self._hooks
+            config, groups=groups, engine=engine, sessions=self._sessions, observer=self._observer
         )
         self._retraction = Retraction(self._data, self._backups, lease_ms=config.sessions.retraction_lease_ms)
         self._detached: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -208,7 +208,7 @@ class HiCacheCore:
             pools=session_pools(pools),
         )
         self._sessions.add(session)
-        self._hooks.on_session("attach", session)
+        self._observer.on_session("attach", session)
         logger.info(
             "session attached",
             extra={
@@ -343,7 +343,7 @@ class HiCacheCore:
                     index.get_prefetch(pid).cancel()
         session.plan_layers.clear()  # it references the device views unmapped now
         session.mappings.close()
-        self._hooks.on_session(reason, session)
+        self._observer.on_session(reason, session)
         logger.info(
             "session ended",
             extra={"event": reason, "session": session.session_id, "freed_pages": freed},

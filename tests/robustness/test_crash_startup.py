@@ -8,7 +8,6 @@ import contextlib
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from hicached_client import HiCacheClient, WorkerIdentity
 
 from tests.support.daemon import ROOT, Daemon, start_daemon
 from tests.support.kv import WorkerPools, transfers, unique_tag
+from tests.support.state import poll
 
 TIMEOUT_S = 30.0
 NOT_UTF8 = b"[log]\nlevel = 'info'\n# \xff\xfe not utf-8\n"
@@ -30,14 +30,6 @@ CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
     "deeply nested JSON": lambda good: b"[" * 100_000 + b"]" * 100_000,
     "wrong types": lambda good: good.replace(b'"pools":', b'"pools":7,"was":', 1),
 }
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def serving(daemon: Daemon) -> bool:
@@ -105,7 +97,7 @@ def test_sighup_with_a_bad_config_file_keeps_serving(tmp_path: Path, what: str, 
     try:
         config.write_bytes(content)
         daemon.process.send_signal(signal.SIGHUP)
-        wait_for(lambda: "config reload rejected" in daemon.log, "the reload to be rejected")
+        poll(lambda: "config reload rejected" in daemon.log, bool, TIMEOUT_S, "the reload to be rejected")
         log = daemon.log
         assert what in log and str(config) in log, log
         assert "Traceback" not in log, log
@@ -113,7 +105,7 @@ def test_sighup_with_a_bad_config_file_keeps_serving(tmp_path: Path, what: str, 
         assert serving(daemon)
         config.write_text("[log]\nlevel = 'debug'\n")  # the old config stayed; a good one still applies
         daemon.process.send_signal(signal.SIGHUP)
-        wait_for(lambda: "log.level" in daemon.log, "the good reload")
+        poll(lambda: "log.level" in daemon.log, bool, TIMEOUT_S, "the good reload")
     finally:
         daemon.stop()
 

@@ -1,6 +1,6 @@
 """The core's observation seam: :class:`CoreObserver`, no-op by default.
 
-Thread-safety: hooks run on the calling thread (an RPC's lane or the reaper) right after the
+Thread-safety: its methods run on the calling thread (an RPC's lane or the reaper) right after the
 observed event, never under a core lock; an observer must be thread-safe, must not block and
 must not raise. The Prometheus adapter is :class:`hicached.observability.CoreMetrics`.
 """
