@@ -120,6 +120,7 @@ class Daemon:
         if srv.fast_lane:
             self.fast_lanes = LaneServer(
                 self.core,
+                self.keyed,
                 lane_path(srv.socket),
                 mode=srv.socket_mode,
                 max_lanes=srv.fast_lane_max,

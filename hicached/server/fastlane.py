@@ -1,7 +1,7 @@
 """The fast lane's listener: ``<grpc socket>.lane``, one thread per lane, bounded.
 
 gRPC stays the contract and the fallback; a session may open a lane for its hot
-operations (Write, Load, ResolveTransfers, ReleaseTransfers) whose round trip is a
+operations (Write, Load, ResolveTransfers, ReleaseTransfers, GetPages, PutPages with given keys) whose round trip is a
 shared-memory ring and two eventfd doorbells instead of an HTTP/2 call. Protocol and
 per-lane behaviour: :mod:`hicached.server.lane`; record layout:
 :mod:`hicached_client.lane_wire`; prose: docs/fastlane.md.
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from hicached_client.lane_wire import SUFFIX
 
+from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.server.lane import Lane, Refused
 from hicached.server.observer import NullRpcObserver, RpcObserver
@@ -45,6 +46,7 @@ class LaneServer:
     def __init__(
         self,
         core: HiCacheCore,
+        keyed: KeyedCache,
         path: Path,
         *,
         mode: int,
@@ -54,6 +56,7 @@ class LaneServer:
         observe: RpcObserver | None = None,
     ) -> None:
         self._core = core
+        self._keyed = keyed
         self._path = path
         self._mode = mode
         self._max_lanes = max_lanes
@@ -115,6 +118,7 @@ class LaneServer:
                 if not full:
                     lane = Lane(
                         self._core,
+                        self._keyed,
                         conn,
                         stop_fd=self._stop_r,
                         admit=self._admit,

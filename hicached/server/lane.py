@@ -11,8 +11,10 @@ three eventfds (submit doorbell, completion doorbell, layer doorbell) and sends 
 Serving: the thread sleeps in ``poll`` on the submit doorbell, the connection (EOF = the
 client is gone) and the server's stop fd; it copies each request out of shared memory once,
 decodes it as hostile input and runs it through the same core calls the gRPC servicer makes
-(``core.write``/``load``/``resolve``/``release``: same validation, authorization by session,
-op-id idempotency and accounting), then writes the completion and rings the client. A Load's
+(``core.write``/``load``/``resolve``/``release``, ``keyed.get_pages``/``put_pages``: same
+validation, authorization by session, op-id idempotency and accounting), then writes the
+completion and rings the client. A GetPages that reaches L3 runs on this lane's thread, so it
+waits for no other client's L3 calls and holds up only its own session's lane. A Load's
 layers are published as they land: ``layer_seq[l] = seq`` and ``layer_ns[l]`` in the ring,
 plus the layer doorbell.
 
@@ -32,19 +34,21 @@ import os
 import select
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import grpc
 import numpy as np
 from hicached_client import lane_wire as w
 
+from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
+from hicached.core.types import Ack
 from hicached.errors import PermissionDenied
 from hicached.l2.group import PoolTransfer
 from hicached.server.handoff import peer_cred
-from hicached.server.limits import check_ids
+from hicached.server.limits import check_ids, check_keys
 from hicached.server.observer import RpcObserver
 from hicached.server.status import status_for
 
@@ -89,6 +93,10 @@ def _transfers_in(ts: tuple[w.WireTransfer, ...]) -> list[PoolTransfer]:
     ]
 
 
+def _acks(acks: Sequence[Ack]) -> tuple[w.WireAck, ...]:
+    return tuple(w.WireAck(a.pool, a.pages, a.tokens, a.bytes) for a in acks)
+
+
 def _transfers_out(ts: tuple[PoolTransfer, ...] | list[PoolTransfer]) -> tuple[w.WireTransfer, ...]:
     return tuple(w.WireTransfer(t.name, t.device_indices, t.host_indices, t.host_allocated) for t in ts)
 
@@ -99,6 +107,7 @@ class Lane:
     def __init__(
         self,
         core: HiCacheCore,
+        keyed: KeyedCache,
         conn: socket.socket,
         *,
         stop_fd: int,
@@ -107,6 +116,7 @@ class Lane:
         observe: RpcObserver,
     ) -> None:
         self._core = core
+        self._keyed = keyed
         self._conn = conn
         self._stop_fd = stop_fd
         self._admit = admit
@@ -333,23 +343,36 @@ class Lane:
             self._check_answer_fits(req)
         if req.opcode is w.Opcode.WRITE:
             res = self._core.write(sid, op, transfers, allocate=bool(req.flags & w.FLAG_ALLOCATE))
-            acks = tuple(w.WireAck(a.pool, a.pages, a.tokens, a.bytes) for a in res.acks)
             return w.Completion(
-                req.opcode, seq, ok, res.ok, None, res.reason, _transfers_out(res.transfers), acks
+                req.opcode, seq, ok, res.ok, None, res.reason, _transfers_out(res.transfers), _acks(res.acks)
             )
         if req.opcode is w.Opcode.LOAD:
             layers: list[int] = []
             on_layer = self._on_layer(seq, layers) if req.flags & w.FLAG_LAYER_PROGRESS else None
             got = self._core.load(sid, op, transfers, on_layer=on_layer)
-            acks = tuple(w.WireAck(a.pool, a.pages, a.tokens, a.bytes) for a in got)
-            return w.Completion(req.opcode, seq, ok, True, None, "", (), acks, tuple(layers))
+            return w.Completion(req.opcode, seq, ok, True, None, "", (), _acks(got), tuple(layers))
         if req.opcode is w.Opcode.RESOLVE:
             res = self._core.resolve(sid, op, transfers)
             return w.Completion(req.opcode, seq, ok, res.ok, None, res.reason, _transfers_out(res.transfers))
         if req.opcode is w.Opcode.PING:
             return w.Completion(req.opcode, seq, ok, True, None, "")
+        if req.opcode in w.KEYED:
+            return self._keyed_op(req, transfers)
         freed = self._core.release(sid, op, transfers)
         return w.Completion(req.opcode, seq, ok, True, None, "", value=freed)
+
+    def _keyed_op(self, req: w.Request, transfers: list[PoolTransfer]) -> w.Completion:
+        """GetPages / PutPages with given keys, as the servicer runs them (its key checks first)."""
+        sid, op, seq, ok = self.session_id, req.op_id, req.seq, grpc.StatusCode.OK.value[0]
+        check_keys(req.keys, self._core.config.limits)
+        if req.opcode is w.Opcode.GET_PAGES:
+            include_l3 = bool(req.flags & w.FLAG_INCLUDE_L3)
+            hit, got = self._keyed.get_pages(sid, op, req.keys, transfers, include_l3=include_l3)
+            return w.Completion(req.opcode, seq, ok, True, None, "", (), _acks(got), value=hit)
+        put = self._keyed.put_pages(sid, op, req.keys, transfers)
+        return w.Completion(
+            req.opcode, seq, ok, put.ok, None, put.reason, (), _acks(put.acks), value=put.stored_pages
+        )
 
     def _check_answer_fits(self, req: w.Request) -> None:
         """Refuse, before anything runs, a Write/Resolve whose answer might not fit its completion
@@ -385,7 +408,7 @@ class Lane:
         return on_layer
 
 
-_OP_NAMES = {int(o): f"FastLane{o.name.capitalize()}" for o in w.Opcode}
+_OP_NAMES = {int(o): "FastLane" + "".join(p.capitalize() for p in o.name.split("_")) for o in w.Opcode}
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

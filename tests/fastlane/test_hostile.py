@@ -29,10 +29,13 @@ def record(
     version: int = w.VERSION,
     op_id: bytes = b"",
     seq_delta: int = 0,
+    keys: bytes = b"",
 ) -> Callable[[memoryview, int, int], None]:
     descs = transfers if transfers is not None else [(b"kv", 1, 0, 0, 0)]
-    body = b"".join(w.TRANSFER.pack(*d) for d in descs) + struct.pack(
-        f"<{len(pages or [1])}q", *(pages or [1])
+    body = (
+        b"".join(w.TRANSFER.pack(*d) for d in descs)
+        + struct.pack(f"<{len(pages or [1])}q", *(pages or [1]))
+        + keys
     )
 
     def fill(view: memoryview, offset: int, seq: int) -> None:
@@ -51,6 +54,18 @@ def record(
         view[offset + w.REQUEST.size : offset + w.REQUEST.size + len(body)] = body
 
     return fill
+
+
+def key_section(*raw: bytes, count: int | None = None, lengths: list[int] | None = None) -> bytes:
+    """A GetPages/PutPages key section: count, u16 lengths, bytes (each may lie)."""
+    sizes = lengths if lengths is not None else [len(r) for r in raw]
+    n = len(raw) if count is None else count
+    return struct.pack(f"<I{len(sizes)}H", n, *sizes) + b"".join(raw)
+
+
+def keyed(keys: bytes, **kw: object) -> Callable[[memoryview, int, int], None]:
+    both = [(b"kv", 1, 0, 0, 0), (b"draft", 1, 0, 0, 0)]
+    return record(opcode=w.Opcode.GET_PAGES, flags=0, transfers=both, pages=[1, 1], keys=keys, **kw)  # type: ignore[arg-type]
 
 
 def garbage(view: memoryview, offset: int, seq: int) -> None:
@@ -79,6 +94,16 @@ CASES: list[tuple[str, Callable[[memoryview, int, int], None], grpc.StatusCode, 
      transfers=[(b"kv", 1, 1, w.T_HAS_HOST, 0)], pages=[1, 0]), grpc.StatusCode.FAILED_PRECONDITION, "is not allocated"),
     ("sequence mismatch", record(seq_delta=5), grpc.StatusCode.INVALID_ARGUMENT, "does not match"),
     ("op_id not printable", record(op_id=b"\x01\x02"), grpc.StatusCode.INVALID_ARGUMENT, "op_id"),
+    ("key count beyond the slot", keyed(key_section(count=2**31)), grpc.StatusCode.INVALID_ARGUMENT,
+     "2147483648 keys, more than fit"),
+    ("key bytes beyond the slot", keyed(key_section(count=20, lengths=[65535] * 20)),
+     grpc.StatusCode.INVALID_ARGUMENT, "bytes of keys, more than fit"),
+    ("key not UTF-8", keyed(key_section(b"\xff\xfe")), grpc.StatusCode.INVALID_ARGUMENT, "keys[0] is not UTF-8"),
+    ("key over limits.max_key_bytes", keyed(key_section(b"k" * 600)), grpc.StatusCode.INVALID_ARGUMENT,
+     "limits.max_key_bytes"),
+    ("fewer keys than pages", keyed(key_section()), grpc.StatusCode.INVALID_ARGUMENT, "1 device pages for 0 keys"),
+    ("include_l3 on a put", record(opcode=w.Opcode.PUT_PAGES, flags=w.FLAG_INCLUDE_L3, keys=key_section(b"a")),
+     grpc.StatusCode.INVALID_ARGUMENT, "flag"),
 ]  # fmt: skip
 
 

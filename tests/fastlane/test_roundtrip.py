@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import replace
+
 import grpc
 import pytest
 from hicached_client import HiCacheError, Transfer
@@ -107,3 +110,27 @@ def test_a_worker_can_sleep_on_the_layer_doorbell_instead_of_spinning(worker: Wo
     assert pending.wait_layer(1, spin=False) > 0
     assert pending.result(timeout_s=30).layers == (0, 1)
     lane.release_transfers(list(w.transfers))
+
+
+def test_keyed_pages_through_the_lane_are_byte_exact_and_replay_like_grpc(worker: Worker) -> None:
+    lane, session, pools = worker.lane, worker.session, worker.pools
+    pools.fill_random(44)
+    keys = [uuid.uuid4().hex for _ in range(PAGES)]
+    src, dst = list(range(PAGES)), list(range(200, 200 + PAGES))
+    expected = {n: pools.pages(n, src).clone() for n in ("kv", "draft")}
+    both = [Transfer("kv", src), Transfer("draft", src)]
+    put = lane.put_pages(keys, both, op_id="keyed-1")
+    assert (put.ok, put.stored_pages, put.existing_pages) == (True, PAGES, 0)
+    assert lane.put_pages(keys, both, op_id="keyed-1") == put, "a retried op_id returns the first answer"
+    assert session.put_pages(keys, both) == replace(put, stored_pages=0, existing_pages=PAGES, acks=())
+    with pytest.raises(HiCacheError) as on_lane:
+        lane.put_pages(keys[:1], [Transfer("kv", src[:1]), Transfer("draft", src[:1])], op_id="keyed-1")
+    assert on_lane.value.code == grpc.StatusCode.INVALID_ARGUMENT and "already used" in on_lane.value.message
+    pools.clobber()
+    got = lane.get_pages(keys, [Transfer("kv", dst), Transfer("draft", dst)])
+    assert (
+        got.hit_pages == PAGES
+        and got.acks == session.get_pages(keys, [Transfer("kv", dst), Transfer("draft", dst)]).acks
+    )
+    for name, want in expected.items():
+        assert bool((pools.pages(name, dst) == want).all()), f"{name}: the pages read back differ"

@@ -19,13 +19,21 @@ from typing import Any
 
 import grpc
 import pytest
-from hicached_client import AsyncHiCacheClient, HiCacheClient, HiCacheError, Session, Transfer, WorkerIdentity
+from hicached_client import (
+    AsyncHiCacheClient,
+    HiCacheClient,
+    HiCacheError,
+    Session,
+    TokenChain,
+    Transfer,
+    WorkerIdentity,
+)
 from hicached_client import lane_wire as w
 
 from tests.fastlane.conftest import free_pages
 from tests.fastlane.test_lifecycle import daemon_resources
 from tests.support.daemon import ROOT, Daemon, start_daemon
-from tests.support.kv import WorkerPools, unique_tag
+from tests.support.kv import PAGE_SIZE, WorkerPools, unique_tag
 from tests.support.state import poll
 
 PAGES = 8
@@ -79,6 +87,37 @@ def _script(session: Session, pools: WorkerPools) -> list[Any]:
         out.append(_outcome(lambda bad=bad: session.write(bad, allocate=True), sid))
     out.append(_outcome(lambda: session.load_wait([Transfer("kv", [1], [10**6])]), sid))
     out.append(_outcome(lambda: session.release_transfers([Transfer("kv", [1], [10**6])]), sid))
+    return out + _keyed_script(session, pools)
+
+
+def _both(pages: list[int]) -> list[Transfer]:
+    return [Transfer("kv", pages), Transfer("draft", pages)]
+
+
+def _keyed_script(session: Session, pools: WorkerPools) -> list[Any]:
+    """PutPages / GetPages by given keys (fresh per run), byte-exact, and their refusals."""
+    keys = [uuid.uuid4().hex for _ in range(4)]
+    src, dst = list(range(20, 24)), list(range(400, 405))
+    expected = {name: pools.pages(name, src).clone() for name in ("kv", "draft")}
+    out: list[Any] = []
+    put = session.put_pages(keys, _both(src))
+    out.append((put.ok, put.stored_pages, put.existing_pages, put.acks, put.reason))
+    again = session.put_pages([*keys[:2], uuid.uuid4().hex], _both(src[:3]))
+    out.append((again.ok, again.stored_pages, again.existing_pages))
+    pools.clobber()
+    got = session.get_pages([*keys, uuid.uuid4().hex], _both(dst))
+    same = all(bool((pools.pages(n, dst[:4]) == expected[n]).all()) for n in expected)
+    out.append((got.hit_pages, got.acks, same, pools.untouched("kv", dst[:4])))
+    out.append(session.get_pages(keys, _both(dst[:4]), include_l3=True).hit_pages)
+    sid = session.session_id
+    for call in (
+        lambda: session.get_pages(keys[:2], _both([1, 2, 3])),
+        lambda: session.get_pages(keys[:1], [Transfer("nope", [1])]),
+        lambda: session.put_pages(["k" * 600], _both([1])),
+        lambda: session.put_pages(keys[:1], [Transfer("kv", [1])]),
+        lambda: session.get_pages(keys[:1], _both([10**6])),
+    ):
+        out.append(_outcome(call, sid))
     return out
 
 
@@ -96,7 +135,11 @@ def test_the_session_gives_the_same_results_and_errors_with_and_without_the_lane
         assert daemon_resources(daemon)[2] >= conns + 1, "the session opened a lane"
         session.close()
     assert via_lane == via_grpc
-    assert all(isinstance(e, tuple) and e[0] != grpc.StatusCode.OK for e in via_grpc[5:])
+    assert all(isinstance(e, tuple) and e[0] != grpc.StatusCode.OK for e in via_grpc[5:11])
+    keyed = via_grpc[11:]
+    assert keyed[0][:3] == (True, 4, 0) and keyed[1] == (True, 1, 2), keyed
+    assert keyed[2][0] == 4 and keyed[2][2] and keyed[3] == 4, "4 pages hit, byte-exact, nothing else written"
+    assert all(isinstance(e, tuple) and e[0] != grpc.StatusCode.OK for e in keyed[4:]), keyed[4:]
 
 
 def test_calls_the_lane_cannot_carry_and_async_sessions_still_work(
@@ -113,6 +156,13 @@ def test_calls_the_lane_cannot_carry_and_async_sessions_still_work(
             assert loaded.acks[0].pages == 2
             assert await session.release_transfers(list(written.transfers)) == 2
             assert await session.release_transfers(list(fenced.transfers)) == len(fenced.transfers)
+            keys = [uuid.uuid4().hex, uuid.uuid4().hex]
+            put = await session.put_pages(keys, _both([1, 2]))  # over the lane, awaited
+            assert (put.ok, put.stored_pages) == (True, 2)
+            assert (await session.get_pages(keys, _both([7, 8]))).hit_pages == 2
+            assert (
+                session._slot._lane is not None and session._slot._lane.lane._tail == 6
+            )  # 4 earlier records, put, get
             await session.close()
 
     asyncio.run(main())
@@ -217,3 +267,30 @@ def test_a_killed_worker_leaks_nothing_of_its_sessions_lane(daemon: Daemon, admi
         for pool in ("kv", "draft"):
             Path(f"/dev/shm/hct-{tag}-{pool}").unlink(missing_ok=True)
     assert daemon.process.poll() is None
+
+
+def test_keyed_pages_go_over_the_lane_and_a_lost_lane_resends_them_with_their_op_id(
+    daemon: Daemon, pools: WorkerPools
+) -> None:
+    """GetPages/PutPages with given keys ride the lane (one ring record each); a token chain goes
+    over gRPC; after the lane is lost a PutPages re-sent with its op_id is answered from the
+    session's one ledger, not stored twice. Before: keyed calls were gRPC only."""
+    pools.fill_random(5)
+    keys = [uuid.uuid4().hex for _ in range(3)]
+    with HiCacheClient(daemon.target, timeout_s=30.0, fast_lane=True) as client:
+        session = _attach(client, pools)
+        put = session.put_pages(keys, _both([1, 2, 3]), op_id="keyed-put-1")
+        lane = session._slot._lane
+        assert lane is not None and lane._tail == 1, "the PutPages was the lane's first record"
+        assert session.get_pages(keys, _both([7, 8, 9])).hit_pages == 3
+        assert lane._tail == 2, "the GetPages went over the lane"
+        chain = TokenChain(token_ids=list(range(4 * PAGE_SIZE)))  # 4 pages never stored
+        assert session.get_pages(chain, _both([10, 11, 12, 13])).hit_pages == 0
+        assert lane._tail == 2, "a token chain goes over gRPC"
+        lane._counters[w.SQ_TAIL // 8] = 1000  # break the ring: the daemon closes this lane
+        os.eventfd_write(lane._submit, 1)
+        poll(lambda: lane._poller.poll(0), bool, 10, "the daemon closing the broken lane")
+        again = session.put_pages(keys, _both([1, 2, 3]), op_id="keyed-put-1")
+        assert session._slot._lane is None and lane.closed
+        assert again == put and put.stored_pages == 3, "answered from the ledger, over gRPC"
+        session.close()

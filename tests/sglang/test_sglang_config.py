@@ -31,6 +31,7 @@ def test_defaults_and_unique_instance_ids(monkeypatch: pytest.MonkeyPatch) -> No
         ({"host_bytes": -1}, "host_bytes must be an integer >= 0, got -1"),
         ({"timeout_s": 0}, "timeout_s must be a positive number, got 0"),
         ({"include_l3": "yes"}, "include_l3 must be true or false, got 'yes'"),
+        ({"fast_lane": 1}, "fast_lane must be true or false, got 1"),
         ({"target": ""}, "target must be a non-empty string"),
     ],
 )

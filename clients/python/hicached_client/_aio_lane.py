@@ -20,8 +20,16 @@ from hicached_client._aio_backend import AsyncLock
 from hicached_client._channel import RetryPolicy
 from hicached_client.errors import HiCacheError
 from hicached_client.fastlane_aio import AsyncFastLane
+from hicached_client.types import Keys, TokenChain
 
 log = logging.getLogger(__name__)
+
+
+def lane_keys(keys: Keys, tenant: str) -> list[str] | None:
+    """The keys as the lane carries them (given keys, the session's tenant), else None: gRPC."""
+    if tenant or isinstance(keys, (TokenChain, str, bytes)):
+        return None
+    return list(keys)
 
 
 class AsyncLaneSlot:

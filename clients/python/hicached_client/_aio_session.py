@@ -7,11 +7,9 @@ Every method carries the session id, the session's secret and an op_id (fresh, o
 caller's ``op_id=``: e.g. the same id on every TP rank's retry path), so a retried call is
 answered once.
 
-With ``fast_lane=True`` on the client, the hot operations (``write``, ``load_wait``,
-``resolve_transfers``, ``release_transfers``) go over the daemon's fast lane (docs/fastlane.md),
-opened on first use; a call the lane cannot carry (primary pages, a ready fence), a daemon
-without a lane, or a lane that is lost (UNAVAILABLE: the op is re-sent over gRPC with the same
-op_id, so it runs once) uses gRPC. Results and errors are the same either way.
+With ``fast_lane=True`` on the client, the hot calls go over the daemon's fast lane when
+they can; docs/fastlane.md says which, and when gRPC carries them instead (a lost lane: the
+op is re-sent with the same op_id, so it runs once). Results and errors are the same.
 
 Thread-safety: a blocking session may be used from many threads (its mutable state -- the
 closed flag, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an
@@ -29,7 +27,7 @@ import grpc
 
 from hicached_client import _calls
 from hicached_client._aio_backend import AsyncBeat, AsyncLock
-from hicached_client._aio_lane import AsyncLaneSlot
+from hicached_client._aio_lane import AsyncLaneSlot, lane_keys
 from hicached_client._calls import Call, new_op_id
 from hicached_client.errors import LEASE_LOST_CODES, HiCacheError
 from hicached_client.types import (
@@ -389,9 +387,19 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> PutPagesResult:
+        op = self._op(op_id)
+        given = lane_keys(keys, tenant)
+        lane = await self._slot.get(
+            self, given is not None and primary_device_pages is None and ready is None
+        )
+        if lane is not None and given is not None:
+            try:
+                return await lane.put_pages(given, transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+            except HiCacheError as exc:
+                await self._slot.failed(exc, "PutPages", self.client.config.retry)
         call = _calls.put_pages(
             self.session_id,
-            self._op(op_id),
+            op,
             keys=keys,
             transfers=transfers,
             primary_device_pages=primary_device_pages,
@@ -411,9 +419,19 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> GetPagesResult:
+        op = self._op(op_id)
+        given = lane_keys(keys, tenant)
+        lane = await self._slot.get(self, given is not None and primary_device_pages is None)
+        if lane is not None and given is not None:
+            try:
+                return await lane.get_pages(
+                    given, transfers, include_l3=include_l3, op_id=op, timeout_s=self._timeout(timeout_s)
+                )
+            except HiCacheError as exc:
+                await self._slot.failed(exc, "GetPages", self.client.config.retry)
         call = _calls.get_pages(
             self.session_id,
-            self._op(op_id),
+            op,
             keys=keys,
             transfers=transfers,
             primary_device_pages=primary_device_pages,

@@ -21,8 +21,16 @@ from hicached_client._channel import RetryPolicy
 from hicached_client._sync_backend import Lock
 from hicached_client.errors import HiCacheError
 from hicached_client.fastlane import FastLane
+from hicached_client.types import Keys, TokenChain
 
 log = logging.getLogger(__name__)
+
+
+def lane_keys(keys: Keys, tenant: str) -> list[str] | None:
+    """The keys as the lane carries them (given keys, the session's tenant), else None: gRPC."""
+    if tenant or isinstance(keys, (TokenChain, str, bytes)):
+        return None
+    return list(keys)
 
 
 class LaneSlot:

@@ -1,11 +1,13 @@
-"""The client half of the fast lane: a session's Write/Load/Resolve/Release over shared memory.
+"""The client half of the fast lane: a session's hot calls over shared memory.
+
+Write, Load, ResolveTransfers, ReleaseTransfers, and GetPages/PutPages with given keys.
 
 ``FastLane.open(session)`` connects to ``<socket>.lane`` next to the session's gRPC
 socket, presents the session id and secret, and receives the ring (a sealed memfd) and
 three eventfds. Each op is one record in the ring, one doorbell write and one wait for
 the completion: no HTTP/2, no protobuf, no thread hop in the client. Results and errors
 are the Session's: :class:`~hicached_client.types.WriteResult`, ``LoadResult``,
-``ResolveResult``, ``HiCacheError(code, message)``.
+``ResolveResult``, ``GetPagesResult``, ``PutPagesResult``, ``HiCacheError(code, message)``.
 
 gRPC stays the contract: a daemon without the lane (``server.fast_lane = false``, TCP,
 older daemon) makes ``open`` raise ``HiCacheError(UNAVAILABLE)``; callers fall back to the
@@ -20,6 +22,7 @@ Buffers: the ring is owned by the lane and unmapped by :meth:`close` (idempotent
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import mmap
 import os
@@ -37,7 +40,15 @@ import numpy as np
 from hicached_client import lane_wire as w
 from hicached_client._handoff import handoff_path
 from hicached_client.errors import HiCacheError
-from hicached_client.types import LoadResult, PoolAck, ResolveResult, Transfer, WriteResult
+from hicached_client.types import (
+    GetPagesResult,
+    LoadResult,
+    PoolAck,
+    PutPagesResult,
+    ResolveResult,
+    Transfer,
+    WriteResult,
+)
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -83,6 +94,18 @@ def _transfers(ts: tuple[w.WireTransfer, ...]) -> tuple[Transfer, ...]:
 
 def _acks(c: w.Completion) -> tuple[PoolAck, ...]:
     return tuple(PoolAck(a.pool, a.pages, a.tokens, a.bytes) for a in c.acks)
+
+
+def get_pages_result(c: w.Completion) -> GetPagesResult:
+    return GetPagesResult(hit_pages=c.value, acks=_acks(c))
+
+
+def put_pages_result(c: w.Completion, nkeys: int) -> PutPagesResult:
+    # The core counts every key it did not store as existing when ok, none when refused.
+    existing = nkeys - c.value if c.ok else 0
+    return PutPagesResult(
+        ok=c.ok, stored_pages=c.value, existing_pages=existing, acks=_acks(c), reason=c.message
+    )
 
 
 class FastLane:
@@ -249,6 +272,32 @@ class FastLane:
     ) -> int:
         return self._call(w.Opcode.RELEASE, 0, transfers, op_id, timeout_s).value
 
+    def get_pages(
+        self,
+        keys: Sequence[str],
+        transfers: Sequence[Transfer],
+        *,
+        include_l3: bool = False,
+        op_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> GetPagesResult:
+        """As :meth:`Session.get_pages` with a list of keys (no token chain, no primary pages)."""
+        flags = w.FLAG_INCLUDE_L3 if include_l3 else 0
+        c = self._call(w.Opcode.GET_PAGES, flags, transfers, op_id, timeout_s, keys)
+        return get_pages_result(c)
+
+    def put_pages(
+        self,
+        keys: Sequence[str],
+        transfers: Sequence[Transfer],
+        *,
+        op_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> PutPagesResult:
+        """As :meth:`Session.put_pages` with a list of keys (no token chain, primary pages or fence)."""
+        c = self._call(w.Opcode.PUT_PAGES, 0, transfers, op_id, timeout_s, keys)
+        return put_pages_result(c, len(keys))
+
     def ping(self, *, timeout_s: float | None = None) -> None:
         """One round trip that does no work in the daemon (the lane's own latency)."""
         self._call(w.Opcode.PING, 0, (), None, timeout_s)
@@ -262,15 +311,21 @@ class FastLane:
         transfers: Sequence[Transfer],
         op_id: str | None,
         timeout_s: float | None,
+        keys: Sequence[str] = (),
     ) -> w.Completion:
         with self._lock:
-            seq = self._submit_op(opcode, flags, transfers, op_id)
+            seq = self._submit_op(opcode, flags, transfers, op_id, keys)
             return self.completion(seq, timeout_s)
 
     def _submit_op(
-        self, opcode: w.Opcode, flags: int, transfers: Sequence[Transfer], op_id: str | None
+        self,
+        opcode: w.Opcode,
+        flags: int,
+        transfers: Sequence[Transfer],
+        op_id: str | None,
+        keys: Sequence[str] = (),
     ) -> int:
-        req = w.Request(opcode, flags, 0, op_id or _new_op_id(), _wire(transfers))
+        req = w.Request(opcode, flags, 0, op_id or _new_op_id(), _wire(transfers), tuple(keys))
         return self.submit_raw(lambda view, offset, seq: w.encode_request(view, offset, _with_seq(req, seq)))
 
     def submit_raw(self, fill: Any) -> int:
@@ -353,7 +408,7 @@ class FastLane:
 
 
 def _with_seq(req: w.Request, seq: int) -> w.Request:
-    return w.Request(req.opcode, req.flags, seq, req.op_id, req.transfers)
+    return dataclasses.replace(req, seq=seq)
 
 
 class PendingLoad:

@@ -3,7 +3,8 @@
 ``await AsyncFastLane.open(session)`` (an ``AsyncSession`` or ``Session``) negotiates on a
 thread (one blocking round trip), then every op submits its record and awaits the
 completion doorbell on the event loop: nothing blocks the loop. Results and errors are the
-session's (``WriteResult``, ``LoadResult``, ``ResolveResult``, ``HiCacheError``).
+session's (``WriteResult``, ``LoadResult``, ``ResolveResult``, ``GetPagesResult``,
+``PutPagesResult``, ``HiCacheError``).
 
 Thread-safety: use one AsyncFastLane from one event loop; its ops are serialised by an
 ``asyncio.Lock``. :meth:`close` is idempotent.
@@ -21,8 +22,15 @@ import grpc
 
 from hicached_client import lane_wire as w
 from hicached_client.errors import HiCacheError
-from hicached_client.fastlane import FastLane, _acks, _transfers
-from hicached_client.types import LoadResult, ResolveResult, Transfer, WriteResult
+from hicached_client.fastlane import FastLane, _acks, _transfers, get_pages_result, put_pages_result
+from hicached_client.types import (
+    GetPagesResult,
+    LoadResult,
+    PutPagesResult,
+    ResolveResult,
+    Transfer,
+    WriteResult,
+)
 
 
 class AsyncFastLane:
@@ -80,6 +88,31 @@ class AsyncFastLane:
     ) -> int:
         return (await self._call(w.Opcode.RELEASE, 0, transfers, op_id, timeout_s)).value
 
+    async def get_pages(
+        self,
+        keys: Sequence[str],
+        transfers: Sequence[Transfer],
+        *,
+        include_l3: bool = False,
+        op_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> GetPagesResult:
+        flags = w.FLAG_INCLUDE_L3 if include_l3 else 0
+        return get_pages_result(
+            await self._call(w.Opcode.GET_PAGES, flags, transfers, op_id, timeout_s, keys)
+        )
+
+    async def put_pages(
+        self,
+        keys: Sequence[str],
+        transfers: Sequence[Transfer],
+        *,
+        op_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> PutPagesResult:
+        c = await self._call(w.Opcode.PUT_PAGES, 0, transfers, op_id, timeout_s, keys)
+        return put_pages_result(c, len(keys))
+
     async def ping(self, *, timeout_s: float | None = None) -> None:
         await self._call(w.Opcode.PING, 0, (), None, timeout_s)
 
@@ -90,9 +123,10 @@ class AsyncFastLane:
         transfers: Sequence[Transfer],
         op_id: str | None,
         timeout_s: float | None,
+        keys: Sequence[str] = (),
     ) -> w.Completion:
         async with self._lock:
-            seq = self.lane._submit_op(opcode, flags, transfers, op_id)
+            seq = self.lane._submit_op(opcode, flags, transfers, op_id, keys)
             try:
                 await asyncio.wait_for(self._ready(seq), timeout_s)
             except TimeoutError:

@@ -23,6 +23,8 @@ unanswered. Request record::
     REQUEST  <I H H I I Q 32s>   magic 'HCRQ', version, opcode, flags, ntransfers, seq, op_id
     TRANSFER <64s I I I I> x n   pool (utf-8, NUL padded), ndevice, nhost, tflags, reserved=0
     int64 pages                  per transfer: its device pages, then its host pages
+    KEYS <I> + <H> x n + bytes   GetPages/PutPages only: key count, each key's UTF-8 length,
+                                 then the keys' bytes back to back
 
 Completion record::
 
@@ -31,6 +33,9 @@ Completion record::
                message length, message (utf-8, truncated to 256 bytes)
     TRANSFER + pages x ntransfers (as in a request), ACK <64s Q Q Q> x nacks (pool, pages, tokens,
     bytes), int32 layers x nlayers (a Load's layers in the order they landed)
+
+``value`` is a Release's freed pages, a GetPages' hit pages and a PutPages' stored pages (its
+existing pages are the keys not stored when ``ok``, else 0, as the core counts them).
 
 Thread-safety: pure functions over buffers the caller owns.
 """
@@ -67,13 +72,15 @@ SLOTS_OFFSET = 32768
 RING_BYTES = SLOTS_OFFSET + SLOTS * 2 * AREA
 
 REQUEST = struct.Struct("<IHHII Q 32s")
+KEY_COUNT = struct.Struct("<I")
 TRANSFER = struct.Struct("<64sIIII")
 COMPLETION = struct.Struct("<IHHQIIiIIIQI256s")
 ACK = struct.Struct("<64sQQQ")
 
 FLAG_ALLOCATE = 1
 FLAG_LAYER_PROGRESS = 2
-KNOWN_FLAGS = FLAG_ALLOCATE | FLAG_LAYER_PROGRESS
+FLAG_INCLUDE_L3 = 4  # GetPages: fetch what L2 lacks from L3
+KNOWN_FLAGS = FLAG_ALLOCATE | FLAG_LAYER_PROGRESS | FLAG_INCLUDE_L3
 T_HAS_HOST = 1
 T_HOST_ALLOCATED = 2
 KNOWN_TFLAGS = T_HAS_HOST | T_HOST_ALLOCATED
@@ -87,6 +94,17 @@ class Opcode(IntEnum):
     RESOLVE = 3
     RELEASE = 4
     PING = 5  # no work: measures the lane itself
+    GET_PAGES = 6  # keyed: added in v1 (an older daemon answers UNIMPLEMENTED)
+    PUT_PAGES = 7
+
+
+KEYED = frozenset({Opcode.GET_PAGES, Opcode.PUT_PAGES})
+# The flags each opcode takes; any other bit is refused, never ignored.
+OPCODE_FLAGS = {
+    Opcode.WRITE: FLAG_ALLOCATE,
+    Opcode.LOAD: FLAG_LAYER_PROGRESS,
+    Opcode.GET_PAGES: FLAG_INCLUDE_L3,
+}
 
 
 class RecordError(Exception):
@@ -114,6 +132,7 @@ class Request:
     seq: int
     op_id: str
     transfers: tuple[WireTransfer, ...]
+    keys: tuple[str, ...] = ()  # GetPages/PutPages only
 
 
 @dataclass(frozen=True)
@@ -239,10 +258,56 @@ def encode_request(buf: memoryview, offset: int, req: Request) -> None:
     op = req.op_id.encode("ascii")
     if len(op) > 32:
         raise ValueError(f"op_id {req.op_id[:40]!r} is longer than 32 ASCII characters")
+    if req.keys and req.opcode not in KEYED:
+        raise ValueError(f"{req.opcode.name} carries no keys")
     REQUEST.pack_into(
         buf, offset, REQUEST_MAGIC, VERSION, int(req.opcode), req.flags, len(req.transfers), req.seq, op
     )
-    _write_transfers(buf, offset + REQUEST.size, req.transfers, offset + AREA)
+    pos = _write_transfers(buf, offset + REQUEST.size, req.transfers, offset + AREA)
+    if req.opcode in KEYED:
+        _write_keys(buf, pos, req.keys, offset + AREA)
+
+
+def _write_keys(buf: memoryview, pos: int, keys: tuple[str, ...], limit: int) -> None:
+    raw = [k.encode("utf-8") for k in keys]
+    if any(len(r) > 0xFFFF for r in raw):
+        raise ValueError("a key longer than 65535 UTF-8 bytes does not fit a lane record")
+    lengths = np.asarray([len(r) for r in raw], dtype="<u2").tobytes()
+    blob = b"".join(raw)
+    end = pos + KEY_COUNT.size + len(lengths) + len(blob)
+    if end > limit:
+        raise ValueError(f"{len(keys)} keys ({len(blob)} bytes) do not fit in a lane record: use gRPC")
+    KEY_COUNT.pack_into(buf, pos, len(keys))
+    pos += KEY_COUNT.size
+    buf[pos : pos + len(lengths)] = lengths
+    pos += len(lengths)
+    buf[pos:end] = blob
+
+
+def _read_keys(ring: memoryview, pos: int, limit: int) -> tuple[str, ...]:
+    """The keys section at ``pos``, copied out of the ring once and checked (hostile input)."""
+    if pos + KEY_COUNT.size > limit:
+        raise RecordError("record ends before its key count")
+    (count,) = KEY_COUNT.unpack(bytes(ring[pos : pos + KEY_COUNT.size]))
+    pos += KEY_COUNT.size
+    if pos + 2 * count > limit:
+        raise RecordError(f"record claims {count} keys, more than fit in one lane record")
+    lengths = np.frombuffer(bytes(ring[pos : pos + 2 * count]), dtype="<u2").astype(np.int64)
+    pos += 2 * count
+    total = int(lengths.sum())
+    if pos + total > limit:
+        raise RecordError(f"record claims {total} bytes of keys, more than fit in one lane record")
+    blob = bytes(ring[pos : pos + total])
+    ends = np.cumsum(lengths).tolist()
+    out = []
+    start = 0
+    for i, end in enumerate(ends):
+        try:
+            out.append(blob[start:end].decode("utf-8"))
+        except UnicodeDecodeError:
+            raise RecordError(f"keys[{i}] is not UTF-8 (starts {blob[start : start + 16]!r})") from None
+        start = end
+    return tuple(out)
 
 
 def read_request(ring: memoryview, offset: int) -> Request:
@@ -265,13 +330,17 @@ def read_request(ring: memoryview, offset: int) -> Request:
         ) from None
     if flags & ~KNOWN_FLAGS:
         raise RecordError(f"unknown flag bits {flags & ~KNOWN_FLAGS:#x}")
+    if flags & ~OPCODE_FLAGS.get(code, 0):
+        raise RecordError(f"flag bits {flags & ~OPCODE_FLAGS.get(code, 0):#x} mean nothing for {code.name}")
     if count > MAX_TRANSFERS:
         raise RecordError(f"{count} transfers in one record (at most {MAX_TRANSFERS})")
     op_text = op_raw.rstrip(b"\0")
     if not _PRINTABLE.fullmatch(op_text):
         raise RecordError(f"op_id must be printable ASCII (starts {op_text[:16]!r})")
+    op_id = op_text.decode("ascii")
     if count == 0:
-        return Request(code, flags, seq, op_text.decode("ascii"), ())
+        keys = _read_keys(ring, offset + REQUEST.size, offset + AREA) if code in KEYED else ()
+        return Request(code, flags, seq, op_id, (), keys)
     descriptors = bytes(ring[offset + REQUEST.size : offset + REQUEST.size + count * TRANSFER.size])
     pages_needed = 0
     for i in range(count):
@@ -285,7 +354,8 @@ def read_request(ring: memoryview, offset: int) -> Request:
     start = offset + REQUEST.size + count * TRANSFER.size
     body = descriptors + bytes(ring[start : start + 8 * pages_needed])
     transfers, _ = _read_transfers(body, 0, count, len(body))
-    return Request(code, flags, seq, op_text.decode("ascii"), transfers)
+    keys = _read_keys(ring, start + 8 * pages_needed, offset + AREA) if code in KEYED else ()
+    return Request(code, flags, seq, op_id, transfers, keys)
 
 
 # ---------------------------------------------------------------- completions

@@ -57,7 +57,8 @@ class AdapterConfig:
     daemon-side L2 size asked for each pool group (0 = the size of SGLang's own
     host pool). ``blob_host_bytes``: the L2 size asked for the group that holds
     tensors stored by key when no registered host pool fits them. ``include_l3``: reads and existence checks also consult the
-    daemon's L3. ``instance_id``: names this worker's slots in the daemon
+    daemon's L3. ``fast_lane``: page calls (GetPages/PutPages) go over the daemon's fast lane
+    when it offers one (Unix-socket targets), falling back to gRPC. ``instance_id``: names this worker's slots in the daemon
     (default: host, pid and a random suffix, so two processes never collide).
     """
 
@@ -72,6 +73,7 @@ class AdapterConfig:
     include_l3: bool = True
     lease_ms: int = 0
     timeout_s: float = 30.0
+    fast_lane: bool = True
     instance_id: str = ""
 
     def __post_init__(self) -> None:
@@ -86,8 +88,9 @@ class AdapterConfig:
         _check_int("host_bytes", self.host_bytes, minimum=0)
         _check_int("blob_host_bytes", self.blob_host_bytes, minimum=1)
         _check_int("lease_ms", self.lease_ms, minimum=0)
-        if not isinstance(self.include_l3, bool):
-            raise ValueError(f"hicached.include_l3 must be true or false, got {self.include_l3!r}")
+        for flag in ("include_l3", "fast_lane"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"hicached.{flag} must be true or false, got {getattr(self, flag)!r}")
         if (
             isinstance(self.timeout_s, bool)
             or not isinstance(self.timeout_s, int | float)

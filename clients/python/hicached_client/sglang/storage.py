@@ -74,7 +74,10 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         self.config = AdapterConfig.from_extra_config(storage_config.extra_config)
         self.model_name: str = storage_config.model_name or ""
         self._client = HiCacheClient(
-            self.config.target, token=self.config.token, timeout_s=self.config.timeout_s
+            self.config.target,
+            token=self.config.token,
+            timeout_s=self.config.timeout_s,
+            fast_lane=self.config.fast_lane,
         )
         self._links: dict[str, PoolLink] = {}
         self._pools_by_id: dict[int, str] = {}
