@@ -1,8 +1,9 @@
 """The fast lane's listener: ``<grpc socket>.lane``, one thread per lane, bounded.
 
 gRPC stays the contract and the fallback; a session may open a lane for its hot
-operations (Write, Load, ResolveTransfers, ReleaseTransfers, GetPages, PutPages with given keys) whose round trip is a
-shared-memory ring and two eventfd doorbells instead of an HTTP/2 call. Protocol and
+operations (Write, Load, ResolveTransfers, ReleaseTransfers, and GetPages/PutPages with
+given keys) whose round trip is a shared-memory ring and two eventfd doorbells instead of
+an HTTP/2 call. Protocol and
 per-lane behaviour: :mod:`hicached.server.lane`; record layout:
 :mod:`hicached_client.lane_wire`; prose: docs/fastlane.md.
 
