@@ -56,10 +56,12 @@ class AdapterConfig:
     ``staging_bytes`` per half (but at least one page). ``host_bytes``: the
     daemon-side L2 size asked for each pool group (0 = the size of SGLang's own
     host pool). ``blob_host_bytes``: the L2 size asked for the group that holds
-    tensors stored by key when no registered host pool fits them. ``include_l3``: reads and existence checks also consult the
-    daemon's L3. ``fast_lane``: page calls (GetPages/PutPages) go over the daemon's fast lane
-    when it offers one (Unix-socket targets), falling back to gRPC. ``instance_id``: names this worker's slots in the daemon
-    (default: host, pid and a random suffix, so two processes never collide).
+    tensors stored by key when no registered host pool fits them. ``include_l3``:
+    reads and existence checks also consult the daemon's L3. ``fast_lane``: page
+    calls (GetPages/PutPages) go over the daemon's fast lane when it offers one
+    (Unix-socket targets), falling back to gRPC. ``instance_id``: names this
+    worker's slots in the daemon (default: host, pid and a random suffix, so two
+    processes never collide).
     """
 
     target: str
