@@ -40,7 +40,10 @@ def pin_host_memory(t: torch.Tensor) -> Callable[[], None] | None:
     ptr = t.data_ptr()
     rc = cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_DEFAULT)
     if int(rc) != 0:
-        raise FailedPrecondition(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed with error {rc}")
+        # int(): torch's enum prints codes it does not name (712, already registered) as '???'.
+        raise FailedPrecondition(
+            f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed with CUDA error {int(rc)}"
+        )
     logger.info("pinned %d bytes of host memory at %#x", nbytes, ptr)
     done = False
 
@@ -51,6 +54,6 @@ def pin_host_memory(t: torch.Tensor) -> Callable[[], None] | None:
         done = True
         rc = cudart.cudaHostUnregister(ptr)
         if int(rc) != 0:
-            logger.warning("cudaHostUnregister at %#x failed with error %s", ptr, rc)
+            logger.warning("cudaHostUnregister at %#x failed with CUDA error %d", ptr, int(rc))
 
     return unregister

@@ -45,9 +45,12 @@ def make_pool(shm_name: Callable[[], str]) -> Iterator[Callable[..., HostKVPool]
     pools: list[HostKVPool] = []
 
     def make(
-        spec: KVSpec | None = None, layout: HostLayout = HostLayout.PAGE_FIRST, num_pages: int = 8
+        spec: KVSpec | None = None,
+        layout: HostLayout = HostLayout.PAGE_FIRST,
+        num_pages: int = 8,
+        pin: bool = True,
     ) -> HostKVPool:
-        pool = create_host_pool(spec or mha_spec(), layout, num_pages, segment_name=shm_name())
+        pool = create_host_pool(spec or mha_spec(), layout, num_pages, segment_name=shm_name(), pin=pin)
         pools.append(pool)
         return pool
 
