@@ -62,7 +62,10 @@ def run_as_other(code: str, *args: str, timeout_s: float = 120) -> subprocess.Co
     """Run ``python -c code args`` as the test user with this checkout on the path."""
     other_user()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")])
+    # The checkout first; then the caller's own entries, where its packages may live (an
+    # image whose interpreter takes wheels from PYTHONPATH, as on the GPU machines).
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python"), *inherited])
     env["HOME"] = "/tmp"
     return subprocess.run(
         [*_as_other_prefix(), sys.executable, "-c", code, *args],
