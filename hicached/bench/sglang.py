@@ -10,6 +10,8 @@ Each backend is called as SGLang 0.5.23's cache controller calls it, in
 batches of 128: ``HiCachedStorage.batch_set_v1`` / ``batch_get_v1`` (built by
 SGLang's ``StorageBackendFactory``), and ``HiCacheFile.batch_set`` /
 ``batch_get`` of flat data pages (its generic page path: one file per page).
+A get is a prefetch as the controller runs it: ``batch_exists`` of every batch
+(its hit query), then the batches' gets; both are timed.
 
 Per round (fresh keys, fresh directories), every figure in GB/s (10**9 B/s):
 
@@ -162,6 +164,14 @@ def _batches(n: int) -> Iterator[tuple[int, int]]:
         yield lo, min(lo + BATCH, n)
 
 
+def _hit_query(storage: Any, keys: list[str]) -> None:
+    """The controller's hit query before a prefetch (``_storage_hit_query``): ``batch_exists``
+    batch by batch; every page must hit."""
+    for lo, hi in _batches(len(keys)):
+        if storage.batch_exists(keys[lo:hi]) != hi - lo:
+            raise RuntimeError(f"{type(storage).__name__} batch_exists missed pages of {lo}..{hi}")
+
+
 def _evict(root: Path) -> None:
     """Write back and drop from the page cache every file under ``root`` (the bench's "cold")."""
     drop_cache(sorted(p for p in root.rglob("*") if p.is_file()))
@@ -231,6 +241,7 @@ class _Round:
                     raise RuntimeError("HiCacheFile batch_set failed")
 
         def get() -> None:
+            _hit_query(storage, self.keys)
             for lo, hi in _batches(self.size.pages):
                 targets = [pool.get_dummy_flat_data_page() for _ in range(lo, hi)]
                 pages = storage.batch_get(self.keys[lo:hi], targets)
@@ -275,6 +286,7 @@ class _Round:
         return storage
 
     def _get(self, storage: Any) -> None:
+        _hit_query(storage, self.keys)
         for lo, hi in _batches(self.size.pages):
             if not all(storage.batch_get_v1(self.keys[lo:hi], self._slots(self.dst, lo, hi))):
                 raise RuntimeError("hicached batch_get_v1 missed")
