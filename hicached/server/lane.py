@@ -362,9 +362,16 @@ class Lane:
         return w.Completion(req.opcode, seq, ok, True, None, "", value=freed)
 
     def _keyed_op(self, req: w.Request, transfers: list[PoolTransfer]) -> w.Completion:
-        """GetPages / PutPages with given keys, as the servicer runs them (its key checks first)."""
+        """GetPages / PutPages / Lookup with given keys, as the servicer runs them (its key checks
+        first)."""
         sid, op, seq, ok = self.session_id, req.op_id, req.seq, grpc.StatusCode.OK.value[0]
         check_keys(req.keys, self._core.config.limits)
+        if req.opcode is w.Opcode.LOOKUP:
+            if req.transfers:
+                raise w.RecordError("a LOOKUP record carries keys only, no transfers")
+            found = self._keyed.lookup(sid, req.keys)
+            value = w.lookup_value(found.l2_hit_pages, found.total_hit_pages)
+            return w.Completion(req.opcode, seq, ok, True, None, "", value=value)
         if req.opcode is w.Opcode.GET_PAGES:
             include_l3 = bool(req.flags & w.FLAG_INCLUDE_L3)
             hit, got = self._keyed.get_pages(sid, op, req.keys, transfers, include_l3=include_l3)

@@ -34,7 +34,7 @@ def record(
     descs = transfers if transfers is not None else [(b"kv", 1, 0, 0, 0)]
     body = (
         b"".join(w.TRANSFER.pack(*d) for d in descs)
-        + struct.pack(f"<{len(pages or [1])}q", *(pages or [1]))
+        + struct.pack(f"<{len(pages if pages is not None else [1])}q", *(pages if pages is not None else [1]))
         + keys
     )
 
@@ -104,6 +104,12 @@ CASES: list[tuple[str, Callable[[memoryview, int, int], None], grpc.StatusCode, 
     ("fewer keys than pages", keyed(key_section()), grpc.StatusCode.INVALID_ARGUMENT, "1 device pages for 0 keys"),
     ("include_l3 on a put", record(opcode=w.Opcode.PUT_PAGES, flags=w.FLAG_INCLUDE_L3, keys=key_section(b"a")),
      grpc.StatusCode.INVALID_ARGUMENT, "flag"),
+    ("a lookup with transfers", record(opcode=w.Opcode.LOOKUP, flags=0, keys=key_section(b"a")),
+     grpc.StatusCode.INVALID_ARGUMENT, "keys only, no transfers"),
+    ("a flag on a lookup", record(opcode=w.Opcode.LOOKUP, flags=w.FLAG_INCLUDE_L3, transfers=[], pages=[],
+     keys=key_section(b"a")), grpc.StatusCode.INVALID_ARGUMENT, "mean nothing for LOOKUP"),
+    ("lookup key not UTF-8", record(opcode=w.Opcode.LOOKUP, flags=0, transfers=[], pages=[],
+     keys=key_section(b"\xff")), grpc.StatusCode.INVALID_ARGUMENT, "keys[0] is not UTF-8"),
 ]  # fmt: skip
 
 

@@ -134,3 +134,6 @@ def test_keyed_pages_through_the_lane_are_byte_exact_and_replay_like_grpc(worker
     )
     for name, want in expected.items():
         assert bool((pools.pages(name, dst) == want).all()), f"{name}: the pages read back differ"
+    probe = [*keys[:3], uuid.uuid4().hex, *keys[3:]]
+    assert lane.lookup(probe) == session.lookup(probe), "a lane Lookup answers as the gRPC one"
+    assert lane.lookup(probe).l2_hit_pages == 3

@@ -109,6 +109,9 @@ def _keyed_script(session: Session, pools: WorkerPools) -> list[Any]:
     same = all(bool((pools.pages(n, dst[:4]) == expected[n]).all()) for n in expected)
     out.append((got.hit_pages, got.acks, same, pools.untouched("kv", dst[:4])))
     out.append(session.get_pages(keys, _both(dst[:4]), include_l3=True).hit_pages)
+    found = session.lookup([*keys, uuid.uuid4().hex, keys[0]])
+    out.append((found.keys[:4] == tuple(keys), found.l2_hit_pages, found.total_hit_pages))
+    out.append(session.lookup([uuid.uuid4().hex, *keys]).total_hit_pages)
     sid = session.session_id
     for call in (
         lambda: session.get_pages(keys[:2], _both([1, 2, 3])),
@@ -116,6 +119,7 @@ def _keyed_script(session: Session, pools: WorkerPools) -> list[Any]:
         lambda: session.put_pages(["k" * 600], _both([1])),
         lambda: session.put_pages(keys[:1], [Transfer("kv", [1])]),
         lambda: session.get_pages(keys[:1], _both([10**6])),
+        lambda: session.lookup([keys[0], "k" * 600]),
     ):
         out.append(_outcome(call, sid))
     return out
@@ -139,7 +143,8 @@ def test_the_session_gives_the_same_results_and_errors_with_and_without_the_lane
     keyed = via_grpc[11:]
     assert keyed[0][:3] == (True, 4, 0) and keyed[1] == (True, 1, 2), keyed
     assert keyed[2][0] == 4 and keyed[2][2] and keyed[3] == 4, "4 pages hit, byte-exact, nothing else written"
-    assert all(isinstance(e, tuple) and e[0] != grpc.StatusCode.OK for e in keyed[4:]), keyed[4:]
+    assert keyed[4] == (True, 4, 4) and keyed[5] == 0, "lookup: the leading run of 4 keys, none after a miss"
+    assert all(isinstance(e, tuple) and e[0] != grpc.StatusCode.OK for e in keyed[6:]), keyed[6:]
 
 
 def test_calls_the_lane_cannot_carry_and_async_sessions_still_work(
@@ -272,9 +277,9 @@ def test_a_killed_worker_leaks_nothing_of_its_sessions_lane(daemon: Daemon, admi
 def test_keyed_pages_go_over_the_lane_and_a_lost_lane_resends_them_with_their_op_id(
     daemon: Daemon, pools: WorkerPools
 ) -> None:
-    """GetPages/PutPages with given keys ride the lane (one ring record each); a token chain goes
-    over gRPC; after the lane is lost a PutPages re-sent with its op_id is answered from the
-    session's one ledger, not stored twice. Before: keyed calls were gRPC only."""
+    """GetPages/PutPages/Lookup with given keys ride the lane (one ring record each); a token
+    chain goes over gRPC; after the lane is lost a PutPages re-sent with its op_id is answered
+    from the session's one ledger, not stored twice. Before: keyed calls were gRPC only."""
     pools.fill_random(5)
     keys = [uuid.uuid4().hex for _ in range(3)]
     with HiCacheClient(daemon.target, timeout_s=30.0, fast_lane=True) as client:
@@ -284,9 +289,12 @@ def test_keyed_pages_go_over_the_lane_and_a_lost_lane_resends_them_with_their_op
         assert lane is not None and lane._tail == 1, "the PutPages was the lane's first record"
         assert session.get_pages(keys, _both([7, 8, 9])).hit_pages == 3
         assert lane._tail == 2, "the GetPages went over the lane"
+        assert session.lookup([*keys, uuid.uuid4().hex]).l2_hit_pages == 3
+        assert lane._tail == 3, "the Lookup went over the lane"
         chain = TokenChain(token_ids=list(range(4 * PAGE_SIZE)))  # 4 pages never stored
         assert session.get_pages(chain, _both([10, 11, 12, 13])).hit_pages == 0
-        assert lane._tail == 2, "a token chain goes over gRPC"
+        assert session.lookup(chain).total_hit_pages == 0
+        assert lane._tail == 3, "a token chain goes over gRPC"
         lane._counters[w.SQ_TAIL // 8] = 1000  # break the ring: the daemon closes this lane
         os.eventfd_write(lane._submit, 1)
         poll(lambda: lane._poller.poll(0), bool, 10, "the daemon closing the broken lane")

@@ -181,18 +181,21 @@ def test_a_lost_zero_copy_session_is_attached_again_zero_copy(
 def test_page_calls_ride_the_fast_lane_unless_turned_off(
     storages: StorageFactory, sealed_shm: None, fast_lane: bool
 ) -> None:
-    """``fast_lane`` (default true): batch_set_v1/batch_get_v1 are lane records, not gRPC calls;
-    false keeps them on gRPC. The bytes are the same either way. Before: gRPC only."""
+    """``fast_lane`` (default true): batch_set_v1/batch_get_v1 and batch_exists (SGLang's hit
+    query) are lane records, not gRPC calls; false keeps them on gRPC. The bytes and the
+    answers are the same either way. Before: gRPC only."""
     shape = PoolShape(layout="page_first")
     pool = make_host_pool(shape, allocator_type="shm")
     storage = storages.make(pool, model=unique_model(), staging_pages=4, fast_lane=fast_lane)
     keys = sglang_keys(8, shape.page_size)
     src, dst = pool.alloc(8 * shape.page_size), pool.alloc(8 * shape.page_size)
     assert storage.batch_set_v1(keys, src) == [True] * 8
+    assert storage.batch_exists(keys) == 8
+    assert storage.batch_exists([*keys[:3], "never-stored", *keys[3:]]) == 3
     assert storage.batch_get_v1(keys, dst) == [True] * 8
     assert page_bits(pool, dst) == page_bits(pool, src)
     lane = storage.links["kv"].session._slot._lane
     if fast_lane:
-        assert lane is not None and lane._tail == 4, "two puts and two gets of 4 pages, on the lane"
+        assert lane is not None and lane._tail == 6, "two puts, two lookups and two gets, on the lane"
     else:
         assert lane is None

@@ -1,15 +1,10 @@
-"""A worker session: :class:`AsyncSession`.
-
-``_aio_session.py`` is written by hand and ``_sync_session.py`` generated from it (see
-``aio.py``: one source, two clients).
+"""A worker session: :class:`AsyncSession` (``_sync_session.py`` is generated from it: ``aio.py``).
 
 Every method carries the session id, the session's secret and an op_id (fresh, or the
 caller's ``op_id=``: e.g. the same id on every TP rank's retry path), so a retried call is
-answered once.
-
-With ``fast_lane=True`` on the client, the hot calls go over the daemon's fast lane when
-they can; docs/fastlane.md says which, and when gRPC carries them instead (a lost lane: the
-op is re-sent with the same op_id, so it runs once). Results and errors are the same.
+answered once. With ``fast_lane=True`` on the client, the hot calls go over the daemon's
+fast lane when they can (docs/fastlane.md says which; a lost lane re-sends the op over gRPC
+with the same op_id, so it runs once). Results and errors are the same.
 
 Thread-safety: a blocking session may be used from many threads (its mutable state -- the
 closed flag, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an
@@ -62,10 +57,7 @@ log = logging.getLogger(__name__)
 
 
 class AsyncSession:
-    """A worker session of one daemon (from ``client.attach`` or ``client.session``).
-
-    Use it as a context manager to detach on exit.
-    """
+    """A worker session of one daemon (``client.attach``/``client.session``); detaches on ``with`` exit."""
 
     def __init__(self, client: AsyncHiCacheClient, info: AttachResult, *, heartbeat: bool) -> None:
         self.client = client
@@ -361,6 +353,13 @@ class AsyncSession:
     # --------------------------------------------------------- content cache
 
     async def lookup(self, keys: Keys, *, tenant: str = "", timeout_s: float | None = None) -> LookupResult:
+        given = lane_keys(keys, tenant)
+        lane = await self._slot.get(self, given is not None)
+        if lane is not None and given is not None:
+            try:
+                return await lane.lookup(given, timeout_s=self._timeout(timeout_s))
+            except HiCacheError as exc:
+                await self._slot.failed(exc, "Lookup", self.client.config.retry)
         return await self._invoke(_calls.lookup(self.session_id, keys, tenant), timeout_s)
 
     async def publish(

@@ -43,6 +43,7 @@ from hicached_client.errors import HiCacheError
 from hicached_client.types import (
     GetPagesResult,
     LoadResult,
+    LookupResult,
     PoolAck,
     PutPagesResult,
     ResolveResult,
@@ -98,6 +99,11 @@ def _acks(c: w.Completion) -> tuple[PoolAck, ...]:
 
 def get_pages_result(c: w.Completion) -> GetPagesResult:
     return GetPagesResult(hit_pages=c.value, acks=_acks(c))
+
+
+def lookup_result(c: w.Completion, keys: Sequence[str]) -> LookupResult:
+    l2, total = w.lookup_counts(c.value)
+    return LookupResult(keys=tuple(keys), l2_hit_pages=l2, total_hit_pages=total)
 
 
 def put_pages_result(c: w.Completion, nkeys: int) -> PutPagesResult:
@@ -297,6 +303,10 @@ class FastLane:
         """As :meth:`Session.put_pages` with a list of keys (no token chain, primary pages or fence)."""
         c = self._call(w.Opcode.PUT_PAGES, 0, transfers, op_id, timeout_s, keys)
         return put_pages_result(c, len(keys))
+
+    def lookup(self, keys: Sequence[str], *, timeout_s: float | None = None) -> LookupResult:
+        """As :meth:`Session.lookup` with a list of keys (the session's tenant)."""
+        return lookup_result(self._call(w.Opcode.LOOKUP, 0, (), None, timeout_s, keys), keys)
 
     def ping(self, *, timeout_s: float | None = None) -> None:
         """One round trip that does no work in the daemon (the lane's own latency)."""

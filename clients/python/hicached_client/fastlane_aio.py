@@ -22,10 +22,18 @@ import grpc
 
 from hicached_client import lane_wire as w
 from hicached_client.errors import HiCacheError
-from hicached_client.fastlane import FastLane, _acks, _transfers, get_pages_result, put_pages_result
+from hicached_client.fastlane import (
+    FastLane,
+    _acks,
+    _transfers,
+    get_pages_result,
+    lookup_result,
+    put_pages_result,
+)
 from hicached_client.types import (
     GetPagesResult,
     LoadResult,
+    LookupResult,
     PutPagesResult,
     ResolveResult,
     Transfer,
@@ -87,6 +95,9 @@ class AsyncFastLane:
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
         return (await self._call(w.Opcode.RELEASE, 0, transfers, op_id, timeout_s)).value
+
+    async def lookup(self, keys: Sequence[str], *, timeout_s: float | None = None) -> LookupResult:
+        return lookup_result(await self._call(w.Opcode.LOOKUP, 0, (), None, timeout_s, keys), keys)
 
     async def get_pages(
         self,

@@ -96,9 +96,24 @@ class Opcode(IntEnum):
     PING = 5  # no work: measures the lane itself
     GET_PAGES = 6  # keyed: added in v1 (an older daemon answers UNIMPLEMENTED)
     PUT_PAGES = 7
+    LOOKUP = 8  # keyed, no transfers: added in v1 after GET_PAGES (older daemons: UNIMPLEMENTED)
 
 
-KEYED = frozenset({Opcode.GET_PAGES, Opcode.PUT_PAGES})
+KEYED = frozenset({Opcode.GET_PAGES, Opcode.PUT_PAGES, Opcode.LOOKUP})
+# LOOKUP answers two counts in the completion's one value field: L2 hits in the high 32 bits,
+# L2-or-L3 hits in the low 32 (each at most the record's key count, far below 2**32).
+LOOKUP_SHIFT = 32
+
+
+def lookup_value(l2_hit_pages: int, total_hit_pages: int) -> int:
+    return (l2_hit_pages << LOOKUP_SHIFT) | total_hit_pages
+
+
+def lookup_counts(value: int) -> tuple[int, int]:
+    """(l2_hit_pages, total_hit_pages) of a LOOKUP completion's value."""
+    return value >> LOOKUP_SHIFT, value & ((1 << LOOKUP_SHIFT) - 1)
+
+
 # The flags each opcode takes; any other bit is refused, never ignored.
 OPCODE_FLAGS = {
     Opcode.WRITE: FLAG_ALLOCATE,

@@ -58,10 +58,10 @@ class AdapterConfig:
     host pool). ``blob_host_bytes``: the L2 size asked for the group that holds
     tensors stored by key when no registered host pool fits them. ``include_l3``:
     reads and existence checks also consult the daemon's L3. ``fast_lane``: page
-    calls (GetPages/PutPages) go over the daemon's fast lane when it offers one
-    (Unix-socket targets), falling back to gRPC. ``instance_id``: names this
-    worker's slots in the daemon (default: host, pid and a random suffix, so two
-    processes never collide).
+    calls and hit queries (GetPages/PutPages/Lookup) go over the daemon's fast
+    lane when it offers one (Unix-socket targets), falling back to gRPC.
+    ``instance_id``: names this worker's slots in the daemon (default: host, pid
+    and a random suffix, so two processes never collide).
     """
 
     target: str
