@@ -45,27 +45,34 @@ CopyFn = Callable[[PageCopy, "CopyContext"], None]
 
 
 class Staging:
-    """A reusable scratch buffer owned by one thread (first touch is paid once)."""
+    """A reusable scratch buffer owned by one thread, allocated on first use (its first touch
+    is paid once, and never by a thread whose copies need no staging: runs on either side)."""
 
     def __init__(self, nbytes: int = STAGING_BYTES, *, pin: bool = False) -> None:
         self._pin = pin  # page-locked, for CUDA transfers (only valid with CUDA present)
-        self._buf = self._alloc(nbytes)
+        self._size = nbytes
+        self._buf: torch.Tensor | None = None
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
-        buf.zero_()  # fault the pages in now, not during a copy
+        buf.zero_()  # fault the pages in once, at the first use, not page by page in later copies
         return buf
 
     @property
+    def allocated(self) -> bool:
+        return self._buf is not None
+
+    @property
     def nbytes(self) -> int:
-        return int(self._buf.numel())
+        return self._size
 
     def rows(self, n: int, like: torch.Tensor) -> torch.Tensor:
         """A contiguous (n, *like.shape[1:]) tensor of like.dtype in the buffer (grown if needed)."""
         shape = (n, *like.shape[1:])
         need = int(np.prod(shape)) * like.element_size()
-        if need > self.nbytes:
-            self._buf = self._alloc(need)
+        if self._buf is None or need > self._size:
+            self._size = max(self._size, need)
+            self._buf = self._alloc(self._size)
         return self._buf[:need].view(like.dtype).view(shape)
 
 

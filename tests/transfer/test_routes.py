@@ -123,6 +123,19 @@ def test_staging_is_reused_and_grown_only_when_needed() -> None:
     assert staging.nbytes == 2048 and c.shape == (16, 16)
 
 
+def test_staging_is_allocated_by_the_first_copy_that_needs_it_only() -> None:
+    """Runs on either side copy in one pass: a thread that only sees those never zeroes 16 MiB
+    of staging (it did at its first copy: milliseconds on the first GetPages after a start)."""
+    ctx = CopyContext()
+    src, dst = rand_pages(16, 4, 2), rand_pages(16, 4, 2, seed=3)
+    copy_cpu_cpu(PageCopy(src, dst, np.arange(8, dtype=np.int64), np.arange(8, 16, dtype=np.int64)), ctx)
+    assert torch.equal(dst[8:], src[:8]) and not ctx.staging.allocated
+    sp = np.random.default_rng(5).permutation(16)[:10].astype(np.int64)
+    dp = np.random.default_rng(6).permutation(16)[:10].astype(np.int64)
+    copy_cpu_cpu(PageCopy(src, dst, sp, dp), ctx)  # scattered on both sides: through staging
+    assert ctx.staging.allocated and torch.equal(dst[torch.from_numpy(dp)], src[torch.from_numpy(sp)])
+
+
 def test_route_registry() -> None:
     assert route(Medium.CPU, Medium.CPU) is copy_cpu_cpu
     with pytest.raises(InvalidArgument, match="no copy route from cpu to bogus"):
