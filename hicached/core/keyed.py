@@ -343,7 +343,9 @@ class KeyedCache:
             tenant=tenant,
         )
         with session.lock:
-            session.prefetches.add(task.id)
+            # Keep only the ids the index still keeps: a session calling Prefetch forever must
+            # not grow this set (the index forgets all but its last max_finished finished ones).
+            session.prefetches = index.kept_prefetches(session.prefetches | {task.id})
         return task.id, task.planned_pages
 
     def _task(self, session_id: str, prefetch_id: str) -> object:

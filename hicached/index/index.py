@@ -42,7 +42,7 @@ always group lock -> table lock -> backup queue lock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 import numpy.typing as npt
@@ -353,6 +353,10 @@ class ContentIndex:
     def get_prefetch(self, prefetch_id: str) -> PrefetchTask:
         """A prefetch by id (the last ``max_finished_prefetches`` finished ones are kept)."""
         return self._prefetcher.get(prefetch_id)
+
+    def kept_prefetches(self, prefetch_ids: Set[str]) -> set[str]:
+        """Those of ``prefetch_ids`` this index still keeps (running, or recently finished)."""
+        return self._prefetcher.kept(prefetch_ids)
 
     def fetch_into_l2(self, keys: Sequence[str], *, tenant: str = "") -> int:
         """Synchronously copy L3-only keys of the cached prefix into L2; the L2 run after.

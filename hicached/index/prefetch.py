@@ -17,7 +17,7 @@ import functools
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 
 import numpy as np
 
@@ -87,6 +87,10 @@ class Prefetcher:
         if found is None:
             raise NotFound(f"prefetch {prefetch_id!r} is unknown (or finished long ago)")
         return found[0]
+
+    def kept(self, prefetch_ids: Set[str]) -> set[str]:
+        with self._lock:
+            return {pid for pid in prefetch_ids if pid in self._tasks}
 
     def running(self) -> int:
         with self._lock:
