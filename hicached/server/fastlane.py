@@ -1,11 +1,10 @@
 """The fast lane's listener: ``<grpc socket>.lane``, one thread per lane, bounded.
 
 gRPC stays the contract and the fallback; a session may open a lane for its hot
-operations (Write, Load, ResolveTransfers, ReleaseTransfers, and GetPages/PutPages with
-given keys) whose round trip is a shared-memory ring and two eventfd doorbells instead of
-an HTTP/2 call. Protocol and
-per-lane behaviour: :mod:`hicached.server.lane`; record layout:
-:mod:`hicached_client.lane_wire`; prose: docs/fastlane.md.
+operations (Write, Load, ResolveTransfers, ReleaseTransfers, and GetPages/PutPages/Lookup
+with given keys) whose round trip is a shared-memory ring and two eventfd doorbells instead
+of an HTTP/2 call. Protocol and per-lane behaviour: :mod:`hicached.server.lane`; record
+layout: :mod:`hicached_client.lane_wire`; prose: docs/fastlane.md.
 
 Bounds: at most ``max_lanes`` connections (negotiating or open) in total,
 ``max_per_session`` open lanes per session and ``max_per_uid`` per client uid; a connection beyond them is answered

@@ -11,10 +11,10 @@ three eventfds (submit doorbell, completion doorbell, layer doorbell) and sends 
 Serving: the thread sleeps in ``poll`` on the submit doorbell, the connection (EOF = the
 client is gone) and the server's stop fd; it copies each request out of shared memory once,
 decodes it as hostile input and runs it through the same core calls the gRPC servicer makes
-(``core.write``/``load``/``resolve``/``release``, ``keyed.get_pages``/``put_pages``: same
-validation, authorization by session, op-id idempotency and accounting), then writes the
-completion and rings the client. A GetPages that reaches L3 runs on this lane's thread, so it
-waits for no other client's L3 calls and holds up only its own session's lane. A Load's
+(``core.write``/``load``/``resolve``/``release``, ``keyed.get_pages``/``put_pages``/``lookup``:
+same validation, authorization by session, op-id idempotency and accounting), then writes the
+completion and rings the client. A GetPages or Lookup that reaches L3 runs on this lane's thread,
+so it waits for no other client's L3 calls and holds up only its own session's lane. A Load's
 layers are published as they land: ``layer_seq[l] = seq`` and ``layer_ns[l]`` in the ring,
 plus the layer doorbell.
 
@@ -366,9 +366,7 @@ class Lane:
         first)."""
         sid, op, seq, ok = self.session_id, req.op_id, req.seq, grpc.StatusCode.OK.value[0]
         check_keys(req.keys, self._core.config.limits)
-        if req.opcode is w.Opcode.LOOKUP:
-            if req.transfers:
-                raise w.RecordError("a LOOKUP record carries keys only, no transfers")
+        if req.opcode is w.Opcode.LOOKUP:  # read_request refused any transfers
             found = self._keyed.lookup(sid, req.keys)
             value = w.lookup_value(found.l2_hit_pages, found.total_hit_pages)
             return w.Completion(req.opcode, seq, ok, True, None, "", value=value)

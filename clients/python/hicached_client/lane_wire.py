@@ -103,6 +103,7 @@ KEYED = frozenset({Opcode.GET_PAGES, Opcode.PUT_PAGES, Opcode.LOOKUP})
 # LOOKUP answers two counts in the completion's one value field: L2 hits in the high 32 bits,
 # L2-or-L3 hits in the low 32 (each at most the record's key count, far below 2**32).
 LOOKUP_SHIFT = 32
+_LOOKUP_TRANSFERS = "a LOOKUP record carries keys only, no transfers"
 
 
 def lookup_value(l2_hit_pages: int, total_hit_pages: int) -> int:
@@ -275,6 +276,8 @@ def encode_request(buf: memoryview, offset: int, req: Request) -> None:
         raise ValueError(f"op_id {req.op_id[:40]!r} is longer than 32 ASCII characters")
     if req.keys and req.opcode not in KEYED:
         raise ValueError(f"{req.opcode.name} carries no keys")
+    if req.transfers and req.opcode is Opcode.LOOKUP:
+        raise ValueError(_LOOKUP_TRANSFERS)
     REQUEST.pack_into(
         buf, offset, REQUEST_MAGIC, VERSION, int(req.opcode), req.flags, len(req.transfers), req.seq, op
     )
@@ -349,6 +352,8 @@ def read_request(ring: memoryview, offset: int) -> Request:
         raise RecordError(f"flag bits {flags & ~OPCODE_FLAGS.get(code, 0):#x} mean nothing for {code.name}")
     if count > MAX_TRANSFERS:
         raise RecordError(f"{count} transfers in one record (at most {MAX_TRANSFERS})")
+    if count and code is Opcode.LOOKUP:
+        raise RecordError(_LOOKUP_TRANSFERS)
     op_text = op_raw.rstrip(b"\0")
     if not _PRINTABLE.fullmatch(op_text):
         raise RecordError(f"op_id must be printable ASCII (starts {op_text[:16]!r})")
