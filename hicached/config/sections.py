@@ -274,6 +274,9 @@ class LimitsConfig:
     max_l3_calls_queued: int = _f(
         64, "RPCs that may wait for an L3 thread (server.l3_threads) before RESOURCE_EXHAUSTED."
     )
+    max_prefetches_per_session: int = _f(
+        16, "Prefetches one session may have running or queued at once; one more is RESOURCE_EXHAUSTED."
+    )
     max_wait_s: float = _f(
         30.0,
         "Deadline of a blocking wait (Backup wait, PrefetchStatus wait, the wait at session end): "

@@ -333,19 +333,38 @@ class KeyedCache:
         policy: str,
         timeout_ms: int,
     ) -> tuple[str, int]:
+        """Start a prefetch of ``keys``: (its id, pages planned). ResourceExhausted, before
+        any work, when the session already has ``limits.max_prefetches_per_session`` running
+        or queued (each holds its plan, and the index's I/O threads take jobs in turn)."""
         session, _, index, keys = self._scoped(session_id, keys)
         tenant = session.worker.tenant
         chosen = policy or self._cfg.l3.prefetch_policy
-        task = index.prefetch(
-            keys,
-            policy=PrefetchPolicy(chosen),
-            timeout_s=timeout_ms / 1000 if timeout_ms else None,
-            tenant=tenant,
-        )
+        limit = self._cfg.limits.max_prefetches_per_session
         with session.lock:
-            # Keep only the ids the index still keeps: a session calling Prefetch forever must
-            # not grow this set (the index forgets all but its last max_finished finished ones).
-            session.prefetches = index.kept_prefetches(session.prefetches | {task.id})
+            held = index.running_prefetches(session.prefetches) + session.prefetches_starting
+            if held >= limit:
+                raise ResourceExhausted(
+                    f"this session has {held} prefetches running or queued, the most "
+                    f"limits.max_prefetches_per_session={limit} allows: wait for one "
+                    "(PrefetchStatus) or cancel one",
+                    retry_after_ms=100,
+                )
+            session.prefetches_starting += 1  # counted while its plan is made, unlocked
+        started: set[str] = set()
+        try:
+            task = index.prefetch(
+                keys,
+                policy=PrefetchPolicy(chosen),
+                timeout_s=timeout_ms / 1000 if timeout_ms else None,
+                tenant=tenant,
+            )
+            started.add(task.id)
+        finally:
+            with session.lock:
+                session.prefetches_starting -= 1
+                # Keep only the ids the index still keeps: a session calling Prefetch forever
+                # must not grow this set (the index forgets all but its last finished ones).
+                session.prefetches = index.kept_prefetches(session.prefetches | started)
         return task.id, task.planned_pages
 
     def _task(self, session_id: str, prefetch_id: str) -> object:

@@ -108,6 +108,8 @@ class Session:
     in_flight: int = 0
     idle: threading.Condition = field(init=False)
     prefetches: set[str] = field(default_factory=set)
+    # Prefetch calls past the limit check whose task is not in ``prefetches`` yet.
+    prefetches_starting: int = 0
     # Run by the last operation to finish (a teardown whose wait reached its deadline).
     on_idle: list[Callable[[], None]] = field(default_factory=list)
     # The capability a caller must present to act as this session (hex, 128 bits).

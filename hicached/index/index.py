@@ -358,6 +358,10 @@ class ContentIndex:
         """Those of ``prefetch_ids`` this index still keeps (running, or recently finished)."""
         return self._prefetcher.kept(prefetch_ids)
 
+    def running_prefetches(self, prefetch_ids: Set[str]) -> int:
+        """How many of ``prefetch_ids`` are running or queued."""
+        return self._prefetcher.running(prefetch_ids)
+
     def fetch_into_l2(self, keys: Sequence[str], *, tenant: str = "") -> int:
         """Synchronously copy L3-only keys of the cached prefix into L2; the L2 run after.
 

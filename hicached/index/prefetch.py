@@ -92,9 +92,14 @@ class Prefetcher:
         with self._lock:
             return {pid for pid in prefetch_ids if pid in self._tasks}
 
-    def running(self) -> int:
+    def running(self, prefetch_ids: Set[str] | None = None) -> int:
+        """Running or queued prefetches (of ``prefetch_ids``, or all)."""
         with self._lock:
-            return sum(not t.finished for t, _ in self._tasks.values())
+            return sum(
+                not t.finished
+                for tid, (t, _) in self._tasks.items()
+                if prefetch_ids is None or tid in prefetch_ids
+            )
 
     def cancel(self, tenant: str | None = None) -> None:
         """Cancel every prefetch (or one tenant's); returns once none of their batches is in flight."""

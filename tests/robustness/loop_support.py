@@ -52,14 +52,17 @@ def peak_rss(pid: int) -> int:
 
 
 class FakeRedis:
-    """A RESP server on loopback: answers the handshake, PING, INFO and DBSIZE (an empty
-    store) until :meth:`hang`; from then on it accepts and reads but never answers.
+    """A RESP server on loopback: answers the handshake, PING, INFO, DBSIZE and EXISTS (an
+    empty store, or with ``present`` one that holds every key) until :meth:`hang`; from then
+    on it accepts and reads but never answers (the ``only`` commands, or all).
     :meth:`close` drops every connection (so the daemon's blocked calls fail at once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, present: bool = False) -> None:
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._sock.getsockname()[1]
+        self._present = present
         self._hung = threading.Event()
+        self._hung_commands: frozenset[bytes] | None = None
         self._closed = threading.Event()
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -67,7 +70,9 @@ class FakeRedis:
         self.unanswered = 0  # commands read while hung
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def hang(self) -> None:
+    def hang(self, only: frozenset[bytes] | None = None) -> None:
+        """Stop answering: the commands named in ``only`` (upper case), or every one."""
+        self._hung_commands = only
         self._hung.set()
 
     def wait_unanswered(self, n: int, timeout_s: float) -> None:
@@ -108,12 +113,15 @@ class FakeRedis:
                 buf += data
                 while (command := _parse(buf)) is not None:
                     words, buf = command
-                    if self._hung.is_set():  # read, never answer
+                    if self._hung.is_set() and (  # read, never answer
+                        self._hung_commands is None
+                        or (words[0].upper() if words else b"") in self._hung_commands
+                    ):
                         with self._unanswered:
                             self.unanswered += 1
                             self._unanswered.notify_all()
                         continue
-                    conn.sendall(_reply(words))
+                    conn.sendall(_reply(words, present=self._present))
 
 
 def _parse(buf: bytes) -> tuple[list[bytes], bytes] | None:
@@ -134,7 +142,7 @@ def _parse(buf: bytes) -> tuple[list[bytes], bytes] | None:
     return words, rest
 
 
-def _reply(words: list[bytes]) -> bytes:
+def _reply(words: list[bytes], *, present: bool) -> bytes:
     name = words[0].upper() if words else b""
     if name == b"PING":
         return b"+PONG\r\n"
@@ -145,6 +153,8 @@ def _reply(words: list[bytes]) -> bytes:
     if name == b"INFO":
         body = b"# Memory\r\nused_memory:0\r\nmaxmemory:0\r\n"
         return b"$%d\r\n%s\r\n" % (len(body), body)
-    if name in (b"DBSIZE", b"EXISTS"):
+    if name == b"EXISTS":
+        return b":1\r\n" if present else b":0\r\n"
+    if name == b"DBSIZE":
         return b":0\r\n"
     return b"-ERR unknown command\r\n"

@@ -26,7 +26,7 @@ from hicached_client import (
 )
 from hicached_client.export import ShmKVPool
 
-from tests.robustness.loop_support import PAGE_BYTES, attach_bytes, byte_spec, peak_rss, raw_unary
+from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, byte_spec, peak_rss, raw_unary
 from tests.robustness.state_support import device_pools, no_retry_client, specs
 from tests.support.daemon import Daemon, start_daemon
 from tests.support.state import state
@@ -213,4 +213,51 @@ def test_out_of_descriptors_is_resource_exhausted_and_changes_nothing() -> None:
             assert len(fds) <= held + 2, fds
             client.attach(WorkerIdentity("fds-after", 1, "m-fds"), specs(dev), heartbeat=False).detach()
     finally:
+        d.stop()
+
+
+def test_prefetches_running_per_session_are_limited() -> None:
+    """Fails before limits.max_prefetches_per_session: a session could queue any number of
+    prefetches, each holding its plan of up to limits.max_keys_per_request keys on the index's
+    I/O threads, which take the queued jobs in turn (every bystander's prefetch waited behind
+    them). L3 is a fake Redis that holds every key and never answers a read, so the daemon's one
+    I/O thread stays inside the first prefetch and the second stays queued: both are running.
+    A third is refused naming the key and changes nothing; another session may still prefetch;
+    once one is cancelled, the session may start one again."""
+    fake = FakeRedis(present=True)
+    d = start_daemon(
+        "--l3", "redis",
+        "--set", "l3.redis.host=127.0.0.1",
+        "--set", f"l3.redis.port={fake.port}",
+        "--set", "l3.redis.socket_timeout_s=60",
+        "--set", "l3.io_workers=1",
+        "--set", "limits.max_prefetches_per_session=2",
+    )  # fmt: skip
+    try:
+        with (
+            HiCacheClient(d.target, timeout_s=30.0) as client,
+            HiCacheClient(d.admin_target, timeout_s=30.0) as admin,
+        ):
+            session, bystander = attach_bytes(client, "m-pf"), attach_bytes(client, "m-pf")
+            fake.hang(only=frozenset({b"MGET"}))
+            first = session.prefetch(["a0", "a1"])
+            fake.wait_unanswered(1, timeout_s=30)  # the I/O thread is inside the first one
+            second = session.prefetch(["b0"])
+            assert (first.planned_pages, second.planned_pages) == (2, 1)
+            before = state(admin)
+            refused(
+                lambda: session.prefetch(["c0"]), C.RESOURCE_EXHAUSTED, "limits.max_prefetches_per_session"
+            )
+            assert state(admin) == before
+            assert bystander.prefetch(["d0"]).planned_pages == 1  # the limit is per session
+            assert session.cancel_prefetch(second.prefetch_id) == 0  # queued: cancelled at once
+            assert session.prefetch(["e0"]).planned_pages == 1  # room again
+            refused(
+                lambda: session.prefetch(["f0"]), C.RESOURCE_EXHAUSTED, "limits.max_prefetches_per_session"
+            )
+            fake.close()  # the blocked read fails, so the sessions can end
+            session.detach()
+            bystander.detach()
+    finally:
+        fake.close()
         d.stop()
