@@ -274,6 +274,11 @@ class LimitsConfig:
     max_l3_calls_queued: int = _f(
         64, "RPCs that may wait for an L3 thread (server.l3_threads) before RESOURCE_EXHAUSTED."
     )
+    max_l3_calls_per_session: int = _f(
+        4,
+        "RPCs of one session that may run or wait on the L3 lane at once (its blocking waits must "
+        "leave server.l3_threads for other sessions).",
+    )
     max_prefetches_per_session: int = _f(
         16, "Prefetches one session may have running or queued at once; one more is RESOURCE_EXHAUSTED."
     )

@@ -7,8 +7,9 @@ lease reaper or GetStats (bookkeeping), nor a copy:
 
 * ``copy``: RPCs that wait for the copy engine (Write, Load, PutPages, ...);
 * ``l3``: RPCs that wait for the L3 backend (include_l3, Backup, Prefetch, ...),
-  with at most ``limits.max_l3_calls_queued`` waiting beyond its threads
-  (then RESOURCE_EXHAUSTED naming the key, before any work);
+  with at most ``limits.max_l3_calls_queued`` waiting beyond its threads and at
+  most ``limits.max_l3_calls_per_session`` of one session in it (then
+  RESOURCE_EXHAUSTED naming the key, before any work);
 * ``hash``: token-chain hashing and key checks (CPU-bound);
 * ``bookkeeping``: attach, stats, the lease reaper.
 
@@ -41,17 +42,40 @@ __all__ = ["RPC_LANES", "Lane", "Lanes", "Where"]
 
 
 class Lane:
-    """One bounded pool; ``max_queued`` (None = unbounded) calls may wait beyond its threads."""
+    """One bounded pool; ``max_queued`` (None = unbounded) calls may wait beyond its threads,
+    and one session may have at most ``per_session`` (None = any number) in it at once."""
 
-    def __init__(self, name: str, threads: int, *, max_queued: int | None = None, key: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        threads: int,
+        *,
+        max_queued: int | None = None,
+        key: str = "",
+        per_session: int | None = None,
+        per_session_key: str = "",
+    ) -> None:
         self.name = name
         self.threads = threads
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"hicached-{name}")
         self._max_queued = max_queued
         self._key = key
+        self._per_session = per_session
+        self._per_session_key = per_session_key
         self.pending = 0  # calls submitted and not yet finished (event-loop confined)
+        self._held: dict[str, int] = {}  # the same, per session (event-loop confined)
 
-    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any, session: str = "", **kwargs: Any) -> T:
+        """Run ``fn`` on the lane's threads; ``session`` (authenticated) is the caller's id."""
+        held = self._held.get(session, 0) if session else 0
+        if session and self._per_session is not None and held >= self._per_session:
+            # One session's blocking calls (waits of up to limits.max_wait_s) must leave
+            # threads for the others.
+            raise LimitExceeded(
+                f"this session already has {held} calls on the {self.name} lane, the most "
+                f"{self._per_session_key}={self._per_session} allows: wait for one to finish",
+                self._per_session_key,
+            )
         if self._max_queued is not None and self.pending >= self.threads + self._max_queued:
             raise LimitExceeded(
                 f"{self.pending} calls already wait for the {self.name} lane ({self.threads} threads, "
@@ -59,11 +83,19 @@ class Lane:
                 self._key,
             )
         self.pending += 1
+        if session:
+            self._held[session] = held + 1
         try:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
         finally:
             self.pending -= 1
+            if session:
+                left = self._held[session] - 1
+                if left:
+                    self._held[session] = left
+                else:
+                    del self._held[session]
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -134,7 +166,14 @@ class Lanes:
         s, lim = config.server, config.limits
         return cls(
             copy=Lane("copy", s.copy_threads),
-            l3=Lane("l3", s.l3_threads, max_queued=lim.max_l3_calls_queued, key="limits.max_l3_calls_queued"),
+            l3=Lane(
+                "l3",
+                s.l3_threads,
+                max_queued=lim.max_l3_calls_queued,
+                key="limits.max_l3_calls_queued",
+                per_session=lim.max_l3_calls_per_session,
+                per_session_key="limits.max_l3_calls_per_session",
+            ),
             hash=Lane("hash", s.hash_threads),
             bookkeeping=Lane("bookkeeping", s.bookkeeping_threads),
         )

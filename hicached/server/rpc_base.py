@@ -69,13 +69,17 @@ class ServicerBase:
     def has_l3(self) -> bool:
         return self.core.config.l3.backend != "none"
 
-    async def offload(self, rpc: str, fn: Callable[..., T], *args: Any, l3: bool = False, **kwargs: Any) -> T:
+    async def offload(
+        self, rpc: str, fn: Callable[..., T], *args: Any, l3: bool = False, session: str = "", **kwargs: Any
+    ) -> T:
         """Run ``rpc``'s core call where :data:`RPC_LANES` places it: inline on the event loop,
-        or on a lane (awaited). ``l3``: this call reaches L3 (a COPY_OR_L3 placement)."""
+        or on a lane (awaited). ``l3``: this call reaches L3 (a COPY_OR_L3 placement).
+        ``session``: the request's session id (the interceptor checked its secret), counted
+        against the lane's per-session limit."""
         lane = self.lanes.lane_for(RPC_LANES[rpc], l3=l3, pages_block=self.core.allocation_may_block)
         if lane is None:
             return fn(*args, **kwargs)
-        return await lane.run(fn, *args, **kwargs)
+        return await lane.run(fn, *args, session=session, **kwargs)
 
     async def stream_layers(
         self, rpc: str, layer_progress: bool, call: LayerCall

@@ -84,7 +84,14 @@ class KeyedRpcs(ServicerBase):
 
     async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
         keys, _ = await self.keys_of(request.session_id, request.keys)
-        result = await self.offload("Lookup", self.keyed.lookup, request.session_id, keys, l3=self.has_l3())
+        result = await self.offload(
+            "Lookup",
+            self.keyed.lookup,
+            request.session_id,
+            keys,
+            l3=self.has_l3(),
+            session=request.session_id,
+        )
         return pb.LookupResponse(
             keys=keys, l2_hit_pages=result.l2_hit_pages, total_hit_pages=result.total_hit_pages
         )
@@ -93,7 +100,13 @@ class KeyedRpcs(ServicerBase):
         keys, _ = await self.keys_of(request.session_id, request.keys)
         transfers = [convert.transfer_in(t) for t in request.transfers]
         published, existing = await self.offload(
-            "Publish", self.keyed.publish, request.session_id, request.op_id, keys, transfers
+            "Publish",
+            self.keyed.publish,
+            request.session_id,
+            request.op_id,
+            keys,
+            transfers,
+            session=request.session_id,
         )
         return pb.PublishResponse(published_pages=published, existing_pages=existing)
 
@@ -102,7 +115,13 @@ class KeyedRpcs(ServicerBase):
         keys, _ = await self.keys_of(request.session_id, request.keys)
         transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
         r = await self.offload(
-            "PutPages", self.keyed.put_pages, request.session_id, request.op_id, keys, transfers
+            "PutPages",
+            self.keyed.put_pages,
+            request.session_id,
+            request.op_id,
+            keys,
+            transfers,
+            session=request.session_id,
         )
         return pb.PutPagesResponse(
             ok=r.ok,
@@ -124,6 +143,7 @@ class KeyedRpcs(ServicerBase):
             transfers,
             include_l3=request.include_l3,
             l3=request.include_l3,
+            session=request.session_id,
         )
         return pb.GetPagesResponse(hit_pages=hit, acks=convert.acks_out(acks))
 
@@ -139,6 +159,7 @@ class KeyedRpcs(ServicerBase):
             keys,
             policy=policy,
             timeout_ms=request.timeout_ms,
+            session=request.session_id,
         )
         return pb.PrefetchResponse(prefetch_id=pid, planned_pages=planned)
 
@@ -152,6 +173,7 @@ class KeyedRpcs(ServicerBase):
             request.prefetch_id,
             wait=request.wait,
             timeout_s=self.limits.max_wait_s,
+            session=request.session_id,
         )
         return pb.PrefetchStatusResponse(
             state=PREFETCH_STATES[status.state],
@@ -163,7 +185,11 @@ class KeyedRpcs(ServicerBase):
         self, request: pb.CancelPrefetchRequest, context: Ctx
     ) -> pb.CancelPrefetchResponse:
         done = await self.offload(
-            "CancelPrefetch", self.keyed.cancel_prefetch, request.session_id, request.prefetch_id
+            "CancelPrefetch",
+            self.keyed.cancel_prefetch,
+            request.session_id,
+            request.prefetch_id,
+            session=request.session_id,
         )
         return pb.CancelPrefetchResponse(completed_pages=done)
 
@@ -176,6 +202,7 @@ class KeyedRpcs(ServicerBase):
             keys,
             wait=request.wait,
             timeout_s=self.limits.max_wait_s,
+            session=request.session_id,
         )
         return pb.BackupResponse(queued_pages=r.queued, stored_pages=r.stored)
 
@@ -185,7 +212,12 @@ class KeyedRpcs(ServicerBase):
                     "limits.max_keys_per_request")  # fmt: skip
         pages = await self.lanes.hash.run(self._given_pages, request.pages)
         stored, existing = await self.offload(
-            "PutBytes", self.keyed.put_bytes, request.session_id, request.op_id, pages
+            "PutBytes",
+            self.keyed.put_bytes,
+            request.session_id,
+            request.op_id,
+            pages,
+            session=request.session_id,
         )
         return pb.PutBytesResponse(stored_pages=stored, existing_pages=existing)
 
@@ -205,6 +237,7 @@ class KeyedRpcs(ServicerBase):
             keys,
             include_l3=request.include_l3,
             l3=request.include_l3,
+            session=request.session_id,
         )
         hit = len({k for k, _, _ in pages})
         return pb.GetBytesResponse(

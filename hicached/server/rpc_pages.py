@@ -25,7 +25,13 @@ class PageRpcs(ServicerBase):
 
     async def Alloc(self, request: pb.AllocRequest, context: Ctx) -> pb.AllocResponse:
         pages = await self.offload(
-            "Alloc", self.core.alloc, request.session_id, request.op_id, request.pool, request.num_pages
+            "Alloc",
+            self.core.alloc,
+            request.session_id,
+            request.op_id,
+            request.pool,
+            request.num_pages,
+            session=request.session_id,
         )
         if pages is None:
             return pb.AllocResponse(ok=False)
@@ -33,7 +39,13 @@ class PageRpcs(ServicerBase):
 
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
         freed = await self.offload(
-            "Free", self.core.free, request.session_id, request.op_id, request.pool, list(request.host_pages)
+            "Free",
+            self.core.free,
+            request.session_id,
+            request.op_id,
+            request.pool,
+            list(request.host_pages),
+            session=request.session_id,
         )
         return pb.FreeResponse(freed_pages=freed)
 
@@ -42,7 +54,12 @@ class PageRpcs(ServicerBase):
     ) -> pb.ResolveTransfersResponse:
         transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
         result = await self.offload(
-            "ResolveTransfers", self.core.resolve, request.session_id, request.op_id, transfers
+            "ResolveTransfers",
+            self.core.resolve,
+            request.session_id,
+            request.op_id,
+            transfers,
+            session=request.session_id,
         )
         return pb.ResolveTransfersResponse(ok=result.ok, batch=convert.batch_out(result.transfers))
 
@@ -51,7 +68,12 @@ class PageRpcs(ServicerBase):
     ) -> pb.ReleaseTransfersResponse:
         transfers = [convert.transfer_in(t) for t in request.transfers]
         freed = await self.offload(
-            "ReleaseTransfers", self.core.release, request.session_id, request.op_id, transfers
+            "ReleaseTransfers",
+            self.core.release,
+            request.session_id,
+            request.op_id,
+            transfers,
+            session=request.session_id,
         )
         return pb.ReleaseTransfersResponse(freed_pages=freed)
 
@@ -61,7 +83,13 @@ class PageRpcs(ServicerBase):
         no_fence(request.ready)
         transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
         result = await self.offload(
-            "Write", self.core.write, request.session_id, request.op_id, transfers, allocate=request.allocate
+            "Write",
+            self.core.write,
+            request.session_id,
+            request.op_id,
+            transfers,
+            allocate=request.allocate,
+            session=request.session_id,
         )
         return pb.WriteResponse(
             ok=result.ok, batch=convert.batch_out(result.transfers), acks=convert.acks_out(result.acks)
@@ -89,6 +117,7 @@ class PageRpcs(ServicerBase):
             transfers,
             num_tokens=request.num_tokens,
             lease_ms=request.lease_ms,
+            session=request.session_id,
         )
         return pb.RetractBackupResponse(
             ok=result.ok,
@@ -113,6 +142,11 @@ class PageRpcs(ServicerBase):
         self, request: pb.RetractDiscardRequest, context: Ctx
     ) -> pb.RetractDiscardResponse:
         freed = await self.offload(
-            "RetractDiscard", self.core.retract_discard, request.session_id, request.op_id, request.backup_id
+            "RetractDiscard",
+            self.core.retract_discard,
+            request.session_id,
+            request.op_id,
+            request.backup_id,
+            session=request.session_id,
         )
         return pb.RetractDiscardResponse(freed_pages=freed)

@@ -79,15 +79,21 @@ class SessionRpcs(ServicerBase):
         return taken
 
     async def Detach(self, request: pb.DetachRequest, context: Ctx) -> pb.DetachResponse:
-        freed = await self.offload("Detach", self.core.detach, request.session_id, request.op_id)
+        freed = await self.offload(
+            "Detach", self.core.detach, request.session_id, request.op_id, session=request.session_id
+        )
         return pb.DetachResponse(freed_pages=freed)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.HeartbeatResponse:
-        expires = await self.offload("Heartbeat", self.core.heartbeat, request.session_id)
+        expires = await self.offload(
+            "Heartbeat", self.core.heartbeat, request.session_id, session=request.session_id
+        )
         return pb.HeartbeatResponse(lease_expires_unix_ms=expires)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Ctx) -> pb.GetStatsResponse:
-        stats = await self.offload("GetStats", self.core.stats, request.session_id)
+        stats = await self.offload(
+            "GetStats", self.core.stats, request.session_id, session=request.session_id
+        )
         backends = await self.backend_infos()
         if self.is_admin(context):
             return stats_out(stats, backends)

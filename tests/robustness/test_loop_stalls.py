@@ -15,10 +15,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, HiCacheError, PageBytes
+from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session
 
 from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes
 from tests.support.daemon import ROOT, Daemon, start_daemon
+from tests.support.state import state
 
 LEASE_MS = 1500
 TOKENS = 1 << 22  # 4 M tokens: 262,144 keys of 16 tokens (limits raised to allow them)
@@ -248,6 +249,58 @@ def test_l3_calls_beyond_the_lane_and_its_queue_are_refused_naming_the_key() -> 
             first.join(timeout=30)
             second.join(timeout=30)
             session.detach()
+    finally:
+        fake.close()
+        d.stop()
+
+
+def test_one_sessions_l3_calls_leave_l3_threads_for_the_others() -> None:
+    """Fails before limits.max_l3_calls_per_session: one session's blocking L3 calls (a hung
+    backend here; a Backup or PrefetchStatus wait of up to limits.max_wait_s anywhere) took
+    every L3 thread, and every other session's L3 call waited behind them (run without the
+    limit: the third call of the first session hangs too). Here a session may hold two: its
+    third call is refused at once naming the key and changes nothing, and another session's
+    call still gets the third thread."""
+    fake = FakeRedis()
+    d = start_daemon(
+        "--l3", "redis",
+        "--set", "l3.redis.host=127.0.0.1",
+        "--set", f"l3.redis.port={fake.port}",
+        "--set", "l3.redis.socket_timeout_s=60",
+        "--set", "server.l3_threads=3",
+        "--set", "limits.max_l3_calls_per_session=2",
+    )  # fmt: skip
+    threads: list[threading.Thread] = []
+    try:
+        with (
+            HiCacheClient(d.target, timeout_s=10.0) as client,
+            HiCacheClient(d.admin_target, timeout_s=10.0) as admin,
+        ):
+            hog, bystander = attach_bytes(client, "m-l3share"), attach_bytes(client, "m-l3share")
+            fake.hang()
+
+            def read(session: Session) -> None:
+                with contextlib.suppress(HiCacheError):  # fails once the fake closes
+                    session.get_bytes([uuid.uuid4().hex], include_l3=True, timeout_s=30.0)
+
+            for _ in range(2):
+                threads.append(threading.Thread(target=read, args=(hog,), daemon=True))
+                threads[-1].start()
+            fake.wait_unanswered(2, timeout_s=30)  # both hold an L3 thread
+            before = state(admin)
+            with pytest.raises(HiCacheError) as err:
+                hog.get_bytes([uuid.uuid4().hex], include_l3=True, timeout_s=5.0)
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert "limits.max_l3_calls_per_session=2" in err.value.message
+            assert state(admin) == before
+            threads.append(threading.Thread(target=read, args=(bystander,), daemon=True))
+            threads[-1].start()
+            fake.wait_unanswered(3, timeout_s=30)  # the other session reached L3 on the third thread
+            fake.close()
+            for t in threads:
+                t.join(timeout=30)
+            hog.detach()
+            bystander.detach()
     finally:
         fake.close()
         d.stop()

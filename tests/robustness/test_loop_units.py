@@ -85,6 +85,34 @@ def test_a_lane_refuses_calls_beyond_its_queue_naming_the_key() -> None:
         lane.shutdown()
 
 
+def test_a_lane_limits_the_calls_of_one_session_and_counts_them_back() -> None:
+    lane = Lane("l3", 3, per_session=1, per_session_key="limits.max_l3_calls_per_session")
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        first = asyncio.ensure_future(lane.run(gate.wait, 30, session="a"))
+        await asyncio.sleep(0)  # one loop turn: the task ran up to its executor wait
+        with pytest.raises(LimitExceeded) as err:
+            await lane.run(gate.wait, 30, session="a")
+        assert err.value.key == "limits.max_l3_calls_per_session"
+        assert "limits.max_l3_calls_per_session=1" in str(err.value)
+        assert lane.pending == 1  # the refused call was never counted
+        other = asyncio.ensure_future(lane.run(gate.wait, 30, session="b"))  # another session
+        unnamed = asyncio.ensure_future(lane.run(gate.wait, 30))  # no session: not counted per session
+        await asyncio.sleep(0)
+        assert lane.pending == 3
+        gate.set()
+        assert await first and await other and await unnamed
+        assert lane.pending == 0
+        assert await lane.run(lambda: 7, session="a") == 7  # its call finished: room again
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+        lane.shutdown()
+
+
 def test_peer_sessions_count_live_sessions_and_attaches_under_way() -> None:
     live: set[str] = set()
     peers = PeerSessions(2, lambda: frozenset(live))
