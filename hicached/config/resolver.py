@@ -63,6 +63,7 @@ _POSITIVE = {
     "limits.max_sessions_per_peer",
     "limits.max_buffers_per_attach",
     "limits.max_l3_calls_queued",
+    "limits.max_copy_calls_per_session",
     "limits.max_l3_calls_per_session",
     "limits.max_prefetches_per_session",
     "limits.max_wait_s",

@@ -274,6 +274,11 @@ class LimitsConfig:
     max_l3_calls_queued: int = _f(
         64, "RPCs that may wait for an L3 thread (server.l3_threads) before RESOURCE_EXHAUSTED."
     )
+    max_copy_calls_per_session: int = _f(
+        8,
+        "RPCs of one session that may run or wait on the copy lane at once (the copy engine is fair "
+        "between sessions, so the rest of server.copy_threads must stay free for others).",
+    )
     max_l3_calls_per_session: int = _f(
         4,
         "RPCs of one session that may run or wait on the L3 lane at once (its blocking waits must "

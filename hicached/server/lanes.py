@@ -5,7 +5,9 @@ proportional to a request's size runs on a lane. Each kind has its own threads,
 so a hung L3 that holds every L3 thread cannot delay an attach, a heartbeat, the
 lease reaper or GetStats (bookkeeping), nor a copy:
 
-* ``copy``: RPCs that wait for the copy engine (Write, Load, PutPages, ...);
+* ``copy``: RPCs that wait for the copy engine (Write, Load, PutPages, ...), at
+  most ``limits.max_copy_calls_per_session`` of one session in it (the engine
+  serves sessions fairly, but only the calls that reached it);
 * ``l3``: RPCs that wait for the L3 backend (include_l3, Backup, Prefetch, ...),
   with at most ``limits.max_l3_calls_queued`` waiting beyond its threads and at
   most ``limits.max_l3_calls_per_session`` of one session in it (then
@@ -165,7 +167,12 @@ class Lanes:
     def from_config(cls, config: Config) -> Lanes:
         s, lim = config.server, config.limits
         return cls(
-            copy=Lane("copy", s.copy_threads),
+            copy=Lane(
+                "copy",
+                s.copy_threads,
+                per_session=lim.max_copy_calls_per_session,
+                per_session_key="limits.max_copy_calls_per_session",
+            ),
             l3=Lane(
                 "l3",
                 s.l3_threads,

@@ -5,17 +5,19 @@ per-peer session count, clipping of client values, errno -> status. All new on t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import threading
 
 import grpc
 import pytest
 
+from hicached.config import Config
 from hicached.core.types import PeerCred
 from hicached.errors import LimitExceeded, clip
 from hicached.l3.base import BackendStats
 from hicached.l3.stats_cache import StatsCache
-from hicached.server.lanes import Lane
+from hicached.server.lanes import Lane, Lanes
 from hicached.server.peers import PeerSessions, peer_key
 from hicached.server.status import status_for
 
@@ -111,6 +113,37 @@ def test_a_lane_limits_the_calls_of_one_session_and_counts_them_back() -> None:
     finally:
         gate.set()
         lane.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("lane", "key"), [("copy", "max_copy_calls_per_session"), ("l3", "max_l3_calls_per_session")]
+)
+def test_the_copy_and_l3_lanes_take_their_per_session_limit_from_config(lane: str, key: str) -> None:
+    """The daemon's lanes as configured: one call of a session in, its second refused naming
+    the key, another session's call still in."""
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, limits=dataclasses.replace(cfg.limits, **{key: 1}))
+    lanes = Lanes.from_config(cfg)
+    gate = threading.Event()
+    chosen: Lane = getattr(lanes, lane)
+
+    async def scenario() -> None:
+        first = asyncio.ensure_future(chosen.run(gate.wait, 30, session="hog"))
+        await asyncio.sleep(0)  # one loop turn: the task ran up to its executor wait
+        with pytest.raises(LimitExceeded) as err:
+            await chosen.run(gate.wait, 30, session="hog")
+        assert err.value.key == f"limits.{key}" and f"limits.{key}=1" in str(err.value)
+        other = asyncio.ensure_future(chosen.run(gate.wait, 30, session="bystander"))
+        await asyncio.sleep(0)
+        assert chosen.pending == 2
+        gate.set()
+        assert await first and await other
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+        lanes.shutdown()
 
 
 def test_peer_sessions_count_live_sessions_and_attaches_under_way() -> None:
