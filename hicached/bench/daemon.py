@@ -3,8 +3,9 @@
 The worker's "device" KV pool lives in POSIX shared memory (the CPU data
 plane). In the same run it measures the machine's own limits beside the
 daemon's figures: a plain in-process page gather of the same pages
-(``memcpy_gbps``) and a bare gRPC echo on the same server and socket
-(``echo_rtt_us``). Every loaded byte is compared with what was written
+(``memcpy_gbps``), the same gather between two shared-memory segments
+(``memcpy_shm_gbps``: the kind of memory the daemon copies between) and a bare
+gRPC echo on the same server and socket (``echo_rtt_us``). Every loaded byte is compared with what was written
 (``verified``).
 """
 
@@ -25,6 +26,7 @@ from hicached_client import HiCacheClient, Session, Transfer, WorkerIdentity, po
 from hicached_client.export import ShmKVPool
 
 from hicached.bench.timing import timed
+from hicached.l2.shm import SharedSegment
 from hicached.testing.daemon import launch
 
 # 2 layers x K/V x 16 tokens x 4 heads x 128 dims x bf16 = 64 KiB per page.
@@ -83,17 +85,35 @@ def _rtt_us(fn: Callable[[], object], n: int) -> float:
 
 class _Gather:
     """The machine's limit for the same work: one index_select of the same 64 KiB pages
-    (viewed as int64 rows) into a preallocated buffer, in warm private memory."""
+    (viewed as int64 rows) into a preallocated buffer, in warm private memory; with
+    ``shared``, between two prefaulted ``/dev/shm`` segments, as the daemon's copies run
+    (on a machine whose shmem_enabled is ``never`` those are 4 KiB pages, private memory
+    may be huge pages). :meth:`close` unlinks the segments."""
 
-    def __init__(self, device_pages: int, pages: np.ndarray) -> None:
+    def __init__(self, device_pages: int, pages: np.ndarray, *, shared: bool = False) -> None:
         words = PAGE_BYTES // 8
-        self.src = torch.ones(device_pages, words, dtype=torch.int64)
-        self.dst = torch.zeros(len(pages), words, dtype=torch.int64)
+        self._segments: list[SharedSegment] = []
+        if shared:
+            tag = f"hcbench-gather-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            for name, rows in (("src", device_pages), ("dst", len(pages))):
+                self._segments.append(SharedSegment.create(f"{tag}-{name}", rows * PAGE_BYTES))
+            self.src = self._segments[0].tensor(torch.int64, (device_pages, words))
+            self.dst = self._segments[1].tensor(torch.int64, (len(pages), words))
+            self.src.fill_(1)
+        else:
+            self.src = torch.ones(device_pages, words, dtype=torch.int64)
+            self.dst = torch.zeros(len(pages), words, dtype=torch.int64)
         self.idx = torch.from_numpy(pages)
         self()  # first touch
 
     def __call__(self) -> None:
         torch.index_select(self.src, 0, self.idx, out=self.dst)
+
+    def close(self) -> None:
+        del self.src, self.dst  # the views keep the mappings alive
+        for segment in self._segments:
+            segment.close()
+            segment.unlink()
 
 
 def run(quick: bool) -> dict[str, float]:
@@ -153,13 +173,31 @@ def _data_plane(
     """Write n random device pages (host pages allocated by the call), load them into other
     random device pages, verify; the plain gather runs between them so all see the same load."""
     s = session
-    gather = _Gather(device_pages, rng.choice(device_pages, size=n, replace=False).astype(np.int64))
-    times: dict[str, list[float]] = {"memcpy": [], "write": [], "load": []}
+    picked = rng.choice(device_pages, size=n, replace=False).astype(np.int64)
+    gather, shm_gather = _Gather(device_pages, picked), _Gather(device_pages, picked, shared=True)
+    try:
+        return _data_plane_reps(s, pool, rng, n, device_pages, reps, gather, shm_gather)
+    finally:
+        shm_gather.close()
+
+
+def _data_plane_reps(
+    s: Session,
+    pool: ShmKVPool,
+    rng: np.random.Generator,
+    n: int,
+    device_pages: int,
+    reps: int,
+    gather: _Gather,
+    shm_gather: _Gather,
+) -> dict[str, float]:
+    times: dict[str, list[float]] = {"memcpy": [], "memcpy_shm": [], "write": [], "load": []}
     verified = True
     for rep in range(reps + 1):  # rep 0 warms up: the daemon's first pass over a new mapping faults
         src = rng.choice(device_pages // 2, size=n, replace=False).astype(np.int64)
         dst = (rng.choice(device_pages // 2, size=n, replace=False) + device_pages // 2).astype(np.int64)
         times["memcpy"].append(timed(gather))
+        times["memcpy_shm"].append(timed(shm_gather))
         t0 = time.perf_counter()
         w = s.write([Transfer("kv", src)], allocate=True)
         times["write"].append(time.perf_counter() - t0)
@@ -180,6 +218,7 @@ def _data_plane(
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "memcpy_gbps": nbytes / med["memcpy"] / 1e9,
+        "memcpy_shm_gbps": nbytes / med["memcpy_shm"] / 1e9,
         "write_gbps": nbytes / med["write"] / 1e9,
         "load_gbps": nbytes / med["load"] / 1e9,
         "verified": float(verified),

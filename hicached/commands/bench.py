@@ -41,6 +41,8 @@ DEFAULT_SUITES = ("daemon", "pools", "l3")
 RATIOS: tuple[tuple[str, str, str], ...] = (
     ("write_gbps", "memcpy_gbps", "D2H write of 1,000 x 64 KiB pages vs plain page gather"),
     ("load_gbps", "memcpy_gbps", "H2D load (per-layer stream) vs plain page gather"),
+    ("write_gbps", "memcpy_shm_gbps", "the same write vs the same gather between two /dev/shm segments"),
+    ("load_gbps", "memcpy_shm_gbps", "the same load vs the same gather between two /dev/shm segments"),
     ("resolve_rtt_us", "echo_rtt_us", "ResolveTransfers round trip vs bare gRPC echo (lower is better)"),
     ("fastlane_ping_us", "uds_pingpong_us", "fast-lane round trip, no work in the daemon, vs raw ping-pong"),
     ("fastlane_ping_spin_us", "uds_pingpong_us", "the same, the worker spinning up to 50 us before sleeping"),

@@ -131,6 +131,7 @@ def test_first_hour_runs_as_written(
     assert result.stdout.count("verified:") >= 3
     assert "leading pages in L2 (host memory): 3" in result.stdout
     assert "ratio" in result.stdout  # the bench table
+    assert "memcpy_shm_gbps" in result.stdout  # the daemon suite's limits, private and shared memory
     assert result.stdout.rstrip().endswith("daemon exited with 0")
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-P", "-c", "import hicached; print(hicached.__file__)"],
