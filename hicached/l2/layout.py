@@ -79,7 +79,7 @@ class KVSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return int(self.dtype.itemsize)
 
     @property
     def num_kv(self) -> int:

@@ -23,6 +23,7 @@ from hicached.l2 import (
     pin_host_memory,
 )
 from hicached.l2.host_pool import HEADER_BYTES
+from hicached.l2.layout import LAYOUTS
 
 from .conftest import mha_spec, mla_spec
 
@@ -96,6 +97,19 @@ def test_kv_layer_pages_is_a_view_of_the_right_slots(
         for layer in range(spec.num_layers):
             expect = float(1 + kv * spec.num_layers + layer)
             assert bool((pool.kv_layer_pages(kv, layer)[3] == expect).all())
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("num_pages", [1, 5])
+def test_page_extents_are_the_layouts_for_every_page(
+    make_pool: MakePool, kind: str, layout: HostLayout, num_pages: int
+) -> None:
+    """The pool shifts page 0's extents by a fixed step instead of asking the layout per page
+    (an L3 batch asks for 128 pages' chunks at a time): the same runs, page by page."""
+    pool = make_pool(SPECS[kind], layout, num_pages=num_pages)
+    for page in range(pool.total_pages):
+        assert pool.page_extents(page) == LAYOUTS[layout].page_extents(pool.spec, pool.total_pages, page)
 
 
 def test_page_chunks_are_zero_copy(make_pool: MakePool) -> None:
