@@ -23,7 +23,7 @@ from hicached.errors import (
     OutOfRange,
     PermissionDenied,
 )
-from hicached.l2.allocator import as_page_array
+from hicached.l2.allocator import as_page_array, first_repeat
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.plan import DevicePoolView
 
@@ -140,6 +140,6 @@ def check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique
         raise InvalidArgument(f"pool {pool!r}: negative {side} page index {lo}")
     if hi >= limit:
         raise OutOfRange(f"pool {pool!r}: {side} page {hi} out of range (pool has {limit} pages)")
-    if unique and len(np.unique(pages)) != len(pages):
-        values, counts = np.unique(pages, return_counts=True)
-        raise InvalidArgument(f"pool {pool!r}: duplicate {side} page {int(values[counts > 1][0])}")
+    repeated = first_repeat(pages) if unique else None
+    if repeated is not None:
+        raise InvalidArgument(f"pool {pool!r}: duplicate {side} page {repeated}")

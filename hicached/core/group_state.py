@@ -23,6 +23,7 @@ from hicached.errors import (
     InvalidArgument,
 )
 from hicached.index.index import ContentIndex
+from hicached.l2.allocator import distinct, first_repeat
 from hicached.l2.group import HostPoolGroup, PoolTransfer
 from hicached.l2.host_pool import HostKVPool
 
@@ -98,7 +99,7 @@ class GroupState:
                 pending = self._pending[name]
                 ready = idx[(busy[idx] == 0) & pending[idx]]
                 if len(ready):
-                    ready = np.unique(ready)
+                    ready = distinct(ready)
                     pending[ready] = False
                     freed += self.pool(name).allocator.free(ready)
         return freed
@@ -112,7 +113,7 @@ class GroupState:
             return self._free_locked(name, pages)
 
     def _check_free_locked(self, name: str, pages: np.ndarray) -> None:
-        if len(np.unique(pages)) != len(pages):
+        if first_repeat(pages) is not None:
             raise InvalidArgument(f"duplicate host pages in free of pool {name!r}")
         allocated = self.pool(name).allocator.is_allocated(pages)
         pending = self._pending[name][pages]

@@ -6,11 +6,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-import numpy as np
-
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicached.index.pools import GroupView
-from hicached.l2.allocator import PageArray, as_page_array
+from hicached.l2.allocator import PageArray, as_page_array, first_repeat
 
 __all__ = ["SELECTIVE_HITS", "Entry", "EntryRecord", "batches", "check_keys", "check_records", "check_rows"]
 
@@ -74,7 +72,7 @@ def check_records(view: GroupView, records: Sequence[EntryRecord]) -> list[PageA
                 raise InvalidArgument(
                     f"journaled page {int(bad[0])} of pool {name!r} is outside [0, {allocator.capacity})"
                 )
-            if np.unique(arr).size != arr.size:
+            if first_repeat(arr) is not None:
                 raise InvalidArgument(f"pool {name!r}: a journaled page is listed twice")
             taken = arr[allocator.is_allocated(arr)]
             if taken.size:
@@ -129,7 +127,7 @@ def check_rows(view: GroupView, n: int, pages: Mapping[str, object]) -> list[Pag
                 raise InvalidArgument(
                     f"page {int(bad[0])} of pool {name!r} is outside [0, {allocator.capacity})"
                 )
-            if np.unique(arr).size != arr.size:
+            if first_repeat(arr) is not None:
                 raise InvalidArgument(f"pool {name!r}: a page is listed twice in {arr.tolist()}")
             unallocated = arr[~allocator.is_allocated(arr)]
             if unallocated.size:

@@ -39,6 +39,28 @@ def as_page_array(pages: object, what: str = "page indices") -> PageArray:
     return arr.astype(np.int64, copy=True)
 
 
+def first_repeat(pages: PageArray) -> int | None:
+    """The smallest page listed more than once in ``pages``, else None.
+
+    By sorting, not ``np.unique``: numpy 2's unique asks ``np.ma`` whether its input is
+    masked, and the first such call in a process imports ``numpy.ma`` (7-12 ms, paid by
+    the first request after a daemon start).
+    """
+    if len(pages) < 2:
+        return None
+    ordered = np.sort(pages)
+    repeats = np.flatnonzero(ordered[1:] == ordered[:-1])
+    return int(ordered[repeats[0]]) if len(repeats) else None
+
+
+def distinct(pages: PageArray) -> PageArray:
+    """``pages`` sorted, each once (as ``np.unique``, without importing ``numpy.ma``)."""
+    ordered = np.sort(pages)
+    if len(ordered) < 2:
+        return ordered
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+
+
 class PageAllocator:
     """Thread-safe allocator of page numbers ``0 .. capacity-1``.
 
