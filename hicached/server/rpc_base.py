@@ -82,16 +82,19 @@ class ServicerBase:
         return await lane.run(fn, *args, session=session, **kwargs)
 
     async def stream_layers(
-        self, rpc: str, layer_progress: bool, call: LayerCall
+        self, rpc: str, layer_progress: bool, call: LayerCall, *, session: str
     ) -> AsyncIterator[pb.LoadProgress]:
-        """Run a layer-by-layer copy and stream one message per finished layer, then the acks."""
+        """Run a layer-by-layer copy and stream one message per finished layer, then the acks;
+        ``session`` as :meth:`offload` takes it."""
         loop = asyncio.get_running_loop()
         layers: asyncio.Queue[int] = asyncio.Queue()
 
         def on_layer(layer: int) -> None:  # on the copy engine's thread
             loop.call_soon_threadsafe(layers.put_nowait, layer)
 
-        task = asyncio.ensure_future(self.offload(rpc, call, on_layer if layer_progress else None))
+        task = asyncio.ensure_future(
+            self.offload(rpc, call, on_layer if layer_progress else None, session=session)
+        )
         while True:
             getter = asyncio.ensure_future(layers.get())
             done, _ = await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)

@@ -100,7 +100,7 @@ class PageRpcs(ServicerBase):
             transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
             return self.core.load(request.session_id, request.op_id, transfers, on_layer=on_layer)
 
-        async for msg in self.stream_layers("Load", request.layer_progress, call):
+        async for msg in self.stream_layers("Load", request.layer_progress, call, session=request.session_id):
             yield msg
 
     # ---- retraction
@@ -135,7 +135,9 @@ class PageRpcs(ServicerBase):
                 request.session_id, request.op_id, request.backup_id, transfers, on_layer=on_layer
             )
 
-        async for msg in self.stream_layers("RetractRestore", request.layer_progress, call):
+        async for msg in self.stream_layers(
+            "RetractRestore", request.layer_progress, call, session=request.session_id
+        ):
             yield msg
 
     async def RetractDiscard(
