@@ -5,8 +5,8 @@ plane). In the same run it measures the machine's own limits beside the
 daemon's figures: a plain in-process page gather of the same pages
 (``memcpy_gbps``), the same gather between two shared-memory segments
 (``memcpy_shm_gbps``: the kind of memory the daemon copies between) and a bare
-gRPC echo on the same server and socket (``echo_rtt_us``). Every loaded byte is compared with what was written
-(``verified``).
+gRPC echo on the same server and socket (``echo_rtt_us``). Every loaded byte is
+compared with what was written (``verified``).
 """
 
 from __future__ import annotations
@@ -95,8 +95,12 @@ class _Gather:
         self._segments: list[SharedSegment] = []
         if shared:
             tag = f"hcbench-gather-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            for name, rows in (("src", device_pages), ("dst", len(pages))):
-                self._segments.append(SharedSegment.create(f"{tag}-{name}", rows * PAGE_BYTES))
+            try:
+                for name, rows in (("src", device_pages), ("dst", len(pages))):
+                    self._segments.append(SharedSegment.create(f"{tag}-{name}", rows * PAGE_BYTES))
+            except BaseException:
+                self._release()  # the one made before the failure
+                raise
             self.src = self._segments[0].tensor(torch.int64, (device_pages, words))
             self.dst = self._segments[1].tensor(torch.int64, (len(pages), words))
             self.src.fill_(1)
@@ -111,9 +115,13 @@ class _Gather:
 
     def close(self) -> None:
         del self.src, self.dst  # the views keep the mappings alive
+        self._release()
+
+    def _release(self) -> None:
         for segment in self._segments:
             segment.close()
             segment.unlink()
+        self._segments.clear()
 
 
 def run(quick: bool) -> dict[str, float]:
