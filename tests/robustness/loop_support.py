@@ -70,6 +70,16 @@ class FakeRedis:
         self.unanswered = 0  # commands read while hung
         threading.Thread(target=self._accept, daemon=True).start()
 
+    def daemon_args(self) -> tuple[str, ...]:
+        """``hicached serve`` arguments of a daemon whose L3 is this fake (a hung call waits
+        up to 60 s for an answer, longer than any test waits for it)."""
+        return (
+            "--l3", "redis",
+            "--set", "l3.redis.host=127.0.0.1",
+            "--set", f"l3.redis.port={self.port}",
+            "--set", "l3.redis.socket_timeout_s=60",
+        )  # fmt: skip
+
     def hang(self, only: frozenset[bytes] | None = None) -> None:
         """Stop answering: the commands named in ``only`` (upper case), or every one."""
         self._hung_commands = only

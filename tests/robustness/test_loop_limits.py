@@ -226,10 +226,7 @@ def test_prefetches_running_per_session_are_limited() -> None:
     once one is cancelled, the session may start one again."""
     fake = FakeRedis(present=True)
     d = start_daemon(
-        "--l3", "redis",
-        "--set", "l3.redis.host=127.0.0.1",
-        "--set", f"l3.redis.port={fake.port}",
-        "--set", "l3.redis.socket_timeout_s=60",
+        *fake.daemon_args(),
         "--set", "l3.io_workers=1",
         "--set", "limits.max_prefetches_per_session=2",
     )  # fmt: skip

@@ -90,12 +90,7 @@ def test_heartbeats_keep_answering_while_another_client_sends_long_token_chains(
 @pytest.fixture
 def hung_l3() -> Iterator[tuple[Daemon, FakeRedis]]:
     fake = FakeRedis()
-    d = start_daemon(
-        "--l3", "redis",
-        "--set", "l3.redis.host=127.0.0.1",
-        "--set", f"l3.redis.port={fake.port}",
-        "--set", "l3.redis.socket_timeout_s=60",
-    )  # fmt: skip
+    d = start_daemon(*fake.daemon_args())
     try:
         yield d, fake
     finally:
@@ -165,10 +160,7 @@ def test_waits_end_at_their_deadline_while_l3_hangs() -> None:
     Now each ends at limits.max_wait_s (1 s here) answering the state so far."""
     fake = FakeRedis()
     d = start_daemon(
-        "--l3", "redis",
-        "--set", "l3.redis.host=127.0.0.1",
-        "--set", f"l3.redis.port={fake.port}",
-        "--set", "l3.redis.socket_timeout_s=60",
+        *fake.daemon_args(),
         "--set", "limits.max_wait_s=1",
     )  # fmt: skip
     try:
@@ -211,10 +203,7 @@ def test_l3_calls_beyond_the_lane_and_its_queue_are_refused_naming_the_key() -> 
     naming limits.max_l3_calls_queued, and GetStats is unchanged by it."""
     fake = FakeRedis()
     d = start_daemon(
-        "--l3", "redis",
-        "--set", "l3.redis.host=127.0.0.1",
-        "--set", f"l3.redis.port={fake.port}",
-        "--set", "l3.redis.socket_timeout_s=60",
+        *fake.daemon_args(),
         "--set", "server.l3_threads=1",
         "--set", "limits.max_l3_calls_queued=1",
     )  # fmt: skip
@@ -263,10 +252,7 @@ def test_one_sessions_l3_calls_leave_l3_threads_for_the_others() -> None:
     call still gets the third thread."""
     fake = FakeRedis()
     d = start_daemon(
-        "--l3", "redis",
-        "--set", "l3.redis.host=127.0.0.1",
-        "--set", f"l3.redis.port={fake.port}",
-        "--set", "l3.redis.socket_timeout_s=60",
+        *fake.daemon_args(),
         "--set", "server.l3_threads=3",
         "--set", "limits.max_l3_calls_per_session=2",
     )  # fmt: skip
