@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import subprocess
 import sys
 import uuid
@@ -205,7 +206,12 @@ def test_after_the_lane_is_lost_the_op_is_resent_over_grpc_with_its_op_id(
         # Break the ring protocol: the daemon closes this lane (and only this lane).
         lane._counters[w.SQ_TAIL // 8] = 1000
         os.eventfd_write(lane._submit, 1)
-        poll(lambda: lane._poller.poll(0), bool, 10, "the daemon closing the broken lane")
+        # Wait for the daemon's end of the socket to close: the lane's poller also watches the
+        # completion doorbell, which an earlier answer may have left readable, and a write sent
+        # before the daemon read the broken tail would overwrite it and go through on the lane.
+        poll(
+            lambda: select.select([lane._conn], [], [], 0)[0], bool, 10, "the daemon closing the broken lane"
+        )
         again = session.write(batch, allocate=True, op_id="lost-lane-1")  # lane fails: gRPC
         assert session._slot._lane is None and lane.closed, "the lost lane was dropped"
         assert again == first, "gRPC answered from the ledger: the same host pages"
@@ -297,7 +303,12 @@ def test_keyed_pages_go_over_the_lane_and_a_lost_lane_resends_them_with_their_op
         assert lane._tail == 3, "a token chain goes over gRPC"
         lane._counters[w.SQ_TAIL // 8] = 1000  # break the ring: the daemon closes this lane
         os.eventfd_write(lane._submit, 1)
-        poll(lambda: lane._poller.poll(0), bool, 10, "the daemon closing the broken lane")
+        # Wait for the daemon's end of the socket to close: the lane's poller also watches the
+        # completion doorbell, which an earlier answer may have left readable, and a write sent
+        # before the daemon read the broken tail would overwrite it and go through on the lane.
+        poll(
+            lambda: select.select([lane._conn], [], [], 0)[0], bool, 10, "the daemon closing the broken lane"
+        )
         again = session.put_pages(keys, _both([1, 2, 3]), op_id="keyed-put-1")
         assert session._slot._lane is None and lane.closed
         assert again == put and put.stored_pages == 3, "answered from the ledger, over gRPC"
