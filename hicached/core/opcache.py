@@ -20,7 +20,6 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, TypeVar
 
@@ -173,16 +172,54 @@ def _dataclass_layout(cls: type) -> tuple[bytes, tuple[tuple[bytes, str], ...]]:
 
 def answer_bytes(value: object) -> int:
     """Estimated memory a remembered answer holds (what the byte bound counts)."""
+    sizer = _SIZERS.get(type(value))
+    return sizer(value) if sizer is not None else _size_any(value)
+
+
+# Exact types through one dict lookup, as the digest's feeders (an isinstance chain per value
+# cost as much as the digest of a small call); anything else takes the chain.
+def _size_array(value: np.ndarray) -> int:
+    return 112 + int(value.nbytes)
+
+
+def _size_seq(value: list[Any] | tuple[Any, ...]) -> int:
+    return sys.getsizeof(value) + sum(answer_bytes(v) for v in value)
+
+
+def _size_dict(value: dict[Any, Any]) -> int:
+    return sys.getsizeof(value) + sum(answer_bytes(k) + answer_bytes(v) for k, v in value.items())
+
+
+def _size_dataclass(value: Any) -> int:
+    return 64 + sum(answer_bytes(getattr(value, name)) for _, name in _dataclass_layout(type(value))[1])
+
+
+_SIZERS: dict[type, Callable[[Any], int]] = {
+    type(None): sys.getsizeof,
+    bool: sys.getsizeof,
+    int: sys.getsizeof,
+    float: sys.getsizeof,
+    str: sys.getsizeof,
+    bytes: sys.getsizeof,
+    np.ndarray: _size_array,
+    list: _size_seq,
+    tuple: _size_seq,
+    dict: _size_dict,
+}
+
+
+def _size_any(value: object) -> int:
     if isinstance(value, np.ndarray):
-        return 112 + int(value.nbytes)
+        return _size_array(value)
     if isinstance(value, (str, bytes, bytearray)):
         return sys.getsizeof(value)
     if isinstance(value, (list, tuple)):
-        return sys.getsizeof(value) + sum(answer_bytes(v) for v in value)
+        return _size_seq(value)
     if isinstance(value, dict):
-        return sys.getsizeof(value) + sum(answer_bytes(k) + answer_bytes(v) for k, v in value.items())
+        return _size_dict(value)
     if is_dataclass(value) and not isinstance(value, type):
-        return 64 + sum(answer_bytes(getattr(value, name)) for _, name in _dataclass_layout(type(value))[1])
+        _SIZERS[type(value)] = _size_dataclass
+        return _size_dataclass(value)
     return sys.getsizeof(value)
 
 
@@ -208,6 +245,20 @@ class _Remembered:
         return self.value
 
 
+class _InFlight:
+    """A call that is running: its digest and, once it ended, its outcome. The event that
+    duplicates wait on is made only when a duplicate arrives (a ``Future`` per call cost
+    more than the digest of a small one)."""
+
+    __slots__ = ("digest", "ended", "error", "value")
+
+    def __init__(self, digest: bytes) -> None:
+        self.digest = digest
+        self.ended: threading.Event | None = None  # set under OpCache._lock, by the first duplicate
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
 class OpCache:
     """Answers of one session's operations by ``(rpc, op_id)``; LRU, bounded by entries and bytes.
 
@@ -218,7 +269,7 @@ class OpCache:
     def __init__(self, *, max_entries: int, max_bytes: int) -> None:
         self._lock = threading.Lock()
         self._done: OrderedDict[tuple[str, str], _Remembered] = OrderedDict()
-        self._running: dict[tuple[str, str], tuple[bytes, Future[Any]]] = {}
+        self._running: dict[tuple[str, str], _InFlight] = {}
         self._bytes = 0
         self.max_entries = max_entries
         self.max_bytes = max_bytes
@@ -242,15 +293,19 @@ class OpCache:
                 self._check_digest(done.digest, digest, rpc, op_id)
                 replay: T = done.replay()
                 return replay
-            running = self._running.get(key)
-            if running is None:
-                fut: Future[Any] = Future()
-                self._running[key] = (digest, fut)
+            flight = self._running.get(key)
+            if flight is None:
+                mine = self._running[key] = _InFlight(digest)
             else:
-                self._check_digest(running[0], digest, rpc, op_id)
-                fut = running[1]
-        if running is not None:
-            shared: T = fut.result()  # a concurrent duplicate shares the first one's outcome
+                self._check_digest(flight.digest, digest, rpc, op_id)
+                if flight.ended is None:
+                    flight.ended = threading.Event()
+                ended = flight.ended
+        if flight is not None:
+            ended.wait()  # a concurrent duplicate shares the first one's outcome
+            if flight.error is not None:
+                raise flight.error
+            shared: T = flight.value
             return shared
         try:
             value = fn()
@@ -258,13 +313,15 @@ class OpCache:
             remembered = None
             if isinstance(exc, PERMANENT_ERRORS):
                 remembered = _Remembered(digest, 200 + len(str(exc)), error=(type(exc), str(exc)))
-            self._finish(key, remembered)
-            fut.set_exception(exc)
-            del fut  # the traceback must not outlive this call
+            mine.error = exc
+            self._finish(key, mine, remembered)
+            del mine  # the traceback must not outlive this call (a waiter holds its own reference)
             raise
         transient = value is None or getattr(value, "ok", True) is False
-        self._finish(key, None if transient else _Remembered(digest, 200 + answer_bytes(value), value=value))
-        fut.set_result(value)
+        mine.value = value
+        self._finish(
+            key, mine, None if transient else _Remembered(digest, 200 + answer_bytes(value), value=value)
+        )
         return value
 
     @staticmethod
@@ -275,13 +332,17 @@ class OpCache:
                 "session; a retry must resend the same request, a new operation needs a new op_id"
             )
 
-    def _finish(self, key: tuple[str, str], answer: _Remembered | None) -> None:
+    def _finish(self, key: tuple[str, str], flight: _InFlight, answer: _Remembered | None) -> None:
+        """Forget the running call (its outcome is on ``flight``), remember ``answer``, then wake
+        the duplicates that wait for it."""
         with self._lock:
             self._running.pop(key, None)
-            if answer is None or answer.nbytes > self.max_bytes:
-                return
-            self._done[key] = answer
-            self._bytes += answer.nbytes
-            while self._done and (len(self._done) > self.max_entries or self._bytes > self.max_bytes):
-                _, old = self._done.popitem(last=False)
-                self._bytes -= old.nbytes
+            ended = flight.ended
+            if answer is not None and answer.nbytes <= self.max_bytes:
+                self._done[key] = answer
+                self._bytes += answer.nbytes
+                while self._done and (len(self._done) > self.max_entries or self._bytes > self.max_bytes):
+                    _, old = self._done.popitem(last=False)
+                    self._bytes -= old.nbytes
+        if ended is not None:  # read under the lock: a duplicate made it before the pop, or never
+            ended.set()

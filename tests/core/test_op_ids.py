@@ -203,3 +203,39 @@ def test_a_concurrent_duplicate_runs_nothing_and_gets_the_first_answer() -> None
     assert results == [7, 7] and calls == [1]
     with pytest.raises(InvalidArgument, match="different Alloc request"):
         cache.run("Alloc", "op", ("other",), slow)
+
+
+def test_a_duplicate_waiting_on_a_failing_call_gets_its_error_and_runs_nothing() -> None:
+    """A transient error is not remembered, but a duplicate already waiting shares it."""
+    cache = OpCache(max_entries=10, max_bytes=1 << 20)
+    started, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def failing() -> int:
+        calls.append(1)
+        started.set()
+        assert release.wait(10)
+        raise ResourceExhausted("no room", retry_after_ms=5)
+
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            cache.run("Alloc", "op", (), failing)
+        except ResourceExhausted as exc:
+            errors.append(exc)
+
+    first = threading.Thread(target=call)
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=call)
+    second.start()
+    flight = cache._running[("Alloc", "op")]
+    while flight.ended is None:  # the duplicate registers as a waiter (state, not time)
+        assert second.is_alive()
+        threading.Event().wait(0.001)
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert calls == [1] and len(errors) == 2 and errors[0] is errors[1]
+    assert not cache._running and len(cache) == 0  # transient: forgotten, so a retry runs again
