@@ -23,7 +23,7 @@ from hicached.errors import (
     OutOfRange,
     PermissionDenied,
 )
-from hicached.l2.allocator import as_page_array, first_repeat
+from hicached.l2.allocator import SMALL_BATCH, as_page_array, first_repeat, first_repeat_of
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.plan import DevicePoolView
 
@@ -135,11 +135,18 @@ def check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique
     """Negative or repeated pages: InvalidArgument; a page >= ``limit``: OutOfRange."""
     if len(pages) == 0:
         return
-    lo, hi = int(pages.min()), int(pages.max())
+    if len(pages) <= SMALL_BATCH:
+        listed = pages.tolist()
+        lo, hi = min(listed), max(listed)
+    else:
+        listed = None
+        lo, hi = int(pages.min()), int(pages.max())
     if lo < 0:
         raise InvalidArgument(f"pool {pool!r}: negative {side} page index {lo}")
     if hi >= limit:
         raise OutOfRange(f"pool {pool!r}: {side} page {hi} out of range (pool has {limit} pages)")
-    repeated = first_repeat(pages) if unique else None
+    if not unique:
+        return
+    repeated = first_repeat(pages) if listed is None else first_repeat_of(listed)
     if repeated is not None:
         raise InvalidArgument(f"pool {pool!r}: duplicate {side} page {repeated}")

@@ -48,9 +48,29 @@ def first_repeat(pages: PageArray) -> int | None:
     """
     if len(pages) < 2:
         return None
+    if len(pages) <= SMALL_BATCH:
+        return first_repeat_of(pages.tolist())
     ordered = np.sort(pages)
     repeats = np.flatnonzero(ordered[1:] == ordered[:-1])
     return int(ordered[repeats[0]]) if len(repeats) else None
+
+
+# Up to this many pages, checks run on a Python list: a numpy call costs ~1 us whatever its
+# size, so a handful of them outweighs a small batch's own work (a scheduler step is ~8 pages).
+SMALL_BATCH = 64
+
+
+def first_repeat_of(pages: list[int]) -> int | None:
+    """:func:`first_repeat` of a list (for small batches)."""
+    if len(set(pages)) == len(pages):
+        return None
+    seen: set[int] = set()
+    repeats = []
+    for p in pages:
+        if p in seen:
+            repeats.append(p)
+        seen.add(p)
+    return min(repeats)
 
 
 def distinct(pages: PageArray) -> PageArray:
@@ -173,6 +193,10 @@ class PageAllocator:
     def _check_range(self, arr: PageArray) -> None:
         if arr.size == 0:
             return
+        if arr.size <= SMALL_BATCH:
+            listed = arr.tolist()
+            if min(listed) >= 0 and max(listed) < self.capacity:
+                return
         bad = arr[(arr < 0) | (arr >= self.capacity)]
         if bad.size:
             raise OutOfRange(f"page {int(bad[0])} is out of range [0, {self.capacity})")
@@ -180,10 +204,10 @@ class PageAllocator:
     def _check(self, arr: PageArray, *, want_allocated: bool) -> PageArray:
         """Validate a whole request; return it sorted ascending."""
         self._check_range(arr)
+        repeated = first_repeat(arr)
+        if repeated is not None:
+            raise InvalidArgument(f"page {repeated} is listed more than once")
         ordered = np.sort(arr)
-        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-        if repeated.size:
-            raise InvalidArgument(f"page {int(repeated[0])} is listed more than once")
         wrong = arr[self._allocated[arr] != want_allocated]
         if wrong.size:
             if want_allocated:

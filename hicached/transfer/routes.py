@@ -29,7 +29,7 @@ import torch
 
 from hicached.errors import InvalidArgument, OutOfRange
 from hicached.transfer.handles import Medium, medium_of
-from hicached.transfer.plan import PageCopy
+from hicached.transfer.plan import SMALL_BATCH, PageCopy
 from hicached.transfer.words import matched_rows
 
 log = logging.getLogger(__name__)
@@ -250,11 +250,26 @@ def few_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None, *, n: i
 
     Counting first keeps the scattered case free of per-page Python objects.
     """
+    if n <= SMALL_BATCH:
+        found = _small_runs(src_pages.tolist(), dst_pages.tolist() if dst_pages is not None else None)
+        return None if len(found) > 2 and len(found) * MIN_RUN_PAGES > n else found
     starts = run_starts(src_pages, dst_pages)
     # A copy of one or two runs is always cheaper as slices (a single page is one run of one).
     if len(starts) > 2 and len(starts) * MIN_RUN_PAGES > n:
         return None
     return _runs_at(starts, src_pages, dst_pages)
+
+
+def _small_runs(src: list[int], dst: list[int] | None) -> list[Run]:
+    """:func:`runs` of a small batch, in Python (numpy's fixed cost per call outweighs it)."""
+    to = dst if dst is not None else src
+    out = []
+    start = 0
+    for i in range(1, len(src) + 1):
+        if i == len(src) or src[i] != src[i - 1] + 1 or to[i] != to[i - 1] + 1:
+            out.append(Run(pos=start, src=src[start], dst=to[start], count=i - start))
+            start = i
+    return out
 
 
 @dataclass(frozen=True)
@@ -331,7 +346,11 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
 
 def check_bounds(side: str, pages: np.ndarray, limit: int) -> None:
     """OutOfRange unless every page is in [0, limit) (kernels below must never see a bad index)."""
-    lo, hi = int(pages.min()), int(pages.max())
+    if len(pages) <= SMALL_BATCH:
+        listed = pages.tolist()
+        lo, hi = min(listed), max(listed)
+    else:
+        lo, hi = int(pages.min()), int(pages.max())
     if lo < 0 or hi >= limit:
         bad = lo if lo < 0 else hi
         raise OutOfRange(f"{side} page {bad} is out of range [0, {limit})")

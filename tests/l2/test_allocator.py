@@ -9,6 +9,7 @@ import pytest
 
 from hicached.errors import DoubleFree, FailedPrecondition, InvalidArgument, OutOfRange
 from hicached.l2 import PageAllocator
+from hicached.l2.allocator import SMALL_BATCH, first_repeat, first_repeat_of
 
 
 def _state(a: PageAllocator) -> tuple[int, list[int]]:
@@ -166,3 +167,16 @@ def test_concurrent_alloc_and_free_never_hand_out_a_page_twice() -> None:
     assert a.available() == 256
     assert a.allocated_pages().size == 0
     assert sum(len(s) for s in seen) > 0
+
+
+def test_first_repeat_of_a_small_list_is_the_sorted_arrays() -> None:
+    """Small batches are checked on a Python list; both ways name the smallest repeated page."""
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 8, SMALL_BATCH, SMALL_BATCH + 1, 300):
+        for _ in range(200):
+            pages = rng.integers(0, 2 * n, size=n).astype(np.int64)
+            ordered = np.sort(pages)
+            repeats = ordered[1:][ordered[1:] == ordered[:-1]]
+            expected = int(repeats[0]) if len(repeats) else None
+            assert first_repeat(pages) == expected
+            assert first_repeat_of(pages.tolist()) == expected

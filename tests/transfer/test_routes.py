@@ -13,14 +13,17 @@ import torch
 
 from hicached.errors import InvalidArgument, OutOfRange
 from hicached.transfer import Medium
-from hicached.transfer.plan import PageCopy
+from hicached.transfer.plan import SMALL_BATCH, PageCopy
 from hicached.transfer.routes import (
+    MIN_RUN_PAGES,
     CopyContext,
     Run,
     Staging,
     copy_cpu_cpu,
+    few_runs,
     route,
     run_copies,
+    run_starts,
     runs,
 )
 from hicached.transfer.words import word_rows
@@ -258,3 +261,23 @@ def test_a_large_set_of_copies_is_split_across_helpers_exactly_and_checked_first
         ctx.close()
     for s, d in zip(srcs, dsts, strict=True):
         assert torch.equal(d[torch.from_numpy(dp)], s[torch.from_numpy(sp)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, SMALL_BATCH - 1, SMALL_BATCH, SMALL_BATCH + 1, 200])
+def test_runs_of_small_batches_in_python_are_the_numpy_runs(n: int) -> None:
+    """Small batches take a Python path; it must find exactly the runs (and the None) of the
+    numpy path, which larger batches take."""
+    rng = np.random.default_rng(n)
+    for _ in range(300):
+        sp = np.cumsum(rng.choice([1, 1, 1, 2, 7], size=n)).astype(np.int64)
+        dp = np.cumsum(rng.choice([1, 1, 1, 3], size=n)).astype(np.int64)
+        for d in (dp, None):
+            starts = run_starts(sp, d)
+            ends = np.append(starts[1:], n)
+            to = d if d is not None else sp
+            expected = [
+                Run(int(a), int(sp[a]), int(to[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)
+            ]
+            assert runs(sp, d) == expected
+            many = len(starts) > 2 and len(starts) * MIN_RUN_PAGES > n
+            assert few_runs(sp, d, n=n) == (None if many else expected)
