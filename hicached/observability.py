@@ -22,6 +22,7 @@ from hicached.transfer.plan import CopyPlan, Direction
 
 if TYPE_CHECKING:
     import grpc
+    from prometheus_client import Counter, Histogram
 
     from hicached.core.groups import GroupRegistry
     from hicached.core.sessions import Session
@@ -98,14 +99,27 @@ class IndexMetrics:
 
 
 class RpcMetrics:
-    """:class:`~hicached.server.observer.RpcObserver` counting RPCs by method and code."""
+    """:class:`~hicached.server.observer.RpcObserver` counting RPCs by method and code.
+
+    Thread-safety: called from the event loop and from fast-lane threads at once; two first
+    calls of one (method, code) may both look up its children, which are the same objects.
+    """
 
     def __init__(self, metrics: Metrics) -> None:
         self._m = metrics
+        # (method, code) -> its children: ``labels()`` costs more than the observation itself,
+        # and it runs once per RPC. Bounded: methods and codes are fixed sets.
+        self._children: dict[tuple[str, grpc.StatusCode], tuple[Counter, Histogram]] = {}
 
     def on_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
-        self._m.rpcs.labels(method=method, code=code.name).inc()
-        self._m.rpc_duration.labels(method=method).observe(seconds)
+        children = self._children.get((method, code))
+        if children is None:
+            children = self._children[(method, code)] = (
+                self._m.rpcs.labels(method=method, code=code.name),
+                self._m.rpc_duration.labels(method=method),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
 
 class HostGauges:
