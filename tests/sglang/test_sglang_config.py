@@ -69,3 +69,11 @@ def test_key_spaces_separate_pools_ranks_and_tenants() -> None:
     assert escape_key("a/b") != escape_key("a%2Fb")
     with pytest.raises(ValueError, match="non-empty string"):
         escape_key("")
+    space = key_space("swa", **{**base, "tenant": "t"})
+    keys = ["0f3a", "a/b", "a%2Fb", "%", "é/ü"]
+    assert space.daemon_keys(keys) == [space.daemon_key(k) for k in keys] == [
+        "0f3a.swa@t", "a%2Fb.swa@t", "a%252Fb.swa@t", "%25.swa@t", "é%2Fü.swa@t"
+    ]  # fmt: skip
+    for bad in ("", None, b"ab"):
+        with pytest.raises(ValueError, match="non-empty string"):
+            space.daemon_keys(["ok", bad])  # type: ignore[list-item]

@@ -288,9 +288,10 @@ def encode_request(buf: memoryview, offset: int, req: Request) -> None:
 
 def _write_keys(buf: memoryview, pos: int, keys: tuple[str, ...], limit: int) -> None:
     raw = [k.encode("utf-8") for k in keys]
-    if any(len(r) > 0xFFFF for r in raw):
+    sizes = list(map(len, raw))
+    if sizes and max(sizes) > 0xFFFF:
         raise ValueError("a key longer than 65535 UTF-8 bytes does not fit a lane record")
-    lengths = np.asarray([len(r) for r in raw], dtype="<u2").tobytes()
+    lengths = np.asarray(sizes, dtype="<u2").tobytes()
     blob = b"".join(raw)
     end = pos + KEY_COUNT.size + len(lengths) + len(blob)
     if end > limit:
@@ -317,6 +318,9 @@ def _read_keys(ring: memoryview, pos: int, limit: int) -> tuple[str, ...]:
         raise RecordError(f"record claims {total} bytes of keys, more than fit in one lane record")
     blob = bytes(ring[pos : pos + total])
     ends = np.cumsum(lengths).tolist()
+    if blob.isascii():  # the common case: one decode, then slices (a byte is a character)
+        text = blob.decode("ascii")
+        return tuple(text[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True))
     out = []
     start = 0
     for i, end in enumerate(ends):
