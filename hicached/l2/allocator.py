@@ -39,6 +39,11 @@ def as_page_array(pages: object, what: str = "page indices") -> PageArray:
     return arr.astype(np.int64, copy=True)
 
 
+# Up to this many pages, checks run on a Python list: a numpy call costs ~1 us whatever its
+# size, so a handful of them outweighs a small batch's own work (a scheduler step is ~8 pages).
+SMALL_BATCH = 64
+
+
 def first_repeat(pages: PageArray) -> int | None:
     """The smallest page listed more than once in ``pages``, else None.
 
@@ -53,11 +58,6 @@ def first_repeat(pages: PageArray) -> int | None:
     ordered = np.sort(pages)
     repeats = np.flatnonzero(ordered[1:] == ordered[:-1])
     return int(ordered[repeats[0]]) if len(repeats) else None
-
-
-# Up to this many pages, checks run on a Python list: a numpy call costs ~1 us whatever its
-# size, so a handful of them outweighs a small batch's own work (a scheduler step is ~8 pages).
-SMALL_BATCH = 64
 
 
 def first_repeat_of(pages: list[int]) -> int | None:
@@ -204,10 +204,14 @@ class PageAllocator:
     def _check(self, arr: PageArray, *, want_allocated: bool) -> PageArray:
         """Validate a whole request; return it sorted ascending."""
         self._check_range(arr)
-        repeated = first_repeat(arr)
+        ordered = np.sort(arr)
+        if arr.size <= SMALL_BATCH:
+            repeated = first_repeat_of(arr.tolist())
+        else:  # the sorted copy is needed anyway: no second sort
+            dup = ordered[1:][ordered[1:] == ordered[:-1]]
+            repeated = int(dup[0]) if dup.size else None
         if repeated is not None:
             raise InvalidArgument(f"page {repeated} is listed more than once")
-        ordered = np.sort(arr)
         wrong = arr[self._allocated[arr] != want_allocated]
         if wrong.size:
             if want_allocated:

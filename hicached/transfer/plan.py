@@ -227,7 +227,8 @@ def _pages(pool: str, kind: str, pages: object) -> np.ndarray:
     return np.array(arr, dtype=np.int64, copy=True, order="C")
 
 
-# Up to this many pages the checks run on a Python list (numpy costs ~1 us per call).
+# Up to this many pages the checks and the copy runs are found on a Python list (a numpy call
+# costs ~1 us whatever its size); the same bound as ``hicached.l2.allocator.SMALL_BATCH``.
 SMALL_BATCH = 64
 
 

@@ -180,3 +180,14 @@ def test_first_repeat_of_a_small_list_is_the_sorted_arrays() -> None:
             expected = int(repeats[0]) if len(repeats) else None
             assert first_repeat(pages) == expected
             assert first_repeat_of(pages.tolist()) == expected
+
+
+@pytest.mark.parametrize("n", [3, SMALL_BATCH, SMALL_BATCH + 1, 200])
+def test_a_free_with_repeats_names_the_smallest_repeated_page_and_changes_nothing(n: int) -> None:
+    alloc = PageAllocator(400)
+    pages = alloc.alloc(n)
+    assert pages is not None
+    bad = np.concatenate([pages[::-1], pages[n // 2 : n // 2 + 1], pages[1:2]])
+    with pytest.raises(InvalidArgument, match=f"page {int(pages[1])} is listed more than once"):
+        alloc.free(bad)
+    assert alloc.available() == 400 - n and alloc.is_allocated(pages).all()
