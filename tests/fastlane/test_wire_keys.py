@@ -13,9 +13,10 @@ from hicached_client import lane_wire as w
         ("0f3a", "b", "c.swa@t" * 20),
         ("é", "a", "中文/key", ""),
         ("", ""),
+        (),
         tuple(f"{i:064x}" for i in range(128)),
     ],
-    ids=["ascii", "utf-8", "empty", "a batch of digests"],
+    ids=["ascii", "utf-8", "empty keys", "no keys", "a batch of digests"],
 )
 def test_keys_come_back_as_sent(keys: tuple[str, ...]) -> None:
     ring = memoryview(bytearray(w.RING_BYTES))

@@ -320,7 +320,7 @@ def _read_keys(ring: memoryview, pos: int, limit: int) -> tuple[str, ...]:
     ends = np.cumsum(lengths).tolist()
     if blob.isascii():  # the common case: one decode, then slices (a byte is a character)
         text = blob.decode("ascii")
-        return tuple(text[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True))
+        return tuple(text[a:b] for a, b in zip([0, *ends][:-1], ends, strict=True))
     out = []
     start = 0
     for i, end in enumerate(ends):
