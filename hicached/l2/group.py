@@ -423,19 +423,22 @@ class HostPoolGroup:
             for t in todo:
                 t.host_indices = got.pages[t.name]
                 t.host_allocated = True
+            # The rest of resolve_host_transfers on ``work`` itself (private copies already):
+            # nothing is left to allocate, the derived transfers are bound.
             try:
-                result = self.resolve_host_transfers(
+                failure = self._resolve_locked(
                     work,
+                    [],
                     None if primary is None else primary.device_indices,
                     None if primary is None else primary.host_indices,
                 )
             except BaseException:
                 self._free_pages(got.pages)
                 raise
-            if not result.ok:
+            if failure:
                 self._free_pages(got.pages)
-                return ResolveResult(False, [t.copy() for t in transfers], result.reason)
-            return result
+                return ResolveResult(False, [t.copy() for t in transfers], failure)
+            return ResolveResult(True, work)
 
     def release_transfers(self, transfers: Sequence[PoolTransfer]) -> int:
         """Free the pages of every transfer this group allocated (``host_allocated``); pages freed.
