@@ -15,12 +15,13 @@ first time a CUDA tensor is copied, never on CPU machines.
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -158,54 +159,96 @@ def run_copy(copy: PageCopy, ctx: CopyContext) -> None:
 
 
 def run_copies(copies: Sequence[PageCopy], ctx: CopyContext) -> None:
-    """Perform ``copies``; a large CPU-to-CPU set is split by page position across ``ctx.helpers``.
+    """Perform ``copies``; a large CPU-to-CPU set is shared out across ``ctx.helpers``.
 
     One hand-off per set (a layer, or a whole plan without progress reports) instead of
     one per copy: waking a helper thread costs 0.05-1.5 ms on a loaded 2-core machine,
-    as much as copying a few MiB. Every page is bounds-checked before any part starts.
+    as much as copying a few MiB. Every page is bounds-checked, and each distinct page
+    pair analysed into runs, on the calling thread before any part starts (a plan's
+    copies of one pool share their arrays across layers: one analysis for all of them).
+    The parts are taken from one list by the caller and the helpers alike, largest first
+    (:func:`_parts`), so a helper that wakes late or runs on a busier core takes fewer
+    of them instead of making the caller wait at the end.
     """
-    parts = 1
+    threads = 1
     if ctx.helpers is not None and ctx.parallelism > 1:
         nbytes = sum(c.nbytes for c in copies)
-        parts = min(ctx.parallelism, nbytes // SPLIT_MIN_BYTES)
-    cpu = parts > 1 and all(medium_of(c.src) is Medium.CPU and medium_of(c.dst) is Medium.CPU for c in copies)
+        threads = min(ctx.parallelism, nbytes // SPLIT_MIN_BYTES)
+    cpu = threads > 1 and all(
+        medium_of(c.src) is Medium.CPU and medium_of(c.dst) is Medium.CPU for c in copies
+    )
     if not cpu:
         for c in copies:
             run_copy(c, ctx)
         return
-    for c in copies:
-        if len(c.src_pages):
-            check_bounds("source", c.src_pages, c.src.shape[0])
-            check_bounds("destination", c.dst_pages, c.dst.shape[0])
-    pieces: list[list[PageCopy]] = [[] for _ in range(parts)]
-    for c in copies:
-        bounds = np.linspace(0, len(c.src_pages), parts + 1).astype(np.int64).tolist()
-        for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-            if hi > lo:
-                pieces[k].append(PageCopy(c.src, c.dst, c.src_pages[lo:hi], c.dst_pages[lo:hi], c.rows))
+    planned = [_planned(c, ctx) for c in copies if len(c.src_pages)]
+    parts = _parts(planned, threads)
+    taken = itertools.count()  # next() on a count is atomic under the GIL: each part runs once
     assert ctx.helpers is not None
-    futures = [ctx.helpers.submit(_run_part, piece) for piece in pieces[1:]]
-    ctx.parallelism, parallelism = 1, ctx.parallelism  # this thread's part: no nested split
+    futures = [ctx.helpers.submit(_run_parts, parts, taken, None) for _ in range(threads - 1)]
+    ctx.parallelism, parallelism = 1, ctx.parallelism  # this thread's parts: no nested split
     try:
-        for c in pieces[0]:
-            copy_cpu_cpu(c, ctx)
+        _run_parts(parts, taken, ctx)
     finally:
         ctx.parallelism = parallelism
         for f in futures:
             f.result()
 
 
+# A set is shared out in parts of at least this size: small enough that the last ones
+# even out the threads' finishing times, large enough that a part's Python cost (a few
+# microseconds) stays far below its copy.
+MIN_PART_BYTES = 1 << 20
+
 _helper = threading.local()
 
 
-def _run_part(copies: list[PageCopy]) -> None:
-    """A helper thread's part of :func:`run_copies`, with that thread's own context (its
-    staging buffer lives as long as the thread, which the engine owns)."""
-    ctx = getattr(_helper, "ctx", None)
+@dataclass(frozen=True)
+class _Planned:
+    """One copy as word rows, with its runs analysed (:func:`_shape_of`)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    shape: _Shape
+
+
+def _planned(copy: PageCopy, ctx: CopyContext) -> _Planned:
+    src, dst = copy.rows if copy.rows is not None else matched_rows(copy.src, copy.dst)
+    sp, dp = copy.src_pages, copy.dst_pages
+    shape = _shape_of(ctx, sp, dp, (src.shape[0], dst.shape[0]), dst.is_contiguous())
+    return _Planned(src, dst, sp, dp, shape)
+
+
+def _parts(planned: list[_Planned], threads: int) -> list[tuple[_Planned, int, int]]:
+    """Position ranges of the copies, in the order they are taken: each about a
+    ``2 * threads``-th of what is left (at least MIN_PART_BYTES), so sizes shrink to the end."""
+    left = sum(len(p.src_pages) * p.src[0].numel() * p.src.element_size() for p in planned)
+    out = []
+    for p in planned:
+        n = len(p.src_pages)
+        row = max(1, p.src[0].numel() * p.src.element_size())
+        pos = 0
+        while pos < n:
+            take = min(n - pos, max(1, max(MIN_PART_BYTES, left // (2 * threads)) // row))
+            out.append((p, pos, pos + take))
+            pos += take
+            left -= take * row
+    return out
+
+
+def _run_parts(
+    parts: list[tuple[_Planned, int, int]], taken: itertools.count[int], ctx: CopyContext | None
+) -> None:
+    """Take parts until none is left; a helper uses its own context (its staging buffer
+    lives as long as the thread, which the engine owns)."""
     if ctx is None:
-        ctx = _helper.ctx = CopyContext()
-    for c in copies:
-        copy_cpu_cpu(c, ctx)
+        ctx = getattr(_helper, "ctx", None)
+        if ctx is None:
+            ctx = _helper.ctx = CopyContext()
+    while (k := next(taken)) < len(parts):
+        _copy_range(*parts[k], ctx)
 
 
 @dataclass(frozen=True)
@@ -315,33 +358,47 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
 
     OutOfRange (before anything is written) for a page beyond either tensor.
     """
-    src, dst = copy.rows if copy.rows is not None else matched_rows(copy.src, copy.dst)
-    sp, dp = copy.src_pages, copy.dst_pages
-    n = len(sp)
-    if n == 0:
+    if len(copy.src_pages) == 0:
         return
-    shape = _shape_of(ctx, sp, dp, (src.shape[0], dst.shape[0]), dst.is_contiguous())
+    _copy_range(_planned(copy, ctx), 0, len(copy.src_pages), ctx)
+
+
+def _copy_range(p: _Planned, lo: int, hi: int, ctx: CopyContext) -> None:
+    """Copy positions [lo, hi) of an analysed copy (its pages already bounds-checked)."""
+    src, dst, sp, dp, shape = p.src, p.dst, p.src_pages, p.dst_pages, p.shape
     if shape.both is not None:
-        for r in shape.both:
+        for r in _clip(shape.both, lo, hi):
             dst[r.dst : r.dst + r.count].copy_(src[r.src : r.src + r.count])
         return
     if shape.dst_runs is not None:
         # Gather straight into each destination run (one pass).
-        for r in shape.dst_runs:
+        for r in _clip(shape.dst_runs, lo, hi):
             gather_rows(src, sp[r.pos : r.pos + r.count], dst[r.dst : r.dst + r.count], ctx)
         return
     if shape.src_runs is not None:
         # Scatter each source run straight into place (one pass).
-        for r in shape.src_runs:
+        for r in _clip(shape.src_runs, lo, hi):
             scatter_rows(dst, dp[r.pos : r.pos + r.count], src[r.src : r.src + r.count], ctx)
         return
     # Scattered on both sides: gather into staging, scatter from it, chunk by chunk.
     per_chunk = max(1, ctx.staging.nbytes // max(1, src[0].numel() * src.element_size()))
-    for a in range(0, n, per_chunk):
-        b = min(n, a + per_chunk)
+    for a in range(lo, hi, per_chunk):
+        b = min(hi, a + per_chunk)
         stage = ctx.staging.rows(b - a, src)
         gather_rows(src, sp[a:b], stage, ctx)
         scatter_rows(dst, dp[a:b], stage, ctx)
+
+
+def _clip(found: list[Run], lo: int, hi: int) -> Iterator[Run]:
+    """The parts of ``found`` (runs in position order, covering every position) in [lo, hi)."""
+    if lo == 0 and hi >= found[-1].pos + found[-1].count:
+        yield from found  # the whole copy: no new objects
+        return
+    for r in found[bisect.bisect_right(found, lo, key=lambda r: r.pos) - 1 :]:
+        if r.pos >= hi:
+            return
+        a, b = max(lo, r.pos), min(hi, r.pos + r.count)
+        yield Run(pos=a, src=r.src + a - r.pos, dst=r.dst + a - r.pos, count=b - a)
 
 
 def check_bounds(side: str, pages: np.ndarray, limit: int) -> None:
