@@ -5,8 +5,10 @@ plane). In the same run it measures the machine's own limits beside the
 daemon's figures: a plain in-process page gather of the same pages
 (``memcpy_gbps``), the same gather between two shared-memory segments
 (``memcpy_shm_gbps``: the kind of memory the daemon copies between) and a bare
-gRPC echo on the same server and socket (``echo_rtt_us``). Every loaded byte is
-compared with what was written (``verified``).
+gRPC echo on the same server and socket (``echo_rtt_us``). ``write_gbps`` /
+``load_gbps`` go over gRPC, ``fastlane_write_gbps`` / ``fastlane_load_gbps`` the same
+pages over the session's fast lane. Every loaded byte is compared with what was written
+(``verified``).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from hicached_client import HiCacheClient, Session, Transfer, WorkerIdentity, pool_spec
+from hicached_client import HiCacheClient, Session, Transfer, WorkerIdentity, WriteResult, pool_spec
 from hicached_client.export import ShmKVPool
+from hicached_client.fastlane import FastLane
 
 from hicached.bench.timing import timed
 from hicached.l2.shm import SharedSegment
@@ -179,14 +183,27 @@ def _data_plane(
     session: Session, pool: ShmKVPool, rng: np.random.Generator, n: int, device_pages: int, reps: int
 ) -> dict[str, float]:
     """Write n random device pages (host pages allocated by the call), load them into other
-    random device pages, verify; the plain gather runs between them so all see the same load."""
-    s = session
+    random device pages, verify; over gRPC, then the same over the session's fast lane. The
+    plain gathers run between them so all see the same load."""
     picked = rng.choice(device_pages, size=n, replace=False).astype(np.int64)
     gather, shm_gather = _Gather(device_pages, picked), _Gather(device_pages, picked, shared=True)
     try:
-        return _data_plane_reps(s, pool, rng, n, device_pages, reps, gather, shm_gather)
+        with FastLane.open(session) as lane:
+            paths: dict[str, _Path] = {
+                "": _Path(session.write, lambda b: session.load_wait(b, layer_progress=False)),
+                "fastlane_": _Path(lane.write, lambda b: lane.load(b, layer_progress=False)),
+            }
+            return _data_plane_reps(session, pool, rng, n, device_pages, reps, paths, gather, shm_gather)
     finally:
         shm_gather.close()
+
+
+@dataclass(frozen=True)
+class _Path:
+    """How one transport writes (allocating host pages) and loads a batch, waiting for the end."""
+
+    write: Callable[..., WriteResult]
+    load: Callable[[list[Transfer]], object]
 
 
 def _data_plane_reps(
@@ -196,41 +213,37 @@ def _data_plane_reps(
     n: int,
     device_pages: int,
     reps: int,
+    paths: dict[str, _Path],
     gather: _Gather,
     shm_gather: _Gather,
 ) -> dict[str, float]:
-    times: dict[str, list[float]] = {"memcpy": [], "memcpy_shm": [], "write": [], "load": []}
+    times: dict[str, list[float]] = {"memcpy": [], "memcpy_shm": []}
     verified = True
     for rep in range(reps + 1):  # rep 0 warms up: the daemon's first pass over a new mapping faults
-        src = rng.choice(device_pages // 2, size=n, replace=False).astype(np.int64)
-        dst = (rng.choice(device_pages // 2, size=n, replace=False) + device_pages // 2).astype(np.int64)
         times["memcpy"].append(timed(gather))
         times["memcpy_shm"].append(timed(shm_gather))
-        t0 = time.perf_counter()
-        w = s.write([Transfer("kv", src)], allocate=True)
-        times["write"].append(time.perf_counter() - t0)
-        assert w.ok, "bench host pool too small"
-        host = np.asarray(w.transfers[0].host_pages, dtype=np.int64)
-        order = np.asarray(w.transfers[0].device_pages, dtype=np.int64)
-        back = [Transfer("kv", dst, host)]
-        t0 = time.perf_counter()
-        s.load_wait(back, layer_progress=False)
-        times["load"].append(time.perf_counter() - t0)
-        for t in (*pool.k, *pool.v):
-            pages = t.view(torch.int16).view(t.shape[0] // PAGE, -1)  # bit patterns: random bf16 has NaNs
-            verified &= bool(torch.equal(pages[torch.from_numpy(dst)], pages[torch.from_numpy(order)]))
-        s.free("kv", host)
+        for prefix, path in paths.items():
+            src = rng.choice(device_pages // 2, size=n, replace=False).astype(np.int64)
+            dst = (rng.choice(device_pages // 2, size=n, replace=False) + device_pages // 2).astype(np.int64)
+            t0 = time.perf_counter()
+            w = path.write([Transfer("kv", src)], allocate=True)
+            times.setdefault(f"{prefix}write", []).append(time.perf_counter() - t0)
+            assert w.ok, "bench host pool too small"
+            host = np.asarray(w.transfers[0].host_pages, dtype=np.int64)
+            order = np.asarray(w.transfers[0].device_pages, dtype=np.int64)
+            t0 = time.perf_counter()
+            path.load([Transfer("kv", dst, host)])
+            times.setdefault(f"{prefix}load", []).append(time.perf_counter() - t0)
+            for t in (*pool.k, *pool.v):
+                pages = t.view(torch.int16).view(t.shape[0] // PAGE, -1)  # bit patterns: random bf16 has NaNs
+                verified &= bool(torch.equal(pages[torch.from_numpy(dst)], pages[torch.from_numpy(order)]))
+            s.free("kv", host)
         if rep == 0:
             times = {k: [] for k in times}
     nbytes = n * PAGE_BYTES
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {
-        "memcpy_gbps": nbytes / med["memcpy"] / 1e9,
-        "memcpy_shm_gbps": nbytes / med["memcpy_shm"] / 1e9,
-        "write_gbps": nbytes / med["write"] / 1e9,
-        "load_gbps": nbytes / med["load"] / 1e9,
-        "verified": float(verified),
-    }
+    out = {f"{k}_gbps": nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    out["verified"] = float(verified)
+    return out
 
 
 def _resolve_rtt(session: Session, n: int) -> float:

@@ -43,6 +43,8 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("load_gbps", "memcpy_gbps", "H2D load (per-layer stream) vs plain page gather"),
     ("write_gbps", "memcpy_shm_gbps", "the same write vs the same gather between two /dev/shm segments"),
     ("load_gbps", "memcpy_shm_gbps", "the same load vs the same gather between two /dev/shm segments"),
+    ("fastlane_write_gbps", "memcpy_gbps", "the same write over the fast lane vs plain page gather"),
+    ("fastlane_load_gbps", "memcpy_gbps", "the same load over the fast lane vs plain page gather"),
     ("resolve_rtt_us", "echo_rtt_us", "ResolveTransfers round trip vs bare gRPC echo (lower is better)"),
     ("fastlane_ping_us", "uds_pingpong_us", "fast-lane round trip, no work in the daemon, vs raw ping-pong"),
     ("fastlane_ping_spin_us", "uds_pingpong_us", "the same, the worker spinning up to 50 us before sleeping"),

@@ -132,6 +132,7 @@ def test_first_hour_runs_as_written(
     assert "leading pages in L2 (host memory): 3" in result.stdout
     assert "ratio" in result.stdout  # the bench table
     assert "memcpy_shm_gbps" in result.stdout  # the daemon suite's limits, private and shared memory
+    assert "fastlane_write_gbps" in result.stdout  # and the same pages over the fast lane
     assert result.stdout.rstrip().endswith("daemon exited with 0")
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-P", "-c", "import hicached; print(hicached.__file__)"],
