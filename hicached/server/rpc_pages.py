@@ -44,7 +44,7 @@ class PageRpcs(ServicerBase):
             request.session_id,
             request.op_id,
             request.pool,
-            list(request.host_pages),
+            convert.pages_in(request.host_pages),
             session=request.session_id,
         )
         return pb.FreeResponse(freed_pages=freed)

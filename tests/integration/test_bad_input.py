@@ -141,6 +141,12 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
         lambda c: c.session.load_wait([Transfer("kv", [0], host_pages=[c.host_pages + 5])]),
     ),
     (
+        "free-page-at-int64-max",
+        C.OUT_OF_RANGE,
+        "host page 9223372036854775807",
+        lambda c: c.session.free("kv", [2**63 - 1]),
+    ),
+    (
         "negative-index",
         C.INVALID_ARGUMENT,
         "negative .*-1",
