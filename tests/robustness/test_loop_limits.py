@@ -111,6 +111,19 @@ def test_a_long_key_is_refused_quoting_only_its_prefix(admin: HiCacheClient, ses
     assert state(admin) == before
 
 
+def test_a_key_is_measured_in_utf8_bytes_and_refused_by_its_position(
+    admin: HiCacheClient, session: Session
+) -> None:
+    """A key of 256 two-byte characters is 512 bytes, at the default limit: accepted, though four
+    bytes a character would be over. One more character, after five short keys, is refused
+    naming keys[5]."""
+    limit = 512  # limits.max_key_bytes, default
+    before = state(admin)
+    assert session.lookup(["a", "\u00e9" * (limit // 2)]).total_hit_pages == 0
+    refused(lambda: session.lookup(["a"] * 5 + ["\u00e9" * (limit // 2 + 1)]), C.INVALID_ARGUMENT, "keys[5]")
+    assert state(admin) == before
+
+
 def test_long_identity_strings_are_refused(daemon: Daemon, admin: HiCacheClient, session: Session) -> None:
     """Fails on main: a 1 MiB instance id was accepted (70 of them made GetStats exceed the
     message limit), and a 100 KB op_id was echoed whole into the error."""
