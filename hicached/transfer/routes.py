@@ -19,11 +19,13 @@ import bisect
 import importlib
 import itertools
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -203,32 +205,33 @@ MIN_PART_BYTES = 1 << 20
 _helper = threading.local()
 
 
-@dataclass(frozen=True)
-class _Planned:
-    """One copy as word rows, with its runs analysed (:func:`_shape_of`)."""
+class _Planned(NamedTuple):
+    """One copy as word rows, with its runs analysed (:func:`_shape_of`). A tuple: one is
+    made per copy of every set, and a frozen dataclass costs several times more to build."""
 
     src: torch.Tensor
     dst: torch.Tensor
     src_pages: np.ndarray
     dst_pages: np.ndarray
     shape: _Shape
+    row_bytes: int
 
 
 def _planned(copy: PageCopy, ctx: CopyContext) -> _Planned:
     src, dst = copy.rows if copy.rows is not None else matched_rows(copy.src, copy.dst)
     sp, dp = copy.src_pages, copy.dst_pages
     shape = _shape_of(ctx, sp, dp, (src.shape[0], dst.shape[0]), dst.is_contiguous())
-    return _Planned(src, dst, sp, dp, shape)
+    return _Planned(src, dst, sp, dp, shape, math.prod(src.shape[1:]) * src.element_size())
 
 
 def _parts(planned: list[_Planned], threads: int) -> list[tuple[_Planned, int, int]]:
     """Position ranges of the copies, in the order they are taken: each about a
     ``2 * threads``-th of what is left (at least MIN_PART_BYTES), so sizes shrink to the end."""
-    left = sum(len(p.src_pages) * p.src[0].numel() * p.src.element_size() for p in planned)
+    left = sum(len(p.src_pages) * p.row_bytes for p in planned)
     out = []
     for p in planned:
         n = len(p.src_pages)
-        row = max(1, p.src[0].numel() * p.src.element_size())
+        row = max(1, p.row_bytes)
         pos = 0
         while pos < n:
             take = min(n - pos, max(1, max(MIN_PART_BYTES, left // (2 * threads)) // row))
@@ -365,7 +368,7 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
 
 def _copy_range(p: _Planned, lo: int, hi: int, ctx: CopyContext) -> None:
     """Copy positions [lo, hi) of an analysed copy (its pages already bounds-checked)."""
-    src, dst, sp, dp, shape = p.src, p.dst, p.src_pages, p.dst_pages, p.shape
+    src, dst, sp, dp, shape, _ = p
     if shape.both is not None:
         for r in _clip(shape.both, lo, hi):
             dst[r.dst : r.dst + r.count].copy_(src[r.src : r.src + r.count])
