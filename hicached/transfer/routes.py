@@ -251,7 +251,8 @@ def _run_parts(
         if ctx is None:
             ctx = _helper.ctx = CopyContext()
     while (k := next(taken)) < len(parts):
-        _copy_range(*parts[k], ctx)
+        p, lo, hi = parts[k]
+        _copy_range(p.src, p.dst, p.src_pages, p.dst_pages, p.shape, lo, hi, ctx)
 
 
 @dataclass(frozen=True)
@@ -361,26 +362,39 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
 
     OutOfRange (before anything is written) for a page beyond either tensor.
     """
-    if len(copy.src_pages) == 0:
+    sp, dp = copy.src_pages, copy.dst_pages
+    n = len(sp)
+    if n == 0:
         return
-    _copy_range(_planned(copy, ctx), 0, len(copy.src_pages), ctx)
+    src, dst = copy.rows if copy.rows is not None else matched_rows(copy.src, copy.dst)
+    shape = _shape_of(ctx, sp, dp, (src.shape[0], dst.shape[0]), dst.is_contiguous())
+    _copy_range(src, dst, sp, dp, shape, 0, n, ctx)
 
 
-def _copy_range(p: _Planned, lo: int, hi: int, ctx: CopyContext) -> None:
+def _copy_range(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    sp: np.ndarray,
+    dp: np.ndarray,
+    shape: _Shape,
+    lo: int,
+    hi: int,
+    ctx: CopyContext,
+) -> None:
     """Copy positions [lo, hi) of an analysed copy (its pages already bounds-checked)."""
-    src, dst, sp, dp, shape, _ = p
+    whole = lo == 0 and hi == len(sp)  # no clipping: most copies (every small one) are whole
     if shape.both is not None:
-        for r in _clip(shape.both, lo, hi):
+        for r in shape.both if whole else _clip(shape.both, lo, hi):
             dst[r.dst : r.dst + r.count].copy_(src[r.src : r.src + r.count])
         return
     if shape.dst_runs is not None:
         # Gather straight into each destination run (one pass).
-        for r in _clip(shape.dst_runs, lo, hi):
+        for r in shape.dst_runs if whole else _clip(shape.dst_runs, lo, hi):
             gather_rows(src, sp[r.pos : r.pos + r.count], dst[r.dst : r.dst + r.count], ctx)
         return
     if shape.src_runs is not None:
         # Scatter each source run straight into place (one pass).
-        for r in _clip(shape.src_runs, lo, hi):
+        for r in shape.src_runs if whole else _clip(shape.src_runs, lo, hi):
             scatter_rows(dst, dp[r.pos : r.pos + r.count], src[r.src : r.src + r.count], ctx)
         return
     # Scattered on both sides: gather into staging, scatter from it, chunk by chunk.
@@ -394,9 +408,6 @@ def _copy_range(p: _Planned, lo: int, hi: int, ctx: CopyContext) -> None:
 
 def _clip(found: list[Run], lo: int, hi: int) -> Iterator[Run]:
     """The parts of ``found`` (runs in position order, covering every position) in [lo, hi)."""
-    if lo == 0 and hi >= found[-1].pos + found[-1].count:
-        yield from found  # the whole copy: no new objects
-        return
     for r in found[bisect.bisect_right(found, lo, key=lambda r: r.pos) - 1 :]:
         if r.pos >= hi:
             return
