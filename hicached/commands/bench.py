@@ -40,7 +40,7 @@ DEFAULT_SUITES = ("daemon", "pools", "l3")
 # (daemon figure, machine limit measured in the same run, what the ratio means)
 RATIOS: tuple[tuple[str, str, str], ...] = (
     ("write_gbps", "memcpy_gbps", "D2H write of 1,000 x 64 KiB pages vs plain page gather"),
-    ("load_gbps", "memcpy_gbps", "H2D load (per-layer stream) vs plain page gather"),
+    ("load_gbps", "memcpy_gbps", "H2D load of the same pages vs plain page gather"),
     ("write_gbps", "memcpy_shm_gbps", "the same write vs the same gather between two /dev/shm segments"),
     ("load_gbps", "memcpy_shm_gbps", "the same load vs the same gather between two /dev/shm segments"),
     ("fastlane_write_gbps", "memcpy_gbps", "the same write over the fast lane vs plain page gather"),

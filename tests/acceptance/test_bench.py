@@ -73,6 +73,19 @@ def test_a_dead_daemon_is_shown_with_its_log_and_the_other_suites_still_report(t
     assert out["l3_file_read_gbps"] > 0  # the l3 suite's figures are kept
 
 
+def test_the_daemon_suite_leaves_out_the_lane_figures_when_the_lane_is_off(tmp_path: Path) -> None:
+    """A user's settings apply to the bench's daemon: with server.fast_lane off, the gRPC figures
+    are measured and the lane's are left out with a note saying why (not a failed suite)."""
+    env = user_env(tmp_path)
+    env["HICACHED_SERVER_FAST_LANE"] = "false"
+    code, out, err = bench("--suite", "daemon", cwd=tmp_path, env=env)
+    assert code == 0, err
+    assert out["failed"] == {} and out["write_gbps"] > 0 and out["verified"] == 1.0
+    assert "fastlane_write_gbps" not in out and "fastlane_load_gbps" not in out
+    notes = out["notes"]
+    assert isinstance(notes, list) and any("fastlane_write_gbps" in n for n in notes), notes
+
+
 def test_scale_suite_prints_every_row_of_the_table(tmp_path: Path) -> None:
     """The scale table (issue 13, item 4) has every row at every quick size; shape, not timing."""
     code, out, err = bench("--suite", "scale", cwd=tmp_path, env=user_env(tmp_path))
