@@ -29,10 +29,10 @@ from hicached.transfer.routes import (
     CopyContext,
     Staging,
     check_bounds,
-    few_runs,
     register_route,
     scatter_rows,
 )
+from hicached.transfer.runs import few_runs
 from hicached.transfer.words import matched_rows
 
 _LAZY_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS

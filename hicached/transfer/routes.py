@@ -15,14 +15,13 @@ first time a CUDA tensor is copied, never on CPU machines.
 
 from __future__ import annotations
 
-import bisect
 import importlib
 import itertools
 import logging
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,13 +32,11 @@ import torch
 from hicached.errors import InvalidArgument, OutOfRange
 from hicached.transfer.handles import Medium, medium_of
 from hicached.transfer.plan import SMALL_BATCH, PageCopy
+from hicached.transfer.runs import Run, clip, few_runs
 from hicached.transfer.words import matched_rows
 
 log = logging.getLogger(__name__)
 
-# A run of at least this many pages on average is cheaper as slice copies than as
-# one index op (a torch call costs about as much as copying a few 64 KiB pages).
-MIN_RUN_PAGES = 4
 STAGING_BYTES = 16 << 20
 # A scatter is split across helper threads only in parts of at least this size.
 SPLIT_MIN_BYTES = 4 << 20
@@ -256,70 +253,6 @@ def _run_parts(
 
 
 @dataclass(frozen=True)
-class Run:
-    """``count`` consecutive pages from ``src`` to ``dst``, at position ``pos`` of the copy."""
-
-    pos: int
-    src: int
-    dst: int
-    count: int
-
-
-def run_starts(src_pages: np.ndarray, dst_pages: np.ndarray | None = None) -> np.ndarray:
-    """Positions where a new run begins (source, and destination if given, consecutive)."""
-    n = len(src_pages)
-    if n == 0:
-        return np.empty(0, dtype=np.int64)
-    brk = np.diff(src_pages) != 1
-    if dst_pages is not None:
-        brk |= np.diff(dst_pages) != 1
-    return np.concatenate(([0], np.flatnonzero(brk) + 1))
-
-
-def runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None) -> list[Run]:
-    """Maximal runs where the source (and destination, if given) pages are both consecutive."""
-    return _runs_at(run_starts(src_pages, dst_pages), src_pages, dst_pages)
-
-
-def _runs_at(starts: np.ndarray, src_pages: np.ndarray, dst_pages: np.ndarray | None) -> list[Run]:
-    if not len(starts):
-        return []
-    ends = np.append(starts[1:], len(src_pages))
-    dst = dst_pages if dst_pages is not None else src_pages
-    return [
-        Run(pos=int(a), src=int(src_pages[a]), dst=int(dst[a]), count=int(b - a))
-        for a, b in zip(starts, ends, strict=True)
-    ]
-
-
-def few_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None, *, n: int) -> list[Run] | None:
-    """The runs when they are long enough on average to copy one by one, else None.
-
-    Counting first keeps the scattered case free of per-page Python objects.
-    """
-    if n <= SMALL_BATCH:
-        found = _small_runs(src_pages.tolist(), dst_pages.tolist() if dst_pages is not None else None)
-        return None if len(found) > 2 and len(found) * MIN_RUN_PAGES > n else found
-    starts = run_starts(src_pages, dst_pages)
-    # A copy of one or two runs is always cheaper as slices (a single page is one run of one).
-    if len(starts) > 2 and len(starts) * MIN_RUN_PAGES > n:
-        return None
-    return _runs_at(starts, src_pages, dst_pages)
-
-
-def _small_runs(src: list[int], dst: list[int] | None) -> list[Run]:
-    """:func:`runs` of a small batch, in Python (numpy's fixed cost per call outweighs it)."""
-    to = dst if dst is not None else src
-    out = []
-    start = 0
-    for i in range(1, len(src) + 1):
-        if i == len(src) or src[i] != src[i - 1] + 1 or to[i] != to[i - 1] + 1:
-            out.append(Run(pos=start, src=src[start], dst=to[start], count=i - start))
-            start = i
-    return out
-
-
-@dataclass(frozen=True)
 class _Shape:
     """How a (source pages, destination pages) pair is copied: the same for every layer."""
 
@@ -384,17 +317,17 @@ def _copy_range(
     """Copy positions [lo, hi) of an analysed copy (its pages already bounds-checked)."""
     whole = lo == 0 and hi == len(sp)  # no clipping: most copies (every small one) are whole
     if shape.both is not None:
-        for r in shape.both if whole else _clip(shape.both, lo, hi):
+        for r in shape.both if whole else clip(shape.both, lo, hi):
             dst[r.dst : r.dst + r.count].copy_(src[r.src : r.src + r.count])
         return
     if shape.dst_runs is not None:
         # Gather straight into each destination run (one pass).
-        for r in shape.dst_runs if whole else _clip(shape.dst_runs, lo, hi):
+        for r in shape.dst_runs if whole else clip(shape.dst_runs, lo, hi):
             gather_rows(src, sp[r.pos : r.pos + r.count], dst[r.dst : r.dst + r.count], ctx)
         return
     if shape.src_runs is not None:
         # Scatter each source run straight into place (one pass).
-        for r in shape.src_runs if whole else _clip(shape.src_runs, lo, hi):
+        for r in shape.src_runs if whole else clip(shape.src_runs, lo, hi):
             scatter_rows(dst, dp[r.pos : r.pos + r.count], src[r.src : r.src + r.count], ctx)
         return
     # Scattered on both sides: gather into staging, scatter from it, chunk by chunk.
@@ -404,15 +337,6 @@ def _copy_range(
         stage = ctx.staging.rows(b - a, src)
         gather_rows(src, sp[a:b], stage, ctx)
         scatter_rows(dst, dp[a:b], stage, ctx)
-
-
-def _clip(found: list[Run], lo: int, hi: int) -> Iterator[Run]:
-    """The parts of ``found`` (runs in position order, covering every position) in [lo, hi)."""
-    for r in found[bisect.bisect_right(found, lo, key=lambda r: r.pos) - 1 :]:
-        if r.pos >= hi:
-            return
-        a, b = max(lo, r.pos), min(hi, r.pos + r.count)
-        yield Run(pos=a, src=r.src + a - r.pos, dst=r.dst + a - r.pos, count=b - a)
 
 
 def check_bounds(side: str, pages: np.ndarray, limit: int) -> None:

@@ -16,18 +16,8 @@ import torch
 from hicached.errors import InvalidArgument, OutOfRange
 from hicached.transfer import Medium
 from hicached.transfer.plan import SMALL_BATCH, PageCopy
-from hicached.transfer.routes import (
-    MIN_RUN_PAGES,
-    CopyContext,
-    Run,
-    Staging,
-    copy_cpu_cpu,
-    few_runs,
-    route,
-    run_copies,
-    run_starts,
-    runs,
-)
+from hicached.transfer.routes import CopyContext, Staging, copy_cpu_cpu, route, run_copies
+from hicached.transfer.runs import MIN_RUN_PAGES, Run, few_runs, run_starts, runs
 from hicached.transfer.words import word_rows
 
 
