@@ -44,8 +44,9 @@ def as_page_array(pages: object, what: str = "page indices") -> PageArray:
 SMALL_BATCH = 64
 
 
-def first_repeat(pages: PageArray) -> int | None:
-    """The smallest page listed more than once in ``pages``, else None.
+def first_repeat(pages: PageArray, ordered: PageArray | None = None) -> int | None:
+    """The smallest page listed more than once in ``pages``, else None; ``ordered``, when
+    the caller has it, is ``pages`` sorted (not sorted again).
 
     By sorting, not ``np.unique``: numpy 2's unique asks ``np.ma`` whether its input is
     masked, and the first such call in a process imports ``numpy.ma`` (7-12 ms, paid by
@@ -55,7 +56,8 @@ def first_repeat(pages: PageArray) -> int | None:
         return None
     if len(pages) <= SMALL_BATCH:
         return first_repeat_of(pages.tolist())
-    ordered = np.sort(pages)
+    if ordered is None:
+        ordered = np.sort(pages)
     repeats = np.flatnonzero(ordered[1:] == ordered[:-1])
     return int(ordered[repeats[0]]) if len(repeats) else None
 
@@ -204,12 +206,8 @@ class PageAllocator:
     def _check(self, arr: PageArray, *, want_allocated: bool) -> PageArray:
         """Validate a whole request; return it sorted ascending."""
         self._check_range(arr)
-        ordered = np.sort(arr)
-        if arr.size <= SMALL_BATCH:
-            repeated = first_repeat_of(arr.tolist())
-        else:  # the sorted copy is needed anyway: no second sort
-            dup = ordered[1:][ordered[1:] == ordered[:-1]]
-            repeated = int(dup[0]) if dup.size else None
+        ordered = np.sort(arr)  # returned, and the repeat check reuses it
+        repeated = first_repeat(arr, ordered)
         if repeated is not None:
             raise InvalidArgument(f"page {repeated} is listed more than once")
         wrong = arr[self._allocated[arr] != want_allocated]
