@@ -215,10 +215,9 @@ class _Planned(NamedTuple):
 
 
 def _planned(copy: PageCopy, ctx: CopyContext) -> _Planned:
-    src, dst = copy.rows if copy.rows is not None else matched_rows(copy.src, copy.dst)
-    sp, dp = copy.src_pages, copy.dst_pages
-    shape = _shape_of(ctx, sp, dp, (src.shape[0], dst.shape[0]), dst.is_contiguous())
-    return _Planned(src, dst, sp, dp, shape, math.prod(src.shape[1:]) * src.element_size())
+    src, dst, shape = _analysed(copy, ctx)
+    row_bytes = math.prod(src.shape[1:]) * src.element_size()
+    return _Planned(src, dst, copy.src_pages, copy.dst_pages, shape, row_bytes)
 
 
 def _parts(planned: list[_Planned], threads: int) -> list[tuple[_Planned, int, int]]:
@@ -295,13 +294,18 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
 
     OutOfRange (before anything is written) for a page beyond either tensor.
     """
-    sp, dp = copy.src_pages, copy.dst_pages
-    n = len(sp)
+    n = len(copy.src_pages)
     if n == 0:
         return
+    src, dst, shape = _analysed(copy, ctx)
+    _copy_range(src, dst, copy.src_pages, copy.dst_pages, shape, 0, n, ctx)
+
+
+def _analysed(copy: PageCopy, ctx: CopyContext) -> tuple[torch.Tensor, torch.Tensor, _Shape]:
+    """A copy's (source, destination) word rows and its runs; OutOfRange for a bad page."""
     src, dst = copy.rows if copy.rows is not None else matched_rows(copy.src, copy.dst)
-    shape = _shape_of(ctx, sp, dp, (src.shape[0], dst.shape[0]), dst.is_contiguous())
-    _copy_range(src, dst, sp, dp, shape, 0, n, ctx)
+    limits = (src.shape[0], dst.shape[0])
+    return src, dst, _shape_of(ctx, copy.src_pages, copy.dst_pages, limits, dst.is_contiguous())
 
 
 def _copy_range(
