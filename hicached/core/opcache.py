@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
@@ -99,10 +100,27 @@ def _feed_dict(h: Any, value: dict[Any, Any]) -> None:
 
 
 def _feed_seq(h: Any, value: list[Any] | tuple[Any, ...]) -> None:
+    if value and isinstance(value[0], str):
+        try:
+            text = "".join(value)
+        except TypeError:  # not all strings: each item by its kind, below
+            pass
+        else:
+            _feed_strs(h, value, text)
+            return
     h.update(b"l%d[" % len(value))
     for item in value:
         _feed(h, item)
     h.update(b"]")
+
+
+def _feed_strs(h: Any, value: list[str] | tuple[str, ...], text: str) -> None:
+    # A request's keys, all at once: one item at a time was three quarters of the digest of
+    # a 128-key GetPages. The lengths in characters say where ``text`` splits.
+    raw = text.encode("utf-8", "surrogatepass")
+    h.update(b"S%d:%d:" % (len(value), len(raw)))
+    h.update(array("q", map(len, value)))
+    h.update(raw)
 
 
 def _feed_dataclass(h: Any, value: Any) -> None:

@@ -170,6 +170,23 @@ def test_digest_fast_path_and_general_path_encode_alike() -> None:
     assert op_digest(bytearray(b"ab")) == op_digest(b"ab")
 
 
+def test_digest_of_a_list_of_strings_tells_every_split_apart() -> None:
+    """A request's keys are digested in one piece (their lengths say where each ends): the same
+    keys digest alike as a list, a tuple or str subclasses; any other split, order or kind differs."""
+
+    class Name(str):
+        pass
+
+    keys = [f"{i:064x}@m" for i in range(128)]
+    assert op_digest(keys) == op_digest(tuple(keys)) == op_digest([Name(k) for k in keys])
+    assert op_digest(["ab", "c"]) != op_digest(["a", "bc"]) != op_digest(["abc"])
+    assert op_digest(["ab", "c"]) != op_digest(["c", "ab"])
+    assert op_digest(["", "x"]) != op_digest(["x", ""]) != op_digest(["x"])
+    assert op_digest(["é", "\udc80"]) != op_digest(["e", "\udc80"])  # non-ASCII, a lone surrogate
+    assert op_digest(["1", "2"]) != op_digest(["1", 2]) != op_digest([1, 2])  # strings are not numbers
+    assert op_digest([["ab"], "c"]) != op_digest([["a"], "bc"])  # nested lists of strings too
+
+
 def test_a_write_replay_returns_the_first_result(make_core: Callable[..., Core]) -> None:
     c = make_core()
     sid = c.attach()
