@@ -30,6 +30,23 @@ from hicached.l2.host_pool import HostKVPool
 logger = logging.getLogger(__name__)
 
 
+_FEW_PAGES = 16
+
+
+def count(counts: np.ndarray, pages: np.ndarray, delta: int) -> None:
+    """``counts[page] += delta`` for each of ``pages``, a page listed twice counted twice.
+
+    Indexed assignment counts a repeated page once, so it serves distinct pages only;
+    ``np.add.at`` counts repeats, at a flat ~2 us up to 16 pages, but took 61 us for 1,000
+    where the check and the assignment take 8-27 (a copy's host pages are distinct but for
+    odd requests, and most often ascending: that is checked first, without sorting).
+    """
+    if len(pages) > _FEW_PAGES and (bool((pages[1:] > pages[:-1]).all()) or first_repeat(pages) is None):
+        counts[pages] += delta
+    else:
+        np.add.at(counts, pages, delta)
+
+
 @dataclass
 class GroupState:
     """One shared host pool group, its in-flight page counts and its content index."""
@@ -87,7 +104,7 @@ class GroupState:
     def acquire(self, pages: Iterable[tuple[str, np.ndarray]]) -> None:
         with self._lock:
             for name, idx in pages:
-                np.add.at(self._busy[name], idx, 1)
+                count(self._busy[name], idx, 1)
 
     def release(self, pages: Iterable[tuple[str, np.ndarray]]) -> int:
         """Drop in-flight marks; frees pages whose free was deferred. Returns pages freed."""
@@ -95,7 +112,7 @@ class GroupState:
         with self._lock:
             for name, idx in pages:
                 busy = self._busy[name]
-                np.subtract.at(busy, idx, 1)
+                count(busy, idx, -1)
                 pending = self._pending[name]
                 ready = idx[(busy[idx] == 0) & pending[idx]]
                 if len(ready):
