@@ -66,7 +66,11 @@ def scoped_keys(tenant: str, keys: Sequence[str]) -> list[str]:
     if isinstance(keys, str):
         raise InvalidArgument(f"keys must be a sequence of str, got the single str {keys[:64]!r}")
     out = list(keys)
-    for key in out:
+    try:  # all at once first; one by one to name the key (or when some are not str)
+        suspect = TENANT_SEP in "".join(out)
+    except TypeError:
+        suspect = True
+    for key in out if suspect else ():
         if isinstance(key, str) and TENANT_SEP in key:
             raise InvalidArgument(f"content key {key[:64]!r} contains {TENANT_SEP!r}, which is reserved")
     if not tenant:

@@ -88,7 +88,11 @@ def check_keys(keys: Sequence[str], *, unique: bool = False) -> list[str]:
     if isinstance(keys, str):
         raise InvalidArgument(f"keys must be a sequence of str, got the single str {keys!r}")
     out = list(keys)
-    for key in out:
+    try:  # all at once first (a keyed call checks its keys twice or more); one by one to name it
+        suspect = "/" in "".join(out) or not all(out)
+    except TypeError:  # not all str
+        suspect = True
+    for key in out if suspect else ():
         if not isinstance(key, str) or not key or "/" in key:
             raise InvalidArgument(f"content key must be a non-empty str without '/', got {key!r}")
     if unique and len(set(out)) != len(out):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
+from hicached.core.keyed import scoped_keys
 from hicached.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from hicached.index import ContentIndex, LookupResult
+from hicached.index.entries import check_keys
 from hicached.index.keys import page_keys
 from hicached.l2 import HostPoolGroup, PoolTransfer
 
@@ -240,3 +243,24 @@ def test_a_pin_from_another_index_is_refused(make_group: MakeGroup, make_index: 
     assert index_b.stats().pinned_entries == 1
     index_a.unpin(pin_a)
     index_b.unpin(pin_b)
+
+
+@pytest.mark.parametrize(
+    ("bad", "quoted"),
+    [("a/b", "'a/b'"), ("", "''"), (7, "7"), (None, "None"), (b"k", "b'k'")],
+)
+def test_check_keys_names_the_bad_key_among_many(bad: object, quoted: str) -> None:
+    keys = [f"{i:064x}" for i in range(128)]
+    assert check_keys(keys) == keys
+    keys[77] = bad  # type: ignore[call-overload]
+    with pytest.raises(InvalidArgument, match=f"got {re.escape(quoted)}$"):
+        check_keys(keys)
+
+
+def test_scoped_keys_refuse_the_tenant_separator_in_any_key() -> None:
+    keys = [f"{i:064x}" for i in range(128)]
+    assert scoped_keys("", keys) == keys
+    assert scoped_keys("t", keys)[5].startswith(keys[5] + "~")
+    keys[100] = "x~y"
+    with pytest.raises(InvalidArgument, match="content key 'x~y' contains '~'"):
+        scoped_keys("", keys)
