@@ -369,9 +369,12 @@ class ContentIndex:
         the first batch that cannot be fetched whole.
         """
         keys = check_keys(keys)
-        if self.backend is not None:
-            _, _, only_l3 = self._scan(keys)
-            self._prefetcher.fetch_now([keys[i] for i in only_l3], tenant)
+        if self.backend is None:
+            return self._table.l2_run(keys)
+        l2_run, _, only_l3 = self._scan(keys)
+        if not only_l3:
+            return l2_run  # nothing to fetch (a warm GetPages): no second pass over the keys
+        self._prefetcher.fetch_now([keys[i] for i in only_l3], tenant)
         return self._table.l2_run(keys)
 
     # ---------------------------------------------------------- maintenance
