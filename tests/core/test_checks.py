@@ -1,12 +1,14 @@
-"""Publish ranges and group joins are validated before anything changes."""
+"""Publish ranges, page batches and group joins are validated before anything changes."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
+from hicached.core.checks import check_indices
 from hicached.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from hicached.l2.group import PoolTransfer
 from tests.core.conftest import Core, pages
@@ -68,3 +70,25 @@ def test_a_join_asking_for_a_larger_host_pool_is_refused_naming_both_sizes(
         c.core.detach(s.session_id)
     bigger = c.attach("d", ratio=0.5)  # nobody left: the group is recreated at the new size
     assert c.pools(bigger)["kv"][1] > small
+
+
+@pytest.mark.parametrize("n", [65, 1000])
+def test_check_indices_of_a_large_batch_names_the_bad_page_in_order_or_not(n: int) -> None:
+    """Above SMALL_BATCH an ascending batch is bounded by its ends and has no repeat; any
+    other is checked in full. Each bad batch is refused the same way in both shapes."""
+    good = np.arange(10, 10 + n, dtype=np.int64)
+    for batch in (good, good[::-1].copy()):
+        check_indices("kv", "host", batch, 10 + n)
+    with pytest.raises(InvalidArgument, match="negative host page index -1"):
+        check_indices("kv", "host", np.concatenate(([-1], good)), 10 + n)
+    with pytest.raises(OutOfRange, match=f"host page {10 + n} out of range"):
+        check_indices("kv", "host", np.concatenate((good, [10 + n])), 10 + n)
+    with pytest.raises(OutOfRange, match=f"host page {10 + n} out of range"):
+        check_indices("kv", "host", np.concatenate(([10 + n], good)), 10 + n)
+    repeated = good.copy()
+    repeated[n // 2] = repeated[n // 2 - 1]  # still in order, not strictly: a repeat
+    with pytest.raises(InvalidArgument, match=f"duplicate host page {repeated[n // 2]}"):
+        check_indices("kv", "host", repeated, 10 + n)
+    with pytest.raises(InvalidArgument, match=f"duplicate host page {repeated[n // 2]}"):
+        check_indices("kv", "host", repeated[::-1].copy(), 10 + n)
+    check_indices("kv", "host", repeated, 10 + n, unique=False)
