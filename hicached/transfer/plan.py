@@ -232,6 +232,12 @@ def _pages(pool: str, kind: str, pages: object) -> np.ndarray:
 SMALL_BATCH = 64
 
 
+def _ascending(pages: np.ndarray) -> bool:
+    """Strictly ascending (the common case): then the ends bound the pages and none repeats,
+    found in one comparison where a range check takes four and a sort more."""
+    return len(pages) < 2 or bool((pages[1:] > pages[:-1]).all())
+
+
 def _check_range(pool: str, kind: str, pages: np.ndarray, limit: int) -> None:
     if not len(pages):
         return
@@ -239,6 +245,8 @@ def _check_range(pool: str, kind: str, pages: np.ndarray, limit: int) -> None:
         listed = pages.tolist()
         if min(listed) >= 0 and max(listed) < limit:
             return
+    elif pages[0] >= 0 and pages[-1] < limit and _ascending(pages):
+        return
     bad = np.flatnonzero((pages < 0) | (pages >= limit))
     if len(bad):
         i = int(bad[0])
@@ -251,6 +259,8 @@ def _check_unique(pool: str, kind: str, pages: np.ndarray) -> None:
     if len(pages) < 2:
         return
     if len(pages) <= SMALL_BATCH and len(set(pages.tolist())) == len(pages):
+        return
+    if len(pages) > SMALL_BATCH and _ascending(pages):
         return
     order = np.argsort(pages, kind="stable")
     sorted_pages = pages[order]

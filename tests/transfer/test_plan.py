@@ -14,7 +14,7 @@ from hicached.errors import InvalidArgument, OutOfRange
 from hicached.l2.host_pool import HostKVPool
 from hicached.l2.layout import HostLayout, PoolKind
 from hicached.transfer import DeviceMappings, DevicePoolView, Direction, Medium, build_plan
-from hicached.transfer.plan import LayerCache
+from hicached.transfer.plan import LayerCache, _check_range, _check_unique
 
 from .conftest import DIM, HEADS, PAGE, open_view, pages, spec_of
 
@@ -184,3 +184,21 @@ def test_the_layer_cache_serves_only_the_view_and_pool_it_checked(
     bad = replace(view, page_size=view.page_size * 2)
     with pytest.raises(InvalidArgument, match="device page size"):
         build_plan(Direction.D2H, [(bad, host, pages(1), pages(2))], cache=cache)
+
+
+@pytest.mark.parametrize("n", [65, 1000])
+def test_range_and_repeat_checks_of_a_large_batch_in_order_or_not(n: int) -> None:
+    """Above SMALL_BATCH an ascending batch is bounded by its ends and has no repeat; any
+    other is checked in full, naming the first bad position either way."""
+    good = np.arange(3, 3 + n, dtype=np.int64)
+    for batch in (good, good[::-1].copy()):
+        _check_range("kv", "host", batch, 3 + n)
+        _check_unique("kv", "host", batch)
+    with pytest.raises(OutOfRange, match=r"host page -1 at position 0 is out of range"):
+        _check_range("kv", "host", np.concatenate(([-1], good)), 3 + n)
+    with pytest.raises(OutOfRange, match=rf"host page {3 + n} at position {n} is out of range"):
+        _check_range("kv", "host", np.concatenate((good, [3 + n])), 3 + n)
+    repeated = good.copy()
+    repeated[7] = repeated[6]  # in order, but not strictly: a repeat
+    with pytest.raises(InvalidArgument, match=f"host page {repeated[6]} appears twice"):
+        _check_unique("kv", "host", repeated)
