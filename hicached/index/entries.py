@@ -15,7 +15,7 @@ __all__ = ["SELECTIVE_HITS", "Entry", "EntryRecord", "batches", "check_keys", "c
 SELECTIVE_HITS = 2  # write_through_selective backs a page up on its second hit
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Entry:
     """One cached key: its pages and who holds them. Guarded by the :class:`EntryTable` lock."""
 
