@@ -42,8 +42,11 @@ Thread-safety: pure functions over buffers the caller owns.
 
 from __future__ import annotations
 
+import itertools
 import re
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -311,24 +314,25 @@ def _read_keys(ring: memoryview, pos: int, limit: int) -> tuple[str, ...]:
     pos += KEY_COUNT.size
     if pos + 2 * count > limit:
         raise RecordError(f"record claims {count} keys, more than fit in one lane record")
-    lengths = np.frombuffer(bytes(ring[pos : pos + 2 * count]), dtype="<u2").astype(np.int64)
+    # Python's own array and accumulate: a few numpy calls cost more than these 128 numbers.
+    lengths = array("H", bytes(ring[pos : pos + 2 * count]))
+    if sys.byteorder != "little":
+        lengths.byteswap()
     pos += 2 * count
-    total = int(lengths.sum())
+    bounds = list(itertools.accumulate(lengths, initial=0))  # where each key starts, then the end
+    total = bounds[-1]
     if pos + total > limit:
         raise RecordError(f"record claims {total} bytes of keys, more than fit in one lane record")
     blob = bytes(ring[pos : pos + total])
-    ends = np.cumsum(lengths).tolist()
     if blob.isascii():  # the common case: one decode, then slices (a byte is a character)
         text = blob.decode("ascii")
-        return tuple(text[a:b] for a, b in zip([0, *ends][:-1], ends, strict=True))
+        return tuple(text[a:b] for a, b in itertools.pairwise(bounds))
     out = []
-    start = 0
-    for i, end in enumerate(ends):
+    for i, (start, end) in enumerate(itertools.pairwise(bounds)):
         try:
             out.append(blob[start:end].decode("utf-8"))
         except UnicodeDecodeError:
             raise RecordError(f"keys[{i}] is not UTF-8 (starts {blob[start : start + 16]!r})") from None
-        start = end
     return tuple(out)
 
 
