@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 from hicached_client import HiCacheClient, HiCacheError, SessionPool, WorkerIdentity, pool_spec
+from hicached_client.sglang.layouts import bind_host_pool
 from hicached_client.sglang.zerocopy import install_sealed_shm
 from sglang.srt.mem_cache.storage import mmap as sgl_mmap
 
@@ -111,3 +112,18 @@ def test_a_bad_label_is_refused_and_attaches_nothing(daemon: Daemon, label: str)
     assert "pools[0] ('kv').data_path" in err.value.message and "[A-Za-z0-9._-]" in err.value.message
     with HiCacheClient(daemon.admin_target) as admin:
         assert len(admin.get_stats().sessions) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_host_pages_of_token_slots_are_their_page_numbers_or_a_refusal(dtype: torch.dtype) -> None:
+    """SGLang names host pages by their token slots: page-aligned runs of page_size slots."""
+    binding = bind_host_pool(make_host_pool(PoolShape()))
+    ps = binding.geometry.page_size
+    pages = [5, 2, 9, 3]
+    slots = torch.tensor([p * ps + t for p in pages for t in range(ps)], dtype=dtype)
+    assert binding.host_pages_of(slots, len(pages)).tolist() == pages
+    assert binding.host_pages_of(slots.reshape(len(pages), ps), len(pages)).tolist() == pages
+    with pytest.raises(ValueError, match="host indices for 3 pages"):
+        binding.host_pages_of(slots, 3)
+    with pytest.raises(ValueError, match=r"not page-aligned \(page_size=4\): \[21, 9, 37, 13\]"):
+        binding.host_pages_of(slots + 1, len(pages))
