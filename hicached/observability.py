@@ -57,9 +57,9 @@ class CoreMetrics:
 
     def on_copy(self, direction: Direction, plan: CopyPlan, seconds: float, model: str = "") -> None:
         for pool, n in plan.tokens_by_pool.items():
-            tokens, nbytes = self._pool_children(direction, model, pool)
-            tokens.inc(n)
-            nbytes.inc(plan.bytes_by_pool.get(pool, 0))
+            self._pool_children(direction, model, pool)[0].inc(n)
+        for pool, n in plan.bytes_by_pool.items():
+            self._pool_children(direction, model, pool)[1].inc(n)
         self._durations[direction].observe(seconds)
 
     def _pool_children(self, direction: Direction, model: str, pool: str) -> tuple[Counter, Counter]:

@@ -179,12 +179,23 @@ def test_digest_of_a_list_of_strings_tells_every_split_apart() -> None:
 
     keys = [f"{i:064x}@m" for i in range(128)]
     assert op_digest(keys) == op_digest(tuple(keys)) == op_digest([Name(k) for k in keys])
-    assert op_digest(["ab", "c"]) != op_digest(["a", "bc"]) != op_digest(["abc"])
-    assert op_digest(["ab", "c"]) != op_digest(["c", "ab"])
-    assert op_digest(["", "x"]) != op_digest(["x", ""]) != op_digest(["x"])
-    assert op_digest(["é", "\udc80"]) != op_digest(["e", "\udc80"])  # non-ASCII, a lone surrogate
-    assert op_digest(["1", "2"]) != op_digest(["1", 2]) != op_digest([1, 2])  # strings are not numbers
-    assert op_digest([["ab"], "c"]) != op_digest([["a"], "bc"])  # nested lists of strings too
+    different = [
+        ["ab", "c"],
+        ["a", "bc"],
+        ["abc"],
+        ["c", "ab"],
+        ["", "x"],
+        ["x", ""],
+        ["x"],
+        ["é", "\udc80"],  # non-ASCII, a lone surrogate
+        ["e", "\udc80"],
+        ["1", "2"],
+        ["1", 2],  # strings are not numbers
+        [1, 2],
+        [["ab"], "c"],  # nested lists of strings too
+        [["a"], "bc"],
+    ]
+    assert len({op_digest(body) for body in different}) == len(different)
 
 
 def test_a_write_replay_returns_the_first_result(make_core: Callable[..., Core]) -> None:
