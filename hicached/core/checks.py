@@ -23,8 +23,9 @@ from hicached.errors import (
     OutOfRange,
     PermissionDenied,
 )
-from hicached.l2.allocator import SMALL_BATCH, as_page_array, ascending, first_repeat, first_repeat_of
+from hicached.l2.allocator import as_page_array, first_repeat, first_repeat_of
 from hicached.l2.group import PoolTransfer
+from hicached.page_arrays import SMALL_BATCH, ascending
 from hicached.transfer.plan import DevicePoolView
 
 

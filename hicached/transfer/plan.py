@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hicached.errors import InvalidArgument, OutOfRange
+from hicached.page_arrays import SMALL_BATCH, ascending
 from hicached.transfer.handles import Medium, medium_of
 from hicached.transfer.words import matched_rows
 
@@ -176,10 +177,15 @@ def build_plan(direction: Direction, items: Sequence[Item], *, cache: LayerCache
                 cache[view.name] = hit
         layers = hit.layers
         rows = _rows(hit, direction) if cache is not None else [None] * len(layers)
-        _check_range(view.name, "device", dev_pages, view.num_pages)
-        _check_range(view.name, "host", host_pages, int(host.total_pages))
-        dst_kind, dst_pages = ("host", host_pages) if direction is Direction.D2H else ("device", dev_pages)
-        _check_unique(view.name, dst_kind, dst_pages)
+        dev_sorted = _check_range(view.name, "device", dev_pages, view.num_pages)
+        host_sorted = _check_range(view.name, "host", host_pages, int(host.total_pages))
+        dst_kind, dst_pages, dst_sorted = (
+            ("host", host_pages, host_sorted)
+            if direction is Direction.D2H
+            else ("device", dev_pages, dev_sorted)
+        )
+        if not dst_sorted:  # a strictly ascending batch has no repeat: not checked twice
+            _check_unique(view.name, dst_kind, dst_pages)
         tokens[view.name] = len(dev_pages) * view.page_size
         pool_bytes = 0
         if len(dev_pages):
@@ -227,40 +233,30 @@ def _pages(pool: str, kind: str, pages: object) -> np.ndarray:
     return np.array(arr, dtype=np.int64, copy=True, order="C")
 
 
-# Up to this many pages the checks and the copy runs are found on a Python list (a numpy call
-# costs ~1 us whatever its size); the same bound as ``hicached.l2.allocator.SMALL_BATCH``.
-SMALL_BATCH = 64
-
-
-def _ascending(pages: np.ndarray) -> bool:
-    """Strictly ascending (the common case): then the ends bound the pages and none repeats,
-    found in one comparison where a range check takes four and a sort more."""
-    return len(pages) < 2 or bool((pages[1:] > pages[:-1]).all())
-
-
-def _check_range(pool: str, kind: str, pages: np.ndarray, limit: int) -> None:
+def _check_range(pool: str, kind: str, pages: np.ndarray, limit: int) -> bool:
+    """OutOfRange naming the first page outside [0, limit); True when a batch over
+    SMALL_BATCH was found strictly ascending, so that it has no repeat either."""
     if not len(pages):
-        return
+        return False
     if len(pages) <= SMALL_BATCH:
         listed = pages.tolist()
         if min(listed) >= 0 and max(listed) < limit:
-            return
-    elif pages[0] >= 0 and pages[-1] < limit and _ascending(pages):
-        return
+            return False
+    elif pages[0] >= 0 and pages[-1] < limit and ascending(pages):
+        return True
     bad = np.flatnonzero((pages < 0) | (pages >= limit))
     if len(bad):
         i = int(bad[0])
         raise OutOfRange(
             f"pool {pool!r}: {kind} page {int(pages[i])} at position {i} is out of range [0, {limit})"
         )
+    return False
 
 
 def _check_unique(pool: str, kind: str, pages: np.ndarray) -> None:
     if len(pages) < 2:
         return
     if len(pages) <= SMALL_BATCH and len(set(pages.tolist())) == len(pages):
-        return
-    if len(pages) > SMALL_BATCH and _ascending(pages):
         return
     order = np.argsort(pages, kind="stable")
     sorted_pages = pages[order]

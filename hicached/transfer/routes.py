@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from hicached.errors import InvalidArgument, OutOfRange
+from hicached.page_arrays import SMALL_BATCH
 from hicached.transfer.handles import Medium, medium_of
-from hicached.transfer.plan import SMALL_BATCH, PageCopy
+from hicached.transfer.plan import PageCopy
 from hicached.transfer.runs import Run, clip, few_runs
 from hicached.transfer.words import matched_rows
 

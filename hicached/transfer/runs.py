@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicached.transfer.plan import SMALL_BATCH
+from hicached.page_arrays import SMALL_BATCH
 
 # A run of at least this many pages on average is cheaper as slice copies than as
 # one index op (a torch call costs about as much as copying a few 64 KiB pages).

@@ -9,7 +9,8 @@ import pytest
 
 from hicached.errors import DoubleFree, FailedPrecondition, InvalidArgument, OutOfRange
 from hicached.l2 import PageAllocator
-from hicached.l2.allocator import SMALL_BATCH, first_repeat, first_repeat_of
+from hicached.l2.allocator import first_repeat, first_repeat_of
+from hicached.page_arrays import SMALL_BATCH
 
 
 def _state(a: PageAllocator) -> tuple[int, list[int]]:

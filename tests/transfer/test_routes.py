@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from hicached.errors import InvalidArgument, OutOfRange
+from hicached.page_arrays import SMALL_BATCH
 from hicached.transfer import Medium
-from hicached.transfer.plan import SMALL_BATCH, PageCopy
+from hicached.transfer.plan import PageCopy
 from hicached.transfer.routes import CopyContext, Staging, copy_cpu_cpu, route, run_copies
 from hicached.transfer.runs import MIN_RUN_PAGES, Run, few_runs, run_starts, runs
 from hicached.transfer.words import word_rows
