@@ -146,6 +146,35 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
         "host page 9223372036854775807",
         lambda c: c.session.free("kv", [2**63 - 1]),
     ),
+    # Above 64 pages an ascending batch is checked by its ends alone: the same refusals.
+    (
+        "large-batch-device-page-out-of-range",
+        C.OUT_OF_RANGE,
+        f"device page {DEVICE_PAGES} out of range",
+        lambda c: c.session.write(
+            [Transfer("kv", list(range(DEVICE_PAGES - 99, DEVICE_PAGES + 1)))], allocate=True
+        ),
+    ),
+    (
+        "large-batch-negative-index",
+        C.INVALID_ARGUMENT,
+        "negative device page index -1",
+        lambda c: c.session.write([Transfer("kv", list(range(-1, 99)))], allocate=True),
+    ),
+    (
+        "large-batch-repeated-page",
+        C.INVALID_ARGUMENT,
+        "duplicate device page 50",
+        lambda c: c.session.write([Transfer("kv", [*range(51), *range(50, 99)])], allocate=True),
+    ),
+    (
+        "large-batch-host-page-out-of-range",
+        C.OUT_OF_RANGE,
+        "host page",
+        lambda c: c.session.load_wait(
+            [Transfer("kv", list(range(100)), host_pages=list(range(c.host_pages - 99, c.host_pages + 1)))]
+        ),
+    ),
     (
         "negative-index",
         C.INVALID_ARGUMENT,
