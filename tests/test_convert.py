@@ -1,5 +1,5 @@
 """The daemon's page lists from the wire: the same int64 array whichever way they are read
-(walked up to ``FEW_PAGES``, handed to numpy whole above it), int64 extremes included."""
+(walked up to ``SMALL_BATCH``, handed to numpy whole above it), int64 extremes included."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from hicached_client.v1 import types_pb2 as tpb
 
-from hicached.server.convert import FEW_PAGES, pages_in
+from hicached.page_arrays import SMALL_BATCH
+from hicached.server.convert import pages_in
 
 
-@pytest.mark.parametrize("n", [0, 1, FEW_PAGES, FEW_PAGES + 1, 1000])
+@pytest.mark.parametrize("n", [0, 1, SMALL_BATCH, SMALL_BATCH + 1, 1000])
 def test_page_lists_from_the_wire_are_their_values_as_int64(n: int) -> None:
     values = [(-1) ** i * (2**63 - 1 - i) for i in range(n)]
     got = pages_in(tpb.PoolTransfer(pool="kv", device_pages=values).device_pages)

@@ -21,6 +21,7 @@ from hicached.core.types import Ack, PoolRequest, PoolRole, PoolState, WorkerId
 from hicached.errors import InvalidArgument
 from hicached.l2.group import PoolTransfer
 from hicached.l2.layout import HostLayout, KVSpec, PoolKind
+from hicached.page_arrays import SMALL_BATCH
 from hicached.transfer.handles import (
     DTYPE_BY_NAME,
     BufferSpec,
@@ -155,17 +156,13 @@ def _data_path(value: str, what: str) -> str:
     return value
 
 
-# Up to this many pages a repeated field is walked (np.fromiter), above it handed over whole.
-FEW_PAGES = 64
-
-
 def pages_in(values: Sequence[int]) -> np.ndarray:
     """A repeated int64 field as an int64 array, on the event loop of every Write, Load and
     Free. upb's repeated fields hand numpy their values in one call (``__array__``): 2.4 us
-    for 1,000 pages against 35-54 us element by element; up to :data:`FEW_PAGES`, walking
+    for 1,000 pages against 35-54 us element by element; up to ``SMALL_BATCH`` pages, walking
     them is the cheaper (0.8 against 2.1 us for one page)."""
     n = len(values)
-    if n <= FEW_PAGES:
+    if n <= SMALL_BATCH:
         return np.fromiter(values, dtype=np.int64, count=n)
     return np.array(values, dtype=np.int64)
 
