@@ -4,8 +4,10 @@ The worker's "device" KV pool lives in POSIX shared memory (the CPU data
 plane). In the same run it measures the machine's own limits beside the
 daemon's figures: a plain in-process page gather of the same pages
 (``memcpy_gbps``), the same gather between two shared-memory segments
-(``memcpy_shm_gbps``: the kind of memory the daemon copies between) and a bare
-gRPC echo on the same server and socket (``echo_rtt_us``). ``write_gbps`` /
+(``memcpy_shm_gbps``: the kind of memory the daemon copies between), the same pages
+gathered out of the worker's own pool in its layout, one 16 KiB row per layer and K/V
+(``memcpy_layout_gbps``: the rows the daemon's copy moves), and a bare gRPC echo on the
+same server and socket (``echo_rtt_us``). ``write_gbps`` /
 ``load_gbps`` go over gRPC, ``fastlane_write_gbps`` / ``fastlane_load_gbps`` the same
 pages over the session's fast lane. Every loaded byte is compared with what was written
 (``verified``).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -139,6 +142,37 @@ class _Gather:
         self._segments.clear()
 
 
+class _LayoutGather:
+    """The same pages as the daemon's copy moves them: out of the worker's pool, one
+    ``index_select`` per layer and K/V (rows of PAGE_BYTES / (2 * LAYERS)), into a prefaulted
+    ``/dev/shm`` segment of the same shape. Reads the pool, never writes it. :meth:`close`
+    unlinks the segment."""
+
+    def __init__(self, pool: ShmKVPool, pages: np.ndarray) -> None:
+        tensors = (*pool.k, *pool.v)
+        self.src = [t.view(torch.int64).view(t.shape[0] // PAGE, -1) for t in tensors]
+        rows = (len(tensors), len(pages), self.src[0].shape[1])
+        tag = f"hcbench-layout-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._segment = SharedSegment.create(tag, math.prod(rows) * 8)
+        self.idx = torch.from_numpy(pages)
+        try:
+            self.dst = self._segment.tensor(torch.int64, rows)
+            self()  # first touch
+        except BaseException:
+            self._segment.close()
+            self._segment.unlink()
+            raise
+
+    def __call__(self) -> None:
+        for i, src in enumerate(self.src):
+            torch.index_select(src, 0, self.idx, out=self.dst[i])
+
+    def close(self) -> None:
+        del self.src, self.dst  # the views keep the mappings alive
+        self._segment.close()
+        self._segment.unlink()
+
+
 def run(quick: bool) -> dict[str, float]:
     pages_n = 1000
     reps = 5 if quick else 15
@@ -197,19 +231,21 @@ def _data_plane(
     random device pages, verify; over gRPC, then the same over the session's fast lane. The
     plain gathers run between them so all see the same load."""
     picked = rng.choice(device_pages, size=n, replace=False).astype(np.int64)
-    gather, shm_gather = _Gather(device_pages, picked), _Gather(device_pages, picked, shared=True)
     paths = {"": _Path(session.write, lambda b: session.load_wait(b, layer_progress=False))}
-    try:
-        with contextlib.ExitStack() as stack:
-            try:
-                lane = stack.enter_context(FastLane.open(session))
-            except HiCacheError as exc:  # the user's settings turned the lane off
-                log.warning("fastlane_write_gbps / fastlane_load_gbps left out: %s", exc.message)
-            else:
-                paths["fastlane_"] = _Path(lane.write, lambda b: lane.load(b, layer_progress=False))
-            return _data_plane_reps(session, pool, rng, n, device_pages, reps, paths, gather, shm_gather)
-    finally:
-        shm_gather.close()
+    with contextlib.ExitStack() as stack:
+        gathers: dict[str, Callable[[], None]] = {"memcpy": _Gather(device_pages, picked)}
+        shm = _Gather(device_pages, picked, shared=True)
+        stack.callback(shm.close)
+        layout = _LayoutGather(pool, picked)
+        stack.callback(layout.close)
+        gathers.update(memcpy_shm=shm, memcpy_layout=layout)
+        try:
+            lane = stack.enter_context(FastLane.open(session))
+        except HiCacheError as exc:  # the user's settings turned the lane off
+            log.warning("fastlane_write_gbps / fastlane_load_gbps left out: %s", exc.message)
+        else:
+            paths["fastlane_"] = _Path(lane.write, lambda b: lane.load(b, layer_progress=False))
+        return _data_plane_reps(session, pool, rng, n, device_pages, reps, paths, gathers)
 
 
 @dataclass(frozen=True)
@@ -228,14 +264,13 @@ def _data_plane_reps(
     device_pages: int,
     reps: int,
     paths: dict[str, _Path],
-    gather: _Gather,
-    shm_gather: _Gather,
+    gathers: dict[str, Callable[[], None]],
 ) -> dict[str, float]:
-    times: dict[str, list[float]] = {"memcpy": [], "memcpy_shm": []}
+    times: dict[str, list[float]] = {name: [] for name in gathers}
     verified = True
     for rep in range(reps + 1):  # rep 0 warms up: the daemon's first pass over a new mapping faults
-        times["memcpy"].append(timed(gather))
-        times["memcpy_shm"].append(timed(shm_gather))
+        for name, gather in gathers.items():
+            times[name].append(timed(gather))
         for prefix, path in paths.items():
             src = rng.choice(device_pages // 2, size=n, replace=False).astype(np.int64)
             dst = (rng.choice(device_pages // 2, size=n, replace=False) + device_pages // 2).astype(np.int64)

@@ -81,6 +81,7 @@ def test_the_daemon_suite_leaves_out_the_lane_figures_when_the_lane_is_off(tmp_p
     code, out, err = bench("--suite", "daemon", cwd=tmp_path, env=env)
     assert code == 0, err
     assert out["failed"] == {} and out["write_gbps"] > 0 and out["verified"] == 1.0
+    assert out["memcpy_layout_gbps"] > 0  # the limit in the pool's own layout, beside the others
     assert "fastlane_write_gbps" not in out and "fastlane_load_gbps" not in out
     notes = out["notes"]
     assert isinstance(notes, list) and any("fastlane_write_gbps" in n for n in notes), notes
