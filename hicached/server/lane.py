@@ -35,7 +35,6 @@ import select
 import socket
 import time
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -48,7 +47,7 @@ from hicached.core.types import Ack
 from hicached.errors import PermissionDenied
 from hicached.l2.group import PoolTransfer
 from hicached.server.handoff import peer_cred
-from hicached.server.limits import check_ids, check_keys
+from hicached.server.limits import check_id_values, check_keys
 from hicached.server.observer import RpcObserver
 from hicached.server.status import status_for
 
@@ -338,7 +337,7 @@ class Lane:
         transfers = _transfers_in(req.transfers)
         ok = grpc.StatusCode.OK.value[0]
         # The servicer's pre-core check of identifiers (its unary wrapper), mirrored.
-        check_ids(SimpleNamespace(session_id=sid, op_id=op), self._core.config.limits)
+        check_id_values((("session_id", sid), ("op_id", op)), self._core.config.limits)
         if req.opcode in (w.Opcode.WRITE, w.Opcode.RESOLVE):
             self._check_answer_fits(req)
         if req.opcode is w.Opcode.WRITE:

@@ -22,7 +22,6 @@ Buffers: the ring is owned by the lane and unmapped by :meth:`close` (idempotent
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import mmap
 import os
@@ -335,8 +334,12 @@ class FastLane:
         op_id: str | None,
         keys: Sequence[str] = (),
     ) -> int:
-        req = w.Request(opcode, flags, 0, op_id or _new_op_id(), _wire(transfers), tuple(keys))
-        return self.submit_raw(lambda view, offset, seq: w.encode_request(view, offset, _with_seq(req, seq)))
+        op, wire, given = op_id or _new_op_id(), _wire(transfers), tuple(keys)
+        return self.submit_raw(
+            lambda view, offset, seq: w.encode_request(
+                view, offset, w.Request(opcode, flags, seq, op, wire, given)
+            )
+        )
 
     def submit_raw(self, fill: Any) -> int:
         """Publish one request written by ``fill(view, offset, seq)``; returns its seq.
@@ -415,10 +418,6 @@ class FastLane:
             with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(self._layer)
         return bool(ready)
-
-
-def _with_seq(req: w.Request, seq: int) -> w.Request:
-    return dataclasses.replace(req, seq=seq)
 
 
 class PendingLoad:

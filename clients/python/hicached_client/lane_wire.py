@@ -49,6 +49,7 @@ import sys
 from array import array
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -144,8 +145,9 @@ class WireTransfer:
     host_allocated: bool = False
 
 
-@dataclass(frozen=True)
-class Request:
+# Request and Completion are tuples, not frozen dataclasses: four are built per round trip,
+# and a tuple of ten fields costs 0.6 us to build against 1.5 us.
+class Request(NamedTuple):
     opcode: Opcode
     flags: int
     seq: int
@@ -162,8 +164,7 @@ class WireAck:
     bytes: int
 
 
-@dataclass(frozen=True)
-class Completion:
+class Completion(NamedTuple):
     opcode: int
     seq: int
     status: int  # gRPC status code number; 0 = OK
@@ -284,7 +285,9 @@ def encode_request(buf: memoryview, offset: int, req: Request) -> None:
     REQUEST.pack_into(
         buf, offset, REQUEST_MAGIC, VERSION, int(req.opcode), req.flags, len(req.transfers), req.seq, op
     )
-    pos = _write_transfers(buf, offset + REQUEST.size, req.transfers, offset + AREA)
+    pos = offset + REQUEST.size
+    if req.transfers:
+        pos = _write_transfers(buf, pos, req.transfers, offset + AREA)
     if req.opcode in KEYED:
         _write_keys(buf, pos, req.keys, offset + AREA)
 
@@ -397,12 +400,15 @@ def encode_completion(buf: memoryview, offset: int, c: Completion) -> None:
         -1 if c.retry_after_ms is None else c.retry_after_ms,
         len(c.transfers), len(c.acks), len(c.layers), c.value, len(msg), msg,
     )  # fmt: skip
-    pos = _write_transfers(buf, offset + COMPLETION.size, c.transfers, offset + AREA)
+    pos = offset + COMPLETION.size
+    if c.transfers:  # each section is skipped when empty: a ping or a Lookup has none
+        pos = _write_transfers(buf, pos, c.transfers, offset + AREA)
     for a in c.acks:
         ACK.pack_into(buf, pos, _pack_name(a.pool, POOL_NAME_BYTES, "pool"), a.pages, a.tokens, a.bytes)
         pos += ACK.size
-    layers = np.asarray(c.layers, dtype="<i4").tobytes()
-    buf[pos : pos + len(layers)] = layers
+    if c.layers:
+        layers = np.asarray(c.layers, dtype="<i4").tobytes()
+        buf[pos : pos + len(layers)] = layers
 
 
 def read_completion(ring: memoryview, offset: int) -> Completion:
