@@ -24,3 +24,14 @@ def test_keys_come_back_as_sent(keys: tuple[str, ...]) -> None:
     sent = w.Request(w.Opcode.GET_PAGES, 0, 0, "op-1", (), keys)
     w.encode_request(ring, w.request_offset(0), sent)
     assert w.read_request(ring, w.request_offset(0)).keys == keys
+
+
+@pytest.mark.parametrize("key", ["k" * 65536, "é" * 32768], ids=["ascii", "two bytes a character"])
+def test_a_key_over_65535_utf8_bytes_is_refused_before_the_keys_are_written(key: str) -> None:
+    """Lengths are UTF-8 bytes, not characters: 32,768 'é' are 65,536 bytes and do not fit."""
+    ring = memoryview(bytearray(w.RING_BYTES))
+    w.init_ring(ring)
+    before = bytes(ring[w.request_offset(0) + w.REQUEST.size :][:64])
+    with pytest.raises(ValueError, match="65535 UTF-8 bytes"):
+        w.encode_request(ring, w.request_offset(0), w.Request(w.Opcode.LOOKUP, 0, 0, "op-1", (), ("a", key)))
+    assert bytes(ring[w.request_offset(0) + w.REQUEST.size :][:64]) == before

@@ -74,6 +74,25 @@ def test_key_spaces_separate_pools_ranks_and_tenants() -> None:
     assert space.daemon_keys(keys) == [space.daemon_key(k) for k in keys] == [
         "0f3a.swa@t", "a%2Fb.swa@t", "a%252Fb.swa@t", "%25.swa@t", "é%2Fü.swa@t"
     ]  # fmt: skip
-    for bad in ("", None, b"ab"):
+    for bad in ("", None, b"ab", 7):
         with pytest.raises(ValueError, match="non-empty string"):
             space.daemon_keys(["ok", bad])  # type: ignore[list-item]
+
+
+def test_a_batch_of_plain_keys_maps_as_each_key_alone() -> None:
+    """daemon_keys tests a batch with nothing to escape on its joined text: the same keys,
+    each a plain str, as daemon_key one at a time (SGLang's hex digests take this path)."""
+
+    class Key(str):
+        pass
+
+    base = {"tp_rank": 0, "tp_size": 1, "tp_sharded_in_key": False}
+    plain = [f"{i:064x}" for i in range(128)] + ["é中", Key("sub")]
+    for space in (key_space("kv", tenant="", **base), key_space("swa", tenant="t", **base)):
+        got = space.daemon_keys(plain)
+        assert got == [space.daemon_key(k) for k in plain]
+        assert all(type(k) is str for k in got)
+        # One key to escape anywhere in the batch: every key still maps as it alone would.
+        for i in (0, 64, len(plain) - 1):
+            mixed = [*plain[:i], "a/b%", *plain[i + 1 :]]
+            assert space.daemon_keys(mixed) == [space.daemon_key(k) for k in mixed]

@@ -293,12 +293,16 @@ def encode_request(buf: memoryview, offset: int, req: Request) -> None:
 
 
 def _write_keys(buf: memoryview, pos: int, keys: tuple[str, ...], limit: int) -> None:
-    raw = [k.encode("utf-8") for k in keys]
-    sizes = list(map(len, raw))
+    text = "".join(keys)
+    blob = text.encode("utf-8")
+    # ASCII keys (the common case): a character is a byte, so the lengths need no encoding.
+    sizes = list(map(len, keys)) if len(blob) == len(text) else [len(k.encode("utf-8")) for k in keys]
     if sizes and max(sizes) > 0xFFFF:
         raise ValueError("a key longer than 65535 UTF-8 bytes does not fit a lane record")
-    lengths = np.asarray(sizes, dtype="<u2").tobytes()
-    blob = b"".join(raw)
+    counts = array("H", sizes)
+    if sys.byteorder != "little":
+        counts.byteswap()
+    lengths = counts.tobytes()
     end = pos + KEY_COUNT.size + len(lengths) + len(blob)
     if end > limit:
         raise ValueError(f"{len(keys)} keys ({len(blob)} bytes) do not fit in a lane record: use gRPC")

@@ -49,8 +49,15 @@ class KeySpace:
         return escape_key(key) + self.suffix
 
     def daemon_keys(self, keys: list[str]) -> list[str]:
-        """``daemon_key`` of each key, one call per key (two were a tenth of a warm get's CPU)."""
+        """``daemon_key`` of each key. A batch of plain keys (SGLang's hex digests) is tested
+        at once on the joined text: 128 keys 14 -> 7 us, twice per batch of a warm get."""
         suffix = self.suffix
+        try:
+            joined = "".join(keys)
+        except TypeError:  # a key that is not a string: escape_key names it
+            joined = "/"
+        if all(keys) and "%" not in joined and "/" not in joined:
+            return [key + suffix for key in keys]  # always a new str, as escape_key's rewrite
         return [escape_key(key) + suffix for key in keys]
 
 
