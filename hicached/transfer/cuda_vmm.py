@@ -35,15 +35,30 @@ from hicached.transfer.cuda import device_view, resolve_device
 from hicached.transfer.handles import CudaFdBufferHandle, OpenedAllocation
 
 _CUDA_ERROR_INVALID_VALUE = 1
+# What the driver answers when the fd is no cuMem export at all (a memfd, a file): seen on an
+# H200 (driver 580) as CUDA_ERROR_UNKNOWN; the others are the documented refusals of a handle.
+_NOT_AN_EXPORT = frozenset({1, 400, 999})  # INVALID_VALUE, INVALID_HANDLE, UNKNOWN
 
 
 def _check(rc: int, what: str) -> None:
     if rc == 0:
         return
-    text = driver().error_text(rc)
+    text = f"{driver().error_text(rc)} (CUresult {rc})"
     if rc == _CUDA_ERROR_INVALID_VALUE:
         raise InvalidArgument(f"{what}: {text} (is allocation_size the size the worker created?)")
     raise FailedPrecondition(f"{what}: {text}")
+
+
+def _import(handle: ctypes.c_uint64, fd: int) -> None:
+    """The one step whose only input is the client's fd: its refusal is the client's error."""
+    rc = driver().import_handle(ctypes.byref(handle), ctypes.c_void_p(fd), POSIX_FD_HANDLE)
+    if rc in _NOT_AN_EXPORT:
+        raise InvalidArgument(
+            f"cuMemImportFromShareableHandle: {driver().error_text(rc)} (CUresult {rc}): the fd "
+            "is not a CUDA allocation; export it with cuMemExportToShareableHandle and "
+            "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (hicached_client.cuda_vmm.CudaFdAllocation does)"
+        )
+    _check(rc, "cuMemImportFromShareableHandle")
 
 
 class FdAllocation(OpenedAllocation):
@@ -62,10 +77,7 @@ class FdAllocation(OpenedAllocation):
         with torch.cuda.device(device):
             torch.cuda.synchronize(device)  # makes the primary context current on this thread
             try:
-                _check(
-                    drv.import_handle(ctypes.byref(handle), ctypes.c_void_p(fd), POSIX_FD_HANDLE),
-                    "cuMemImportFromShareableHandle",
-                )
+                _import(handle, fd)
                 undo.append(("release", handle.value))
                 _check(drv.reserve(ctypes.byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")
                 undo.append(("free", ptr.value))

@@ -225,10 +225,12 @@ def _cuda_fd_buffers(fd: int, size: int, allocation_size: int) -> list[tpb.Devic
     ]
 
 
-def test_a_cuda_fd_handle_is_checked_before_import_and_refused_without_cuda(daemon: Daemon) -> None:
+def test_a_cuda_fd_handle_is_checked_before_import_and_refused(daemon: Daemon) -> None:
     """The POSIX-fd CUDA handle travels the handoff like a memfd. Whatever fd it carries (here a
-    sealed memfd, as an attacker could send), a CPU daemon refuses it with a status -- a range
-    beyond the claimed allocation before anything is opened -- and nothing changes."""
+    sealed memfd, as an attacker could send), the daemon refuses it with a status -- a range
+    beyond the claimed allocation before anything is opened; then, on a CPU machine, no CUDA
+    device, and on a GPU machine the driver's refusal to import it, named as the client's
+    error -- and nothing changes."""
     size = 2 * 64 * KV_HEADS * KV_DIM * 2
     fd = sealed_memfd("hcsec-cudafd", size)
     try:
@@ -237,7 +239,11 @@ def test_a_cuda_fd_handle_is_checked_before_import_and_refused_without_cuda(daem
             err = attack_attach(client, _cuda_fd_buffers(fd, size, allocation_size=size // 4))
             assert err.code == C.INVALID_ARGUMENT and "beyond the allocation" in err.message, err
             err = attack_attach(client, _cuda_fd_buffers(fd, size, allocation_size=size))
-            assert err.code == C.FAILED_PRECONDITION and "no CUDA device" in err.message, err
+            if torch.cuda.is_available():  # the daemon runs on this machine
+                assert err.code == C.INVALID_ARGUMENT, err
+                assert "the fd is not a CUDA allocation" in err.message, err
+            else:
+                assert err.code == C.FAILED_PRECONDITION and "no CUDA device" in err.message, err
             assert state(client) == before
     finally:
         os.close(fd)
