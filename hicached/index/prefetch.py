@@ -131,6 +131,7 @@ class Prefetcher:
         rows = list(zip(*(c.tolist() for c in columns), strict=True))
         good = 0
         mask = np.zeros(0, dtype=bool)
+        epoch = self._table.clear_epoch()  # a clear during the read: publish nothing
         try:
             started = time.perf_counter()
             results = self._backend.get_into(
@@ -141,7 +142,7 @@ class Prefetcher:
             good = ok.index(False) if False in ok else len(ok)
             if not discard():
                 mask, _, _ = self._table.insert(
-                    keys[:good], [c[:good] for c in columns], tenant, in_l3=True, strict=False
+                    keys[:good], [c[:good] for c in columns], tenant, in_l3=True, strict=False, epoch=epoch
                 )
         finally:
             keep = np.zeros(len(keys), dtype=bool)

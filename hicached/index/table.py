@@ -10,9 +10,13 @@ does I/O.
 
 Holds: an entry's pages are freed exactly once, when it has left the
 table (``detached``) and its last hold is dropped (``refs``: pins plus
-in-flight backups or evictions). Eviction is LRU over unreferenced
-entries; keys of one prefix are touched deepest-first, so a prefix is
-shortened from its tail.
+in-flight backups or evictions), or at :meth:`EntryTable.close`. Eviction is
+LRU over unreferenced entries; keys of one prefix are touched deepest-first,
+so a prefix is shortened from its tail.
+
+Clears: :meth:`EntryTable.detach` reaches the entries an eviction still holds
+for their L3 write (so the write's copy is deleted, not kept), and moves the
+clear epoch (so an L3 read that began before it publishes nothing).
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ __all__ = ["EntryTable"]
 # releasing someone else's pages.
 _PIN_IDS = itertools.count(1)
 
+# Keys remembered as a tenant's L3 copies (for clear(tenant)), all tenants together: the
+# oldest are forgotten beyond this (about 150 bytes each). A forgotten key's L3 copy is
+# only removed by a full clear, as are the copies an earlier daemon wrote.
+MAX_TENANT_L3_KEYS = 1 << 18
+
 
 class EntryTable:
     """Entries of one content index and the pages they own. Thread-safe (one lock)."""
@@ -48,7 +57,9 @@ class EntryTable:
         self._owned = [np.zeros(a.capacity, dtype=bool) for a in view.allocators]
         self._pins: dict[int, tuple[Entry, ...]] = {}
         self._pinned_entries = 0
-        self._l3_tenant_keys: dict[str, set[str]] = {}
+        self._l3_tenant_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # key -> tenant
+        self._held: dict[int, Entry] = {}  # evicted, held until their L3 write ends (by id)
+        self._clears = 0  # the clear epoch: detach() moves it
         self.closed = False  # written under the lock; a stale read only delays a refusal
         self._frozen = False  # freeze() took the final snapshot: no more changes
         self._counts = collections.Counter[str]()
@@ -95,13 +106,28 @@ class EntryTable:
 
     # ------------------------------------------------------------- insert / pin
 
+    def clear_epoch(self) -> int:
+        """The clear epoch now: take it before reading what :meth:`insert` will publish."""
+        with self._lock:
+            return self._clears
+
     def insert(
-        self, keys: Sequence[str], columns: Sequence[PageArray], tenant: str, *, in_l3: bool, strict: bool
+        self,
+        keys: Sequence[str],
+        columns: Sequence[PageArray],
+        tenant: str,
+        *,
+        in_l3: bool,
+        strict: bool,
+        epoch: int | None = None,
     ) -> tuple[npt.NDArray[np.bool_], list[Entry], list[Entry]]:
         """Add entries for new keys, touch existing ones; (mask of keys taken, new entries, entries now hot).
 
         ``columns`` holds one page array per independent pool, one page per key.
         ``strict``: FailedPrecondition, changing nothing, when a page is already the table's.
+        ``epoch``: the :meth:`clear_epoch` taken before the pages were read; when a clear
+        ran since, nothing is taken (the pages may hold what the clear removed) and the
+        mask is empty.
         """
         rows = list(zip(*(c.tolist() for c in columns), strict=True)) if len(keys) else []
         mask = np.zeros(len(keys), dtype=bool)
@@ -110,6 +136,8 @@ class EntryTable:
         with self._lock:
             if self.closed or self._frozen:
                 raise Unavailable("the content index is closed")
+            if epoch is not None and epoch != self._clears:
+                return np.zeros(0, dtype=bool), new, hot  # taken: none (not even touched)
             if strict:
                 for col, (owned, column) in enumerate(zip(self._owned, columns, strict=True)):
                     taken = np.flatnonzero(owned[column])
@@ -185,7 +213,7 @@ class EntryTable:
                 entry.pins -= 1
                 if entry.pins == 0:
                     self._pinned_entries -= 1
-            if entry.refs == 0 and entry.detached:
+            if entry.refs == 0 and entry.detached and not entry.freed:  # close() may have freed it
                 doomed.append(entry)
         self._free_locked(doomed)
 
@@ -196,6 +224,7 @@ class EntryTable:
         for entry in entries:
             assert not entry.freed, f"entry {entry.key!r} freed twice"
             entry.freed = True
+            self._held.pop(id(entry), None)
         for col, (allocator, owned) in enumerate(zip(self._view.allocators, self._owned, strict=True)):
             pages = np.fromiter((e.pages[col] for e in entries), dtype=np.int64, count=len(entries))
             owned[pages] = False
@@ -219,12 +248,12 @@ class EntryTable:
             return taken, len(todo) - len(taken)
 
     def unclaim(self, entries: Sequence[Entry]) -> None:
-        """A backup is done with ``entries`` (stored or not): unmark and drop its holds."""
+        """A backup is done with ``entries`` (stored or not): unmark and drop its holds
+        (after :meth:`close` too: an evicted entry held for its write is freed here)."""
         with self._lock:
             for entry in entries:
                 entry.backup_queued = False
-            if not self.closed:  # close() freed every page already
-                self._drop_refs_locked(entries, pinned=False)
+            self._drop_refs_locked(entries, pinned=False)
 
     def mark_stored(self, entries: Sequence[Entry], ok: Sequence[bool]) -> list[str]:
         """Record the entries L3 now holds; the keys cleared meanwhile (their L3 copies must go)."""
@@ -238,8 +267,15 @@ class EntryTable:
                     continue
                 entry.in_l3 = True
                 if entry.tenant:
-                    self._l3_tenant_keys.setdefault(entry.tenant, set()).add(entry.key)
+                    self._remember_l3_locked(entry)
         return orphans
+
+    def _remember_l3_locked(self, entry: Entry) -> None:
+        known = self._l3_tenant_keys
+        known[entry.key] = entry.tenant
+        known.move_to_end(entry.key)
+        while len(known) > MAX_TENANT_L3_KEYS:
+            known.popitem(last=False)
 
     # ------------------------------------------------------------- eviction
 
@@ -284,6 +320,8 @@ class EntryTable:
                 entry.detached = True
                 entry.refs += 1
             dirty = [e for e in victims if not e.in_l3] if hold_dirty else []
+            for entry in dirty:  # a clear meanwhile must reach them (detach)
+                self._held[id(entry)] = entry
             if queue_dirty is not None:  # (a victim had no hold, so no backup was queued for it)
                 for entry in dirty:
                     entry.backup_queued = True
@@ -296,15 +334,22 @@ class EntryTable:
         """clear(): every entry (or one tenant's) leaves now; pinned ones are freed at their last
         unpin. (Entries dropped, the tenant's keys known to be in L3; None without a tenant.)"""
         with self._lock:
+            self._clears += 1
             targets = [e for e in self._entries.values() if tenant is None or e.tenant == tenant]
             for entry in targets:
                 del self._entries[entry.key]
                 entry.detached = entry.cleared = True
+            for entry in self._held.values():  # evicted, their L3 write still to come or running
+                if tenant is None or entry.tenant == tenant:
+                    entry.cleared = True
             self._free_locked([e for e in targets if e.refs == 0])
             if tenant is None:
                 self._l3_tenant_keys.clear()
                 return len(targets), None
-            l3_keys = self._l3_tenant_keys.pop(tenant, set())
+            known = self._l3_tenant_keys
+            l3_keys = {k for k, t in known.items() if t == tenant}
+            for key in l3_keys:
+                del known[key]
             l3_keys.update(e.key for e in targets if e.in_l3)
             return len(targets), l3_keys
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from hicached.errors import FailedPrecondition, ResourceExhausted
 from hicached.index.backup import BackupCounts, BackupQueue
-from hicached.index.entries import Entry, batches
+from hicached.index.entries import Entry
 from hicached.index.jobs import BackupJob
 from hicached.index.observer import IndexObserver
 from hicached.index.pools import GroupView
@@ -199,10 +199,18 @@ class Writer:
             )
 
         if self._policy is WritePolicy.WRITE_BACK and self._backend is not None:
-            for chunk in batches(self._table.dirty(), queue.max_pages):
+            # The only copies: each chunk is queued whole, never partly dropped. Another caller
+            # may take the room between the wait and the claim; then wait for room again.
+            pending = self._table.dirty()
+            while pending:
+                chunk = pending[: queue.max_pages]
                 if not queue.wait_queued_at_most(queue.max_pages - len(chunk), remaining()):
                     raise busy()
-                self._queue(chunk, explicit=False)
+                try:
+                    self._queue(chunk, explicit=True)
+                except ResourceExhausted:
+                    continue
+                pending = pending[len(chunk) :]
         if not queue.wait_queued_at_most(0, remaining()):
             raise busy()
         return queue.counts().backed_up - before

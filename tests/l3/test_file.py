@@ -99,11 +99,38 @@ def test_torn_write_is_never_served(file_dir: Path) -> None:
 def test_truncated_slab_is_a_miss(file_dir: Path) -> None:
     with open_file(file_dir) as backend:
         assert all(backend.set(["tr/a", "tr/b"], [page("tr/a"), page("tr/b")]))
+    # What a full disk leaves: the last slot's header written, its payload cut short.
     os.truncate(slab_path(file_dir), SLOT + HEADER_BYTES + 10)
     with open_file(file_dir) as backend:
+        assert backend.exists(["tr/b"]) == 0  # not indexed: its payload is not in the file
+        assert backend.stats().corrupt_pages == 1
         assert backend.get(["tr/a", "tr/b"]) == [page("tr/a"), None]
         dest = bytearray(4096)
         assert backend.get_into(["tr/b"], [[memoryview(dest)]]) == [False]
+
+
+def test_files_named_like_slabs_that_it_does_not_write_are_ignored_at_start(file_dir: Path) -> None:
+    with open_file(file_dir) as backend:
+        assert backend.set(["s/a"], [page("s/a")]) == [True]
+    (file_dir / "slab-0.dat").touch()
+    (file_dir / "slab-100.dat").touch()
+    (file_dir / "slab-1024.dat").mkdir()
+    with open_file(file_dir) as backend:
+        assert backend.get(["s/a"]) == [page("s/a")]
+        assert backend.set(["s/b"], [page("s/b")]) == [True]
+        # The name of 100-byte pages' slab is taken by the directory: not stored, and the
+        # backend still closes (the failed open ended its operation).
+        assert backend.set(["s/c"], [page("s/c", 100)]) == [False]
+
+
+def test_a_destination_of_another_size_is_a_miss_that_keeps_the_page(file_dir: Path) -> None:
+    with open_file(file_dir) as backend:
+        assert backend.set(["d/a"], [page("d/a")]) == [True]
+        short = bytearray(4095)
+        assert backend.get_into(["d/a"], [[memoryview(short)]]) == [False]
+        assert backend.exists(["d/a"]) == 1
+        assert backend.stats().corrupt_pages == 0
+        assert backend.get(["d/a"]) == [page("d/a")]
 
 
 def test_lru_eviction_at_capacity(file_dir: Path) -> None:

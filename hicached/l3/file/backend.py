@@ -121,9 +121,11 @@ class FileBackend(StorageBackend):
             self._begin_op()
             return self._index.pin(keys)
 
-    def _unpin(self, entries: Sequence[Entry | None], ok: Sequence[bool]) -> None:
+    def _unpin(
+        self, entries: Sequence[Entry | None], ok: Sequence[bool], read: Sequence[bool] | None = None
+    ) -> None:
         with self._lock:
-            self._index.unpin(entries, ok)
+            self._index.unpin(entries, ok, read)
             self._end_op()
 
     # ------------------------------------------------------------------ reads
@@ -167,18 +169,21 @@ class FileBackend(StorageBackend):
         views = [[as_bytes_view(c, writable=True) for c in chunks] for chunks in dests]
         entries = self._pin(keys)
         ok = [False] * len(keys)
+        read = [False] * len(keys)  # a destination of another size is a miss, not a bad page
         try:
             plan = [
                 (i, entry)
                 for i, entry in enumerate(entries)
                 if entry is not None and not entry.dead and entry.length == sum(c.nbytes for c in views[i])
             ]
+            for i, _ in plan:
+                read[i] = True
             self._io.map(
                 functools.partial(read_run, views=views, ok=ok, root=self.root),
                 list(runs(plan, _READ_SPLIT_BYTES)),
             )
         finally:
-            self._unpin(entries, ok)
+            self._unpin(entries, ok, read)
         return ok
 
     # ----------------------------------------------------------------- writes
@@ -202,19 +207,25 @@ class FileBackend(StorageBackend):
         alias: dict[int, int] = {}
         with self._lock:
             self._begin_op()
-            first: dict[str, int] = {}
-            for i, key in enumerate(keys):
-                if key in self._index.entries:
-                    self._index.entries.move_to_end(key)
-                    results[i] = True
-                    continue
-                if key in first:
-                    alias[i] = first[key]
-                    continue
-                first[key] = i
-                entry = self._index.reserve(key, lengths[i])
-                if entry is not None:
-                    fresh.append((i, entry))
+            try:
+                first: dict[str, int] = {}
+                for i, key in enumerate(keys):
+                    if key in self._index.entries:
+                        self._index.entries.move_to_end(key)
+                        results[i] = True
+                        continue
+                    if key in first:
+                        alias[i] = first[key]
+                        continue
+                    first[key] = i
+                    entry = self._index.reserve(key, lengths[i])
+                    if entry is not None:
+                        fresh.append((i, entry))
+            except BaseException:  # nothing written: give the slots back, end the operation
+                for _, entry in fresh:
+                    self._index.commit(entry, False)
+                self._end_op()
+                raise
         written: builtins.set[int] = builtins.set()
         try:
             written, full = self._write_runs(fresh, srcs, encoded)

@@ -76,17 +76,26 @@ class PageIndex:
         corrupt: list[tuple[Slab, int]] = []
         for path in sorted(self.root.iterdir()):
             match = SLAB_NAME.match(path.name)
-            if match is None or int(match.group(1)) % SLOT_ALIGN:
+            if match is None:
                 continue
-            slab = self.slab(int(match.group(1)))
-            nslots = -(-os.fstat(slab.fd).st_size // slab.slot_bytes)
+            size = int(match.group(1))
+            if size < HEADER_BYTES or size % SLOT_ALIGN or path.is_symlink() or not path.is_file():
+                log.warning(
+                    "file backend %s: ignored %s (not a slab file this backend writes)", self.root, path.name
+                )
+                continue
+            slab = self.slab(size)
+            file_bytes = os.fstat(slab.fd).st_size
+            nslots = -(-file_bytes // slab.slot_bytes)
             used: set[int] = set()
             for slot in range(nslots):
                 header = os.pread(slab.fd, HEADER_BYTES, slab.offset(slot))
                 parsed = parse_header(header)
-                if parsed is None or slot_bytes_for(parsed[2]) != slab.slot_bytes:
+                torn = parsed is not None and slab.offset(slot) + HEADER_BYTES + parsed[2] > file_bytes
+                if parsed is None or torn or slot_bytes_for(parsed[2]) != slab.slot_bytes:
                     # A never-written or cleared slot starts with a zero magic; anything else
-                    # that does not verify is a damaged page, dropped and counted.
+                    # that does not verify, or whose payload the file does not hold (a write
+                    # cut short by a full disk), is a damaged page, dropped and counted.
                     if header[: len(TOMBSTONE)].strip(b"\0"):
                         corrupt.append((slab, slot))
                     continue
@@ -186,9 +195,15 @@ class PageIndex:
         """A fresh entry in a newly allocated slot for ``key`` (evicting for room), not yet
         indexed (its checksum is set by the write); None when the page cannot fit."""
         size = slot_bytes_for(length)
-        if size > self.capacity or not self.evict_for(size):
+        if size > self.capacity:
             return None
-        slab = self.slab(size)
+        try:
+            slab = self.slab(size)
+        except OSError as exc:  # e.g. something else holds the slab's name: this size is not stored
+            log.warning("file backend %s: cannot open slab-%d.dat: %s", self.root, size, exc)
+            return None
+        if not self.evict_for(size):
+            return None
         self.seq += 1
         self.used += size
         return Entry(key, slab, slab.alloc(), length, 0, self.seq)
@@ -248,9 +263,12 @@ class PageIndex:
             pinned.append(entry)
         return pinned
 
-    def unpin(self, entries: Sequence[Entry | None], ok: Sequence[bool]) -> None:
-        """Release pins; count hits and misses; drop a pinned page that failed verification."""
-        for entry, good in zip(entries, ok, strict=True):
+    def unpin(
+        self, entries: Sequence[Entry | None], ok: Sequence[bool], read: Sequence[bool] | None = None
+    ) -> None:
+        """Release pins; count hits and misses; drop a pinned page that failed verification
+        (``read``: which entries were read at all; default every one)."""
+        for i, (entry, good) in enumerate(zip(entries, ok, strict=True)):
             if good:
                 self.hits += 1
             else:
@@ -258,7 +276,7 @@ class PageIndex:
             if entry is None:
                 continue
             entry.pins -= 1
-            if not good and not entry.dead:
+            if not good and not entry.dead and (read is None or read[i]):
                 self.corrupt += 1
                 log.warning("file backend %s: page %r failed verification", self.root, entry.key)
                 self.drop(entry, tombstone=True)

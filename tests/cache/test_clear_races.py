@@ -1,0 +1,183 @@
+"""clear(), close() and flush() racing the index's own L3 traffic, on real pools and the real
+file backend. Each race is pinned open with a gate, so the interleaving is the one named
+(no sleeps): the assertion is what a worker or an operator would see afterwards."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+import hicached.index.table as table_module
+from hicached.index import ContentIndex, LookupResult, WritePolicy
+from hicached.l2 import HostPoolGroup
+from hicached.l3 import StorageBackend, create_backend
+
+from .conftest import GatedSets, Wrapped, keys_of, write_pages
+
+
+class GateAfterRead(Wrapped):
+    """Once armed, ``get_into`` reads from the real backend and then waits at the gate (the
+    window between an L3 read and the publish of what it read)."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.armed = False
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
+        ok = self.inner.get_into(keys, dests)
+        if self.armed:
+            self.entered.set()
+            assert self.gate.wait(30), "test never opened the gate"
+        return ok
+
+
+def _in_l3(group: HostPoolGroup, path: Path, keys: list[str]) -> None:
+    """An earlier daemon's life: tenant ``t``'s ``keys`` stored in the file L3 at ``path``."""
+    backend = create_backend("file", {"path": str(path)})
+    try:
+        with ContentIndex(group, namespace="ns", backend=backend) as index:
+            index.publish(keys, write_pages(group, len(keys), seed=1), tenant="t")
+            assert index.flush(timeout_s=30) == len(keys)
+    finally:
+        backend.close()
+
+
+def test_a_clear_during_a_synchronous_l3_fetch_does_not_bring_the_pages_back(
+    make_group: Callable[..., HostPoolGroup], make_index: Callable[..., ContentIndex], tmp_path: Path
+) -> None:
+    keys = keys_of("t", 4)
+    _in_l3(make_group(8), tmp_path / "l3", keys)
+    backend = GateAfterRead(create_backend("file", {"path": str(tmp_path / "l3")}))
+    try:
+        index = make_index(make_group(8), backend, namespace="ns")
+        backend.armed = True
+        fetched: list[int] = []
+        fetch = threading.Thread(target=lambda: fetched.append(index.fetch_into_l2(keys, tenant="t")))
+        fetch.start()
+        assert backend.entered.wait(30)  # the pages are read, not yet published
+        assert index.clear() == (0, 4)
+        backend.gate.set()
+        fetch.join(30)
+        assert fetched == [0]
+        assert index.stats().entries == 0
+        assert index.lookup(keys) == LookupResult(0, 0)
+    finally:
+        backend.gate.set()
+        backend.inner.close()
+
+
+def test_a_tenant_cleared_while_its_evicted_pages_are_written_back_is_not_served_from_l3(
+    make_group: Callable[..., HostPoolGroup], make_index: Callable[..., ContentIndex], tmp_path: Path
+) -> None:
+    backend = GatedSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(16)
+    index = make_index(
+        group, backend, write_policy=WritePolicy.WRITE_BACK, write_back_free_fraction=0.25, batch_pages=4
+    )
+    keys = keys_of("e", 14)
+    try:
+        # 14 of 16 pages used: the publish evicts ahead; the oldest go to L3 first, held.
+        index.publish(keys, write_pages(group, 14, seed=13), tenant="gone")
+        assert backend.entered.acquire(timeout=30)  # that write is in flight
+        assert index.clear("gone")[0] == 8  # the 8 still in the table
+    finally:
+        backend.gate.set()
+    index.flush(timeout_s=30)
+    assert index.lookup(keys) == LookupResult(0, 0)
+    assert backend.inner.stats().pages == 0  # what the write stored was deleted after it
+    backend.inner.close()
+
+
+def test_closing_while_an_eviction_holds_pages_for_their_write_frees_them(
+    make_group: Callable[..., HostPoolGroup], file_backend: StorageBackend
+) -> None:
+    group = make_group(8)
+    index = ContentIndex(
+        group,
+        namespace="ns",
+        backend=file_backend,
+        write_policy=WritePolicy.WRITE_BACK,
+        write_back_free_fraction=0.25,
+    )
+    # The window between the eviction (pages held for their write) and the write's job,
+    # held open on the publishing thread at the queue (the index's own object).
+    queue = index._writer.queue
+    run_eviction = queue.run_eviction
+    entered, gate = threading.Event(), threading.Event()
+
+    def gated(items: Sequence[object]) -> None:
+        entered.set()
+        assert gate.wait(30)
+        run_eviction(items)  # type: ignore[arg-type]
+
+    queue.run_eviction = gated  # type: ignore[method-assign]
+    publisher = threading.Thread(target=index.publish, args=(keys_of("k", 7), write_pages(group, 7, seed=1)))
+    publisher.start()  # 7 of 8 pages used: under a quarter free, the publish evicts ahead
+    assert entered.wait(30)
+    index.close()
+    gate.set()
+    publisher.join(30)
+    allocator = group.get_pool("kv").allocator
+    assert allocator.available() == allocator.capacity
+
+
+def test_a_write_back_flush_queues_every_unwritten_page_when_another_backup_takes_the_room(
+    make_group: Callable[..., HostPoolGroup],
+    make_index: Callable[..., ContentIndex],
+    file_backend: StorageBackend,
+) -> None:
+    group = make_group(16)
+    index = make_index(
+        group,
+        file_backend,
+        write_policy=WritePolicy.WRITE_BACK,
+        write_back_free_fraction=0.0,
+        max_queued_pages=4,
+    )
+    dirty = keys_of("d", 4)
+    index.publish(dirty, write_pages(group, 4, seed=1))  # the only copies, in L2
+    other = keys_of("o", 4)
+    index.publish(other, write_pages(group, 4, seed=2))
+    # Another client's Backup takes the room right after the flush saw it free.
+    queue = index._writer.queue
+    wait = queue.wait_queued_at_most
+    raced: list[bool] = []
+
+    def racing_wait(pages: int, timeout_s: float | None) -> bool:
+        room = wait(pages, timeout_s)
+        if not raced:
+            raced.append(True)
+            index.backup(other)
+        return room
+
+    queue.wait_queued_at_most = racing_wait  # type: ignore[method-assign]
+    assert index.flush(timeout_s=30) == 8
+    assert index.stats().dropped_backup_pages == 0
+    assert index.lookup(dirty) == LookupResult(4, 4)
+    assert file_backend.exists(index._view.l3_keys("model-a", dirty)) == 4
+
+
+def test_the_keys_remembered_for_a_tenant_clear_stay_within_their_bound(
+    make_group: Callable[..., HostPoolGroup],
+    make_index: Callable[..., ContentIndex],
+    file_backend: StorageBackend,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(table_module, "MAX_TENANT_L3_KEYS", 6)
+    group = make_group(8)
+    index = make_index(group, file_backend)
+    for r in range(5):  # 20 keys written to L3, 4 at a time, L2 emptied after each round
+        index.publish(keys_of(f"r{r}-", 4), write_pages(group, 4, seed=r), tenant="t")
+        index.flush(timeout_s=30)
+        index.reclaim("kv", 4)
+    assert len(index._table._l3_tenant_keys) == 6
+    # A tenant clear removes the newest six it remembers; the older ones need a full clear.
+    assert index.clear("t") == (0, 6)
+    assert index.lookup(keys_of("r4-", 4)) == LookupResult(0, 0)
+    assert index.lookup(keys_of("r0-", 4)) == LookupResult(0, 4)
+    assert index.clear()[1] == 14
