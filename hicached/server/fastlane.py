@@ -20,6 +20,7 @@ import os
 import select
 import socket
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -183,8 +184,9 @@ class LaneServer:
             self._acceptor = None
         with self._lock:
             threads = list(self._threads.values())
+        deadline = time.monotonic() + timeout_s  # one budget for all lanes, not one each
         for t in threads:
-            t.join(timeout_s)
+            t.join(max(0.0, deadline - time.monotonic()))
         if not any(t.is_alive() for t in threads) and self._stop_r >= 0:
             os.close(self._stop_r)  # no lane polls it any more
             os.close(self._stop_w)

@@ -156,11 +156,17 @@ class Lane:
         # numpy views and the memoryview export the mapping's buffer: drop them before unmapping.
         self._counters = self._layer_seq = self._layer_ns = None
         if self._view is not None:
-            self._view.release()
+            with contextlib.suppress(BufferError):  # a slice of it may still live (see below)
+                self._view.release()
             self._view = None
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            try:
+                ring.close()
+            except BufferError:
+                # A failed copy's traceback may still hold a view (its on_layer); the mapping is
+                # unmapped when the collector frees it. The rest must go now, whatever happens.
+                logger.debug("fast-lane ring still referenced; unmapped when released")
         efds, self._efds = self._efds, []
         for fd in efds:
             with contextlib.suppress(OSError):
@@ -174,12 +180,18 @@ class Lane:
     # ------------------------------------------------------------ negotiation
 
     def _read_line(self) -> bytes:
-        self._conn.settimeout(NEGOTIATE_TIMEOUT_S)
+        # One deadline for the whole line: a peer sending a byte at a time must not hold a lane
+        # slot (counted from accept) for longer than a whole line may take.
+        deadline = time.monotonic() + NEGOTIATE_TIMEOUT_S
         data = b""
         try:
             while not data.endswith(b"\n"):
                 if len(data) > w.MAX_NEGOTIATE:
                     raise Refused("INVALID_ARGUMENT", f"negotiation line longer than {w.MAX_NEGOTIATE} bytes")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self._conn.settimeout(left)
                 chunk = self._conn.recv(w.MAX_NEGOTIATE + 1 - len(data))
                 if not chunk:
                     raise Refused("INVALID_ARGUMENT", "connection closed before the negotiation line")
@@ -274,7 +286,10 @@ class Lane:
                 return "ring violation"
             if self._session.cancel.is_set():
                 return "session ended"
-            for fd, _ in poller.poll(SESSION_CHECK_MS):
+            # More already pending (the client moved its tail while we served): look at the
+            # stop fd and the connection first, without sleeping.
+            busy = int(self._counters[w.SQ_TAIL // 8]) != self._head if self._counters is not None else False
+            for fd, _ in poller.poll(0 if busy else SESSION_CHECK_MS):
                 if fd == self._stop_fd:
                     return "daemon stopping"
                 if fd == conn_fd:
@@ -283,23 +298,22 @@ class Lane:
                     os.eventfd_read(submit)
 
     def _drain(self) -> None:
+        """Serve the requests pending now (at most a ring's worth): a client that keeps moving
+        its tail must not keep this thread from seeing its session end or the daemon stop."""
         counters = self._counters
         assert counters is not None
-        while True:
-            tail = int(counters[w.SQ_TAIL // 8])
-            pending = tail - self._head
-            if pending == 0:
-                return
-            if not 0 < pending <= w.SLOTS:
-                raise RingViolation(
-                    f"sq_tail {tail} with sq_head {self._head}: at most {w.SLOTS} may be pending"
-                )
-            while self._head < tail:
-                self._complete(self._head)
-                self._head += 1
-                counters[w.SQ_HEAD // 8] = self._head
-                counters[w.CQ_TAIL // 8] = self._head
-                os.eventfd_write(self._efds[1], 1)
+        tail = int(counters[w.SQ_TAIL // 8])
+        pending = tail - self._head
+        if pending == 0:
+            return
+        if not 0 < pending <= w.SLOTS:
+            raise RingViolation(f"sq_tail {tail} with sq_head {self._head}: at most {w.SLOTS} may be pending")
+        while self._head < tail:
+            self._complete(self._head)
+            self._head += 1
+            counters[w.SQ_HEAD // 8] = self._head
+            counters[w.CQ_TAIL // 8] = self._head
+            _ring_doorbell(self._efds[1])
 
     def _complete(self, seq: int) -> None:
         view = self._view
@@ -307,7 +321,9 @@ class Lane:
         start = time.perf_counter()
         opcode = 0
         try:
-            req = w.read_request(view, w.request_offset(seq))
+            req = w.read_request(
+                view, w.request_offset(seq), max_keys=self._core.config.limits.max_keys_per_request
+            )
             opcode = int(req.opcode)
             if req.seq != seq:
                 raise w.RecordError(f"record seq {req.seq} does not match its slot's sequence number {seq}")
@@ -320,6 +336,9 @@ class Lane:
             code, message = _code_of(exc)
             retry = getattr(exc, "retry_after_ms", None)
             done = w.Completion(opcode, seq, code.value[0], False, retry, message)
+            # A copy's future may keep the exception: its frames (this one holds the ring's
+            # view) must not keep the ring mapped after the lane ends.
+            exc.__traceback__ = None
         try:
             w.encode_completion(view, w.completion_offset(seq), done)
         except ValueError as exc:  # unreachable for Write/Resolve (checked up front): logged
@@ -398,18 +417,27 @@ class Lane:
             )
 
     def _on_layer(self, seq: int, layers: list[int]) -> Callable[[int], None]:
-        layer_seq, layer_ns, doorbell = self._layer_seq, self._layer_ns, self._efds[2]
-        assert layer_seq is not None and layer_ns is not None
+        doorbell = self._efds[2]
 
         def on_layer(layer: int) -> None:
-            # Runs on the copy engine's thread right after the layer's copies completed.
-            if 0 <= layer < w.MAX_LAYERS:
+            # Runs on the copy engine's thread right after the layer's copies completed. The
+            # ring's views are looked up here, not captured: a failed copy's traceback may keep
+            # this function alive, and a captured view would keep the ring from being unmapped.
+            layer_seq, layer_ns = self._layer_seq, self._layer_ns
+            if layer_seq is not None and layer_ns is not None and 0 <= layer < w.MAX_LAYERS:
                 layer_ns[layer] = time.monotonic_ns()
                 layer_seq[layer] = seq + 1  # 0 = never: a worker waits for seq + 1
-                os.eventfd_write(doorbell, 1)
+                _ring_doorbell(doorbell)
             layers.append(layer)
 
         return on_layer
+
+
+def _ring_doorbell(fd: int) -> None:
+    """Wake the client. Its eventfd counter is its own to fill: a full one (EAGAIN) is
+    readable already, so the client wakes either way."""
+    with contextlib.suppress(BlockingIOError):
+        os.eventfd_write(fd, 1)
 
 
 _OP_NAMES = {int(o): "FastLane" + "".join(p.capitalize() for p in o.name.split("_")) for o in w.Opcode}

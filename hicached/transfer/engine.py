@@ -368,6 +368,10 @@ class CopyEngine:
                         job.on_layer(layer)
         except BaseException as exc:
             ctx.settle()  # copies already issued must end before the future reports
+            if isinstance(exc, Cancelled | Unavailable):
+                # Expected, and its traceback would hold this frame, the job and its callbacks
+                # (a lane's on_layer, which maps its ring) in a cycle until the collector runs.
+                exc.__traceback__ = None
             job.future.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise

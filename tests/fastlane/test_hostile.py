@@ -98,6 +98,10 @@ CASES: list[tuple[str, Callable[[memoryview, int, int], None], grpc.StatusCode, 
      "2147483648 keys, more than fit"),
     ("key bytes beyond the slot", keyed(key_section(count=20, lengths=[65535] * 20)),
      grpc.StatusCode.INVALID_ARGUMENT, "bytes of keys, more than fit"),
+    # Over limits.max_keys_per_request (65,536): refused on the count, before any length is
+    # read (these lengths would claim 4 GiB of keys).
+    ("keys over the limit", keyed(key_section(count=65537, lengths=[65535] * 65537)),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "65537 exceeds limits.max_keys_per_request"),
     ("key not UTF-8", keyed(key_section(b"\xff\xfe")), grpc.StatusCode.INVALID_ARGUMENT, "keys[0] is not UTF-8"),
     ("key over limits.max_key_bytes", keyed(key_section(b"k" * 600)), grpc.StatusCode.INVALID_ARGUMENT,
      "limits.max_key_bytes"),

@@ -170,7 +170,10 @@ class FastLane:
                 conn.connect(path)
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 raise _unavailable(f"no fast lane socket at {path} ({exc}); use gRPC") from None
-            conn.sendall(b" ".join([w.NEGOTIATE_MAGIC, session_id.encode(), secret.encode()]) + b"\n")
+            # Refused at accept (all lanes taken), the daemon has answered and closed: the
+            # send fails, and its answer is read below.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                conn.sendall(b" ".join([w.NEGOTIATE_MAGIC, session_id.encode(), secret.encode()]) + b"\n")
             msg, fds, _, _ = socket.recv_fds(conn, w.MAX_NEGOTIATE, 4)
             if msg.startswith(b"ok ") and len(fds) == 4:
                 conn.setblocking(False)

@@ -314,7 +314,7 @@ def _write_keys(buf: memoryview, pos: int, keys: tuple[str, ...], limit: int) ->
     buf[pos:end] = blob
 
 
-def _read_keys(ring: memoryview, pos: int, limit: int) -> tuple[str, ...]:
+def _read_keys(ring: memoryview, pos: int, limit: int, max_keys: int | None) -> tuple[str, ...]:
     """The keys section at ``pos``, copied out of the ring once and checked (hostile input)."""
     if pos + KEY_COUNT.size > limit:
         raise RecordError("record ends before its key count")
@@ -322,6 +322,11 @@ def _read_keys(ring: memoryview, pos: int, limit: int) -> tuple[str, ...]:
     pos += KEY_COUNT.size
     if pos + 2 * count > limit:
         raise RecordError(f"record claims {count} keys, more than fit in one lane record")
+    if max_keys is not None and count > max_keys:  # before decoding any of them
+        raise RecordError(
+            f"keys in this request: {count} exceeds limits.max_keys_per_request={max_keys}",
+            "RESOURCE_EXHAUSTED",
+        )
     # Python's own array and accumulate: a few numpy calls cost more than these 128 numbers.
     lengths = array("H", bytes(ring[pos : pos + 2 * count]))
     if sys.byteorder != "little":
@@ -345,11 +350,12 @@ def _read_keys(ring: memoryview, pos: int, limit: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def read_request(ring: memoryview, offset: int) -> Request:
+def read_request(ring: memoryview, offset: int, *, max_keys: int | None = None) -> Request:
     """Copy the request at ``offset`` out of shared memory ONCE and decode the copy.
 
     The client can change the ring at any moment, so nothing is parsed in place.
-    Raises :class:`RecordError` for anything that is not a valid v1 request.
+    Raises :class:`RecordError` for anything that is not a valid v1 request, and
+    (RESOURCE_EXHAUSTED) for more than ``max_keys`` keys, before decoding them.
     """
     head = bytes(ring[offset : offset + REQUEST.size])
     magic, version, opcode, flags, count, seq, op_raw = REQUEST.unpack(head)
@@ -376,7 +382,7 @@ def read_request(ring: memoryview, offset: int) -> Request:
         raise RecordError(f"op_id must be printable ASCII (starts {op_text[:16]!r})")
     op_id = op_text.decode("ascii")
     if count == 0:
-        keys = _read_keys(ring, offset + REQUEST.size, offset + AREA) if code in KEYED else ()
+        keys = _read_keys(ring, offset + REQUEST.size, offset + AREA, max_keys) if code in KEYED else ()
         return Request(code, flags, seq, op_id, (), keys)
     descriptors = bytes(ring[offset + REQUEST.size : offset + REQUEST.size + count * TRANSFER.size])
     pages_needed = 0
@@ -391,7 +397,7 @@ def read_request(ring: memoryview, offset: int) -> Request:
     start = offset + REQUEST.size + count * TRANSFER.size
     body = descriptors + bytes(ring[start : start + 8 * pages_needed])
     transfers, _ = _read_transfers(body, 0, count, len(body))
-    keys = _read_keys(ring, start + 8 * pages_needed, offset + AREA) if code in KEYED else ()
+    keys = _read_keys(ring, start + 8 * pages_needed, offset + AREA, max_keys) if code in KEYED else ()
     return Request(code, flags, seq, op_id, transfers, keys)
 
 
