@@ -6,9 +6,10 @@ one fixed size. ``BlobStore`` bridges the two over a *byte-only* session
 pages: a tensor becomes ``ceil((HEADER + nbytes) / chunk_bytes)`` chunks under
 the keys ``<daemon key>#c<i>``, chunk 0 starting with a header (magic, byte
 count, dtype, shape). Chunk 0 is stored *last*, so a visible header means every
-chunk was stored; ``exists`` looks at chunk 0 only. A later eviction of a data
-chunk makes ``get`` a miss (never a wrong tensor: the byte count and chunk run
-are checked).
+chunk was stored. The daemon may later evict a data chunk and keep the header:
+``exists`` reads the header for the chunk count and looks them all up, ``put``
+stores the chunks again unless all are there, and ``get`` of a key missing a
+chunk is a miss (never a wrong tensor: the byte count and chunk run are checked).
 
 The session is attached on first use (so a storage that never sees such a
 tensor costs the daemon nothing) and again when the daemon no longer knows it
@@ -130,6 +131,10 @@ class BlobStore:
                 self._session = self._attach()
             return self._session
 
+    def call(self, op: Callable[[Session], T]) -> T:
+        """Run ``op`` with the live session (attached on first use, and again once if it was lost)."""
+        return self._call(op)
+
     def _call(self, op: Callable[[Session], T]) -> T:
         session = self._current()
         try:
@@ -154,7 +159,7 @@ class BlobStore:
     def put(self, key: str, value: torch.Tensor) -> bool:
         """Store ``value`` under ``key``; True also when ``key`` was already stored."""
         if self.exists(key):
-            return True  # HiCacheFile: an existing key is not rewritten
+            return True  # HiCacheFile: an existing key is not rewritten (a partial one is)
         try:
             header = encode_header(value)
         except ValueError as exc:
@@ -182,10 +187,17 @@ class BlobStore:
         return True
 
     def exists(self, key: str) -> bool:
-        head = self.chunk_keys(key, 0)[:1]
-        found = self._call(lambda s: s.lookup(head, tenant=self._config.tenant))
+        """Every chunk of ``key`` is cached (the header says how many there are)."""
+        head = self._fetch(self.chunk_keys(key, 0)[:1])
+        header = decode_header(head[:HEADER_BYTES]) if head else None
+        if header is None:
+            return False
+        keys = self.chunk_keys(key, header[0])
+        if len(keys) == 1:
+            return True
+        found = self._call(lambda s: s.lookup(keys, tenant=self._config.tenant))
         hits = found.total_hit_pages if self._config.include_l3 else found.l2_hit_pages
-        return hits >= 1
+        return hits == len(keys)
 
     def get(self, key: str, target: torch.Tensor | None) -> torch.Tensor | None:
         """The tensor stored under ``key`` (copied into ``target`` when given), or None.

@@ -100,5 +100,6 @@ def new_blob_store(
         model_name=cfg.model_name or "",
         pp_rank=cfg.pp_rank,
         pp_size=cfg.pp_size,
+        tenant=config.tenant,  # its calls name the tenant: the session must be of it
     )
     return BlobStore(client, config=config, identity=identity, keys=keys, refusals=refusals)

@@ -78,10 +78,23 @@ class ShmTransport(PageTransport):
         self.capacity = staging.half
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Free the staging area once no put or get of this transport uses it (a link that
+        attached again closes its old transport while other threads may still hold it)."""
+        with self._write_lock, self._read_lock:
+            self._closed = True
+            self._staging.close()
+
+    def _check_open(self) -> None:
+        if self._closed:  # replaced: NOT_FOUND makes the link run the call on the new one
+            raise HiCacheError(grpc.StatusCode.NOT_FOUND, "the staging area was replaced by a new session's")
 
     def put(self, keys: Sequence[str], fill: Fill) -> str | None:
         n = len(keys)
         with self._write_lock:
+            self._check_open()
             fill(self._staging.write_half()[:, :n])
             pages = list(self._staging.write_pages[:n])
             result = self._session.put_pages(keys, [WireTransfer(DAEMON_POOL, pages)], tenant=self._tenant)
@@ -90,6 +103,7 @@ class ShmTransport(PageTransport):
     def get(self, keys: Sequence[str], drain: Drain) -> int:
         n = len(keys)
         with self._read_lock:
+            self._check_open()
             pages = list(self._staging.read_pages[:n])
             result = self._session.get_pages(
                 keys, [WireTransfer(DAEMON_POOL, pages)], include_l3=self._include_l3, tenant=self._tenant
@@ -287,12 +301,11 @@ class PoolLink:
                 raise HiCacheError(grpc.StatusCode.CANCELLED, f"pool {self.keys.pool} link is closed")
             if self.session is not lost:
                 return  # another thread already attached again
-            old_staging = self._staging
+            old_transport = self.transport
             self.session, self._staging, self.transport = self._connect()
         lost.stop_heartbeat()
-        # Views still in use by another thread keep the old mapping alive until they go.
-        if old_staging is not None:
-            old_staging.close()
+        if isinstance(old_transport, ShmTransport):
+            old_transport.close()  # waits for a put or get another thread runs on it
 
     # ------------------------------------------------------------- queries
 
@@ -427,7 +440,9 @@ class PoolLink:
         try:
             self.session.close()
         finally:
-            if self._staging is not None:
+            if isinstance(self.transport, ShmTransport):
+                self.transport.close()
+            elif self._staging is not None:
                 self._staging.close()
 
 

@@ -30,8 +30,10 @@ def escape_key(key: str) -> str:
     """An injective rewrite of ``key`` without ``/`` (``%`` -> ``%25``, ``/`` -> ``%2F``)."""
     if type(key) is str and key and "%" not in key and "/" not in key:
         return key  # SGLang's keys (hex digests): nothing to rewrite, no new string
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"page key must be a non-empty string, got {key!r}")
+    if not isinstance(key, str):
+        raise ValueError(f"page key must be a string, got {type(key).__name__}")
+    if not key:
+        return "%"  # HiCacheFile takes an empty key; no rewritten key is a lone "%"
     return key.replace("%", "%25").replace("/", "%2F")
 
 

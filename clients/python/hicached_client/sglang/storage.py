@@ -14,7 +14,7 @@ Semantics kept from SGLang's backends (``HiCacheFile`` is the reference, see
 ``tests/sglang/test_sglang_hicachefile_parity.py``): a second set of an
 existing key succeeds without rewriting; a missing key reads as a miss, never
 an error; a daemon failure during I/O is logged and reads as a miss / failed
-write (SGLang's threads must not die on it). Keys are namespaced by model,
+write (SGLang's threads must not die on it: :mod:`hicached_client.sglang.answers`). Keys are namespaced by model,
 TP/PP rank, tenant and pool (see :mod:`hicached_client.sglang.namespace`).
 
 The generic ``get``/``set``/``exists`` take any tensor, as ``HiCacheFile``
@@ -49,6 +49,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untype
 )
 
 from hicached_client.errors import HiCacheError
+from hicached_client.sglang.answers import Unsupported, answers, no_pages, no_tensors, no_transfers
 from hicached_client.sglang.config import AdapterConfig
 from hicached_client.sglang.factory import new_blob_store, new_pool_link
 from hicached_client.sglang.iostats import IoCounters
@@ -87,6 +88,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         self._io = IoCounters()
         self._generation = time.time_ns()
         self.refusals = RefusalLog(log)
+        self.failures = RefusalLog(log, template="hicached: %d keys of %s answered as misses: %s%s")
         self._unregistered = RefusalLog(log, template="hicached: %d keys for pool %s: %s%s")
         self._blobs = new_blob_store(
             self._client,
@@ -104,6 +106,10 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
             storage_config.pp_size,
             self.config.target,
         )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     # ------------------------------------------------------------ registration
 
@@ -163,12 +169,14 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
 
     # ----------------------------------------------------------- v1 zero-copy
 
+    @answers(no_pages)
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         """Store the pages at ``host_indices`` (token slots, page-aligned) under ``keys``."""
         return self._set_pages(KV_POOL, keys, host_indices)
 
+    @answers(no_pages)
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
@@ -184,7 +192,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         pages = link.binding.host_pages_of(host_indices, len(keys))
         start = time.perf_counter()
         try:
-            results = link.put_pages(link.keys.daemon_keys(keys), pages)
+            results = _once_each(link.keys.daemon_keys(keys), pages, link.put_pages)
         except HiCacheError as exc:
             log.warning("hicached: storing %d pages of pool %s failed: %s", len(keys), pool, exc)
             return [False] * len(keys)
@@ -213,6 +221,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
 
     # ------------------------------------------------------------------- v2
 
+    @answers(lambda *_, **__: PoolTransferResult(0, {}, []))
     def batch_exists_v2(
         self,
         keys: list[str],
@@ -229,7 +238,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
             name = str(transfer.name)
             link = self._links.get(name)
             if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
-                raise ValueError(f"unsupported pool hit policy {transfer.hit_policy!r} for pool {name!r}")
+                raise Unsupported(f"unsupported pool hit policy {transfer.hit_policy!r} for pool {name!r}")
             if link is None:
                 # Nothing of an unregistered pool can be restored.
                 self._link(name)
@@ -247,19 +256,21 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
                 }
                 boundary = max(pool_restorable, default=0)
             else:
-                raise ValueError(f"unsupported pool hit policy {transfer.hit_policy!r} for pool {name!r}")
+                raise Unsupported(f"unsupported pool hit policy {transfer.hit_policy!r} for pool {name!r}")
             if boundary:
                 hit_count[name] = boundary
             restorable = [p for p in restorable if p in pool_restorable]
         final_pages = restorable[-1] if restorable else 0
         return PoolTransferResult(final_pages, hit_count, restorable)
 
+    @answers(no_transfers)
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         """Load each transfer's keys into its pool's host indices (leading run per pool)."""
         return self._v2(transfers, self._get_pages)
 
+    @answers(no_transfers)
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
@@ -296,18 +307,22 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         nbytes = tensor.numel() * tensor.element_size()
         return link if nbytes == link.binding.geometry.page_bytes and tensor.is_contiguous() else None
 
+    @answers(lambda *_, **__: None)
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         """The tensor stored under ``key`` (written into ``target_location`` when given), or None."""
         got = self.batch_get([key], [target_location])
         return got[0]
 
+    @answers(no_tensors)
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        """Per key: its tensor (a flat KV page without a target), or None when it is not cached."""
+        """Per key: its tensor (a flat KV page without a target), or None when it is not cached.
+        Fewer targets than keys: the keys without one are not read (as HiCacheFile's zip)."""
+        targets = list(target_locations or [None] * len(keys))
+        keys = keys[: len(targets)]
         if not keys:
             return []
-        targets = list(target_locations or [None] * len(keys))
         found: list[torch.Tensor | None] = [None] * len(keys)
         link = self._links.get(KV_POOL)
         paged = [i for i, t in enumerate(targets) if link is not None and self._fits(t) is link]
@@ -331,25 +346,34 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
                 found[i] = self._safe(lambda: self._blobs.get(key, targets[i]), None)  # noqa: B023
         return found
 
+    @answers(lambda *_, **__: False)
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         """Store tensor ``value`` under ``key`` (True also when it was already stored)."""
         return self.batch_set([key], [value])
 
+    @answers(lambda *_, **__: False)
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
-        """Store tensors; True when every key is stored (or already was), False from the first failure."""
+        """Store tensors; True when every key is stored (or already was), False from the first failure.
+        Fewer values than keys: the keys without one are not stored (as HiCacheFile's zip)."""
+        values = list(values or [])
+        if len(values) != len(keys):
+            log.warning(
+                "hicached: batch_set of %d keys with %d values: the extra are left out",
+                len(keys),
+                len(values),
+            )
+            keys, values = keys[: len(values)], values[: len(keys)]
         if not keys:
             return True
-        if values is None or len(values) != len(keys):
-            raise ValueError(f"batch_set needs one value per key: {len(keys)} keys")
         if not all(isinstance(v, torch.Tensor) for v in values):
             log.error("hicached: batch_set values must be tensors; nothing stored")
             return False
         link = self._links.get(KV_POOL)
         if link is not None and all(self._fits(v) is link for v in values):
             try:
-                return all(link.put_flat(link.keys.daemon_keys(keys), list(values)))
+                return all(_once_each(link.keys.daemon_keys(keys), values, link.put_flat))
             except HiCacheError as exc:
                 log.warning("hicached: set of %d pages failed: %s", len(keys), exc)
                 return False
@@ -362,9 +386,11 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
                 return False
         return True
 
+    @answers(lambda *_, **__: False)
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
+    @answers(lambda *_, **__: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Leading run of ``keys`` cached in the daemon (L2, and L3 unless disabled).
 
@@ -386,24 +412,26 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
 
     # ----------------------------------------------------------- management
 
+    @answers(lambda *_, **__: False)
     def clear(self) -> bool:
-        """Drop this model's pages (this tenant's only, when a tenant is set) from L2 and L3."""
-        try:
+        """Drop this model's pages and tensors (this tenant's only, when a tenant is set) from L2
+        and L3: every group of the model, the byte path's included."""
+
+        def clear(session: Any) -> Any:
             # A worker clears only its own tenant, naming its session (the daemon checks both).
-            link = self._link(KV_POOL)
-            if link is None:
-                log.error(
-                    "hicached: clear of model %r needs a registered KV pool (a session)", self.model_name
-                )
-                return False
-            result = link.call(
-                lambda session, _: self._client.clear_namespace(
-                    self.model_name,
-                    self.config.tenant,
-                    session_id=session.session_id,
-                    session_secret=session.info.session_secret,
-                )
+            return self._client.clear_namespace(
+                self.model_name,
+                self.config.tenant,
+                session_id=session.session_id,
+                session_secret=session.info.session_secret,
             )
+
+        try:
+            link = self._links.get(KV_POOL)
+            if link is not None:
+                result = link.call(lambda session, _: clear(session))
+            else:  # no pool registered yet: the byte path's session can ask as well
+                result = self._blobs.call(clear)
         except HiCacheError as exc:
             log.error("hicached: clear of model %r failed: %s", self.model_name, exc)
             return False
@@ -449,3 +477,18 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         except HiCacheError as exc:
             log.warning("hicached: lookup failed, reading as a miss: %s", exc)
             return default
+
+
+def _once_each(keys: list[str], items: Any, put: Callable[[list[str], Any], list[bool]]) -> list[bool]:
+    """``put(keys, items)`` with each key once (the daemon refuses a batch that repeats one;
+    HiCacheFile stores it once): the first of a repeated key is stored, and every place of it
+    gets that answer."""
+    if len(set(keys)) == len(keys):
+        return put(keys, items)
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    picked = list(first.values())
+    chosen = items[picked] if isinstance(items, torch.Tensor) else [items[i] for i in picked]
+    done = dict(zip(first, put(list(first), chosen), strict=True))
+    return [done[key] for key in keys]

@@ -1,0 +1,155 @@
+"""The corners of SGLang's storage interface, against HiCacheFile where it has an answer:
+a tenant, a clear before any pool, a key repeated in one batch, malformed arguments, calls
+after close, a by-key tensor that lost a chunk to eviction, and a session replaced while
+another thread writes. HiCachedStorage never raises into SGLang's threads."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hicached_client import HiCacheClient
+from hicached_client.sglang import HiCachedStorage
+from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+from tests.sglang.pools import PoolShape, StorageFactory, make_host_pool, sglang_keys, unique_model
+from tests.sglang.test_sglang_hicachefile_parity import generic_calls, ours, reference, run_both
+from tests.support.daemon import start_daemon
+from tests.support.state import poll
+
+Backend = Any
+
+
+def test_the_generic_api_with_a_tenant_matches_hicachefile(
+    storages: StorageFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="hicached_client.sglang"):
+        run_both(reference(storages, tmp_path, None), ours(storages, None, tenant="team-a"), generic_calls)
+    assert "PERMISSION_DENIED" not in caplog.text
+
+
+def test_clear_before_any_pool_matches_hicachefile(storages: StorageFactory, tmp_path: Path) -> None:
+    def calls(backend: Backend) -> list[object]:
+        return [
+            backend.set("a", torch.arange(4.0)),
+            backend.clear(),
+            backend.exists("a"),
+            backend.set("a", torch.zeros(4)),
+            backend.get("a", torch.empty(4)),
+        ]
+
+    run_both(reference(storages, tmp_path, None), ours(storages, None), calls)
+
+
+def test_a_key_repeated_in_one_batch_is_stored_like_hicachefile(
+    storages: StorageFactory, tmp_path: Path
+) -> None:
+    pool = make_host_pool(PoolShape())
+    keys = sglang_keys(3, 4)
+    src = pool.alloc(16)
+
+    def calls(backend: Backend) -> list[object]:
+        repeated = [keys[0], keys[1], keys[0], keys[2]]
+        flat = pool.get_data_page(int(src[0]), flat=True).clone()
+        return [
+            backend.batch_set_v2([PoolTransfer(name="kv", keys=repeated, host_indices=src)]),
+            backend.batch_exists(keys),
+            backend.batch_set(["f", "g", "f"], [flat, flat, flat]),
+            backend.batch_exists(["f", "g"]),
+        ]
+
+    got = run_both(reference(storages, tmp_path, pool), ours(storages, pool), calls)
+    assert got[0] == {"kv": [True] * 4} and got[1] == 3
+
+
+def test_malformed_calls_answer_like_hicachefile(storages: StorageFactory, tmp_path: Path) -> None:
+    pool = make_host_pool(PoolShape())
+    keys = sglang_keys(2, 4)
+    src = pool.alloc(8)
+
+    def calls(backend: Backend) -> list[object]:
+        return [
+            backend.batch_set(["m1", "m2"], [torch.arange(3.0)]),  # fewer values than keys
+            backend.batch_get(["m1", "m2"], [torch.empty(3)]),  # fewer targets than keys
+            backend.set("", torch.arange(5.0)),  # an empty key
+            backend.exists(""),
+            backend.get("", torch.empty(5)),
+            backend.batch_get_v2(
+                [PoolTransfer(name="kv", keys=keys[:1], host_indices=src[1:5])]
+            ),  # misaligned
+        ]
+
+    run_both(reference(storages, tmp_path, pool), ours(storages, pool), calls)
+
+
+def test_calls_after_close_are_misses(storages: StorageFactory, caplog: pytest.LogCaptureFixture) -> None:
+    pool = make_host_pool(PoolShape())
+    storage = ours(storages, pool)
+    keys = sglang_keys(2, 4)
+    assert storage.batch_set_v1(keys, pool.alloc(8)) == [True, True]
+    storage.close()
+    with caplog.at_level(logging.WARNING, logger="hicached_client.sglang.storage"):
+        assert storage.batch_exists(keys) == 0
+        assert storage.batch_get_v1(keys, pool.alloc(8)) == [False, False]
+        assert storage.batch_set_v1(keys, pool.alloc(8)) == [False, False]
+        assert storage.get("a", torch.empty(3)) is None
+        assert storage.set("a", torch.empty(3)) is False
+        assert storage.clear() is False
+    assert "the storage is closed" in caplog.text
+
+
+def test_a_tensor_that_lost_a_chunk_is_not_seen_and_is_stored_again() -> None:
+    """The byte path's L2 holds 24 chunks and no L3: three tensors of 11, 7 and 7 chunks
+    cannot all stay, and the daemon evicts from the tail of a key's chunks."""
+    d = start_daemon("--l3", "none")
+    factory = StorageFactory(d.target)
+    try:
+        storage = HiCachedStorage(factory.config(model=unique_model(), blob_host_bytes=24 * 16384), {})
+        factory.made.append(storage)
+        x = torch.randn(10 * 4096)
+        assert storage.set("x", x) is True
+        assert storage.get("x", torch.empty_like(x)) is not None
+        assert storage.set("y0", torch.randn(6 * 4096)) is True
+        assert storage.set("y1", torch.randn(6 * 4096)) is True
+        readable = storage.get("x", torch.empty_like(x)) is not None
+        assert storage.exists("x") is readable  # never "there" but unreadable
+        assert storage.set("x", x) is True
+        got = storage.get("x", torch.empty_like(x))
+        assert got is not None and torch.equal(got, x)
+    finally:
+        factory.close_all()
+        d.stop()
+
+
+def test_a_write_on_a_replaced_session_goes_to_the_new_one(storages: StorageFactory) -> None:
+    """The backup thread took the staging transport; meanwhile the prefetch thread found the
+    session gone (daemon restart, lease lost) and attached again. The write must not run into
+    the old, freed staging area: it is retried on the new session."""
+    pool = make_host_pool(PoolShape())
+    storage = ours(storages, pool)
+    link = storage.links["kv"]
+    keys = sglang_keys(4, 4)
+    assert storage.batch_set_v1(keys[:2], pool.alloc(8)) == [True, True]
+    old_session, old_transport = link.session, link.transport
+    results: dict[str, object] = {}
+    with old_transport._write_lock:  # the backup thread is inside its put
+        writer = threading.Thread(
+            target=lambda: results.setdefault("set", storage.batch_set_v1(keys[2:], pool.alloc(8)))
+        )
+        writer.start()
+        with HiCacheClient(storages.target) as other:  # the daemon forgets the session
+            other.session(old_session.session_id, session_secret=old_session.info.session_secret).detach()
+        reader = threading.Thread(
+            target=lambda: results.setdefault("get", storage.batch_get_v1(keys[:2], pool.alloc(8)))
+        )
+        reader.start()
+        poll(lambda: link.session, lambda s: s is not old_session, 10, "the link attached again")
+        assert old_transport._staging._fd is not None  # not freed under the writer
+    writer.join(30)
+    reader.join(30)
+    assert results == {"set": [True, True], "get": [True, True]}
+    assert storage.batch_exists(keys) == 4
