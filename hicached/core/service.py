@@ -44,7 +44,6 @@ from hicached.core.types import (
 from hicached.errors import (
     InvalidArgument,
     NotFound,
-    PermissionDenied,
     Unavailable,
 )
 from hicached.l2.group import PoolTransfer
@@ -159,7 +158,11 @@ class HiCacheCore:
         *,
         lease_ms: int = 0,
         peer: PeerCred | None = None,
+        origin: str = "",
     ) -> AttachResult:
+        """``peer``: the kernel's credentials of an fd handoff; ``origin``: who attaches as the
+        transport tells (``hicached.server.peers.peer_key``; the handoff's uid wins). A worker
+        slot's live session is replaced only from its own origin and tenant."""
         if self._draining.is_set():
             raise Unavailable("daemon is draining: no new sessions; attach to the replacement daemon")
         if not worker.instance_id:
@@ -169,17 +172,8 @@ class HiCacheCore:
         lease = self._lease(lease_ms)
         validate_worker(worker)
         validate_pool_requests(pools)  # before any mapping is opened
-        replaced = self._sessions.check_generation(worker)
-        if (
-            replaced is not None
-            and replaced.peer is not None
-            and (peer is None or peer.uid != replaced.peer.uid)
-        ):
-            # A worker slot belongs to the uid that attached it: another peer may not end it.
-            raise PermissionDenied(
-                f"worker {worker.instance_id[:64]!r} (tp_rank={worker.tp_rank}, pp_rank={worker.pp_rank}) "
-                f"is attached by uid {replaced.peer.uid}; only that uid may replace it"
-            )
+        origin = f"uid:{peer.uid}" if peer is not None else origin
+        replaced = self._sessions.check_generation(worker, origin)
         mappings = DeviceMappings()
         try:
             views = self._open_views(mappings, pools)
@@ -204,6 +198,7 @@ class HiCacheCore:
             ledger=PageLedger({e.name: e.host_pool.total_pages for e in state.group.entries}),
             op_cache_size=self._cfg.sessions.op_cache_size,
             peer=peer,
+            origin=origin,
             op_cache_bytes=self._cfg.sessions.op_cache_bytes,
             pools=session_pools(pools),
         )

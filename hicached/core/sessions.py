@@ -116,6 +116,9 @@ class Session:
     secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     # Who attached it, from the kernel (fd handoff); None for TCP / no-handoff attaches.
     peer: PeerCred | None = None
+    # Who attached it, as far as the daemon can tell (``uid:N``, ``tcp:<host>``, ``unix``, or
+    # "" in process): only the same origin and tenant may replace it in its worker slot.
+    origin: str = ""
     # build_plan's checked layers of this session's views (see hicached.transfer.plan).
     plan_layers: LayerCache = field(default_factory=dict)
     # Its pools as GetStats reports them (buffers, data path).
@@ -184,29 +187,42 @@ class Session:
 
 
 class SessionTable:
-    """id -> Session and worker slot -> current session; generations only move forward."""
+    """id -> Session and worker slot -> live session. While a slot's session lives, only a higher
+    generation from the same origin and tenant replaces it; nothing is kept of ended sessions
+    (so no client can reserve a slot it does not hold, and the table is as large as the live
+    sessions)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_id: dict[str, Session] = {}
         self._by_slot: dict[tuple[str, int, int], Session] = {}
-        self._generation: dict[tuple[str, int, int], int] = {}
 
     @staticmethod
     def new_id() -> str:
         return uuid.uuid4().hex
 
-    def check_generation(self, worker: WorkerId) -> Session | None:
-        """The session this attach would replace; FailedPrecondition if ``worker`` is stale."""
+    def check_generation(self, worker: WorkerId, origin: str) -> Session | None:
+        """The session this attach would replace; PermissionDenied when the slot's session was
+        attached by another origin or tenant, FailedPrecondition if ``worker`` is stale."""
         with self._lock:
-            seen = self._generation.get(worker.slot)
-            if seen is not None and worker.generation < seen:
-                raise FailedPrecondition(
-                    f"stale generation {worker.generation} for worker {worker.instance_id!r} "
-                    f"(tp_rank={worker.tp_rank}, pp_rank={worker.pp_rank}): generation {seen} already attached"
-                )
             current = self._by_slot.get(worker.slot)
-            if current is not None and current.worker.generation == worker.generation:
+            if current is None:
+                return None
+            name = f"worker {worker.instance_id[:64]!r} (tp_rank={worker.tp_rank}, pp_rank={worker.pp_rank})"
+            if current.origin != origin:
+                by = current.origin.replace(":", " ", 1) if current.origin else "another client"
+                kind = "uid" if current.origin.startswith("uid:") else "peer"
+                raise PermissionDenied(f"{name} is attached by {by}; only that {kind} may replace it")
+            if current.worker.tenant != worker.tenant:
+                raise PermissionDenied(
+                    f"{name} is attached in another tenant; only that tenant may replace it"
+                )
+            seen = current.worker.generation
+            if worker.generation < seen:
+                raise FailedPrecondition(
+                    f"stale generation {worker.generation} for {name}: generation {seen} is attached"
+                )
+            if current.worker.generation == worker.generation:
                 raise FailedPrecondition(
                     f"worker {worker.instance_id!r} generation {worker.generation} is already attached "
                     f"as session {current.session_id}; attach with a higher generation to replace it"
@@ -217,7 +233,6 @@ class SessionTable:
         with self._lock:
             self._by_id[session.session_id] = session
             self._by_slot[session.worker.slot] = session
-            self._generation[session.worker.slot] = session.worker.generation
 
     def remove(self, session_id: str) -> Session | None:
         with self._lock:

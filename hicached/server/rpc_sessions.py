@@ -39,7 +39,13 @@ class SessionRpcs(ServicerBase):
             session_id = None
             try:
                 result = await self.offload(
-                    "Attach", self.core.attach, worker, pools, lease_ms=request.lease_ms, peer=peer
+                    "Attach",
+                    self.core.attach,
+                    worker,
+                    pools,
+                    lease_ms=request.lease_ms,
+                    peer=peer,
+                    origin=key,
                 )
                 session_id = result.session_id
             finally:
