@@ -27,6 +27,7 @@ loop-confined); the pools themselves are thread-safe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -64,7 +65,7 @@ class Lane:
         self._key = key
         self._per_session = per_session
         self._per_session_key = per_session_key
-        self.pending = 0  # calls submitted and not yet finished (event-loop confined)
+        self.pending = 0  # calls whose work has not ended (event-loop confined)
         self._held: dict[str, int] = {}  # the same, per session (event-loop confined)
 
     async def run(self, fn: Callable[..., T], *args: Any, session: str = "", **kwargs: Any) -> T:
@@ -87,17 +88,27 @@ class Lane:
         self.pending += 1
         if session:
             self._held[session] = held + 1
-        try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
-        finally:
-            self.pending -= 1
-            if session:
-                left = self._held[session] - 1
-                if left:
-                    self._held[session] = left
-                else:
-                    del self._held[session]
+        loop = asyncio.get_running_loop()
+        work = self.executor.submit(functools.partial(fn, *args, **kwargs))
+
+        def finished(_: object) -> None:
+            # When the work ends, not when its caller stops waiting: a cancelled call (the
+            # client's deadline) keeps its thread until then, so it keeps its place in the
+            # counts; one still queued is cancelled with it and ends at once.
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to count
+                loop.call_soon_threadsafe(self._finished, session)
+
+        work.add_done_callback(finished)
+        return await asyncio.wrap_future(work, loop=loop)
+
+    def _finished(self, session: str) -> None:
+        self.pending -= 1
+        if session:
+            left = self._held[session] - 1
+            if left:
+                self._held[session] = left
+            else:
+                del self._held[session]
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
