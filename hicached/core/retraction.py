@@ -85,13 +85,18 @@ class Retraction:
     """RetractBackup / RetractRestore / RetractDiscard over ``data``'s checks and copies.
 
     Thread-safe: the backups are in ``backups`` (its own lock); nothing else is kept here.
-    ``lease_ms`` is the default lifetime of a backup whose request names none.
+    ``lease_ms`` is the default lifetime of a backup whose request names none;
+    ``lease_range_ms`` bounds one a request names (``sessions.min_lease_ms`` and the larger of
+    ``sessions.max_lease_ms`` and the default).
     """
 
-    def __init__(self, data: DataPlane, backups: BackupStore, *, lease_ms: int) -> None:
+    def __init__(
+        self, data: DataPlane, backups: BackupStore, *, lease_ms: int, lease_range_ms: tuple[int, int]
+    ) -> None:
         self._data = data
         self._backups = backups
         self._lease_ms = lease_ms
+        self._lease_range_ms = lease_range_ms
 
     def retract_backup(
         self,
@@ -108,7 +113,16 @@ class Retraction:
         anchor = state.group.anchor.name
         if not any(t.name == anchor for t in checked):
             raise InvalidArgument(f"a retraction backup must include the anchor pool {anchor!r}")
-        pages = max(len(t.device_indices) for t in checked if t.device_indices is not None)
+        pages = max((len(t.device_indices) for t in checked if t.device_indices is not None), default=0)
+        if pages == 0:
+            # Each backup holds pages until restored, discarded or expired: the host pool bounds
+            # how many there are. One of none would be a record held for nothing.
+            raise InvalidArgument("a retraction backup needs at least one device page")
+        low, high = self._lease_range_ms
+        if lease_ms and not low <= lease_ms <= high:
+            raise InvalidArgument(
+                f"lease_ms={lease_ms} outside [{low}, {high}] (sessions.min_lease_ms, sessions.max_lease_ms)"
+            )
         page_size = state.pool(anchor).page_size
         if num_tokens < 0 or num_tokens > pages * page_size:
             raise InvalidArgument(

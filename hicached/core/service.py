@@ -81,7 +81,13 @@ class HiCacheCore:
         self._data = DataPlane(
             config, groups=groups, engine=engine, sessions=self._sessions, observer=self._observer
         )
-        self._retraction = Retraction(self._data, self._backups, lease_ms=config.sessions.retraction_lease_ms)
+        sessions = config.sessions
+        self._retraction = Retraction(
+            self._data,
+            self._backups,
+            lease_ms=sessions.retraction_lease_ms,
+            lease_range_ms=(sessions.min_lease_ms, max(sessions.max_lease_ms, sessions.retraction_lease_ms)),
+        )
         self._detached: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._detached_lock = threading.Lock()
         self._draining = threading.Event()

@@ -254,6 +254,18 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Ctx], Any]]] = [
         lambda c: c.session.retract_backup("r", transfers([1, 2]), 9),
     ),
     (
+        "backup-of-no-pages",
+        C.INVALID_ARGUMENT,
+        "at least one device page",
+        lambda c: c.session.retract_backup("r", transfers([]), 0),
+    ),
+    (
+        "backup-lease-too-long",
+        C.INVALID_ARGUMENT,
+        "sessions.max_lease_ms",
+        lambda c: c.session.retract_backup("r", transfers([1]), 4, lease_ms=4_000_000_000),
+    ),
+    (
         "unknown-backup",
         C.NOT_FOUND,
         "b" * 32,
