@@ -45,9 +45,12 @@ __all__ = ["HandoffRegistry", "HandoffServer", "PeerCred", "TicketRefused", "han
 MAGIC = b"hicached-fds-v1"
 SUFFIX = ".fds"
 # A handoff connection that has not sent its message within this time is dropped,
-# so idle connections cannot pin daemon resources.
-CONNECTION_TIMEOUT_S = 5.0
+# so idle connections cannot pin daemon resources (a worker sends it right after connecting).
+CONNECTION_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 64
+# Connections of one uid under way at once; one more is refused at accept, so one local user
+# cannot hold every slot (and the kernel's backlog behind them) and lock the others out.
+MAX_CONNECTIONS_PER_UID = 8
 # How long the listener pauses after an accept that ran out of descriptors.
 ACCEPT_PAUSE_S = 0.1
 _INT = array.array("i").itemsize
@@ -203,7 +206,8 @@ class HandoffServer:
 
     Every socket is non-blocking and driven by ``add_reader``; a connection sends one
     message, gets one line back and is closed (or is dropped after
-    :data:`CONNECTION_TIMEOUT_S`). At most :data:`MAX_CONNECTIONS` are open at once.
+    :data:`CONNECTION_TIMEOUT_S`). At most :data:`MAX_CONNECTIONS` are open at once, at most
+    :data:`MAX_CONNECTIONS_PER_UID` of one uid (``SO_PEERCRED`` at accept).
     ``start``/``close`` must be called on the loop's thread.
     """
 
@@ -215,6 +219,8 @@ class HandoffServer:
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conns: dict[socket.socket, asyncio.TimerHandle] = {}
+        self._uid_of: dict[socket.socket, int] = {}
+        self._per_uid: dict[int, int] = {}
         self._inode: tuple[int, int] | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
@@ -263,9 +269,23 @@ class HandoffServer:
             except OSError as exc:
                 self._accept_failed(exc)
                 return
+            try:
+                uid = peer_cred(conn).uid
+            except OSError:
+                uid = -1  # no credentials: one shared bucket
+            if self._per_uid.get(uid, 0) >= MAX_CONNECTIONS_PER_UID:
+                with contextlib.suppress(OSError):
+                    conn.send(
+                        f"error RESOURCE_EXHAUSTED uid {uid} already has {MAX_CONNECTIONS_PER_UID} fd handoffs "
+                        "under way; finish one and retry\n".encode()
+                    )
+                conn.close()
+                continue
             conn.setblocking(False)
             timer = self._loop.call_later(CONNECTION_TIMEOUT_S, self._drop, conn)
             self._conns[conn] = timer
+            self._uid_of[conn] = uid
+            self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
             self._loop.add_reader(conn.fileno(), self._serve, conn)
         # Full: stop accepting until a connection finishes (the kernel backlog holds the rest).
         self._loop.remove_reader(self._listener.fileno())
@@ -292,6 +312,12 @@ class HandoffServer:
         if timer is None:
             return
         timer.cancel()
+        uid = self._uid_of.pop(conn)
+        left = self._per_uid[uid] - 1
+        if left:
+            self._per_uid[uid] = left
+        else:
+            del self._per_uid[uid]
         assert self._loop is not None
         self._loop.remove_reader(conn.fileno())
         conn.close()

@@ -23,7 +23,7 @@ from hicached_client import HiCacheError
 from hicached_client._handoff import MAGIC, hand_over
 from hicached_client.export import sealed_memfd
 
-from hicached.server.handoff import HandoffRegistry, HandoffServer, PeerCred
+from hicached.server.handoff import MAX_CONNECTIONS_PER_UID, HandoffRegistry, HandoffServer, PeerCred
 
 from .users import other_user, run_as_other
 
@@ -195,3 +195,41 @@ def test_the_ticket_carries_the_uid_of_the_process_that_sent_the_fds(served: Ser
     assert cred.uid == uid and cred.uid != os.getuid()
     assert len(fds) == 1
     os.close(fds[0])
+
+
+def test_one_uids_idle_connections_do_not_lock_another_uid_out(served: Served) -> None:
+    """Before: 64 connections in all (plus the kernel's backlog of 64), whoever held them, each
+    kept for 5 s and simply opened again: one client connecting and sending nothing locked
+    every other worker out of the handoff, and so out of attaching device buffers."""
+    other_user()
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(200):  # connect and send nothing, as fast as the kernel takes them
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(str(served.path))
+            except OSError:  # the backlog is full for this moment
+                s.close()
+                break
+            idle.append(s)
+        assert len(idle) > MAX_CONNECTIONS_PER_UID
+        # Beyond its share, this uid's connections are answered at once and closed.
+        last = idle[-1]
+        last.setblocking(True)
+        last.settimeout(10)
+        assert last.recv(200).startswith(b"error RESOURCE_EXHAUSTED uid ")
+        code = (
+            "import sys\n"
+            "from hicached_client._handoff import hand_over\n"
+            "from hicached_client.export import sealed_memfd\n"
+            "print(hand_over(sys.argv[1], [sealed_memfd('legit', 4096)], timeout_s=3))\n"
+        )
+        proc = run_as_other(code, str(served.path))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        taken = served.registry.take(proc.stdout.strip())
+        assert taken is not None
+        os.close(taken[1][0])
+    finally:
+        for s in idle:
+            s.close()
