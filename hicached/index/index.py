@@ -403,6 +403,7 @@ class ContentIndex:
                 deleted = self.backend.clear(f"{self.namespace}/")
             elif l3_keys:
                 deleted = self.backend.delete(self._view.l3_keys(self.namespace, sorted(l3_keys)))
+            self._table.forget_l3(l3_keys)  # only once deleted: a failed clear can be retried
             # The backend counts objects: one per pool of each key.
             deleted = -(-deleted // len(self._view.slots))
             if deleted:

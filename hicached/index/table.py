@@ -332,7 +332,8 @@ class EntryTable:
 
     def detach(self, tenant: str | None) -> tuple[int, set[str] | None]:
         """clear(): every entry (or one tenant's) leaves now; pinned ones are freed at their last
-        unpin. (Entries dropped, the tenant's keys known to be in L3; None without a tenant.)"""
+        unpin. (Entries dropped, the tenant's keys known to be in L3; None without a tenant.)
+        The keys stay remembered until :meth:`forget_l3`."""
         with self._lock:
             self._clears += 1
             targets = [e for e in self._entries.values() if tenant is None or e.tenant == tenant]
@@ -344,14 +345,20 @@ class EntryTable:
                     entry.cleared = True
             self._free_locked([e for e in targets if e.refs == 0])
             if tenant is None:
-                self._l3_tenant_keys.clear()
                 return len(targets), None
-            known = self._l3_tenant_keys
-            l3_keys = {k for k, t in known.items() if t == tenant}
-            for key in l3_keys:
-                del known[key]
+            l3_keys = {k for k, t in self._l3_tenant_keys.items() if t == tenant}
             l3_keys.update(e.key for e in targets if e.in_l3)
             return len(targets), l3_keys
+
+    def forget_l3(self, keys: Iterable[str] | None) -> None:
+        """The L3 copies of ``keys`` (None: of every tenant) are deleted: stop remembering them.
+        Called after the delete succeeded, so a failed one can be retried by a later clear."""
+        with self._lock:
+            if keys is None:
+                self._l3_tenant_keys.clear()
+                return
+            for key in keys:
+                self._l3_tenant_keys.pop(key, None)
 
     # ------------------------------------------------------------- warm restart / close
 

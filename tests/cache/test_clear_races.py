@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import hicached.index.table as table_module
+from hicached.errors import Unavailable
 from hicached.index import ContentIndex, LookupResult, WritePolicy
 from hicached.l2 import HostPoolGroup
 from hicached.l3 import StorageBackend, create_backend
@@ -181,3 +182,38 @@ def test_the_keys_remembered_for_a_tenant_clear_stay_within_their_bound(
     assert index.lookup(keys_of("r4-", 4)) == LookupResult(0, 0)
     assert index.lookup(keys_of("r0-", 4)) == LookupResult(0, 4)
     assert index.clear()[1] == 14
+
+
+class FailingDeletes(Wrapped):
+    """``delete`` raises Unavailable (a store restarting) while ``failing`` is set."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.failing = False
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if self.failing:
+            raise Unavailable("the store is restarting")
+        return self.inner.delete(keys)
+
+
+def test_a_tenant_clear_whose_l3_delete_failed_can_be_retried(
+    make_group: Callable[..., HostPoolGroup], make_index: Callable[..., ContentIndex], tmp_path: Path
+) -> None:
+    """Before: the tenant's L3 keys were forgotten before the delete ran, so after a failed
+    delete a retried clear deleted nothing and the pages were still served from L3."""
+    backend = FailingDeletes(create_backend("file", {"path": str(tmp_path / "l3")}))
+    try:
+        group = make_group(8)
+        index = make_index(group, backend)
+        keys = keys_of("t", 4)
+        index.publish(keys, write_pages(group, 4, seed=3), tenant="t")
+        index.flush(timeout_s=30)
+        backend.failing = True
+        with pytest.raises(Unavailable):
+            index.clear("t")
+        backend.failing = False
+        assert index.clear("t") == (0, 4)
+        assert index.lookup(keys) == LookupResult(0, 0)
+    finally:
+        backend.inner.close()
