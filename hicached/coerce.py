@@ -19,6 +19,7 @@ functions; thread-safe.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -125,11 +126,13 @@ def _convert(value: Any, tp: Any, text: bool) -> Any:
             return int(value.strip(), 10)
         raise ValueError(value)  # 2.5 is not silently 2
     if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if text and isinstance(value, str):
-            return float(value)
-        raise ValueError(value)
+        number_like = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (number_like or (text and isinstance(value, str))):
+            raise ValueError(value)
+        number = float(value)
+        if not math.isfinite(number):  # nan passes every range check written as "x <= 0"
+            raise ValueError(value)
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

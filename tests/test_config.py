@@ -314,6 +314,9 @@ BAD_CLI = {
     "non-positive": ({"l3.io_workers": "0"}, ["l3.io_workers", "'0'", "> 0"]),
     "lease below min": ({"sessions.lease_ms": "499"}, ["sessions.lease_ms", "499", "500"]),
     "backend option": ({"l3.s3.threads": "many"}, ["l3.s3.threads", "'many'", "an integer"]),
+    # Not numbers a range check can hold: nan passes "x <= 0" (it killed the stats task).
+    "nan": ({"l3.stats_interval_s": "nan"}, ["l3.stats_interval_s", "'nan'"]),
+    "infinite": ({"l3.redis.socket_timeout_s": "inf"}, ["l3.redis.socket_timeout_s", "'inf'"]),
     "mode beyond permission bits": ({"server.socket_mode": "1777"}, ["server.socket_mode", "'1777'"]),
     "mode not octal": ({"server.socket_mode": "689"}, ["server.socket_mode", "'689'"]),
 }

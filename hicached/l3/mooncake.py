@@ -421,15 +421,22 @@ class MooncakeBackend(StorageBackend):
         sizes = [self._store.get_size(name) for name in names]
         results = self._store.batch_remove(names, True)
         removed = removed_bytes = 0
+        failed: list[int] = []
         for name, size, rc in zip(names, sizes, results, strict=True):
             if rc == 0:
                 removed += 1
                 removed_bytes += max(0, size - FRAME_HEADER.size)
             elif rc != _OBJECT_NOT_FOUND:
                 log.warning("mooncake backend: remove %r failed (code %s)", name, rc)
+                failed.append(rc)
         with self._lock:
             self._pages = max(0, self._pages - removed)
             self._bytes = max(0, self._bytes - removed_bytes)
+        if failed:  # not "nothing to delete": a clear must not read as done
+            raise Unavailable(
+                f"mooncake backend: {len(failed)} of {len(names)} removes failed (code {failed[0]}); "
+                f"{removed} removed"
+            )
         return removed
 
     def clear(self, prefix: str = "") -> int:

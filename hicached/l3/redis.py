@@ -46,6 +46,13 @@ log = logging.getLogger(__name__)
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
+# Delete KEYS[1] only while it still holds ARGV[1] (a corrupt value; a new write may have
+# replaced it meanwhile).
+_DELETE_IF_SAME = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class RedisBackendConfig:
     """Options of the ``redis`` backend.
@@ -138,6 +145,10 @@ class RedisBackend(StorageBackend):
             return fn(*args, **kwargs)
         except (self._redis.ConnectionError, self._redis.TimeoutError) as exc:
             raise Unavailable(f"redis server at {self._where()} is unreachable: {exc}") from exc
+        except self._redis.RedisError as exc:  # e.g. a replica read-only during a failover
+            raise Unavailable(
+                f"redis server at {self._where()} refused: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _batches(self, n: int) -> Iterator[range]:
         step = self.config.batch_pages
@@ -163,6 +174,8 @@ class RedisBackend(StorageBackend):
         return count
 
     def _fetch(self, keys: Sequence[str]) -> list[memoryview | None]:
+        """The verified payloads (None: a miss). A value that fails verification is removed, if it
+        still holds those bytes: a later set (NX) of the key could not replace it otherwise."""
         out: list[memoryview | None] = []
         corrupt = 0
         for batch in self._batches(len(keys)):
@@ -171,24 +184,30 @@ class RedisBackend(StorageBackend):
                 payload = None if blob is None else unframe(keys[i], blob)
                 if blob is not None and payload is None:
                     corrupt += 1
-                    log.warning("redis backend: page %r failed verification", keys[i])
+                    log.warning("redis backend: page %r failed verification; removing it", keys[i])
+                    self._call(self._client.eval, _DELETE_IF_SAME, 1, self._full(keys[i]), blob)
                 out.append(payload)
-        hits = sum(p is not None for p in out)
         with self._lock:
-            self._hits += hits
-            self._misses += len(out) - hits
             self._corrupt += corrupt
         return out
 
+    def _count(self, ok: Sequence[bool]) -> None:
+        hits = sum(ok)
+        with self._lock:
+            self._hits += hits
+            self._misses += len(ok) - hits
+
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         check_batch(keys, keys, "keys")
-        return [None if p is None else p.tobytes() for p in self._fetch(keys)]
+        pages = [None if p is None else p.tobytes() for p in self._fetch(keys)]
+        self._count([p is not None for p in pages])
+        return pages
 
     def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
         check_batch(keys, dests, "destinations")
-        return [
-            scatter_into(payload, chunks) for payload, chunks in zip(self._fetch(keys), dests, strict=True)
-        ]
+        ok = [scatter_into(payload, chunks) for payload, chunks in zip(self._fetch(keys), dests, strict=True)]
+        self._count(ok)  # a destination of another size is a miss, as in the other backends
+        return ok
 
     # ----------------------------------------------------------------- writes
 

@@ -264,13 +264,18 @@ class S3Backend(StorageBackend):
             raise Unavailable(f"s3 backend {self._where()} is closed") from exc
 
     def _head(self, name: str) -> bool:
+        return self._head_state(name) is True
+
+    def _head_state(self, name: str) -> bool | None:
+        """True present, False absent, None: the store did not say (logged)."""
         try:
             self._client.head_object(Bucket=self.config.bucket, Key=name)
             return True
         except self._errors as exc:
-            if _error_code(exc) not in _MISSING_CODES:
-                log.warning("s3 backend %s: HEAD %s failed: %s", self._where(), name, exc)
-            return False
+            if _error_code(exc) in _MISSING_CODES:
+                return False
+            log.warning("s3 backend %s: HEAD %s failed: %s", self._where(), name, exc)
+            return None
 
     def _fetch(self, key_name: tuple[str, str]) -> memoryview | None:
         """The verified payload of one page, or None (miss; corrupt objects are removed)."""
@@ -343,8 +348,10 @@ class S3Backend(StorageBackend):
                     Delete={"Objects": [{"Key": n} for n in batch], "Quiet": False},
                 )
             except self._errors as exc:
-                log.warning("s3 backend %s: DeleteObjects failed: %s", self._where(), exc)
-                continue
+                # Reported, not skipped: a clear that deleted nothing must not read as done.
+                raise Unavailable(
+                    f"s3 backend {self._where()}: DeleteObjects failed after {deleted} deletions: {exc}"
+                ) from None
             deleted += len(reply.get("Deleted", []))
             for error in reply.get("Errors", []):
                 log.warning("s3 backend %s: could not delete %s: %s", self._where(), error.get("Key"), error)
@@ -398,8 +405,13 @@ class S3Backend(StorageBackend):
         names = self._object_names(keys)
         unique = list(dict.fromkeys(names))
         # DeleteObjects reports absent keys as deleted too, so presence comes from HEAD.
-        present = [n for n, found in zip(unique, self._map(self._head, unique), strict=True) if found]
-        return self._delete_names(present)
+        states = self._map(self._head_state, unique)
+        if None in states:
+            raise Unavailable(
+                f"s3 backend {self._where()}: could not tell whether {states.count(None)} of {len(unique)} "
+                "objects exist; nothing was deleted"
+            )
+        return self._delete_names([n for n, found in zip(unique, states, strict=True) if found])
 
     def clear(self, prefix: str = "") -> int:
         if not isinstance(prefix, str):

@@ -9,7 +9,7 @@ from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3 import StorageBackend, create_backend
 from hicached.l3.framing import frame
 from hicached.testing.procs import free_ports
-from hicached.testing.servers import RedisServer
+from hicached.testing.servers import RedisServer, redis_server
 
 
 @pytest.fixture
@@ -29,8 +29,21 @@ def test_values_are_verified_frames(redis_backend: StorageBackend, raw: redis.Re
     raw.set("v/c", stored)  # a whole frame, but of another key
     dest = bytearray(1000)
     assert redis_backend.get(["v/a", "v/b", "v/c"]) == [None, None, None]
+    assert redis_backend.stats().corrupt_pages == 3
+    # Removed once found bad: a set (NX) of the key can store it again (before, the bad value
+    # stayed, every set of the key "succeeded" on it and every get missed, for good).
+    assert raw.exists("v/a", "v/b", "v/c") == 0
     assert redis_backend.get_into(["v/a"], [[memoryview(dest)]]) == [False]
-    assert redis_backend.stats().corrupt_pages == 4
+    assert redis_backend.set(["v/a"], [b"a" * 1000]) == [True]
+    assert redis_backend.get_into(["v/a"], [[memoryview(dest)]]) == [True] and dest == b"a" * 1000
+
+
+def test_a_destination_of_another_size_is_a_counted_miss(redis_backend: StorageBackend) -> None:
+    assert redis_backend.set(["s/a"], [b"a" * 1000]) == [True]
+    before = redis_backend.stats()
+    assert redis_backend.get_into(["s/a"], [[memoryview(bytearray(999))]]) == [False]
+    after = redis_backend.stats()
+    assert (after.hits - before.hits, after.misses - before.misses) == (0, 1)
 
 
 def test_key_prefix_isolation(redis_srv: RedisServer, redis_backend: StorageBackend) -> None:
@@ -85,3 +98,21 @@ def test_closed_backend_is_unavailable(redis_srv: RedisServer) -> None:
 def test_bad_options(options: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         create_backend("redis", options)
+
+
+def test_a_read_only_replica_is_unavailable_not_an_internal_error() -> None:
+    """A failover demotes the server under the daemon: its READONLY refusals are Unavailable
+    (retryable, and a clear reads as not done), not a raw redis error (INTERNAL)."""
+    with redis_server() as srv:
+        backend = create_backend("redis", {"host": srv.host, "port": srv.port})
+        raw = redis.Redis(host=srv.host, port=srv.port)
+        try:
+            assert backend.set(["r/a"], [b"x" * 100]) == [True]
+            raw.execute_command("REPLICAOF", "127.0.0.1", "1")  # now a read-only replica
+            with pytest.raises(Unavailable, match="ReadOnlyError"):
+                backend.delete(["r/a"])
+            with pytest.raises(Unavailable, match="ReadOnlyError"):
+                backend.clear("r/")
+        finally:
+            raw.execute_command("REPLICAOF", "NO", "ONE")
+            backend.close()

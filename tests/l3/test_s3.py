@@ -194,6 +194,10 @@ def test_server_gone_turns_requests_into_misses() -> None:
         assert backend.get(["gone"]) == [None]
         assert backend.exists(["gone"]) == 0
         assert backend.set(["gone2"], [b"y"]) == [False]
+        # A delete that could not reach the store is an error, not "nothing to delete": a clear
+        # must not read as done (it returned 0).
+        with pytest.raises(Unavailable, match="could not tell whether 1 of 1 objects exist"):
+            backend.delete(["gone"])
         stats = backend.stats()  # counters stay readable; pages/bytes from no listing
         assert (stats.misses, stats.pages) == (1, 0)
     finally:
