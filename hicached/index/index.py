@@ -234,15 +234,13 @@ class ContentIndex:
         limit = None if backend is None else backend.max_key_bytes
         if backend is None or limit is None or not keys:
             return
-        longest = max(self._view.l3_keys(self.namespace, ["x"]), key=lambda k: len(k.encode("utf-8")))
-        overhead = len(longest.encode("utf-8")) - 1
+        prefix = max(self._view.l3_keys(self.namespace, [""]), key=backend.name_bytes)  # longest pool's
         for key in keys:
-            size = len(key.encode("utf-8")) + overhead
+            size = backend.name_bytes(prefix + key)
             if size > limit:
                 raise InvalidArgument(
-                    f"content key {key[:32]!r}... is too long: {len(key.encode('utf-8'))} bytes "
-                    f"(its L3 name {size} bytes); the {backend.name!r} L3 backend stores names of "
-                    f"at most {limit} bytes, i.e. keys of at most {limit - overhead} bytes here"
+                    f"content key {key[:32]!r}... is too long: {len(key.encode('utf-8'))} bytes, its L3 name "
+                    f"{size} bytes; the {backend.name!r} L3 backend stores names of at most {limit} bytes"
                 )
 
     def pin(self, keys: Sequence[str]) -> Pin:

@@ -97,9 +97,15 @@ class StorageBackend(ABC):
     """
 
     name: ClassVar[str]
-    # Longest key (UTF-8 bytes) the backend can store; None = no limit it knows of. Callers
-    # refuse longer keys up front, so a key is never accepted and then failed in the I/O thread.
+    # Longest key (its :meth:`name_bytes`) the backend can store; None = no limit it knows of.
+    # Callers refuse longer keys up front, so a key is never accepted and then failed in the
+    # I/O thread.
     max_key_bytes: ClassVar[int | None] = None
+
+    def name_bytes(self, key: str) -> int:
+        """Bytes of ``key``'s name in the store, which :attr:`max_key_bytes` bounds (UTF-8,
+        unless the backend rewrites keys). Pure: thread-safe."""
+        return len(key.encode("utf-8"))
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> int:

@@ -240,6 +240,11 @@ class S3Backend(StorageBackend):
             if _error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise Unavailable(f"s3 backend could not create bucket {bucket!r}: {exc}") from exc
 
+    max_key_bytes = MAX_OBJECT_KEY_BYTES
+
+    def name_bytes(self, key: str) -> int:
+        return len((self.config.prefix + escape_key(key)).encode("utf-8"))
+
     def _object_names(self, keys: Sequence[str]) -> list[str]:
         """Object names for ``keys``, all checked before any request is sent."""
         names = []
@@ -277,12 +282,18 @@ class S3Backend(StorageBackend):
             log.warning("s3 backend %s: HEAD %s failed: %s", self._where(), name, exc)
             return None
 
-    def _fetch(self, key_name: tuple[str, str]) -> memoryview | None:
-        """The verified payload of one page, or None (miss; corrupt objects are removed)."""
-        key, name = key_name
+    def _fetch(self, item: tuple[str, str, int | None]) -> memoryview | None:
+        """The verified payload of one page, or None (miss; corrupt objects are removed).
+        ``item``: key, object name, and the payload size the caller can take (None: any); a
+        larger object is a miss, not read (it may be anyone's, of any size)."""
+        key, name, most = item
         try:
-            body = self._client.get_object(Bucket=self.config.bucket, Key=name)["Body"]
+            reply = self._client.get_object(Bucket=self.config.bucket, Key=name)
+            body = reply["Body"]
             try:
+                length = reply.get("ContentLength")
+                if most is not None and isinstance(length, int) and length > most + FRAME_HEADER.size:
+                    return None
                 blob = body.read()
             finally:
                 body.close()
@@ -380,7 +391,7 @@ class S3Backend(StorageBackend):
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         names = self._object_names(keys)
-        payloads = self._map(self._fetch, zip(keys, names, strict=True))
+        payloads = self._map(self._fetch, [(k, n, None) for k, n in zip(keys, names, strict=True)])
         pages = [None if p is None else bytes(p) for p in payloads]
         self._count([p is not None for p in pages])
         return pages
@@ -388,7 +399,8 @@ class S3Backend(StorageBackend):
     def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
         check_batch(keys, dests, "destinations")
         names = self._object_names(keys)
-        payloads = self._map(self._fetch, zip(keys, names, strict=True))
+        sizes = [sum(memoryview(c).nbytes for c in chunks) for chunks in dests]
+        payloads = self._map(self._fetch, list(zip(keys, names, sizes, strict=True)))
         ok = [scatter_into(payload, chunks) for payload, chunks in zip(payloads, dests, strict=True)]
         self._count(ok)
         return ok

@@ -13,8 +13,11 @@ from typing import Any
 
 import boto3
 import pytest
+import torch
 
 from hicached.errors import InvalidArgument, Unavailable
+from hicached.index import ContentIndex
+from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.l3 import StorageBackend, create_backend
 from hicached.l3.framing import FRAME_MAGIC, frame
 from hicached.l3.s3 import S3Backend, escape_key, unescape_key
@@ -83,6 +86,21 @@ def test_corrupt_objects_are_misses_counted_and_removed(s3_backend: StorageBacke
     assert backend.exists(["c/a"]) == 0
     assert backend.set(["c/a"], [b"a" * 1000]) == [True]
     assert backend.get(["c/a"]) == [b"a" * 1000]
+
+
+def test_an_object_larger_than_the_destination_is_a_miss_left_unread(
+    s3_backend: StorageBackend, raw: Any
+) -> None:
+    """Before: the whole object was read (any size: 256 MiB of someone else's for a 4 KiB page),
+    then dropped as corrupt."""
+    backend = _s3(s3_backend)
+    name = backend.config.prefix + escape_key("big/a")
+    raw.put_object(Bucket=backend.config.bucket, Key=name, Body=b"\0" * (8 << 20))
+    before = backend.stats()
+    assert backend.get_into(["big/a"], [[memoryview(bytearray(4096))]]) == [False]
+    after = backend.stats()
+    assert (after.misses - before.misses, after.corrupt_pages - before.corrupt_pages) == (1, 0)
+    assert raw.head_object(Bucket=backend.config.bucket, Key=name)["ContentLength"] == 8 << 20
 
 
 def test_pages_are_shared_between_backends_and_outlive_them(seaweed_srv: SeaweedFS) -> None:
@@ -260,3 +278,24 @@ def test_missing_credentials_are_a_configuration_error(
     options = {"bucket": seaweed_srv.bucket, "endpoint_url": seaweed_srv.endpoint_url, "max_attempts": 1}
     with pytest.raises(InvalidArgument, match=f"credentials for bucket '{seaweed_srv.bucket}'"):
         create_backend("s3", options)
+
+
+def test_a_key_whose_object_name_is_too_long_is_refused_before_it_is_stored(seaweed_srv: SeaweedFS) -> None:
+    """Escaping can make an object name three times its key: 400 dots are 1,200 bytes, over S3's
+    1,024. Before, the index let such a key in (S3 declared no limit), and its batch failed later
+    in the backup thread, every key of it."""
+    backend = create_backend("s3", s3_options(seaweed_srv))
+    spec = KVSpec(PoolKind.MHA, torch.float16, 1, 1, 4, 4)
+    pool = create_host_pool(
+        spec, HostLayout.PAGE_FIRST, 8, segment_name=f"hc-s3key-{uuid.uuid4().hex[:8]}", pin=False
+    )
+    try:
+        group = HostPoolGroup([PoolEntry("kv", pool, is_primary_index_anchor=True)])
+        with ContentIndex(group, namespace="ns", backend=backend) as index:
+            with pytest.raises(InvalidArgument, match=r"its L3 name 1[0-9]{3} bytes"):
+                index.check_storable(["." * 400])
+            index.check_storable(["k" * 400])  # as long, nothing to escape: it fits
+    finally:
+        backend.close()
+        pool.close()
+        pool.unlink()
