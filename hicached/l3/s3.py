@@ -198,9 +198,12 @@ class S3Backend(StorageBackend):
                 "aws_access_key_id": config.access_key_id,
                 "aws_secret_access_key": config.secret_access_key,
             }
-        self._client: Any = boto3.session.Session().client(
-            "s3", endpoint_url=config.endpoint_url or None, config=boto_config, **credentials
-        )
+        try:
+            self._client: Any = boto3.session.Session().client(
+                "s3", endpoint_url=config.endpoint_url or None, config=boto_config, **credentials
+            )
+        except (ValueError, BotoCoreError) as exc:  # a malformed endpoint or region
+            raise InvalidArgument(f"s3 backend: {exc} (l3.s3.endpoint_url / l3.s3.region)") from None
         try:
             self._ensure_bucket()
         except BaseException:

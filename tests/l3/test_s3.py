@@ -250,6 +250,9 @@ def test_closed_backend_is_unavailable(seaweed_srv: SeaweedFS) -> None:
         ({"bucket": "b", "max_attempts": 0}, "'max_attempts'"),
         ({"bucket": "b", "threads": "8"}, "'threads'.*int"),
         ({"bucket": "b", "region_name": "x"}, "unknown option"),
+        # boto3's own refusals, before any request: no traceback at start-up.
+        ({"bucket": "b", "endpoint_url": "http://exa mple:8333"}, "Invalid endpoint.*l3.s3.endpoint_url"),
+        ({"bucket": "b", "region": "bad region!"}, "'bad region!'.*l3.s3.region"),
     ],
 )
 def test_bad_config_is_rejected_with_the_offending_value(options: dict[str, object], match: str) -> None:
