@@ -177,21 +177,26 @@ def test_close_closes_every_pending_fd_and_refuses_new_handoffs() -> None:
     os.close(fd)
 
 
-def test_the_ticket_carries_the_uid_of_the_process_that_sent_the_fds(served: Served) -> None:
-    """SO_PEERCRED: a client running as a second uid is identified as that uid by the kernel,
-    whatever it claims. (Skips only when not root; CI runs as root.)"""
-    uid = other_user()
+def hand_over_as_other(served: Served, timeout_s: float) -> tuple[PeerCred, list[int]]:
+    """One memfd handed over by a process of the second uid; what the registry holds for it."""
     code = (
         "import sys\n"
         "from hicached_client._handoff import hand_over\n"
         "from hicached_client.export import sealed_memfd\n"
-        "print(hand_over(sys.argv[1], [sealed_memfd('other', 4096)], timeout_s=10))\n"
+        "print(hand_over(sys.argv[1], [sealed_memfd('other', 4096)], timeout_s=float(sys.argv[2])))\n"
     )
-    proc = run_as_other(code, str(served.path))
+    proc = run_as_other(code, str(served.path), str(timeout_s))
     assert proc.returncode == 0, proc.stderr[-2000:]
     taken = served.registry.take(proc.stdout.strip())
     assert taken is not None
-    cred, fds = taken
+    return taken
+
+
+def test_the_ticket_carries_the_uid_of_the_process_that_sent_the_fds(served: Served) -> None:
+    """SO_PEERCRED: a client running as a second uid is identified as that uid by the kernel,
+    whatever it claims. (Skips only when not root; CI runs as root.)"""
+    uid = other_user()
+    cred, fds = hand_over_as_other(served, timeout_s=10)
     assert cred.uid == uid and cred.uid != os.getuid()
     assert len(fds) == 1
     os.close(fds[0])
@@ -219,17 +224,8 @@ def test_one_uids_idle_connections_do_not_lock_another_uid_out(served: Served) -
         last.setblocking(True)
         last.settimeout(10)
         assert last.recv(200).startswith(b"error RESOURCE_EXHAUSTED uid ")
-        code = (
-            "import sys\n"
-            "from hicached_client._handoff import hand_over\n"
-            "from hicached_client.export import sealed_memfd\n"
-            "print(hand_over(sys.argv[1], [sealed_memfd('legit', 4096)], timeout_s=3))\n"
-        )
-        proc = run_as_other(code, str(served.path))
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        taken = served.registry.take(proc.stdout.strip())
-        assert taken is not None
-        os.close(taken[1][0])
+        _, fds = hand_over_as_other(served, timeout_s=3)
+        os.close(fds[0])
     finally:
         for s in idle:
             s.close()
