@@ -50,7 +50,7 @@ CONNECTION_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 64
 # Connections of one uid under way at once; one more is refused at accept, so one local user
 # cannot hold every slot (and the kernel's backlog behind them) and lock the others out.
-MAX_CONNECTIONS_PER_UID = 8
+MAX_CONNECTIONS_PER_UID = 32  # half of all: a node's workers may all start at once
 # How long the listener pauses after an accept that ran out of descriptors.
 ACCEPT_PAUSE_S = 0.1
 _INT = array.array("i").itemsize
