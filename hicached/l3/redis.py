@@ -185,7 +185,10 @@ class RedisBackend(StorageBackend):
                 if blob is not None and payload is None:
                     corrupt += 1
                     log.warning("redis backend: page %r failed verification; removing it", keys[i])
-                    self._call(self._client.eval, _DELETE_IF_SAME, 1, self._full(keys[i]), blob)
+                    try:
+                        self._call(self._client.eval, _DELETE_IF_SAME, 1, self._full(keys[i]), blob)
+                    except Unavailable as exc:  # still a miss; the next read tries again
+                        log.warning("redis backend: could not remove page %r: %s", keys[i], exc)
                 out.append(payload)
         with self._lock:
             self._corrupt += corrupt

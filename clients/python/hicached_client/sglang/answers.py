@@ -32,6 +32,8 @@ class Unsupported(ValueError):
 
 
 def _count(keys: Any) -> int:
+    if isinstance(keys, str):
+        return 1  # get / set / exists of one key
     try:
         return len(keys)
     except TypeError:

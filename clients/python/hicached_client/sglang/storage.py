@@ -14,8 +14,9 @@ Semantics kept from SGLang's backends (``HiCacheFile`` is the reference, see
 ``tests/sglang/test_sglang_hicachefile_parity.py``): a second set of an
 existing key succeeds without rewriting; a missing key reads as a miss, never
 an error; a daemon failure during I/O is logged and reads as a miss / failed
-write (SGLang's threads must not die on it: :mod:`hicached_client.sglang.answers`). Keys are namespaced by model,
-TP/PP rank, tenant and pool (see :mod:`hicached_client.sglang.namespace`).
+write (SGLang's threads must not die on it: :mod:`hicached_client.sglang.answers`).
+Keys are namespaced by model, TP/PP rank, tenant and pool (see
+:mod:`hicached_client.sglang.namespace`).
 
 The generic ``get``/``set``/``exists`` take any tensor, as ``HiCacheFile``
 does: a tensor the size of a registered KV pool's page goes through that pool;
