@@ -91,15 +91,20 @@ class Lane:
         loop = asyncio.get_running_loop()
         work = self.executor.submit(functools.partial(fn, *args, **kwargs))
 
-        def finished(_: object) -> None:
-            # When the work ends, not when its caller stops waiting: a cancelled call (the
-            # client's deadline) keeps its thread until then, so it keeps its place in the
-            # counts; one still queued is cancelled with it and ends at once.
+        def finished(_: object) -> None:  # on the lane's thread
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to count
                 loop.call_soon_threadsafe(self._finished, session)
 
-        work.add_done_callback(finished)
-        return await asyncio.wrap_future(work, loop=loop)
+        try:
+            return await asyncio.wrap_future(work, loop=loop)
+        finally:
+            # The place is given back when the work ends, not when its caller stops waiting:
+            # a cancelled call (the client's deadline) keeps its thread until then. One still
+            # queued was cancelled with its caller and has ended.
+            if work.done():
+                self._finished(session)
+            else:
+                work.add_done_callback(finished)
 
     def _finished(self, session: str) -> None:
         self.pending -= 1
