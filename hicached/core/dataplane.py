@@ -94,7 +94,11 @@ class DataPlane:
         *,
         priority: Priority,
         on_layer: LayerCallback | None = None,
+        owned: bool = False,
     ) -> tuple[Ack, ...]:
+        """Copy ``transfers``' pages; ``owned``: the host pages are the session's (Write, Load),
+        checked again once they are marked in flight (a Free meanwhile may have handed them to
+        another session; from the mark on, a Free waits for the copy)."""
         items = []
         busy = []
         for t in transfers:
@@ -105,6 +109,8 @@ class DataPlane:
         plan = build_plan(direction, items, cache=session.plan_layers)
         state.acquire(busy)
         try:
+            if owned:
+                check_owned(session, state, transfers)
             result = self._engine.run(
                 plan, priority=priority, owner=session.session_id, on_layer=on_layer, cancel=session.cancel
             )
@@ -226,7 +232,7 @@ class DataPlane:
                 return resolved
             try:
                 acks = self.copy_pages(
-                    session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND
+                    session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND, owned=True
                 )
             except BaseException:
                 self.release_owned(session, state, resolved.transfers)
@@ -249,7 +255,13 @@ class DataPlane:
         def run() -> tuple[Ack, ...]:
             check_owned(session, state, checked)
             return self.copy_pages(
-                session, state, Direction.H2D, checked, priority=Priority.DEMAND, on_layer=on_layer
+                session,
+                state,
+                Direction.H2D,
+                checked,
+                priority=Priority.DEMAND,
+                on_layer=on_layer,
+                owned=True,
             )
 
         return session.run("Load", op_id, checked, run)
