@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import hicached.core.dataplane as dataplane
+from hicached.core import dataplane
 from hicached.errors import HiCacheError
 from hicached.l2.group import PoolTransfer
 
