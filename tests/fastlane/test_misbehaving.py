@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import struct
 import threading
@@ -154,12 +155,15 @@ def test_a_negotiation_line_sent_a_byte_at_a_time_past_the_deadline_is_refused(
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(path)
         started = time.monotonic()
+        poller = select.poll()
+        poller.register(s, select.POLLIN)
         for byte in line + b"\n":  # each byte well within a recv timeout, the whole line past it
             try:
                 s.send(bytes([byte]))
             except OSError:  # refused and closed: the answer is waiting
                 break
-            time.sleep(0.05)  # the attack's pace, not a synchronisation
+            if poller.poll(50):  # the attack's pace: the next byte 50 ms on, unless answered first
+                break
         s.settimeout(10)
         answer = s.recv(512)
     assert time.monotonic() - started > lane_module.NEGOTIATE_TIMEOUT_S  # the line took longer

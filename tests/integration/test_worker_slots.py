@@ -4,24 +4,14 @@ never end, or lock out, a session another client attached. Real daemon, real gRP
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, WorkerIdentity
 
 from tests.robustness.loop_support import byte_spec
-from tests.support.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon
 from tests.support.state import state
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 def test_another_tenant_cannot_end_a_session_by_attaching_its_slot(daemon: Daemon) -> None:
