@@ -418,20 +418,19 @@ class MooncakeBackend(StorageBackend):
         names = list(dict.fromkeys(self._object_keys(keys)))
         if not names:
             return 0
-        sizes = [self._store.get_size(name) for name in names]
+        # One batched RPC: a per-key size query first would cost one master
+        # timeout per key when the master stalls. Sizes are not reported, so
+        # the byte counter drops by the mean page, as in clear().
         results = self._store.batch_remove(names, True)
-        removed = removed_bytes = 0
+        removed = 0
         failed: list[int] = []
-        for name, size, rc in zip(names, sizes, results, strict=True):
+        for name, rc in zip(names, results, strict=True):
             if rc == 0:
                 removed += 1
-                removed_bytes += max(0, size - FRAME_HEADER.size)
             elif rc != _OBJECT_NOT_FOUND:
                 log.warning("mooncake backend: remove %r failed (code %s)", name, rc)
                 failed.append(rc)
-        with self._lock:
-            self._pages = max(0, self._pages - removed)
-            self._bytes = max(0, self._bytes - removed_bytes)
+        self._forget(removed)
         if failed:  # not "nothing to delete": a clear must not read as done
             raise Unavailable(
                 f"mooncake backend: {len(failed)} of {len(names)} removes failed (code {failed[0]}); "
@@ -447,15 +446,22 @@ class MooncakeBackend(StorageBackend):
         removed = int(self._store.remove_by_regex(pattern, True))
         if removed < 0:
             raise Unavailable(f"mooncake remove_by_regex({pattern!r}) failed (code {removed})")
-        with self._lock:
-            if not prefix:
+        if prefix:
+            self._forget(removed)
+        else:
+            with self._lock:
                 self._pages = self._bytes = 0
-            elif removed:
-                # Sizes of regex-removed objects are not reported: scale bytes by the mean page.
-                mean = self._bytes // self._pages if self._pages else 0
-                self._pages = max(0, self._pages - removed)
-                self._bytes = max(0, self._bytes - removed * mean)
         return removed
+
+    def _forget(self, removed: int) -> None:
+        """Count ``removed`` pages out; Mooncake does not report their sizes, so the
+        byte counter drops by the mean page."""
+        if not removed:
+            return
+        with self._lock:
+            mean = self._bytes // self._pages if self._pages else 0
+            self._pages = max(0, self._pages - removed)
+            self._bytes = max(0, self._bytes - removed * mean)
 
     def stats(self) -> BackendStats:
         with self._lock:

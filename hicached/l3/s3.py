@@ -33,6 +33,11 @@ later ``set`` can store the page again (otherwise ``If-None-Match`` would keep
 the broken object forever). A request that fails for any other reason (server
 down, timeout after boto3's retries) is a miss/``False`` and is logged.
 
+A stalled or unreachable store costs one request's timeout per call, not one
+per key: once a request of a call fails to reach the store (a connection
+error or a timeout, after boto3's retries), the call's requests not yet sent
+fail at once without being sent. The next call tries the store again.
+
 Thread-safety: the boto3 client is thread-safe; requests of one call run on a
 private thread pool of ``threads`` workers; counters sit under one lock.
 ``close()`` waits for queued requests, then closes the connection pool.
@@ -83,6 +88,10 @@ def unescape_key(name: str) -> str:
     return unquote(name, encoding="utf-8", errors="strict")
 
 
+class _Unreachable(Exception):
+    """A request found the store unreachable (logged); its call's unsent requests fail at once."""
+
+
 @dataclasses.dataclass(frozen=True)
 class S3BackendConfig:
     """Options of the ``s3`` backend.
@@ -98,7 +107,7 @@ class S3BackendConfig:
     missing bucket is a configuration error). ``conditional_put``: use
     ``If-None-Match: *`` to skip existing keys in one request (see above).
     ``addressing_style``: ``auto``, ``path`` or ``virtual``. Timeouts are per
-    request; ``max_attempts`` counts boto3's retries too.
+    request; ``max_attempts`` counts the first attempt and boto3's retries.
     ``stats_ttl_s``: ``stats()`` lists the prefix (one request per 1000
     objects); its page/byte counts are reused for this many seconds (and
     while a listing fails).
@@ -116,7 +125,7 @@ class S3BackendConfig:
     addressing_style: str = option("auto", help="auto, path or virtual.")
     connect_timeout_s: float = option(5.0, help="Per-request connect timeout in seconds.")
     read_timeout_s: float = option(30.0, help="Per-request read timeout in seconds.")
-    max_attempts: int = option(3, help="Attempts per request, boto3's retries included.")
+    max_attempts: int = option(3, help="Attempts per request in all (the first and boto3's retries).")
     stats_ttl_s: float = option(30.0, help="Seconds a bucket listing's page/byte counts are reused.")
 
     def __post_init__(self) -> None:
@@ -172,12 +181,15 @@ class S3Backend(StorageBackend):
         try:
             import boto3
             from botocore.config import Config
-            from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+            from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, NoCredentialsError
+            from botocore.exceptions import ConnectionError as BotoConnectionError
         except ImportError as exc:
             raise InvalidArgument(_INSTALL_HINT) from exc
         self.config = config
         self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError)
         self._no_credentials: type[BaseException] = NoCredentialsError
+        # Connection errors and timeouts (after boto3's retries): the store, not the key.
+        self._unreachable: tuple[type[BaseException], ...] = (BotoConnectionError, HTTPClientError)
         self._lock = threading.Lock()
         self._hits = self._misses = self._corrupt = 0
         self._listed: tuple[float, int, int] | None = None  # (monotonic time, pages, bytes)
@@ -187,7 +199,7 @@ class S3Backend(StorageBackend):
             max_pool_connections=config.threads,
             connect_timeout=config.connect_timeout_s,
             read_timeout=config.read_timeout_s,
-            retries={"max_attempts": config.max_attempts, "mode": "standard"},
+            retries={"total_max_attempts": config.max_attempts, "mode": "standard"},
             s3={"addressing_style": config.addressing_style},
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
@@ -263,13 +275,42 @@ class S3Backend(StorageBackend):
             names.append(name)
         return names
 
-    def _map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    def _map(self, fn: Callable[[T], R], items: Sequence[T], failed: R) -> list[R]:
+        """``fn`` over ``items`` on the request pool. Once one request raises
+        :class:`_Unreachable`, it and the requests not yet sent answer ``failed``."""
         if self._closed:
             raise Unavailable(f"s3 backend {self._where()} is closed")
+        down = threading.Event()
+        skipped: list[None] = []  # list.append is atomic; read after every request ended
+
+        def one(item: T) -> R:
+            if down.is_set():
+                skipped.append(None)
+                return failed
+            try:
+                return fn(item)
+            except _Unreachable:
+                down.set()
+                return failed
+
         try:
-            return list(self._pool.map(fn, items))
+            results = list(self._pool.map(one, items))
         except RuntimeError as exc:  # pool shut down by a concurrent close()
             raise Unavailable(f"s3 backend {self._where()} is closed") from exc
+        if skipped:
+            log.warning(
+                "s3 backend %s: store unreachable; %d of %d requests of this call not sent",
+                self._where(),
+                len(skipped),
+                len(items),
+            )
+        return results
+
+    def _failed(self, exc: BaseException, what: str) -> None:
+        """Log a failed request; raise :class:`_Unreachable` when the store, not the key, failed."""
+        log.warning("s3 backend %s: %s failed: %s", self._where(), what, exc)
+        if isinstance(exc, self._unreachable):
+            raise _Unreachable from exc
 
     def _head(self, name: str) -> bool:
         return self._head_state(name) is True
@@ -282,7 +323,7 @@ class S3Backend(StorageBackend):
         except self._errors as exc:
             if _error_code(exc) in _MISSING_CODES:
                 return False
-            log.warning("s3 backend %s: HEAD %s failed: %s", self._where(), name, exc)
+            self._failed(exc, f"HEAD {name}")
             return None
 
     def _fetch(self, item: tuple[str, str, int | None]) -> memoryview | None:
@@ -302,7 +343,7 @@ class S3Backend(StorageBackend):
                 body.close()
         except self._errors as exc:
             if _error_code(exc) not in _MISSING_CODES:
-                log.warning("s3 backend %s: GET %s failed: %s", self._where(), name, exc)
+                self._failed(exc, f"GET {name}")
             return None
         payload = unframe(key, blob)
         if payload is None:
@@ -335,7 +376,7 @@ class S3Backend(StorageBackend):
         except self._errors as exc:
             if _error_code(exc) in _EXISTS_CODES:
                 return True
-            log.warning("s3 backend %s: PUT %s failed: %s", self._where(), name, exc)
+            self._failed(exc, f"PUT {name}")
             return False
 
     def _put(
@@ -348,7 +389,7 @@ class S3Backend(StorageBackend):
         for i, name in enumerate(names):
             first.setdefault(name, i)
         todo = list(first.values())
-        sent = self._map(self._store, [(keys[i], names[i], srcs[i]) for i in todo])
+        sent = self._map(self._store, [(keys[i], names[i], srcs[i]) for i in todo], False)
         result = dict(zip(todo, sent, strict=True))
         return [result[first[name]] for name in names]
 
@@ -385,7 +426,7 @@ class S3Backend(StorageBackend):
         window = self.config.threads
         count = 0
         for start in range(0, len(names), window):
-            found = self._map(self._head, names[start : start + window])
+            found = self._map(self._head, names[start : start + window], False)
             for present in found:
                 if not present:
                     return count
@@ -394,7 +435,7 @@ class S3Backend(StorageBackend):
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         names = self._object_names(keys)
-        payloads = self._map(self._fetch, [(k, n, None) for k, n in zip(keys, names, strict=True)])
+        payloads = self._map(self._fetch, [(k, n, None) for k, n in zip(keys, names, strict=True)], None)
         pages = [None if p is None else bytes(p) for p in payloads]
         self._count([p is not None for p in pages])
         return pages
@@ -403,7 +444,7 @@ class S3Backend(StorageBackend):
         check_batch(keys, dests, "destinations")
         names = self._object_names(keys)
         sizes = [sum(memoryview(c).nbytes for c in chunks) for chunks in dests]
-        payloads = self._map(self._fetch, list(zip(keys, names, sizes, strict=True)))
+        payloads = self._map(self._fetch, list(zip(keys, names, sizes, strict=True)), None)
         ok = [scatter_into(payload, chunks) for payload, chunks in zip(payloads, dests, strict=True)]
         self._count(ok)
         return ok
@@ -420,7 +461,7 @@ class S3Backend(StorageBackend):
         names = self._object_names(keys)
         unique = list(dict.fromkeys(names))
         # DeleteObjects reports absent keys as deleted too, so presence comes from HEAD.
-        states = self._map(self._head_state, unique)
+        states = self._map(self._head_state, unique, None)
         if None in states:
             raise Unavailable(
                 f"s3 backend {self._where()}: could not tell whether {states.count(None)} of {len(unique)} "

@@ -7,6 +7,7 @@ Fixtures: ``test_s3_fixtures.py``.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from typing import Any
@@ -302,3 +303,36 @@ def test_a_key_whose_object_name_is_too_long_is_refused_before_it_is_stored(seaw
         backend.close()
         pool.close()
         pool.unlink()
+
+
+def test_a_stalled_store_costs_one_timeout_per_call_not_one_per_key(seaweed_srv: SeaweedFS) -> None:
+    """The gateway stops answering (SIGSTOP: TCP still accepted, no reply). Before, each of a
+    call's 32 requests waited out its own timeout, 4 at a time; now the requests not yet sent
+    when the first one times out fail without being sent, and the store is tried again by the
+    next call."""
+    backend = create_backend("s3", s3_options(seaweed_srv, max_attempts=1, read_timeout_s=0.5))
+    sent: list[str] = []
+    _s3(backend)._client.meta.events.register(
+        "before-send.s3.*", lambda **kw: sent.append(kw["request"].method)
+    )
+    keys = [f"stall-{i}" for i in range(32)]
+    try:
+        assert backend.set(keys[:1], [b"kept"]) == [True]
+        sent.clear()
+        os.killpg(os.getpgid(seaweed_srv.pid), signal.SIGSTOP)
+        try:
+            assert backend.set(keys, [b"x"] * len(keys)) == [False] * len(keys)
+            assert 1 <= len(sent) <= 4  # at most one round of the 4 threads reached the store
+            sent.clear()
+            assert backend.get(keys) == [None] * len(keys)
+            assert 1 <= len(sent) <= 4
+            sent.clear()
+            with pytest.raises(Unavailable, match="could not tell whether"):
+                backend.delete(keys)
+            assert 1 <= len(sent) <= 4
+        finally:
+            os.killpg(os.getpgid(seaweed_srv.pid), signal.SIGCONT)
+        assert backend.get(keys[:1]) == [b"kept"]  # the next call reaches the store again
+        assert backend.set(keys[1:2], [b"y"]) == [True]
+    finally:
+        backend.close()
