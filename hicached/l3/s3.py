@@ -45,7 +45,6 @@ private thread pool of ``threads`` workers; counters sit under one lock.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import threading
@@ -55,20 +54,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
-from hicached.coerce import option
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, scatter_into
 from hicached.l3.framing import FRAME_HEADER, frame, unframe
 from hicached.l3.registry import register_backend
+from hicached.l3.s3_config import MAX_OBJECT_KEY_BYTES, S3BackendConfig
 
 __all__ = ["S3Backend", "S3BackendConfig", "escape_key", "unescape_key"]
 
 log = logging.getLogger(__name__)
 
-MAX_OBJECT_KEY_BYTES = 1024  # S3's limit on an object name
 _DELETE_BATCH = 1000  # S3's limit on DeleteObjects
 _UNSAFE = re.compile(rb"[^A-Za-z0-9_-]")
-_ADDRESSING = ("auto", "path", "virtual")
 _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed"})
 _DENIED_CODES = frozenset({"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
@@ -90,75 +87,6 @@ def unescape_key(name: str) -> str:
 
 class _Unreachable(Exception):
     """A request found the store unreachable (logged); its call's unsent requests fail at once."""
-
-
-@dataclasses.dataclass(frozen=True)
-class S3BackendConfig:
-    """Options of the ``s3`` backend.
-
-    ``bucket``: bucket name (required). ``endpoint_url``: the S3 endpoint, e.g.
-    ``http://127.0.0.1:8333`` for SeaweedFS/MinIO; empty uses AWS's endpoint
-    for ``region``. ``prefix``: prepended to every object name (e.g.
-    ``"hicached/prod/"``), so several deployments can share a bucket.
-    ``access_key_id``/``secret_access_key``: both or neither; neither uses
-    boto3's default credential chain (environment, ``~/.aws``, instance role).
-    ``threads``: concurrent requests (and pooled connections) per call.
-    ``create_bucket``: create the bucket at start when it is missing (else a
-    missing bucket is a configuration error). ``conditional_put``: use
-    ``If-None-Match: *`` to skip existing keys in one request (see above).
-    ``addressing_style``: ``auto``, ``path`` or ``virtual``. Timeouts are per
-    request; ``max_attempts`` counts the first attempt and boto3's retries.
-    ``stats_ttl_s``: ``stats()`` lists the prefix (one request per 1000
-    objects); its page/byte counts are reused for this many seconds (and
-    while a listing fails).
-    """
-
-    bucket: str = option(help="Bucket name.")
-    endpoint_url: str = option("", help="S3 endpoint, e.g. http://127.0.0.1:8333 (empty = AWS for region).")
-    region: str = option("us-east-1", help="Region.")
-    prefix: str = option("", help="Prepended to every object name (deployments can share a bucket).")
-    access_key_id: str = option("", help="Access key (with secret_access_key; empty = boto3's chain).")
-    secret_access_key: str = option("", help="Secret key (with access_key_id).")
-    threads: int = option(8, help="Concurrent requests (and pooled connections) per call.")
-    create_bucket: bool = option(False, help="Create the bucket at start when it is missing.")
-    conditional_put: bool = option(True, help="Skip existing keys with If-None-Match: * in one request.")
-    addressing_style: str = option("auto", help="auto, path or virtual.")
-    connect_timeout_s: float = option(5.0, help="Per-request connect timeout in seconds.")
-    read_timeout_s: float = option(30.0, help="Per-request read timeout in seconds.")
-    max_attempts: int = option(3, help="Attempts per request in all (the first and boto3's retries).")
-    stats_ttl_s: float = option(30.0, help="Seconds a bucket listing's page/byte counts are reused.")
-
-    def __post_init__(self) -> None:
-        if not self.bucket:
-            raise InvalidArgument("s3 backend option 'bucket' must be a non-empty bucket name")
-        if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
-            raise InvalidArgument(
-                f"s3 backend option 'endpoint_url' must start with http:// or https://, "
-                f"got {self.endpoint_url!r}"
-            )
-        if self.prefix.startswith("/") or len(self.prefix.encode("utf-8")) >= MAX_OBJECT_KEY_BYTES:
-            raise InvalidArgument(
-                f"s3 backend option 'prefix' must not start with '/' and must be shorter than "
-                f"{MAX_OBJECT_KEY_BYTES} bytes, got {self.prefix!r}"
-            )
-        if bool(self.access_key_id) != bool(self.secret_access_key):
-            raise InvalidArgument(
-                "s3 backend options 'access_key_id' and 'secret_access_key' must be given together"
-            )
-        if not 1 <= self.threads <= 256:
-            raise InvalidArgument(f"s3 backend option 'threads' must be in 1..256, got {self.threads}")
-        if self.addressing_style not in _ADDRESSING:
-            raise InvalidArgument(
-                f"s3 backend option 'addressing_style' must be one of {', '.join(_ADDRESSING)}, "
-                f"got {self.addressing_style!r}"
-            )
-        for opt in ("connect_timeout_s", "read_timeout_s"):
-            if not getattr(self, opt) > 0:
-                raise InvalidArgument(f"s3 backend opt {opt!r} must be > 0, got {getattr(self, opt)}")
-        if self.max_attempts < 1:
-            raise InvalidArgument(f"s3 backend opt 'max_attempts' must be >= 1, got {self.max_attempts}")
-        if self.stats_ttl_s < 0:
-            raise InvalidArgument(f"s3 backend opt 'stats_ttl_s' must be >= 0, got {self.stats_ttl_s}")
 
 
 def _error_code(exc: BaseException) -> str | None:
