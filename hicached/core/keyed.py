@@ -181,7 +181,7 @@ class KeyedCache:
         self._columns(state, keys, checked, side="device")
 
         def run() -> PutResult:
-            skip = index.lookup(keys).l2_hit_pages
+            skip = index.l2_run(keys)  # L3 is not asked: a put needs only what L2 holds
             todo = [replace_slice(t, skip) for t in checked]
             new_keys = list(keys[skip:])
             if not new_keys:

@@ -200,6 +200,10 @@ class ContentIndex:
         self._obs.lookup(len(keys), l2_run, total - l2_run)
         return LookupResult(l2_hit_pages=l2_run, total_hit_pages=total)
 
+    def l2_run(self, keys: Sequence[str]) -> int:
+        """Leading run of ``keys`` resident in L2: asks no L3, counts no lookup."""
+        return self._table.resident_run(check_keys(keys))
+
     # ------------------------------------------------------------- publish / pin
 
     def publish(

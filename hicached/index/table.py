@@ -81,6 +81,11 @@ class EntryTable:
         with self._lock:
             return [key in self._entries for key in keys]
 
+    def resident_run(self, keys: Sequence[str]) -> int:
+        """Leading run of ``keys`` held here (in L2)."""
+        flags = self.resident(keys)
+        return flags.index(False) if False in flags else len(flags)
+
     def not_in_l3(self, keys: Sequence[str]) -> list[Entry]:
         """The cached entries among ``keys`` that L3 lacks."""
         with self._lock:

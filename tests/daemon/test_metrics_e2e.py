@@ -64,6 +64,10 @@ def test_metrics_after_a_bench_like_workload(l3_dir: Path, worker_pools: list[Wo
 
                 new_prefix = chain("tenant-new", offset=7)
                 assert b.put_pages(new_prefix, transfers(range(100, 100 + PAGES))).stored_pages == PAGES
+                # A put checks only what L2 holds: it asks no L3 and is not counted as a lookup
+                # (it was, and the hit rate fell with every put).
+                asked = "hicached_lookup_query_pages_total"
+                assert total(scrape(port), asked) == total(after_copy, asked)
                 backed = b.backup(new_prefix, wait=True)
                 assert backed.stored_pages == backed.queued_pages
 
