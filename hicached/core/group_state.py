@@ -182,24 +182,23 @@ class GroupState:
         )
         return GroupJournal(self.group_id, pools, tuple(entries))
 
-    def close(self, journal: JournalStore | None = None) -> None:
-        """Close the index (freeing its pages) and the pools.
+    def save(self, journal: JournalStore) -> bool:
+        """Write the group's warm-restart journal (a clean shutdown; sessions already
+        ended). False, logged, when it cannot be written: the group is then dropped."""
+        try:
+            path = journal.write(self.journal())
+        except (OSError, HiCacheError) as exc:
+            logger.warning(
+                "pool group %s: warm-restart journal not written (%s); dropping it", self.group_id, exc
+            )
+            return False
+        logger.info("journaled pool group %s for a warm restart (%s)", self.group_id, path)
+        return True
 
-        With ``journal`` (a clean warm-restart shutdown; sessions already ended)
-        the group's journal is written first and the segments keep their names
-        for the next daemon; without it, or when the journal cannot be
-        written, the segments are unlinked.
-        """
-        kept = False
-        if journal is not None:
-            try:
-                path = journal.write(self.journal())
-                kept = True
-                logger.info("journaled pool group %s for a warm restart (%s)", self.group_id, path)
-            except (OSError, HiCacheError) as exc:
-                logger.warning(
-                    "pool group %s: warm-restart journal not written (%s); dropping it", self.group_id, exc
-                )
+    def close(self, kept: bool = False) -> None:
+        """Close the index (freeing its pages) and the pools. ``kept``: the group was
+        saved for a warm restart, so its segments keep their names for the next daemon;
+        otherwise they are unlinked."""
         if self.index is not None:
             self.index.close()
         pools = [e.host_pool for e in self.group.entries]

@@ -420,8 +420,12 @@ class GroupRegistry:
         with self._lock:
             states = list(self._groups.values())
             self._groups.clear()
-        for s in states:
-            s.close(self._journals)
+        # Every journal is written before any index closes: closing an index waits for
+        # its L3 writes, which a stalled store can hold past the pod's grace period.
+        journals = self._journals
+        kept = [journals is not None and s.save(journals) for s in states]
+        for s, saved in zip(states, kept, strict=True):
+            s.close(saved)
         if self._owner is not None:
             self._owner.release()
         if self._journals is not None:

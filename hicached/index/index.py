@@ -439,15 +439,15 @@ class ContentIndex:
     def export_entries(self) -> list[EntryRecord]:
         """Freeze the index and return its entries, least recently used first (a journal's content).
 
-        Background I/O stops first (queued backups are dropped, prefetches
-        cancelled: :meth:`flush` before to keep them), so no page of a
-        returned entry can change or be recycled after the snapshot; from
-        then on the index takes no new entries and evicts nothing. Pinned
-        entries are included (their pages are the index's). Call
-        :meth:`close` afterwards: it still frees every page in this process.
-        Unavailable after :meth:`close`.
+        Background I/O stops first (queued backups dropped, prefetches cancelled:
+        :meth:`flush` before to keep them), not waiting for an L3 call in flight
+        (a stalled store holds it); the index then takes no new entries and evicts
+        nothing, so no returned entry's page changes after the snapshot. Pinned
+        entries are included. :meth:`close` afterwards waits for those calls and
+        frees every page in this process. Unavailable after :meth:`close`.
         """
-        self._stop_io()
+        self._prefetcher.cancel(wait=False)
+        self._io.stop()
         return self._table.freeze()
 
     def restore(self, records: Sequence[EntryRecord]) -> int:

@@ -96,8 +96,9 @@ class IoScheduler:
             if more:
                 self.submit(job, priority)
 
-    def close(self) -> None:
-        """Abandon queued jobs and join the threads. Idempotent."""
+    def stop(self) -> None:
+        """Abandon queued jobs and take no more; a job running on a thread finishes
+        its step (it may be waiting on L3). Idempotent."""
         with self._cond:
             self._closed = True
             pending = [job for q in self._queues.values() for job in q]
@@ -106,6 +107,10 @@ class IoScheduler:
             self._cond.notify_all()
         for job in pending:
             job.abandon(Unavailable("the content index is closed"))
+
+    def close(self) -> None:
+        """:meth:`stop`, then join the threads. Idempotent."""
+        self.stop()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
@@ -233,15 +238,17 @@ class PrefetchTask:
                     self._finish(PrefetchState.TIMED_OUT)
             return PrefetchStatus(self._state, self._completed, self.planned_pages)
 
-    def cancel(self) -> int:
+    def cancel(self, wait: bool = True) -> int:
         """Stop the prefetch; pages fetched but not yet published are freed.
 
         Returns the pages completed (published) before the cancel. Cancelling
-        a finished prefetch changes nothing.
+        a finished prefetch changes nothing. ``wait=False`` returns at once: a
+        batch in flight then frees its pages itself when its L3 read returns.
         """
         with self._cond:
             self._finish(PrefetchState.CANCELLED)
-            self._cond.wait_for(lambda: not self._in_flight)
+            if wait:
+                self._cond.wait_for(lambda: not self._in_flight)
             return self._completed
 
 

@@ -101,12 +101,13 @@ class Prefetcher:
                 if prefetch_ids is None or tid in prefetch_ids
             )
 
-    def cancel(self, tenant: str | None = None) -> None:
-        """Cancel every prefetch (or one tenant's); returns once none of their batches is in flight."""
+    def cancel(self, tenant: str | None = None, wait: bool = True) -> None:
+        """Cancel every prefetch (or one tenant's); returns once none of their batches is in
+        flight (``wait=False``: at once, see :meth:`PrefetchTask.cancel`)."""
         with self._lock:
             tasks = [t for t, owner in self._tasks.values() if tenant is None or owner == tenant]
         for task in tasks:
-            task.cancel()
+            task.cancel(wait)
 
     def fetch_now(self, keys: Sequence[str], tenant: str) -> None:
         """Copy ``keys`` (L3-only, in prefix order) into L2 on this thread; stops at the

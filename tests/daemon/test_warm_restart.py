@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import uuid
 from collections.abc import Iterator
@@ -25,8 +26,10 @@ from hicached.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hicached.index import ContentIndex
 from hicached.index.entries import EntryRecord
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
+from hicached.testing.servers import redis_server
 from tests.support.daemon import Daemon, start_daemon
 from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+from tests.support.state import poll
 
 MODEL = "m-warm"
 N = 48  # keys put before the restart
@@ -41,10 +44,14 @@ class Warm:
     journal_dir: Path
 
     def start(self) -> Daemon:
+        return self.start_with()
+
+    def start_with(self, *extra: str) -> Daemon:
         return start_daemon(
             "--set", "host.warm_restart=true",
             "--set", f"host.journal_dir={self.journal_dir}",
             "--set", f"host.shm_prefix={self.prefix}",
+            *extra,
         )  # fmt: skip
 
     def segments(self) -> set[str]:
@@ -326,3 +333,51 @@ def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
     finally:
         store.unlock()
     JournalStore(tmp_path / "j", "hcwr-unit").lock()  # released: the next daemon may take it
+
+
+def test_every_journal_is_written_before_a_stalled_l3_holds_the_shutdown(
+    warm: Warm, pools: WorkerPools
+) -> None:
+    """Two pool groups, and a redis-server L3 that stops answering (SIGSTOP) while their
+    backups are in flight. Closing a group's index waits for its L3 thread, which waits out the
+    10 s socket timeout. Before, the first group's close came before the second group's
+    journal, so that journal waited too (past a pod's grace period, the SIGKILL loses it); now
+    every journal is written first."""
+    with redis_server() as redis:
+        daemon = warm.start_with(
+            "--l3", "redis",
+            "--set", f"l3.redis.host={redis.host}",
+            "--set", f"l3.redis.port={redis.port}",
+            "--set", "l3.redis.socket_timeout_s=10",
+            "--set", "l3.write_policy=write_back",
+            "--set", "server.grace_s=1",
+        )  # fmt: skip
+        stopped = False
+        try:
+            with HiCacheClient(daemon.target, timeout_s=TIMEOUT_S) as client:
+                sessions = [
+                    client.attach(
+                        WorkerIdentity(unique_tag("w"), generation=1, model_name=f"{MODEL}-{g}"),
+                        pools.specs(),
+                        heartbeat=False,
+                    )
+                    for g in range(2)
+                ]
+                os.killpg(os.getpgid(redis.pid), signal.SIGSTOP)
+                stopped = True
+                for g, session in enumerate(sessions):
+                    put = session.put_pages(chain_of(f"stall-{g}"), transfers(range(N)))
+                    assert put.stored_pages == N
+                    session.detach()
+            daemon.process.send_signal(signal.SIGTERM)
+            try:
+                poll(warm.journals, lambda j: len(j) == 2, 5.0, "both journals while the L3 is stalled")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{daemon.log}") from None
+        finally:
+            if stopped:
+                os.killpg(os.getpgid(redis.pid), signal.SIGCONT)
+            code = daemon.process.wait(timeout=TIMEOUT_S)
+            daemon.stop()
+    assert code == 0, daemon.log
+    assert len(warm.journals()) == 2
