@@ -31,26 +31,27 @@ or that Mooncake evicted under memory pressure are not reflected.
 
 Thread-safety: the Mooncake client is thread-safe; the staging buffer is
 guarded by a lock (one staged batch at a time per backend), counters by
-another. ``close()`` waits for a staged batch in flight, unregisters and frees
-the buffer exactly once, and closes the client. Idempotent.
+another. ``close()`` waits for every call in flight (the native client crashes
+the process when it is closed under one), unregisters and frees the buffer
+exactly once, and closes the client. Idempotent.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-from hicached.coerce import option, parse_size
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, chunks_nbytes
 from hicached.l3.framing import FRAME_HEADER, pack_header, payload_checksum, unframe
+from hicached.l3.mooncake_config import MooncakeBackendConfig
 from hicached.l3.registry import register_backend
 
 __all__ = ["MooncakeBackend", "MooncakeBackendConfig"]
@@ -61,7 +62,6 @@ _INSTALL_HINT = (
     "the mooncake backend needs Mooncake Store: pip install 'hicached[mooncake]' "
     "(and the Debian package libibverbs1)"
 )
-_PROTOCOLS = ("tcp", "rdma")
 _OBJECT_NOT_FOUND = -704
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
 _Buffer = bytes | bytearray | memoryview
@@ -77,75 +77,6 @@ def _flat(chunk: _Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-@dataclasses.dataclass(frozen=True)
-class MooncakeBackendConfig:
-    """Options of the ``mooncake`` backend.
-
-    ``master_addr``: ``host:port`` of ``mooncake_master`` (required).
-    ``metadata_server``: transfer-engine metadata; ``P2PHANDSHAKE`` needs no
-    etcd/HTTP server. ``local_hostname``: the address other clients use to
-    reach this one. ``protocol``: ``tcp`` or ``rdma`` (``rdma_devices`` then
-    names the NICs). ``global_segment_bytes``: memory this process lends to
-    the cluster (0: store only into other processes' segments).
-    ``local_buffer_bytes``: the client's own transfer buffer (used by ``get``).
-    ``staging_bytes``: the registered buffer for batched ``set``/``get_into``;
-    one page frame (32-byte header + page) must fit. ``replicas``: copies per
-    page. ``key_prefix``: prepended to every object key (empty: this backend
-    shares the whole cluster namespace, and ``clear("")`` empties it).
-    ``connect_timeout_s``: the master must accept a TCP connection within
-    this time at start (the Mooncake client itself retries for ~90 s).
-    """
-
-    master_addr: str = option(help="host:port of mooncake_master.")
-    metadata_server: str = option(
-        "P2PHANDSHAKE", help="Transfer-engine metadata (P2PHANDSHAKE needs no server)."
-    )
-    local_hostname: str = option("127.0.0.1", help="Address other Mooncake clients use to reach this one.")
-    protocol: str = option("tcp", help="tcp or rdma.")
-    rdma_devices: str = option("", help="RDMA NICs (protocol = rdma).")
-    global_segment_bytes: int = option(
-        0, help="Memory this daemon lends to the store (0 = store into others' segments).", parse=parse_size
-    )
-    local_buffer_bytes: int = option(64 << 20, help="The client's own transfer buffer.", parse=parse_size)
-    staging_bytes: int = option(
-        64 << 20, help="Registered buffer for batched set/get; one page frame must fit.", parse=parse_size
-    )
-    replicas: int = option(1, help="Copies per page.")
-    key_prefix: str = option("hicached/", help="Prepended to every object key.")
-    connect_timeout_s: float = option(5.0, help="Seconds the master has to accept a connection at start.")
-
-    def __post_init__(self) -> None:
-        host, sep, port = self.master_addr.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgument(
-                f"mooncake backend option 'master_addr' must be host:port, got {self.master_addr!r}"
-            )
-        if not self.metadata_server or not self.local_hostname:
-            raise InvalidArgument(
-                "mooncake backend options 'metadata_server' and 'local_hostname' must be non-empty, "
-                f"got {self.metadata_server!r} and {self.local_hostname!r}"
-            )
-        if self.protocol not in _PROTOCOLS:
-            raise InvalidArgument(
-                f"mooncake backend option 'protocol' must be one of {', '.join(_PROTOCOLS)}, "
-                f"got {self.protocol!r}"
-            )
-        for opt in ("global_segment_bytes", "local_buffer_bytes"):
-            if getattr(self, opt) < 0:
-                value = getattr(self, opt)
-                raise InvalidArgument(f"mooncake backend opt {opt!r} must be >= 0, got {value}")
-        if self.staging_bytes < 4096:
-            raise InvalidArgument(
-                f"mooncake backend opt 'staging_bytes' must be >= 4096, got {self.staging_bytes}"
-            )
-        if self.replicas < 1:
-            raise InvalidArgument(f"mooncake backend opt 'replicas' must be >= 1, got {self.replicas}")
-        if not self.connect_timeout_s > 0:
-            raise InvalidArgument(
-                f"mooncake backend opt 'connect_timeout_s' must be > 0, got {self.connect_timeout_s}"
-            )
-
-
 @register_backend("mooncake", MooncakeBackendConfig)
 class MooncakeBackend(StorageBackend):
     """Pages as framed objects in Mooncake Store; see the module docstring."""
@@ -158,7 +89,9 @@ class MooncakeBackend(StorageBackend):
         except ImportError as exc:
             raise InvalidArgument(f"{_INSTALL_HINT}: {exc}") from exc
         self.config = config
-        self._lock = threading.Lock()  # counters and the closed flag
+        self._lock = threading.Lock()  # counters, the closed flag and the calls in flight
+        self._idle = threading.Condition(self._lock)
+        self._users = 0  # calls into the store outside the staging lock
         self._staging_lock = threading.Lock()
         self._pages = self._bytes = 0
         self._hits = self._misses = self._corrupt = 0
@@ -202,6 +135,20 @@ class MooncakeBackend(StorageBackend):
     def _check_open(self) -> None:
         if self._closed:
             raise Unavailable(f"mooncake backend (master {self.config.master_addr}) is closed")
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[Any]:
+        """The store, for one call outside the staging lock; close() waits for it."""
+        with self._lock:
+            self._check_open()
+            self._users += 1
+        try:
+            yield self._store
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users:
+                    self._idle.notify_all()
 
     def _object_keys(self, keys: Sequence[str]) -> list[str]:
         for key in keys:
@@ -251,7 +198,9 @@ class MooncakeBackend(StorageBackend):
     def exists(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
-        found = self._store.batch_is_exist(self._object_keys(keys))
+        names = self._object_keys(keys)
+        with self._using() as store:
+            found = store.batch_is_exist(names)
         count = 0
         for flag in found:
             if flag != 1:
@@ -359,7 +308,8 @@ class MooncakeBackend(StorageBackend):
         if not keys:
             return ok
         # Existing keys (and repeats within the batch) succeed without being sent.
-        present = self._store.batch_is_exist(names)
+        with self._using() as store:
+            present = store.batch_is_exist(names)
         todo: list[int] = []
         first: dict[str, int] = {}
         for i, name in enumerate(names):
@@ -421,7 +371,8 @@ class MooncakeBackend(StorageBackend):
         # One batched RPC: a per-key size query first would cost one master
         # timeout per key when the master stalls. Sizes are not reported, so
         # the byte counter drops by the mean page, as in clear().
-        results = self._store.batch_remove(names, True)
+        with self._using() as store:
+            results = store.batch_remove(names, True)
         removed = 0
         failed: list[int] = []
         for name, rc in zip(names, results, strict=True):
@@ -443,7 +394,8 @@ class MooncakeBackend(StorageBackend):
             raise InvalidArgument(f"clear prefix must be a str, got {prefix!r}")
         self._check_open()
         pattern = "^" + _regex_literal(self.config.key_prefix + prefix)
-        removed = int(self._store.remove_by_regex(pattern, True))
+        with self._using() as store:
+            removed = int(store.remove_by_regex(pattern, True))
         if removed < 0:
             raise Unavailable(f"mooncake remove_by_regex({pattern!r}) failed (code {removed})")
         if prefix:
@@ -481,6 +433,7 @@ class MooncakeBackend(StorageBackend):
             if self._closed:
                 return
             self._closed = True
+            self._idle.wait_for(lambda: not self._users)  # no new call starts once closed
         with self._staging_lock:  # a staged batch in flight finishes first
             rc = self._store.unregister_buffer(self._staging_addr)
             if rc != 0:

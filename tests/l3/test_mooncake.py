@@ -8,6 +8,7 @@ Fixtures: ``test_mooncake_fixtures.py``.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -211,3 +212,51 @@ def test_missing_library_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
     with pytest.raises(InvalidArgument, match=r"pip install 'hicached\[mooncake\]'"):
         create_backend("mooncake", {"master_addr": "127.0.0.1:1"})
+
+
+_CLOSE_UNDER_A_CALL = """
+import os, signal, sys, threading
+from hicached.l3 import create_backend
+from hicached.testing.servers import mooncake_master
+from tests.l3.test_mooncake_fixtures import mc_options
+from tests.support.state import poll
+
+def in_native_call(thread):
+    frame = sys._current_frames().get(thread.ident)
+    return frame is not None and frame.f_code.co_name == "exists" and "batch_is_exist" in (
+        open(frame.f_code.co_filename).read().splitlines()[frame.f_lineno - 1])
+
+with mooncake_master(segment_bytes=16 << 20) as srv:
+    backend = create_backend("mooncake", mc_options(srv))
+    assert backend.set(["a"], [b"x" * 100]) == [True]
+    os.killpg(os.getpgid(srv.pid), signal.SIGSTOP)  # the master stalls: exists() waits in it
+    try:
+        found = []
+        caller = threading.Thread(target=lambda: found.append(backend.exists(["a"])))
+        caller.start()
+        poll(lambda: in_native_call(caller), bool, 10.0, "exists() inside the native client")
+        closer = threading.Thread(target=backend.close)
+        closer.start()
+    finally:
+        os.killpg(os.getpgid(srv.pid), signal.SIGCONT)
+    caller.join()
+    closer.join()
+    print("exists", found)
+"""
+
+
+def test_close_waits_for_a_call_in_flight_instead_of_crashing_the_process() -> None:
+    """close() under an exists() that waits on a stalled master: the native client was closed
+    under the call, and the process died of SIGSEGV when the master answered. Now close()
+    waits for the call, which returns its answer. In a child process: the old code kills it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-c", _CLOSE_UNDER_A_CALL],
+        cwd=root,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -11: SIGSEGV
+    assert "exists [1]" in done.stdout
