@@ -83,6 +83,7 @@ def _specs(args: argparse.Namespace) -> tuple[WorkerIdentity, Any]:
         tp_size=args.tp_size,
         pp_rank=args.pp_rank,
         pp_size=args.pp_size,
+        tenant=args.tenant,  # a session sees only its own tenant's pages
     )
     try:
         spec = pool_spec(
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                 return EXIT_MISS
             session = client.attach(identity, [spec], heartbeat=False)
             try:
-                result = session.lookup(keys, tenant=args.tenant)
+                result = session.lookup(keys)
             finally:
                 session.detach()
     except HiCacheError as exc:

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hicached_client import HiCacheClient
+import torch
+from hicached_client import HiCacheClient, TokenChain, Transfer, WorkerIdentity, pool_spec
+from hicached_client.export import ShmKVPool
 
 from tests.acceptance.served import ROOT, Served, served
 
@@ -129,3 +131,32 @@ def test_lookup_bad_arguments_exit_2_without_traceback(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "'x' is not a decimal integer" in result.stderr and "Traceback" not in result.stderr
     assert os.path.exists("/nonexistent.sock") is False
+
+
+def test_lookup_with_a_tenant_finds_that_tenants_prefix(daemon: Served, tmp_path: Path) -> None:
+    """Before: `--tenant` always failed with PERMISSION_DENIED (the command attached without the
+    tenant and then asked with it), so no tenant's prefix could be looked up."""
+    tenant, tokens = f"team-{uuid.uuid4().hex[:6]}", list(range(9000, 9000 + 48))
+    with (
+        ShmKVPool(f"hct-cli-{uuid.uuid4().hex[:8]}", num_layers=2, tokens=4 * 16, heads=4, head_dim=64,
+                  dtype=torch.bfloat16) as kv,
+        HiCacheClient(daemon.target) as client,
+    ):  # fmt: skip
+        spec = pool_spec(
+            "kv", role="anchor", kind="mha", dtype="bfloat16", page_size=16, num_layers=2, num_heads=4,
+            head_dim=64, k_buffers=kv.k_buffers(), v_buffers=kv.v_buffers(),
+        )  # fmt: skip
+        ident = WorkerIdentity(f"w-{tenant}", generation=1, model_name="example-model", tenant=tenant)
+        with client.attach(ident, [spec]) as session:
+            written = session.write([Transfer("kv", [0, 1, 2])], allocate=True)
+            assert session.publish(TokenChain(tokens), written.transfers).published_pages == 3
+    prefix = ",".join(map(str, tokens))
+    result = cli(
+        "lookup", *LAYOUT, "--tokens", prefix, "--tenant", tenant, "--json", cwd=tmp_path, env=daemon.env()
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["tiers"] == ["L2", "L2", "L2"]
+    # Another tenant (here: none) does not see it.
+    result = cli("lookup", *LAYOUT, "--tokens", prefix, "--json", cwd=tmp_path, env=daemon.env())
+    assert result.returncode == 1, result.stderr
+    assert json.loads(result.stdout)["total_hit_pages"] == 0
