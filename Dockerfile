@@ -73,8 +73,11 @@ LABEL org.opencontainers.image.title="hicached" \
 # /run/hicached/hicached.sock, so `hicached status` inside the container needs no flag.
 # These are defaults only: a config file, HICACHED_* variables and flags still win.  The
 # startup line names the L3 path and where it came from (l3_target, l3_source).
+# /metrics listens on every interface, as EXPOSE 9400 promises (the daemon's default is
+# loopback only: outside a container that is the safe choice).
 ENV XDG_CACHE_HOME=/var/lib \
-    XDG_RUNTIME_DIR=/run
+    XDG_RUNTIME_DIR=/run \
+    HICACHED_SERVER_METRICS_HOST=0.0.0.0
 
 # Numeric, so that Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 USER 10001:10001

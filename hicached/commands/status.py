@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hicached_client import HiCacheClient, HiCacheError
 from hicached_client._channel import default_admin_target
+from hicached_client.v1 import hicached_pb2 as pb
 
 from hicached.commands._target import add_target_flags, failure_message, target_of
 
@@ -26,14 +27,25 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="only check the gRPC health service; exit 0 when SERVING (for probes and HEALTHCHECK)",
     )
+    parser.add_argument(
+        "--ready",
+        action="store_true",
+        help="with --health-only: check readiness, the worker service, NOT_SERVING while the "
+        "daemon drains (the overall state, the default, stays SERVING: liveness)",
+    )
     parser.set_defaults(func=run)
 
 
-def _health(target: str, timeout: float) -> int:
+# The service the daemon marks NOT_SERVING while it drains (hicached/server/app.py); the
+# deploy manifests' readiness probe checks the same one.
+_READY_SERVICE = pb.DESCRIPTOR.services_by_name["HiCacheService"].full_name
+
+
+def _health(target: str, timeout: float, service: str) -> int:
     with grpc.insecure_channel(target) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
         except grpc.RpcError as exc:
             print(failure_message(target, exc.code(), exc.details() or ""), file=sys.stderr)
@@ -46,8 +58,11 @@ def _health(target: str, timeout: float) -> int:
 def run(args: argparse.Namespace) -> int:
     # Default: the admin socket, which shows every session (a worker socket: aggregates only).
     target = target_of(args, default=default_admin_target)
+    if args.ready and not args.health_only:
+        print("hicached status: --ready goes with --health-only", file=sys.stderr)
+        return 2
     if args.health_only:
-        return _health(target, args.timeout)
+        return _health(target, args.timeout, _READY_SERVICE if args.ready else "")
     try:
         with HiCacheClient(target, timeout_s=args.timeout) as client:
             stats = client.get_stats()

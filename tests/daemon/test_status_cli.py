@@ -14,7 +14,7 @@ import pytest
 from hicached_client import HiCacheClient, Session, WorkerIdentity
 
 from tests.daemon.conftest import new_pools, start_file_daemon
-from tests.support.daemon import ROOT, Daemon
+from tests.support.daemon import ROOT, Daemon, start_daemon
 from tests.support.kv import WorkerPools, transfers
 
 MODEL = "m-status"
@@ -98,3 +98,24 @@ def test_missing_socket_exits_1(tmp_path: Path, flags: tuple[str, ...]) -> None:
     assert shown.returncode == 1
     assert str(missing) in shown.stderr and "no daemon is answering" in shown.stderr
     assert shown.stdout == ""
+
+
+def test_ready_goes_not_serving_while_draining_and_liveness_stays_serving() -> None:
+    """The exec probes docs/deploy.md gives for TLS: `--health-only` (liveness) and
+    `--health-only --ready` (readiness). Before, only the overall state could be checked, and
+    it stays SERVING while draining: a draining pod stayed Ready."""
+    fresh = start_daemon()
+    try:
+        sock = fresh.target.removeprefix("unix://")
+        ready = hicached("status", "--socket", sock, "--health-only", "--ready")
+        assert (ready.returncode, ready.stdout.strip()) == (0, "SERVING"), ready.stderr
+        with HiCacheClient(fresh.admin_target) as admin:
+            admin.drain()
+        ready = hicached("status", "--socket", sock, "--health-only", "--ready")
+        assert (ready.returncode, ready.stdout.strip()) == (1, "NOT_SERVING"), ready.stderr
+        alive = hicached("status", "--socket", sock, "--health-only")
+        assert (alive.returncode, alive.stdout.strip()) == (0, "SERVING"), alive.stderr
+        alone = hicached("status", "--socket", sock, "--ready")
+        assert alone.returncode == 2 and "--ready goes with --health-only" in alone.stderr
+    finally:
+        fresh.stop()

@@ -256,6 +256,7 @@ def test_entrypoint_starts_the_daemon_and_stops_on_sigterm(short_tmp: Path) -> N
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HICACHED_", "XDG_"))}
     image_env = relocated_env(runtime_env(), short_tmp)
     env.update(image_env, HOME="/nonexistent", TMPDIR=str(short_tmp))
+    env.update({k: v for k, v in runtime_env().items() if k.startswith("HICACHED_")})  # the image's settings
     log = (short_tmp / "daemon.log").open("w+")
     proc = subprocess.Popen(argv, cwd=short_tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -288,6 +289,8 @@ def test_entrypoint_starts_the_daemon_and_stops_on_sigterm(short_tmp: Path) -> N
         volume = Path(image_env["XDG_CACHE_HOME"]) / "hicached"
         assert started["l3_target"].startswith(f"{volume}/l3 "), started
         assert "XDG_CACHE_HOME" in started["l3_source"], started
+        # /metrics on every interface, as EXPOSE promises (it was loopback only).
+        assert started["metrics"] == f"http://0.0.0.0:{metrics_port}/metrics", started
         assert (volume / "l3").is_dir()
 
         proc.send_signal(signal.SIGTERM)
