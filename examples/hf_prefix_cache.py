@@ -1,5 +1,6 @@
 """Serve a transformers model's prompt prefix from a hicached daemon (CPU, no download).
 
+    pip install './clients/python[hf]'                      # transformers and torch
     hicached serve --socket /tmp/hicached.sock &            # a daemon
     python examples/hf_prefix_cache.py unix:///tmp/hicached.sock   # default: $HICACHED_SOCKET
 

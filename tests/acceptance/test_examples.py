@@ -76,3 +76,17 @@ def test_doc_block_runs_twice(name: str, code: str, daemon: Served, tmp_path: Pa
     script = tmp_path / "block.py"
     script.write_text(code)
     run_twice([sys.executable, str(script)], tmp_path, daemon.env())
+
+
+def test_the_hf_example_names_an_install_that_provides_what_it_imports() -> None:
+    """Before: `pip install ./clients/python .` (the README's install) had no transformers, and
+    no extra provided it; the example ran only in the dev environment. Its install line now
+    names the client's `hf` extra, which pins the transformers the tests run with."""
+    import tomllib
+
+    client = tomllib.loads((ROOT / "clients/python/pyproject.toml").read_text())
+    daemon = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    hf = client["project"]["optional-dependencies"]["hf"]
+    pin = next(d for d in daemon["project"]["optional-dependencies"]["dev"] if d.startswith("transformers"))
+    assert pin in hf and any(d.startswith("torch") for d in hf)
+    assert "pip install './clients/python[hf]'" in (ROOT / "examples/hf_prefix_cache.py").read_text()
