@@ -15,10 +15,11 @@ counters sit behind a lock. A server that cannot be reached raises
 :class:`~hicached.errors.Unavailable`; a command the server refuses (e.g.
 out of memory) fails only its own key.
 
-``stats()``: ``pages``, ``bytes`` (server ``used_memory``),
+``stats()``: ``pages`` and ``bytes`` (payload) count the values under
+``key_prefix`` (SCAN, run by the daemon's L3 stats refresh, not per call);
 ``capacity_bytes`` (``maxmemory``, 0 = unlimited) and ``evicted_pages``
-describe the whole Redis database, which may be shared; hits, misses and
-corrupt pages are this client's.
+describe the whole server, which may be shared; hits, misses and corrupt
+pages are this client's.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from hicached.coerce import option
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, scatter_into
-from hicached.l3.framing import frame, unframe
+from hicached.l3.framing import FRAME_HEADER, frame, unframe
 from hicached.l3.registry import register_backend
 
 if TYPE_CHECKING:
@@ -258,13 +259,31 @@ class RedisBackend(StorageBackend):
             if not cursor:
                 return removed
 
+    def _ours(self) -> tuple[int, int]:
+        """Pages and payload bytes under ``key_prefix``: SCAN, and STRLEN of each batch in
+        one pipeline. The database may hold other daemons' pages (other prefixes)."""
+        pattern = _GLOB_SPECIAL.sub(r"\\\1", self._full("")) + "*"
+        pages = payload = 0
+        cursor = 0
+        while True:
+            cursor, names = self._call(self._client.scan, cursor, match=pattern, count=1000)
+            if names:
+                pipe = self._client.pipeline(transaction=False)
+                for name in names:
+                    pipe.strlen(name)
+                sizes = self._call(pipe.execute)
+                pages += len(names)
+                payload += sum(max(0, int(n) - FRAME_HEADER.size) for n in sizes)
+            if not cursor:
+                return pages, payload
+
     def stats(self) -> BackendStats:
         info = self._call(self._client.info)
-        pages = int(self._call(self._client.dbsize))
+        pages, payload = self._ours()
         with self._lock:
             return BackendStats(
                 pages=pages,
-                bytes=int(info.get("used_memory", 0)),
+                bytes=payload,
                 capacity_bytes=int(info.get("maxmemory", 0)),
                 hits=self._hits,
                 misses=self._misses,

@@ -116,3 +116,24 @@ def test_a_read_only_replica_is_unavailable_not_an_internal_error() -> None:
         finally:
             raw.execute_command("REPLICAOF", "NO", "ONE")
             backend.close()
+
+
+def test_stats_count_this_prefix_only(redis_srv: RedisServer) -> None:
+    """Daemons sharing one database under their own key_prefix each count their own pages.
+    Before, each reported the whole database (DBSIZE): 3, 6, then 9 pages for three daemons."""
+    backends = [
+        create_backend(
+            "redis", {"host": redis_srv.host, "port": redis_srv.port, "key_prefix": f"{p}-{id(redis_srv)}/"}
+        )
+        for p in ("a", "b", "c")
+    ]
+    try:
+        for backend in backends:
+            assert backend.set(["k1", "k2", "k3"], [b"x" * 1000, b"y" * 2000, b"z" * 3000]) == [True] * 3
+        for backend in backends:
+            stats = backend.stats()
+            assert (stats.pages, stats.bytes) == (3, 6000)
+    finally:
+        for backend in backends:
+            backend.clear("")
+            backend.close()

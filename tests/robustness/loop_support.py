@@ -165,6 +165,6 @@ def _reply(words: list[bytes], *, present: bool) -> bytes:
         return b"$%d\r\n%s\r\n" % (len(body), body)
     if name == b"EXISTS":
         return b":1\r\n" if present else b":0\r\n"
-    if name == b"DBSIZE":
-        return b":0\r\n"
+    if name == b"SCAN":  # an empty database: cursor 0, no keys
+        return b"*2\r\n$1\r\n0\r\n*0\r\n"
     return b"-ERR unknown command\r\n"
