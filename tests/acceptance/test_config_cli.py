@@ -138,3 +138,17 @@ def test_version_and_help(tmp_path: Path) -> None:
     assert "l3.file.path" in serve_help and "default: 10000" in serve_help.replace("\n", " ").replace(
         "  ", " "
     )
+
+
+def test_config_show_as_json_is_the_same_configuration(tmp_path: Path) -> None:
+    """`config show --format json`: the same resolved values as the TOML form, flags included."""
+    import json
+
+    (tmp_path / "in.toml").write_text(CONFIG)
+    args = ("config", "show", "--config", "in.toml", "--log-level", "debug")
+    as_toml = run(*args, cwd=tmp_path)
+    as_json = run(*args, "--format", "json", cwd=tmp_path)
+    assert as_toml.returncode == as_json.returncode == 0, as_json.stderr
+    data = json.loads(as_json.stdout)
+    assert data["log"]["level"] == "debug" and data["l3"]["redis"]["key_prefix"] == "team-a/"
+    assert data["l3"]["redis"] == tomllib.loads(as_toml.stdout)["l3"]["redis"]

@@ -69,9 +69,11 @@ def test_status_shows_the_session_and_its_pools(
     assert "file:" in out, "the file L3 backend is listed"
 
 
-def test_status_json_parses(daemon: Daemon, attached: tuple[Session, WorkerIdentity]) -> None:
+@pytest.mark.parametrize("where", ["--socket", "--target"])
+def test_status_json_parses(daemon: Daemon, attached: tuple[Session, WorkerIdentity], where: str) -> None:
     session, identity = attached
-    shown = hicached("status", "--socket", socket_of(daemon), "--json")
+    at = socket_of(daemon) if where == "--socket" else daemon.admin_target  # unix:///path
+    shown = hicached("status", where, at, "--json")
     assert shown.returncode == 0, shown.stderr
     data = json.loads(shown.stdout)
     (s,) = data["sessions"]
