@@ -92,8 +92,12 @@ class KeyedRpcs(ServicerBase):
             l3=self.has_l3(),
             session=request.session_id,
         )
+        # Derived keys go back; given ones do not (the client has them): echoing up to
+        # max_keys_per_request x max_key_bytes (32 MiB) was built and serialized on the event
+        # loop, and held while a client that stopped reading let it sit unsent.
+        derived = keys if request.keys.WhichOneof("source") == "tokens" else []
         return pb.LookupResponse(
-            keys=keys, l2_hit_pages=result.l2_hit_pages, total_hit_pages=result.total_hit_pages
+            keys=derived, l2_hit_pages=result.l2_hit_pages, total_hit_pages=result.total_hit_pages
         )
 
     async def Publish(self, request: pb.PublishRequest, context: Ctx) -> pb.PublishResponse:

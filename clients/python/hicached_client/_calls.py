@@ -239,7 +239,7 @@ def retract_discard(session_id: str, op_id: str, backup_id: str) -> Call[int]:
 
 def lookup(session_id: str, keys: Keys, tenant: str) -> Call[LookupResult]:
     req = pb.LookupRequest(session_id=session_id, keys=cv.keys_to_wire(keys, tenant))
-    return Call("Lookup", req, cv.lookup_result)
+    return Call("Lookup", req, lambda msg: cv.lookup_result(msg, keys))
 
 
 def publish(
