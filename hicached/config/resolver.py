@@ -65,6 +65,8 @@ _POSITIVE = {
     "limits.max_l3_calls_queued",
     "limits.max_copy_calls_per_session",
     "limits.max_l3_calls_per_session",
+    "limits.max_hash_calls_queued",
+    "limits.max_hash_calls_per_session",
     "limits.max_prefetches_per_session",
     "limits.max_wait_s",
 }

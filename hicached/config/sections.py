@@ -284,6 +284,14 @@ class LimitsConfig:
         "RPCs of one session that may run or wait on the L3 lane at once (its blocking waits must "
         "leave server.l3_threads for other sessions).",
     )
+    max_hash_calls_queued: int = _f(
+        16,
+        "RPCs that may wait for a hash thread (server.hash_threads: token hashing, checks of many "
+        "given keys) before RESOURCE_EXHAUSTED; each holds its request, up to server.max_message_bytes.",
+    )
+    max_hash_calls_per_session: int = _f(
+        2, "RPCs of one session that may run or wait on the hash lane at once."
+    )
     max_prefetches_per_session: int = _f(
         16, "Prefetches one session may have running or queued at once; one more is RESOURCE_EXHAUSTED."
     )

@@ -12,7 +12,9 @@ lease reaper or GetStats (bookkeeping), nor a copy:
   with at most ``limits.max_l3_calls_queued`` waiting beyond its threads and at
   most ``limits.max_l3_calls_per_session`` of one session in it (then
   RESOURCE_EXHAUSTED naming the key, before any work);
-* ``hash``: token-chain hashing and key checks (CPU-bound);
+* ``hash``: token-chain hashing and key checks (CPU-bound), bounded as the l3 lane
+  (``limits.max_hash_calls_queued``, ``limits.max_hash_calls_per_session``): each call
+  holds its request, up to ``server.max_message_bytes``;
 * ``bookkeeping``: attach, stats, the lease reaper.
 
 :data:`RPC_LANES` is the one table of where each RPC's core call runs: on the event
@@ -197,7 +199,14 @@ class Lanes:
                 per_session=lim.max_l3_calls_per_session,
                 per_session_key="limits.max_l3_calls_per_session",
             ),
-            hash=Lane("hash", s.hash_threads),
+            hash=Lane(
+                "hash",
+                s.hash_threads,
+                max_queued=lim.max_hash_calls_queued,
+                key="limits.max_hash_calls_queued",
+                per_session=lim.max_hash_calls_per_session,
+                per_session_key="limits.max_hash_calls_per_session",
+            ),
             bookkeeping=Lane("bookkeeping", s.bookkeeping_threads),
         )
 

@@ -50,7 +50,7 @@ class KeyedRpcs(ServicerBase):
                         "limits.max_keys_per_request")  # fmt: skip
             if len(source.keys.keys) <= INLINE_KEYS:
                 return self._given_keys(source.keys), tenant
-            return await self.lanes.hash.run(self._given_keys, source.keys), tenant
+            return await self.lanes.hash.run(self._given_keys, source.keys, session=session_id), tenant
         if kind == "tokens":
             chain = source.tokens
             check_count("token ids in keys.tokens", len(chain.token_ids), lim.max_tokens_per_request,
@@ -58,7 +58,7 @@ class KeyedRpcs(ServicerBase):
             page = self.keyed.page_size(session_id)
             check_count("keys in this request", len(chain.token_ids) // page, lim.max_keys_per_request,
                         "limits.max_keys_per_request")  # fmt: skip
-            return await self.lanes.hash.run(self._token_keys, chain, page), tenant
+            return await self.lanes.hash.run(self._token_keys, chain, page, session=session_id), tenant
         raise InvalidArgument("keys is empty: set keys.keys or keys.tokens")
 
     def _given_keys(self, keys: tpb.PageKeys) -> list[str]:
@@ -214,7 +214,7 @@ class KeyedRpcs(ServicerBase):
         same_tenant(self.keyed.tenant(request.session_id), request.tenant, "tenant")
         check_count("pages in this request", len(request.pages), self.limits.max_keys_per_request,
                     "limits.max_keys_per_request")  # fmt: skip
-        pages = await self.lanes.hash.run(self._given_pages, request.pages)
+        pages = await self.lanes.hash.run(self._given_pages, request.pages, session=request.session_id)
         stored, existing = await self.offload(
             "PutBytes",
             self.keyed.put_bytes,

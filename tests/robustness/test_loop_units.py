@@ -116,11 +116,17 @@ def test_a_lane_limits_the_calls_of_one_session_and_counts_them_back() -> None:
 
 
 @pytest.mark.parametrize(
-    ("lane", "key"), [("copy", "max_copy_calls_per_session"), ("l3", "max_l3_calls_per_session")]
+    ("lane", "key"),
+    [
+        ("copy", "max_copy_calls_per_session"),
+        ("l3", "max_l3_calls_per_session"),
+        ("hash", "max_hash_calls_per_session"),
+    ],
 )
-def test_the_copy_and_l3_lanes_take_their_per_session_limit_from_config(lane: str, key: str) -> None:
+def test_the_lanes_take_their_per_session_limit_from_config(lane: str, key: str) -> None:
     """The daemon's lanes as configured: one call of a session in, its second refused naming
-    the key, another session's call still in."""
+    the key, another session's call still in. (The hash lane had no limit: one session's
+    concurrent 32 MiB Lookups each held their request, 24 of them 1 GiB.)"""
     cfg = Config()
     cfg = dataclasses.replace(cfg, limits=dataclasses.replace(cfg.limits, **{key: 1}))
     lanes = Lanes.from_config(cfg)
@@ -187,3 +193,30 @@ def test_running_out_is_resource_exhausted(number: int) -> None:
 def test_other_os_errors_stay_internal() -> None:
     assert status_for(OSError(errno.ENOENT, "x")) is None
     assert status_for(ValueError("x")) is None
+
+
+def test_the_hash_lane_bounds_its_queue_from_config() -> None:
+    """Calls beyond server.hash_threads + limits.max_hash_calls_queued are refused naming the key."""
+    cfg = Config()
+    cfg = dataclasses.replace(
+        cfg,
+        server=dataclasses.replace(cfg.server, hash_threads=1),
+        limits=dataclasses.replace(cfg.limits, max_hash_calls_queued=1),
+    )
+    lanes = Lanes.from_config(cfg)
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        held = [asyncio.ensure_future(lanes.hash.run(gate.wait, 30, session=f"s{i}")) for i in range(2)]
+        await asyncio.sleep(0)  # one loop turn: both reached the lane (one runs, one waits)
+        with pytest.raises(LimitExceeded) as err:
+            await lanes.hash.run(gate.wait, 30, session="s3")
+        assert err.value.key == "limits.max_hash_calls_queued"
+        gate.set()
+        assert all([await h for h in held])
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+        lanes.shutdown()
