@@ -66,6 +66,7 @@ _POSITIVE = {
     "limits.max_copy_calls_per_session",
     "limits.max_l3_calls_per_session",
     "limits.max_hash_calls_queued",
+    "host.max_groups",
     "limits.max_hash_calls_per_session",
     "limits.max_prefetches_per_session",
     "limits.max_wait_s",

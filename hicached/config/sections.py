@@ -174,6 +174,11 @@ class HostConfig:
     )
     shm_prefix: str = _f("hicached", "Prefix of the daemon's shared-memory segment names.")
     prefault: bool = _f(True, "Prefault host pools at creation (first touch is ~8x slower than a warm copy).")
+    max_groups: int = _f(
+        64,
+        "Most pool groups (one per model and pool layout) at once; a new one retires the least "
+        "recently used idle group, else RESOURCE_EXHAUSTED. Each costs a descriptor and memory maps.",
+    )
     warm_restart: bool = _f(
         False,
         "Keep host pools and the content index across a clean restart (segments stay in /dev/shm; "

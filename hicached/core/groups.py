@@ -35,6 +35,7 @@ from hicached.errors import (
     FailedPrecondition,
     HiCacheError,
     InvalidArgument,
+    LimitExceeded,
     NotFound,
     ResourceExhausted,
 )
@@ -285,20 +286,33 @@ class GroupRegistry:
         return [(p, pages_of(p), HostKVPool.required_bytes(p.spec, p.layout, pages_of(p))) for p in pools]
 
     def _make_room(self, need: int, idle: Callable[[str], bool]) -> list[GroupState]:
+        """Retire least recently used idle groups until a new group of ``need`` bytes fits the
+        budget and the count (``host.max_groups``: each group also costs a descriptor and
+        memory maps, which a budget of bytes alone did not bound)."""
         used = sum(g.nbytes for g in self._groups.values())
+        count, most = len(self._groups) + 1, self._host.max_groups
         retired: list[GroupState] = []
-        if used + need <= self._budget:
-            return retired
+
+        def fits() -> bool:
+            return used + need <= self._budget and count <= most
+
         for g in sorted(self._groups.values(), key=lambda g: g.last_used):
-            if used + need <= self._budget:
+            if fits():
                 break
             if idle(g.group_id):
                 retired.append(g)
                 used -= g.nbytes
+                count -= 1
         if used + need > self._budget:
             raise ResourceExhausted(
                 f"host pools need {need} bytes but only {max(self._budget - used, 0)} of the "
                 f"host.budget={self._budget} bytes are free; lower the pools' host_size or raise host.budget"
+            )
+        if count > most:
+            raise LimitExceeded(
+                f"{count - 1} pool groups are in use, the most host.max_groups={most} allows: "
+                "detach the sessions of a model no longer served, or raise host.max_groups",
+                "host.max_groups",
             )
         for g in retired:
             del self._groups[g.group_id]
