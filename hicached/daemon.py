@@ -95,12 +95,13 @@ class Daemon:
         self.backend = l3_backend(config)  # first: a backend that cannot start leaves nothing behind
         self.engine = CopyEngine(workers=config.copy.workers, max_queued_bytes=config.copy.max_queued)
         self.groups = GroupRegistry(config.host, daemon_id=self.daemon_id)
+        self._core_metrics = CoreMetrics(self.metrics)
         self.core = HiCacheCore(
             config,
             groups=self.groups,
             engine=self.engine,
             attach_index=self._attach_index,
-            observer=CoreMetrics(self.metrics),
+            observer=self._core_metrics,
         )
         self.keyed = KeyedCache(config, core=self.core, backend=self.backend)
         self.lanes = Lanes.from_config(config)
@@ -138,7 +139,7 @@ class Daemon:
             admin_gid=admin_gid,
         )
         self.metrics_server: MetricsServer | None = None
-        self._gauges = HostGauges(self.metrics, self.groups, self.engine)
+        self._gauges = HostGauges(self.metrics, self.groups, self.engine, self._core_metrics)
 
     def _registrations(self, access: Access) -> list[Callable[[grpc.aio.Server], None]]:
         """The services of one listener, their servicers bound to its role."""

@@ -5,9 +5,11 @@ Every metric is named ``hicached_*`` and modelled on SGLang HiCache's own
 ``backup_bandwidth``...), so that dashboards written for in-process HiCache
 translate directly. docs/metrics.md is the reference for operators.
 
-Cardinality is bounded by construction: the only labels are deployment-bounded
-names (``model``, ``pool``, ``backend``, ``method``, ``reason``) and closed
-vocabularies (``tier``, ``direction``, ``priority``, ``code``), checked here.
+Cardinality is bounded by construction: ``model`` and ``pool`` are the live pool
+groups' (at most ``host.max_groups``; a retired group's series are removed,
+hicached/observability.py), ``backend``, ``method`` and ``reason`` come from the
+code, and ``tier``, ``direction``, ``priority`` and ``code`` are closed
+vocabularies, checked here.
 Never label a metric with a session, request, operation or page id: those
 belong in logs.
 

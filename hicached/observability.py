@@ -62,6 +62,24 @@ class CoreMetrics:
             self._pool_children(direction, model, pool)[1].inc(n)
         self._durations[direction].observe(seconds)
 
+    def retain(self, live: set[tuple[str, str]]) -> None:
+        """Remove the write/load series of every (model, pool) not in ``live`` (their group was
+        retired): model and pool names are the clients', and must not pile up in every scrape.
+        A model that comes back starts its counters again from 0 (a counter reset). Called by
+        :class:`HostGauges` on its one thread; a retired group has no session left to copy."""
+        m = self._m
+        for key in [k for k in list(self._children) if (k[1], k[2]) not in live]:
+            self._children.pop(key, None)
+            direction, model, pool = key
+            pair = (
+                (m.write_tokens, m.write_bytes)
+                if direction is Direction.D2H
+                else (m.load_tokens, m.load_bytes)
+            )
+            for counter in pair:
+                with contextlib.suppress(KeyError):
+                    counter.remove(model, pool)
+
     def _pool_children(self, direction: Direction, model: str, pool: str) -> tuple[Counter, Counter]:
         children = self._children.get((direction, model, pool))
         if children is None:
@@ -149,14 +167,17 @@ class RpcMetrics:
 class HostGauges:
     """Host pool usage and copy-queue depths, read from the live objects on each ``refresh``.
 
-    A retired pool group's series are removed with it, so a scrape never shows a group that is
-    gone. Not thread-safe: one caller (the daemon's reaper) refreshes.
+    A retired pool group's series are removed with it (its write/load counters too, through
+    ``core``), so a scrape never shows a group that is gone. Not thread-safe: one caller (the daemon's reaper) refreshes.
     """
 
-    def __init__(self, metrics: Metrics, groups: GroupRegistry, engine: CopyEngine) -> None:
+    def __init__(
+        self, metrics: Metrics, groups: GroupRegistry, engine: CopyEngine, core: CoreMetrics | None = None
+    ) -> None:
         self._m = metrics
         self._groups = groups
         self._engine = engine
+        self._core = core  # its write/load series of retired groups go too
         self._labels: set[tuple[str, str]] = set()
 
     def refresh(self) -> None:
@@ -176,5 +197,7 @@ class HostGauges:
                 with contextlib.suppress(KeyError):
                     gauge.remove(model, pool)
         self._labels = seen
+        if self._core is not None:
+            self._core.retain(seen)
         for priority, depth in self._engine.queue_depth().items():
             m.queue_depth.labels(priority=m.priority(priority)).set(depth)

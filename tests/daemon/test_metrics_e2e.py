@@ -13,7 +13,10 @@ from pathlib import Path
 from hicached_client import HiCacheClient, PrefetchState, TokenChain, WorkerIdentity
 
 from tests.daemon.conftest import free_port, new_pools, scrape, start_file_daemon, total
+from tests.robustness.loop_support import attach_bytes
+from tests.support.daemon import start_daemon
 from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, host_pages_of, transfers
+from tests.support.state import poll
 
 MODEL = "m-metrics"
 PAGES = 32
@@ -92,3 +95,29 @@ def test_metrics_after_a_bench_like_workload(l3_dir: Path, worker_pools: list[Wo
                 assert total(end, "hicached_sessions") == 1
     finally:
         second.stop()
+
+
+def test_a_retired_groups_write_series_leave_the_scrape(worker_pools: list[WorkerPools]) -> None:
+    """Model and pool names are the clients': before, each (model, pool) that ever wrote kept
+    its write/load series in every scrape after its group was retired (a client cycling model
+    names grew /metrics by 2.5 KB per cycle, without bound)."""
+    port = free_port()
+    daemon = start_daemon("--metrics-port", str(port), "--set", "host.max_groups=1")
+    try:
+        tag, pools = new_pools(worker_pools, seed=71)
+        gone = f"m-gone-{tag}"
+
+        def series() -> int:
+            return sum(
+                1 for (n, lab) in scrape(port) if n == "hicached_write_bytes_total" and ("model", gone) in lab
+            )
+
+        with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+            with client.attach(WorkerIdentity(tag, generation=1, model_name=gone), pools.specs()) as session:
+                assert session.write(transfers(range(2)), allocate=True).ok
+            assert series() == len(POOLS)
+            # Another model's group: with host.max_groups=1 the idle one of `gone` is retired.
+            attach_bytes(client, f"m-next-{tag}", lease_ms=60_000).detach()
+            poll(series, lambda n: n == 0, 15.0, "the retired group's write series to leave the scrape")
+    finally:
+        daemon.stop()
