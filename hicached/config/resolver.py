@@ -40,6 +40,10 @@ _POSITIVE = {
     "server.fast_lane_max_per_uid",
     "server.max_batch_pages",
     "server.max_message_bytes",
+    "server.max_connections",
+    "server.max_streams_per_connection",
+    "server.idle_connection_s",
+    "server.keepalive_s",
     "sessions.lease_ms",
     "sessions.min_lease_ms",
     "sessions.max_lease_ms",
@@ -115,6 +119,14 @@ def _check_cross(cfg: Config) -> None:
     ):
         if number < 0:
             raise ConfigError(f"invalid {key} = {number}: must be >= 0")
+    for key, number, most in (  # gRPC takes these as 32-bit ints (milliseconds)
+        ("server.idle_connection_s", cfg.server.idle_connection_s, 86_400),
+        ("server.keepalive_s", cfg.server.keepalive_s, 86_400),
+        ("server.max_connections", cfg.server.max_connections, 1 << 20),
+        ("server.max_streams_per_connection", cfg.server.max_streams_per_connection, 1 << 20),
+    ):
+        if number > most:
+            raise ConfigError(f"invalid {key} = {number}: must be <= {most}")
     if cfg.server.metrics_port < -1 or cfg.server.metrics_port > 65535:
         raise ConfigError(
             f"invalid server.metrics_port = {cfg.server.metrics_port}: expected -1, 0 or a port"

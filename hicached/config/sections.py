@@ -127,6 +127,21 @@ class ServerConfig:
     tls_client_ca: str = _f("", "PEM CA bundle; when set, TCP clients must present a certificate (mTLS).")
     max_batch_pages: int = _f(1 << 16, "Largest number of pages one request may carry.")
     max_message_bytes: int = _f(64 << 20, "Largest gRPC message (bytes).", parse=parse_size)
+    max_connections: int = _f(
+        1024, "Connections each gRPC listener (worker socket, admin socket, TCP) accepts at once."
+    )
+    max_streams_per_connection: int = _f(
+        64, "Calls one gRPC connection may have open at once (more wait in the client)."
+    )
+    idle_connection_s: float = _f(
+        300.0,
+        "A gRPC connection with no call for this long is closed (clients reconnect on their next call).",
+    )
+    keepalive_s: float = _f(
+        60.0,
+        "Ping each gRPC connection this often; a peer that does not answer within 20 s is dropped "
+        "with the answers it left unread.",
+    )
     metrics_host: str = _f("127.0.0.1", "Address of the Prometheus /metrics HTTP server.")
     metrics_port: int = _f(-1, "Port of /metrics (-1 = disabled, 0 = any free port).")
     grace_s: float = _f(

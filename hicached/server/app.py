@@ -45,6 +45,9 @@ from hicached.server.roles import Access
 
 logger = logging.getLogger(__name__)
 
+# How long a peer has to answer a keepalive ping before its connection is dropped.
+KEEPALIVE_TIMEOUT_MS = 20_000
+
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["HiCacheService"].full_name,
     pb.DESCRIPTOR.services_by_name["AdminService"].full_name,
@@ -118,6 +121,15 @@ class Server:
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # What one peer can make a listener hold (docs/limits.md, "Connections"): idle
+            # connections are closed, a peer that stops answering pings is dropped with the
+            # answers it left unread, and the connections and their open calls are counted.
+            ("grpc.max_allowed_incoming_connections", cfg.max_connections),
+            ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
+            ("grpc.max_connection_idle_ms", int(cfg.idle_connection_s * 1000)),
+            ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
         ]
         server = grpc.aio.server(options=options, interceptors=self._interceptors(access))
         for register in self._registrations(access):
