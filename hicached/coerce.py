@@ -24,6 +24,7 @@ import re
 import types
 import typing
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,8 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def parse_size(text: str | int) -> int:
-    """``"256MiB"`` / ``"4G"`` / ``1024`` -> bytes (binary units)."""
+    """``"256MiB"`` / ``"4G"`` / ``1024`` -> bytes (binary units); ValueError unless the
+    result is a whole number of bytes (``"1.5KiB"`` is 1536, ``"0.0001KiB"`` is refused)."""
     if isinstance(text, bool) or not isinstance(text, int | str):
         raise ValueError(f"not a size: {text!r}")
     if isinstance(text, int):
@@ -50,7 +52,12 @@ def parse_size(text: str | int) -> int:
     if not m:
         raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 4GiB, 1048576)")
     unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+    # Exact arithmetic: "0.0001KiB" is 0.1024 bytes, which float-then-int silently made 0
+    # (and a zero host.budget means "use host.budget_fraction").
+    size = Fraction(m.group(1)) * _SIZE_UNITS[unit]
+    if size.denominator != 1:
+        raise ValueError(f"not a whole number of bytes: {text!r} is {float(size):g} bytes")
+    return int(size)
 
 
 def parse_mode(value: str | int) -> int:
@@ -81,7 +88,7 @@ def _describe(tp: Any, meta: typing.Mapping[str, Any]) -> str:
     if meta.get("mode"):
         return "an octal permission mode such as 0o660 (TOML) or 660 (text)"
     if meta.get("parse") is parse_size:
-        return "a size such as 512MiB, 4GiB or a byte count"
+        return "a whole number of bytes such as 512MiB, 4GiB, 1.5KiB or 1048576"
     if "parse" in meta:
         return str(meta.get("expect", "a valid value"))
     origin = typing.get_origin(tp)

@@ -29,6 +29,8 @@ _SPECIAL: dict[str, tuple[Any, Any, Any]] = {
     "sessions.min_lease_ms": (100, 200, 300),
     "sessions.max_lease_ms": (20_000, 30_000, 40_000),
     "server.metrics_port": (9001, 9002, 9003),
+    "server.listen": ("127.0.0.1:7001", "[::1]:7002", "localhost:0"),
+    "host.shm_prefix": ("hc-f", "hc_e", "hc.c"),
     "server.socket_mode": (0o600, 0o640, 0o644),
     "l3.backend": ("none", "redis", "s3"),
     "l3.write_policy": ("write_back", "write_through_selective", "write_through"),
@@ -427,3 +429,43 @@ def test_serve_with_an_invalid_value_exits_2_and_starts_nothing(source: str, tmp
     assert not sock.exists(), "no socket was created"
     assert not (tmp_path / "l3").exists(), "no L3 directory was created"
     assert not list(Path("/dev/shm").glob(f"{prefix}*")), "no shared memory was created"
+
+
+# Values the type allows but that cannot work. Before each check, serve started with it and
+# failed later: a traceback at start (shm_prefix, max_message_bytes, listen), every client's
+# Attach refused (a 190-character prefix), a crash at SIGTERM (grace_s), or a silent 0 that
+# switched to host.budget_fraction (a size below one byte).
+UNWORKABLE = {
+    "shm_prefix with a slash": (["--set", "host.shm_prefix=a/b"], ["host.shm_prefix", "'a/b'"]),
+    "shm_prefix too long": (["--set", f"host.shm_prefix={'p' * 190}"], ["host.shm_prefix", "1..64"]),
+    "message size over C int": (["--set", "server.max_message_bytes=8GiB"], ["server.max_message_bytes"]),
+    "grace beyond a day": (["--set", "server.grace_s=1e12"], ["server.grace_s", "86400"]),
+    "listen not HOST:PORT": (
+        ["--listen", "nonsense", "--set", "server.insecure_tcp=true"],
+        ["server.listen", "'nonsense'", "HOST:PORT"],
+    ),
+    "size below one byte": (["--set", "host.budget=0.0001KiB"], ["host.budget", "'0.0001KiB'", "whole"]),
+    "fractional byte": (["--set", "copy.max_queued=1.5"], ["copy.max_queued", "'1.5'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNWORKABLE))
+def test_serve_refuses_a_value_that_cannot_work_in_one_line(case: str, tmp_path: Path) -> None:
+    flags, needles = UNWORKABLE[case]
+    sock = tmp_path / "d.sock"
+    prefix = f"hcdbad{os.getpid()}{uuid.uuid4().hex[:6]}"  # a flag of the case may override it
+    result = _cli(
+        "serve", "--socket", str(sock), "--l3", "none", "--metrics-port", "-1",
+        "--set", f"host.shm_prefix={prefix}", *flags, timeout=20,
+    )  # fmt: skip
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hicached: "), result.stderr[-2000:]
+    for needle in needles:
+        assert needle in lines[0], (case, needle, lines[0])
+    assert list(tmp_path.iterdir()) == [], "nothing was created"
+
+
+def test_whole_sizes_with_a_fraction_still_parse() -> None:
+    cfg = resolve(cli={"host.budget": "1.5KiB", "copy.max_queued": "0.5MiB"}, env={})
+    assert (cfg.host.budget, cfg.copy.max_queued) == (1536, 512 << 10)

@@ -131,6 +131,43 @@ def _check_cross(cfg: Config) -> None:
         raise ConfigError(
             f"invalid server.metrics_port = {cfg.server.metrics_port}: expected -1, 0 or a port"
         )
+    _check_bounds(cfg)
+
+
+# Longest shutdown budget: a day. Beyond it a value is a typo, and from ~1e12 s a thread
+# join or grpc stop overflows time_t at SIGTERM (the daemon crashed instead of flushing).
+MAX_GRACE_S = 86400.0
+# gRPC takes its message limits as a C int.
+MAX_MESSAGE_BYTES = 2**31 - 1
+# Segment names are "{prefix}-{daemon id}-{group id}-{pool}" (at most 200 characters, see
+# hicached/l2/shm.py) and the owner record ".{prefix}-..." lives in /dev/shm: the prefix is
+# one plain file-name word, short enough to leave the pool name its room.
+SHM_PREFIX_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_LISTEN_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>\d{1,5})")
+
+
+def _check_bounds(cfg: Config) -> None:
+    """Values that the type allows but that cannot work: refused here, naming the key, rather
+    than failing as a traceback at start or at SIGTERM, or as every client's error."""
+    server = cfg.server
+    if server.grace_s > MAX_GRACE_S:
+        raise ConfigError(f"invalid server.grace_s = {server.grace_s:g}: must be <= {MAX_GRACE_S:g}")
+    if server.max_message_bytes > MAX_MESSAGE_BYTES:
+        raise ConfigError(
+            f"invalid server.max_message_bytes = {server.max_message_bytes}: must be <= {MAX_MESSAGE_BYTES} "
+            "(2GiB - 1, gRPC's limit)"
+        )
+    if not SHM_PREFIX_RE.fullmatch(cfg.host.shm_prefix):
+        raise ConfigError(
+            f"invalid host.shm_prefix = {cfg.host.shm_prefix!r}: use 1..64 of A-Z a-z 0-9 _ . - "
+            "(not starting with . or -)"
+        )
+    listen = _LISTEN_RE.fullmatch(server.listen)
+    if server.listen and (listen is None or int(listen.group("port")) > 65535):
+        raise ConfigError(
+            f"invalid server.listen = {server.listen!r}: expected HOST:PORT, e.g. 0.0.0.0:50051, "
+            "[::]:50051 or localhost:0"
+        )
 
 
 def _check_tcp(server: ServerConfig) -> None:
