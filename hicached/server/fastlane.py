@@ -8,13 +8,19 @@ layout: :mod:`hicached_client.lane_wire`; prose: docs/fastlane.md.
 
 Bounds: at most ``max_lanes`` connections (negotiating or open) in total,
 ``max_per_session`` open lanes per session and ``max_per_uid`` per client uid; a connection beyond them is answered
-``error RESOURCE_EXHAUSTED ...`` and closed. Thread-safety: ``start``/``close`` from one
-thread; the acceptor and lane threads share only the registry under ``_lock``.
+``error RESOURCE_EXHAUSTED ...`` and closed, as is one whose thread cannot start (out of
+threads: RLIMIT_NPROC, pids.max). The acceptor never dies while the server is open: out of
+descriptors it pauses :data:`ACCEPT_PAUSE_S` (a rate-limited warning), any other failure is
+logged, counted by ``on_failure("lane_accept")`` and accepting goes on.
+
+Thread-safety: ``start``/``close`` from one thread; the acceptor and lane threads share only
+the registry under ``_lock``; ``on_failure`` is called on the acceptor thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import select
@@ -22,18 +28,34 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from hicached_client.lane_wire import SUFFIX
 
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
+from hicached.server.handoff import ACCEPT_PAUSE_S as HANDOFF_ACCEPT_PAUSE_S
 from hicached.server.lane import Lane, Refused
 from hicached.server.observer import NullRpcObserver, RpcObserver
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LaneServer", "lane_path"]
+
+# An accept that failed for want of descriptors or memory: the listener stays readable.
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# Seconds the acceptor pauses after such a failure, or after an unexpected one.
+ACCEPT_PAUSE_S = HANDOFF_ACCEPT_PAUSE_S
+# At most one warning per this many seconds about accepts paused for descriptors.
+LOG_EVERY_S = 10.0
+
+
+def _refuse(conn: socket.socket, reason: str) -> None:
+    """The lane protocol's refusal line (docs/fastlane.md), then close."""
+    with contextlib.suppress(OSError):
+        conn.send(f"error RESOURCE_EXHAUSTED {reason}\n".encode())
+    conn.close()
 
 
 def lane_path(grpc_socket: str | Path) -> Path:
@@ -55,6 +77,7 @@ class LaneServer:
         max_per_session: int,
         max_per_uid: int,
         observe: RpcObserver | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self._core = core
         self._keyed = keyed
@@ -64,6 +87,9 @@ class LaneServer:
         self._max_per_session = max_per_session
         self._max_per_uid = max_per_uid
         self._observe: RpcObserver = observe or NullRpcObserver()
+        self._on_failure = on_failure
+        self._accept_pauses = 0
+        self._last_pause_log = -LOG_EVERY_S
         self._lock = threading.Lock()
         self._threads: dict[Lane, threading.Thread] = {}
         self._per_session: Counter[str] = Counter()
@@ -100,6 +126,9 @@ class LaneServer:
         logger.info("fast lane listening", extra={"event": "lane", "socket": str(self._path)})
 
     def _accept_loop(self) -> None:
+        """The acceptor thread: never dies while the server is open. An accept out of
+        descriptors pauses (:data:`ACCEPT_PAUSE_S`); any other failure of one connection's
+        set-up is logged, counted (``on_failure("lane_accept")``) and the loop goes on."""
         listener = self._listener
         assert listener is not None
         poller = select.poll()
@@ -110,35 +139,81 @@ class LaneServer:
             if self._stop_r in ready:
                 return
             try:
-                conn, _ = listener.accept()
-            except OSError as exc:
+                self._accept_one(listener)
+            except Exception:
+                logger.exception("fast lane acceptor failed; accepting again", extra={"event": "task_failed"})
+                if self._on_failure is not None:
+                    self._on_failure("lane_accept")
+                if self._stopped_within(ACCEPT_PAUSE_S):  # a persistent fault must not spin
+                    return
+
+    def _stopped_within(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for close(); True when it was called."""
+        stop = select.poll()
+        stop.register(self._stop_r, select.POLLIN)
+        return bool(stop.poll(int(timeout_s * 1000)))
+
+    def _accept_one(self, listener: socket.socket) -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError as exc:
+            if exc.errno not in _OUT_OF_RESOURCES:
                 logger.warning("fast lane accept failed: %s", exc)
-                continue
-            with self._lock:
-                full = len(self._threads) >= self._max_lanes
-                if not full:
-                    lane = Lane(
-                        self._core,
-                        self._keyed,
-                        conn,
-                        stop_fd=self._stop_r,
-                        admit=self._admit,
-                        release=self._release,
-                        observe=self._observe,
-                    )
-                    thread = threading.Thread(
-                        target=self._run, args=(lane,), name="hicached-lane", daemon=True
-                    )
-                    self._threads[lane] = thread
-            if full:
-                with contextlib.suppress(OSError):
-                    conn.send(
-                        f"error RESOURCE_EXHAUSTED {self._max_lanes} fast lanes are open "
-                        "(server.fast_lane_max); use gRPC or retry later\n".encode()
-                    )
-                conn.close()
-                continue
+                return
+            # Out of descriptors the listener stays readable: accepting again at once spun a
+            # core and wrote ~40,000 lines a second. Pause (the kernel backlog holds the
+            # callers meanwhile) and log a streak once, then at most every LOG_EVERY_S.
+            self._accept_pauses += 1
+            now = time.monotonic()
+            if now - self._last_pause_log >= LOG_EVERY_S:
+                logger.warning(
+                    "fast lane accept failed: %s; pausing %.1f s each time (%d pauses so far)",
+                    exc,
+                    ACCEPT_PAUSE_S,
+                    self._accept_pauses,
+                    extra={"event": "lane", "pauses": self._accept_pauses},
+                )
+                self._last_pause_log = now
+            self._stopped_within(ACCEPT_PAUSE_S)  # the loop's poll sees a close() at once
+            return
+        try:
+            self._start_lane(conn)
+        except BaseException:
+            conn.close()
+            raise
+
+    def _start_lane(self, conn: socket.socket) -> None:
+        with self._lock:
+            if len(self._threads) >= self._max_lanes:
+                lane = None
+            else:
+                lane = Lane(
+                    self._core,
+                    self._keyed,
+                    conn,
+                    stop_fd=self._stop_r,
+                    admit=self._admit,
+                    release=self._release,
+                    observe=self._observe,
+                )
+                thread = threading.Thread(target=self._run, args=(lane,), name="hicached-lane", daemon=True)
+                self._threads[lane] = thread
+        if lane is None:
+            _refuse(
+                conn,
+                f"{self._max_lanes} fast lanes are open (server.fast_lane_max); use gRPC or retry later",
+            )
+            return
+        try:
             thread.start()
+        except RuntimeError as exc:
+            # Out of threads (RLIMIT_NPROC, a container's pids.max): this client is refused as
+            # for any other limit; the acceptor stays (it died here, and SIGTERM then crashed
+            # joining the never-started thread).
+            with self._lock:
+                self._threads.pop(lane, None)
+            logger.warning("fast lane refused: cannot start its thread: %s", exc, extra={"event": "lane"})
+            _refuse(conn, f"the daemon cannot start a thread for this lane ({exc}); use gRPC or retry later")
 
     def _run(self, lane: Lane) -> None:
         try:
@@ -179,6 +254,7 @@ class LaneServer:
             return
         with contextlib.suppress(OSError):
             os.write(self._stop_w, b"x")  # level-triggered: every poller sees it until we close
+        timeout_s = min(timeout_s, threading.TIMEOUT_MAX)
         if self._acceptor is not None:
             self._acceptor.join(timeout_s)
             self._acceptor = None
@@ -186,7 +262,8 @@ class LaneServer:
             threads = list(self._threads.values())
         deadline = time.monotonic() + timeout_s  # one budget for all lanes, not one each
         for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+            if t.ident is not None:  # a thread that could not start is not joinable (RuntimeError)
+                t.join(max(0.0, deadline - time.monotonic()))
         if not any(t.is_alive() for t in threads) and self._stop_r >= 0:
             os.close(self._stop_r)  # no lane polls it any more
             os.close(self._stop_w)
