@@ -7,13 +7,14 @@ core or the server; tests and the CLI go through :class:`Daemon`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import grpc
@@ -24,6 +25,7 @@ from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
+from hicached.errors import FailedPrecondition
 from hicached.index.index import ContentIndex
 from hicached.index.observer import IndexObserver, NullIndexObserver
 from hicached.l3.base import StorageBackend
@@ -40,7 +42,7 @@ from hicached.server.peers import PeerSessions
 from hicached.server.roles import Access
 from hicached.server.servicer import AdminServicer, CacheServicer
 from hicached.shutdown import flush_within, rpc_grace_s
-from hicached.startup import banner, open_l3
+from hicached.startup import StartupError, banner, open_l3
 from hicached.tasks import supervise
 from hicached.transfer.engine import CopyEngine
 
@@ -94,7 +96,7 @@ class Daemon:
         self._observe_rpc = RpcMetrics(self.metrics)
         self.backend = l3_backend(config)  # first: a backend that cannot start leaves nothing behind
         self.engine = CopyEngine(workers=config.copy.workers, max_queued_bytes=config.copy.max_queued)
-        self.groups = GroupRegistry(config.host, daemon_id=self.daemon_id)
+        self.groups = _host_pools(config, self.daemon_id)
         self._core_metrics = CoreMetrics(self.metrics)
         self.core = HiCacheCore(
             config,
@@ -128,6 +130,7 @@ class Daemon:
                 max_per_session=srv.fast_lane_max_per_session,
                 max_per_uid=srv.fast_lane_max_per_uid,
                 observe=self._observe_rpc,
+                on_failure=self._task_failed,
             )
         self.server = Server(
             config,
@@ -137,6 +140,7 @@ class Daemon:
             credentials=creds,
             observe=self._observe_rpc,
             admin_gid=admin_gid,
+            on_failure=self._task_failed,
         )
         self.metrics_server: MetricsServer | None = None
         self._gauges = HostGauges(self.metrics, self.groups, self.engine, self._core_metrics)
@@ -170,11 +174,17 @@ class Daemon:
         self.handoff_server.start()
         if self.fast_lanes is not None:
             self.fast_lanes.start()
-        port = self.config.server.metrics_port
+        port, host = self.config.server.metrics_port, self.config.server.metrics_host
         url = None
         if port >= 0:
-            self.metrics_server = serve_metrics(self.metrics, self.config.server.metrics_host, port)
-            url = f"http://{self.config.server.metrics_host}:{self.metrics_server.port}/metrics"
+            try:
+                self.metrics_server = serve_metrics(self.metrics, host, port)
+            except OSError as exc:  # in use, or a host that does not resolve (gaierror)
+                raise StartupError(
+                    f"server.metrics_host/server.metrics_port {host}:{port} cannot serve metrics: "
+                    f"{exc.strerror or exc}; pick a free port (0: any) or -1 to turn metrics off"
+                ) from exc
+            url = f"http://{host}:{self.metrics_server.port}/metrics"
         fields = banner(
             self.config,
             budget_bytes=self.groups.budget_bytes,
@@ -184,35 +194,66 @@ class Daemon:
         logger.info("hicached %s started", fields["version"], extra=fields)
 
     async def stop(self) -> None:
-        """Stop serving, finish or cancel in-flight work, release every mapping and page."""
+        """Stop serving, finish or cancel in-flight work, release every mapping and page.
+
+        Every step runs even when one before it failed (a lane that could not stop must not
+        skip the L3 flush and the journals): a failure is logged, and :class:`ShutdownFailed`
+        is raised at the end naming the steps that failed. Call on the loop's thread.
+        """
         budget = self.config.server.grace_s
         deadline = time.monotonic() + budget  # one budget for stop + flush (hicached/shutdown.py)
-        self.handoff_server.close()
         loop = asyncio.get_running_loop()
         rpc_deadline = time.monotonic() + rpc_grace_s(budget)
+        failed: list[str] = []
+
+        async def step(name: str, run: Callable[[], object]) -> object:
+            try:
+                result = run()
+                return await result if asyncio.isfuture(result) or asyncio.iscoroutine(result) else result
+            except Exception:
+                logger.exception("shutdown step %s failed; going on", name, extra={"event": "shutdown"})
+                failed.append(name)
+                return None
+
+        await step("handoff", self.handoff_server.close)
         if self.fast_lanes is not None:  # each lane finishes the op it runs, then closes
-            await loop.run_in_executor(None, self.fast_lanes.close, rpc_grace_s(budget))
+            lanes = self.fast_lanes
+            await step("fast lanes", lambda: loop.run_in_executor(None, lanes.close, rpc_grace_s(budget)))
         # Lanes and gRPC calls share the in-flight share of the one budget.
-        await self.server.stop(max(0.0, rpc_deadline - time.monotonic()))
-        self.handoff.close()
-        flushed = await loop.run_in_executor(None, flush_within, self.keyed.indexes(), deadline)
+        await step("grpc", lambda: self.server.stop(max(0.0, rpc_deadline - time.monotonic())))
+        await step("handoff tickets", self.handoff.close)
+        indexes = self.keyed.indexes()
+        flushed = await step("l3 flush", lambda: loop.run_in_executor(None, flush_within, indexes, deadline))
         logger.info("flushed pending L3 backups", extra={"event": "shutdown", "pages": flushed})
-        await loop.run_in_executor(None, self.close)
+        await step("close", lambda: loop.run_in_executor(None, self.close))
+        if failed:
+            raise ShutdownFailed(f"shutdown steps failed: {', '.join(failed)} (see the log)")
 
     def close(self) -> None:
-        self.handoff.close()
+        """Release everything (journals written under warm restart); every part is closed even
+        when one before it fails, then :class:`ShutdownFailed` names those that failed."""
+        failed = []
+        parts: list[tuple[str, Callable[[], object]]] = [("handoff tickets", self.handoff.close)]
         if self.fast_lanes is not None:
-            self.fast_lanes.close(self.config.server.grace_s)
-        self.core.close()
-        self.keyed.close()
-        self.engine.close()
-        if self.backend is not None:
-            self.backend.close()
-        if self.metrics_server is not None:
-            self.metrics_server.close()
-        if self.l3_stats is not None:
-            self.l3_stats.close()
-        self.lanes.shutdown()
+            lanes, grace = self.fast_lanes, self.config.server.grace_s
+            parts.append(("fast lanes", lambda: lanes.close(grace)))
+        parts += [("core", self.core.close), ("keyed", self.keyed.close), ("engine", self.engine.close)]
+        for name, part in (
+            ("l3", self.backend),
+            ("metrics", self.metrics_server),
+            ("l3 stats", self.l3_stats),
+        ):
+            if part is not None:
+                parts.append((name, part.close))
+        parts.append(("lanes", self.lanes.shutdown))
+        for name, close in parts:
+            try:
+                close()
+            except Exception:
+                logger.exception("closing %s failed; going on", name, extra={"event": "shutdown"})
+                failed.append(name)
+        if failed:
+            raise ShutdownFailed(f"closing failed: {', '.join(failed)} (see the log)")
 
     def reload(self, fresh: Config) -> list[str]:
         """Apply the safe settings of a re-read configuration (SIGHUP); returns the keys applied.
@@ -244,34 +285,58 @@ class Daemon:
         logger.info("configuration reloaded", extra={"event": "reload", "applied": applied})
         return applied
 
-    async def run(self, reload: Callable[[], Config] | None = None) -> int:
-        """Serve until SIGTERM/SIGINT (SIGHUP re-reads the config); exit 0 after a clean shutdown."""
+    async def run(self, reload: Callable[[], Config] | None = None, early: EarlySignals | None = None) -> int:
+        """Serve until SIGTERM/SIGINT (SIGHUP re-reads the config); 0 after a clean shutdown,
+        1 when a shutdown step failed (each is logged; every later step still ran).
+
+        ``early``: the signals that arrived while the daemon was being built (see
+        :func:`run_daemon`); a stop among them is honoured right after start, a SIGHUP
+        re-reads the config then. A start that fails stops what it started (its sockets
+        are unlinked) and re-raises.
+        """
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         if reload is not None:
             loop.add_signal_handler(signal.SIGHUP, lambda: self._on_sighup(reload))
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            with contextlib.suppress(ShutdownFailed):  # logged step by step; the cause is raised
+                await self.stop()
+            raise
+        if early is not None and early.stop:
+            logger.info("stop requested during start", extra={"event": "shutdown"})
+            stop.set()
+        if early is not None and early.reload and reload is not None:
+            self._on_sighup(reload)
         on_failure = self._task_failed
-        tasks = [
-            asyncio.create_task(
-                supervise("gauges", self.refresh_gauges, interval_s=1.0, on_failure=on_failure)
-            )
+        srv = self.config.server
+        periodic: list[tuple[str, Callable[[], Awaitable[None] | None], float]] = [
+            ("gauges", self.refresh_gauges, 1.0),
+            # Closes the fds of expired fd-handoff tickets even when nobody hands over or attaches.
+            ("handoff_sweep", self._sweep_handoffs, max(0.05, srv.handoff_ticket_ttl_s / 4)),
         ]
         if self.l3_stats is not None:
-            interval = self.config.l3.stats_interval_s
-            tasks.append(
-                asyncio.create_task(
-                    supervise("l3_stats", self.l3_stats.step, interval_s=interval, on_failure=on_failure)
-                )
-            )
+            periodic.append(("l3_stats", self.l3_stats.step, self.config.l3.stats_interval_s))
+        tasks = [
+            asyncio.create_task(supervise(name, step, interval_s=interval, on_failure=on_failure))
+            for name, step, interval in periodic
+        ]
         await stop.wait()
         logger.info("shutting down", extra={"event": "shutdown"})
         for task in tasks:
             task.cancel()
-        await self.stop()
+        try:
+            await self.stop()
+        except ShutdownFailed as exc:
+            logger.error("%s", exc, extra={"event": "shutdown"})
+            return 1
         return 0
+
+    def _sweep_handoffs(self) -> None:
+        self.handoff.expire()
 
     def _task_failed(self, task: str) -> None:
         self.metrics.task_failures.labels(task=self.metrics.task(task)).inc()
@@ -301,6 +366,33 @@ def _leaf(values: dict[str, object], dotted: str) -> object:
     return node
 
 
+class ShutdownFailed(Exception):
+    """A step of :meth:`Daemon.stop` / :meth:`Daemon.close` failed (each is logged with its
+    traceback); the steps after it ran."""
+
+
+class EarlySignals:
+    """SIGTERM/SIGINT/SIGHUP that arrive while the daemon is being built, before its event
+    loop handles them: building takes a while (an L3 directory's index rebuild) and until
+    now the default action killed the daemon with no cleanup. The handlers only set flags
+    (they run on the main thread between bytecodes); :meth:`Daemon.run` reads them."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.reload = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_stop)
+        signal.signal(signal.SIGHUP, self._on_reload)
+
+    def _on_stop(self, *_: object) -> None:  # (signum, frame)
+        self.stop = True
+
+    def _on_reload(self, *_: object) -> None:
+        self.reload = True
+
+
 def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> int:
     """Build and serve a daemon; a :class:`~hicached.startup.StartupError` propagates (exit 2)."""
     import uvloop
@@ -309,5 +401,19 @@ def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> in
     # (hashing, index walks) it waits a whole switch interval to get it back each time, so a
     # heartbeat that needs it a dozen times would take ~100 ms at the 5 ms default.
     sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
+    early = EarlySignals()
+    early.install()  # before anything is claimed; the loop's own handlers replace these
     daemon = Daemon(config)
-    return uvloop.run(daemon.run(reload))
+    return uvloop.run(daemon.run(reload, early))
+
+
+def _host_pools(config: Config, daemon_id: str) -> GroupRegistry:
+    """The pool groups' registry; a journal directory, prefix or /dev/shm that cannot be used
+    is a :class:`StartupError` (one line naming the key), not a traceback."""
+    try:
+        return GroupRegistry(config.host, daemon_id=daemon_id)
+    except FailedPrecondition as exc:
+        message = str(exc)
+        if "host." not in message:
+            message += f" [host.shm_prefix = {config.host.shm_prefix!r}]"
+        raise StartupError(f"host pools cannot start: {message}") from exc

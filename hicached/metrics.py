@@ -60,7 +60,7 @@ DIRECTIONS = ("d2h", "h2d", "l3_to_l2", "l2_to_l3")
 # metric share one vocabulary (``Priority.WRITE_BACK`` -> ``write_back``).
 PRIORITIES = tuple(p.name.lower() for p in Priority)
 # Periodic background tasks of the daemon (bounded: names are code constants).
-TASKS = ("gauges", "l3_stats")
+TASKS = ("gauges", "l3_stats", "handoff_sweep", "lane_accept", "lease_reaper")
 # gRPC status code names (grpc.StatusCode.X.name); spelled out here because
 # only hicached.server may import grpc.
 RPC_CODES = (

@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicached: configuration error: {exc}", file=sys.stderr)
         return 2
     from hicached.daemon import run_daemon
+    from hicached.errors import FailedPrecondition
     from hicached.logs import setup_logging
     from hicached.server.sockets import StartupError as SocketError
     from hicached.startup import StartupError
@@ -46,4 +47,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except (StartupError, SocketError) as exc:  # L3 cannot start; the socket is another daemon's
         print(f"hicached: {exc}", file=sys.stderr)
+        return 2
+    except FailedPrecondition as exc:  # a precondition of startup the sites above did not name
+        print(f"hicached: cannot start: {exc}", file=sys.stderr)
         return 2

@@ -42,6 +42,7 @@ from hicached.server.interceptors import (
 )
 from hicached.server.observer import RpcObserver
 from hicached.server.roles import Access
+from hicached.startup import StartupError
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class Server:
         credentials: TcpCredentials,
         observe: RpcObserver,
         admin_gid: int | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self._cfg = config
         self._core = core
@@ -94,6 +96,7 @@ class Server:
         self._creds = credentials
         self._observe = observe
         self._admin_gid = admin_gid
+        self._on_failure = on_failure
         self._servers: list[grpc.aio.Server] = []
         self._bound: list[sockets.BoundSocket] = []
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
@@ -182,15 +185,21 @@ class Server:
                 extra={"event": "insecure_tcp", "listen": cfg.listen},
             )
         tcp = self._new_server(access)
-        if creds.tls_cert is not None and creds.tls_key is not None:
-            tls = grpc.ssl_server_credentials(
-                [(creds.tls_key, creds.tls_cert)],
-                root_certificates=creds.tls_client_ca,
-                require_client_auth=creds.tls_client_ca is not None,
-            )
-            self.tcp_port = tcp.add_secure_port(cfg.listen, tls)
-        else:
-            self.tcp_port = tcp.add_insecure_port(cfg.listen)
+        try:
+            if creds.tls_cert is not None and creds.tls_key is not None:
+                tls = grpc.ssl_server_credentials(
+                    [(creds.tls_key, creds.tls_cert)],
+                    root_certificates=creds.tls_client_ca,
+                    require_client_auth=creds.tls_client_ca is not None,
+                )
+                self.tcp_port = tcp.add_secure_port(cfg.listen, tls)
+            else:
+                self.tcp_port = tcp.add_insecure_port(cfg.listen)
+        except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
+            raise StartupError(
+                f"server.listen {cfg.listen}: cannot listen there (the port is in use or the address "
+                "is not one of this host's)"
+            ) from exc
         await tcp.start()
 
     async def _reap(self) -> None:
@@ -202,7 +211,12 @@ class Server:
             try:
                 await loop.run_in_executor(self._executor, self._core.expire)
             except Exception:
-                logger.exception("lease reaper failed")
+                # The reaper goes on (an expired session must still be ended), counted.
+                logger.exception(
+                    "lease reaper failed", extra={"event": "task_failed", "task": "lease_reaper"}
+                )
+                if self._on_failure is not None:
+                    self._on_failure("lease_reaper")
 
     async def mark_draining(self) -> None:
         """Readiness: the services stop SERVING (no new sessions); ``""`` (liveness) stays SERVING."""

@@ -222,7 +222,6 @@ class HandoffServer:
         self._uid_of: dict[socket.socket, int] = {}
         self._per_uid: dict[int, int] = {}
         self._inode: tuple[int, int] | None = None
-        self._sweeper: asyncio.TimerHandle | None = None
 
     @property
     def path(self) -> Path:
@@ -250,14 +249,7 @@ class HandoffServer:
         self._listener = listener
         self._loop = loop
         loop.add_reader(listener.fileno(), self._accept)
-        self._sweep()
         logger.info("fd handoff listening", extra={"event": "handoff", "socket": str(self._path)})
-
-    def _sweep(self) -> None:
-        """Close the fds of expired tickets even when nobody hands over or attaches."""
-        self._registry.expire()
-        assert self._loop is not None
-        self._sweeper = self._loop.call_later(max(0.05, self._registry.ttl_s / 4), self._sweep)
 
     def _accept(self) -> None:
         assert self._listener is not None and self._loop is not None
@@ -370,9 +362,6 @@ class HandoffServer:
 
     def close(self) -> None:
         """Stop accepting, drop open connections, unlink our socket (only if it is still ours)."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
         if self._loop is not None:
             for conn in list(self._conns):
                 self._drop(conn)
