@@ -255,15 +255,19 @@ class LaneServer:
         with contextlib.suppress(OSError):
             os.write(self._stop_w, b"x")  # level-triggered: every poller sees it until we close
         timeout_s = min(timeout_s, threading.TIMEOUT_MAX)
-        if self._acceptor is not None:
-            self._acceptor.join(timeout_s)
-            self._acceptor = None
+        acceptor = self._acceptor
+        if acceptor is not None:
+            acceptor.join(timeout_s)
         with self._lock:
             threads = list(self._threads.values())
         deadline = time.monotonic() + timeout_s  # one budget for all lanes, not one each
         for t in threads:
             if t.ident is not None:  # a thread that could not start is not joinable (RuntimeError)
                 t.join(max(0.0, deadline - time.monotonic()))
+        if acceptor is not None and acceptor.is_alive():
+            threads.append(acceptor)
+        # The pipe stays open while a thread still polls it (past a zero grace period, say): a
+        # closed one is no stop signal, and the acceptor spun on its closed listener (EBADF).
         if not any(t.is_alive() for t in threads) and self._stop_r >= 0:
             os.close(self._stop_r)  # no lane polls it any more
             os.close(self._stop_w)
