@@ -92,6 +92,11 @@ class HiCacheCore:
         self._detached_lock = threading.Lock()
         self._draining = threading.Event()
         self._closed = False
+        # Teardowns under way, and whether the groups are closing: close() waits for the
+        # former, and a teardown that starts after it finds the group's pages freed already.
+        self._teardowns = threading.Condition()
+        self._tearing = 0
+        self._groups_closed = False
 
     # -------------------------------------------------------- the rooms' operations
 
@@ -330,7 +335,32 @@ class HiCacheCore:
             logger.exception("deferred teardown of session %s failed", session.session_id)
 
     def _teardown(self, session: Session, reason: str) -> int:
-        """Unmap and free what an ended, idle session held."""
+        """Unmap and free what an ended, idle session held. Thread-safe: runs on the ending
+        thread or, deferred, on the thread of the session's last operation."""
+        with self._teardowns:
+            closed = self._groups_closed
+            self._tearing += 0 if closed else 1
+        if closed:
+            # The daemon closed the groups while this session's last operation ran (a shutdown
+            # past its grace period): their close freed every page, so only the mappings are
+            # left. Looking the group up raised NotFound and left the mappings mapped.
+            session.ledger.take_all()
+            session.plan_layers.clear()
+            session.mappings.close()
+            self._observer.on_session(reason, session)
+            logger.info(
+                "session ended after its pool group closed",
+                extra={"event": reason, "session": session.session_id},
+            )
+            return 0
+        try:
+            return self._teardown_open(session, reason)
+        finally:
+            with self._teardowns:
+                self._tearing -= 1
+                self._teardowns.notify_all()
+
+    def _teardown_open(self, session: Session, reason: str) -> int:
         state = self._groups.get(session.group_id)
         freed = 0
         for pool, pages in session.ledger.take_all().items():
@@ -444,6 +474,9 @@ class HiCacheCore:
             self._end(session, "shutdown", wait_s=self._cfg.server.grace_s)
         for b in self._backups.take_all():
             self._free_backup(b)
+        with self._teardowns:  # a page is freed by its teardown or by its group's close, never both
+            self._groups_closed = True
+            self._teardowns.wait_for(lambda: self._tearing == 0)
         self._groups.close()
 
 
