@@ -10,7 +10,7 @@ message, ``retry_after_ms``).
 from hicached_client._calls import new_op_id
 from hicached_client._channel import NO_RETRY, ChannelConfig, RetryPolicy, default_target
 from hicached_client.aio import AsyncHiCacheClient, AsyncLoadStream, AsyncSession
-from hicached_client.errors import HiCacheError
+from hicached_client.errors import ClientClosedError, HiCacheError
 from hicached_client.specs import pool_spec
 from hicached_client.sync import HiCacheClient, LoadStream, Session
 from hicached_client.types import (
@@ -67,6 +67,7 @@ __all__ = [
     "BackupResult",
     "ChannelConfig",
     "ClearNamespaceResult",
+    "ClientClosedError",
     "DataType",
     "DrainResult",
     "GetBytesResult",

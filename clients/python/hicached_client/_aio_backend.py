@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -20,8 +21,14 @@ from grpc.aio import EOF  # type: ignore[attr-defined]
 
 from hicached_client import _handoff
 
+log = logging.getLogger(__name__)
+
 # Guards a session's closed flag and its lazily opened fast lane.
 AsyncLock = asyncio.Lock
+# What grpc.aio raises, instead of an RpcError, for a call it does not start: UsageError on a
+# closed channel, ExecuteBatchError (an InternalError) for metadata it cannot send.
+START_ERRORS: tuple[type[Exception], ...] = (grpc.aio.BaseError,)
+CLOSED_ERRORS: tuple[type[Exception], ...] = (grpc.aio.UsageError,)
 
 
 async def close_channel(channel: grpc.aio.Channel) -> None:
@@ -66,9 +73,16 @@ class AsyncBeat:
         return not self._task.done()
 
     async def stop(self) -> None:
-        """Stop beating and wait for the task to end (a no-op from the beat itself)."""
+        """Stop beating and wait for the task to end (a no-op from the beat itself).
+
+        Never raises what the task died of (logged instead): stopping is part of every close,
+        which must go on to detach and close the channel.
+        """
         if self._task is asyncio.current_task():
             return
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+            try:
+                await self._task
+            except Exception:
+                log.exception("heartbeat task %s had failed", self._task.get_name())

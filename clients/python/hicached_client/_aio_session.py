@@ -7,7 +7,7 @@ fast lane when they can (docs/fastlane.md says which; a lost lane re-sends the o
 with the same op_id, so it runs once). Results and errors are the same.
 
 Thread-safety: a blocking session may be used from many threads (its mutable state -- the
-closed flag, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an
+Detach op_id, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an
 asyncio session belongs to its event loop.
 """
 
@@ -24,7 +24,8 @@ from hicached_client import _calls
 from hicached_client._aio_backend import AsyncBeat, AsyncLock
 from hicached_client._aio_lane import AsyncLaneSlot, lane_keys
 from hicached_client._calls import Call, new_op_id
-from hicached_client.errors import LEASE_LOST_CODES, HiCacheError
+from hicached_client._channel import check_metadata
+from hicached_client.errors import HiCacheError, heartbeat_failure
 from hicached_client.types import (
     AllocResult,
     AttachResult,
@@ -60,10 +61,13 @@ class AsyncSession:
     """A worker session of one daemon (``client.attach``/``client.session``); detaches on ``with`` exit."""
 
     def __init__(self, client: AsyncHiCacheClient, info: AttachResult, *, heartbeat: bool) -> None:
+        check_metadata("session_secret", info.session_secret)
         self.client = client
         self.info = info
         self._lock = AsyncLock()
-        self._closed = False
+        # Set once a Detach succeeded or found the session gone; a retried close reuses its op_id.
+        self._detached = False
+        self._detach_op: str | None = None
         self._lease_lost: HiCacheError | None = None
         self.heartbeats = 0
         self._beat: AsyncBeat | None = None
@@ -71,9 +75,7 @@ class AsyncSession:
         client._sessions.add(self)
         if heartbeat:
             if info.lease_ms <= 0:
-                raise ValueError(
-                    f"session {info.session_id}: heartbeat needs a lease, got lease_ms={info.lease_ms}"
-                )
+                raise ValueError(f"heartbeat needs lease_ms > 0, got lease_ms={info.lease_ms}")
             name = f"hicached-heartbeat-{info.session_id[:8]}"
             self._beat = AsyncBeat(self._beat_once, info.lease_ms / 3000.0, name)
 
@@ -91,15 +93,12 @@ class AsyncSession:
         return self._beat is not None and self._beat.running
 
     async def _beat_once(self) -> bool:
-        """One heartbeat of the lease; False once the lease is lost for good (stop beating)."""
+        """One heartbeat; False once the lease is lost for good (every failure is logged)."""
         try:
             await self.heartbeat(timeout_s=self.info.lease_ms / 3000.0)
-        except HiCacheError as exc:
-            if exc.code in LEASE_LOST_CODES:
-                log.error("session %s lost its lease: %s", self.session_id, exc)
-                self._lease_lost = exc
-                return False
-            log.warning("session %s heartbeat failed (will retry): %s", self.session_id, exc)
+        except Exception as exc:
+            self._lease_lost = heartbeat_failure(exc, self.session_id)
+            return self._lease_lost is None
         return True
 
     async def stop_heartbeat(self) -> None:
@@ -113,13 +112,13 @@ class AsyncSession:
     async def _invoke(self, call: Call[T], timeout_s: float | None) -> T:
         return await self.client.invoke(call.signed(self.info.session_secret), timeout_s)
 
-    async def _end(self) -> bool:
-        """Mark the session closed and close its fast lane; False when it already was."""
+    async def _end(self, op_id: str | None) -> str:
+        """Stop the heartbeat and close the fast lane (both idempotent); the Detach op_id to send."""
         async with self._lock:
-            was, self._closed = self._closed, True
+            op = self._detach_op = op_id or self._detach_op or new_op_id()
         await self.stop_heartbeat()
         await self._slot.close()
-        return not was
+        return op
 
     def _timeout(self, timeout_s: float | None) -> float | None:
         return self.client.config.timeout_s if timeout_s is None else timeout_s
@@ -127,19 +126,21 @@ class AsyncSession:
     # -------------------------------------------------------------- lifecycle
 
     async def detach(self, *, op_id: str | None = None, timeout_s: float | None = None) -> int:
-        """End the session; returns the host pages the daemon freed."""
-        await self._end()
-        return await self._invoke(_calls.detach(self.session_id, self._op(op_id)), timeout_s)
+        """End the session; the host pages freed. Again after a failure: the same op_id is re-sent."""
+        freed = await self._invoke(_calls.detach(self.session_id, await self._end(op_id)), timeout_s)
+        self._detached = True
+        return freed
 
     async def close(self) -> None:
-        """Detach unless already detached; a session the daemon already dropped is not an error."""
-        if not await self._end():
+        """Detach unless a Detach succeeded (a failed one is re-sent); a session already gone is fine."""
+        if self._detached:
             return
         try:
-            await self._invoke(_calls.detach(self.session_id, new_op_id()), None)
+            await self.detach()
         except HiCacheError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
                 raise
+            self._detached = True
             log.info("session %s was already gone at close: %s", self.session_id, exc)
 
     async def __aenter__(self) -> Self:

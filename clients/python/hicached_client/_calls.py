@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 from google.protobuf.message import Message
 
 from hicached_client import _convert as cv
+from hicached_client._channel import check_metadata
 from hicached_client._handoff import SESSION_SECRET_METADATA
 from hicached_client.types import (
     AllocResult,
@@ -73,6 +74,7 @@ class Call(Generic[T]):
 
     def signed(self, session_secret: str) -> Call[T]:
         """This call carrying a session's capability (unchanged when the secret is empty)."""
+        check_metadata("session_secret", session_secret)
         if not session_secret:
             return self
         return replace(self, metadata=(*self.metadata, (SESSION_SECRET_METADATA, session_secret)))

@@ -73,6 +73,18 @@ def normalize_target(target: str) -> str:
     return target
 
 
+def check_metadata(name: str, value: str | None) -> None:
+    """ValueError naming ``name`` unless ``value`` can be sent as gRPC metadata (printable
+    ASCII: a trailing newline from ``open(f).read()`` would make every call fail)."""
+    bad = next((i for i, c in enumerate(value or "") if not " " <= c <= "~"), None)
+    if bad is not None:
+        # The offending character and where, never the value: it is a credential.
+        raise ValueError(
+            f"{name} must be printable ASCII: it has {value[bad]!r} at position {bad} "  # type: ignore[index]
+            "(strip what was read from a file)"
+        )
+
+
 def is_unix_target(target: str) -> bool:
     return target.startswith("unix:")
 
@@ -183,6 +195,7 @@ class ChannelConfig:
             raise ValueError(f"TLS credentials are for TCP targets, not {self.target!r}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
+        check_metadata("token", self.token)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()

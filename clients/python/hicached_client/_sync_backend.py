@@ -18,6 +18,10 @@ from hicached_client._handoff import hand_over
 
 # Guards a session's closed flag and its lazily opened fast lane.
 Lock = threading.Lock
+# What a grpc channel raises, instead of an RpcError, for a call it does not start (ValueError
+# on a closed channel); the twin of ``_aio_backend.START_ERRORS``.
+START_ERRORS: tuple[type[Exception], ...] = (ValueError,)
+CLOSED_ERRORS: tuple[type[Exception], ...] = (ValueError,)
 
 
 def close_channel(channel: grpc.Channel) -> None:
@@ -62,4 +66,13 @@ class Beat:
             self._thread.join()
 
 
-__all__ = ["Beat", "Lock", "channel_ready", "close_channel", "hand_over", "next_message"]
+__all__ = [
+    "CLOSED_ERRORS",
+    "START_ERRORS",
+    "Beat",
+    "Lock",
+    "channel_ready",
+    "close_channel",
+    "hand_over",
+    "next_message",
+]

@@ -8,7 +8,7 @@ fast lane when they can (docs/fastlane.md says which; a lost lane re-sends the o
 with the same op_id, so it runs once). Results and errors are the same.
 
 Thread-safety: a blocking session may be used from many threads (its mutable state -- the
-closed flag, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an
+Detach op_id, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an
 asyncio session belongs to its event loop.
 """
 
@@ -23,9 +23,10 @@ import grpc
 
 from hicached_client import _calls
 from hicached_client._calls import Call, new_op_id
+from hicached_client._channel import check_metadata
 from hicached_client._sync_backend import Beat, Lock
 from hicached_client._sync_lane import LaneSlot, lane_keys
-from hicached_client.errors import LEASE_LOST_CODES, HiCacheError
+from hicached_client.errors import HiCacheError, heartbeat_failure
 from hicached_client.types import (
     AllocResult,
     AttachResult,
@@ -61,10 +62,13 @@ class Session:
     """A worker session of one daemon (``client.attach``/``client.session``); detaches on ``with`` exit."""
 
     def __init__(self, client: HiCacheClient, info: AttachResult, *, heartbeat: bool) -> None:
+        check_metadata("session_secret", info.session_secret)
         self.client = client
         self.info = info
         self._lock = Lock()
-        self._closed = False
+        # Set once a Detach succeeded or found the session gone; a retried close reuses its op_id.
+        self._detached = False
+        self._detach_op: str | None = None
         self._lease_lost: HiCacheError | None = None
         self.heartbeats = 0
         self._beat: Beat | None = None
@@ -72,9 +76,7 @@ class Session:
         client._sessions.add(self)
         if heartbeat:
             if info.lease_ms <= 0:
-                raise ValueError(
-                    f"session {info.session_id}: heartbeat needs a lease, got lease_ms={info.lease_ms}"
-                )
+                raise ValueError(f"heartbeat needs lease_ms > 0, got lease_ms={info.lease_ms}")
             name = f"hicached-heartbeat-{info.session_id[:8]}"
             self._beat = Beat(self._beat_once, info.lease_ms / 3000.0, name)
 
@@ -92,15 +94,12 @@ class Session:
         return self._beat is not None and self._beat.running
 
     def _beat_once(self) -> bool:
-        """One heartbeat of the lease; False once the lease is lost for good (stop beating)."""
+        """One heartbeat; False once the lease is lost for good (every failure is logged)."""
         try:
             self.heartbeat(timeout_s=self.info.lease_ms / 3000.0)
-        except HiCacheError as exc:
-            if exc.code in LEASE_LOST_CODES:
-                log.error("session %s lost its lease: %s", self.session_id, exc)
-                self._lease_lost = exc
-                return False
-            log.warning("session %s heartbeat failed (will retry): %s", self.session_id, exc)
+        except Exception as exc:
+            self._lease_lost = heartbeat_failure(exc, self.session_id)
+            return self._lease_lost is None
         return True
 
     def stop_heartbeat(self) -> None:
@@ -114,13 +113,13 @@ class Session:
     def _invoke(self, call: Call[T], timeout_s: float | None) -> T:
         return self.client.invoke(call.signed(self.info.session_secret), timeout_s)
 
-    def _end(self) -> bool:
-        """Mark the session closed and close its fast lane; False when it already was."""
+    def _end(self, op_id: str | None) -> str:
+        """Stop the heartbeat and close the fast lane (both idempotent); the Detach op_id to send."""
         with self._lock:
-            was, self._closed = self._closed, True
+            op = self._detach_op = op_id or self._detach_op or new_op_id()
         self.stop_heartbeat()
         self._slot.close()
-        return not was
+        return op
 
     def _timeout(self, timeout_s: float | None) -> float | None:
         return self.client.config.timeout_s if timeout_s is None else timeout_s
@@ -128,19 +127,21 @@ class Session:
     # -------------------------------------------------------------- lifecycle
 
     def detach(self, *, op_id: str | None = None, timeout_s: float | None = None) -> int:
-        """End the session; returns the host pages the daemon freed."""
-        self._end()
-        return self._invoke(_calls.detach(self.session_id, self._op(op_id)), timeout_s)
+        """End the session; the host pages freed. Again after a failure: the same op_id is re-sent."""
+        freed = self._invoke(_calls.detach(self.session_id, self._end(op_id)), timeout_s)
+        self._detached = True
+        return freed
 
     def close(self) -> None:
-        """Detach unless already detached; a session the daemon already dropped is not an error."""
-        if not self._end():
+        """Detach unless a Detach succeeded (a failed one is re-sent); a session already gone is fine."""
+        if self._detached:
             return
         try:
-            self._invoke(_calls.detach(self.session_id, new_op_id()), None)
+            self.detach()
         except HiCacheError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
                 raise
+            self._detached = True
             log.info("session %s was already gone at close: %s", self.session_id, exc)
 
     def __enter__(self) -> Self:

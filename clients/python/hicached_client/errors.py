@@ -4,11 +4,15 @@ Every ``grpc.RpcError`` raised by any client method (sync or asyncio, unary or
 streaming) is converted into :class:`HiCacheError`, which carries the status
 code, the daemon's message and, for ``RESOURCE_EXHAUSTED``, the daemon's
 ``grpc-retry-pushback-ms`` hint. Local misuse (a wrong argument type, an index array
-that is not 1-D) raises ``TypeError`` / ``ValueError`` before anything is sent.
+that is not 1-D, a token or session secret that is not valid gRPC metadata) raises
+``TypeError`` / ``ValueError`` before anything is sent. A call on a closed client raises
+:class:`ClientClosedError` (a :class:`HiCacheError`, ``CANCELLED``), and a call gRPC could not
+start raises ``HiCacheError(INTERNAL)``: the same types from the blocking and the asyncio client.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,6 +26,7 @@ _LEGACY_RETRY_AFTER_KEY = "retry-after-ms"
 LEASE_LOST_CODES = frozenset(
     {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED}
 )
+log = logging.getLogger(__name__)
 
 
 class HiCacheError(Exception):
@@ -84,3 +89,35 @@ def from_rpc_error(error: grpc.RpcError, method: str = "") -> HiCacheError:
         retry_after_ms=_retry_after(trailing),
         method=method,
     )
+
+
+class ClientClosedError(HiCacheError):
+    """A call on a client whose channel is closed (``client.close()``): ``CANCELLED``, nothing sent."""
+
+    def __init__(self, method: str = "") -> None:
+        super().__init__(grpc.StatusCode.CANCELLED, "the client is closed", method=method)
+
+
+def start_failure(error: Exception, method: str, closed: bool) -> HiCacheError:
+    """A call that gRPC refused to start (the sync channel's ``ValueError``, ``grpc.aio``'s
+    ``UsageError`` / ``ExecuteBatchError``), as the one type both clients raise."""
+    if closed:
+        return ClientClosedError(method)
+    return HiCacheError(
+        grpc.StatusCode.INTERNAL, f"the call could not start: {type(error).__name__}: {error}", method=method
+    )
+
+
+def heartbeat_failure(error: Exception, session_id: str) -> HiCacheError | None:
+    """Log a failed heartbeat; the error to keep as the session's ``lease_lost`` when the lease
+    is gone for good (stop beating), None when it is transient (beat again)."""
+    if not isinstance(error, HiCacheError):
+        # Not a daemon answer: a bug or a broken channel. Retrying cannot help, and a beat that
+        # stopped without a trace leaves the session to expire unnoticed.
+        log.error("session %s heartbeat failed unexpectedly; it stops", session_id, exc_info=error)
+        return HiCacheError(grpc.StatusCode.UNKNOWN, f"heartbeat failed: {error!r}", method="Heartbeat")
+    if error.code in LEASE_LOST_CODES or isinstance(error, ClientClosedError):
+        log.error("session %s lost its lease: %s", session_id, error)
+        return error
+    log.warning("session %s heartbeat failed (will retry): %s", session_id, error)
+    return None

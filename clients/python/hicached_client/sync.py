@@ -29,7 +29,7 @@ from hicached_client import _sync_backend as backend
 from hicached_client._calls import Call, Service, new_op_id
 from hicached_client._channel import ChannelConfig, RetryPolicy
 from hicached_client._sync_session import Session
-from hicached_client.errors import HiCacheError, from_rpc_error
+from hicached_client.errors import ClientClosedError, HiCacheError, from_rpc_error, start_failure
 from hicached_client.types import (
     AttachResult,
     ClearNamespaceResult,
@@ -81,6 +81,7 @@ class HiCacheClient:
             Service.ADMIN: pb_grpc.AdminServiceStub(self._channel),  # type: ignore[no-untyped-call]
         }
         self._metadata = self.config.metadata()
+        self._closed = False
         self.fast_lane = fast_lane
         # Sessions of this client: their heartbeats and fast lanes end before the channel closes.
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -93,11 +94,15 @@ class HiCacheClient:
 
     def close(self) -> None:
         """Stop the heartbeats and close the fast lanes of this client's sessions, then close the
-        channel. The sessions stay attached (until their lease runs out)."""
-        for session in list(self._sessions):
-            session.stop_heartbeat()
-            session._slot.close()
-        backend.close_channel(self._channel)
+        channel (always; idempotent). The sessions stay attached (until their lease runs out);
+        any later call raises :class:`~hicached_client.ClientClosedError`."""
+        self._closed = True
+        try:
+            for session in list(self._sessions):
+                session.stop_heartbeat()
+                session._slot.close()
+        finally:
+            backend.close_channel(self._channel)
 
     def __enter__(self) -> Self:
         return self
@@ -115,8 +120,14 @@ class HiCacheClient:
     def _timeout(self, timeout_s: float | None) -> float | None:
         return self.config.timeout_s if timeout_s is None else timeout_s
 
+    def _start_failure(self, exc: Exception, method: str) -> HiCacheError:
+        """A call gRPC did not start, as the error both clients raise (closed: ClientClosedError)."""
+        return start_failure(exc, method, self._closed or isinstance(exc, backend.CLOSED_ERRORS))
+
     def invoke(self, call: Call[T], timeout_s: float | None = None) -> T:
         """Send a unary call (the channel retries transient failures with the same request)."""
+        if self._closed:
+            raise ClientClosedError(call.method)
         method = getattr(self._stubs[call.service], call.method)
         try:
             reply = method(
@@ -124,13 +135,22 @@ class HiCacheClient:
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, call.method) from None
+        except backend.START_ERRORS as exc:
+            raise self._start_failure(exc, call.method) from None
         return call.convert(reply)
 
     def stream(self, call: Call[LoadProgress], timeout_s: float | None = None) -> LoadStream:
         """Start a server-streaming call; see :class:`LoadStream`."""
+        if self._closed:
+            raise ClientClosedError(call.method)
         method = getattr(self._stubs[call.service], call.method)
-        rpc = method(call.request, timeout=self._timeout(timeout_s), metadata=self._metadata + call.metadata)
-        return LoadStream(call, rpc)
+        try:
+            rpc = method(
+                call.request, timeout=self._timeout(timeout_s), metadata=self._metadata + call.metadata
+            )
+        except backend.START_ERRORS as exc:
+            raise self._start_failure(exc, call.method) from None
+        return LoadStream(self, call, rpc)
 
     # ------------------------------------------------------------- sessions
 
@@ -220,7 +240,8 @@ class LoadStream(Iterator[LoadProgress]):
     returns a :class:`LoadResult`.
     """
 
-    def __init__(self, call: Call[LoadProgress], rpc: Any) -> None:
+    def __init__(self, client: HiCacheClient, call: Call[LoadProgress], rpc: Any) -> None:
+        self._client = client
         self._call = call
         self._rpc = rpc
         self._finished = False
@@ -236,6 +257,9 @@ class LoadStream(Iterator[LoadProgress]):
         except grpc.RpcError as exc:
             self._finished = True
             raise from_rpc_error(exc, self._call.method) from None
+        except backend.START_ERRORS as exc:
+            self._finished = True
+            raise self._client._start_failure(exc, self._call.method) from None
         if message is None:
             self._finished = True
             raise HiCacheError(
