@@ -7,7 +7,14 @@ holds the worker's LOCAL fd number (see :func:`hicached_client.export.export_fd_
 (the wire meaning) and :func:`hand_over` sends them to ``<socket>.fds`` with
 SCM_RIGHTS, which answers with a one-use ticket for the AttachRequest.
 
-Thread-safety: pure functions; :func:`hand_over` blocks for one round trip.
+Before anything is sent, :func:`prepare` checks each fd (:func:`check_owned`): it must be
+open and, when it was exported here (:func:`record_export`), still be the memory it was
+exported from (the ``(st_dev, st_ino)`` recorded then) and not belong to a closed pool
+(:func:`forget_export`). Otherwise a stale spec would hand over whatever now has the number
+(the handoff's own socket, another pool's memfd) and the daemon would copy the wrong memory.
+A number re-exported by a newer pool cannot be told from it: the spec carries only the number.
+
+Thread-safety: the export table is guarded by a lock; :func:`hand_over` blocks for one round trip.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Sequence
 
 import grpc
@@ -29,6 +37,23 @@ SUFFIX = ".fds"
 # Metadata key carrying AttachResponse.session_secret on every call of a session.
 SESSION_SECRET_METADATA = "x-hicached-session-secret"
 _MAX_REPLY = 512
+
+# Local fd number -> (st_dev, st_ino) of what it was exported as; None once its pool closed it.
+_exported: dict[int, tuple[int, int] | None] = {}
+_exported_lock = threading.Lock()
+
+
+def record_export(fd: int) -> None:
+    """Remember what ``fd`` refers to now, as it is exported (``export_fd_tensor``)."""
+    st = os.fstat(fd)
+    with _exported_lock:
+        _exported[fd] = (st.st_dev, st.st_ino)
+
+
+def forget_export(fd: int) -> None:
+    """``fd`` is about to be closed by its pool: specs still naming it are refused."""
+    with _exported_lock:
+        _exported[fd] = None
 
 
 def handoff_path(target: str) -> str | None:
@@ -60,6 +85,7 @@ def prepare(pools: Sequence[tpb.PoolSpec]) -> tuple[list[tpb.PoolSpec], list[int
                 fds.append(local)
             handle.fd_index = position[local]
         out.append(copy)
+    check_owned(fds)  # before the handoff socket exists: it could take a closed fd's number
     return out, fds
 
 
@@ -108,9 +134,17 @@ def hand_over(path: str, fds: Sequence[int], timeout_s: float | None) -> str | N
 
 
 def check_owned(fds: Sequence[int]) -> None:
-    """ValueError naming the first fd that is not open in this process."""
+    """ValueError naming the first fd that is not open in this process, belonged to a closed
+    pool, or no longer refers to the memory it was exported as."""
     for fd in fds:
         try:
-            os.fstat(fd)
+            st = os.fstat(fd)
         except OSError:
             raise ValueError(f"exported fd {fd} is not open (was its pool closed?)") from None
+        with _exported_lock:
+            known = fd in _exported
+            identity = _exported.get(fd)
+        if known and identity is None:
+            raise ValueError(f"exported fd {fd} belonged to a pool that was closed; export the buffers again")
+        if identity is not None and identity != (st.st_dev, st.st_ino):
+            raise ValueError(f"exported fd {fd} is no longer the memory it was exported from")

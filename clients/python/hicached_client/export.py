@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from hicached_client import _handoff
 from hicached_client.v1 import types_pb2
 
 # Buffers start on OS-page boundaries inside a ShmKVPool memfd; the daemon
@@ -66,7 +67,8 @@ def export_fd_tensor(fd: int, base_offset: int, tensor: torch.Tensor) -> types_p
     begins (the tensor's own storage offset is added). The returned handle's
     ``fd_index`` holds the LOCAL fd number: ``attach`` hands the fd over and
     renumbers it to its position in the handoff (the wire meaning). Keep ``fd`` open
-    until the attach returned.
+    until the attach returned; attach refuses it (``ValueError``) once it is closed or
+    refers to other memory.
     """
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError(f"only contiguous CPU tensors can be exported by fd, got {tensor.device}")
@@ -74,6 +76,10 @@ def export_fd_tensor(fd: int, base_offset: int, tensor: torch.Tensor) -> types_p
         raise ValueError(f"base_offset must be >= 0, got {base_offset}")
     if fd < 0:
         raise ValueError(f"invalid file descriptor {fd}")
+    try:
+        _handoff.record_export(fd)  # attach refuses the fd once it is no longer this memory
+    except OSError as exc:
+        raise ValueError(f"fd {fd} is not open: {exc}") from None
     offset = base_offset + int(tensor.storage_offset()) * tensor.element_size()
     return types_pb2.DeviceBuffer(
         handle=types_pb2.DeviceHandle(
@@ -154,6 +160,7 @@ class ShmKVPool:
             os.close(fd)
             raise
         self._fd: int | None = fd
+        _handoff.record_export(fd)  # replaces a closed pool's record of this number
         self.size = size
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -197,6 +204,7 @@ class ShmKVPool:
             with contextlib.suppress(BufferError):  # unmapped when the last view dies
                 mm.close()
         if fd is not None:
+            _handoff.forget_export(fd)  # specs naming it are refused from now on
             os.close(fd)
 
     def unlink(self) -> None:
