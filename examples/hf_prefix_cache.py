@@ -9,7 +9,9 @@ again (another process) and the prefix is restored from the daemon instead of
 recomputed: the first token comes faster and the 32 generated tokens are the same.
 The model is a small Llama with seeded random weights, so no download is needed;
 with a real checkpoint use ``AutoModelForCausalLM.from_pretrained`` and the same
-``HFKVCache`` calls.
+``HFKVCache`` calls. The KV area follows the model's dtype (``KVShape.of(config,
+model.dtype)``; a bf16 model keeps bf16 pages), and ``token_ids`` may be the
+tokenizer's ``input_ids`` as they are (shape ``(1, seq)``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def main(target: str | None) -> None:
     prompt = torch.randint(0, 4096, (2048,), generator=torch.Generator().manual_seed(1)).tolist()
     with (
         HiCacheClient(target) as client,
-        HFKVCache(client, model_name="example/llama-512", shape=KVShape.of(config), slots=2048) as kv,
+        HFKVCache(
+            client, model_name="example/llama-512", shape=KVShape.of(config, model.dtype), slots=2048
+        ) as kv,
     ):
         start = time.perf_counter()
         cache, hit = kv.load_prefix(prompt)  # (None, 0) on a miss

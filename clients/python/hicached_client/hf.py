@@ -21,10 +21,21 @@ same model and KV layout that saw the same tokens finds them:
 ``cache_factory`` (default ``transformers.DynamicCache``) and read through
 their ``layers[i].keys`` / ``.values`` tensors ``(1, kv_heads, seq, head_dim)``.
 
+Caches are checked against the session's :class:`KVShape` before anything is
+copied (a ``ValueError`` names the mismatch; nothing is staged or sent): as many
+layers as the shape, batch 1, the shape's kv heads, head_dim and dtype, and
+every token of the prefix held (sliding-window layers are refused: they keep
+only the last tokens). ``token_ids`` are one sequence: a list, a 1-D tensor or
+array, or a ``(1, seq)`` one as tokenizers return ``input_ids`` (squeezed);
+anything else is a ``ValueError``. The area holds ``slots`` tokens: longer
+prompts are saved, looked up and loaded up to the area's size.
+
 Thread-safety: one request at a time (the area's slots are reused by every
 call); use one ``HFKVCache`` per thread. Ownership: the caller's caches are
 only read by the save calls; the load calls return new caches owning their
-tensors. :meth:`close` detaches the session and unmaps the area.
+tensors. :meth:`close` detaches the session and always unmaps the area (even
+when the Detach fails; a later ``close()`` retries the Detach); any other call
+after it is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicached_client.export import ShmKVPool
@@ -55,8 +67,26 @@ class KVShape:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, config: Any, dtype: torch.dtype = torch.float32) -> KVShape:
-        """From a transformers config (``LlamaConfig`` and alike)."""
+    def of(cls, config: Any, dtype: torch.dtype | str | None = None) -> KVShape:
+        """From a transformers config (``LlamaConfig`` and alike), in the model's dtype.
+
+        ``dtype`` defaults to the config's (``config.dtype``, older transformers'
+        ``config.torch_dtype``), which ``from_pretrained`` sets; a config built in code
+        often has none, so pass the model's (``KVShape.of(model.config, model.dtype)``).
+        A cache of another dtype is refused rather than silently converted.
+        """
+        if dtype is None:
+            # ``torch_dtype`` only where ``dtype`` is absent: transformers 5 warns on reading it.
+            name = "dtype" if hasattr(config, "dtype") else "torch_dtype"
+            dtype = getattr(config, name, None)
+        if dtype is None:
+            raise ValueError(
+                "dtype: the config names no dtype; pass the model's (KVShape.of(model.config, model.dtype))"
+            )
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype: not a torch dtype: {dtype!r}")
         heads = config.num_attention_heads
         return cls(
             num_layers=config.num_hidden_layers,
@@ -72,6 +102,22 @@ class Retracted:
 
     backup_id: str
     num_tokens: int
+
+
+def _token_ids(token_ids: Any) -> list[int]:
+    """One sequence's ids as a list: a ``(1, seq)`` tensor/array/nested list is squeezed."""
+    if isinstance(token_ids, (str, bytes)):
+        raise ValueError(f"token_ids must be integer ids, got {type(token_ids).__name__}")
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    ids = np.asarray(token_ids)
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D ids of one sequence, got shape {tuple(ids.shape)}")
+    if ids.size and ids.dtype.kind not in "iu":
+        raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+    return [int(t) for t in ids]
 
 
 def _dynamic_cache() -> Any:
@@ -94,14 +140,17 @@ class HFKVCache:
         host_bytes: int | None = None,
         instance_id: str | None = None,
         generation: int | None = None,
+        tenant: str = "",
         cache_factory: Callable[[], Any] = _dynamic_cache,
     ) -> None:
+        """``tenant`` separates workers of one model: pages of different tenants never hit each other."""
         if slots % page_size:
             raise ValueError(f"slots={slots} must be a multiple of page_size={page_size}")
         self.shape = shape
         self.page_size = page_size
         self.num_pages = slots // page_size
         self._factory = cache_factory
+        self._closed = False
         self.pool = ShmKVPool(
             f"hicached-hf-{os.getpid()}-{uuid.uuid4().hex[:10]}",
             num_layers=shape.num_layers,
@@ -129,6 +178,7 @@ class HFKVCache:
                 instance_id=instance_id or f"hf-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                 generation=generation if generation is not None else 1,
                 model_name=model_name,
+                tenant=tenant,
             )
             self.session: Session = client.attach(identity, [spec])
         except BaseException:
@@ -137,13 +187,58 @@ class HFKVCache:
 
     # ----------------------------------------------------------------- staging
 
+    def _open(self) -> None:
+        if self._closed:
+            raise ValueError("HFKVCache is closed")
+
+    def _check(self, cache: Any, num_tokens: int) -> None:
+        """ValueError unless ``cache`` holds ``num_tokens`` tokens of exactly the session's geometry.
+
+        Without it a copy would broadcast a head, keep one row of a batch, convert the dtype or
+        leave a missing layer's stale data in the area, and store that under the prompt's keys,
+        which every worker of the model trusts.
+        """
+        shape = self.shape
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            raise ValueError(f"cache: expected a transformers DynamicCache, got {type(cache).__name__}")
+        if len(layers) != shape.num_layers:
+            raise ValueError(f"cache has {len(layers)} layers, the session {shape.num_layers}")
+        for i, layer in enumerate(layers):
+            if getattr(layer, "is_sliding", False):
+                raise ValueError(
+                    f"layer {i} is a sliding-window layer: HFKVCache takes full-attention caches"
+                )
+            for name in ("keys", "values"):
+                t = getattr(layer, name, None)
+                if not isinstance(t, torch.Tensor) or t.ndim != 4:
+                    raise ValueError(f"layer {i} {name}: expected a (1, kv_heads, seq, head_dim) tensor")
+                batch, heads, held, dim = t.shape
+                if batch != 1:
+                    raise ValueError(f"layer {i} {name}: batch {batch}: HFKVCache takes batch-1 caches")
+                if (heads, dim) != (shape.kv_heads, shape.head_dim):
+                    raise ValueError(
+                        f"layer {i} {name}: {heads} kv heads of head_dim {dim}, the session "
+                        f"{shape.kv_heads} of {shape.head_dim}"
+                    )
+                if t.dtype != shape.dtype:
+                    raise ValueError(f"layer {i} {name}: dtype {t.dtype} != session {shape.dtype}")
+                if held < num_tokens:
+                    raise ValueError(
+                        f"layer {i} holds {held} tokens, {num_tokens} needed (sliding-window layers are not supported)"
+                    )
+
     def _stage(self, cache: Any, num_tokens: int, first_page: int) -> None:
-        """Copy tokens ``[0, num_tokens)`` of ``cache`` into the area from page ``first_page``."""
+        """Copy tokens ``[0, num_tokens)`` of ``cache`` into the area from page ``first_page``.
+
+        Every check comes before the first copy, so a refused cache leaves the area untouched.
+        """
         lo = first_page * self.page_size
         if lo + num_tokens > self.num_pages * self.page_size:
             raise ValueError(
                 f"{num_tokens} tokens from page {first_page} exceed the area's {self.num_pages} pages"
             )
+        self._check(cache, num_tokens)
         for i, layer in enumerate(cache.layers[: self.shape.num_layers]):
             # (1, heads, seq, dim) -> (seq, heads, dim)
             self.pool.k[i][lo : lo + num_tokens].copy_(layer.keys[0, :, :num_tokens].transpose(0, 1))
@@ -166,57 +261,66 @@ class HFKVCache:
 
     # ------------------------------------------------------------------ prefix
 
-    def save_prefix(self, token_ids: Sequence[int], cache: Any) -> int:
+    def save_prefix(self, token_ids: Sequence[int] | Any, cache: Any) -> int:
         """Store the page-aligned prefix of ``cache`` (which holds ``token_ids``); pages stored or present.
 
-        Returns 0 when the daemon refused for lack of room (nothing stored).
+        At most the area's ``slots`` tokens (the prefix of a longer prompt). Returns 0 when
+        the daemon refused for lack of room (nothing stored).
         """
-        tokens = min(len(token_ids), cache.get_seq_length())
-        pages = tokens // self.page_size
+        self._open()
+        ids = _token_ids(token_ids)
+        pages = min(min(len(ids), cache.get_seq_length()) // self.page_size, self.num_pages)
         if pages == 0:
             return 0
         self._stage(cache, pages * self.page_size, 0)
-        chain = TokenChain(list(token_ids[: pages * self.page_size]))
+        chain = TokenChain(ids[: pages * self.page_size])
         result = self.session.put_pages(chain, [Transfer(POOL, self._pages(pages))])
         return result.stored_pages + result.existing_pages if result.ok else 0
 
-    def cached_tokens(self, token_ids: Sequence[int], *, include_l3: bool = True) -> int:
-        """Tokens of the longest cached page-aligned prefix of ``token_ids`` (a lookup, no copy)."""
-        pages = len(token_ids) // self.page_size
+    def cached_tokens(self, token_ids: Sequence[int] | Any, *, include_l3: bool = True) -> int:
+        """Tokens of the longest cached page-aligned prefix of ``token_ids`` (a lookup, no copy),
+        at most the area's ``slots`` (what :meth:`save_prefix` stores)."""
+        self._open()
+        ids = _token_ids(token_ids)
+        pages = min(len(ids) // self.page_size, self.num_pages)
         if pages == 0:
             return 0
-        found = self.session.lookup(TokenChain(list(token_ids[: pages * self.page_size])))
+        found = self.session.lookup(TokenChain(ids[: pages * self.page_size]))
         return (found.total_hit_pages if include_l3 else found.l2_hit_pages) * self.page_size
 
-    def load_prefix(self, token_ids: Sequence[int], *, include_l3: bool = True) -> tuple[Any, int]:
+    def load_prefix(self, token_ids: Sequence[int] | Any, *, include_l3: bool = True) -> tuple[Any, int]:
         """(new cache, tokens it holds) for the longest cached prefix of ``token_ids``.
 
-        At most ``len(token_ids) - 1`` tokens are restored, so the model still
-        has a token to compute logits from. ``(None, 0)`` on a miss.
+        At most ``len(token_ids) - 1`` tokens (so the model still has a token to compute
+        logits from) and at most the area's ``slots`` are restored. ``(None, 0)`` on a miss.
         """
-        pages = min((len(token_ids) - 1) // self.page_size, self.num_pages)
+        self._open()
+        ids = _token_ids(token_ids)
+        pages = min((len(ids) - 1) // self.page_size, self.num_pages)
         if pages <= 0:
             return None, 0
-        chain = TokenChain(list(token_ids[: pages * self.page_size]))
+        chain = TokenChain(ids[: pages * self.page_size])
         got = self.session.get_pages(chain, [Transfer(POOL, self._pages(pages))], include_l3=include_l3)
         if got.hit_pages == 0:
             return None, 0
         tokens = got.hit_pages * self.page_size
         return self._unstage(tokens, 0), tokens
 
-    def persist(self, token_ids: Sequence[int]) -> int:
-        """Wait until the cached prefix of ``token_ids`` is in the daemon's L3; pages stored now."""
-        pages = len(token_ids) // self.page_size
+    def persist(self, token_ids: Sequence[int] | Any) -> int:
+        """Wait until the cached prefix of ``token_ids`` (at most ``slots`` tokens) is in the
+        daemon's L3; pages stored now."""
+        self._open()
+        ids = _token_ids(token_ids)
+        pages = min(len(ids) // self.page_size, self.num_pages)
         if pages == 0:
             return 0
-        return self.session.backup(
-            TokenChain(list(token_ids[: pages * self.page_size])), wait=True
-        ).stored_pages
+        return self.session.backup(TokenChain(ids[: pages * self.page_size]), wait=True).stored_pages
 
     # -------------------------------------------------------------- retraction
 
     def retract(self, request_id: str, cache: Any, *, first_page: int = 0) -> Retracted | None:
         """Back up every token of ``cache`` (last partial page included); None when declined (no room)."""
+        self._open()
         tokens = cache.get_seq_length()
         pages = -(-tokens // self.page_size)
         self._stage(cache, tokens, first_page)
@@ -227,6 +331,7 @@ class HFKVCache:
 
     def resume(self, retracted: Retracted, *, first_page: int = 0) -> Any:
         """Restore a retracted request into the pages from ``first_page``; a new cache."""
+        self._open()
         pages = -(-retracted.num_tokens // self.page_size)
         self.session.retract_restore_wait(
             retracted.backup_id, [Transfer(POOL, self._pages(pages, first_page))], layer_progress=False
@@ -234,9 +339,16 @@ class HFKVCache:
         return self._unstage(retracted.num_tokens, first_page)
 
     def close(self) -> None:
-        """Detach the session and unmap the area (idempotent)."""
-        self.session.close()
-        self.pool.close()
+        """Detach the session and unmap the area (idempotent; not thread-safe).
+
+        The area is unmapped even when the Detach fails (its error is raised afterwards);
+        calling ``close()`` again then retries the Detach.
+        """
+        self._closed = True
+        try:
+            self.session.close()
+        finally:
+            self.pool.close()  # idempotent: the area is freed exactly once
 
     def __enter__(self) -> HFKVCache:
         return self
