@@ -8,11 +8,13 @@ holds the worker's LOCAL fd number (see :func:`hicached_client.export.export_fd_
 SCM_RIGHTS, which answers with a one-use ticket for the AttachRequest.
 
 Before anything is sent, :func:`prepare` checks each fd (:func:`check_owned`): it must be
-open and, when it was exported here (:func:`record_export`), still be the memory it was
-exported from (the ``(st_dev, st_ino)`` recorded then) and not belong to a closed pool
-(:func:`forget_export`). Otherwise a stale spec would hand over whatever now has the number
-(the handoff's own socket, another pool's memfd) and the daemon would copy the wrong memory.
-A number re-exported by a newer pool cannot be told from it: the spec carries only the number.
+open and, when this library created or exported it (:func:`record_export`: ``sealed_memfd``,
+``export_fd_tensor``, ``CudaFdAllocation.export``), still be that memory (the ``(st_dev,
+st_ino)`` recorded then), and not be a number a pool closed (:func:`forget_export`) that the
+library has not handed out again since. Otherwise a stale spec would hand over whatever now
+has the number (the handoff's own socket, a file) and the daemon would copy the wrong memory.
+A number handed out again (a newer pool's memfd) cannot be told from it: the spec carries
+only the number.
 
 Thread-safety: the export table is guarded by a lock; :func:`hand_over` blocks for one round trip.
 """
@@ -44,7 +46,7 @@ _exported_lock = threading.Lock()
 
 
 def record_export(fd: int) -> None:
-    """Remember what ``fd`` refers to now, as it is exported (``export_fd_tensor``)."""
+    """Remember what ``fd`` refers to now: memory this library created or is exporting."""
     st = os.fstat(fd)
     with _exported_lock:
         _exported[fd] = (st.st_dev, st.st_ino)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from hicached_client import _handoff
 from hicached_client.export import dtype_to_wire
 from hicached_client.v1 import types_pb2
 
@@ -193,6 +194,7 @@ class CudaFdAllocation:
         nbytes = tensor.numel() * tensor.element_size()
         if not tensor.is_contiguous() or start < 0 or start + nbytes > self.size:
             raise ValueError("tensor is not a contiguous view of this allocation")
+        _handoff.record_export(self.fd)  # attach refuses the number once this allocation closed it
         return types_pb2.DeviceBuffer(
             handle=types_pb2.DeviceHandle(
                 cuda_fd=types_pb2.CudaFdHandle(
@@ -217,6 +219,7 @@ class CudaFdAllocation:
         drv.unmap(self.ptr, self.size)
         drv.address_free(self.ptr, self.size)
         drv.release(self._handle)
+        _handoff.forget_export(self.fd)  # specs still naming it are refused from now on
         os.close(self.fd)
 
     def __enter__(self) -> CudaFdAllocation:

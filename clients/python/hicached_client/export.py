@@ -104,6 +104,7 @@ def sealed_memfd(name: str, size: int) -> int:
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        _handoff.record_export(fd)  # new memory at this number: a closed pool's record goes
     except BaseException:
         os.close(fd)
         raise
@@ -160,7 +161,6 @@ class ShmKVPool:
             os.close(fd)
             raise
         self._fd: int | None = fd
-        _handoff.record_export(fd)  # replaces a closed pool's record of this number
         self.size = size
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
