@@ -34,8 +34,8 @@ def test_unknown_option_lists_allowed(tmp_path: Path) -> None:
     [
         ({}, "needs option"),
         ({"path": 3}, "'path' of storage backend 'file' = 3: expected a string"),
-        ({"path": "x", "capacity_bytes": True}, "= True: expected a size"),
-        ({"path": "x", "capacity_bytes": 1.5}, "= 1.5: expected a size"),
+        ({"path": "x", "capacity_bytes": True}, "= True: expected a whole number of bytes"),
+        ({"path": "x", "capacity_bytes": 1.5}, "= 1.5: expected a whole number of bytes"),
         ({"path": "x", "fsync": "yes"}, "= 'yes': expected true or false"),
         ({"path": ""}, "non-empty"),
     ],
