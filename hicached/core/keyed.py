@@ -119,9 +119,9 @@ class KeyedCache:
 
     # ------------------------------------------------------------------ queries
 
-    def lookup(self, session_id: str, keys: Sequence[str]) -> LookupResult:
+    def lookup(self, session_id: str, keys: Sequence[str], *, per_key: bool = False) -> LookupResult:
         _, _, index, keys = self._scoped(session_id, keys)
-        return index.lookup(keys)
+        return index.lookup(keys, per_key=per_key)
 
     def publish(
         self, session_id: str, op_id: str, keys: Sequence[str], transfers: Sequence[PoolTransfer]

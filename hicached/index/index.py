@@ -62,6 +62,7 @@ from hicached.index.types import (
     Pin,
     PrefetchPolicy,
     WritePolicy,
+    check_options,
     prefetch_deadline_s,
 )
 from hicached.index.writer import Writer
@@ -104,18 +105,14 @@ class ContentIndex:
             raise InvalidArgument(
                 f"unknown write policy {write_policy!r}; use one of {[p.value for p in WritePolicy]}"
             ) from None
-        for name, value in (
-            ("max_queued_pages", max_queued_pages),
-            ("batch_pages", batch_pages),
-            ("max_finished_prefetches", max_finished_prefetches),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
-        prefetch_deadline_s(0, prefetch_timeout_base_s, prefetch_timeout_per_1k_tokens_s)  # validates
-        if not 0 <= write_back_free_fraction < 0.5:
-            raise InvalidArgument(
-                f"write_back_free_fraction must be in [0, 0.5), got {write_back_free_fraction!r}"
-            )
+        check_options(
+            max_queued_pages=max_queued_pages,
+            batch_pages=batch_pages,
+            max_finished_prefetches=max_finished_prefetches,
+            prefetch_timeout_base_s=prefetch_timeout_base_s,
+            prefetch_timeout_per_1k_tokens_s=prefetch_timeout_per_1k_tokens_s,
+            write_back_free_fraction=write_back_free_fraction,
+        )
         self.namespace = namespace
         self.backend = backend
         self.batch_pages = batch_pages
@@ -165,14 +162,6 @@ class ContentIndex:
         """Pools whose pages a :class:`Pin` and :meth:`publish` carry (independent pools)."""
         return self._view.alloc_names
 
-    def _l3_exists(self, keys: Sequence[str]) -> int:
-        """Leading run of keys whose every pool part is in L3."""
-        assert self.backend is not None
-        if not keys:
-            return 0
-        found = self.backend.exists(self._view.l3_keys(self.namespace, keys))
-        return found // len(self._view.slots)
-
     def _scan(self, keys: Sequence[str]) -> tuple[int, int, list[int]]:
         """(L2 run, L2-or-L3 run, positions inside that run that are only in L3).
 
@@ -187,18 +176,25 @@ class ContentIndex:
         for start in range(l2_run, len(keys), self.batch_pages):
             stop = min(start + self.batch_pages, len(keys))
             need = [i for i in range(start, stop) if not in_l2[i]]
-            found = self._l3_exists([keys[i] for i in need])
+            found = self._view.l3_run(self.backend, self.namespace, [keys[i] for i in need])
             only_l3.extend(need[:found])
             if found < len(need):
                 return l2_run, need[found], only_l3
         return l2_run, len(keys), only_l3
 
-    def lookup(self, keys: Sequence[str]) -> LookupResult:
-        """Longest cached prefix of ``keys`` per tier. Read-only; pins nothing."""
+    def lookup(self, keys: Sequence[str], *, per_key: bool = False) -> LookupResult:
+        """Longest cached prefix of ``keys`` per tier; with ``per_key`` also each key's flags
+        (L3 is asked for every key not in L2, after a miss too). Read-only; pins nothing."""
         keys = check_keys(keys)
-        l2_run, total, _ = self._scan(keys)
-        self._obs.lookup(len(keys), l2_run, total - l2_run)
-        return LookupResult(l2_hit_pages=l2_run, total_hit_pages=total)
+        if per_key:
+            in_l2 = self._table.resident(keys)
+            cached = self._view.cached(self.backend, self.namespace, keys, in_l2)
+            result = LookupResult.of_flags(in_l2, cached)
+        else:
+            l2_run, total, _ = self._scan(keys)
+            result = LookupResult(l2_hit_pages=l2_run, total_hit_pages=total)
+        self._obs.lookup(len(keys), result.l2_hit_pages, result.total_hit_pages - result.l2_hit_pages)
+        return result
 
     def l2_run(self, keys: Sequence[str]) -> int:
         """Leading run of ``keys`` resident in L2: asks no L3, counts no lookup."""

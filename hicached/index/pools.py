@@ -18,6 +18,7 @@ from hicached.errors import InvalidArgument, NotFound
 from hicached.l2.allocator import PageAllocator
 from hicached.l2.group import HostPoolGroup
 from hicached.l2.host_pool import HostKVPool
+from hicached.l3.base import StorageBackend
 
 __all__ = ["GroupView", "PoolSlot"]
 
@@ -66,6 +67,23 @@ class GroupView:
     def chunks(self, rows: Sequence[Sequence[int]]) -> list[list[memoryview]]:
         """Byte views of each key's page in each pool, in :meth:`l3_keys` order."""
         return [slot.pool.page_chunks(row[slot.source]) for row in rows for slot in self.slots]
+
+    def l3_run(self, backend: StorageBackend, namespace: str, keys: Sequence[str]) -> int:
+        """Leading run of ``keys`` with every pool's part in ``backend`` (its answer is per object)."""
+        return backend.exists(self.l3_keys(namespace, keys)) // len(self.slots) if keys else 0
+
+    def cached(
+        self, backend: StorageBackend | None, namespace: str, keys: Sequence[str], in_l2: Sequence[bool]
+    ) -> list[bool]:
+        """Per key: in L2 (``in_l2``), or every pool's part in ``backend`` (one request asks
+        it for all the other keys)."""
+        cached = list(in_l2)
+        need = [i for i, hit in enumerate(in_l2) if not hit]
+        if backend is not None and need:
+            found = self.whole_keys(backend.present(self.l3_keys(namespace, [keys[i] for i in need])))
+            for i, hit in zip(need, found, strict=True):
+                cached[i] = hit
+        return cached
 
     def whole_keys(self, results: Sequence[bool]) -> list[bool]:
         """Per key: True when every pool's part succeeded."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +27,7 @@ __all__ = [
     "PrefetchState",
     "PrefetchStatus",
     "WritePolicy",
+    "check_options",
     "prefetch_deadline_s",
 ]
 
@@ -80,6 +81,18 @@ class LookupResult:
 
     l2_hit_pages: int
     total_hit_pages: int
+    # Per key, for a per-key lookup only (empty otherwise): resident in L2; in L2 or L3.
+    in_l2: tuple[bool, ...] = ()
+    cached: tuple[bool, ...] = ()
+
+    @classmethod
+    def of_flags(cls, in_l2: Sequence[bool], cached: Sequence[bool]) -> LookupResult:
+        """The result of a per-key lookup: its leading runs follow from the flags."""
+        return cls(_leading(in_l2), _leading(cached), tuple(in_l2), tuple(cached))
+
+
+def _leading(flags: Sequence[bool]) -> int:
+    return next((i for i, hit in enumerate(flags) if not hit), len(flags))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,3 +150,27 @@ def prefetch_deadline_s(num_tokens: int, base_s: float = 1.0, per_1k_tokens_s: f
             f"per_1k_tokens_s={per_1k_tokens_s!r}"
         )
     return base_s + per_1k_tokens_s * num_tokens / 1024.0
+
+
+def check_options(
+    *,
+    max_queued_pages: int,
+    batch_pages: int,
+    max_finished_prefetches: int,
+    prefetch_timeout_base_s: float,
+    prefetch_timeout_per_1k_tokens_s: float,
+    write_back_free_fraction: float,
+) -> None:
+    """InvalidArgument for a content index option that cannot work."""
+    for name, value in (
+        ("max_queued_pages", max_queued_pages),
+        ("batch_pages", batch_pages),
+        ("max_finished_prefetches", max_finished_prefetches),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+    prefetch_deadline_s(0, prefetch_timeout_base_s, prefetch_timeout_per_1k_tokens_s)  # validates
+    if not 0 <= write_back_free_fraction < 0.5:
+        raise InvalidArgument(
+            f"write_back_free_fraction must be in [0, 0.5), got {write_back_free_fraction!r}"
+        )

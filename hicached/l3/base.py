@@ -80,7 +80,8 @@ class StorageBackend(ABC):
     ``tests/l3`` checks it against each):
 
     * ``exists`` returns the length of the leading run of keys that are
-      present (prefix semantics: pages are looked up in prefix order).
+      present (prefix semantics: pages are looked up in prefix order);
+      ``present`` answers for every key, also after a miss.
     * ``set`` of a key that is already present succeeds without rewriting it
       (content-addressed keys: same key, same bytes). ``True`` means the page
       survives a crash of this process (and of the machine when the backend
@@ -110,6 +111,11 @@ class StorageBackend(ABC):
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, are present."""
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Per key: present. The default asks :meth:`exists` once per key; backends that
+        can ask for many keys in one request override it."""
+        return [self.exists([key]) == 1 for key in keys]
 
     @abstractmethod
     def get(self, keys: Sequence[str]) -> list[bytes | None]:

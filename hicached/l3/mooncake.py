@@ -208,6 +208,13 @@ class MooncakeBackend(StorageBackend):
             count += 1
         return count
 
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        with self._using() as store:
+            found = store.batch_is_exist(self._object_keys(keys))
+        return [flag == 1 for flag in found]
+
     def _read_staged(
         self,
         keys: Sequence[str],

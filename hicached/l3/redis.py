@@ -174,6 +174,16 @@ class RedisBackend(StorageBackend):
                 count += 1
         return count
 
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        check_batch(keys, keys, "keys")
+        out: list[bool] = []
+        for batch in self._batches(len(keys)):
+            pipe = self._client.pipeline(transaction=False)
+            for i in batch:
+                pipe.exists(self._full(keys[i]))
+            out.extend(bool(found) for found in self._call(pipe.execute))
+        return out
+
     def _fetch(self, keys: Sequence[str]) -> list[memoryview | None]:
         """The verified payloads (None: a miss). A value that fails verification is removed, if it
         still holds those bytes: a later set (NX) of the key could not replace it otherwise."""

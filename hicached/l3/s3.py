@@ -361,6 +361,9 @@ class S3Backend(StorageBackend):
                 count += 1
         return count
 
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        return [bool(found) for found in self._map(self._head, self._object_names(keys), False)]
+
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         names = self._object_names(keys)
         payloads = self._map(self._fetch, [(k, n, None) for k, n in zip(keys, names, strict=True)], None)

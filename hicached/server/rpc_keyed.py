@@ -91,13 +91,18 @@ class KeyedRpcs(ServicerBase):
             keys,
             l3=self.has_l3(),
             session=request.session_id,
+            per_key=request.per_key,
         )
         # Derived keys go back; given ones do not (the client has them): echoing up to
         # max_keys_per_request x max_key_bytes (32 MiB) was built and serialized on the event
         # loop, and held while a client that stopped reading let it sit unsent.
         derived = keys if request.keys.WhichOneof("source") == "tokens" else []
         return pb.LookupResponse(
-            keys=derived, l2_hit_pages=result.l2_hit_pages, total_hit_pages=result.total_hit_pages
+            keys=derived,
+            l2_hit_pages=result.l2_hit_pages,
+            total_hit_pages=result.total_hit_pages,
+            in_l2=result.in_l2,
+            cached=result.cached,
         )
 
     async def Publish(self, request: pb.PublishRequest, context: Ctx) -> pb.PublishResponse:

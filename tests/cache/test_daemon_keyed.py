@@ -117,6 +117,41 @@ def test_prefetch_brings_evicted_pages_back_from_l3_for_another_worker(
             assert pools_b.digest(pool, dst) == pools_a.digest(pool, src), pool
 
 
+def test_a_per_key_lookup_answers_every_key_in_l2_and_l3(
+    client: HiCacheClient, worker_pools: list[WorkerPools]
+) -> None:
+    """``lookup(per_key=True)`` answers each key, also after a miss, from L2 and from L3; the
+    leading runs agree with a plain lookup; another tenant's session sees none of them."""
+    tag_a, pools_a = new_worker(worker_pools, seed=23)
+    tag_b, pools_b = new_worker(worker_pools, seed=None)
+    model = f"{MODEL}-per-key"
+    old_chain, new_chain = chain(2, "tenant-k", offset=11), chain(2, "tenant-k", offset=900_011)
+    with client.attach(WorkerIdentity(tag_a, generation=1, model_name=model), pools_a.specs()) as a:
+        old = list(a.lookup(old_chain).keys)
+        assert a.put_pages(old, transfers([1, 2])).stored_pages == 2
+        assert a.backup(old, wait=True).stored_pages >= 0
+        for i in range(4):  # evict the old pages from L2 (1,024 host pages); L3 keeps them
+            filler = chain(256, "tenant-filler", offset=200_000 * (i + 1))
+            assert a.put_pages(filler, transfers(list(range(256)))).ok
+            a.backup(filler, wait=True)
+        new = list(a.lookup(new_chain).keys)
+        assert a.put_pages(new, transfers([3, 4])).stored_pages == 2
+        missing = "f" * 64
+        asked = [new[0], missing, old[0], new[1], old[1]]
+        plain = a.lookup(asked)
+        each = a.lookup(asked, per_key=True)
+        assert each.in_l2 == (True, False, False, True, False)
+        assert each.cached == (True, False, True, True, True)
+        assert (
+            (each.l2_hit_pages, each.total_hit_pages) == (plain.l2_hit_pages, plain.total_hit_pages) == (1, 1)
+        )
+        assert (plain.in_l2, plain.cached) == ((), ())
+        assert a.lookup([], per_key=True).cached == ()
+    other = WorkerIdentity(tag_b, generation=1, model_name=model, tenant="tenant-other")
+    with client.attach(other, pools_b.specs()) as b:
+        assert b.lookup(asked, per_key=True).cached == (False,) * 5
+
+
 def test_clear_namespace_of_one_tenant_drops_its_l2_and_l3_pages_only(
     l3_daemon: Daemon, client: HiCacheClient, worker_pools: list[WorkerPools]
 ) -> None:

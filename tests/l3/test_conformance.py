@@ -42,6 +42,16 @@ def test_exists_is_leading_run(backend: StorageBackend) -> None:
     assert backend.exists([]) == 0
 
 
+def test_present_answers_every_key_also_after_a_miss(backend: StorageBackend) -> None:
+    keys = ["pr/0", "pr/1", "pr/2", "pr/3"]
+    assert backend.set([keys[1], keys[3]], [page(keys[1]), page(keys[3])]) == [True, True]
+    assert backend.present(keys) == [False, True, False, True]
+    assert backend.present([keys[3], keys[3], "pr/none"]) == [True, True, False]
+    assert backend.present([]) == []
+    # The base class's default (one exists() per key) gives the same answers.
+    assert StorageBackend.present(backend, keys) == [False, True, False, True]
+
+
 def test_existing_key_is_success_without_rewrite(backend: StorageBackend) -> None:
     assert backend.set(["same"], [b"A" * 4096]) == [True]
     assert backend.set(["same"], [b"B" * 4096]) == [True]

@@ -225,6 +225,79 @@ def test_v1_matches_hicachefile_v2_kv(storages: StorageFactory, tmp_path: Path) 
     assert page_bits(pool, a[:12]) == page_bits(pool, b[:12]) == page_bits(pool, src)
 
 
+# Which of six keys are stored: misses in the middle and at the end.
+GAPS = [True, False, True, True, False, True]
+
+
+def gap_calls(pool: Any) -> Calls:
+    """Gets of keys with misses between hits: v2, the generic batch_get, and the bytes of both."""
+
+    def calls(backend: Backend) -> list[object]:
+        keys = sglang_keys(len(GAPS), 4, first=len(GAPS) * 4 * 7)
+        stored = [k for k, s in zip(keys, GAPS, strict=True) if s]
+        src = pool.alloc(4 * len(stored))
+        want = page_bits(pool, src)
+        out: list[object] = [backend.batch_set_v2([PoolTransfer(name="kv", keys=stored, host_indices=src)])]
+        dst = pool.alloc(4 * len(keys))
+        out.append(backend.batch_get_v2([PoolTransfer(name="kv", keys=keys, host_indices=dst)]))
+        got = page_bits(pool, dst)
+        out.append([got[i] for i, s in enumerate(GAPS) if s] == want)
+        flats = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+        stored_bits = iter(want)
+        out.append(  # per key: a miss (None), or whether the bytes are the stored page's
+            [
+                None if f is None else (s and f.view(torch.uint8).numpy().tobytes() == next(stored_bits))
+                for f, s in zip(flats, GAPS, strict=True)
+            ]
+        )
+        for idx in (src, dst):
+            pool.free(idx)
+        return out
+
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_gets_after_a_miss_match_hicachefile(storages: StorageFactory, tmp_path: Path, layout: str) -> None:
+    """HiCacheFile reads every key's file; the adapter loads every cached key, not only the
+    leading run (before: [True, False, False, False, False, False])."""
+    pool = make_host_pool(PoolShape(layout=layout))
+    got = run_both(reference(storages, tmp_path, pool), ours(storages, pool), gap_calls(pool))
+    assert got[1] == {"kv": GAPS}
+    assert got[2] is True
+    assert got[3] == [True if s else None for s in GAPS]
+
+
+def test_pages_after_a_miss_are_loaded_from_l3(tmp_path: Path) -> None:
+    """A restarted daemon has the pages in its L3 only: v1 still loads each cached key, also
+    after a miss (the per-key Lookup asks L3), and the bytes are the stored ones."""
+    l3 = tmp_path / "l3"
+    pool = make_host_pool(PoolShape())
+    keys = sglang_keys(len(GAPS), 4, first=len(GAPS) * 4 * 11)
+    stored = [k for k, s in zip(keys, GAPS, strict=True) if s]
+    src = pool.alloc(4 * len(stored))
+    model = unique_model()
+    for round_ in range(2):
+        daemon = start_daemon("--l3", "file", "--l3-path", str(l3))
+        storages = StorageFactory(daemon.target)
+        try:
+            storage = storages.make(pool, model=model)
+            if round_ == 0:
+                assert storage.batch_set_v1(stored, src) == [True] * len(stored)
+                daemon_keys = storage.links["kv"].keys.daemon_keys(stored)
+                done = storage.links["kv"].call(lambda s, _: s.backup(daemon_keys, wait=True))  # noqa: B023
+                assert done.stored_pages == done.queued_pages  # 0 when write-through was first
+                continue  # the clean stop flushes what is still queued
+            assert storage.batch_exists(keys) == 1  # a new daemon: nothing in its L2
+            dst = pool.alloc(4 * len(keys))
+            assert storage.batch_get_v1(keys, dst) == GAPS
+            got = page_bits(pool, dst)
+            assert [got[i] for i, s in enumerate(GAPS) if s] == page_bits(pool, src)
+        finally:
+            storages.close_all()
+            daemon.stop()
+
+
 # ------------------------------------------------------------------ refused writes
 
 

@@ -1,14 +1,14 @@
 """A worker session: :class:`AsyncSession` (``_sync_session.py`` is generated from it: ``aio.py``).
 
-Every method carries the session id, the session's secret and an op_id (fresh, or the
-caller's ``op_id=``: e.g. the same id on every TP rank's retry path), so a retried call is
-answered once. With ``fast_lane=True`` on the client, the hot calls go over the daemon's
-fast lane when they can (docs/fastlane.md says which; a lost lane re-sends the op over gRPC
-with the same op_id, so it runs once). Results and errors are the same.
+Every method carries the session id, the session's secret and an op_id (fresh, or the caller's
+``op_id=``: e.g. the same id on every TP rank's retry path), so a retried call is answered once.
+With ``fast_lane=True`` on the client, the hot calls go over the daemon's fast lane when they can
+(docs/fastlane.md says which; a lost lane re-sends the op over gRPC with the same op_id, so it
+runs once). Results and errors are the same.
 
-Thread-safety: a blocking session may be used from many threads (its mutable state -- the
-Detach op_id, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an
-asyncio session belongs to its event loop.
+Thread-safety: a blocking session may be used from many threads (its mutable state -- the Detach
+op_id, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an asyncio
+session belongs to its event loop.
 """
 
 from __future__ import annotations
@@ -353,15 +353,18 @@ class AsyncSession:
 
     # --------------------------------------------------------- content cache
 
-    async def lookup(self, keys: Keys, *, tenant: str = "", timeout_s: float | None = None) -> LookupResult:
-        given = lane_keys(keys, tenant)
+    async def lookup(
+        self, keys: Keys, *, tenant: str = "", per_key: bool = False, timeout_s: float | None = None
+    ) -> LookupResult:
+        """Leading cached runs of ``keys``; ``per_key``: each key's flags too (over gRPC)."""
+        given = None if per_key else lane_keys(keys, tenant)
         lane = await self._slot.get(self, given is not None)
         if lane is not None and given is not None:
             try:
                 return await lane.lookup(given, timeout_s=self._timeout(timeout_s))
             except HiCacheError as exc:
                 await self._slot.failed(exc, "Lookup", self.client.config.retry)
-        return await self._invoke(_calls.lookup(self.session_id, keys, tenant), timeout_s)
+        return await self._invoke(_calls.lookup(self.session_id, keys, tenant, per_key), timeout_s)
 
     async def publish(
         self,
@@ -372,9 +375,8 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> PublishResult:
-        return await self._invoke(
-            _calls.publish(self.session_id, self._op(op_id), keys, transfers, tenant), timeout_s
-        )
+        call = _calls.publish(self.session_id, self._op(op_id), keys, transfers, tenant)
+        return await self._invoke(call, timeout_s)
 
     async def put_pages(
         self,
@@ -389,9 +391,8 @@ class AsyncSession:
     ) -> PutPagesResult:
         op = self._op(op_id)
         given = lane_keys(keys, tenant)
-        lane = await self._slot.get(
-            self, given is not None and primary_device_pages is None and ready is None
-        )
+        plain = primary_device_pages is None and ready is None  # the lane carries neither
+        lane = await self._slot.get(self, given is not None and plain)
         if lane is not None and given is not None:
             try:
                 return await lane.put_pages(given, transfers, op_id=op, timeout_s=self._timeout(timeout_s))

@@ -239,8 +239,8 @@ def retract_discard(session_id: str, op_id: str, backup_id: str) -> Call[int]:
 # ----------------------------------------------------------- content cache
 
 
-def lookup(session_id: str, keys: Keys, tenant: str) -> Call[LookupResult]:
-    req = pb.LookupRequest(session_id=session_id, keys=cv.keys_to_wire(keys, tenant))
+def lookup(session_id: str, keys: Keys, tenant: str, per_key: bool = False) -> Call[LookupResult]:
+    req = pb.LookupRequest(session_id=session_id, keys=cv.keys_to_wire(keys, tenant), per_key=per_key)
     return Call("Lookup", req, lambda msg: cv.lookup_result(msg, keys))
 
 

@@ -263,7 +263,13 @@ def retract_backup_result(msg: pb.RetractBackupResponse) -> RetractBackupResult:
 def lookup_result(msg: pb.LookupResponse, asked: Keys) -> LookupResult:
     """The daemon sends back only the keys it derived from tokens; given keys are the caller's."""
     keys = tuple(msg.keys) if isinstance(asked, TokenChain) else tuple(asked)
-    return LookupResult(keys=keys, l2_hit_pages=msg.l2_hit_pages, total_hit_pages=msg.total_hit_pages)
+    return LookupResult(
+        keys=keys,
+        l2_hit_pages=msg.l2_hit_pages,
+        total_hit_pages=msg.total_hit_pages,
+        in_l2=tuple(msg.in_l2),
+        cached=tuple(msg.cached),
+    )
 
 
 def publish_result(msg: pb.PublishResponse) -> PublishResult:

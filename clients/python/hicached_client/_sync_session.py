@@ -1,15 +1,15 @@
 # Generated from _aio_session.py by tools/unasync.py (./dev unasync). Do not edit.
 """A worker session: :class:`Session` (``_sync_session.py`` is generated from it: ``aio.py``).
 
-Every method carries the session id, the session's secret and an op_id (fresh, or the
-caller's ``op_id=``: e.g. the same id on every TP rank's retry path), so a retried call is
-answered once. With ``fast_lane=True`` on the client, the hot calls go over the daemon's
-fast lane when they can (docs/fastlane.md says which; a lost lane re-sends the op over gRPC
-with the same op_id, so it runs once). Results and errors are the same.
+Every method carries the session id, the session's secret and an op_id (fresh, or the caller's
+``op_id=``: e.g. the same id on every TP rank's retry path), so a retried call is answered once.
+With ``fast_lane=True`` on the client, the hot calls go over the daemon's fast lane when they can
+(docs/fastlane.md says which; a lost lane re-sends the op over gRPC with the same op_id, so it
+runs once). Results and errors are the same.
 
-Thread-safety: a blocking session may be used from many threads (its mutable state -- the
-Detach op_id, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an
-asyncio session belongs to its event loop.
+Thread-safety: a blocking session may be used from many threads (its mutable state -- the Detach
+op_id, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an asyncio
+session belongs to its event loop.
 """
 
 from __future__ import annotations
@@ -350,15 +350,18 @@ class Session:
 
     # --------------------------------------------------------- content cache
 
-    def lookup(self, keys: Keys, *, tenant: str = "", timeout_s: float | None = None) -> LookupResult:
-        given = lane_keys(keys, tenant)
+    def lookup(
+        self, keys: Keys, *, tenant: str = "", per_key: bool = False, timeout_s: float | None = None
+    ) -> LookupResult:
+        """Leading cached runs of ``keys``; ``per_key``: each key's flags too (over gRPC)."""
+        given = None if per_key else lane_keys(keys, tenant)
         lane = self._slot.get(self, given is not None)
         if lane is not None and given is not None:
             try:
                 return lane.lookup(given, timeout_s=self._timeout(timeout_s))
             except HiCacheError as exc:
                 self._slot.failed(exc, "Lookup", self.client.config.retry)
-        return self._invoke(_calls.lookup(self.session_id, keys, tenant), timeout_s)
+        return self._invoke(_calls.lookup(self.session_id, keys, tenant, per_key), timeout_s)
 
     def publish(
         self,
@@ -369,9 +372,8 @@ class Session:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> PublishResult:
-        return self._invoke(
-            _calls.publish(self.session_id, self._op(op_id), keys, transfers, tenant), timeout_s
-        )
+        call = _calls.publish(self.session_id, self._op(op_id), keys, transfers, tenant)
+        return self._invoke(call, timeout_s)
 
     def put_pages(
         self,
@@ -386,7 +388,8 @@ class Session:
     ) -> PutPagesResult:
         op = self._op(op_id)
         given = lane_keys(keys, tenant)
-        lane = self._slot.get(self, given is not None and primary_device_pages is None and ready is None)
+        plain = primary_device_pages is None and ready is None  # the lane carries neither
+        lane = self._slot.get(self, given is not None and plain)
         if lane is not None and given is not None:
             try:
                 return lane.put_pages(given, transfers, op_id=op, timeout_s=self._timeout(timeout_s))

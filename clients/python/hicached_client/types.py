@@ -213,6 +213,9 @@ class LookupResult:
     keys: tuple[str, ...]
     l2_hit_pages: int
     total_hit_pages: int
+    # Per key, from a ``per_key`` lookup only (empty otherwise): resident in L2; in L2 or L3.
+    in_l2: tuple[bool, ...] = ()
+    cached: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,11 @@ class FileBackend(StorageBackend):
                 count += 1
             return count
 
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            return [key in self._index.entries for key in keys]
+
     def _read_bytes(self, entry: Entry | None) -> bytes | None:
         if entry is None or entry.dead:
             return None

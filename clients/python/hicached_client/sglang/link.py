@@ -3,8 +3,9 @@
 ``PoolLink`` is what the SGLang backend class calls per pool. Its operations
 take daemon keys (already namespaced) and host page numbers, run one RPC per
 batch of at most ``staging_pages`` pages, and report SGLang's semantics:
-writes succeed for keys already cached (the daemon skips them), reads stop at
-the first miss (leading run), a missing key is a miss and never an error.
+writes succeed for keys already cached (the daemon skips them), a read loads
+the leading run of hits (:meth:`PoolLink.load_each` goes on after a miss), a
+missing key is a miss and never an error.
 
 Thread-safety: every method may be called from any thread. Writes serialise
 on the write half of the staging area, reads on the read half, so SGLang's
@@ -317,15 +318,36 @@ class PoolLink:
         return result.total_hit_pages if self._config.include_l3 else result.l2_hit_pages
 
     def membership(self, keys: Sequence[str]) -> list[bool]:
-        """Which of ``keys`` are cached: one lookup per missing key plus one."""
-        present = [False] * len(keys)
-        start = 0
-        while start < len(keys):
-            run = self.exists(keys[start:])
-            for i in range(start, start + run):
-                present[i] = True
-            start += run + 1
-        return present
+        """Which of ``keys`` are cached (L2, and L3 when ``include_l3``): one per-key Lookup."""
+        if not keys:
+            return []
+        result = self._call(
+            lambda session, _: session.lookup(list(keys), tenant=self._config.tenant, per_key=True)
+        )
+        return list(result.cached if self._config.include_l3 else result.in_l2)
+
+    def load_each(self, keys: Sequence[str], load: Callable[[int, int], int]) -> list[bool]:
+        """Per key: loaded, as ``HiCacheFile`` reads every key's file. ``load(lo, hi)`` loads
+        the leading cached run of ``keys[lo:hi]`` and returns its length.
+
+        One load of all keys; only after a miss, one per-key Lookup of the keys after it
+        and one load per run of cached ones. An error after the first load is logged and
+        ends the call with what was loaded (those pages are in place); the first raises.
+        """
+        loaded = [False] * len(keys)
+        hits = load(0, len(keys))
+        loaded[:hits] = [True] * hits
+        rest = hits + 1  # keys[hits] just missed
+        if rest >= len(keys):
+            return loaded
+        try:
+            cached = self.membership(keys[rest:])
+            for lo, hi in _runs(cached):
+                got = load(rest + lo, rest + hi)
+                loaded[rest + lo : rest + lo + got] = [True] * got
+        except HiCacheError as exc:
+            log.warning("hicached: loading the pages after a miss failed: %s", exc)
+        return loaded
 
     # ---------------------------------------------------------------- copies
 
@@ -444,6 +466,19 @@ class PoolLink:
                 self.transport.close()
             elif self._staging is not None:
                 self._staging.close()
+
+
+def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` bounds of every run of True in ``flags``."""
+    out: list[tuple[int, int]] = []
+    start = None
+    for i, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            out.append((start, i))
+            start = None
+    return out
 
 
 def _zero_copy(transport: PageTransport) -> ZeroCopyTransport:

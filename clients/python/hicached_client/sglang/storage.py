@@ -7,7 +7,9 @@ the KV pool, ``register_mem_host_pool_v2`` for side pools) becomes one daemon
 session whose "device" pool is a shared-memory staging area: a write copies
 the pages out of SGLang's host pool into it (one index op per batch) and asks
 the daemon to store them (``PutPages``); a read asks the daemon to load the
-leading run of hits into it (``GetPages``) and copies them into the host pool.
+leading run of hits into it (``GetPages``) and copies them into the host pool
+(after a miss, one per-key ``Lookup`` finds the cached keys after it, which
+are loaded too, as ``HiCacheFile`` reads every key).
 Page bytes never travel in gRPC messages unless ``transport`` is ``bytes``.
 
 Semantics kept from SGLang's backends (``HiCacheFile`` is the reference, see
@@ -181,7 +183,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        """Load the leading run of cached ``keys`` into ``host_indices``; True per loaded page."""
+        """Load every cached one of ``keys`` into ``host_indices``; True per loaded page."""
         return self._get_pages(KV_POOL, keys, host_indices)
 
     def _set_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
@@ -207,14 +209,17 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         if link is None:
             return [False] * len(keys)
         pages = link.binding.host_pages_of(host_indices, len(keys))
+        daemon_keys = link.keys.daemon_keys(keys)
         start = time.perf_counter()
         try:
-            hits = link.get_pages(link.keys.daemon_keys(keys), pages)
+            loaded = link.load_each(
+                daemon_keys, lambda lo, hi: link.get_pages(daemon_keys[lo:hi], pages[lo:hi])
+            )
         except HiCacheError as exc:
             log.warning("hicached: loading %d pages of pool %s failed: %s", len(keys), pool, exc)
             return [False] * len(keys)
-        self._record("prefetch", hits, link, start)
-        return [True] * hits + [False] * (len(keys) - hits)
+        self._record("prefetch", sum(loaded), link, start)
+        return loaded
 
     def _record(self, kind: str, pages: int, link: PoolLink, start: float) -> None:
         if self._metrics_enabled and pages:
@@ -268,7 +273,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        """Load each transfer's keys into its pool's host indices (leading run per pool)."""
+        """Load each transfer's cached keys into its pool's host indices (every one, as HiCacheFile)."""
         return self._v2(transfers, self._get_pages)
 
     @answers(no_transfers)
@@ -330,17 +335,16 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         if link is not None and paged:
             outs = [targets[i] if targets[i] is not None else link.binding.empty_flat_page() for i in paged]
             daemon_keys = link.keys.daemon_keys([keys[i] for i in paged])
-            start = 0
-            # Leading runs: after each miss, go on with the key after it.
-            while start < len(paged):
-                try:
-                    hits = link.get_flat(daemon_keys[start:], outs[start:])
-                except HiCacheError as exc:
-                    log.warning("hicached: get of %d pages failed: %s", len(paged) - start, exc)
-                    break
-                for j in range(start, start + hits):
+            try:
+                loaded = link.load_each(
+                    daemon_keys, lambda lo, hi: link.get_flat(daemon_keys[lo:hi], outs[lo:hi])
+                )
+            except HiCacheError as exc:
+                log.warning("hicached: get of %d pages failed: %s", len(paged), exc)
+                loaded = []
+            for j, hit in enumerate(loaded):
+                if hit:
                     found[paged[j]] = outs[j]
-                start += hits + 1
         for i, key in enumerate(keys):
             # Not a page of the pool, or not found there: the byte path.
             if found[i] is None:

@@ -281,22 +281,28 @@ class RetractDiscardResponse(_message.Message):
     def __init__(self, freed_pages: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "keys")
+    __slots__ = ("session_id", "keys", "per_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PER_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _types_pb2.KeySource
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Union[_types_pb2.KeySource, _Mapping]] = ...) -> None: ...
+    per_key: bool
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Union[_types_pb2.KeySource, _Mapping]] = ..., per_key: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("keys", "l2_hit_pages", "total_hit_pages")
+    __slots__ = ("keys", "l2_hit_pages", "total_hit_pages", "in_l2", "cached")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     L2_HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IN_L2_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     l2_hit_pages: int
     total_hit_pages: int
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., l2_hit_pages: _Optional[int] = ..., total_hit_pages: _Optional[int] = ...) -> None: ...
+    in_l2: _containers.RepeatedScalarFieldContainer[bool]
+    cached: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., l2_hit_pages: _Optional[int] = ..., total_hit_pages: _Optional[int] = ..., in_l2: _Optional[_Iterable[bool]] = ..., cached: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("session_id", "op_id", "keys", "transfers")
