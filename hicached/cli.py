@@ -20,6 +20,7 @@ COMMANDS = ("serve", "status", "lookup", "bench", "keys", "config")
 # Exit codes of a process ended by SIGPIPE / SIGINT in a shell (128 + signal number).
 EXIT_BROKEN_PIPE = 141
 EXIT_INTERRUPTED = 130
+GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     # OpenMP threads that spin after each parallel torch op would take the cores the
     # copies (ours, or a co-located worker's) need; set before torch is first imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # gRPC's EventEngine listener and client cost more CPU per call than the poller they
+    # replace, which grpcio still ships (docs/performance.md: the daemon's CPU per RPC about
+    # 10-20 % lower without them, a CLI client's about 30 %). Read when gRPC starts, so set
+    # here, before anything imports it; an operator's own GRPC_EXPERIMENTS wins.
+    os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

@@ -59,6 +59,34 @@ def test_status_against_a_dead_socket_says_how_to_start_the_daemon(tmp_path: Pat
         assert "Traceback" not in result.stderr
 
 
+# What the command line hands gRPC, printed by a process that runs it: gRPC reads the variable
+# when it starts, so it must be set before anything imports grpc.
+PROBE = """
+import os, sys
+from hicached import cli
+assert "grpc" not in sys.modules
+try:
+    cli.main(["--version"])
+except SystemExit:
+    pass
+print(repr(os.environ.get("GRPC_EXPERIMENTS")))
+"""
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "-event_engine_client,-event_engine_listener"), ("", "")])
+def test_the_command_line_sets_grpc_experiments_unless_the_operator_did(
+    given: str | None, seen: str, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    if given is not None:
+        env["GRPC_EXPERIMENTS"] = given
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip().splitlines()[-1] == repr(seen)
+
+
 @pytest.mark.parametrize(
     "args", [["keys", "--page-size", "1", "--tokens", "1,2,3"], ["config", "show", "--keys"]]
 )
