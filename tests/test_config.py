@@ -46,6 +46,7 @@ _SPECIAL: dict[str, tuple[Any, Any, Any]] = {
     "l3.mooncake.master_addr": ("f:1", "e:2", "c:3"),
     "l3.mooncake.protocol": ("rdma", "tcp", "rdma"),
     "l3.file.fsync": (True, False, True),
+    "l3.file.direct_io": (False, True, False),
     "l3.s3.create_bucket": (True, False, True),
     "l3.s3.conditional_put": (False, True, False),
     "server.insecure_tcp": (True, False, True),

@@ -3,10 +3,12 @@
 Layout. A directory holds one *slab* file per slot size and a ``LOCK`` file;
 a page lives in one slot, a 512-byte self-verifying header then the payload
 (:mod:`~hicached.l3.file.layout`). Batches move with one ``pwritev``/``preadv``
-per run of adjacent slots (:mod:`~hicached.l3.file.io`).
+per run of adjacent slots (:mod:`~hicached.l3.file.io`), past the page cache
+where ``direct_io`` is on and the run's buffers allow it.
 
 Crash atomicity. ``set`` returns ``True`` only after the page's bytes were
-handed to the kernel (page cache), so they survive a kill of this process; with
+handed to the kernel (page cache) or written to the disk (direct I/O), so they
+survive a kill of this process; with
 ``fsync=True`` they are also fdatasync'ed before the call returns. A page torn
 by a kill mid-write keeps a header whose payload checksum no longer matches,
 so it is never served: every read verifies header and payload before
@@ -80,7 +82,7 @@ class FileBackend(StorageBackend):
         self.config = config
         self.root = Path(config.path)
         self._lock = threading.Lock()
-        self._index = PageIndex(self.root, config.capacity_bytes)
+        self._index = PageIndex(self.root, config.capacity_bytes, direct_io=config.direct_io)
         self._closed = False
         self._ops = 0
         self._idle = threading.Condition(self._lock)

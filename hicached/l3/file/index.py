@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 class PageIndex:
     """Entries of the stored pages, their slabs and the counters (guarded by the backend lock)."""
 
-    def __init__(self, root: Path, capacity: int) -> None:
+    def __init__(self, root: Path, capacity: int, *, direct_io: bool = False) -> None:
         self.root = root
+        self.direct_io = direct_io
         self.entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order: oldest first
         self.slabs: dict[int, Slab] = {}
         self.used = 0  # bytes of occupied or reserved slots
@@ -58,14 +59,14 @@ class PageIndex:
     def slab(self, slot_bytes: int) -> Slab:
         slab = self.slabs.get(slot_bytes)
         if slab is None:
-            slab = Slab(self.root / f"slab-{slot_bytes}.dat", slot_bytes)
+            slab = Slab(self.root / f"slab-{slot_bytes}.dat", slot_bytes, direct_io=self.direct_io)
             self.slabs[slot_bytes] = slab
         return slab
 
     def close_files(self) -> None:
         self.closed = True
         for slab in self.slabs.values():
-            os.close(slab.fd)
+            slab.close()
         self.slabs.clear()
 
     # ------------------------------------------------------------------ start

@@ -5,6 +5,15 @@ slots are adjacent moves in one syscall per run straight between the caller's
 chunks and the file (no staging copy). Runs of one batch are issued on a small
 thread pool (the GIL is released during syscalls and payload hashing).
 
+Direct I/O. Where the slab has an ``O_DIRECT`` descriptor and every page and
+chunk of a run is a whole number of sectors, the run is written or read past the
+page cache (headers in an aligned per-thread scratch buffer): the daemon's L2 is
+already the copy in memory, and on our VMs page-cache memory the kernel has not
+used lately is slow to take (measured in docs/performance.md). The kernel checks
+the buffers' alignment before any I/O; a run it refuses (EINVAL: a caller's
+unaligned buffer, a device with larger sectors) goes through the page cache.
+Single pages read as bytes (``get``) always do.
+
 Thread-safety: the functions here touch only the buffers and entries they are
 given (entries pinned or not yet indexed, so no other thread frees their slots);
 :class:`IoPool` is thread-safe.
@@ -14,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +33,7 @@ from typing import Any, TypeVar
 
 from hicached.errors import InvalidArgument
 from hicached.l3.file.layout import HEADER_BYTES, SLOT_ALIGN, ZEROS, header_matches, pack_header
-from hicached.l3.file.slabs import Entry
+from hicached.l3.file.slabs import Entry, Slab
 from hicached.l3.framing import payload_checksum
 
 __all__ = ["IoPool", "as_bytes_view", "read_run", "runs", "write_run"]
@@ -33,6 +43,11 @@ log = logging.getLogger(__name__)
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # Linux moves at most 0x7ffff000 bytes per call; stay far below.
 MAX_IO_BYTES = 256 << 20
+
+# Direct writes need every buffer and length to be a whole number of sectors (512 bytes on the
+# disks we know; a device with larger sectors refuses the run and it goes through the page cache).
+DIRECT_ALIGN = 512
+_scratch_local = threading.local()
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -120,7 +135,14 @@ def read_run(run: Run, views: Sequence[Sequence[memoryview]], ok: list[bool], ro
     sets ``ok[i]`` for the pages read whole and verified."""
     slab = run[0][1].slab
     sink = bytearray(SLOT_ALIGN)
-    headers = [bytearray(HEADER_BYTES) for _ in run]
+    direct = _direct_ok(run, views)
+    if direct:
+        arena = _scratch(len(run) * HEADER_BYTES)
+        headers: list[memoryview | bytearray] = [
+            arena[n * HEADER_BYTES : (n + 1) * HEADER_BYTES] for n in range(len(run))
+        ]
+    else:
+        headers = [bytearray(HEADER_BYTES) for _ in run]
     iov: list[memoryview | bytearray] = []
     for n, (i, entry) in enumerate(run):
         iov.append(headers[n])
@@ -130,7 +152,7 @@ def read_run(run: Run, views: Sequence[Sequence[memoryview]], ok: list[bool], ro
             iov.append(memoryview(sink)[:gap])
     want = slab.slot_bytes * (len(run) - 1) + HEADER_BYTES + run[-1][1].length
     try:
-        got = _vectored(os.preadv, slab.fd, iov, slab.offset(run[0][1].slot))
+        got = _vectored_run(os.preadv, slab, iov, slab.offset(run[0][1].slot), direct)
     except OSError as exc:
         log.warning("file backend %s: read of %d pages failed: %s", root, len(run), exc)
         got = -1
@@ -148,6 +170,40 @@ def verify(entry: Entry, header: bytes | bytearray | memoryview, chunks: Sequenc
     )
 
 
+def _scratch(nbytes: int) -> memoryview:
+    """This thread's page-aligned scratch buffer of at least ``nbytes`` (valid until the thread's
+    next call: a run uses it only during its own syscall)."""
+    buf: mmap.mmap | None = getattr(_scratch_local, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = mmap.mmap(-1, max(nbytes, 64 << 10))
+        _scratch_local.buf = buf
+    return memoryview(buf)[:nbytes]
+
+
+def _direct_ok(run: Run, bufs: Sequence[Sequence[memoryview]]) -> bool:
+    """Whether the run may use the slab's ``O_DIRECT`` descriptor: every payload and chunk a
+    whole number of sectors (so no padding between slots either). Addresses the kernel checks."""
+    return run[0][1].slab.direct_fd is not None and all(
+        entry.length % DIRECT_ALIGN == 0 and all(c.nbytes % DIRECT_ALIGN == 0 for c in bufs[i])
+        for i, entry in run
+    )
+
+
+def _vectored_run(
+    op: Callable[[int, list[Any], int], int], slab: Slab, iov: list[Any], offset: int, direct: bool
+) -> int:
+    """``preadv``/``pwritev`` of one run, on the slab's ``O_DIRECT`` descriptor when ``direct``."""
+    if direct:
+        assert slab.direct_fd is not None
+        try:
+            return _vectored(op, slab.direct_fd, iov, offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # Refused before any I/O (an unaligned buffer or a device with larger sectors).
+    return _vectored(op, slab.fd, iov, offset)
+
+
 def write_run(
     run: Run, srcs: Sequence[Sequence[memoryview]], encoded: Sequence[bytes], *, root: Path
 ) -> tuple[list[int], bool]:
@@ -157,12 +213,18 @@ def write_run(
     Sets each entry's ``checksum`` (the entries are not indexed yet: nobody else reads it).
     """
     slab = run[0][1].slab
+    direct = _direct_ok(run, srcs)
+    headers = _scratch(len(run) * HEADER_BYTES) if direct else None
     iov: list[bytes | memoryview] = []
     ends: list[tuple[int, int]] = []
     pos = 0
     for n, (i, entry) in enumerate(run):
         entry.checksum = payload_checksum(srcs[i])
-        iov.append(pack_header(encoded[i], entry.seq, entry.length, entry.checksum))
+        header: bytes | memoryview = pack_header(encoded[i], entry.seq, entry.length, entry.checksum)
+        if headers is not None:
+            headers[n * HEADER_BYTES : (n + 1) * HEADER_BYTES] = header
+            header = headers[n * HEADER_BYTES : (n + 1) * HEADER_BYTES]
+        iov.append(header)
         iov.extend(srcs[i])
         pos += HEADER_BYTES + entry.length
         ends.append((i, pos))
@@ -171,7 +233,7 @@ def write_run(
             iov.append(ZEROS[:gap])
             pos += gap
     try:
-        done = _vectored(os.pwritev, slab.fd, iov, slab.offset(run[0][1].slot))
+        done = _vectored_run(os.pwritev, slab, iov, slab.offset(run[0][1].slot), direct)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return [], True  # a full disk is a capacity, not a fault (the caller evicts)

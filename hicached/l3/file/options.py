@@ -20,6 +20,9 @@ class FileBackendConfig:
     acknowledging it (survives power loss, costs throughput). ``io_threads``:
     threads that issue the syscalls of one batch's non-adjacent slot runs
     concurrently (random cold reads gain from queue depth; 1 = caller only).
+    ``direct_io``: write and read runs of pages with ``O_DIRECT``, past the page
+    cache (the daemon's L2 is the copy in memory); a filesystem or a buffer that
+    refuses it goes through the page cache (:mod:`hicached.l3.file.io`).
     """
 
     path: str = option(help="Directory of the slot files (created if missing; one daemon at a time).")
@@ -28,6 +31,9 @@ class FileBackendConfig:
     )
     fsync: bool = option(False, help="fdatasync each set batch before acknowledging it (power-loss safe).")
     io_threads: int = option(4, help="Threads issuing one batch's syscalls concurrently (1 = caller only).")
+    direct_io: bool = option(
+        True, help="Move pages with O_DIRECT, past the page cache (where the filesystem allows it)."
+    )
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:

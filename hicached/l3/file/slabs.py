@@ -8,21 +8,31 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import logging
 import os
 from pathlib import Path
 
 __all__ = ["Entry", "Slab"]
 
+log = logging.getLogger(__name__)
+
 
 class Slab:
     """One file of equal-size slots and its free-slot allocator (guarded by the backend lock)."""
 
-    def __init__(self, path: Path, slot_bytes: int) -> None:
+    def __init__(self, path: Path, slot_bytes: int, *, direct_io: bool = False) -> None:
         self.path = path
         self.slot_bytes = slot_bytes
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # A second descriptor for runs moved past the page cache (see hicached.l3.file.io), or None.
+        self.direct_fd = _open_direct(path) if direct_io else None
         self.free: list[int] = []  # min-heap: low slots first keeps batches adjacent
         self.high = 0  # slots at or above this index were never handed out
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
 
     def alloc(self) -> int:
         if self.free:
@@ -41,6 +51,21 @@ class Slab:
         no new disk space), or None."""
         if self.free and self.offset(self.free[0] + 1) <= os.fstat(self.fd).st_size:
             return heapq.heappop(self.free)
+        return None
+
+
+def _open_direct(path: Path) -> int | None:
+    """``path`` opened for ``O_DIRECT``, or None (logged) where the filesystem refuses."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        log.warning("file backend: no O_DIRECT on this platform; %s goes through the page cache", path)
+        return None
+    try:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC | flag)
+    except OSError as exc:
+        log.warning(
+            "file backend: %s refuses O_DIRECT (%s); its pages go through the page cache", path, exc.strerror
+        )
         return None
 
 

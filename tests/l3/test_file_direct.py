@@ -1,0 +1,137 @@
+"""The ``file`` backend's direct I/O: aligned runs are written and read past the page cache, the
+rest through it, and both read back right whatever was in a slot before.
+
+Whether a file's pages are in the page cache is asked of the kernel (``mincore`` on a mapping
+of the slab file), before anything reads them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hicached.l3 import create_backend
+from hicached.l3.file import FileBackend, slot_bytes_for
+
+PAGE = 64 << 10
+OS_PAGE = mmap.PAGESIZE
+
+
+def open_file(path: Path, **extra: object) -> FileBackend:
+    backend = create_backend("file", {"path": str(path), "capacity_bytes": 64 << 20, **extra})
+    assert isinstance(backend, FileBackend)
+    return backend
+
+
+def resident_bytes(file: Path) -> int:
+    """Bytes of ``file`` the page cache holds now (``mincore``; maps it without touching it)."""
+    size = file.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    with file.open("r+b") as f, mmap.mmap(f.fileno(), size) as mm:
+        view = np.frombuffer(mm, dtype=np.uint8)
+        vec = (ctypes.c_ubyte * (-(-size // OS_PAGE)))()
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
+        assert rc == 0, f"mincore failed: errno {ctypes.get_errno()}"
+        del view
+    return sum(b & 1 for b in vec) * OS_PAGE
+
+
+def drop_cached(file: Path) -> None:
+    """Write back and drop ``file`` from the page cache."""
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert resident_bytes(file) == 0
+
+
+def aligned_pages(count: int, *, offset: int = 0) -> tuple[mmap.mmap, list[memoryview]]:
+    """``count`` distinct pages in one anonymous mapping, starting ``offset`` bytes past a
+    page boundary (0: every page sector-aligned, as the daemon's L2 pages are)."""
+    area = mmap.mmap(-1, count * PAGE + OS_PAGE)
+    view = memoryview(area)
+    pages = [view[offset + i * PAGE : offset + (i + 1) * PAGE] for i in range(count)]
+    for i, page in enumerate(pages):
+        np.frombuffer(page, dtype=np.uint8)[:] = np.arange(PAGE, dtype=np.uint64).astype(np.uint8) ^ i
+    return area, pages
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_aligned_pages_skip_the_page_cache_only_when_direct(file_dir: Path, direct: bool) -> None:
+    keys = [f"d/{i}" for i in range(8)]
+    _area, pages = aligned_pages(len(keys))
+    with open_file(file_dir, direct_io=direct) as backend:
+        assert backend.set_from(keys, [[p] for p in pages]) == [True] * len(keys)
+        slab = file_dir / f"slab-{slot_bytes_for(PAGE)}.dat"
+        cached = resident_bytes(slab)
+        if direct:
+            assert cached == 0, f"{cached} bytes of a direct write are in the page cache"
+        else:
+            assert cached >= len(keys) * PAGE
+        assert backend.get(keys) == [bytes(p) for p in pages]
+    with open_file(file_dir, direct_io=direct) as backend:  # the start-up scan reads the headers
+        assert backend.get(keys) == [bytes(p) for p in pages]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_aligned_reads_skip_the_page_cache_only_when_direct(file_dir: Path, direct: bool) -> None:
+    keys = [f"g/{i}" for i in range(8)]
+    _area, pages = aligned_pages(len(keys))
+    _dest, dests = aligned_pages(len(keys))
+    slab = file_dir / f"slab-{slot_bytes_for(PAGE)}.dat"
+    with open_file(file_dir, direct_io=direct) as backend:
+        assert backend.set_from(keys, [[p] for p in pages]) == [True] * len(keys)
+        drop_cached(slab)
+        assert backend.get_into(keys, [[d] for d in dests]) == [True] * len(keys)
+        cached = resident_bytes(slab)
+        if direct:
+            assert cached == 0, f"{cached} bytes of a direct read are in the page cache"
+        else:
+            assert cached >= len(keys) * PAGE
+        assert [bytes(d) for d in dests] == [bytes(p) for p in pages]
+
+
+def test_unaligned_buffers_go_through_the_page_cache(file_dir: Path) -> None:
+    """The kernel refuses direct I/O on a buffer that is not sector-aligned (EINVAL, before
+    any I/O): the run is written, and read, through the page cache instead."""
+    keys = [f"u/{i}" for i in range(8)]
+    _area, pages = aligned_pages(len(keys), offset=8)
+    slab = file_dir / f"slab-{slot_bytes_for(PAGE)}.dat"
+    with open_file(file_dir) as backend:
+        assert backend.set_from(keys, [[p] for p in pages]) == [True] * len(keys)
+        assert resident_bytes(slab) >= len(keys) * PAGE
+        drop_cached(slab)
+        _dest, dests = aligned_pages(len(keys), offset=8)
+        assert backend.get_into(keys, [[d] for d in dests]) == [True] * len(keys)
+        assert resident_bytes(slab) >= len(keys) * PAGE
+        assert [bytes(d) for d in dests] == [bytes(p) for p in pages]
+
+
+@pytest.mark.parametrize("first_direct", [True, False])
+def test_a_reused_slot_reads_the_last_write_whichever_path_wrote_it(
+    file_dir: Path, first_direct: bool
+) -> None:
+    """A page written through the page cache, deleted, and its slot written directly (or the
+    other way round) reads back as the second page: no stale cached copy is served."""
+    _a, aligned = aligned_pages(2)
+    _b, unaligned = aligned_pages(2, offset=8)
+    first, second = (aligned[0], unaligned[1]) if first_direct else (unaligned[0], aligned[1])
+    slab = file_dir / f"slab-{slot_bytes_for(PAGE)}.dat"
+    with open_file(file_dir) as backend:
+        assert backend.set_from(["r/first"], [[first]]) == [True]
+        assert backend.get(["r/first"]) == [bytes(first)]  # now in the page cache, whichever path
+        assert backend.delete(["r/first"]) == 1
+        assert backend.set_from(["r/second"], [[second]]) == [True]
+        assert slab.stat().st_size == slot_bytes_for(PAGE)  # the one slot, reused
+        assert backend.get(["r/second"]) == [bytes(second)]
+        dest = bytearray(PAGE)
+        assert backend.get_into(["r/second"], [[memoryview(dest)]]) == [True]
+        assert bytes(dest) == bytes(second)
+        assert backend.get(["r/first"]) == [None]
