@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hicached.bench.timing import drop_cache
 from hicached.l3 import create_backend
 from hicached.l3.file import FileBackend, slot_bytes_for
 
@@ -42,13 +42,7 @@ def resident_bytes(file: Path) -> int:
 
 
 def drop_cached(file: Path) -> None:
-    """Write back and drop ``file`` from the page cache."""
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cache([file])
     assert resident_bytes(file) == 0
 
 
