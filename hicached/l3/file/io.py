@@ -44,7 +44,7 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # Linux moves at most 0x7ffff000 bytes per call; stay far below.
 MAX_IO_BYTES = 256 << 20
 
-# Direct writes need every buffer and length to be a whole number of sectors (512 bytes on the
+# Direct I/O needs every buffer and length to be a whole number of sectors (512 bytes on the
 # disks we know; a device with larger sectors refuses the run and it goes through the page cache).
 DIRECT_ALIGN = 512
 _scratch_local = threading.local()

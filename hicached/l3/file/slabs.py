@@ -7,6 +7,7 @@ mutable fields (``pins``, ``dead``, ``tomb``, ``freed``).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import heapq
 import logging
 import os
@@ -25,7 +26,11 @@ class Slab:
         self.slot_bytes = slot_bytes
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # A second descriptor for runs moved past the page cache (see hicached.l3.file.io), or None.
-        self.direct_fd = _open_direct(path) if direct_io else None
+        try:
+            self.direct_fd = _open_direct(path) if direct_io else None
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.free: list[int] = []  # min-heap: low slots first keeps batches adjacent
         self.high = 0  # slots at or above this index were never handed out
 
@@ -55,7 +60,8 @@ class Slab:
 
 
 def _open_direct(path: Path) -> int | None:
-    """``path`` opened for ``O_DIRECT``, or None (logged) where the filesystem refuses."""
+    """``path`` opened for ``O_DIRECT``, or None (logged) where the filesystem refuses it
+    (EINVAL, EOPNOTSUPP); any other error is raised."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         log.warning("file backend: no O_DIRECT on this platform; %s goes through the page cache", path)
@@ -63,6 +69,8 @@ def _open_direct(path: Path) -> int | None:
     try:
         return os.open(path, os.O_RDWR | os.O_CLOEXEC | flag)
     except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise  # not a refusal of O_DIRECT (out of descriptors, say): the caller's error
         log.warning(
             "file backend: %s refuses O_DIRECT (%s); its pages go through the page cache", path, exc.strerror
         )
