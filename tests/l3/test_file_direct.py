@@ -8,7 +8,11 @@ of the slab file), before anything reads them.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +133,37 @@ def test_a_reused_slot_reads_the_last_write_whichever_path_wrote_it(
         assert backend.get_into(["r/second"], [[memoryview(dest)]]) == [True]
         assert bytes(dest) == bytes(second)
         assert backend.get(["r/first"]) == [None]
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A ramfs mounted at a fresh directory: a filesystem that refuses ``O_DIRECT`` (EINVAL)."""
+    target = tmp_path / "ramfs"
+    target.mkdir()
+    if shutil.which("mount") is None:
+        pytest.fail("no mount command: install util-linux (CI runs as root with it)")
+    done = subprocess.run(
+        ["mount", "-t", "ramfs", "ramfs", str(target)], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        pytest.fail(f"cannot mount a ramfs (CI runs as root): {done.stderr.strip()}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def test_a_filesystem_that_refuses_direct_io_is_logged_and_used_through_the_page_cache(
+    ramfs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = [f"f/{i}" for i in range(8)]
+    _area, pages = aligned_pages(len(keys))
+    with caplog.at_level(logging.WARNING, logger="hicached.l3.file"), open_file(ramfs / "l3") as backend:
+        assert backend.set_from(keys, [[p] for p in pages]) == [True] * len(keys)
+        _dest, dests = aligned_pages(len(keys))
+        assert backend.get_into(keys, [[d] for d in dests]) == [True] * len(keys)
+        assert [bytes(d) for d in dests] == [bytes(p) for p in pages]
+    refusals = [r.getMessage() for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
+    assert len(refusals) == 1, refusals  # once for the one slab file, not per run
+    assert f"slab-{slot_bytes_for(PAGE)}.dat" in refusals[0]
+    assert "page cache" in refusals[0]
