@@ -10,8 +10,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 from hicached.bench.timing import drop_cache
 from hicached.l3 import create_backend
 from hicached.l3.file import FileBackend, slot_bytes_for
+from tests.support.mounts import mount, unmount
 
 PAGE = 64 << 10
 OS_PAGE = mmap.PAGESIZE
@@ -140,17 +139,13 @@ def ramfs(tmp_path: Path) -> Iterator[Path]:
     """A ramfs mounted at a fresh directory: a filesystem that refuses ``O_DIRECT`` (EINVAL)."""
     target = tmp_path / "ramfs"
     target.mkdir()
-    if shutil.which("mount") is None:
-        pytest.fail("no mount command: install util-linux (CI runs as root with it)")
-    done = subprocess.run(
-        ["mount", "-t", "ramfs", "ramfs", str(target)], capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        pytest.fail(f"cannot mount a ramfs (CI runs as root): {done.stderr.strip()}")
+    why = mount(target, "-t", "ramfs", "ramfs")
+    if why is not None:
+        pytest.fail(f"cannot mount a ramfs (CI runs as root): {why}")
     try:
         yield target
     finally:
-        subprocess.run(["umount", "-l", str(target)], check=False)
+        unmount(target)
 
 
 def test_a_filesystem_that_refuses_direct_io_is_logged_and_used_through_the_page_cache(

@@ -10,7 +10,6 @@ of tmpfs is refused), a real daemon subprocess for the key-length refusal.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from hicached_client.errors import HiCacheError
 from hicached.l3.file import HEADER_BYTES, MAX_KEY_BYTES, FileBackend, FileBackendConfig, slot_bytes_for
 from tests.support.daemon import start_daemon
 from tests.support.kv import POOLS, WorkerPools, transfers, unique_tag
+from tests.support.mounts import mount, unmount
 
 PAGE = 64 << 10
 KEY_OFFSET = 44  # magic..checksum (36 bytes) and the header's own checksum (8) precede the key
@@ -31,32 +31,24 @@ assert KEY_OFFSET < HEADER_BYTES
 DISK = "2m"
 
 
-def _mount(target: Path, *args: str) -> str | None:
-    """Mount; None on success, else the reason it was refused."""
-    done = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True, check=False)
-    return None if done.returncode == 0 else (done.stderr.strip() or f"mount exited {done.returncode}")
-
-
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB filesystem mounted at a fresh directory (unmounted afterwards)."""
     target = tmp_path / "disk"
     target.mkdir()
-    if shutil.which("mount") is None:
-        pytest.fail("no mount command: install util-linux (CI runs as root with it)")
-    why = _mount(target, "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs")
+    why = mount(target, "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs")
     if why is not None:
         image = tmp_path / "disk.img"
         with image.open("wb") as f:
             f.truncate(4 << 20)
         mkfs = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, check=False)
-        loop_why = _mount(target, "-o", "loop", str(image)) if mkfs.returncode == 0 else "mkfs.ext4 failed"
+        loop_why = mount(target, "-o", "loop", str(image)) if mkfs.returncode == 0 else "mkfs.ext4 failed"
         if loop_why is not None:
             pytest.fail(f"cannot mount a small filesystem (tmpfs: {why}; loop file: {loop_why})")
     try:
         yield target
     finally:
-        subprocess.run(["umount", "-l", str(target)], check=False)
+        unmount(target)
 
 
 def page(i: int) -> bytes:
