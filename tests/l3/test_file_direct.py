@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from hicached.bench.timing import drop_cache
 from hicached.l3 import create_backend
 from hicached.l3.file import FileBackend, slot_bytes_for
-from tests.support.mounts import mount, unmount
+from tests.support.mounts import attach_loop, detach_loop, mount, unmount
 
 PAGE = 64 << 10
 OS_PAGE = mmap.PAGESIZE
@@ -162,3 +163,55 @@ def test_a_filesystem_that_refuses_direct_io_is_logged_and_used_through_the_page
     assert len(refusals) == 1, refusals  # once for the one slab file, not per run
     assert f"slab-{slot_bytes_for(PAGE)}.dat" in refusals[0]
     assert "page cache" in refusals[0]
+
+
+@pytest.fixture
+def disk_4kn(tmp_path: Path) -> Iterator[Path]:
+    """An ext4 filesystem on a loop device with 4 KiB logical sectors (a "4Kn" disk), mounted at
+    a fresh directory: it refuses direct I/O whose offset or length is not a whole 4 KiB."""
+    image, target = tmp_path / "disk.img", tmp_path / "4kn"
+    with image.open("wb") as f:
+        f.truncate(64 << 20)
+    target.mkdir()
+    device = attach_loop(image, sector_bytes=4096)
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-b", "4096", device], check=True)
+        why = mount(target, device)
+        if why is not None:
+            pytest.fail(f"cannot mount the loop device (CI runs as root): {why}")
+        try:
+            yield target
+        finally:
+            unmount(target)
+    finally:
+        detach_loop(device)
+
+
+def test_a_disk_with_4k_sectors_is_learned_once_and_every_page_reads_back(
+    disk_4kn: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a 4 KiB-sector disk a run of 8 slots from slot 0 is whole sectors and goes direct; the
+    first run that is not is refused, logged once, and from then on such runs go through the
+    page cache without asking the disk again. Every page reads back, also after a restart."""
+    slot = slot_bytes_for(PAGE)
+    assert (8 * slot) % 4096 == 0 and slot % 4096 != 0  # the layout this test relies on
+    _area, pages = aligned_pages(12)
+    keys = [f"k/{i}" for i in range(12)]
+    slab = disk_4kn / "l3" / f"slab-{slot}.dat"
+    with caplog.at_level(logging.WARNING, logger="hicached.l3.file"), open_file(disk_4kn / "l3") as backend:
+        assert backend.set_from(keys[:8], [[p] for p in pages[:8]]) == [True] * 8  # slots 0-7
+        assert resident_bytes(slab) == 0  # whole 4 KiB sectors: written directly
+        for key, page in zip(keys[8:], pages[8:], strict=True):  # slots 8-11, one run each
+            assert backend.set_from([key], [[page]]) == [True]
+        assert resident_bytes(slab) >= 4 * PAGE
+        drop_cached(slab)
+        _dest, dests = aligned_pages(12)
+        assert backend.get_into(keys[:8], [[d] for d in dests[:8]]) == [True] * 8
+        assert resident_bytes(slab) == 0  # read directly
+        assert backend.get_into(keys[8:], [[d] for d in dests[8:]]) == [True] * 4
+        assert [bytes(d) for d in dests] == [bytes(p) for p in pages]
+    refusals = [r.getMessage() for r in caplog.records if "refused direct I/O" in r.getMessage()]
+    assert len(refusals) == 1, refusals
+    assert "aligned to 512 bytes" in refusals[0] and "not aligned to 4096 bytes" in refusals[0]
+    with open_file(disk_4kn / "l3") as backend:
+        assert backend.get(keys) == [bytes(p) for p in pages]

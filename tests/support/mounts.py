@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["mount", "unmount"]
+__all__ = ["attach_loop", "detach_loop", "mount", "unmount"]
 
 
 def mount(target: Path, *args: str) -> str | None:
@@ -23,3 +23,21 @@ def mount(target: Path, *args: str) -> str | None:
 def unmount(target: Path) -> None:
     """Lazily unmount ``target`` (a test's file left open must not keep it mounted)."""
     subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def attach_loop(image: Path, *, sector_bytes: int) -> str:
+    """A loop device over ``image`` with ``sector_bytes`` logical sectors (``losetup``); fails
+    the test where loop devices cannot be made (CI runs as root with util-linux)."""
+    done = subprocess.run(
+        ["losetup", "--find", "--show", "--sector-size", str(sector_bytes), str(image)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"cannot attach a loop device (CI runs as root): {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def detach_loop(device: str) -> None:
+    subprocess.run(["losetup", "--detach", device], check=False)

@@ -10,9 +10,11 @@ chunk of a run is a whole number of sectors, the run is written or read past the
 page cache (headers in an aligned per-thread scratch buffer): the daemon's L2 is
 already the copy in memory, and on our VMs page-cache memory the kernel has not
 used lately is slow to take (measured in docs/performance.md). The kernel checks
-the buffers' alignment before any I/O; a run it refuses (EINVAL: a caller's
-unaligned buffer, a device with larger sectors) goes through the page cache.
-Single pages read as bytes (``get``) always do.
+the buffers' alignment before any I/O; a run it refuses (EINVAL) goes through the
+page cache. Where its buffers were aligned, the disk's sectors are larger than
+512 bytes: the slab then sends only runs whose offset and length are whole
+4 KiB sectors (:meth:`Slab.direct_refused`). Single pages read as bytes
+(``get``) always go through the page cache.
 
 Thread-safety: the functions here touch only the buffers and entries they are
 given (entries pinned or not yet indexed, so no other thread frees their slots);
@@ -31,9 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+
 from hicached.errors import InvalidArgument
 from hicached.l3.file.layout import HEADER_BYTES, SLOT_ALIGN, ZEROS, header_matches, pack_header
-from hicached.l3.file.slabs import Entry, Slab
+from hicached.l3.file.slabs import SECTOR_BYTES, Entry, Slab
 from hicached.l3.framing import payload_checksum
 
 __all__ = ["IoPool", "as_bytes_view", "read_run", "runs", "write_run"]
@@ -44,9 +48,6 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # Linux moves at most 0x7ffff000 bytes per call; stay far below.
 MAX_IO_BYTES = 256 << 20
 
-# Direct I/O needs every buffer and length to be a whole number of sectors (512 bytes on the
-# disks we know; a device with larger sectors refuses the run and it goes through the page cache).
-DIRECT_ALIGN = 512
 _scratch_local = threading.local()
 
 T = TypeVar("T")
@@ -150,7 +151,7 @@ def read_run(run: Run, views: Sequence[Sequence[memoryview]], ok: list[bool], ro
         gap = slab.slot_bytes - HEADER_BYTES - entry.length
         if n + 1 < len(run) and gap:
             iov.append(memoryview(sink)[:gap])
-    want = slab.slot_bytes * (len(run) - 1) + HEADER_BYTES + run[-1][1].length
+    want = _run_bytes(run)
     try:
         got = _vectored_run(os.preadv, slab, iov, slab.offset(run[0][1].slot), direct)
     except OSError as exc:
@@ -180,19 +181,38 @@ def _scratch(nbytes: int) -> memoryview:
     return memoryview(buf)[:nbytes]
 
 
-def _direct_ok(run: Run, bufs: Sequence[Sequence[memoryview]]) -> bool:
-    """Whether the run may use the slab's ``O_DIRECT`` descriptor: every payload and chunk a
-    whole number of sectors (so no padding between slots either). Addresses the kernel checks."""
-    return run[0][1].slab.direct_fd is not None and all(
-        entry.length % DIRECT_ALIGN == 0 and all(c.nbytes % DIRECT_ALIGN == 0 for c in bufs[i])
+def _run_bytes(run: Run) -> int:
+    """The bytes of the file one run spans (up to its last page's payload)."""
+    return run[0][1].slab.slot_bytes * (len(run) - 1) + HEADER_BYTES + run[-1][1].length
+
+
+def _direct_ok(run: Run, bufs: Sequence[Sequence[memoryview]]) -> int:
+    """The sector alignment the run is sent with on the slab's ``O_DIRECT`` descriptor, or 0
+    (through the page cache): every payload and chunk a whole number of 512-byte sectors (so no
+    padding between slots either), the run's offset and length of the slab's ``direct_align``.
+    Addresses the kernel checks."""
+    slab = run[0][1].slab
+    align = slab.direct_align
+    if slab.direct_fd is None or not align:
+        return 0
+    if slab.offset(run[0][1].slot) % align or _run_bytes(run) % align:
+        return 0
+    ok = all(
+        entry.length % SECTOR_BYTES == 0 and all(c.nbytes % SECTOR_BYTES == 0 for c in bufs[i])
         for i, entry in run
     )
+    return align if ok else 0
+
+
+def _addresses_aligned(iov: list[Any]) -> bool:
+    return all(np.frombuffer(buf, dtype=np.uint8).ctypes.data % SECTOR_BYTES == 0 for buf in iov)
 
 
 def _vectored_run(
-    op: Callable[[int, list[Any], int], int], slab: Slab, iov: list[Any], offset: int, direct: bool
+    op: Callable[[int, list[Any], int], int], slab: Slab, iov: list[Any], offset: int, direct: int
 ) -> int:
-    """``preadv``/``pwritev`` of one run, on the slab's ``O_DIRECT`` descriptor when ``direct``."""
+    """``preadv``/``pwritev`` of one run, on the slab's ``O_DIRECT`` descriptor when ``direct``
+    (the alignment :func:`_direct_ok` checked)."""
     if direct:
         assert slab.direct_fd is not None
         try:
@@ -200,7 +220,10 @@ def _vectored_run(
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            # Refused before any I/O (an unaligned buffer or a device with larger sectors).
+            # Refused before any I/O: a caller's unaligned buffer (expected: the documented
+            # fallback), or, where every buffer was aligned, a disk with larger sectors.
+            if _addresses_aligned(iov):
+                slab.direct_refused(direct)
     return _vectored(op, slab.fd, iov, offset)
 
 

@@ -1,7 +1,8 @@
 """Slab files of equal-size slots, their free-slot allocators, and the index entries.
 
 Not thread-safe: the backend's lock guards every allocator and every entry's
-mutable fields (``pins``, ``dead``, ``tomb``, ``freed``).
+mutable fields (``pins``, ``dead``, ``tomb``, ``freed``); a slab's ``direct_align``
+is the one field I/O threads write (see :meth:`Slab.direct_refused`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ import logging
 import os
 from pathlib import Path
 
-__all__ = ["Entry", "Slab"]
+__all__ = ["LARGE_SECTOR_BYTES", "SECTOR_BYTES", "Entry", "Slab"]
 
 log = logging.getLogger(__name__)
+
+# Direct I/O needs buffers, lengths and offsets in whole sectors: 512 bytes on most disks, 4 KiB
+# on "4Kn" disks (which refuse a 512-aligned run: EINVAL, and the slab learns the larger size).
+SECTOR_BYTES = 512
+LARGE_SECTOR_BYTES = 4096
 
 
 class Slab:
@@ -31,6 +37,9 @@ class Slab:
         except BaseException:
             os.close(self.fd)
             raise
+        # The alignment of a run's file offset and length that the disk takes directly (0: none).
+        # Learned from refusals (no portable way to ask a filesystem for its sector size).
+        self.direct_align = SECTOR_BYTES
         self.free: list[int] = []  # min-heap: low slots first keeps batches adjacent
         self.high = 0  # slots at or above this index were never handed out
 
@@ -38,6 +47,29 @@ class Slab:
         os.close(self.fd)
         if self.direct_fd is not None:
             os.close(self.direct_fd)
+
+    def direct_refused(self, align: int) -> None:
+        """The disk refused a direct run aligned to ``align`` bytes, its buffers aligned too: its
+        sectors are larger. Runs then need :data:`LARGE_SECTOR_BYTES` alignment, and after a
+        refusal of that the slab stops using direct I/O; each step is logged once.
+
+        Called from I/O threads without the backend lock: the attribute is one int, and threads
+        that race report the same ``align``, so the step is taken once.
+        """
+        if align != self.direct_align:
+            return  # another run learned it already
+        self.direct_align = LARGE_SECTOR_BYTES if align < LARGE_SECTOR_BYTES else 0
+        then = (
+            f"runs not aligned to {self.direct_align} bytes go through the page cache"
+            if self.direct_align
+            else "its pages go through the page cache"
+        )
+        log.warning(
+            "file backend: the disk under %s refused direct I/O aligned to %d bytes (larger sectors); %s",
+            self.path,
+            align,
+            then,
+        )
 
     def alloc(self) -> int:
         if self.free:
