@@ -91,7 +91,8 @@ class LaneServer:
         self._accept_pauses = 0
         self._last_pause_log = -LOG_EVERY_S
         self._lock = threading.Lock()
-        self._threads: dict[Lane, threading.Thread] = {}
+        self._threads: dict[Lane, threading.Thread] = {}  # joined at close()
+        self._open = 0  # lanes counted against max_lanes: started and not yet released
         self._per_session: Counter[str] = Counter()
         self._per_uid: Counter[int] = Counter()
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -184,7 +185,7 @@ class LaneServer:
 
     def _start_lane(self, conn: socket.socket) -> None:
         with self._lock:
-            if len(self._threads) >= self._max_lanes:
+            if self._open >= self._max_lanes:
                 lane = None
             else:
                 lane = Lane(
@@ -198,6 +199,7 @@ class LaneServer:
                 )
                 thread = threading.Thread(target=self._run, args=(lane,), name="hicached-lane", daemon=True)
                 self._threads[lane] = thread
+                self._open += 1
         if lane is None:
             _refuse(
                 conn,
@@ -212,6 +214,7 @@ class LaneServer:
             # joining the never-started thread).
             with self._lock:
                 self._threads.pop(lane, None)
+                self._open -= 1  # its run() never started, so never releases
             logger.warning("fast lane refused: cannot start its thread: %s", exc, extra={"event": "lane"})
             _refuse(conn, f"the daemon cannot start a thread for this lane ({exc}); use gRPC or retry later")
 
@@ -240,8 +243,13 @@ class LaneServer:
             self._per_session[session_id] += 1
             self._per_uid[uid] += 1
 
-    def _release(self, lane: Lane) -> None:
+    def _release(self, lane: Lane, admitted: bool) -> None:
+        """``lane`` is ending: its slot of ``max_lanes``, and its session's and uid's slots where
+        ``admitted`` (called once per started lane, from its thread)."""
         with self._lock:
+            self._open -= 1
+            if not admitted:
+                return
             self._per_session[lane.session_id] -= 1
             self._per_uid[lane.uid] -= 1
             # Drop zero counts: the counters hold only live sessions and uids.

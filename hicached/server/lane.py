@@ -111,7 +111,7 @@ class Lane:
         *,
         stop_fd: int,
         admit: Callable[[Lane, str, int], None],
-        release: Callable[[Lane], None],
+        release: Callable[[Lane, bool], None],
         observe: RpcObserver,
     ) -> None:
         self._core = core
@@ -171,10 +171,11 @@ class Lane:
         for fd in efds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if self._admitted:  # counted against the limits: every exit path gives the slot back
-            self._admitted = False
-            self._release(self)
-        # Last: the client's close() waits for this EOF, so once it returns, everything is freed.
+        # Every exit path gives the lane's slots back (the per-session and per-uid ones where
+        # admit() counted it), before the EOF below: the client's close() waits for that EOF, so
+        # once it returns a new lane counts against every limit without this one.
+        admitted, self._admitted = self._admitted, False
+        self._release(self, admitted)
         self._conn.close()
 
     # ------------------------------------------------------------ negotiation

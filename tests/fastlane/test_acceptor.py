@@ -5,6 +5,9 @@ acceptor goes on; out of descriptors, it pauses instead of spinning and logs onc
 a real daemon whose limits are lowered (descriptors from outside with prlimit). The thread limit needs a
 uid other than root (root is exempt from RLIMIT_NPROC): the daemon runs as ``nobody``, so
 these tests run as root, as CI does.
+
+At the limit of lanes in all (``server.fast_lane_max``), a closed lane's slot is free when
+close() returns, and a refusal at accept reaches a client whose send met a broken pipe.
 """
 
 from __future__ import annotations
@@ -12,14 +15,21 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import select
 import shutil
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from hicached_client import HiCacheClient, HiCacheError, Session, WorkerIdentity
+from hicached_client.fastlane import FastLane
 
+from tests.support.daemon import start_daemon
 from tests.support.faults import log_lines, serve_patched, socket_files
+from tests.support.kv import WorkerPools, unique_tag
 from tests.support.state import poll
 
 NOBODY = 65534
@@ -126,3 +136,54 @@ def test_out_of_descriptors_pauses_the_acceptor_and_logs_once() -> None:
 def _cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.fixture(scope="module")
+def one_lane() -> Iterator[Session]:
+    """A session of a real daemon that allows one fast lane in all (``server.fast_lane_max=1``)."""
+    d = start_daemon("--set", "server.fast_lane_max=1")
+    pools = WorkerPools.create(unique_tag("fl-one"))
+    try:
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            session = client.attach(WorkerIdentity("w-one", 1, "m-one"), pools.specs())
+            yield session
+            session.close()
+    finally:
+        pools.kv.close()
+        pools.draft.close()
+        d.stop()
+
+
+def test_a_closed_lane_frees_its_slot_before_close_returns(one_lane: Session) -> None:
+    """Fails before the fix: the daemon counted a lane against ``server.fast_lane_max`` until its
+    thread had exited, after the client's close() returned, so closing and opening again at the
+    limit was refused now and then."""
+    for _ in range(50):
+        FastLane.open(one_lane).close()
+
+
+class _SendsAfterTheDaemonHangsUp(socket.socket):
+    """A client socket whose ``connect`` returns only once the daemon has answered and closed
+    its end: the negotiation line that follows then meets a broken pipe, every time."""
+
+    def connect(self, address: object) -> None:  # type: ignore[override]
+        super().connect(address)  # type: ignore[arg-type]
+        hangup = select.poll()
+        hangup.register(self.fileno(), select.POLLHUP)
+        assert hangup.poll(10_000), "the daemon did not close a refused lane connection"
+
+
+def test_a_refusal_at_accept_reaches_the_client_after_a_broken_pipe(
+    one_lane: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon refuses a lane over ``server.fast_lane_max`` at accept and closes before the
+    client sends: the client still reports the daemon's answer (RESOURCE_EXHAUSTED, naming the
+    key), not a failed negotiation. Fails when the client lets the broken pipe end the call."""
+    with contextlib.closing(FastLane.open(one_lane)):  # the one lane allowed
+        monkeypatch.setattr(socket, "socket", _SendsAfterTheDaemonHangsUp)
+        with pytest.raises(HiCacheError) as err:
+            FastLane.open(one_lane)
+        monkeypatch.undo()
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+    assert "server.fast_lane_max" in err.value.message
+    FastLane.open(one_lane).close()  # the refused connection took no slot
