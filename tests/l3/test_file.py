@@ -16,6 +16,7 @@ import pytest
 from hicached.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hicached.l3 import create_backend
 from hicached.l3.file import HEADER_BYTES, MAX_KEY_BYTES, FileBackend, slot_bytes_for
+from hicached.l3.file.layout import pack_header, parse_header
 
 SLOT = slot_bytes_for(4096)
 
@@ -79,6 +80,26 @@ def test_corrupt_header_is_dropped_at_start(file_dir: Path) -> None:
     with open_file(file_dir) as backend:
         assert backend.exists(["h/a"]) == 0
         assert backend.get(["h/b"]) == [page("h/b")]
+
+
+def test_a_header_with_the_last_sequence_number_is_dropped_and_writes_go_on(file_dir: Path) -> None:
+    """A header that verifies but carries a sequence number the next write cannot follow (another
+    program's, or a damaged store's). Before, it was indexed and every later write of the backend
+    raised struct.error packing its header, for good."""
+    with open_file(file_dir) as backend:
+        assert backend.set(["q/a", "q/b"], [page("q/a"), page("q/b")]) == [True, True]
+    with slab_path(file_dir).open("r+b") as f:
+        parsed = parse_header(f.read(HEADER_BYTES))
+        assert parsed is not None and parsed[0] == "q/a"
+        f.seek(0)
+        f.write(pack_header(b"q/a", (1 << 64) - 1, parsed[2], parsed[3]))
+    with open_file(file_dir) as backend:
+        assert backend.exists(["q/a"]) == 0
+        assert backend.stats().corrupt_pages == 1
+        assert backend.get(["q/b"]) == [page("q/b")]
+        assert backend.set(["q/c", "q/a"], [page("q/c"), page("q/a")]) == [True, True]
+    with open_file(file_dir) as backend:
+        assert backend.get(["q/a", "q/b", "q/c"]) == [page("q/a"), page("q/b"), page("q/c")]
 
 
 def test_torn_write_is_never_served(file_dir: Path) -> None:

@@ -34,6 +34,7 @@ from hicached.l3.framing import payload_checksum
 __all__ = [
     "HEADER_BYTES",
     "MAX_KEY_BYTES",
+    "MAX_SEQ",
     "SLAB_NAME",
     "SLOT_ALIGN",
     "TOMBSTONE",
@@ -53,6 +54,11 @@ _FIXED = struct.Struct("<4sHHIQQQ")
 _HCHECK = struct.Struct("<Q")
 _KEY_OFFSET = _FIXED.size + _HCHECK.size
 MAX_KEY_BYTES = HEADER_BYTES - _KEY_OFFSET
+# The highest sequence number a header may carry. Numbers grow by one per page written, from the
+# highest found at start, so a store never comes near it; a header above it (damaged, or written
+# by another program) would leave the next numbers no room in the 64-bit field, and every later
+# write would fail to pack its header.
+MAX_SEQ = (1 << 63) - 1
 SLAB_NAME = re.compile(r"^slab-(\d+)\.dat$")
 # Zero padding between a page's payload and the next slot, and what clears a slot header.
 ZEROS = memoryview(bytes(SLOT_ALIGN))
@@ -73,12 +79,13 @@ def pack_header(key_bytes: bytes, seq: int, length: int, checksum: int) -> bytes
 
 
 def parse_header(buf: bytes | bytearray | memoryview) -> tuple[str, int, int, int] | None:
-    """(key, seq, payload_len, payload_checksum) of a valid header, else None."""
+    """(key, seq, payload_len, payload_checksum) of a valid header, else None (a sequence
+    number above :data:`MAX_SEQ` is not valid)."""
     view = memoryview(buf)
     if view.nbytes < HEADER_BYTES:
         return None
     magic, version, key_len, _flags, seq, length, checksum = _FIXED.unpack_from(view)
-    if magic != MAGIC or version != VERSION or key_len > MAX_KEY_BYTES:
+    if magic != MAGIC or version != VERSION or key_len > MAX_KEY_BYTES or seq > MAX_SEQ:
         return None
     key_bytes = bytes(view[_KEY_OFFSET : _KEY_OFFSET + key_len])
     (hcheck,) = _HCHECK.unpack_from(view, _FIXED.size)
