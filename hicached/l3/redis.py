@@ -271,7 +271,9 @@ class RedisBackend(StorageBackend):
 
     def _ours(self) -> tuple[int, int]:
         """Pages and payload bytes under ``key_prefix``: SCAN, and STRLEN of each batch in
-        one pipeline. The database may hold other daemons' pages (other prefixes)."""
+        one pipeline. The database may hold other daemons' pages (other prefixes), and a value
+        under ours that is not a string (another program's) is not a page: STRLEN refuses it,
+        and that refusal must not fail every stats refresh."""
         pattern = _GLOB_SPECIAL.sub(r"\\\1", self._full("")) + "*"
         pages = payload = 0
         cursor = 0
@@ -281,9 +283,9 @@ class RedisBackend(StorageBackend):
                 pipe = self._client.pipeline(transaction=False)
                 for name in names:
                     pipe.strlen(name)
-                sizes = self._call(pipe.execute)
-                pages += len(names)
-                payload += sum(max(0, int(n) - FRAME_HEADER.size) for n in sizes)
+                sizes = [n for n in self._call(pipe.execute, raise_on_error=False) if isinstance(n, int)]
+                pages += len(sizes)
+                payload += sum(max(0, n - FRAME_HEADER.size) for n in sizes)
             if not cursor:
                 return pages, payload
 

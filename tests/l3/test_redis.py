@@ -137,3 +137,20 @@ def test_stats_count_this_prefix_only(redis_srv: RedisServer) -> None:
         for backend in backends:
             backend.clear("")
             backend.close()
+
+
+def test_stats_skip_a_value_of_another_type_under_the_prefix(
+    redis_srv: RedisServer, raw: redis.Redis
+) -> None:
+    """Another program's hash under this daemon's prefix. Before, STRLEN's refusal of it failed
+    every stats refresh (Unavailable) for as long as it stayed: no page counts for any page."""
+    prefix = f"st-{id(raw)}/"
+    backend = create_backend("redis", {"host": redis_srv.host, "port": redis_srv.port, "key_prefix": prefix})
+    try:
+        assert backend.set(["k1", "k2"], [b"x" * 1000, b"y" * 2000]) == [True, True]
+        raw.hset(prefix + "foreign", "field", "value")
+        stats = backend.stats()
+        assert (stats.pages, stats.bytes) == (2, 3000)
+    finally:
+        backend.clear("")
+        backend.close()
