@@ -4,7 +4,9 @@ Each page is one string value holding a frame (``hicached.l3.framing``:
 header with length, key hash and XXH3 checksum, then the payload), stored
 with ``SET NX`` so a present key is never rewritten. Batches go out as
 pipelines of at most ``batch_pages`` commands (one round trip each); reads
-use ``MGET``. A frame that fails verification is a miss and is counted.
+use ``MGET``. A frame that fails verification is a miss and is counted, and so
+is a key holding another type of value (another program's), found by one more
+request for a batch with misses; both are removed so the page can be stored again.
 
 Buffers: redis-py needs one contiguous value per page, so ``set_from`` makes
 one copy (header + chunks) and ``get_into`` copies each verified payload into
@@ -52,6 +54,21 @@ _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 _DELETE_IF_SAME = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 )
+# Delete each of KEYS that holds a value other than a string (another program's hash, list, ...);
+# per key 1 if deleted. MGET answers nil for such a key, as for a missing one, while EXISTS finds
+# it and SET NX keeps failing on it (answered as "already present").
+_DELETE_IF_NOT_STRING = """
+local dropped = {}
+for i, key in ipairs(KEYS) do
+  local kind = redis.call('TYPE', key)['ok']
+  dropped[i] = 0
+  if kind ~= 'string' and kind ~= 'none' then
+    redis.call('DEL', key)
+    dropped[i] = 1
+  end
+end
+return dropped
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,13 +201,33 @@ class RedisBackend(StorageBackend):
             out.extend(bool(found) for found in self._call(pipe.execute))
         return out
 
+    def _drop_wrong_types(self, keys: Sequence[str]) -> int:
+        """Remove the values of ``keys`` (MGET found none) that are not strings; how many. One
+        request, only for batches with a miss. A failure is logged: still misses, tried again
+        at the next read."""
+        try:
+            dropped = self._call(
+                self._client.eval, _DELETE_IF_NOT_STRING, len(keys), *[self._full(k) for k in keys]
+            )
+        except Unavailable as exc:
+            log.warning("redis backend: could not check %d missing pages' types: %s", len(keys), exc)
+            return 0
+        for key, flag in zip(keys, dropped, strict=True):
+            if flag:
+                log.warning("redis backend: page %r held a value that is not a string; removed it", key)
+        return sum(int(flag) for flag in dropped)
+
     def _fetch(self, keys: Sequence[str]) -> list[memoryview | None]:
-        """The verified payloads (None: a miss). A value that fails verification is removed, if it
-        still holds those bytes: a later set (NX) of the key could not replace it otherwise."""
+        """The verified payloads (None: a miss). A value that fails verification, or is not a
+        string, is removed (the former only if it still holds those bytes): a later set (NX) of
+        the key could not replace it otherwise."""
         out: list[memoryview | None] = []
         corrupt = 0
         for batch in self._batches(len(keys)):
             blobs = self._call(self._client.mget, [self._full(keys[i]) for i in batch])
+            missing = [keys[i] for i, blob in zip(batch, blobs, strict=True) if blob is None]
+            if missing:
+                corrupt += self._drop_wrong_types(missing)
             for i, blob in zip(batch, blobs, strict=True):
                 payload = None if blob is None else unframe(keys[i], blob)
                 if blob is not None and payload is None:

@@ -38,6 +38,26 @@ def test_values_are_verified_frames(redis_backend: StorageBackend, raw: redis.Re
     assert redis_backend.get_into(["v/a"], [[memoryview(dest)]]) == [True] and dest == b"a" * 1000
 
 
+def test_a_value_of_another_type_is_a_counted_miss_removed_so_the_page_can_be_stored(
+    redis_backend: StorageBackend, raw: redis.Redis
+) -> None:
+    """Another program's hash, list or set under a page's name. Before, it stayed for good: EXISTS
+    found the page, every get missed (MGET answers nil for it) and every set "succeeded" on it."""
+    assert redis_backend.set(["t/ok"], [b"o" * 1000]) == [True]
+    raw.hset("t/a", "field", "value")
+    raw.rpush("t/b", "item")
+    before = redis_backend.stats()
+    dest = bytearray(1000)
+    assert redis_backend.get_into(["t/a"], [[memoryview(dest)]]) == [False]
+    assert redis_backend.get(["t/ok", "t/b", "t/none"]) == [b"o" * 1000, None, None]
+    after = redis_backend.stats()
+    assert (after.corrupt_pages - before.corrupt_pages, after.misses - before.misses) == (2, 3)
+    assert raw.exists("t/a", "t/b") == 0
+    assert redis_backend.set(["t/a", "t/b"], [b"a" * 1000, b"b" * 1000]) == [True, True]
+    assert redis_backend.get_into(["t/a"], [[memoryview(dest)]]) == [True] and dest == b"a" * 1000
+    assert redis_backend.get(["t/b"]) == [b"b" * 1000]
+
+
 def test_a_destination_of_another_size_is_a_counted_miss(redis_backend: StorageBackend) -> None:
     assert redis_backend.set(["s/a"], [b"a" * 1000]) == [True]
     before = redis_backend.stats()
