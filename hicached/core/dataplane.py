@@ -25,7 +25,7 @@ from hicached.core.groups import GroupRegistry
 from hicached.core.observer import CoreObserver
 from hicached.core.sessions import Session, SessionTable
 from hicached.core.types import Ack, TransferResult
-from hicached.errors import InvalidArgument
+from hicached.errors import InvalidArgument, PermissionDenied
 from hicached.l2.allocator import as_page_array
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine, Priority
@@ -139,17 +139,38 @@ class DataPlane:
                 session.ledger.add(t.name, t.host_indices)
         return TransferResult(ok=True, transfers=tuple(result.transfers))
 
+    @staticmethod
+    def disown(session: Session, pages: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Take ``pages`` (pool, pages) out of the session's ledger before they are freed or
+        published: PermissionDenied, nothing changed, unless the session owns every one.
+
+        Before, not after: once given away a page may come back to this session through a
+        concurrent Alloc, whose ownership a later forget would erase (a leak), and a second
+        call that checked the same pages must not free them again (another session's by then).
+        """
+        missing = session.ledger.take(pages)
+        if missing is not None:
+            pool, page = missing
+            raise PermissionDenied(
+                f"host page {page} of pool {pool!r} is not owned by session {session.session_id} "
+                "(or no longer: another call of this session freed or published it)"
+            )
+
     def release_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> int:
         """Free the session's allocated pages of ``transfers`` (derived ones skipped by role).
 
-        Atomic: ``state.release_transfers`` validates the whole batch before
-        freeing; the ledger forgets the pages only once they are freed.
+        Atomic: the ledger gives the pages up first (:meth:`disown`), then
+        ``state.release_transfers`` validates the whole batch before freeing;
+        when it refuses, nothing was freed and the ledger owns the pages again.
         """
         owned = state.allocated_transfers(transfers)
-        freed = state.release_transfers(owned)
-        for t in owned:
-            session.ledger.remove(t.name, t.host_indices)  # type: ignore[arg-type]
-        return freed
+        pages = [(t.name, np.asarray(t.host_indices, dtype=np.int64)) for t in owned]
+        self.disown(session, pages)
+        try:
+            return state.release_transfers(owned)
+        except BaseException:
+            session.ledger.give(pages)
+            raise
 
     # ---------------------------------------------------------------- host pages
 
@@ -184,9 +205,12 @@ class DataPlane:
         def run() -> int:
             check_indices(pool, "host", arr, state.pool(pool).num_pages)
             check_owned(session, state, [PoolTransfer(pool, arr, arr)])
-            freed = state.free(pool, arr)
-            session.ledger.remove(pool, arr)
-            return freed
+            self.disown(session, [(pool, arr)])
+            try:
+                return state.free(pool, arr)
+            except BaseException:
+                session.ledger.give([(pool, arr)])  # validated first: nothing was freed
+                raise
 
         return session.run("Free", op_id, (pool, arr), run)
 

@@ -131,15 +131,15 @@ class KeyedCache:
         pages = self._columns(state, keys, transfers, side="host")
 
         def run() -> tuple[int, int]:
-            for name, arr in pages.items():  # inside: a replay must not re-check
-                owned = session.ledger.owns(name, arr)
-                if not owned.all():
-                    raise PermissionDenied(
-                        f"host page {int(arr[~owned][0])} of pool {name!r} is not owned by session {session_id}"
-                    )
-            mask = index.publish(keys, pages, tenant=tenant)
-            for name, arr in pages.items():
-                session.ledger.remove(name, arr[mask])
+            # Inside: a replay must not re-check. Disowned before the index takes them: once
+            # published they may be evicted and allocated to this session again meanwhile.
+            self.core.data.disown(session, pages.items())
+            try:
+                mask = index.publish(keys, pages, tenant=tenant)
+            except BaseException:
+                session.ledger.give(pages.items())  # the index took nothing
+                raise
+            session.ledger.give((name, arr[~mask]) for name, arr in pages.items())
             return int(mask.sum()), int((~mask).sum())
 
         return session.run("Publish", op_id, (list(keys), pages, tenant), run)
@@ -193,19 +193,24 @@ class KeyedCache:
                 acks = data.copy_pages(
                     session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND
                 )
-                pages = {t.name: t.host_indices for t in resolved.transfers if t.host_allocated}
-                mask = index.publish(new_keys, pages, tenant=tenant)  # type: ignore[arg-type]
             except BaseException:
                 data.release_owned(session, state, resolved.transfers)
                 raise
-            for name, arr in pages.items():
-                session.ledger.remove(name, arr[mask])  # type: ignore[index]
+            pages = {t.name: t.host_indices for t in resolved.transfers if t.host_allocated}
+            # Disowned before the index takes them (see DataPlane.disown); this call holds
+            # them meanwhile and frees what the index does not take.
+            data.disown(session, pages.items())  # type: ignore[arg-type]
+            try:
+                mask = index.publish(new_keys, pages, tenant=tenant)  # type: ignore[arg-type]
+            except BaseException:
+                state.release_transfers(resolved.transfers)
+                raise
             leftovers = [
                 PoolTransfer(t.name, host_indices=t.host_indices[~mask], host_allocated=True)  # type: ignore[index]
                 for t in resolved.transfers
                 if t.host_allocated
             ]
-            data.release_owned(session, state, leftovers)
+            state.release_transfers(leftovers)
             stored = int(mask.sum())
             return PutResult(ok=True, stored_pages=stored, existing_pages=len(keys) - stored, acks=acks)
 
