@@ -105,7 +105,9 @@ class DataPlane:
             if t.host_indices is None or t.device_indices is None or len(t.device_indices) == 0:
                 continue
             items.append((session.views[t.name], state.pool(t.name), t.device_indices, t.host_indices))
-            busy.append((t.name, t.host_indices))
+            # Marked under the pool that owns the pages: a derived pool's page is its source's,
+            # and a Free (of the source's pages) must wait for this copy too.
+            busy.append((state.group.get_entry(t.name).indices_from_pool or t.name, t.host_indices))
         plan = build_plan(direction, items, cache=session.plan_layers)
         state.acquire(busy)
         try:
