@@ -396,16 +396,19 @@ class ContentIndex:
         if dropped:
             self._obs.evicted("l2", "clear", dropped)
         deleted = 0
-        if self.backend is not None:
-            if l3_keys is None:
-                deleted = self.backend.clear(f"{self.namespace}/")
-            elif l3_keys:
-                deleted = self.backend.delete(self._view.l3_keys(self.namespace, sorted(l3_keys)))
-            self._table.forget_l3(l3_keys)  # only once deleted: a failed clear can be retried
-            # The backend counts objects: one per pool of each key.
-            deleted = -(-deleted // len(self._view.slots))
-            if deleted:
-                self._obs.evicted("l3", "clear", deleted)
+        try:  # until end_clear, an L3 read publishes nothing (it may read what is being deleted)
+            if self.backend is not None:
+                if l3_keys is None:
+                    deleted = self.backend.clear(f"{self.namespace}/")
+                elif l3_keys:
+                    deleted = self.backend.delete(self._view.l3_keys(self.namespace, sorted(l3_keys)))
+                self._table.forget_l3(l3_keys)  # only once deleted: a failed clear can be retried
+                # The backend counts objects: one per pool of each key.
+                deleted = -(-deleted // len(self._view.slots))
+                if deleted:
+                    self._obs.evicted("l3", "clear", deleted)
+        finally:
+            self._table.end_clear()
         return dropped, deleted
 
     def stats(self) -> IndexStats:

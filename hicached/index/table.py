@@ -16,7 +16,8 @@ so a prefix is shortened from its tail.
 
 Clears: :meth:`EntryTable.detach` reaches the entries an eviction still holds
 for their L3 write (so the write's copy is deleted, not kept), and moves the
-clear epoch (so an L3 read that began before it publishes nothing).
+clear epoch (so an L3 read that began before it publishes nothing); until
+:meth:`EntryTable.end_clear` (L3 deleted) no L3 read publishes anything.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class EntryTable:
         self._pinned_entries = 0
         self._l3_tenant_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # key -> tenant
         self._held: dict[int, Entry] = {}  # evicted, held until their L3 write ends (by id)
-        self._clears = 0  # the clear epoch: detach() moves it
+        self._clears = 0  # the clear epoch: detach() and end_clear() move it
+        self._clearing = 0  # clears between detach() and end_clear(): their L3 delete is to come
         self.closed = False  # written under the lock; a stale read only delays a refusal
         self._frozen = False  # freeze() took the final snapshot: no more changes
         self._counts = collections.Counter[str]()
@@ -131,8 +133,8 @@ class EntryTable:
         ``columns`` holds one page array per independent pool, one page per key.
         ``strict``: FailedPrecondition, changing nothing, when a page is already the table's.
         ``epoch``: the :meth:`clear_epoch` taken before the pages were read; when a clear
-        ran since, nothing is taken (the pages may hold what the clear removed) and the
-        mask is empty.
+        ran since or is running (its L3 delete to come), nothing is taken (the pages may
+        hold what the clear removed) and the mask is empty.
         """
         rows = list(zip(*(c.tolist() for c in columns), strict=True)) if len(keys) else []
         mask = np.zeros(len(keys), dtype=bool)
@@ -141,7 +143,7 @@ class EntryTable:
         with self._lock:
             if self.closed or self._frozen:
                 raise Unavailable("the content index is closed")
-            if epoch is not None and epoch != self._clears:
+            if epoch is not None and (epoch != self._clears or self._clearing):
                 return np.zeros(0, dtype=bool), new, hot  # taken: none (not even touched)
             if strict:
                 for col, (owned, column) in enumerate(zip(self._owned, columns, strict=True)):
@@ -338,9 +340,10 @@ class EntryTable:
     def detach(self, tenant: str | None) -> tuple[int, set[str] | None]:
         """clear(): every entry (or one tenant's) leaves now; pinned ones are freed at their last
         unpin. (Entries dropped, the tenant's keys known to be in L3; None without a tenant.)
-        The keys stay remembered until :meth:`forget_l3`."""
+        The keys stay remembered until :meth:`forget_l3`; call :meth:`end_clear` after the L3 delete."""
         with self._lock:
             self._clears += 1
+            self._clearing += 1
             targets = [e for e in self._entries.values() if tenant is None or e.tenant == tenant]
             for entry in targets:
                 del self._entries[entry.key]
@@ -354,6 +357,13 @@ class EntryTable:
             l3_keys = {k for k, t in self._l3_tenant_keys.items() if t == tenant}
             l3_keys.update(e.key for e in targets if e.in_l3)
             return len(targets), l3_keys
+
+    def end_clear(self) -> None:
+        """A :meth:`detach`'s L3 delete is over (done or failed): L3 reads publish again, but not
+        one whose epoch was taken before (it may have read what the delete removed)."""
+        with self._lock:
+            self._clearing -= 1
+            self._clears += 1
 
     def forget_l3(self, keys: Iterable[str] | None) -> None:
         """The L3 copies of ``keys`` (None: of every tenant) are deleted: stop remembering them.

@@ -217,3 +217,39 @@ def test_a_tenant_clear_whose_l3_delete_failed_can_be_retried(
         assert index.lookup(keys) == LookupResult(0, 0)
     finally:
         backend.inner.close()
+
+
+class FetchBeforeClear(Wrapped):
+    """Once armed, ``clear`` first runs ``fetch`` (a GetPages with include_l3 that reads L3
+    after the clear dropped L2 but before L3 is deleted), then clears."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.fetch: Callable[[], int] | None = None
+        self.fetched: list[int] = []
+
+    def clear(self, prefix: str = "") -> int:
+        fetch, self.fetch = self.fetch, None
+        if fetch is not None:
+            self.fetched.append(fetch())
+        return self.inner.clear(prefix)
+
+
+def test_an_l3_read_between_a_clears_l2_drop_and_its_l3_delete_publishes_nothing(
+    make_group: Callable[..., HostPoolGroup], make_index: Callable[..., ContentIndex], tmp_path: Path
+) -> None:
+    """Fails before the fix: the read took the clear epoch after the clear moved it, so what it
+    read from L3 (just before the delete) was published, and the cleared keys were still in L2
+    once the clear returned."""
+    keys = keys_of("t", 4)
+    _in_l3(make_group(8), tmp_path / "l3", keys)
+    backend = FetchBeforeClear(create_backend("file", {"path": str(tmp_path / "l3")}))
+    try:
+        index = make_index(make_group(8), backend, namespace="ns")
+        backend.fetch = lambda: index.fetch_into_l2(keys, tenant="t")
+        assert index.clear() == (0, 4)
+        assert backend.fetched == [0]
+        assert index.stats().entries == 0
+        assert index.lookup(keys) == LookupResult(0, 0)
+    finally:
+        backend.inner.close()
