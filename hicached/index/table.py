@@ -263,14 +263,18 @@ class EntryTable:
             self._drop_refs_locked(entries, pinned=False)
 
     def mark_stored(self, entries: Sequence[Entry], ok: Sequence[bool]) -> list[str]:
-        """Record the entries L3 now holds; the keys cleared meanwhile (their L3 copies must go)."""
+        """Record the entries L3 now holds; the keys cleared meanwhile (their L3 copies must go).
+
+        A cleared key published again since is no orphan: its L3 object is the new entry's
+        too (written, or to be written, under the same name), so it is not deleted."""
         orphans: list[str] = []
         with self._lock:
             for entry, good in zip(entries, ok, strict=True):
                 if not good:
                     continue
                 if entry.cleared:  # clear() ran while we wrote: it must not come back
-                    orphans.append(entry.key)
+                    if entry.key not in self._entries:
+                        orphans.append(entry.key)
                     continue
                 entry.in_l3 = True
                 if entry.tenant:

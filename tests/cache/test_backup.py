@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -272,3 +272,44 @@ def test_models_never_match_even_on_a_shared_backend(
     assert model_b.lookup(keys) == LookupResult(0, 0)
     assert model_b.prefetch(keys, policy="wait_complete").planned_pages == 0
     assert model_b.fetch_into_l2(keys) == 0
+
+
+class GateFirstSet(Wrapped):
+    """The first ``set_from`` waits until the test opens the gate; later ones run at once."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def set_from(self, keys: Sequence[str], srcs: Sequence[Sequence[memoryview]]) -> list[bool]:
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.gate.wait(30), "test never opened the gate"
+        return super().set_from(keys, srcs)
+
+
+def test_a_cleared_entrys_late_write_does_not_delete_the_copy_of_its_key_published_again(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    """Fails before the fix: the cleared entry's write landed after the key was published
+    again and backed up, and its orphan delete removed that copy while the index still counted
+    the key as in L3 (evicted without a write, it was then lost)."""
+    backend = GateFirstSet(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend)  # write_through, two I/O threads
+    keys = keys_of("c", 2)
+    try:
+        index.publish(keys, write_pages(group, 2, seed=5))
+        assert backend.entered.wait(30)  # the first entries' write is in flight
+        assert index.clear() == (2, 0)
+        index.publish(keys, write_pages(group, 2, seed=5))  # the same keys again, written at once
+        assert index.backup(keys, wait=True, timeout_s=30) == BackupResult(2, 2)
+    finally:
+        backend.gate.set()
+    index.flush(timeout_s=30)
+    assert index.stats().l3_resident_entries == 2
+    assert l3_run(backend, index, keys) == 2
+    assert index.reclaim("kv", 2) == 2  # in L3: freed without a write
+    assert index.lookup(keys) == LookupResult(0, 2)
+    backend.inner.close()
