@@ -262,19 +262,26 @@ class EntryTable:
                 entry.backup_queued = False
             self._drop_refs_locked(entries, pinned=False)
 
-    def mark_stored(self, entries: Sequence[Entry], ok: Sequence[bool]) -> list[str]:
+    def mark_stored(self, entries: Sequence[Entry], ok: Sequence[bool], epoch: int) -> list[str]:
         """Record the entries L3 now holds; the keys cleared meanwhile (their L3 copies must go).
+
+        ``epoch``: the :meth:`clear_epoch` taken before the write. When a clear ran since or is
+        running, its L3 delete may have removed (or may yet remove) what was written: the
+        entries are not counted as in L3 then (a later backup or write-back writes them again).
 
         A cleared key published again since is no orphan: its L3 object is the new entry's
         too (written, or to be written, under the same name), so it is not deleted."""
         orphans: list[str] = []
         with self._lock:
+            unsure = epoch != self._clears or self._clearing > 0
             for entry, good in zip(entries, ok, strict=True):
                 if not good:
                     continue
                 if entry.cleared:  # clear() ran while we wrote: it must not come back
                     if entry.key not in self._entries:
                         orphans.append(entry.key)
+                    continue
+                if unsure:
                     continue
                 entry.in_l3 = True
                 if entry.tenant:

@@ -145,12 +145,13 @@ class Writer:
             return 0, 0
         started = time.perf_counter()
         keys = [e.key for e in live]
+        epoch = self._table.clear_epoch()  # a clear's L3 delete may remove what this writes
         results = self._backend.set_from(
             self._view.l3_keys(self._namespace, keys), self._view.chunks([e.pages for e in live])
         )
         seconds = time.perf_counter() - started
         ok = self._view.whole_keys(results)
-        orphans = self._table.mark_stored(live, ok)
+        orphans = self._table.mark_stored(live, ok, epoch)
         if orphans:
             self._backend.delete(self._view.l3_keys(self._namespace, orphans))
         stored = sum(ok)

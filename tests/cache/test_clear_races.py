@@ -12,7 +12,7 @@ import pytest
 
 import hicached.index.table as table_module
 from hicached.errors import Unavailable
-from hicached.index import ContentIndex, LookupResult, WritePolicy
+from hicached.index import BackupResult, ContentIndex, LookupResult, WritePolicy
 from hicached.l2 import HostPoolGroup
 from hicached.l3 import StorageBackend, create_backend
 
@@ -251,5 +251,46 @@ def test_an_l3_read_between_a_clears_l2_drop_and_its_l3_delete_publishes_nothing
         assert backend.fetched == [0]
         assert index.stats().entries == 0
         assert index.lookup(keys) == LookupResult(0, 0)
+    finally:
+        backend.inner.close()
+
+
+class PublishBeforeClear(Wrapped):
+    """Once armed, ``clear`` first runs ``publish`` (a key published, and written to L3, after
+    the clear dropped L2 but before L3 is deleted), then clears."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.publish: Callable[[], object] | None = None
+
+    def clear(self, prefix: str = "") -> int:
+        publish, self.publish = self.publish, None
+        if publish is not None:
+            publish()
+        return self.inner.clear(prefix)
+
+
+def test_a_backup_written_before_a_clears_l3_delete_is_not_counted_as_in_l3(
+    make_group: Callable[..., HostPoolGroup], make_index: Callable[..., ContentIndex], tmp_path: Path
+) -> None:
+    """Fails before the fix: the entry was marked in L3, the clear then deleted its object; the
+    index counted it in L3 (an eviction freed it without a write, a Backup skipped it)."""
+    backend = PublishBeforeClear(create_backend("file", {"path": str(tmp_path / "l3")}))
+    try:
+        group = make_group(8)
+        index = make_index(group, backend)
+        keys = keys_of("n", 2)
+
+        def publish() -> None:
+            index.publish(keys, write_pages(group, 2, seed=4))
+            index.backup(keys, wait=True, timeout_s=30)  # written, before the delete
+
+        backend.publish = publish
+        assert index.clear() == (0, 2)  # the full clear deleted what was just written
+        index.flush(timeout_s=30)
+        assert index.lookup(keys) == LookupResult(2, 2)  # still in L2, not in L3
+        assert index.stats().l3_resident_entries == 0
+        assert index.backup(keys, wait=True, timeout_s=30) == BackupResult(2, 2)  # written again
+        assert index.stats().l3_resident_entries == 2
     finally:
         backend.inner.close()
