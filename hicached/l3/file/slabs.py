@@ -12,6 +12,7 @@ import errno
 import heapq
 import logging
 import os
+import threading
 from pathlib import Path
 
 __all__ = ["LARGE_SECTOR_BYTES", "SECTOR_BYTES", "Entry", "Slab"]
@@ -40,6 +41,7 @@ class Slab:
         # The alignment of a run's file offset and length that the disk takes directly (0: none).
         # Learned from refusals (no portable way to ask a filesystem for its sector size).
         self.direct_align = SECTOR_BYTES
+        self._learning = threading.Lock()
         self.free: list[int] = []  # min-heap: low slots first keeps batches adjacent
         self.high = 0  # slots at or above this index were never handed out
 
@@ -53,15 +55,16 @@ class Slab:
         sectors are larger. Runs then need :data:`LARGE_SECTOR_BYTES` alignment, and after a
         refusal of that the slab stops using direct I/O; each step is logged once.
 
-        Called from I/O threads without the backend lock: the attribute is one int, and threads
-        that race report the same ``align``, so the step is taken once.
+        Called from I/O threads without the backend lock: runs refused at once take the step
+        under the slab's own lock, once; readers of the attribute (one int) need no lock.
         """
-        if align != self.direct_align:
-            return  # another run learned it already
-        self.direct_align = LARGE_SECTOR_BYTES if align < LARGE_SECTOR_BYTES else 0
+        with self._learning:
+            if align != self.direct_align:
+                return  # another run learned it already
+            learned = self.direct_align = LARGE_SECTOR_BYTES if align < LARGE_SECTOR_BYTES else 0
         then = (
-            f"runs not aligned to {self.direct_align} bytes go through the page cache"
-            if self.direct_align
+            f"runs not aligned to {learned} bytes go through the page cache"
+            if learned
             else "its pages go through the page cache"
         )
         log.warning(
