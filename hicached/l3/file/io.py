@@ -193,7 +193,7 @@ def _direct_ok(run: Run, bufs: Sequence[Sequence[memoryview]]) -> int:
     Addresses the kernel checks."""
     slab = run[0][1].slab
     align = slab.direct_align
-    if slab.direct_fd is None or not align:
+    if not align:  # no O_DIRECT descriptor, or the disk refused it
         return 0
     if slab.offset(run[0][1].slot) % align or _run_bytes(run) % align:
         return 0

@@ -38,9 +38,9 @@ class Slab:
         except BaseException:
             os.close(self.fd)
             raise
-        # The alignment of a run's file offset and length that the disk takes directly (0: none).
-        # Learned from refusals (no portable way to ask a filesystem for its sector size).
-        self.direct_align = SECTOR_BYTES
+        # The alignment of a run's file offset and length that the disk takes directly (0: no
+        # direct I/O). Learned from refusals (no portable way to ask a filesystem for its sectors).
+        self.direct_align = SECTOR_BYTES if self.direct_fd is not None else 0
         self._learning = threading.Lock()
         self.free: list[int] = []  # min-heap: low slots first keeps batches adjacent
         self.high = 0  # slots at or above this index were never handed out
