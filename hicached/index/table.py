@@ -270,7 +270,12 @@ class EntryTable:
         entries are not counted as in L3 then (a later backup or write-back writes them again).
 
         A cleared key published again since is no orphan: its L3 object is the new entry's
-        too (written, or to be written, under the same name), so it is not deleted."""
+        too (written, or to be written, under the same name), so it is not deleted.
+
+        When there are orphans, their L3 delete counts as a clear's from now until
+        :meth:`end_clear` (the caller's, after the delete): a key published again meanwhile
+        and written to L3 may lose that copy to the delete, so no write finishing in that
+        window counts as in L3, and no L3 read publishes."""
         orphans: list[str] = []
         with self._lock:
             unsure = epoch != self._clears or self._clearing > 0
@@ -286,6 +291,9 @@ class EntryTable:
                 entry.in_l3 = True
                 if entry.tenant:
                     self._remember_l3_locked(entry)
+            if orphans:
+                self._clears += 1
+                self._clearing += 1
         return orphans
 
     def _remember_l3_locked(self, entry: Entry) -> None:
@@ -370,8 +378,9 @@ class EntryTable:
             return len(targets), l3_keys
 
     def end_clear(self) -> None:
-        """A :meth:`detach`'s L3 delete is over (done or failed): L3 reads publish again, but not
-        one whose epoch was taken before (it may have read what the delete removed)."""
+        """A :meth:`detach`'s (or :meth:`mark_stored`'s orphans') L3 delete is over (done or
+        failed): L3 reads publish again, but not one whose epoch was taken before (it may have
+        read what the delete removed)."""
         with self._lock:
             self._clearing -= 1
             self._clears += 1

@@ -153,7 +153,10 @@ class Writer:
         ok = self._view.whole_keys(results)
         orphans = self._table.mark_stored(live, ok, epoch)
         if orphans:
-            self._backend.delete(self._view.l3_keys(self._namespace, orphans))
+            try:
+                self._backend.delete(self._view.l3_keys(self._namespace, orphans))
+            finally:
+                self._table.end_clear()
         stored = sum(ok)
         if stored:
             self._obs.backed_up(stored, stored * self._view.key_bytes, seconds)

@@ -313,3 +313,51 @@ def test_a_cleared_entrys_late_write_does_not_delete_the_copy_of_its_key_publish
     assert index.reclaim("kv", 2) == 2  # in L3: freed without a write
     assert index.lookup(keys) == LookupResult(0, 2)
     backend.inner.close()
+
+
+class GateDelete(GateFirstSet):
+    """As GateFirstSet; besides, once ``arm`` is set, the next ``delete`` waits for ``delete_gate``."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.arm = threading.Event()
+        self.deleting = threading.Event()
+        self.delete_gate = threading.Event()
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if self.arm.is_set() and not self.deleting.is_set():
+            self.deleting.set()
+            assert self.delete_gate.wait(30), "test never opened the delete gate"
+        return super().delete(keys)
+
+
+def test_a_key_published_again_during_its_orphan_delete_is_not_counted_in_l3(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    """Fails before the fix: the key was published again and backed up after the late write
+    found it an orphan but before that orphan's delete ran; the delete removed the new copy
+    while the index counted the key as in L3 (evicted without a write, it was then lost)."""
+    backend = GateDelete(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend)  # write_through, two I/O threads
+    keys = keys_of("o", 2)
+    try:
+        index.publish(keys, write_pages(group, 2, seed=6))
+        assert backend.entered.wait(30)  # the first entries' write is in flight
+        assert index.clear() == (2, 0)
+        backend.arm.set()
+        backend.gate.set()  # the late write lands: its keys are orphans, their delete waits
+        assert backend.deleting.wait(30)
+        index.publish(keys, write_pages(group, 2, seed=6))
+        index.backup(keys, wait=True, timeout_s=30)  # written while the orphan delete is pending
+    finally:
+        backend.gate.set()
+        backend.delete_gate.set()
+    index.flush(timeout_s=30)
+    assert l3_run(backend, index, keys) == 0  # the delete removed the new copy too
+    assert index.stats().l3_resident_entries == 0  # ... and the index knows it
+    assert index.backup(keys, wait=True, timeout_s=30) == BackupResult(2, 2)  # so it writes them again
+    assert l3_run(backend, index, keys) == 2
+    assert index.reclaim("kv", 2) == 2
+    assert index.lookup(keys) == LookupResult(0, 2)
+    backend.inner.close()
