@@ -1,9 +1,10 @@
 """The file backend's key -> slot index: LRU order, byte accounting and eviction.
 
-The index lives in memory and is rebuilt at start by reading every slot header
+The index lives in memory and is rebuilt at start by reading the slot headers
 (headers verified; payloads verified on read; duplicates of one key resolved by
-the higher sequence number), about 8 us per page from the page cache. LRU order
-is restored from write order.
+the higher sequence number), about 8 us per page from the page cache. Headers in
+a hole of a sparse slab file are not read: they are free slots
+(:mod:`~hicached.l3.file.extents`). LRU order is restored from write order.
 
 ``capacity`` bounds the bytes of occupied slots; a page that needs room evicts
 least-recently-used pages that no reader pins. A freed slot is reused by later
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hicached.l3.base import BackendStats
+from hicached.l3.file.extents import header_slots
 from hicached.l3.file.layout import (
     HEADER_BYTES,
     SLAB_NAME,
@@ -72,7 +74,9 @@ class PageIndex:
     # ------------------------------------------------------------------ start
 
     def rebuild(self) -> None:
-        """Read every slot header of the slab files under ``root`` into the index."""
+        """Read the slot headers of the slab files under ``root`` into the index (those in a
+        hole are never-written slots: free, not read; every one where the filesystem cannot
+        list its holes)."""
         found: dict[str, Entry] = {}
         corrupt: list[tuple[Slab, int]] = []
         for path in sorted(self.root.iterdir()):
@@ -89,7 +93,10 @@ class PageIndex:
             file_bytes = os.fstat(slab.fd).st_size
             nslots = -(-file_bytes // slab.slot_bytes)
             used: set[int] = set()
-            for slot in range(nslots):
+            # Only slots whose header meets data: a header in a hole is a free slot's.
+            for slot in header_slots(slab.fd, slab.slot_bytes, file_bytes, slab.path):
+                # One read per header: reading 1 MiB of adjacent slots at a time measured 10-14%
+                # faster for slots under ~8 KiB, 55% slower for 64 KiB pages (warm page cache).
                 header = os.pread(slab.fd, HEADER_BYTES, slab.offset(slot))
                 parsed = parse_header(header)
                 torn = parsed is not None and slab.offset(slot) + HEADER_BYTES + parsed[2] > file_bytes
