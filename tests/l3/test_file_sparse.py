@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import random
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -19,6 +21,7 @@ import pytest
 from hicached.l3.file import HEADER_BYTES, slot_bytes_for
 from hicached.l3.file.extents import slots_meeting
 from hicached.l3.file.layout import pack_header, parse_header
+from hicached.l3.file.slabs import Slab
 from hicached.l3.framing import payload_checksum
 
 from .test_file import open_file, page, slab_path
@@ -123,7 +126,8 @@ def test_a_slab_that_is_all_hole_is_not_read_and_fills_from_its_first_slot(
 
 
 def test_free_slots_of_a_sparse_slab_are_reused_lowest_first_after_a_restart(file_dir: Path) -> None:
-    """Guards the allocation order after a scan that skipped holes (held before the fix too)."""
+    """Guards the allocation order after a scan that skipped holes, across the free runs (held
+    before either fix too)."""
     written = sparse_store(file_dir, 8 << 20)
     size = os.path.getsize(slab_path(file_dir))
     fresh = [f"new/{i}" for i in range(3)]
@@ -144,6 +148,22 @@ def test_free_slots_of_a_sparse_slab_are_reused_lowest_first_after_a_restart(fil
         keys = sorted(set(written.values()) - {"sp/1"}) + fresh
         assert backend.get(keys) == [page(k, PAYLOAD) for k in keys]
         assert backend.exists(["sp/1"]) == 0
+
+
+def test_never_written_slots_cost_no_memory_each(file_dir: Path) -> None:
+    """Fails before the fix: the free list held every never-written slot as an int (~4 MB for
+    the 116,000 slots of these two 256 MiB holes, 82 MB for 1 GiB of 512-byte slots)."""
+    sparse_store(file_dir, 256 << 20)
+    open_file(file_dir.parent / "warm").close()  # imports and first-use caches, not counted
+    tracemalloc.start()
+    try:
+        backend = open_file(file_dir)
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    with backend:
+        assert peak < 1 << 20, peak
+        assert backend.stats().pages == 3 * RUN
 
 
 @pytest.mark.parametrize("unsupported", ["EINVAL", "EOPNOTSUPP", "no SEEK_DATA"])
@@ -185,3 +205,40 @@ def test_slots_meeting_takes_each_header_that_meets_data_once() -> None:
     assert list(slots_meeting([(0, 100), (300, 600)], 512, 10)) == [0, 1]  # slot 0 meets both
     assert list(slots_meeting([(0, 100 * slot)], slot, 7)) == list(range(7))  # not past the file
     assert list(slots_meeting([], slot, 7)) == []
+
+
+def test_the_free_runs_hand_out_slots_in_the_order_of_one_min_heap(tmp_path: Path) -> None:
+    """Against a model of the allocator before the fix (every free slot below ``high`` in one
+    min-heap): the same slot for every alloc, alloc_on_disk and release."""
+    rng = random.Random(7)
+    slab = Slab(tmp_path / f"slab-{SLOT}.dat", SLOT)
+    try:
+        high = 60
+        used = set(rng.sample(range(high), 25))
+        slab.restore(high, used)
+        os.truncate(slab.fd, 40 * SLOT + 100)  # slots 0..39 lie wholly inside the file
+        free, model_high, held = set(range(high)) - used, high, sorted(used)
+        for _ in range(400):
+            op = rng.choice(["alloc", "alloc", "on_disk", "release"])
+            if op == "release" and held:
+                slot = held.pop(rng.randrange(len(held)))
+                slab.release(slot)
+                free.add(slot)
+            elif op == "on_disk":
+                lowest = min(free, default=None)
+                expect = lowest if lowest is not None and (lowest + 1) * SLOT <= 40 * SLOT + 100 else None
+                assert slab.alloc_on_disk() == expect
+                if expect is not None:
+                    free.discard(expect)
+                    held.append(expect)
+            else:
+                if free:
+                    expect = min(free)
+                    free.discard(expect)
+                else:
+                    expect, model_high = model_high, model_high + 1
+                assert slab.alloc() == expect
+                held.append(expect)
+        assert slab.high == model_high
+    finally:
+        slab.close()

@@ -17,7 +17,6 @@ I/O here is the start-up scan and the 4-byte header clears).
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 from collections import OrderedDict
@@ -118,9 +117,7 @@ class PageIndex:
                     old.slab.release(old.slot)
                 found[key] = entry
                 used.add(slot)
-            slab.high = nslots
-            slab.free = [s for s in range(nslots) if s not in used]
-            heapq.heapify(slab.free)
+            slab.restore(nslots, used)
         for entry in sorted(found.values(), key=lambda e: e.seq):
             self.entries[entry.key] = entry
             self.used += entry.slab.slot_bytes

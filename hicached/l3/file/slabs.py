@@ -13,6 +13,7 @@ import heapq
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = ["LARGE_SECTOR_BYTES", "SECTOR_BYTES", "Entry", "Slab"]
@@ -42,7 +43,13 @@ class Slab:
         # direct I/O). Learned from refusals (no portable way to ask a filesystem for its sectors).
         self.direct_align = SECTOR_BYTES if self.direct_fd is not None else 0
         self._learning = threading.Lock()
-        self.free: list[int] = []  # min-heap: low slots first keeps batches adjacent
+        # The free slots below ``high``: those released while running in ``free``, a min-heap (low
+        # slots first keeps batches adjacent), and those the start-up scan found free in
+        # ``free_runs``, ranges kept highest first. A run costs one object where a sparse file's
+        # never-written slots cost ~40 bytes each as ints (82 MB for 1 GiB of 512-byte slots).
+        # The two are disjoint: a released slot was handed out, so it is in no run.
+        self.free: list[int] = []
+        self.free_runs: list[range] = []
         self.high = 0  # slots at or above this index were never handed out
 
     def close(self) -> None:
@@ -74,11 +81,47 @@ class Slab:
             then,
         )
 
+    def restore(self, high: int, used: Iterable[int]) -> None:
+        """Set the allocator from the start-up scan of this slab's file, before anything is
+        handed out: slots below ``high`` not in ``used`` are free, held as runs however many
+        they are (``free`` keeps what was released)."""
+        runs: list[range] = []
+        after = 0
+        for slot in sorted(used):
+            if slot > after:
+                runs.append(range(after, slot))
+            after = slot + 1
+        if after < high:
+            runs.append(range(after, high))
+        runs.reverse()
+        self.free_runs = runs
+        self.high = high
+
+    def _lowest_free(self) -> int | None:
+        """The lowest free slot below ``high``, or None."""
+        if self.free_runs and (not self.free or self.free_runs[-1].start < self.free[0]):
+            return self.free_runs[-1].start
+        return self.free[0] if self.free else None
+
+    def _take(self, slot: int) -> None:
+        """Remove ``slot``, the one :meth:`_lowest_free` returned, from the free slots."""
+        if self.free_runs and self.free_runs[-1].start == slot:
+            rest = self.free_runs[-1][1:]
+            if rest:
+                self.free_runs[-1] = rest
+            else:
+                self.free_runs.pop()
+        else:
+            heapq.heappop(self.free)
+
     def alloc(self) -> int:
-        if self.free:
-            return heapq.heappop(self.free)
-        self.high += 1
-        return self.high - 1
+        """The lowest free slot, else the next one never handed out."""
+        slot = self._lowest_free()
+        if slot is None:
+            self.high += 1
+            return self.high - 1
+        self._take(slot)
+        return slot
 
     def release(self, slot: int) -> None:
         heapq.heappush(self.free, slot)
@@ -89,9 +132,11 @@ class Slab:
     def alloc_on_disk(self) -> int | None:
         """A free slot that lies wholly inside the file (its blocks exist: a write there needs
         no new disk space), or None."""
-        if self.free and self.offset(self.free[0] + 1) <= os.fstat(self.fd).st_size:
-            return heapq.heappop(self.free)
-        return None
+        slot = self._lowest_free()
+        if slot is None or self.offset(slot + 1) > os.fstat(self.fd).st_size:
+            return None
+        self._take(slot)
+        return slot
 
 
 def _open_direct(path: Path) -> int | None:
