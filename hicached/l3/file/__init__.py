@@ -2,8 +2,8 @@
 
 Modules, one concept each: :mod:`.layout` (slot sizes and the self-verifying slot
 header), :mod:`.slabs` (slab files and their allocators), :mod:`.index` (key -> slot
-index, LRU eviction, the start-up scan), :mod:`.io` (vectored runs of slots on a
-thread pool), :mod:`.options` (``[l3.file]``) and :mod:`.backend` (the
+index, LRU eviction, the start-up scan), :mod:`.extents` (which slot headers the scan
+reads: those not in a hole), :mod:`.io` (vectored runs of slots on a thread pool), :mod:`.options` (``[l3.file]``) and :mod:`.backend` (the
 :class:`~hicached.l3.base.StorageBackend` that ties them together). Importing this
 package registers the ``file`` backend.
 """
