@@ -38,7 +38,7 @@ from hicached.server.app import Server, claim_sockets
 from hicached.server.fastlane import LaneServer, lane_path
 from hicached.server.handoff import HandoffRegistry, HandoffServer, handoff_path
 from hicached.server.lanes import Lanes
-from hicached.server.peers import PeerSessions
+from hicached.server.peers import PeerSessions, UnreadAnswers
 from hicached.server.roles import Access
 from hicached.server.servicer import AdminServicer, CacheServicer
 from hicached.shutdown import flush_within, rpc_grace_s
@@ -108,6 +108,7 @@ class Daemon:
         self.keyed = KeyedCache(config, core=self.core, backend=self.backend)
         self.lanes = Lanes.from_config(config)
         self.peers = PeerSessions(config.limits.max_sessions_per_peer, self.core.live_session_ids)
+        self.answers = UnreadAnswers(config.limits.max_unread_answer_bytes_per_peer)
         self.l3_stats = StatsCache(config.l3.backend, self.backend) if self.backend is not None else None
         srv = config.server
         self.handoff = HandoffRegistry(
@@ -147,7 +148,7 @@ class Daemon:
 
     def _registrations(self, access: Access) -> list[Callable[[grpc.aio.Server], None]]:
         """The services of one listener, their servicers bound to its role."""
-        shared = {"access": access, "peers": self.peers, "l3_stats": self.l3_stats}
+        shared = {"access": access, "peers": self.peers, "answers": self.answers, "l3_stats": self.l3_stats}
         cache = CacheServicer(self.core, self.lanes, keyed=self.keyed, handoff=self.handoff, **shared)
         admin = AdminServicer(
             self.core,

@@ -64,6 +64,7 @@ _POSITIVE = {
     "limits.max_key_bytes",
     "limits.max_identity_bytes",
     "limits.max_response_bytes",
+    "limits.max_unread_answer_bytes_per_peer",
     "limits.max_sessions_per_peer",
     "limits.max_buffers_per_attach",
     "limits.max_l3_calls_queued",

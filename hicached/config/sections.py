@@ -285,6 +285,13 @@ class LimitsConfig:
         "server.max_message_bytes).",
         parse=parse_size,
     )
+    max_unread_answer_bytes_per_peer: int = _f(
+        256 << 20,
+        "Bytes of GetBytes answers one peer may have built and not yet read (the daemon holds "
+        "them until its clients read them or the connection is dropped); a call over it is "
+        "RESOURCE_EXHAUSTED, unless the peer holds none.",
+        parse=parse_size,
+    )
     max_sessions_per_peer: int = _f(
         256, "Most live sessions of one peer (the handoff's SO_PEERCRED uid, the TCP host, or the socket)."
     )

@@ -430,6 +430,11 @@ class HiCacheCore:
         """The worker identity session ``session_id`` attached with (NotFound for unknown ids)."""
         return self._data.session(session_id)[0].worker
 
+    def session_origin(self, session_id: str) -> str:
+        """Who attached session ``session_id``: ``uid:N``, ``tcp:HOST``, ``unix`` (the servicer's
+        peer key), or "" in process (NotFound for unknown ids)."""
+        return self._data.session(session_id)[0].origin
+
     def session_group(self, session_id: str) -> tuple[Session, GroupState]:
         """For the content-cache operations (``hicached.core.keyed``)."""
         return self._data.session(session_id)

@@ -1,4 +1,5 @@
-"""Sessions per peer (``limits.max_sessions_per_peer``), checked before an attach starts.
+"""What one peer may hold: sessions (``limits.max_sessions_per_peer``, checked before an
+attach starts) and answers its clients have not read (``limits.max_unread_answer_bytes_per_peer``).
 
 A peer is what the kernel or the transport says, never what the client claims:
 the uid of an attach's fd handoff (``SO_PEERCRED``), else the host of a TCP
@@ -6,8 +7,8 @@ caller (its port changes per connection), else the Unix socket itself (byte-only
 clients on the socket share one count: without a handoff the daemon cannot tell
 them apart).
 
-Thread-safety: loop-confined (the servicers call it on the event loop only); one
-instance is shared by every listener.
+Thread-safety: loop-confined (the servicers, and gRPC's done callbacks, call them on the
+event loop only); one instance of each is shared by every listener.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hicached.core.types import PeerCred
-from hicached.errors import LimitExceeded
+from hicached.errors import LimitExceeded, ResourceExhausted
 
-__all__ = ["PeerSessions", "peer_key"]
+__all__ = ["PeerSessions", "UnreadAnswers", "peer_key"]
 
 
 def peer_key(cred: PeerCred | None, transport_peer: str) -> str:
@@ -67,3 +68,43 @@ class PeerSessions:
             self._reserved.pop(key, None)
         if session_id is not None:
             self._sessions.setdefault(key, set()).add(session_id)
+
+
+class UnreadAnswers:
+    """Bytes of large answers each peer's calls hold until the peer has read them.
+
+    gRPC keeps an answer the peer does not read (its flow-control window closed) until the
+    peer reads it or the connection is dropped (``server.keepalive_s``); the call's done
+    callback runs only then, so bytes held from the answer's reservation to that callback
+    bound what a peer that stops reading can make the daemon hold. One peer's reservations
+    never refuse another's.
+    """
+
+    # When a refused client may ask again: held answers go as its clients read them.
+    RETRY_AFTER_MS = 1000
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._held: dict[str, int] = {}
+
+    def hold(self, key: str, nbytes: int, what: str) -> None:
+        """Reserve ``nbytes`` of answer for peer ``key``; ResourceExhausted (with a retry hint)
+        when that would take it past the limit. A peer holding nothing is always admitted (the
+        answer's own size is bounded by ``limits.max_response_bytes``)."""
+        held = self._held.get(key, 0)
+        if held and held + nbytes > self._limit:
+            raise ResourceExhausted(
+                f"{what}: peer {key} holds {held} bytes of answers it has not read yet; {nbytes} more "
+                f"exceed limits.max_unread_answer_bytes_per_peer={self._limit}: read the answers of "
+                "calls in flight (or cancel them) first",
+                retry_after_ms=self.RETRY_AFTER_MS,
+            )
+        self._held[key] = held + nbytes
+
+    def release(self, key: str, nbytes: int) -> None:
+        """The answer of a reservation was read, or its call ended without one."""
+        left = self._held.get(key, 0) - nbytes
+        if left > 0:
+            self._held[key] = left
+        else:
+            self._held.pop(key, None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from hicached_client.v1 import hicached_pb2 as pb
@@ -28,7 +28,7 @@ from hicached.l3.stats_cache import StatsCache
 from hicached.server import convert
 from hicached.server.handoff import HandoffRegistry
 from hicached.server.lanes import RPC_LANES, Lanes
-from hicached.server.peers import PeerSessions
+from hicached.server.peers import PeerSessions, UnreadAnswers
 from hicached.server.roles import Access
 
 T = TypeVar("T")
@@ -47,6 +47,7 @@ class ServicerBase:
         access: Access,
         handoff: HandoffRegistry | None = None,
         peers: PeerSessions | None = None,
+        answers: UnreadAnswers | None = None,
         l3_stats: StatsCache | None = None,
     ) -> None:
         self.core = core
@@ -55,6 +56,7 @@ class ServicerBase:
         self.access = access
         self._handoff = handoff
         self._peers = peers
+        self._answers = answers
         self._l3_stats = l3_stats
 
     def is_admin(self, context: Ctx) -> bool:
@@ -65,6 +67,22 @@ class ServicerBase:
 
     def anchor(self, session_id: str) -> str:
         return self.core.anchor_pool(session_id)
+
+    def hold_answer(self, context: Ctx, session_id: str, nbytes: int, what: str) -> None:
+        """Count an answer of up to ``nbytes`` against the peer that attached ``session_id``
+        until its call ends (:class:`UnreadAnswers`); ResourceExhausted when the peer holds
+        too much that it has not read."""
+        answers = self._answers
+        if answers is None:
+            return
+        peer = self.core.session_origin(session_id) or "unix"
+        answers.hold(peer, nbytes, what)
+
+        def release(_: object) -> None:
+            answers.release(peer, nbytes)
+
+        # grpc-stubs declares the callback a class; gRPC calls any callable with the context.
+        context.add_done_callback(cast("grpc.aio.DoneCallback[Any, Any]", release))
 
     def has_l3(self) -> bool:
         return self.core.config.l3.backend != "none"

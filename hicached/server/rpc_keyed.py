@@ -233,12 +233,10 @@ class KeyedRpcs(ServicerBase):
     async def GetBytes(self, request: pb.GetBytesRequest, context: Ctx) -> pb.GetBytesResponse:
         keys, _ = await self.keys_of(request.session_id, request.keys)
         # The answer's size, before building it: every key may hit, each with its pages of every pool.
-        check_response(
-            f"GetBytes of {len(keys)} keys",
-            len(keys) * self.keyed.page_bytes(request.session_id),
-            self.limits,
-            self.core.config.server.max_message_bytes,
-        )
+        what = f"GetBytes of {len(keys)} keys"
+        nbytes = len(keys) * self.keyed.page_bytes(request.session_id)
+        check_response(what, nbytes, self.limits, self.core.config.server.max_message_bytes)
+        self.hold_answer(context, request.session_id, nbytes, what)
         pages = await self.offload(
             "GetBytes",
             self.keyed.get_bytes,

@@ -1,0 +1,157 @@
+"""A peer that asks for large answers and never reads them: what it can make the daemon hold.
+
+gRPC keeps an answer its peer does not read until the peer reads it or the connection is
+dropped. A raw HTTP/2 client here (the ``h2`` package: the client library always reads)
+sends GetBytes calls and never reads a byte back. The daemon counts those answers against
+the peer that attached the session (``limits.max_unread_answer_bytes_per_peer``): past it,
+that peer's calls are refused, another uid's are not, and the bytes come back once the
+connection closes. CI runs as root, so the second uid exists.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import h2.config
+import h2.connection
+import numpy as np
+import pytest
+from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session
+from hicached_client._handoff import SESSION_SECRET_METADATA
+from hicached_client.v1 import hicached_pb2 as pb
+from hicached_client.v1 import types_pb2 as tpb
+
+from tests.robustness.loop_support import PAGE_BYTES, attach_bytes
+from tests.support.daemon import Daemon, start_daemon
+
+from .users import run_as_other
+
+KEYS = 48  # one answer: 48 x 64 KiB = 3 MiB, over any HTTP/2 window the raw client opens
+LIMIT = 8 << 20  # two such answers fit, a third does not
+CALLS = 32  # what the raw client asks for: ~100 MiB of answers if all were built
+MODEL = "m-unread"
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = start_daemon(
+        "--set", f"limits.max_unread_answer_bytes_per_peer={LIMIT}",
+        "--set", "server.socket_mode=0o666",
+    )  # fmt: skip
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+class NonReader:
+    """An HTTP/2 connection to the daemon's socket that sends GetBytes calls and reads nothing."""
+
+    def __init__(self, target: str) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self._sock.connect(target.removeprefix("unix:"))
+        self._h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self._h2.initiate_connection()
+
+    def get_bytes(self, session: Session, keys: list[str], calls: int) -> None:
+        request = pb.GetBytesRequest(
+            session_id=session.session_id, keys=tpb.KeySource(keys=tpb.PageKeys(keys=keys))
+        ).SerializeToString()
+        for _ in range(calls):
+            stream = self._h2.get_next_available_stream_id()
+            self._h2.send_headers(
+                stream,
+                [
+                    (":method", "POST"), (":scheme", "http"), (":authority", "localhost"),
+                    (":path", "/hicached.v1.HiCacheService/GetBytes"),
+                    ("content-type", "application/grpc"), ("te", "trailers"),
+                    (SESSION_SECRET_METADATA, session.info.session_secret),
+                ],
+            )  # fmt: skip
+            self._h2.send_data(stream, b"\0" + struct.pack(">I", len(request)) + request, end_stream=True)
+        self._sock.sendall(self._h2.data_to_send())
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def refusal(session: Session, keys: list[str], deadline_s: float) -> HiCacheError | None:
+    """Ask until the daemon refuses (its answers to the non-reader are built on its own
+    schedule); None when it still answers at the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            assert session.get_bytes(keys).hit_pages == len(keys)
+        except HiCacheError as exc:
+            return exc
+    return None
+
+
+OTHER = """
+import sys
+import numpy as np
+from hicached_client import HiCacheClient, PageBytes
+from tests.robustness.loop_support import PAGE_BYTES, attach_bytes
+with HiCacheClient(sys.argv[1], timeout_s=30) as client:
+    s = attach_bytes(client, "m-unread-other")
+    keys = [f"other-{i}" for i in range(48)]
+    data = np.full(PAGE_BYTES, 7, dtype=np.uint8).tobytes()
+    s.put_bytes([PageBytes(k, "kv", data) for k in keys])
+    got = s.get_bytes(keys)
+    print(got.hit_pages, all(p.data == data for p in got.pages))
+    s.detach()
+"""
+
+
+def test_a_peer_that_never_reads_its_answers_holds_at_most_its_limit_and_no_other_peer_waits(
+    daemon: Daemon,
+) -> None:
+    """Fails before the fix: every call of the non-reader was answered and held (RSS grew by
+    308 MiB for 32 answers of 3 MiB; 22 MiB after), and the peer's next call was not refused."""
+    with HiCacheClient(daemon.target, timeout_s=30) as client:
+        session = attach_bytes(client, MODEL)
+        keys = [uuid.uuid4().hex for _ in range(KEYS)]
+        rng = np.random.default_rng(5)
+        pages = [PageBytes(k, "kv", rng.integers(0, 256, PAGE_BYTES, dtype=np.uint8).tobytes()) for k in keys]
+        assert session.put_bytes(pages).stored_pages == KEYS
+        before = rss(daemon.process.pid)
+        stranger = NonReader(daemon.target)
+        try:
+            stranger.get_bytes(session, keys, CALLS)
+            refused = refusal(session, keys, deadline_s=20)
+            assert refused is not None, "the peer's calls were still answered with its answers unread"
+            assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+            assert "limits.max_unread_answer_bytes_per_peer" in refused.message, refused.message
+            assert "uid:0" in refused.message and len(refused.message) < 400
+            assert refused.retry_after_ms is not None
+            grown = rss(daemon.process.pid) - before
+            assert grown < 64 << 20, f"the daemon grew by {grown >> 20} MiB for answers nobody reads"
+            other = run_as_other(OTHER, daemon.target)  # another uid: its own count, answered
+            assert other.returncode == 0, other.stderr[-2000:]
+            assert other.stdout.split() == [str(KEYS), "True"]
+        finally:
+            stranger.close()
+        # The connection is gone, and with it the answers: the peer is answered again.
+        end = time.monotonic() + 20
+        got = None
+        while got is None and time.monotonic() < end:
+            try:
+                got = session.get_bytes(keys)
+            except HiCacheError as exc:
+                assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+        assert got is not None and [p.data for p in got.pages] == [p.data for p in pages]
+        session.detach()
