@@ -7,7 +7,7 @@ import redis
 
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3 import StorageBackend, create_backend
-from hicached.l3.framing import frame
+from hicached.l3.framing import FRAME_HEADER, frame
 from hicached.testing.procs import free_ports
 from hicached.testing.servers import RedisServer, redis_server
 
@@ -15,6 +15,12 @@ from hicached.testing.servers import RedisServer, redis_server
 @pytest.fixture
 def raw(redis_srv: RedisServer) -> redis.Redis:
     return redis.Redis(host=redis_srv.host, port=redis_srv.port)
+
+
+def sent_bytes(raw: redis.Redis) -> int:
+    """Bytes the server has sent to all its clients so far (INFO stats); the session's server
+    has no other client at work while a test runs."""
+    return int(raw.info("stats")["total_net_output_bytes"])
 
 
 def test_values_are_verified_frames(redis_backend: StorageBackend, raw: redis.Redis) -> None:
@@ -58,12 +64,94 @@ def test_a_value_of_another_type_is_a_counted_miss_removed_so_the_page_can_be_st
     assert redis_backend.get(["t/b"]) == [b"b" * 1000]
 
 
-def test_a_destination_of_another_size_is_a_counted_miss(redis_backend: StorageBackend) -> None:
+def test_a_destination_of_another_size_is_a_counted_miss(
+    redis_backend: StorageBackend, raw: redis.Redis
+) -> None:
+    """The value is of another size than the destination's frame: corrupt, and removed (the
+    daemon's L3 names carry its pools' layouts, so its own pages always fit)."""
     assert redis_backend.set(["s/a"], [b"a" * 1000]) == [True]
     before = redis_backend.stats()
     assert redis_backend.get_into(["s/a"], [[memoryview(bytearray(999))]]) == [False]
     after = redis_backend.stats()
     assert (after.hits - before.hits, after.misses - before.misses) == (0, 1)
+    assert (after.corrupt_pages - before.corrupt_pages, raw.exists("s/a")) == (1, 0)
+
+
+def test_a_foreign_oversized_value_is_a_corrupt_miss_never_read_whole(
+    redis_backend: StorageBackend, raw: redis.Redis
+) -> None:
+    """64 MiB that another program stored under a 4 KiB page's name. Before, MGET sent all of it
+    to the daemon (which held it whole) before the frame check refused it; now the server sends
+    at most one byte past the page's frame, and the value is a corrupt miss, removed."""
+    assert redis_backend.set(["big/ok"], [b"o" * 4096]) == [True]
+    raw.set("big/a", b"\xa5" * (64 << 20))
+    before = redis_backend.stats()
+    dests = [bytearray(4096), bytearray(4096)]
+    sent = sent_bytes(raw)
+    assert redis_backend.get_into(["big/a", "big/ok"], [[memoryview(d)] for d in dests]) == [False, True]
+    sent = sent_bytes(raw) - sent
+    assert sent < 64 << 10, f"the server sent {sent} bytes for two 4 KiB pages"
+    assert dests[1] == b"o" * 4096
+    after = redis_backend.stats()
+    assert (after.corrupt_pages - before.corrupt_pages, after.misses - before.misses) == (1, 1)
+    assert raw.exists("big/a") == 0
+    assert redis_backend.set(["big/a"], [b"a" * 4096]) == [True]
+    assert redis_backend.get_into(["big/a"], [[memoryview(dests[0])]]) == [True] and dests[0] == b"a" * 4096
+
+
+@pytest.mark.parametrize("extra", [1, -1], ids=["one-byte-long", "one-byte-short"])
+def test_a_value_of_another_size_than_the_frame_is_a_corrupt_miss_removed(
+    redis_backend: StorageBackend, raw: redis.Redis, extra: int
+) -> None:
+    """A well-formed frame of this very key, one byte longer or shorter than the page asked
+    for. Before, it verified, missed as a destination of another size, was not counted as
+    corrupt and stayed (every set of the key "succeeded" on it, every read missed)."""
+    raw.set("one/a", frame("one/a", [b"f" * (4096 + extra)]))
+    before = redis_backend.stats()
+    dest = bytearray(4096)
+    assert redis_backend.get_into(["one/a"], [[memoryview(dest)]]) == [False]
+    after = redis_backend.stats()
+    assert (after.corrupt_pages - before.corrupt_pages, after.misses - before.misses) == (1, 1)
+    assert raw.exists("one/a") == 0
+    assert redis_backend.set(["one/a"], [b"a" * 4096]) == [True]
+    assert redis_backend.get_into(["one/a"], [[memoryview(dest)]]) == [True] and dest == b"a" * 4096
+
+
+def test_an_empty_string_is_a_corrupt_miss_removed(redis_backend: StorageBackend, raw: redis.Redis) -> None:
+    """GETRANGE answers an empty string as it answers a missing key; the empty one is still
+    found, counted and removed (by the request a batch with a miss makes)."""
+    raw.set("empty/a", b"")
+    before = redis_backend.stats()
+    assert redis_backend.get_into(["empty/a", "empty/none"], [[memoryview(bytearray(10))]] * 2) == [False] * 2
+    assert redis_backend.get(["empty/a"]) == [None]
+    after = redis_backend.stats()
+    assert (after.corrupt_pages - before.corrupt_pages, after.misses - before.misses) == (1, 3)
+    assert raw.exists("empty/a") == 0
+
+
+def test_get_reads_no_value_past_max_value_bytes(redis_srv: RedisServer, raw: redis.Redis) -> None:
+    """``get`` knows no page size; it reads a value up to max_value_bytes, the largest frame
+    set stores. Before, the option did not exist and get read any value whole."""
+    most = 1 << 20
+    backend = create_backend(
+        "redis", {"host": redis_srv.host, "port": redis_srv.port, "max_value_bytes": most}
+    )
+    try:
+        edge = b"e" * (most - FRAME_HEADER.size)
+        assert backend.set(["mv/edge", "mv/over"], [edge, edge + b"!"]) == [True, False]
+        assert raw.exists("mv/edge", "mv/over") == 1  # the page whose frame is over was not stored
+        raw.set("mv/big", b"\x5a" * (16 << 20))
+        before = backend.stats()
+        sent = sent_bytes(raw)
+        assert backend.get(["mv/big", "mv/edge"]) == [None, edge]
+        sent = sent_bytes(raw) - sent
+        assert sent < 2 * most + (64 << 10), f"the server sent {sent} bytes for two values of at most 1 MiB"
+        after = backend.stats()
+        assert (after.corrupt_pages - before.corrupt_pages, after.misses - before.misses) == (1, 1)
+        assert raw.exists("mv/big", "mv/edge") == 1
+    finally:
+        backend.clear("mv/")
+        backend.close()
 
 
 def test_key_prefix_isolation(redis_srv: RedisServer, redis_backend: StorageBackend) -> None:
@@ -112,6 +200,7 @@ def test_closed_backend_is_unavailable(redis_srv: RedisServer) -> None:
         ({"port": 0}, "'port' must be in 1..65535"),
         ({"port": "6379"}, "'port' of storage backend 'redis' = '6379': expected an integer"),
         ({"batch_pages": 0}, "'batch_pages' must be > 0"),
+        ({"max_value_bytes": 31}, "'max_value_bytes' must be >= 32"),
         ({"hots": "x"}, "unknown option"),
     ],
 )

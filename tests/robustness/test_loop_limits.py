@@ -249,7 +249,7 @@ def test_prefetches_running_per_session_are_limited() -> None:
             HiCacheClient(d.admin_target, timeout_s=30.0) as admin,
         ):
             session, bystander = attach_bytes(client, "m-pf"), attach_bytes(client, "m-pf")
-            fake.hang(only=frozenset({b"MGET"}))
+            fake.hang(only=frozenset({b"GETRANGE"}))
             first = session.prefetch(["a0", "a1"])
             fake.wait_unanswered(1, timeout_s=30)  # the I/O thread is inside the first one
             second = session.prefetch(["b0"])
