@@ -203,6 +203,7 @@ _REMOVED: dict[str, str] = {
 OTHER_ENV: dict[str, str] = {
     "HICACHED_CONFIG": "the configuration file",
     "HICACHED_SOCKET": "the daemon address clients connect to",
+    "HICACHED_ADMIN_SOCKET": "the admin socket `hicached status` connects to",
     "HICACHED_PYTHON": "the Python ./dev uses",
     "HICACHED_TORCH": "the torch wheel ./dev installs",
 }
