@@ -9,10 +9,11 @@ import grpc
 from hicached_client._channel import SOCKET_ENV, default_target, normalize_target
 
 
-def add_target_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--socket", help=f"daemon Unix socket (default: ${SOCKET_ENV}, else the daemon's default path)"
-    )
+def add_target_flags(
+    parser: argparse.ArgumentParser,
+    default_help: str = f"${SOCKET_ENV}, else the daemon's default path",
+) -> None:
+    parser.add_argument("--socket", help=f"daemon Unix socket (default: {default_help})")
     parser.add_argument("--target", help="gRPC target instead of --socket (host:port or unix:///path)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
 

@@ -10,7 +10,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hicached_client import HiCacheClient, HiCacheError
-from hicached_client._channel import default_admin_target
+from hicached_client._channel import (
+    ADMIN_SOCKET_ENV,
+    ADMIN_SOCKET_NAME,
+    SOCKET_ENV,
+    default_admin_target,
+)
 from hicached_client.v1 import hicached_pb2 as pb
 
 from hicached.commands._target import add_target_flags, failure_message, target_of
@@ -20,7 +25,11 @@ def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "status", help="show a running daemon's sessions, pools and L3 state"
     )
-    add_target_flags(parser)
+    add_target_flags(
+        parser,
+        default_help=f"${ADMIN_SOCKET_ENV}, else {ADMIN_SOCKET_NAME} next to ${SOCKET_ENV} or the "
+        "daemon's default path: the admin socket, which shows every session",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--health-only",

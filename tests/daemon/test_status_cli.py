@@ -121,3 +121,12 @@ def test_ready_goes_not_serving_while_draining_and_liveness_stays_serving() -> N
         assert alone.returncode == 2 and "--ready goes with --health-only" in alone.stderr
     finally:
         fresh.stop()
+
+
+def test_socket_help_names_the_admin_socket_status_defaults_to() -> None:
+    """Before: ``--socket`` said "default: $HICACHED_SOCKET", but status asks the admin socket
+    ($HICACHED_ADMIN_SOCKET, else admin.sock beside the worker socket)."""
+    out = hicached("status", "--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "default: $HICACHED_ADMIN_SOCKET, else admin.sock next to $HICACHED_SOCKET" in text, text
