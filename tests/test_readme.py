@@ -32,6 +32,20 @@ def test_every_configuration_key_is_documented_with_its_env_var() -> None:
         assert f"`{env}`" in reference, env
 
 
+# Defaults computed at start (from XDG_* and the uid), written in prose in the table.
+COMPUTED_DEFAULTS = {"server.socket", "host.journal_dir", "l3.file.path"}
+
+
+def test_every_configuration_default_is_the_one_config_show_prints() -> None:
+    """Before: `''` and `False` where `config show --keys` prints `""` and `false`."""
+    reference = _section("Configuration")
+    for key, default, _env, _help in describe():
+        if key in COMPUTED_DEFAULTS:
+            continue
+        row = f"| `{key}` | `{default}`"
+        assert row in reference, (row, "the README's default differs from describe()")
+
+
 def test_every_command_has_a_row_in_the_commands_table() -> None:
     """Before: `hicached lookup` existed but had no row."""
     import argparse

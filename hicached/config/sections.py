@@ -154,7 +154,9 @@ class ServerConfig:
     handoff_max_pending: int = _f(256, "Most unused fd handoff tickets in total.")
     handoff_max_pending_per_uid: int = _f(32, "Most unused fd handoff tickets per client uid.")
     fast_lane: bool = _f(
-        True, "Serve the fast lane (<socket>.lane: shared-memory rings for Write/Load; see docs/fastlane.md)."
+        True,
+        "Serve the fast lane (<socket>.lane: shared-memory rings for Write, Load, Resolve, Release and "
+        "GetPages/PutPages/Lookup by given keys; see docs/fastlane.md).",
     )
     fast_lane_max: int = _f(64, "Most fast lanes (open or negotiating) in total; each holds one thread.")
     fast_lane_max_per_session: int = _f(4, "Most open fast lanes per session.")
