@@ -23,7 +23,7 @@ unanswered. Request record::
     REQUEST  <I H H I I Q 32s>   magic 'HCRQ', version, opcode, flags, ntransfers, seq, op_id
     TRANSFER <64s I I I I> x n   pool (utf-8, NUL padded), ndevice, nhost, tflags, reserved=0
     int64 pages                  per transfer: its device pages, then its host pages
-    KEYS <I> + <H> x n + bytes   GetPages/PutPages only: key count, each key's UTF-8 length,
+    KEYS <I> + <H> x n + bytes   GetPages/PutPages/Lookup only: key count, each key's UTF-8 length,
                                  then the keys' bytes back to back
 
 Completion record::
@@ -35,7 +35,8 @@ Completion record::
     bytes), int32 layers x nlayers (a Load's layers in the order they landed)
 
 ``value`` is a Release's freed pages, a GetPages' hit pages and a PutPages' stored pages (its
-existing pages are the keys not stored when ``ok``, else 0, as the core counts them).
+existing pages are the keys not stored when ``ok``, else 0, as the core counts them); a
+Lookup's L2 leading run in the high 32 bits and its L2-or-L3 leading run in the low 32.
 
 Thread-safety: pure functions over buffers the caller owns.
 """
@@ -154,7 +155,7 @@ class Request(NamedTuple):
     seq: int
     op_id: str
     transfers: tuple[WireTransfer, ...]
-    keys: tuple[str, ...] = ()  # GetPages/PutPages only
+    keys: tuple[str, ...] = ()  # GetPages/PutPages/Lookup only
 
 
 @dataclass(frozen=True)
