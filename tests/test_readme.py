@@ -56,3 +56,26 @@ def test_every_command_has_a_row_in_the_commands_table() -> None:
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name in subparsers.choices:
         assert f"| `hicached {name}" in table, name
+
+
+def test_every_command_line_flag_is_documented() -> None:
+    """Before: `keys --full-pages-only`, `config show --format`, `status --target/--timeout` and
+    `lookup`'s layout flags were in no document."""
+    import argparse
+
+    from hicached.cli import build_parser
+
+    docs = README + "".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, subparser in action.choices.items():
+                    walk(subparser, f"{name} {sub}")
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help" and not re.search(rf"{flag}(?![\w-])", docs):
+                    missing.append(f"{name} {flag}")
+
+    walk(build_parser(), "hicached")
+    assert not missing, missing
