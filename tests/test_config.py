@@ -470,3 +470,19 @@ def test_serve_refuses_a_value_that_cannot_work_in_one_line(case: str, tmp_path:
 def test_whole_sizes_with_a_fraction_still_parse() -> None:
     cfg = resolve(cli={"host.budget": "1.5KiB", "copy.max_queued": "0.5MiB"}, env={})
     assert (cfg.host.budget, cfg.copy.max_queued) == (1536, 512 << 10)
+
+
+def test_a_backend_built_from_its_own_defaults_has_the_daemons_defaults() -> None:
+    """Each backend's option dataclass is the one place its defaults live: a backend built
+    from a table with only its required options (as a test or a tool builds one) gets what
+    the daemon's configuration shows. Before, the file backend's own capacity was 64 GiB
+    against the daemon's 16 GiB."""
+    cfg = Config()
+    for name in ("file", "redis", "s3", "mooncake"):
+        section = getattr(cfg.l3, name)
+        required = {
+            f.name: getattr(section, f.name)
+            for f in dataclasses.fields(section)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        assert type(section)(**required) == section, name

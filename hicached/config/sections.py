@@ -231,7 +231,7 @@ class CopyConfig:
 
 
 def _default_file_backend() -> FileBackendConfig:
-    return FileBackendConfig(path=str(default_cache_dir() / "l3"), capacity_bytes=16 << 30)
+    return FileBackendConfig(path=str(default_cache_dir() / "l3"))
 
 
 # Each backend's table ([l3.file], [l3.redis], ...) is that backend's own config dataclass;

@@ -27,7 +27,7 @@ class FileBackendConfig:
 
     path: str = option(help="Directory of the slot files (created if missing; one daemon at a time).")
     capacity_bytes: int = option(
-        64 << 30, help="Bound on the bytes of stored pages (LRU eviction beyond).", parse=parse_size
+        16 << 30, help="Bound on the bytes of stored pages (LRU eviction beyond).", parse=parse_size
     )
     fsync: bool = option(False, help="fdatasync each set batch before acknowledging it (power-loss safe).")
     io_threads: int = option(4, help="Threads issuing one batch's syscalls concurrently (1 = caller only).")
