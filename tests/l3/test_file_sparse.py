@@ -12,7 +12,7 @@ import logging
 import os
 import random
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,6 +23,7 @@ from hicached.l3.file.extents import slots_meeting
 from hicached.l3.file.layout import pack_header, parse_header
 from hicached.l3.file.slabs import Slab
 from hicached.l3.framing import payload_checksum
+from tests.support.mounts import mount, unmount
 
 from .test_file import open_file, page, slab_path
 
@@ -72,28 +73,35 @@ def header_reads(monkeypatch: pytest.MonkeyPatch, opener: Callable[[], T]) -> tu
         return opener(), offsets
 
 
-def skip_unless_holes_listed(file_dir: Path) -> None:
-    """Skips where the filesystem under the test directory does not report holes (the scan then
-    reads every header, see the fallback test)."""
-    file_dir.parent.mkdir(parents=True, exist_ok=True)
-    probe = file_dir.parent / "hole-probe"
-    fd = os.open(probe, os.O_RDWR | os.O_CREAT, 0o600)
+@pytest.fixture
+def holey_dir(tmp_path: Path) -> Iterator[Path]:
+    """A backend directory on a tmpfs mounted for the test: a filesystem that lists holes
+    (``SEEK_DATA``) wherever the suite runs (CI runs as root). The filesystem of the test
+    directory itself may not (the scan then reads every header: the fallback test)."""
+    target = tmp_path / "tmpfs"
+    target.mkdir()
+    why = mount(target, "-t", "tmpfs", "-o", "size=256m", "tmpfs")
+    if why is not None:
+        pytest.fail(f"cannot mount a tmpfs for the sparse-slab tests (CI runs as root): {why}")
     try:
-        os.pwrite(fd, b"x", 1 << 20)
-        if os.lseek(fd, 0, os.SEEK_DATA) == 0:
-            pytest.skip("the filesystem under the test directory does not report holes")
-    except OSError as exc:
-        pytest.skip(f"the filesystem under the test directory cannot list holes: {exc}")
+        probe = target / "hole-probe"
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.pwrite(fd, b"x", 1 << 20)
+            assert os.lseek(fd, 0, os.SEEK_DATA) > 0, "tmpfs reported no hole"
+        finally:
+            os.close(fd)
+            probe.unlink()
+        yield target / "l3"
     finally:
-        os.close(fd)
-        probe.unlink()
+        unmount(target)
 
 
 def test_pages_around_large_holes_read_back_and_the_holes_are_not_read(
-    file_dir: Path, monkeypatch: pytest.MonkeyPatch
+    holey_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fails before the fix: the scan read the header of all ~29,000 slots of the holes."""
-    skip_unless_holes_listed(file_dir)
+    file_dir = holey_dir
     written = sparse_store(file_dir, 64 << 20)
     backend, reads = header_reads(monkeypatch, lambda: open_file(file_dir))
     with backend:
@@ -107,10 +115,10 @@ def test_pages_around_large_holes_read_back_and_the_holes_are_not_read(
 
 
 def test_a_slab_that_is_all_hole_is_not_read_and_fills_from_its_first_slot(
-    file_dir: Path, monkeypatch: pytest.MonkeyPatch
+    holey_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fails before the fix: every one of its 14,564 slot headers was read."""
-    skip_unless_holes_listed(file_dir)
+    file_dir = holey_dir
     file_dir.mkdir(parents=True)
     with slab_path(file_dir).open("wb") as f:
         f.truncate(64 << 20)
