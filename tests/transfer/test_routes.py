@@ -15,7 +15,7 @@ import torch
 
 from hicached.errors import InvalidArgument, OutOfRange
 from hicached.page_arrays import SMALL_BATCH
-from hicached.transfer import Medium
+from hicached.transfer import Medium, routes
 from hicached.transfer.plan import PageCopy
 from hicached.transfer.routes import CopyContext, Staging, copy_cpu_cpu, route, run_copies
 from hicached.transfer.runs import MIN_RUN_PAGES, Run, few_runs, run_starts, runs
@@ -288,6 +288,29 @@ def test_a_set_shared_out_in_parts_is_byte_exact_for_every_copy_shape(kind: str)
     for s, d in zip(srcs, dsts, strict=True):
         assert torch.equal(d[torch.from_numpy(dp)], s[torch.from_numpy(sp)])
         assert torch.count_nonzero(d[torch.from_numpy(untouched)]) == 0
+
+
+def test_a_set_of_long_runs_under_the_limit_stays_on_the_calling_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Runs of at least MIN_PART_BYTES each, 18.8 MiB in all: one tensor copy per run on the
+    calling thread (torch splits it), no hand-off; under a lower limit the same set is shared
+    out. Byte-exact both ways, and nothing outside the destination runs is written."""
+    srcs = [torch.randint(0, 1 << 62, (700, 2048), dtype=torch.int64) for _ in range(2)]  # 16 KiB rows
+    sp = np.r_[0:300, 400:700].astype(np.int64)  # two runs of 300 rows (4.7 MiB each)
+    dp = np.r_[50:350, 360:660].astype(np.int64)
+    for limit, handoffs in ((routes.RUNS_INLINE_MAX_BYTES, 0), (16 << 20, 1)):
+        monkeypatch.setattr(routes, "RUNS_INLINE_MAX_BYTES", limit)
+        dsts = [torch.zeros(700, 2048, dtype=torch.int64) for _ in range(2)]
+        with CountingExecutor(1) as helpers:
+            ctx = CopyContext(helpers=helpers, parallelism=2)
+            run_copies([PageCopy(s, d, sp, dp) for s, d in zip(srcs, dsts, strict=True)], ctx)
+            ctx.close()
+            assert helpers.submitted == handoffs
+        untouched = torch.from_numpy(np.setdiff1d(np.arange(700), dp))
+        for s, d in zip(srcs, dsts, strict=True):
+            assert torch.equal(d[torch.from_numpy(dp)], s[torch.from_numpy(sp)])
+            assert torch.count_nonzero(d[untouched]) == 0
 
 
 def test_the_caller_copies_the_parts_a_busy_helper_has_not_taken() -> None:
