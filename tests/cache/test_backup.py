@@ -289,6 +289,23 @@ class GateFirstSet(Wrapped):
         return super().set_from(keys, srcs)
 
 
+def _write_through(
+    backend: StorageBackend, make_group: MakeGroup, make_index: MakeIndex
+) -> tuple[HostPoolGroup, ContentIndex]:
+    """A group of 8 pages and its index over ``backend`` (write_through, two I/O threads)."""
+    group = make_group(8)
+    return group, make_index(group, backend)
+
+
+def _clear_during_first_write(
+    index: ContentIndex, group: HostPoolGroup, backend: GateFirstSet, keys: list[str]
+) -> None:
+    """Publish ``keys`` (write-through) and clear them while their L3 write is held at the gate."""
+    index.publish(keys, write_pages(group, len(keys), seed=5))
+    assert backend.entered.wait(30)  # the first entries' write is in flight
+    assert index.clear() == (len(keys), 0)
+
+
 def test_a_cleared_entrys_late_write_does_not_delete_the_copy_of_its_key_published_again(
     make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
 ) -> None:
@@ -296,13 +313,10 @@ def test_a_cleared_entrys_late_write_does_not_delete_the_copy_of_its_key_publish
     again and backed up, and its orphan delete removed that copy while the index still counted
     the key as in L3 (evicted without a write, it was then lost)."""
     backend = GateFirstSet(create_backend("file", {"path": str(tmp_path / "l3")}))
-    group = make_group(8)
-    index = make_index(group, backend)  # write_through, two I/O threads
+    group, index = _write_through(backend, make_group, make_index)
     keys = keys_of("c", 2)
     try:
-        index.publish(keys, write_pages(group, 2, seed=5))
-        assert backend.entered.wait(30)  # the first entries' write is in flight
-        assert index.clear() == (2, 0)
+        _clear_during_first_write(index, group, backend, keys)
         index.publish(keys, write_pages(group, 2, seed=5))  # the same keys again, written at once
         assert index.backup(keys, wait=True, timeout_s=30) == BackupResult(2, 2)
     finally:
@@ -338,17 +352,14 @@ def test_a_key_published_again_during_its_orphan_delete_is_not_counted_in_l3(
     found it an orphan but before that orphan's delete ran; the delete removed the new copy
     while the index counted the key as in L3 (evicted without a write, it was then lost)."""
     backend = GateDelete(create_backend("file", {"path": str(tmp_path / "l3")}))
-    group = make_group(8)
-    index = make_index(group, backend)  # write_through, two I/O threads
+    group, index = _write_through(backend, make_group, make_index)
     keys = keys_of("o", 2)
     try:
-        index.publish(keys, write_pages(group, 2, seed=6))
-        assert backend.entered.wait(30)  # the first entries' write is in flight
-        assert index.clear() == (2, 0)
+        _clear_during_first_write(index, group, backend, keys)
         backend.arm.set()
         backend.gate.set()  # the late write lands: its keys are orphans, their delete waits
         assert backend.deleting.wait(30)
-        index.publish(keys, write_pages(group, 2, seed=6))
+        index.publish(keys, write_pages(group, 2, seed=5))
         index.backup(keys, wait=True, timeout_s=30)  # written while the orphan delete is pending
     finally:
         backend.gate.set()
