@@ -168,8 +168,9 @@ def run_copies(copies: Sequence[PageCopy], ctx: CopyContext) -> None:
     copies of one pool share their arrays across layers: one analysis for all of them).
     The parts are taken from one list by the caller and the helpers alike, largest first
     (:func:`_parts`), so a helper that wakes late or runs on a busier core takes fewer
-    of them instead of making the caller wait at the end. A set of a few long runs under
-    RUNS_INLINE_MAX_BYTES stays on the calling thread: torch splits each run itself.
+    of them instead of making the caller wait at the end. A set of long runs (each at
+    least MIN_PART_BYTES) under RUNS_INLINE_MAX_BYTES stays on the calling thread, torch
+    splitting each run.
     """
     threads = 1
     if ctx.helpers is not None and ctx.parallelism > 1:
