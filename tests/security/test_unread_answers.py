@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import h2.config
 import h2.connection
+import h2.events
 import numpy as np
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session
@@ -78,6 +79,25 @@ class NonReader:
             self._h2.send_data(stream, b"\0" + struct.pack(">I", len(request)) + request, end_stream=True)
         self._sock.sendall(self._h2.data_to_send())
 
+    def wait_ended(self, calls: int, timeout_s: float) -> int:
+        """Read what the daemon sent until ``calls`` streams ended (refused calls end with their
+        status; a held answer cannot end, its window being closed) and return how many did.
+
+        Frames are parsed and nothing is sent back: no window update, no settings ack, so no
+        answer can be delivered."""
+        ended, end = 0, time.monotonic() + timeout_s
+        while ended < calls and time.monotonic() < end:
+            self._sock.settimeout(max(0.01, end - time.monotonic()))
+            try:
+                data = self._sock.recv(65536)
+            except TimeoutError:
+                break
+            if not data:
+                break
+            events = self._h2.receive_data(data)
+            ended += sum(isinstance(e, (h2.events.StreamEnded, h2.events.StreamReset)) for e in events)
+        return ended
+
     def close(self) -> None:
         self._sock.close()
 
@@ -87,18 +107,6 @@ def rss(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
-
-
-def refusal(session: Session, keys: list[str], deadline_s: float) -> HiCacheError | None:
-    """Ask until the daemon refuses (its answers to the non-reader are built on its own
-    schedule); None when it still answers at the deadline."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            assert session.get_bytes(keys).hit_pages == len(keys)
-        except HiCacheError as exc:
-            return exc
-    return None
 
 
 OTHER = """
@@ -120,10 +128,11 @@ with HiCacheClient(sys.argv[1], timeout_s=30) as client:
 def test_a_peer_that_never_reads_its_answers_holds_at_most_its_limit_and_no_other_peer_waits(
     daemon: Daemon,
 ) -> None:
-    """Fails before the fix: every call of the non-reader was answered and held (RSS grew by
-    308 MiB for 32 answers of 3 MiB; 22 MiB after), and the peer's next call was not refused."""
+    """Fails before the fix: every call of the non-reader was answered and held, none refused
+    (RSS grew by 308 MiB for 32 answers of 3 MiB; 22 MiB after), and the peer's next call was
+    answered too."""
     with HiCacheClient(daemon.target, timeout_s=30) as client:
-        session = attach_bytes(client, MODEL)
+        session = attach_bytes(client, MODEL, lease_ms=60_000)  # no heartbeats: no wait below outlasts it
         keys = [uuid.uuid4().hex for _ in range(KEYS)]
         rng = np.random.default_rng(5)
         pages = [PageBytes(k, "kv", rng.integers(0, 256, PAGE_BYTES, dtype=np.uint8).tobytes()) for k in keys]
@@ -132,8 +141,12 @@ def test_a_peer_that_never_reads_its_answers_holds_at_most_its_limit_and_no_othe
         stranger = NonReader(daemon.target)
         try:
             stranger.get_bytes(session, keys, CALLS)
-            refused = refusal(session, keys, deadline_s=20)
-            assert refused is not None, "the peer's calls were still answered with its answers unread"
+            # Every call but the two held answers (6 MiB; a third is over the limit) is refused
+            # before this peer calls again: else a call of its own could take the second slot.
+            assert stranger.wait_ended(CALLS - 2, timeout_s=30) == CALLS - 2
+            with pytest.raises(HiCacheError) as caught:
+                session.get_bytes(keys)  # the peer holds 6 MiB unread: 3 MiB more are over 8
+            refused = caught.value
             assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
             assert "limits.max_unread_answer_bytes_per_peer" in refused.message, refused.message
             assert "uid:0" in refused.message and len(refused.message) < 400
