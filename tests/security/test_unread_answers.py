@@ -2,7 +2,8 @@
 
 gRPC keeps an answer its peer does not read until the peer reads it or the connection is
 dropped. A raw HTTP/2 client here (the ``h2`` package: the client library always reads)
-sends GetBytes calls and never reads a byte back. The daemon counts those answers against
+sends GetBytes calls and never takes an answer (it grants no flow-control window and
+acknowledges nothing; it only sees which calls end). The daemon counts those answers against
 the peer that attached the session (``limits.max_unread_answer_bytes_per_peer``): past it,
 that peer's calls are refused, another uid's are not, and the bytes come back once the
 connection closes. CI runs as root, so the second uid exists.
@@ -52,7 +53,7 @@ def daemon() -> Iterator[Daemon]:
 
 
 class NonReader:
-    """An HTTP/2 connection to the daemon's socket that sends GetBytes calls and reads nothing."""
+    """An HTTP/2 connection to the daemon's socket that sends GetBytes calls and takes no answer."""
 
     def __init__(self, target: str) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
