@@ -109,13 +109,21 @@ class BackupQueue(Generic[E]):
     def begin_eviction(self) -> bool:
         """Claim the one write-back eviction slot; False while an eviction is in flight.
 
-        The claimer must call :meth:`reserve_eviction` next (with 0 if it evicts nothing).
+        The claimer must call :meth:`reserve_eviction` next (with 0 if it evicts nothing), or
+        :meth:`cancel_eviction` if it failed before.
         """
         with self._cond:
             if self._eviction is not None:
                 return False
             self._eviction = 0
             return True
+
+    def cancel_eviction(self) -> None:
+        """Give the claimed slot back when :meth:`reserve_eviction` was never called (the
+        claimer failed first); a no-op once it was."""
+        with self._cond:
+            if self._eviction == 0:  # reserved ones never read 0: at 0 the slot is freed (None)
+                self._eviction = None
 
     # ------------------------------------------------------------ running
 

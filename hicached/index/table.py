@@ -348,12 +348,14 @@ class EntryTable:
             dirty = [e for e in victims if not e.in_l3] if hold_dirty else []
             for entry in dirty:  # a clear meanwhile must reach them (detach)
                 self._held[id(entry)] = entry
+            self._counts["evicted"] += len(victims)
+            self._drop_refs_locked([e for e in victims if not (hold_dirty and not e.in_l3)], pinned=False)
+            # Reserved last: whatever raised before left the caller's eviction slot unreserved,
+            # for it to give back (Writer.evict_ahead), not reserved for writes nobody runs.
             if queue_dirty is not None:  # (a victim had no hold, so no backup was queued for it)
                 for entry in dirty:
                     entry.backup_queued = True
                 queue_dirty(len(dirty))
-            self._counts["evicted"] += len(victims)
-            self._drop_refs_locked([e for e in victims if not (hold_dirty and not e.in_l3)], pinned=False)
             return len(victims), dirty
 
     def detach(self, tenant: str | None) -> tuple[int, set[str] | None]:

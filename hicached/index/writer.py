@@ -121,7 +121,11 @@ class Writer:
         want = max(int(a.capacity * 2 * fraction) - a.available() for a in allocators)
         if not self.queue.begin_eviction():
             return
-        evicted, dirty = self._table.evict(want, hold_dirty=True, queue_dirty=self.queue.reserve_eviction)
+        try:
+            evicted, dirty = self._table.evict(want, hold_dirty=True, queue_dirty=self.queue.reserve_eviction)
+        except BaseException:
+            self.queue.cancel_eviction()  # or no eviction ahead would ever run again
+            raise
         self.queue.run_eviction(dirty)
         if evicted:
             self._obs.evicted("l2", "lru", evicted)
