@@ -121,10 +121,12 @@ def check_owned(session: Session, state: GroupState, transfers: Iterable[PoolTra
             continue
         owner_pool = state.group.get_entry(t.name).indices_from_pool or t.name
         allocated = state.pool(owner_pool).allocator.is_allocated(t.host_indices)
+        owned = session.ledger.owns(owner_pool, t.host_indices)
+        if (allocated & owned).all():  # one reduction on the common path, each ~1 us
+            continue
         if not allocated.all():
             page = int(t.host_indices[~allocated][0])
             raise DoubleFree(f"host page {page} of pool {owner_pool!r} is not allocated (already freed?)")
-        owned = session.ledger.owns(owner_pool, t.host_indices)
         if not owned.all():
             page = int(t.host_indices[~owned][0])
             raise PermissionDenied(

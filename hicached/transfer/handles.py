@@ -56,6 +56,11 @@ _MEDIA = {m.value: m for m in Medium}  # a dict lookup: Medium(...) costs ~10x m
 
 def medium_of(tensor: torch.Tensor) -> Medium:
     """The medium of a tensor; InvalidArgument for devices the daemon cannot copy."""
+    # Read per copy: the two flags cost ~70 ns each, ``tensor.device`` ~300 (a new object).
+    if tensor.is_cpu:
+        return Medium.CPU
+    if tensor.is_cuda:
+        return Medium.CUDA
     medium = _MEDIA.get(tensor.device.type)
     if medium is None:
         raise InvalidArgument(f"unsupported tensor device {tensor.device}")

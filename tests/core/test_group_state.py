@@ -8,7 +8,7 @@ import pytest
 from hicached.core.group_state import count
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 16, 17, 64, 65, 200, 1000])
+@pytest.mark.parametrize("n", [0, 1, 2, 4, 5, 16, 17, 64, 65, 200, 1000])
 @pytest.mark.parametrize("order", ["ascending", "shuffled", "repeats"])
 def test_count_adds_each_listed_page_as_add_at_does(n: int, order: str) -> None:
     rng = np.random.default_rng(n)
