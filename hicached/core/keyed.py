@@ -29,6 +29,7 @@ from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
 from hicached.core.types import Ack
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from hicached.index.entries import check_keys
 from hicached.index.index import ContentIndex
 from hicached.index.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
 from hicached.l2.group import PoolTransfer
@@ -173,8 +174,11 @@ class KeyedCache:
         self, session_id: str, op_id: str, keys: Sequence[str], transfers: Sequence[PoolTransfer]
     ) -> PutResult:
         """Device -> new host pages -> published; keys already cached are skipped."""
+        # Before any allocation or eviction (the index's publish refuses them too, but only after
+        # both: another tenant's entries would be evicted for a put that is then refused).
+        check_keys(keys, unique=True)
         session, state, index, keys = self._scoped(session_id, keys)
-        index.check_storable(keys)  # before any allocation or eviction
+        index.check_storable(keys)
         tenant = session.worker.tenant
         data = self.core.data
         checked = data.check_transfers(session, state, transfers, host="forbidden")

@@ -177,9 +177,22 @@ def transfer_in(t: tpb.PoolTransfer) -> PoolTransfer:
     )
 
 
-def batch_in(batch: tpb.TransferBatch, anchor: str) -> list[PoolTransfer]:
-    """Transfers of a batch; the primary pages become the anchor pool's transfer."""
-    out = [transfer_in(t) for t in batch.transfers]
+def transfers_in(transfers: Sequence[tpb.PoolTransfer], *, max_pools: int) -> list[PoolTransfer]:
+    """A request's transfers, converted on the event loop (~4 us each): first refused when there
+    are more than pools a group may have (a batch names each pool at most once), so that one
+    request of a million empty transfers cannot hold the loop for seconds."""
+    if len(transfers) > max_pools:
+        raise InvalidArgument(
+            f"{len(transfers)} transfers in one request: a request names each pool at most once, "
+            f"and a group has at most limits.max_buffers_per_attach={max_pools} pools"
+        )
+    return [transfer_in(t) for t in transfers]
+
+
+def batch_in(batch: tpb.TransferBatch, anchor: str, *, max_pools: int) -> list[PoolTransfer]:
+    """Transfers of a batch (:func:`transfers_in`); the primary pages become the anchor pool's
+    transfer."""
+    out = transfers_in(batch.transfers, max_pools=max_pools)
     if len(batch.primary_device_pages) or len(batch.primary_host_pages):
         if any(t.name == anchor for t in out):
             raise InvalidArgument(

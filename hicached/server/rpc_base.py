@@ -13,7 +13,7 @@ lane's thread and touches only the (thread-safe) core.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -22,7 +22,7 @@ from hicached_client.v1 import types_pb2 as tpb
 
 from hicached.config import LimitsConfig
 from hicached.core.service import HiCacheCore
-from hicached.core.types import Ack
+from hicached.core.types import Ack, PoolTransfer
 from hicached.errors import PermissionDenied, Unimplemented, clip
 from hicached.l3.stats_cache import StatsCache
 from hicached.server import convert
@@ -67,6 +67,14 @@ class ServicerBase:
 
     def anchor(self, session_id: str) -> str:
         return self.core.anchor_pool(session_id)
+
+    def batch_in(self, batch: tpb.TransferBatch, session_id: str) -> list[PoolTransfer]:
+        """A request's batch as the core takes it (:func:`convert.batch_in`, bounded)."""
+        return convert.batch_in(batch, self.anchor(session_id), max_pools=self.limits.max_buffers_per_attach)
+
+    def transfers_in(self, transfers: Sequence[tpb.PoolTransfer]) -> list[PoolTransfer]:
+        """A request's list of transfers (:func:`convert.transfers_in`, bounded)."""
+        return convert.transfers_in(transfers, max_pools=self.limits.max_buffers_per_attach)
 
     def hold_answer(self, context: Ctx, session_id: str, nbytes: int, what: str) -> None:
         """Count an answer of up to ``nbytes`` against the peer that attached ``session_id``

@@ -107,7 +107,7 @@ class KeyedRpcs(ServicerBase):
 
     async def Publish(self, request: pb.PublishRequest, context: Ctx) -> pb.PublishResponse:
         keys, _ = await self.keys_of(request.session_id, request.keys)
-        transfers = [convert.transfer_in(t) for t in request.transfers]
+        transfers = self.transfers_in(request.transfers)
         published, existing = await self.offload(
             "Publish",
             self.keyed.publish,
@@ -122,7 +122,7 @@ class KeyedRpcs(ServicerBase):
     async def PutPages(self, request: pb.PutPagesRequest, context: Ctx) -> pb.PutPagesResponse:
         no_fence(request.ready)
         keys, _ = await self.keys_of(request.session_id, request.keys)
-        transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+        transfers = self.batch_in(request.batch, request.session_id)
         r = await self.offload(
             "PutPages",
             self.keyed.put_pages,
@@ -142,7 +142,7 @@ class KeyedRpcs(ServicerBase):
 
     async def GetPages(self, request: pb.GetPagesRequest, context: Ctx) -> pb.GetPagesResponse:
         keys, _ = await self.keys_of(request.session_id, request.keys)
-        transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+        transfers = self.batch_in(request.batch, request.session_id)
         hit, acks = await self.offload(
             "GetPages",
             self.keyed.get_pages,

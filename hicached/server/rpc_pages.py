@@ -52,7 +52,7 @@ class PageRpcs(ServicerBase):
     async def ResolveTransfers(
         self, request: pb.ResolveTransfersRequest, context: Ctx
     ) -> pb.ResolveTransfersResponse:
-        transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+        transfers = self.batch_in(request.batch, request.session_id)
         result = await self.offload(
             "ResolveTransfers",
             self.core.resolve,
@@ -66,7 +66,7 @@ class PageRpcs(ServicerBase):
     async def ReleaseTransfers(
         self, request: pb.ReleaseTransfersRequest, context: Ctx
     ) -> pb.ReleaseTransfersResponse:
-        transfers = [convert.transfer_in(t) for t in request.transfers]
+        transfers = self.transfers_in(request.transfers)
         freed = await self.offload(
             "ReleaseTransfers",
             self.core.release,
@@ -81,7 +81,7 @@ class PageRpcs(ServicerBase):
 
     async def Write(self, request: pb.WriteRequest, context: Ctx) -> pb.WriteResponse:
         no_fence(request.ready)
-        transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+        transfers = self.batch_in(request.batch, request.session_id)
         result = await self.offload(
             "Write",
             self.core.write,
@@ -97,7 +97,7 @@ class PageRpcs(ServicerBase):
 
     async def Load(self, request: pb.LoadRequest, context: Ctx) -> AsyncIterator[pb.LoadProgress]:
         def call(on_layer: Callable[[int], None] | None) -> tuple[Ack, ...]:
-            transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+            transfers = self.batch_in(request.batch, request.session_id)
             return self.core.load(request.session_id, request.op_id, transfers, on_layer=on_layer)
 
         async for msg in self.stream_layers("Load", request.layer_progress, call, session=request.session_id):
@@ -107,7 +107,7 @@ class PageRpcs(ServicerBase):
 
     async def RetractBackup(self, request: pb.RetractBackupRequest, context: Ctx) -> pb.RetractBackupResponse:
         no_fence(request.ready)
-        transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+        transfers = self.batch_in(request.batch, request.session_id)
         result = await self.offload(
             "RetractBackup",
             self.core.retract_backup,
@@ -130,7 +130,7 @@ class PageRpcs(ServicerBase):
         self, request: pb.RetractRestoreRequest, context: Ctx
     ) -> AsyncIterator[pb.LoadProgress]:
         def call(on_layer: Callable[[int], None] | None) -> tuple[Ack, ...]:
-            transfers = convert.batch_in(request.batch, self.anchor(request.session_id))
+            transfers = self.batch_in(request.batch, request.session_id)
             return self.core.retract_restore(
                 request.session_id, request.op_id, request.backup_id, transfers, on_layer=on_layer
             )

@@ -22,7 +22,7 @@ from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session, Tok
 
 from tests.security.roles_helpers import launch, scratch_dir
 from tests.support.daemon import Daemon
-from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
+from tests.support.kv import DEVICE_PAGES, PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
 from tests.support.state import snapshot
 
 MODEL = "m-tenants"
@@ -157,3 +157,31 @@ def test_pages_fetched_from_l3_keep_their_tenant(l3: Path, made: list[WorkerPool
                 assert a.lookup(raw).l2_hit_pages == 0
     finally:
         second.stop()
+
+
+def test_a_refused_put_of_a_repeated_key_evicts_no_other_tenants_pages(
+    l3: Path, made: list[WorkerPools]
+) -> None:
+    """Before: the put allocated its two host pages (evicting two of tenant B's eight entries
+    from the full pool) and copied into them before the index refused the repeated key."""
+    daemon = start(l3)
+    try:
+        with HiCacheClient(daemon.target, timeout_s=30) as client:
+            ratio = PAGES / DEVICE_PAGES  # one group of 8 host pages for both tenants
+
+            def attach_small(tenant: str, seed: int) -> Session:
+                identity = WorkerIdentity(unique_tag("tn"), generation=1, model_name=MODEL, tenant=tenant)
+                return client.attach(identity, pools_of(made, seed).specs(host_ratio=ratio))
+
+            with attach_small("tenant-b", 31) as b, attach_small("tenant-a", 32) as a:
+                keys = [f"b{i}" for i in range(PAGES)]
+                assert b.put_pages(keys, transfers(SRC)).stored_pages == PAGES
+                before = admin_state(daemon)
+                with pytest.raises(HiCacheError) as refused:
+                    a.put_pages(["x", "x"], transfers([0, 1]))
+                assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+                assert "'x' is listed more than once" in refused.value.message
+                assert b.lookup(keys).l2_hit_pages == PAGES
+                assert admin_state(daemon) == before
+    finally:
+        daemon.stop()
