@@ -160,7 +160,7 @@ class ServerConfig:
     )
     fast_lane_max: int = _f(64, "Most fast lanes (open or negotiating) in total; each holds one thread.")
     fast_lane_max_per_session: int = _f(4, "Most open fast lanes per session.")
-    fast_lane_max_per_uid: int = _f(16, "Most open fast lanes per client uid (SO_PEERCRED).")
+    fast_lane_max_per_uid: int = _f(16, "Most fast lanes (open or negotiating) per client uid (SO_PEERCRED).")
     copy_threads: int = _f(
         16, "Threads that run copy-bound RPCs (Write, Load, PutPages, GetPages, PutBytes, Detach...)."
     )

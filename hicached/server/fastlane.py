@@ -36,6 +36,7 @@ from hicached_client.lane_wire import SUFFIX
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.server.handoff import ACCEPT_PAUSE_S as HANDOFF_ACCEPT_PAUSE_S
+from hicached.server.handoff import peer_cred
 from hicached.server.lane import Lane, Refused
 from hicached.server.observer import NullRpcObserver, RpcObserver
 
@@ -94,7 +95,8 @@ class LaneServer:
         self._threads: dict[Lane, threading.Thread] = {}  # joined at close()
         self._open = 0  # lanes counted against max_lanes: started and not yet released
         self._per_session: Counter[str] = Counter()
-        self._per_uid: Counter[int] = Counter()
+        self._per_uid: Counter[int] = Counter()  # lanes open or negotiating, by SO_PEERCRED uid
+        self._uid_of: dict[Lane, int] = {}
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
@@ -184,9 +186,26 @@ class LaneServer:
             raise
 
     def _start_lane(self, conn: socket.socket) -> None:
+        # Counted per uid from accept on, not from admission: a uid holding idle connections
+        # that never negotiate would otherwise hold every slot of max_lanes (and as many
+        # threads) and lock every other user out.
+        try:
+            uid = peer_cred(conn).uid
+        except OSError:
+            uid = -1  # no credentials: one shared bucket
+        refusal = ""
         with self._lock:
-            if self._open >= self._max_lanes:
+            if self._per_uid[uid] >= self._max_per_uid:
                 lane = None
+                refusal = (
+                    f"uid {uid} already has {self._max_per_uid} fast lanes open or opening "
+                    "(server.fast_lane_max_per_uid); close one or use gRPC"
+                )
+            elif self._open >= self._max_lanes:
+                lane = None
+                refusal = (
+                    f"{self._max_lanes} fast lanes are open (server.fast_lane_max); use gRPC or retry later"
+                )
             else:
                 lane = Lane(
                     self._core,
@@ -199,12 +218,11 @@ class LaneServer:
                 )
                 thread = threading.Thread(target=self._run, args=(lane,), name="hicached-lane", daemon=True)
                 self._threads[lane] = thread
+                self._uid_of[lane] = uid
+                self._per_uid[uid] += 1
                 self._open += 1
         if lane is None:
-            _refuse(
-                conn,
-                f"{self._max_lanes} fast lanes are open (server.fast_lane_max); use gRPC or retry later",
-            )
+            _refuse(conn, refusal)
             return
         try:
             thread.start()
@@ -215,6 +233,7 @@ class LaneServer:
             with self._lock:
                 self._threads.pop(lane, None)
                 self._open -= 1  # its run() never started, so never releases
+                self._drop_uid(lane)
             logger.warning("fast lane refused: cannot start its thread: %s", exc, extra={"event": "lane"})
             _refuse(conn, f"the daemon cannot start a thread for this lane ({exc}); use gRPC or retry later")
 
@@ -225,8 +244,9 @@ class LaneServer:
             with self._lock:
                 self._threads.pop(lane, None)
 
-    def _admit(self, lane: Lane, session_id: str, uid: int) -> None:
-        """Count ``lane`` against its session's and its uid's limits (Refused when reached)."""
+    def _admit(self, lane: Lane, session_id: str) -> None:
+        """Count ``lane`` against its session's limit (Refused when reached); its uid was
+        counted at accept (the same ``SO_PEERCRED``)."""
         with self._lock:
             if self._per_session[session_id] >= self._max_per_session:
                 raise Refused(
@@ -234,27 +254,27 @@ class LaneServer:
                     f"session {session_id[:16]!r} already has {self._max_per_session} fast lanes "
                     "(server.fast_lane_max_per_session); close one or use gRPC",
                 )
-            if self._per_uid[uid] >= self._max_per_uid:
-                raise Refused(
-                    "RESOURCE_EXHAUSTED",
-                    f"uid {uid} already has {self._max_per_uid} fast lanes (server.fast_lane_max_per_uid); "
-                    "close one or use gRPC",
-                )
             self._per_session[session_id] += 1
-            self._per_uid[uid] += 1
 
     def _release(self, lane: Lane, admitted: bool) -> None:
-        """``lane`` is ending: its slot of ``max_lanes``, and its session's and uid's slots where
+        """``lane`` is ending: its slot of ``max_lanes`` and its uid's, and its session's where
         ``admitted`` (called once per started lane, from its thread)."""
         with self._lock:
             self._open -= 1
+            self._drop_uid(lane)
             if not admitted:
                 return
             self._per_session[lane.session_id] -= 1
-            self._per_uid[lane.uid] -= 1
-            # Drop zero counts: the counters hold only live sessions and uids.
-            self._per_session += Counter()
-            self._per_uid += Counter()
+            self._per_session += Counter()  # drop zero counts: only live sessions are held
+
+    def _drop_uid(self, lane: Lane) -> None:
+        """Under the lock: ``lane``'s uid slot is free (once; zero counts are dropped)."""
+        uid = self._uid_of.pop(lane, None)
+        if uid is None:
+            return
+        self._per_uid[uid] -= 1
+        if self._per_uid[uid] <= 0:
+            del self._per_uid[uid]
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, end every lane (each finishes its current op), unlink our socket. Idempotent."""

@@ -110,7 +110,7 @@ class Lane:
         conn: socket.socket,
         *,
         stop_fd: int,
-        admit: Callable[[Lane, str, int], None],
+        admit: Callable[[Lane, str], None],
         release: Callable[[Lane, bool], None],
         observe: RpcObserver,
     ) -> None:
@@ -122,7 +122,6 @@ class Lane:
         self._release = release
         self._observe = observe
         self.session_id = ""
-        self.uid = -1
         self._session: Session | None = None
         self._ring: mmap.mmap | None = None
         self._view: memoryview | None = None
@@ -171,8 +170,8 @@ class Lane:
         for fd in efds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        # Every exit path gives the lane's slots back (the per-session and per-uid ones where
-        # admit() counted it), before the EOF below: the client's close() waits for that EOF, so
+        # Every exit path gives the lane's slots back (its uid's, counted at accept, and its
+        # session's where admit() counted it), before the EOF below: the client's close() waits for that EOF, so
         # once it returns a new lane counts against every limit without this one.
         admitted, self._admitted = self._admitted, False
         self._release(self, admitted)
@@ -231,8 +230,7 @@ class Lane:
             )  # fmt: skip
         self.session_id = session_id
         self._session = session
-        self.uid = cred.uid
-        self._admit(self, session_id, cred.uid)  # raises Refused at the lane limits
+        self._admit(self, session_id)  # raises Refused at the session's lane limit
         self._admitted = True
         fds = self._create_ring()
         try:

@@ -12,6 +12,7 @@ close() returns, and a refusal at accept reaches a client whose send met a broke
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import resource
@@ -19,6 +20,8 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -207,3 +210,62 @@ def test_a_refusal_at_accept_reaches_the_client_after_a_broken_pipe(
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
     assert "server.fast_lane_max" in err.value.message
     FastLane.open(one_lane).close()  # the refused connection took no slot
+
+
+# Run as ``nobody``: four lane connections that never negotiate; prints what the last two were
+# answered, then holds the first two until a line arrives on stdin.
+_IDLE_CONNECTIONS = """
+import socket, sys
+held = []
+for _ in range(4):
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(sys.argv[1])
+    held.append(conn)
+answers = []
+for conn in held[2:]:
+    conn.settimeout(10.0)
+    answers.append(conn.recv(300).decode())
+print(repr(answers), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_idle_connections_of_one_uid_leave_lanes_for_the_others() -> None:
+    """Fails before the fix: lanes were counted per uid only once negotiated, so another uid's
+    connections that never send a line held every slot of ``server.fast_lane_max`` (and a
+    thread each) for the negotiation timeout, again and again, and no other user got a lane.
+    Now a uid's connections count from accept: its third is refused at once, naming the key."""
+    d = start_daemon(
+        "--set", "server.socket_mode=0o666",
+        "--set", "server.fast_lane_max=4", "--set", "server.fast_lane_max_per_uid=2",
+    )  # fmt: skip
+    pools = WorkerPools.create(unique_tag("fl-idle"))
+    attacker = None
+    try:
+        lane_socket = d.target.removeprefix("unix:") + ".lane"
+        attacker = subprocess.Popen(
+            [*_as_nobody(), sys.executable, "-c", _IDLE_CONNECTIONS, lane_socket],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert attacker.stdout is not None and attacker.stdin is not None
+        answers = attacker.stdout.readline()
+        assert answers, attacker.communicate(timeout=30)
+        for answer in ast.literal_eval(answers):
+            assert answer.startswith(f"error RESOURCE_EXHAUSTED uid {NOBODY} already has 2 fast lanes"), (
+                answer
+            )
+            assert "server.fast_lane_max_per_uid" in answer, answer
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            session = client.attach(WorkerIdentity("w-idle", 1, "m-idle"), pools.specs())
+            with FastLane.open(session) as lane:  # two of the four slots are still free
+                lane.ping()
+            session.close()
+    finally:
+        if attacker is not None:
+            attacker.communicate("\n", timeout=30)
+        pools.kv.close()
+        pools.draft.close()
+        d.stop()
