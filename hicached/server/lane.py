@@ -232,7 +232,13 @@ class Lane:
         self._session = session
         self._admit(self, session_id)  # raises Refused at the session's lane limit
         self._admitted = True
-        fds = self._create_ring()
+        try:
+            fds = self._create_ring()
+        except OSError as exc:  # out of descriptors or memory: the client is told, like any limit
+            raise Refused(
+                "RESOURCE_EXHAUSTED",
+                f"the daemon cannot create this lane's ring: {exc.strerror or exc}; use gRPC or retry later",
+            ) from None
         try:
             self._conn.settimeout(NEGOTIATE_TIMEOUT_S)
             socket.send_fds(self._conn, [b"ok v1\n"], fds)

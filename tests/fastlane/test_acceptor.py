@@ -242,7 +242,7 @@ def test_idle_connections_of_one_uid_leave_lanes_for_the_others() -> None:
     pools = WorkerPools.create(unique_tag("fl-idle"))
     attacker = None
     try:
-        lane_socket = d.target.removeprefix("unix:") + ".lane"
+        lane_socket = f"{d.socket}.lane"
         attacker = subprocess.Popen(
             [*_as_nobody(), sys.executable, "-c", _IDLE_CONNECTIONS, lane_socket],
             stdin=subprocess.PIPE,
@@ -266,6 +266,47 @@ def test_idle_connections_of_one_uid_leave_lanes_for_the_others() -> None:
     finally:
         if attacker is not None:
             attacker.communicate("\n", timeout=30)
+        pools.kv.close()
+        pools.draft.close()
+        d.stop()
+
+
+# Every eventfd the daemon asks for fails as if it were out of descriptors (only lanes use them).
+NO_EVENTFD = """
+import errno, os
+def _no_eventfd(*args, **kwargs):
+    raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+os.eventfd = _no_eventfd
+"""
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_ring_the_daemon_cannot_create_is_refused_with_the_reason() -> None:
+    """Fails before the fix: the OSError left the negotiation as a failure (a traceback in the
+    daemon's log) and the client read a bare EOF. Now it reads RESOURCE_EXHAUSTED naming the
+    error, nothing stays open, and gRPC goes on."""
+    d = serve_patched(NO_EVENTFD)
+    pools = WorkerPools.create(unique_tag("fl-ring"))
+    try:
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            session = client.attach(WorkerIdentity("w-ring", 1, "m-ring"), pools.specs())
+            with pytest.raises(HiCacheError) as first:
+                FastLane.open(session)
+            fds = _open_fds(d.process.pid)
+            for _ in range(5):
+                with pytest.raises(HiCacheError) as refused:
+                    FastLane.open(session)
+                assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+                assert "Too many open files" in refused.value.message, refused.value.message
+            assert first.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED, first.value
+            assert _open_fds(d.process.pid) == fds
+            client.ping()
+            session.close()
+        assert not log_lines(d, "fast lane failed"), d.log[-3000:]
+    finally:
         pools.kv.close()
         pools.draft.close()
         d.stop()
