@@ -71,6 +71,13 @@ def check_id_values(fields: Iterable[tuple[str, object]], limits: LimitsConfig) 
             _check_string(name, value, limits.max_identity_bytes, "limits.max_identity_bytes")
 
 
+def check_pool_names(what: str, names: Iterable[str], limits: LimitsConfig) -> None:
+    """The pool named by each of a request's transfers or pages (``what``), within
+    ``limits.max_identity_bytes``."""
+    for i, name in enumerate(names):
+        _check_string(f"{what}[{i}].pool", name, limits.max_identity_bytes, "limits.max_identity_bytes")
+
+
 def check_identity(identity: Any, limits: LimitsConfig) -> None:
     """The attach identity's strings (instance_id, model_name, tenant)."""
     for name in ("instance_id", "model_name", "tenant"):

@@ -28,6 +28,7 @@ from hicached.l3.stats_cache import StatsCache
 from hicached.server import convert
 from hicached.server.handoff import HandoffRegistry
 from hicached.server.lanes import RPC_LANES, Lanes
+from hicached.server.limits import check_pool_names
 from hicached.server.peers import PeerSessions, UnreadAnswers
 from hicached.server.roles import Access
 
@@ -69,12 +70,18 @@ class ServicerBase:
         return self.core.anchor_pool(session_id)
 
     def batch_in(self, batch: tpb.TransferBatch, session_id: str) -> list[PoolTransfer]:
-        """A request's batch as the core takes it (:func:`convert.batch_in`, bounded)."""
-        return convert.batch_in(batch, self.anchor(session_id), max_pools=self.limits.max_buffers_per_attach)
+        """A request's batch as the core takes it (:func:`convert.batch_in`, bounded), each
+        pool name within ``limits.max_identity_bytes``."""
+        out = convert.batch_in(batch, self.anchor(session_id), max_pools=self.limits.max_buffers_per_attach)
+        check_pool_names("transfers", (t.name for t in out), self.limits)
+        return out
 
     def transfers_in(self, transfers: Sequence[tpb.PoolTransfer]) -> list[PoolTransfer]:
-        """A request's list of transfers (:func:`convert.transfers_in`, bounded)."""
-        return convert.transfers_in(transfers, max_pools=self.limits.max_buffers_per_attach)
+        """A request's list of transfers (:func:`convert.transfers_in`, bounded), each pool
+        name within ``limits.max_identity_bytes``."""
+        out = convert.transfers_in(transfers, max_pools=self.limits.max_buffers_per_attach)
+        check_pool_names("transfers", (t.name for t in out), self.limits)
+        return out
 
     def hold_answer(self, context: Ctx, session_id: str, nbytes: int, what: str) -> None:
         """Count an answer of up to ``nbytes`` against the peer that attached ``session_id``

@@ -20,7 +20,7 @@ from hicached.errors import InvalidArgument
 from hicached.index.keys import page_keys
 from hicached.index.types import PrefetchState
 from hicached.server import convert
-from hicached.server.limits import check_count, check_keys, check_response
+from hicached.server.limits import check_count, check_keys, check_pool_names, check_response
 from hicached.server.rpc_base import Ctx, ServicerBase, no_fence, same_tenant
 
 # Up to this many given keys are copied and checked on the event loop: ~40-70 us for 256
@@ -69,6 +69,7 @@ class KeyedRpcs(ServicerBase):
     def _given_pages(self, given: Any) -> list[tuple[str, str, bytes]]:
         pages = [(p.key, p.pool, p.data) for p in given]
         check_keys([key for key, _, _ in pages], self.limits)
+        check_pool_names("pages", (pool for _, pool, _ in pages), self.limits)
         return pages
 
     def _token_keys(self, chain: tpb.TokenChain, page_size: int) -> list[str]:

@@ -21,6 +21,7 @@ from hicached_client import (
     PageBytes,
     Session,
     TokenChain,
+    Transfer,
     WorkerIdentity,
     pool_spec,
 )
@@ -137,6 +138,20 @@ def test_long_identity_strings_are_refused(daemon: Daemon, admin: HiCacheClient,
     refused(
         lambda: session.alloc("kv", 1, op_id="o" * 100_000), C.INVALID_ARGUMENT, "limits.max_identity_bytes"
     )
+    # A pool named inside a request's transfers or pages (before: NOT_FOUND quoting 1 KB of it).
+    long_pool = "p" * 100_000
+    err = refused(
+        lambda: session.release_transfers([Transfer(long_pool, [], [0])]),
+        C.INVALID_ARGUMENT,
+        "limits.max_identity_bytes",
+    )
+    assert "transfers[0].pool" in err.message, err.message
+    err = refused(
+        lambda: session.put_bytes([PageBytes("k", long_pool, b"x")]),
+        C.INVALID_ARGUMENT,
+        "limits.max_identity_bytes",
+    )
+    assert "pages[0].pool" in err.message, err.message
     assert state(admin) == before
 
 
