@@ -56,8 +56,11 @@ class KeyedRpcs(ServicerBase):
             check_count("token ids in keys.tokens", len(chain.token_ids), lim.max_tokens_per_request,
                         "limits.max_tokens_per_request")  # fmt: skip
             page = self.keyed.page_size(session_id)
-            check_count("keys in this request", len(chain.token_ids) // page, lim.max_keys_per_request,
-                        "limits.max_keys_per_request")  # fmt: skip
+            n = len(chain.token_ids)
+            pages = -(-n // page) if chain.include_partial_page else n // page  # a partial page has a key
+            check_count(
+                "keys in this request", pages, lim.max_keys_per_request, "limits.max_keys_per_request"
+            )
             return await self.lanes.hash.run(self._token_keys, chain, page, session=session_id), tenant
         raise InvalidArgument("keys is empty: set keys.keys or keys.tokens")
 

@@ -107,6 +107,25 @@ def test_too_many_keys_are_refused(admin: HiCacheClient, session: Session) -> No
     assert state(admin) == before
 
 
+def test_a_partial_pages_key_counts_against_the_limit() -> None:
+    """Before: a token chain was counted by its whole pages, so with ``include_partial_page`` it
+    hashed one key over ``limits.max_keys_per_request``."""
+    d = start_daemon("--set", "limits.max_keys_per_request=2")
+    try:
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            s = attach_bytes(client, MODEL)
+            page = 16  # byte_spec's page size
+            assert len(s.lookup(TokenChain(list(range(2 * page + 1)))).keys) == 2
+            refused(
+                lambda: s.lookup(TokenChain(list(range(2 * page + 1)), include_partial_page=True)),
+                C.RESOURCE_EXHAUSTED,
+                "keys in this request: 3 exceeds limits.max_keys_per_request=2",
+            )
+            s.detach()
+    finally:
+        d.stop()
+
+
 def test_a_long_key_is_refused_quoting_only_its_prefix(admin: HiCacheClient, session: Session) -> None:
     """Fails on main: keys had no length limit (the file backend failed on them later)."""
     before = state(admin)
