@@ -171,8 +171,9 @@ class Lane:
             with contextlib.suppress(OSError):
                 os.close(fd)
         # Every exit path gives the lane's slots back (its uid's, counted at accept, and its
-        # session's where admit() counted it), before the EOF below: the client's close() waits for that EOF, so
-        # once it returns a new lane counts against every limit without this one.
+        # session's where admit() counted it), before the EOF below: the client's close()
+        # waits for that EOF, so once it returns a new lane counts against every limit
+        # without this one.
         admitted, self._admitted = self._admitted, False
         self._release(self, admitted)
         self._conn.close()
