@@ -71,7 +71,7 @@ async def _run(requests: list[tuple[str, bytes]]) -> tuple[list[Outcome], list[t
 
     server = grpc.aio.server(
         interceptors=(
-            DecodeInterceptor(),
+            DecodeInterceptor(max_request_bytes=1 << 20, max_put_pages=16),
             ErrorInterceptor([SERVICE]),
             MetricsInterceptor(Observe(), [SERVICE]),
         )

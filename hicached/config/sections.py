@@ -281,6 +281,12 @@ class LimitsConfig:
     max_identity_bytes: int = _f(
         256, "Longest identity string (instance_id, model_name, tenant, op_id, request_id; UTF-8 bytes)."
     )
+    max_request_bytes: int = _f(
+        8 << 20,
+        "Largest request the daemon parses, PutBytes excepted (bytes; capped by "
+        "server.max_message_bytes): checked before parsing, which runs on the event loop.",
+        parse=parse_size,
+    )
     max_response_bytes: int = _f(
         32 << 20,
         "Largest response a request may ask for, computed before it is built (capped by "

@@ -112,7 +112,10 @@ class Server:
         token = (TokenInterceptor(access),) if access.tcp else ()
         return (
             *token,
-            DecodeInterceptor(),
+            DecodeInterceptor(
+                max_request_bytes=min(self._cfg.limits.max_request_bytes, self._cfg.server.max_message_bytes),
+                max_put_pages=self._cfg.limits.max_keys_per_request,
+            ),
             ErrorInterceptor(ours),
             MetricsInterceptor(self._observe, ours),
             SessionInterceptor(self._core, self._cfg.limits, ours),

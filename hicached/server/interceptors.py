@@ -78,7 +78,10 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         """The per-call context: entered before the handler, exited after it."""
         raise NotImplementedError
 
-    def deserializer(self, inner: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    def deserializer(
+        self, inner: Callable[[bytes], Any] | None, method: str
+    ) -> Callable[[bytes], Any] | None:
+        """The request deserializer of ``method`` (its name, e.g. ``Write``)."""
         return inner
 
     async def intercept_service(
@@ -98,7 +101,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         """The handler with :meth:`around` and the deserializer; None (leave it) for a sync one."""
         around = self.around
         kw = {
-            "request_deserializer": self.deserializer(handler.request_deserializer),
+            "request_deserializer": self.deserializer(handler.request_deserializer, name),
             "response_serializer": handler.response_serializer,
         }
         inner = handler.unary_unary

@@ -394,3 +394,47 @@ def test_a_million_transfers_are_refused_before_conversion_while_others_keep_ans
         attacker.heartbeat()
         attacker.detach()
         victim.detach()
+
+
+def _signed(target: str, session: Session, method: str, payload: bytes) -> grpc.RpcError:
+    """Send ``payload`` as the raw request bytes of ``method``, signed with ``session``'s
+    secret; the error it gets."""
+    with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 30)]) as channel:
+        call = channel.unary_unary(SERVICE + method, request_serializer=None, response_deserializer=None)
+        try:
+            call(payload, timeout=60, metadata=[("x-hicached-session-secret", session.info.session_secret)])
+        except grpc.RpcError as exc:
+            return exc
+    raise AssertionError(f"{method} accepted {len(payload)} bytes")
+
+
+def test_a_request_over_the_parse_limit_is_refused_before_parsing(
+    admin: HiCacheClient, session: Session
+) -> None:
+    """Before: any request up to server.max_message_bytes (64 MiB) was parsed on the event loop
+    first; a Lookup of 65,536 keys of 140 bytes (9.3 MiB, within the key limits) was answered."""
+    before = state(admin)
+    keys = [f"{i:0140x}" for i in range(1 << 16)]
+    err = refused(lambda: session.lookup(keys), C.RESOURCE_EXHAUSTED, "limits.max_request_bytes=8388608")
+    assert "Lookup request of" in err.message, err.message
+    assert state(admin) == before
+
+
+def test_a_put_bytes_of_many_tiny_pages_is_refused_before_it_is_parsed(
+    daemon: Daemon, admin: HiCacheClient, session: Session
+) -> None:
+    """Before: the 10 million empty pages (20 MiB on the wire, under server.max_message_bytes)
+    were parsed first (~0.45 s of the event loop, ~700 MiB of the daemon's memory) and only
+    then refused by their count. Now their count is taken from the wire, without parsing."""
+    before, rss = state(admin), peak_rss(daemon.process.pid)
+    head = pb.PutBytesRequest(session_id=session.session_id, op_id="op-tiny-pages").SerializeToString()
+    pages = pb.PutBytesRequest.DESCRIPTOR.fields_by_name["pages"].number
+    err = _signed(
+        daemon.target, session, "PutBytes", head + (TagBytes(pages, 2) + _VarintBytes(0)) * 10_000_000
+    )
+    grown = peak_rss(daemon.process.pid) - rss
+    assert grown < 128 << 20, f"the daemon's peak RSS grew {grown >> 20} MiB"
+    assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())
+    details = err.details() or ""
+    assert "limits.max_keys_per_request=65536 (counted before parsing)" in details, details
+    assert state(admin) == before

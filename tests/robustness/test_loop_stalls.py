@@ -26,6 +26,7 @@ TOKENS = 1 << 22  # 4 M tokens: 262,144 keys of 16 tokens (limits raised to allo
 RAISED_LIMITS = (
     "--set", f"limits.max_tokens_per_request={TOKENS}",
     "--set", f"limits.max_keys_per_request={TOKENS // 16}",
+    "--set", "limits.max_request_bytes=64MiB",  # 4 M token ids are ~12 MiB on the wire
 )  # fmt: skip
 
 
