@@ -359,19 +359,8 @@ def test_a_million_transfers_are_refused_before_conversion_while_others_keep_ans
         errors: dict[str, grpc.RpcError] = {}
 
         def attack() -> None:
-            with grpc.insecure_channel(daemon.target) as channel:
-                for method, payload in payloads.items():
-                    call = channel.unary_unary(
-                        SERVICE + method, request_serializer=None, response_deserializer=None
-                    )
-                    try:
-                        call(
-                            payload,
-                            timeout=30,
-                            metadata=[("x-hicached-session-secret", attacker.info.session_secret)],
-                        )
-                    except grpc.RpcError as exc:
-                        errors[method] = exc
+            for method, payload in payloads.items():
+                errors[method] = _signed(daemon.target, attacker, method, payload)
 
         thread = threading.Thread(target=attack)
         latencies: list[float] = []
