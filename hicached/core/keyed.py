@@ -183,13 +183,21 @@ class KeyedCache:
         data = self.core.data
         checked = data.check_transfers(session, state, transfers, host="forbidden")
         self._columns(state, keys, checked, side="device")
+        for t in checked:  # the owning pools' counts were checked just above; derived ones' here
+            if t.device_indices is not None and 0 < len(t.device_indices) != len(keys):
+                raise InvalidArgument(
+                    f"pool {t.name!r}: {len(t.device_indices)} device pages for {len(keys)} keys (must match)"
+                )
 
         def run() -> PutResult:
-            skip = index.l2_run(keys)  # L3 is not asked: a put needs only what L2 holds
-            todo = [replace_slice(t, skip) for t in checked]
-            new_keys = list(keys[skip:])
-            if not new_keys:
+            # Every key L2 holds is skipped, not only a leading run: allocating for one would
+            # evict another entry (any tenant's) from a full pool, only for the index to refuse
+            # its copy at publish. L3 is not asked: a put needs only what L2 holds.
+            at = [i for i, held in enumerate(index.l2_resident(keys)) if not held]
+            if not at:
                 return PutResult(ok=True, existing_pages=len(keys))
+            todo = [device_pages_at(t, at) for t in checked]
+            new_keys = [keys[i] for i in at]
             resolved = data.allocate(session, state, todo)
             if not resolved.ok:
                 return PutResult(ok=False, reason=resolved.reason or "no host room")
@@ -440,6 +448,10 @@ class KeyedCache:
         """The indexes are closed with their groups (GroupState.close)."""
 
 
-def replace_slice(t: PoolTransfer, start: int) -> PoolTransfer:
-    dev = t.device_indices[start:] if t.device_indices is not None else None
+def device_pages_at(t: PoolTransfer, at: list[int]) -> PoolTransfer:
+    """``t``'s device pages at the ascending positions ``at``, with no host pages (to be
+    allocated); a slice when ``at`` is a whole tail (the common case: a new suffix)."""
+    dev = t.device_indices
+    if dev is not None and len(dev):  # a derived pool may leave its pages to its source's
+        dev = dev[at[0] :] if len(at) == len(dev) - at[0] else dev[np.asarray(at, dtype=np.intp)]
     return PoolTransfer(t.name, device_indices=dev, host_indices=None)

@@ -196,9 +196,9 @@ class ContentIndex:
         self._obs.lookup(len(keys), result.l2_hit_pages, result.total_hit_pages - result.l2_hit_pages)
         return result
 
-    def l2_run(self, keys: Sequence[str]) -> int:
-        """Leading run of ``keys`` resident in L2: asks no L3, counts no lookup."""
-        return self._table.resident_run(check_keys(keys))
+    def l2_resident(self, keys: Sequence[str]) -> list[bool]:
+        """One flag per key: resident in L2. Asks no L3, counts no lookup."""
+        return self._table.resident(check_keys(keys))
 
     # ------------------------------------------------------------- publish / pin
 

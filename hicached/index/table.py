@@ -80,13 +80,9 @@ class EntryTable:
             return self._run_locked(keys)
 
     def resident(self, keys: Sequence[str]) -> list[bool]:
+        """One flag per key: held here (in L2)."""
         with self._lock:
             return [key in self._entries for key in keys]
-
-    def resident_run(self, keys: Sequence[str]) -> int:
-        """Leading run of ``keys`` held here (in L2)."""
-        flags = self.resident(keys)
-        return flags.index(False) if False in flags else len(flags)
 
     def not_in_l3(self, keys: Sequence[str]) -> list[Entry]:
         """The cached entries among ``keys`` that L3 lacks."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from hicached.errors import ResourceExhausted
+from hicached.errors import InvalidArgument, ResourceExhausted
 from hicached.l2.group import PoolTransfer
 from tests.core.conftest import Core, pages
 
@@ -85,3 +85,32 @@ def test_prefetch_rows_and_put_pages_share_the_path(make_core: Callable[..., Cor
     batch = [PoolTransfer("kv", pages(range(3))), PoolTransfer("swa", pages(range(3))), PoolTransfer("draft")]
     result = c.keyed.put_pages(sid, "", keys, batch)
     assert not result.ok and c.indexed(sid) == 2 and c.pools(sid) == before
+
+
+def test_a_put_allocates_only_for_the_keys_the_index_lacks(make_core: Callable[..., Core]) -> None:
+    """A cached key anywhere in the list takes no host page (before: only a leading run was
+    skipped; the put evicted the one entry it could to make room for a copy it then threw away)."""
+    c = make_core()
+    sid = c.attach()
+    total = c.pools(sid)["kv"][1]
+    _fill_index(c, sid, 2)  # k0, k1
+    held = c.core.alloc(sid, "", "kv", total - 4)  # kv: 2 free, 2 reclaimable
+    assert held is not None
+    batch = [PoolTransfer("kv", pages(range(3))), PoolTransfer("swa", pages(range(3))), PoolTransfer("draft")]
+    result = c.keyed.put_pages(sid, "", ["p0", "k0", "p1"], batch)
+    assert (result.ok, result.stored_pages, result.existing_pages) == (True, 2, 1)
+    assert c.indexed(sid) == 4  # k0 and k1 stay
+
+
+def test_a_put_whose_derived_pool_names_another_page_count_is_refused(make_core: Callable[..., Core]) -> None:
+    c = make_core()
+    sid = c.attach()
+    before = c.pools(sid)
+    batch = [
+        PoolTransfer("kv", pages(range(3))),
+        PoolTransfer("swa", pages(range(3))),
+        PoolTransfer("draft", pages(range(2))),
+    ]
+    with pytest.raises(InvalidArgument, match="'draft': 2 device pages for 3 keys"):
+        c.keyed.put_pages(sid, "", ["p0", "p1", "p2"], batch)
+    assert c.indexed(sid) == 0 and c.pools(sid) == before

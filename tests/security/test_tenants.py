@@ -159,6 +159,36 @@ def test_pages_fetched_from_l3_keep_their_tenant(l3: Path, made: list[WorkerPool
         second.stop()
 
 
+def attach_small(client: HiCacheClient, made: list[WorkerPools], tenant: str) -> Session:
+    """A session whose pools share one group of ``PAGES`` host pages with every other such session."""
+    identity = WorkerIdentity(unique_tag("tn"), generation=1, model_name=MODEL, tenant=tenant)
+    return client.attach(identity, pools_of(made, len(made)).specs(host_ratio=PAGES / DEVICE_PAGES))
+
+
+def test_a_put_skips_every_cached_key_and_evicts_no_other_tenants_pages(
+    l3: Path, made: list[WorkerPools]
+) -> None:
+    """Before: only a leading run of cached keys was skipped; a cached key later in the list got
+    a host page (evicting tenant B's oldest entry from the full pool) and a copy, both thrown
+    away when the index refused the key at publish."""
+    daemon = start(l3)
+    try:
+        with (
+            HiCacheClient(daemon.target, timeout_s=30) as client,
+            attach_small(client, made, "tenant-b") as b,
+            attach_small(client, made, "tenant-a") as a,
+        ):
+            keys = [f"b{i}" for i in range(PAGES - 2)]
+            assert b.put_pages(keys, transfers(SRC[: PAGES - 2])).stored_pages == PAGES - 2
+            assert a.put_pages(["a0"], transfers([0])).stored_pages == 1  # one host page left
+            put = a.put_pages(["a1", "a0"], transfers([1, 2]))
+            assert (put.stored_pages, put.existing_pages) == (1, 1)
+            assert b.lookup(keys).l2_hit_pages == PAGES - 2
+            assert a.lookup(["a0", "a1"]).l2_hit_pages == 2
+    finally:
+        daemon.stop()
+
+
 def test_a_refused_put_of_a_repeated_key_evicts_no_other_tenants_pages(
     l3: Path, made: list[WorkerPools]
 ) -> None:
@@ -166,22 +196,19 @@ def test_a_refused_put_of_a_repeated_key_evicts_no_other_tenants_pages(
     from the full pool) and copied into them before the index refused the repeated key."""
     daemon = start(l3)
     try:
-        with HiCacheClient(daemon.target, timeout_s=30) as client:
-            ratio = PAGES / DEVICE_PAGES  # one group of 8 host pages for both tenants
-
-            def attach_small(tenant: str, seed: int) -> Session:
-                identity = WorkerIdentity(unique_tag("tn"), generation=1, model_name=MODEL, tenant=tenant)
-                return client.attach(identity, pools_of(made, seed).specs(host_ratio=ratio))
-
-            with attach_small("tenant-b", 31) as b, attach_small("tenant-a", 32) as a:
-                keys = [f"b{i}" for i in range(PAGES)]
-                assert b.put_pages(keys, transfers(SRC)).stored_pages == PAGES
-                before = admin_state(daemon)
-                with pytest.raises(HiCacheError) as refused:
-                    a.put_pages(["x", "x"], transfers([0, 1]))
-                assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
-                assert "'x' is listed more than once" in refused.value.message
-                assert b.lookup(keys).l2_hit_pages == PAGES
-                assert admin_state(daemon) == before
+        with (
+            HiCacheClient(daemon.target, timeout_s=30) as client,
+            attach_small(client, made, "tenant-b") as b,
+            attach_small(client, made, "tenant-a") as a,
+        ):
+            keys = [f"b{i}" for i in range(PAGES)]
+            assert b.put_pages(keys, transfers(SRC)).stored_pages == PAGES
+            before = admin_state(daemon)
+            with pytest.raises(HiCacheError) as refused:
+                a.put_pages(["x", "x"], transfers([0, 1]))
+            assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert "'x' is listed more than once" in refused.value.message
+            assert b.lookup(keys).l2_hit_pages == PAGES
+            assert admin_state(daemon) == before
     finally:
         daemon.stop()
