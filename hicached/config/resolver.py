@@ -67,6 +67,8 @@ _POSITIVE = {
     "limits.max_unread_answer_bytes_per_peer",
     "limits.max_sessions_per_peer",
     "limits.max_buffers_per_attach",
+    "limits.max_pools_per_attach",
+    "limits.max_layers_per_pool",
     "limits.max_l3_calls_queued",
     "limits.max_copy_calls_per_session",
     "limits.max_l3_calls_per_session",

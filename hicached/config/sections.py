@@ -306,6 +306,12 @@ class LimitsConfig:
     max_buffers_per_attach: int = _f(
         512, "Most device buffers (K and V of every pool) one Attach may hand over."
     )
+    max_pools_per_attach: int = _f(
+        32,
+        "Most pools (byte-only ones included) one Attach may declare, and so the most transfers one "
+        "request may carry (each pool at most once).",
+    )
+    max_layers_per_pool: int = _f(4096, "Most layers (num_layers) of one pool of an Attach.")
     max_l3_calls_queued: int = _f(
         64, "RPCs that may wait for an L3 thread (server.l3_threads) before RESOURCE_EXHAUSTED."
     )

@@ -184,7 +184,7 @@ def transfers_in(transfers: Sequence[tpb.PoolTransfer], *, max_pools: int) -> li
     if len(transfers) > max_pools:
         raise InvalidArgument(
             f"{len(transfers)} transfers in one request: a request names each pool at most once, "
-            f"and a group has at most limits.max_buffers_per_attach={max_pools} pools"
+            f"and a group has at most limits.max_pools_per_attach={max_pools} pools"
         )
     return [transfer_in(t) for t in transfers]
 

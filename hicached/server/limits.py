@@ -89,10 +89,19 @@ def check_identity(identity: Any, limits: LimitsConfig) -> None:
         )
 
 
-def check_buffers(pools: Iterable[Any], limits: LimitsConfig) -> None:
-    """At most ``limits.max_buffers_per_attach`` device buffers (K and V of every pool), and
-    every pool name within the identity limit."""
-    pools = list(pools)
+def check_buffers(pools: Sequence[Any], limits: LimitsConfig) -> None:
+    """At most ``limits.max_pools_per_attach`` pools of at most ``limits.max_layers_per_pool``
+    layers, ``limits.max_buffers_per_attach`` device buffers (K and V of every pool), and every
+    pool name within the identity limit. Byte-only pools have no buffers but cost the daemon a
+    host segment, its descriptor and metric series each, and per-layer bookkeeping is built at
+    attach: both are counted here, before anything is opened."""
+    check_count(
+        "pools in this attach", len(pools), limits.max_pools_per_attach, "limits.max_pools_per_attach"
+    )
+    for i, p in enumerate(pools):
+        check_count(
+            f"layers of pools[{i}]", p.num_layers, limits.max_layers_per_pool, "limits.max_layers_per_pool"
+        )
     n = sum(len(p.k_buffers) + len(p.v_buffers) for p in pools)
     check_count(
         "device buffers in this attach", n, limits.max_buffers_per_attach, "limits.max_buffers_per_attach"

@@ -216,6 +216,51 @@ def test_buffers_per_attach_are_limited(daemon: Daemon, admin: HiCacheClient) ->
         assert state(admin) == before
 
 
+def _byte_sidecar(name: str) -> tpb.PoolSpec:
+    return pool_spec(
+        name, role="sidecar", kind="mha", dtype="bfloat16", page_size=16, num_layers=2, num_heads=1,
+        head_dim=8, host_layout="layer_first", k_buffers=(), v_buffers=(), host_bytes=1 << 16,
+    )  # fmt: skip
+
+
+def test_pools_per_attach_are_limited(daemon: Daemon, admin: HiCacheClient) -> None:
+    """Fails on main: byte-only pools have no buffers to count, and each costs the daemon a host
+    segment, its descriptor and four metric series (a 2,000-pool attach held ~2,000 descriptors,
+    ~20 of them ran the daemon out of descriptors for every other client)."""
+    sidecars = [_byte_sidecar(f"side{i}") for i in range(32)]
+    with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+        before = state(admin)
+        refused(
+            lambda: client.attach(
+                WorkerIdentity("many", 1, "m-many"), [byte_spec(), *sidecars], heartbeat=False
+            ),
+            C.RESOURCE_EXHAUSTED,
+            "limits.max_pools_per_attach=32",
+        )
+        assert state(admin) == before
+        client.attach(
+            WorkerIdentity("many", 1, "m-many"), [byte_spec(), *sidecars[:31]], heartbeat=False
+        ).detach()
+
+
+def test_layers_per_pool_are_limited(daemon: Daemon, admin: HiCacheClient) -> None:
+    """Fails on main: a byte-only pool of 8 M layers (16 MB of host pages) built per-layer
+    bookkeeping at attach: +2.4 GiB peak RSS and 7 s during which another client's GetStats
+    waited."""
+    spec = pool_spec(
+        "kv", role="anchor", kind="mha", dtype="bfloat16", page_size=1, num_layers=4097, num_heads=1,
+        head_dim=1, host_layout="layer_first", k_buffers=(), v_buffers=(), host_bytes=64 * 4097 * 4,
+    )  # fmt: skip
+    with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+        before = state(admin)
+        refused(
+            lambda: client.attach(WorkerIdentity("deep", 1, "m-deep"), [spec], heartbeat=False),
+            C.RESOURCE_EXHAUSTED,
+            "limits.max_layers_per_pool=4096",
+        )
+        assert state(admin) == before
+
+
 @pytest.mark.parametrize("method", ["HiCacheService/Lookup", "HiCacheService/Load", "AdminService/Drain"])
 def test_undecodable_bytes_are_invalid_argument(daemon: Daemon, admin: HiCacheClient, method: str) -> None:
     """Fails on main: grpc answered UNKNOWN ("Unexpected <class 'DecodeError'>") with an
@@ -376,7 +421,7 @@ def test_a_million_transfers_are_refused_before_conversion_while_others_keep_ans
         for method, exc in errors.items():
             assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT, (method, exc.code(), exc.details())
             assert f"{TRANSFERS} transfers in one request" in (exc.details() or ""), (method, exc.details())
-            assert "limits.max_buffers_per_attach=" in (exc.details() or ""), (method, exc.details())
+            assert "limits.max_pools_per_attach=" in (exc.details() or ""), (method, exc.details())
         assert latencies and max(latencies) < SHORT_LEASE_MS / 1000, max(latencies, default=None)
         assert state(admin) == before
         victim.heartbeat()
