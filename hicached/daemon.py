@@ -115,6 +115,7 @@ class Daemon:
             ttl_s=srv.handoff_ticket_ttl_s,
             max_pending=srv.handoff_max_pending,
             max_per_uid=srv.handoff_max_pending_per_uid,
+            max_fds_per_uid=srv.handoff_max_pending_fds_per_uid,
         )
         self.handoff_server = HandoffServer(
             self.handoff, handoff_path(srv.socket), mode=srv.socket_mode, max_fds=srv.handoff_max_fds

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import sys
 from typing import Any
 
@@ -25,6 +26,24 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def raise_fd_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard one. Service managers and shells often start a
+    process at a soft limit of 1,024 while allowing far more; the daemon's descriptors (handoff
+    tickets, lanes, connections, L3 files) are bounded by its own limits (docs/limits.md), and
+    at 1,024 the sum of those bounds would let clients run it out of descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # e.g. an unlimited hard limit above fs.nr_open
+        logger.warning(
+            "descriptor limit left at %d (hard %d): %s", soft, hard, exc, extra={"event": "rlimit"}
+        )
+        return
+    logger.info("descriptor limit raised from %d to %d", soft, hard, extra={"event": "rlimit"})
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -40,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(config.log.level, config.log.format)
     for warning in unknown_env():
         logger.warning(warning, extra={"event": "config"})
+    raise_fd_limit()
     try:
         return run_daemon(config, reload=lambda: config_from_args(args))
     except ConfigError as exc:  # a credential file (token, PEM) read at startup

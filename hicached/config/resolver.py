@@ -35,6 +35,7 @@ _POSITIVE = {
     "server.handoff_ticket_ttl_s",
     "server.handoff_max_pending",
     "server.handoff_max_pending_per_uid",
+    "server.handoff_max_pending_fds_per_uid",
     "server.fast_lane_max",
     "server.fast_lane_max_per_session",
     "server.fast_lane_max_per_uid",

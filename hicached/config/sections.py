@@ -153,6 +153,9 @@ class ServerConfig:
     handoff_ticket_ttl_s: float = _f(30.0, "Seconds an fd handoff ticket waits for its Attach.")
     handoff_max_pending: int = _f(256, "Most unused fd handoff tickets in total.")
     handoff_max_pending_per_uid: int = _f(32, "Most unused fd handoff tickets per client uid.")
+    handoff_max_pending_fds_per_uid: int = _f(
+        256, "Most file descriptors one client uid's unused fd handoff tickets may hold."
+    )
     fast_lane: bool = _f(
         True,
         "Serve the fast lane (<socket>.lane: shared-memory rings for Write, Load, Resolve, Release and "

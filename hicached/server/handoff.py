@@ -85,8 +85,10 @@ class TicketRefused(Exception):
 class HandoffRegistry:
     """Pending handoffs by ticket. Thread-safe (one lock; every method is O(1) amortised).
 
-    Bounds: at most ``max_pending`` tickets in total and ``max_per_uid`` per uid; a
-    ticket lives ``ttl_s`` seconds. Expired tickets are swept on every put/take and
+    Bounds: at most ``max_pending`` tickets in total, ``max_per_uid`` per uid, and
+    ``max_fds_per_uid`` descriptors held in one uid's tickets (a uid's full tickets would
+    otherwise hold ``max_per_uid`` x ``server.handoff_max_fds`` of the daemon's descriptors,
+    enough to run it out of them for every other client); a ticket lives ``ttl_s`` seconds. Expired tickets are swept on every put/take and
     by :meth:`expire`; their fds are closed.
     """
 
@@ -96,11 +98,13 @@ class HandoffRegistry:
         ttl_s: float = 30.0,
         max_pending: int = 256,
         max_per_uid: int = 32,
+        max_fds_per_uid: int = 256,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ttl_s = ttl_s
         self._max_pending = max_pending
         self._max_per_uid = max_per_uid
+        self._max_fds_per_uid = max_fds_per_uid
         self._clock = clock
         self._lock = threading.Lock()
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
@@ -119,11 +123,18 @@ class HandoffRegistry:
                     raise TicketRefused("the daemon is shutting down", "UNAVAILABLE")
                 if len(self._pending) >= self._max_pending:
                     raise TicketRefused(f"too many pending handoffs ({self._max_pending}); retry shortly")
-                mine = sum(1 for p in self._pending.values() if p.cred.uid == cred.uid)
-                if mine >= self._max_per_uid:
+                mine = [p for p in self._pending.values() if p.cred.uid == cred.uid]
+                if len(mine) >= self._max_per_uid:
                     raise TicketRefused(
-                        f"uid {cred.uid} has {mine} unused handoff tickets (limit {self._max_per_uid}); "
+                        f"uid {cred.uid} has {len(mine)} unused handoff tickets (limit {self._max_per_uid}); "
                         "attach with them or let them expire"
+                    )
+                held = sum(len(p.fds) for p in mine)
+                if held + len(fds) > self._max_fds_per_uid:
+                    raise TicketRefused(
+                        f"uid {cred.uid} holds {held} fds in unused handoff tickets; {len(fds)} more would "
+                        f"pass server.handoff_max_pending_fds_per_uid={self._max_fds_per_uid}: attach with "
+                        "them or let them expire"
                     )
                 ticket = secrets.token_hex(16)
                 self._pending[ticket] = _Pending(cred, list(fds), self._clock() + self._ttl_s)

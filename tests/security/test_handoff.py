@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import socket
 import threading
 import uuid
@@ -23,7 +24,15 @@ from hicached_client import HiCacheError
 from hicached_client._handoff import MAGIC, hand_over
 from hicached_client.export import sealed_memfd
 
-from hicached.server.handoff import MAX_CONNECTIONS_PER_UID, HandoffRegistry, HandoffServer, PeerCred
+from hicached.server.handoff import (
+    MAX_CONNECTIONS_PER_UID,
+    HandoffRegistry,
+    HandoffServer,
+    PeerCred,
+    TicketRefused,
+    handoff_path,
+)
+from tests.support.daemon import start_daemon
 
 from .users import other_user, run_as_other
 
@@ -175,6 +184,57 @@ def test_close_closes_every_pending_fd_and_refuses_new_handoffs() -> None:
         registry.put(PeerCred(1, 1, 1), [dup2])
     assert not fd_is_open(dup2)  # a refused handoff's fds are closed too
     os.close(fd)
+
+
+def test_descriptors_held_in_one_uids_tickets_are_bounded() -> None:
+    """Fails before the bound: a uid's 32 tickets of 64 fds each could hold 2,048 of the daemon's
+    descriptors (a reviewer's 18 tickets held it at 1,023 of 1,024, and every other client's
+    attach failed EMFILE)."""
+    registry = HandoffRegistry(max_pending=8, max_per_uid=8, max_fds_per_uid=6)
+    fd = sealed_memfd("bound", 4096)
+    try:
+        held = [os.dup(fd) for _ in range(4)]
+        registry.put(PeerCred(1000, 1, 1), held)
+        over = [os.dup(fd) for _ in range(3)]
+        with pytest.raises(TicketRefused, match=r"server\.handoff_max_pending_fds_per_uid=6") as info:
+            registry.put(PeerCred(1000, 1, 2), over)
+        assert info.value.code == "RESOURCE_EXHAUSTED"
+        assert not any(map(fd_is_open, over))  # a refused handoff's fds are closed
+        assert registry.pending == 1 and all(map(fd_is_open, held))
+        registry.put(PeerCred(1000, 1, 3), [os.dup(fd), os.dup(fd)])  # up to the bound
+        registry.put(PeerCred(1001, 1, 4), [os.dup(fd) for _ in range(6)])  # another uid's own room
+        assert registry.pending == 3
+    finally:
+        registry.close()
+        os.close(fd)
+
+
+def test_the_daemon_raises_its_descriptor_limit_and_bounds_a_uids_ticket_fds() -> None:
+    """Fails before: a daemon started at a soft limit of 1,024 (a service manager's default)
+    stayed there, below what its own bounds let clients hold. The fd bound is set through the
+    command line as an operator would."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(soft, 1024)
+    if hard <= low:
+        pytest.fail(f"this test needs a hard descriptor limit above {low} (got {hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # the child inherits it
+    try:
+        daemon = start_daemon("--set", "server.handoff_max_pending_fds_per_uid=2")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    fds = [sealed_memfd("rl", 4096) for _ in range(3)]
+    try:
+        assert resource.prlimit(daemon.process.pid, resource.RLIMIT_NOFILE) == (hard, hard)
+        assert f"descriptor limit raised from {low} to {hard}" in daemon.log
+        path = str(handoff_path(Path(daemon.target.removeprefix("unix://"))))
+        with pytest.raises(HiCacheError, match=r"server\.handoff_max_pending_fds_per_uid=2") as info:
+            hand_over(path, fds, timeout_s=10)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert hand_over(path, fds[:2], timeout_s=10) is not None
+    finally:
+        for fd in fds:
+            os.close(fd)
+        daemon.stop()
 
 
 def hand_over_as_other(served: Served, timeout_s: float) -> tuple[PeerCred, list[int]]:
