@@ -48,6 +48,11 @@ logger = logging.getLogger(__name__)
 
 # How long a peer has to answer a keepalive ping before its connection is dropped.
 KEEPALIVE_TIMEOUT_MS = 20_000
+# How long a new connection may take to finish its handshake (and its HTTP/2 preface) before
+# it stops counting against server.max_connections: grpc's own default let a connection that
+# sends nothing hold its slot for about a minute, so reconnecting once a minute kept every
+# other client of the listener out.
+HANDSHAKE_TIMEOUT_MS = 5_000
 
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["HiCacheService"].full_name,
@@ -136,6 +141,7 @@ class Server:
             ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
         ]
         server = grpc.aio.server(options=options, interceptors=self._interceptors(access))
         for register in self._registrations(access):

@@ -4,6 +4,7 @@ runs a real daemon and fails on the code before its bound."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import grpc
@@ -109,6 +110,34 @@ def test_a_listener_accepts_at_most_max_connections() -> None:
     finally:
         for ch in held:
             ch.close()
+        d.stop()
+
+
+def test_connections_that_send_nothing_give_their_slots_back() -> None:
+    """Before, a connection that never sent its HTTP/2 preface held its slot of
+    ``server.max_connections`` for about a minute (grpc's handshake deadline): a stranger that
+    reconnected once a minute kept every other client of the listener out (a reviewer held all
+    1,024 TCP slots with raw connects). Now the slot is given back after 5 s."""
+    d = start_daemon("--set", "server.max_connections=4")
+    path = d.target.removeprefix("unix://")
+    raw: list[socket.socket] = []
+    channel = None
+    try:
+        for _ in range(4):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            raw.append(s)
+        # Retries every 0.2-0.5 s, so it gets in soon after a slot is given back.
+        fast_retry = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 500)]
+        channel = grpc.insecure_channel(d.target, options=fast_retry)
+        assert _connects(channel, 20.0), "still locked out after 20 s"
+        with HiCacheClient(d.target, timeout_s=10) as client:  # while the raw ones stay open
+            assert client.get_stats().version
+    finally:
+        if channel is not None:
+            channel.close()
+        for s in raw:
+            s.close()
         d.stop()
 
 
