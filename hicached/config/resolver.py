@@ -43,6 +43,7 @@ _POSITIVE = {
     "server.max_message_bytes",
     "server.max_connections",
     "server.max_streams_per_connection",
+    "server.max_health_watchers",
     "server.idle_connection_s",
     "server.keepalive_s",
     "sessions.lease_ms",

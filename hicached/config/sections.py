@@ -133,6 +133,11 @@ class ServerConfig:
     max_streams_per_connection: int = _f(
         64, "Calls one gRPC connection may have open at once (more wait in the client)."
     )
+    max_health_watchers: int = _f(
+        64,
+        "Health Watch streams each gRPC listener keeps open at once (more are RESOURCE_EXHAUSTED; "
+        "Check is not counted).",
+    )
     idle_connection_s: float = _f(
         300.0,
         "A gRPC connection with no call for this long is closed (clients reconnect on their next call).",

@@ -8,7 +8,8 @@ role (:mod:`hicached.server.roles`):
   ``server.admin_group``): Drain, Resume, ClearNamespace, full GetStats;
 * TCP ``server.listen`` (optional): TLS when certificates are configured,
   and it fails closed: a token (worker or admin) or mTLS is required unless
-  ``server.insecure_tcp``; reflection needs the token, health stays open.
+  ``server.insecure_tcp``; reflection needs the token, health stays open (and answers only the daemon's
+  names, :mod:`hicached.server.health`).
 
 Both sockets are claimed before anything else starts
 (:mod:`hicached.server.sockets`): directory checks, live-daemon probe,
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 from hicached_client.v1 import hicached_pb2 as pb
 
@@ -34,6 +35,8 @@ from hicached.core.service import HiCacheCore
 from hicached.server import sockets
 from hicached.server.credentials import TcpCredentials
 from hicached.server.decode import DecodeInterceptor
+from hicached.server.health import SERVICE_NAME as HEALTH_SERVICE
+from hicached.server.health import HealthServicer, HealthStatus
 from hicached.server.interceptors import (
     ErrorInterceptor,
     MetricsInterceptor,
@@ -104,7 +107,8 @@ class Server:
         self._on_failure = on_failure
         self._servers: list[grpc.aio.Server] = []
         self._bound: list[sockets.BoundSocket] = []
-        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        # One status for every listener; each listener counts its own Watch streams.
+        self._health = HealthStatus(("", *SERVICE_NAMES))
         self._reaper: asyncio.Task[None] | None = None
         self.tcp_port: int | None = None
 
@@ -146,10 +150,8 @@ class Server:
         server = grpc.aio.server(options=options, interceptors=self._interceptors(access))
         for register in self._registrations(access):
             register(server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        HealthServicer(self._health, max_watchers=cfg.max_health_watchers).add_to_server(server)
+        reflection.enable_server_reflection((*SERVICE_NAMES, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
         self._servers.append(server)
         return server
 
@@ -172,7 +174,7 @@ class Server:
         if cfg.listen:
             await self._start_tcp(str(admin_path))
         for name in ("", *SERVICE_NAMES):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap())
         logger.info(
             "serving",
@@ -230,18 +232,18 @@ class Server:
     async def mark_draining(self) -> None:
         """Readiness: the services stop SERVING (no new sessions); ``""`` (liveness) stays SERVING."""
         for name in SERVICE_NAMES:
-            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def mark_serving(self) -> None:
         """Readiness back to SERVING (Resume undid a Drain)."""
         for name in SERVICE_NAMES:
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight RPCs finish for ``grace_s``, then cancel them."""
         if self._reaper is not None:
             self._reaper.cancel()
-        await self._health.enter_graceful_shutdown()
+        self._health.enter_graceful_shutdown()
         await asyncio.gather(*(server.stop(grace_s) for server in self._servers))
         for bound in self._bound:
             bound.unlink()
