@@ -31,9 +31,11 @@ C = grpc.StatusCode
 MIB = 1 << 20
 # server.max_health_watchers' default.
 MAX_WATCHERS = 64
-# What 100 refused 1 MB requests may grow the daemon by (gRPC's buffers; the allocator may keep
-# what it freed). Before the fix they grew it by ~400 MiB, held while the streams were open.
-RSS_BOUND_MIB = 64
+# What 100 refused 1 MB requests may grow the daemon by: gRPC buffers requests that arrive
+# faster than the loop refuses them, up to all 100 MB of them on a busy machine (27 MiB on a
+# quiet one, 78 MiB beside a CPU hog), and the allocator may keep what it freed. Before the
+# fix they grew it by 459 MiB, held while the streams were open.
+RSS_BOUND_MIB = 200
 STREAMS, PER_CHANNEL = 100, 10
 
 
