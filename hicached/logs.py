@@ -1,7 +1,8 @@
 """Logging setup: plain text or one JSON object per line (``--log-format json``).
 
 Structured fields are passed with ``extra={...}`` by the callers (for example
-``event``, ``session``) and appear as keys of the JSON object.
+``event``, ``session``) and appear as keys of the JSON object, or as ``key=value``
+after the message in the text format (see :class:`TextFormatter` for its escaping).
 """
 
 from __future__ import annotations
@@ -12,6 +13,15 @@ import sys
 import time
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+# Values come from clients too (an attach's instance_id, model_name): a bound keeps one
+# client from making every line it causes kilobytes long.
+MAX_VALUE_CHARS = 200
+# Characters that would make a bare value ambiguous for a ``key=value`` parser.
+_NOT_BARE = frozenset(' ="\\')
+# What follows a record's line (a traceback) starts with this, so no such line can pass
+# for the start of a record.
+CONTINUATION = "    "
 
 
 class JsonFormatter(logging.Formatter):
@@ -31,11 +41,70 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with every non-printable character (``str.isprintable``: C0/C1 controls
+    such as newline, CR, tab and ESC, DEL, U+2028/U+2029, other separators and format
+    characters) written as its Python escape (``\\n``, ``\\x1b``, ``\\u2028``); the rest,
+    backslashes included, unchanged. Readable, one line, but not reversible."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def format_value(value: object) -> str:
+    """One ``extra`` value as the text format writes it after ``key=``.
+
+    ``str(value)`` longer than :data:`MAX_VALUE_CHARS` is cut to that many characters
+    followed by ``...(N more chars)``. The result is written bare when it is non-empty,
+    printable and holds no space, ``=``, ``"`` or backslash; otherwise as a JSON string
+    literal (double quotes, ASCII only, every control and non-ASCII character escaped), so
+    ``json.loads`` gives the (possibly cut) value back.
+    """
+    text = str(value)
+    if len(text) > MAX_VALUE_CHARS:
+        text = f"{text[:MAX_VALUE_CHARS]}...({len(text) - MAX_VALUE_CHARS} more chars)"
+    if text and text.isprintable() and _NOT_BARE.isdisjoint(text):
+        return text
+    return json.dumps(text)
+
+
 class TextFormatter(logging.Formatter):
+    """``<asctime> <LEVEL> <logger>: <message> key=value ...``, one line per record.
+
+    A log line is always one line of printable text, whatever a client sent: the message
+    goes through :func:`escape_controls` (it may interpolate client text with ``%s``), and
+    every ``extra`` value through :func:`format_value` (bare, or a JSON string literal when
+    it starts with ``"``). A traceback or stack follows on lines of its own, each escaped
+    and indented by :data:`CONTINUATION`; so every line that does not start with a space
+    starts a record.
+    """
+
     def format(self, record: logging.LogRecord) -> str:
-        base = super().format(record)
-        fields = [f"{k}={v}" for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")]
-        return f"{base} {' '.join(fields)}" if fields else base
+        line = super().format(_head_only(record))
+        fields = [
+            f"{k}={format_value(v)}"
+            for k, v in vars(record).items()
+            if k not in _STANDARD and not k.startswith("_")
+        ]
+        if fields:
+            line = f"{line} {' '.join(fields)}"
+        return line + "".join(f"\n{CONTINUATION}{escape_controls(extra)}" for extra in self._trailer(record))
+
+    def _trailer(self, record: logging.LogRecord) -> list[str]:
+        """The lines of the record's traceback and stack, as the base formatter writes them."""
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)  # cached, as the base does
+        lines = record.exc_text.split("\n") if record.exc_text else []
+        if record.stack_info:
+            lines += self.formatStack(record.stack_info).split("\n")
+        return lines
+
+
+def _head_only(record: logging.LogRecord) -> logging.LogRecord:
+    """A copy of ``record`` with its message already formatted and escaped (``args`` gone, so
+    a ``%`` in it stays as it is) and no traceback or stack: those are written apart."""
+    head = {**vars(record), "msg": escape_controls(record.getMessage()), "args": None}
+    return logging.makeLogRecord(head | {"exc_info": None, "exc_text": None, "stack_info": None})
 
 
 def setup_logging(level: str, fmt: str) -> None:

@@ -354,7 +354,14 @@ class LimitsConfig:
 @dataclass(frozen=True)
 class LogConfig:
     level: str = _f("info", "debug, info, warning or error.")
-    format: str = _f("text", "text or json (one JSON object per line).")
+    format: str = _f(
+        "text",
+        (
+            'text (one line per record: message, then key=value; a value with a space, =, ", \\ or a '
+            "non-printable character is a JSON string, any value is cut at 200 characters; a traceback "
+            "follows on indented lines) or json (one JSON object per line)."
+        ),
+    )
 
 
 @dataclass(frozen=True)
