@@ -172,9 +172,10 @@ def test_failed_open_keeps_earlier_mappings(segment: Memfd) -> None:
 
 def test_buffers_in_one_segment_share_one_mapping_and_alias_its_memory(segment: Memfd) -> None:
     mappings = DeviceMappings()
-    a = mappings.open(shm(segment, 0, (4, 2, 8)))
-    b = mappings.open(shm(segment, 4096, (16, 16), torch.float32))
+    a, b = mappings.open_all([shm(segment, 0, (4, 2, 8)), shm(segment, 4096, (16, 16), torch.float32)])
     assert mappings.open_count == 1
+    assert mappings.open(shm(segment, 4096 + 64, (8,), torch.float32)).data_ptr() == b.data_ptr() + 64
+    assert mappings.open_count == 1  # a later buffer inside the mapped span reuses it
     assert a.shape == (4, 2, 8) and a.dtype == torch.float16
     assert b.shape == (16, 16) and b.dtype == torch.float32
     b.copy_(torch.arange(256, dtype=torch.float32).view(16, 16))
@@ -249,7 +250,8 @@ def test_concurrent_opens_map_a_segment_once(segment: Memfd) -> None:
 
     def worker(i: int) -> None:
         start.wait()
-        v = mappings.open(shm(segment, 256 * i, (8, 8)))
+        # Each attach hands over all its buffers; the mapping is shared across calls.
+        v = mappings.open_all([shm(segment, 256 * j, (8, 8)) for j in range(8)])[i]
         with lock:
             views.append(v)
 
