@@ -54,16 +54,18 @@ def _interleaved_medians(fns: dict[str, Callable[[], None]], reps: int) -> dict[
 
 
 def _open_device_pool(pool: ShmKVPool, mappings: DeviceMappings) -> DevicePoolView:
-    def open_buf(buf: types_pb2.DeviceBuffer) -> torch.Tensor:
+    def spec_of(buf: types_pb2.DeviceBuffer) -> BufferSpec:
         fd = buf.handle.fd  # in-process: fd_index is this process's own fd (see export_fd_tensor)
         handle = FdBufferHandle(fd=fd.fd_index, offset=fd.offset, size=fd.size)
-        spec = BufferSpec(handle=handle, shape=tuple(buf.shape), dtype=dtype_from_wire(buf.dtype))
-        return mappings.open(spec)
+        return BufferSpec(handle=handle, shape=tuple(buf.shape), dtype=dtype_from_wire(buf.dtype))
 
+    ks = pool.k_buffers()
+    # All at once, as an attach does: one mapping over the span of every buffer.
+    views = mappings.open_all([spec_of(b) for b in (*ks, *pool.v_buffers())])
     return DevicePoolView(
         name="kv",
-        k=[open_buf(b) for b in pool.k_buffers()],
-        v=[open_buf(b) for b in pool.v_buffers()],
+        k=views[: len(ks)],
+        v=views[len(ks) :],
         page_size=SPEC.page_size,
         layer_ids=list(range(SPEC.num_layers)),
         medium=Medium.CPU,

@@ -48,7 +48,8 @@ from hicached.errors import (
 )
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine
-from hicached.transfer.handles import DeviceMappings, medium_of
+from hicached.transfer.handles import medium_of
+from hicached.transfer.mappings import DeviceMappings
 from hicached.transfer.plan import DevicePoolView
 
 logger = logging.getLogger(__name__)
@@ -249,11 +250,12 @@ class HiCacheCore:
     @staticmethod
     def _open_views(mappings: DeviceMappings, pools: Sequence[PoolRequest]) -> dict[str, DevicePoolView]:
         views = {}
-        for p in pools:
-            if p.byte_only:
-                continue
-            k = [mappings.open(b) for b in p.k_buffers]
-            v = [mappings.open(b) for b in p.v_buffers]
+        tensor_pools = [p for p in pools if not p.byte_only]
+        # All buffers at once: the mappings then map each fd over the span its buffers use.
+        opened = iter(mappings.open_all([b for p in tensor_pools for b in (*p.k_buffers, *p.v_buffers)]))
+        for p in tensor_pools:
+            k = [next(opened) for _ in p.k_buffers]
+            v = [next(opened) for _ in p.v_buffers]
             for i, t in enumerate((*k, *v)):
                 want = (p.spec.num_heads, p.spec.head_dim)
                 if tuple(t.shape[1:]) != want or t.dtype != p.spec.dtype:

@@ -34,7 +34,7 @@ from hicached.errors import (
     PermissionDenied,
 )
 from hicached.l2.group import PoolTransfer
-from hicached.transfer.handles import DeviceMappings
+from hicached.transfer.mappings import DeviceMappings
 from hicached.transfer.plan import DevicePoolView, LayerCache
 
 T = TypeVar("T")

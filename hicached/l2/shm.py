@@ -72,7 +72,8 @@ def _prefault(mm: mmap.mmap, size: int, *, write: bool) -> None:
 
 
 def populate_backed(mm: mmap.mmap, st: os.stat_result) -> bool:
-    """Map every page of a handed-over memfd into this process now, if they all exist.
+    """Map every page of ``mm`` (a span of a handed-over memfd) into this process now, if the
+    whole file is backed.
 
     A worker's pool memfd is already backed (the worker wrote it), but the
     daemon's fresh mapping of it has no page-table entries, so the first copy
@@ -80,8 +81,12 @@ def populate_backed(mm: mmap.mmap, st: os.stat_result) -> bool:
     half of memcpy speed until every page had been touched once. Populating at
     attach moves that cost out of the data path. Only a fully backed file is
     populated (``st_blocks`` covers ``st_size``), so this allocates no memory the
-    worker did not already hold; a sparse memfd is left to fault lazily.
-    True when the kernel populated the mapping.
+    worker did not already hold; a sparse memfd is left to fault lazily. Why the
+    whole file and not just the span: ``SEEK_HOLE`` on tmpfs reports pages that
+    ``fallocate`` reserved but nobody wrote as a hole (measured on Linux 6.18), so
+    it would skip exactly the sealed, reserved memfds workers hand over; a file
+    backed whole is backed in every span. Only ``mm`` -- the mapped span -- is
+    populated. True when the kernel populated the mapping.
     """
     if st.st_blocks * 512 < st.st_size:
         return False

@@ -11,12 +11,12 @@ from hicached.transfer.handles import (
     BufferSpec,
     CudaFdBufferHandle,
     CudaIpcBufferHandle,
-    DeviceMappings,
     FdBufferHandle,
     Medium,
     cuda_ipc_event_fence,
     medium_of,
 )
+from hicached.transfer.mappings import DeviceMappings
 from hicached.transfer.plan import CopyPlan, DevicePoolView, Direction, LayerStep, PageCopy, build_plan
 
 __all__ = [

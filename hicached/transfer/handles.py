@@ -5,7 +5,8 @@ a file descriptor it handed over -- a sealed memfd -- on CPU workers; on NVIDIA
 GPUs a ``cuMemCreate`` allocation exported as a POSIX fd, or a legacy CUDA IPC
 memory handle where the fd form is unavailable). Memory is never named: the daemon opens no path a
 client chose, so a client can only give it memory it already holds. The daemon opens
-every allocation once per worker session through :class:`DeviceMappings` and from
+every allocation once per worker session through
+:class:`~hicached.transfer.mappings.DeviceMappings` and from
 then on only uses the tensor views it handed out. Openers sit in a registry keyed
 by handle type, so callers never branch on the kind of handle.
 
@@ -24,7 +25,6 @@ import math
 import mmap
 import os
 import stat
-import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -32,7 +32,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from hicached_client import vocab
 
-from hicached.errors import FailedPrecondition, InvalidArgument
+from hicached.errors import InvalidArgument
 
 # Every buffer must start on this byte boundary: the copy kernels view pages as
 # 8/16-byte words to reach memcpy speed, which needs aligned starts.
@@ -72,7 +72,7 @@ class FdBufferHandle:
     """A byte range of memory behind a file descriptor the worker handed over.
 
     ``fd`` is the daemon's own descriptor (received with SCM_RIGHTS); the caller of
-    :meth:`DeviceMappings.open` owns it and may close it once the attach is over
+    :meth:`DeviceMappings.open_all` owns it and may close it once the attach is over
     (the mapping keeps the memory). ``index`` is its position in the handoff, for
     messages only.
     """
@@ -130,19 +130,25 @@ class BufferSpec:
 
 
 class OpenedAllocation(abc.ABC):
-    """One mapped allocation (a handed-over memfd, an IPC allocation).
+    """One mapped allocation (a handed-over memfd, an IPC allocation), or a span of one.
 
     Owned by the :class:`DeviceMappings` that opened it; closed exactly once by it.
     """
 
     @property
+    def base(self) -> int:
+        """Offset in the allocation of this mapping's first byte; 0 when mapped from the start."""
+        return 0
+
+    @property
     @abc.abstractmethod
     def size(self) -> int:
-        """Bytes addressable through this mapping."""
+        """Bytes addressable through this mapping, from :attr:`base`."""
 
     @abc.abstractmethod
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A tensor over ``[offset, offset + prod(shape) * itemsize)``; range already checked."""
+        """A tensor over ``[offset, offset + prod(shape) * itemsize)`` of this mapping (so
+        ``offset`` counts from :attr:`base`); range already checked."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -156,6 +162,10 @@ class HandleOpener(abc.ABC, Generic[H]):
     """Validates and maps one kind of handle. Stateless; shared by all sessions."""
 
     medium: Medium
+    # True when open_span maps only the span asked for, so one allocation may be
+    # mapped as several spans; False: open_span maps the whole allocation, and
+    # DeviceMappings opens it at most once per session.
+    maps_spans: bool = False
 
     def check(self, handle: H) -> None:
         """Kind-specific static checks (before anything is opened); no-op by default."""
@@ -167,6 +177,14 @@ class HandleOpener(abc.ABC, Generic[H]):
     @abc.abstractmethod
     def open(self, handle: H) -> OpenedAllocation:
         """Map the allocation; NotFound when it does not exist."""
+
+    def open_span(self, handle: H, start: int, end: int) -> OpenedAllocation:
+        """Map at least bytes ``[start, end)`` of the allocation ``handle`` names.
+
+        The default maps the whole allocation: a device allocation's size is fixed by
+        the driver, not by the client, so mapping all of it costs nothing a client chose.
+        """
+        return self.open(handle)
 
 
 class FdOpener(HandleOpener[FdBufferHandle]):
@@ -182,6 +200,7 @@ class FdOpener(HandleOpener[FdBufferHandle]):
     """
 
     medium = Medium.CPU
+    maps_spans = True
 
     def check(self, handle: FdBufferHandle) -> None:
         if type(handle.fd) is not int or handle.fd < 0:
@@ -191,6 +210,16 @@ class FdOpener(HandleOpener[FdBufferHandle]):
         return ("fd", handle.fd)
 
     def open(self, handle: FdBufferHandle) -> OpenedAllocation:
+        return self.open_span(handle, handle.offset, handle.offset + handle.size)
+
+    def open_span(self, handle: FdBufferHandle, start: int, end: int) -> OpenedAllocation:
+        """Map ``[start rounded down to the mmap granularity, end)`` of the memfd, never more.
+
+        Why not the whole file: its size is the client's choice and costs it nothing (a
+        sparse memfd ftruncated to 64 TiB holds no memory), while every byte mapped
+        takes the daemon's address space -- 54 such attaches took it to 127 TiB, and
+        then mmap and thread stacks failed for every client (ENOMEM).
+        """
         from hicached.l2.shm import SharedSegment, populate_backed
 
         what = f"handed-over fd #{handle.index}"
@@ -209,9 +238,17 @@ class FdOpener(HandleOpener[FdBufferHandle]):
         st = os.fstat(handle.fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
             raise InvalidArgument(f"{what} is empty or not a memory file (size {st.st_size})")
+        if not 0 <= start < end <= st.st_size:
+            raise InvalidArgument(f"buffer [{start}, {end}) exceeds its allocation of {st.st_size} bytes")
+        # mmap offsets must be multiples of the granularity; the views start at start - base.
+        base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
             mm = mmap.mmap(
-                handle.fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                handle.fd,
+                end - base,
+                flags=mmap.MAP_SHARED,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=base,
             )
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
@@ -221,12 +258,19 @@ class FdOpener(HandleOpener[FdBufferHandle]):
                 "F_SEAL_WRITE / F_SEAL_FUTURE_WRITE"
             ) from None
         populate_backed(mm, st)
-        return _ShmAllocation(SharedSegment(f"fd#{handle.index}", mm, st.st_size, writable=True))
+        return _ShmAllocation(SharedSegment(f"fd#{handle.index}", mm, end - base, writable=True), base)
 
 
 class _ShmAllocation(OpenedAllocation):
-    def __init__(self, segment: _Segment) -> None:
+    """Bytes ``[base, base + segment.size)`` of a memfd; owns ``segment``."""
+
+    def __init__(self, segment: _Segment, base: int = 0) -> None:
         self._segment = segment
+        self._base = base
+
+    @property
+    def base(self) -> int:
+        return self._base
 
     @property
     def size(self) -> int:
@@ -362,73 +406,3 @@ def validate_spec(spec: BufferSpec) -> int:
         raise InvalidArgument(f"buffer offset {handle.offset} is not a multiple of {BUFFER_ALIGNMENT} bytes")
     opener.check(handle)
     return expected
-
-
-class DeviceMappings:
-    """The device buffers of one worker session.
-
-    Opens each handed-over fd / IPC allocation once (several buffers may live in one),
-    hands out validated tensor views, and closes every mapping exactly once in
-    :meth:`close`. The views borrow the worker's memory: they are valid until
-    :meth:`close`, and the worker keeps owning (and eventually freeing) the memory.
-    Thread-safe. A failed :meth:`open` leaves no new mapping behind.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open: dict[Hashable, OpenedAllocation] = {}
-        self._closed = False
-
-    def open(self, spec: BufferSpec) -> torch.Tensor:
-        """A tensor view of ``spec`` (shape and dtype as declared).
-
-        InvalidArgument for a bad spec or a range beyond the allocation, NotFound when
-        the allocation does not exist, FailedPrecondition after :meth:`close`.
-        """
-        nbytes = validate_spec(spec)
-        opener = opener_for(spec.handle)
-        key = opener.key(spec.handle)
-        with self._lock:
-            if self._closed:
-                raise FailedPrecondition("device mappings of this session are closed")
-            alloc = self._open.get(key)
-            fresh = alloc is None
-            if alloc is None:
-                alloc = opener.open(spec.handle)
-            try:
-                end = spec.handle.offset + nbytes
-                if end > alloc.size:
-                    raise InvalidArgument(
-                        f"buffer [{spec.handle.offset}, {end}) exceeds its allocation of {alloc.size} bytes"
-                    )
-                view = alloc.view(spec.handle.offset, spec.dtype, spec.shape)
-            except BaseException:
-                if fresh:
-                    alloc.close()
-                raise
-            if fresh:
-                self._open[key] = alloc
-            return view
-
-    @property
-    def open_count(self) -> int:
-        """How many allocations are mapped now."""
-        with self._lock:
-            return len(self._open)
-
-    def close(self) -> None:
-        """Unmap everything; idempotent. Views handed out become invalid."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            allocs = list(self._open.values())
-            self._open.clear()
-        errors: list[BaseException] = []
-        for alloc in allocs:
-            try:
-                alloc.close()
-            except Exception as exc:  # keep closing the others, then report
-                errors.append(exc)
-        if errors:
-            raise errors[0]

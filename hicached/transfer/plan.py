@@ -2,7 +2,7 @@
 
 :func:`build_plan` validates everything before anything is copied, so a rejected
 request changes nothing. A plan only references tensors; it owns no memory: the
-device views belong to the session's :class:`~hicached.transfer.handles.DeviceMappings`
+device views belong to the session's :class:`~hicached.transfer.mappings.DeviceMappings`
 and the host views to the host pools, both of which must outlive the plan's execution.
 Plans are immutable and may be shared between threads.
 """

@@ -110,8 +110,9 @@ def mappings() -> Iterator[DeviceMappings]:
 def open_view(
     pool: ShmKVPool, mappings: DeviceMappings, name: str = "kv", layer_ids: list[int] | None = None
 ) -> DevicePoolView:
-    k = [mappings.open(buffer_spec(b)) for b in pool.k_buffers()]
-    v = [mappings.open(buffer_spec(b)) for b in pool.v_buffers()]
+    ks = pool.k_buffers()
+    views = mappings.open_all([buffer_spec(b) for b in (*ks, *pool.v_buffers())])
+    k, v = views[: len(ks)], views[len(ks) :]
     return DevicePoolView(
         name=name,
         k=k,

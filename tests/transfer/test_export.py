@@ -56,10 +56,10 @@ def test_shm_pool_buffers_are_page_aligned_views_the_daemon_can_open(
         assert all(off % 4096 == 0 for off in offsets) and len(set(offsets)) == len(msgs)
         for i, t in enumerate([*pool.k, *pool.v]):
             t.fill_(i + 1)
-        for i, m in enumerate(msgs):
-            view = mappings.open(buffer_spec(m))
+        views = mappings.open_all([buffer_spec(m) for m in msgs])
+        for i, view in enumerate(views):
             assert view.shape == (20, 2, 6) and bool((view == i + 1).all())
-            del view
+        del views, view
         assert mappings.open_count == 1
     finally:
         mappings.close()

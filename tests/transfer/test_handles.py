@@ -172,9 +172,10 @@ def test_failed_open_keeps_earlier_mappings(segment: Memfd) -> None:
 
 def test_buffers_in_one_segment_share_one_mapping_and_alias_its_memory(segment: Memfd) -> None:
     mappings = DeviceMappings()
-    a = mappings.open(shm(segment, 0, (4, 2, 8)))
-    b = mappings.open(shm(segment, 4096, (16, 16), torch.float32))
+    a, b = mappings.open_all([shm(segment, 0, (4, 2, 8)), shm(segment, 4096, (16, 16), torch.float32)])
     assert mappings.open_count == 1
+    assert mappings.open(shm(segment, 4096 + 64, (8,), torch.float32)).data_ptr() == b.data_ptr() + 64
+    assert mappings.open_count == 1  # a later buffer inside the mapped span reuses it
     assert a.shape == (4, 2, 8) and a.dtype == torch.float16
     assert b.shape == (16, 16) and b.dtype == torch.float32
     b.copy_(torch.arange(256, dtype=torch.float32).view(16, 16))
@@ -249,7 +250,8 @@ def test_concurrent_opens_map_a_segment_once(segment: Memfd) -> None:
 
     def worker(i: int) -> None:
         start.wait()
-        v = mappings.open(shm(segment, 256 * i, (8, 8)))
+        # Each attach hands over all its buffers; the mapping is shared across calls.
+        v = mappings.open_all([shm(segment, 256 * j, (8, 8)) for j in range(8)])[i]
         with lock:
             views.append(v)
 
@@ -377,3 +379,79 @@ def test_well_formed_cuda_handle_that_cannot_be_opened_leaves_nothing_open() -> 
         mappings.open(spec)
     assert mappings.open_count == 0
     mappings.close()
+
+
+TIB = 1 << 40
+
+
+@pytest.fixture
+def sparse_tib(unique: Callable[[str], str]) -> Iterator[tuple[str, int]]:
+    """A sealed memfd ftruncated to 1 TiB that holds no memory: a file size that costs a client nothing."""
+    import fcntl
+
+    name = unique("sparse-tib")
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, TIB)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        yield name, fd
+    finally:
+        os.close(fd)
+
+
+def mapped_bytes_of(name: str) -> list[int]:
+    """The length of every mapping of memfd <name> in this process."""
+    sizes = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if f"/memfd:{name} " in line:
+                lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+                sizes.append(hi - lo)
+    return sizes
+
+
+def test_only_the_span_the_buffers_use_of_a_huge_sparse_memfd_is_mapped(sparse_tib: tuple[str, int]) -> None:
+    # Mapping the whole file let a client take the daemon's address space at no cost
+    # (a 64 TiB sparse memfd per attach), until mmap and thread starts failed for all.
+    name, fd = sparse_tib
+    a, b = (BufferSpec(FdBufferHandle(fd, off, 4096), (2048,), torch.float16) for off in (0, 64 << 10))
+    mappings = DeviceMappings()
+    try:
+        va, vb = mappings.open_all([a, b])
+        assert mapped_bytes_of(name) == [(64 << 10) + 4096]  # one mapping, the span [0, 68 KiB)
+        assert mappings.open_count == 1
+        va.copy_(torch.arange(2048, dtype=torch.float16))
+        os.pwrite(fd, torch.full((2048,), 3.0, dtype=torch.float16).numpy().tobytes(), 64 << 10)
+        assert os.pread(fd, 4096, 0) == torch.arange(2048, dtype=torch.float16).numpy().tobytes()
+        assert bool((vb == 3.0).all())
+        # A buffer ending past the file is still refused, and maps nothing.
+        with pytest.raises(InvalidArgument, match=f"exceeds its allocation of {TIB} bytes"):
+            mappings.open(BufferSpec(FdBufferHandle(fd, TIB - 16, 32), (16,), torch.float16))
+        assert mappings.open_count == 1 and len(mapped_bytes_of(name)) == 1
+        del va, vb
+    finally:
+        mappings.close()
+    assert mapped_bytes_of(name) == []
+
+
+def test_buffers_far_apart_in_one_memfd_are_mapped_separately_not_across_the_gap(
+    sparse_tib: tuple[str, int],
+) -> None:
+    # The span [min offset, max end) of two buffers at 0 and near 1 TiB is the whole
+    # file again; each run of nearby buffers gets its own mapping instead.
+    name, fd = sparse_tib
+    far = TIB - (1 << 20) + 48  # not on a page boundary: the mapping starts at the page below
+    specs = [BufferSpec(FdBufferHandle(fd, off, 64), (32,), torch.float16) for off in (0, far)]
+    mappings = DeviceMappings()
+    try:
+        near_view, far_view = mappings.open_all(specs)
+        assert sorted(mapped_bytes_of(name)) == [4096, 4096]
+        assert mappings.open_count == 2
+        far_view.fill_(7.0)
+        near_view.fill_(1.0)
+        assert os.pread(fd, 64, far) == torch.full((32,), 7.0, dtype=torch.float16).numpy().tobytes()
+        assert os.pread(fd, 64, 0) == torch.ones(32, dtype=torch.float16).numpy().tobytes()
+        del near_view, far_view
+    finally:
+        mappings.close()
+    assert mapped_bytes_of(name) == []

@@ -95,8 +95,8 @@ def test_child_exports_shm_pool_and_daemon_copies_byte_exact(
             )
         assert len(k_msgs) == 2 and len(v_msgs) == 2
         fd_map = {k_msgs[0].handle.fd.fd_index: received}
-        k = [mappings.open(buffer_spec(b, fd_map)) for b in k_msgs]
-        v = [mappings.open(buffer_spec(b, fd_map)) for b in v_msgs]
+        views = mappings.open_all([buffer_spec(b, fd_map) for b in (*k_msgs, *v_msgs)])
+        k, v = views[: len(k_msgs)], views[len(k_msgs) :]
         os.close(received)  # the mapping keeps the memory, as in the daemon after an attach
         assert mappings.open_count == 1
         expected = expected_buffers(seed)
@@ -127,7 +127,7 @@ def test_child_exports_shm_pool_and_daemon_copies_byte_exact(
         assert child.stdout.readline().strip() == "end"
         assert digests == [hashlib.sha256(w.numpy().tobytes()).hexdigest() for w in expected]
 
-        del k, v, view, plan
+        del k, v, views, view, plan
         mappings.close()
         with open("/proc/self/maps") as f:
             assert not [line for line in f if f"/memfd:{name}" in line]

@@ -1,0 +1,101 @@
+"""A handed-over memfd's size cannot take the daemon's address space.
+
+A file's size costs a client nothing: a sealed memfd ftruncated to 64 TiB holds no
+memory. When the daemon mapped every handed-over memfd whole, a few dozen tiny
+attaches took it to 127 TiB of virtual size, and then every client's mmap and the
+daemon's own thread starts failed (ENOMEM). It maps only what the buffers use.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hicached_client import HiCacheClient, Transfer, WorkerIdentity, pool_spec
+from hicached_client.export import export_fd_tensor
+
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.kv import KV_DIM, KV_HEADS, PAGE_SIZE, unique_tag
+
+TIB = 1 << 40
+TOKENS = 16 * PAGE_SIZE  # 16 device pages per buffer
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = start_daemon()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def vm_size(pid: int) -> int:
+    """The process's virtual size in bytes (VmSize of /proc/<pid>/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmSize for pid {pid}")
+
+
+def test_a_tiny_pool_in_a_1_tib_sparse_memfd_maps_only_its_buffers_and_round_trips(daemon: Daemon) -> None:
+    fd = os.memfd_create("hcsec-sparse-tib", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, TIB)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        # The worker's own buffers: K and V of every layer, back to back at the file's start.
+        template = torch.empty(TOKENS, KV_HEADS, KV_DIM, dtype=torch.float16)
+        buf_bytes = template.numel() * template.element_size()
+        # Unmapped when the last view of it dies (at the end of the test).
+        mine = mmap.mmap(fd, 2 * LAYERS * buf_bytes, flags=mmap.MAP_SHARED)
+        flat = torch.frombuffer(mine, dtype=torch.float16)
+        bufs = list(flat.view(2 * LAYERS, TOKENS, KV_HEADS, KV_DIM).unbind(0))
+        msgs = [export_fd_tensor(fd, i * buf_bytes, template) for i in range(2 * LAYERS)]
+        spec = pool_spec(
+            "kv",
+            role="anchor",
+            kind="mha",
+            dtype="float16",
+            host_layout="layer_first",
+            page_size=PAGE_SIZE,
+            num_layers=LAYERS,
+            num_heads=KV_HEADS,
+            head_dim=KV_DIM,
+            k_buffers=msgs[:LAYERS],
+            v_buffers=msgs[LAYERS:],
+            host_ratio=1.0,
+        )
+        pid = daemon.process.pid
+        with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+            before = vm_size(pid)
+            session = client.attach(
+                WorkerIdentity(unique_tag("sparse"), 1, "m-sparse"), [spec], heartbeat=False
+            )
+            try:
+                grown = vm_size(pid) - before
+                assert grown < 1 << 30, f"the attach grew the daemon's VmSize by {grown} bytes"
+
+                torch.manual_seed(5)
+                for b in bufs:
+                    b.copy_(torch.randn(b.shape, dtype=torch.float16))
+                want = [b[: 4 * PAGE_SIZE].clone() for b in bufs]  # device pages 0..3
+                w = session.write([Transfer("kv", [0, 1, 2, 3])], allocate=True)
+                assert w.ok
+                for b in bufs:
+                    b.zero_()
+                session.load_wait([Transfer("kv", [8, 9, 10, 11], w.transfers[0].host_pages)])
+                for b, expected in zip(bufs, want, strict=True):
+                    got = b[8 * PAGE_SIZE : 12 * PAGE_SIZE]
+                    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+                    assert not b[: 8 * PAGE_SIZE].any()  # nothing landed outside the loaded pages
+            finally:
+                session.close()
+    finally:
+        os.close(fd)
+    assert daemon.process.poll() is None, daemon.log
