@@ -30,11 +30,12 @@ from typing import Any
 
 from hicached.errors import InvalidArgument
 
-__all__ = ["coerce", "format_mode", "option", "parse_mode", "parse_size", "type_hints"]
+__all__ = ["coerce", "format_mode", "option", "parse_mode", "parse_size", "parse_tenant_uids", "type_hints"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _MODE_RE = re.compile(r"^(?:0o|0)?([0-7]{1,3})$", re.IGNORECASE)
+_TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a tenant of sessions.tenant_uids
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -58,6 +59,28 @@ def parse_size(text: str | int) -> int:
     if size.denominator != 1:
         raise ValueError(f"not a whole number of bytes: {text!r} is {float(size):g} bytes")
     return int(size)
+
+
+def parse_tenant_uids(text: str) -> dict[str, frozenset[int]]:
+    """``"team-a=1000,1001; team-b=1002"`` -> ``{"team-a": {1000, 1001}, "team-b": {1002}}``.
+
+    ValueError naming what is wrong: a tenant not of ``[A-Za-z0-9._-]{1,64}``, listed twice, or
+    without uids; a uid that is not a non-negative integer.
+    """
+    out: dict[str, frozenset[int]] = {}
+    for entry in filter(None, (part.strip() for part in text.split(";"))):
+        tenant, sep, uids = (s.strip() for s in entry.partition("="))
+        if not sep or not _TENANT_NAME.fullmatch(tenant):
+            raise ValueError(
+                f"{entry[:40]!r} is not TENANT=UID[,UID...] with a tenant of [A-Za-z0-9._-]{{1,64}}"
+            )
+        if tenant in out:
+            raise ValueError(f"tenant {tenant!r} is listed twice")
+        numbers = [u.strip() for u in uids.split(",") if u.strip()]
+        if not numbers or not all(u.isdigit() for u in numbers):
+            raise ValueError(f"tenant {tenant!r}: uids must be non-negative integers, got {uids[:40]!r}")
+        out[tenant] = frozenset(int(u) for u in numbers)
+    return out
 
 
 def parse_mode(value: str | int) -> int:

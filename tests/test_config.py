@@ -31,6 +31,7 @@ _SPECIAL: dict[str, tuple[Any, Any, Any]] = {
     "server.metrics_port": (9001, 9002, 9003),
     "server.listen": ("127.0.0.1:7001", "[::1]:7002", "localhost:0"),
     "host.shm_prefix": ("hc-f", "hc_e", "hc.c"),
+    "sessions.tenant_uids": ("a=1", "b=2,3", "c=4;d=5"),
     "server.socket_mode": (0o600, 0o640, 0o644),
     "l3.backend": ("none", "redis", "s3"),
     "l3.write_policy": ("write_back", "write_through_selective", "write_through"),
@@ -322,6 +323,10 @@ BAD_CLI = {
     "infinite": ({"l3.redis.socket_timeout_s": "inf"}, ["l3.redis.socket_timeout_s", "'inf'"]),
     "mode beyond permission bits": ({"server.socket_mode": "1777"}, ["server.socket_mode", "'1777'"]),
     "mode not octal": ({"server.socket_mode": "689"}, ["server.socket_mode", "'689'"]),
+    "tenant without uids": ({"sessions.tenant_uids": "team-a="}, ["sessions.tenant_uids", "'team-a'"]),
+    "tenant uid not a number": ({"sessions.tenant_uids": "team-a=root"}, ["sessions.tenant_uids", "'root'"]),
+    "tenant listed twice": ({"sessions.tenant_uids": "a=1;a=2"}, ["sessions.tenant_uids", "listed twice"]),
+    "tenant name": ({"sessions.tenant_uids": "a b=1"}, ["sessions.tenant_uids", "'a b=1'"]),
 }
 
 

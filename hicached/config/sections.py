@@ -228,6 +228,12 @@ class SessionConfig:
     op_cache_bytes: int = _f(
         4 << 20, "Bytes of remembered answers per session for idempotent retries (LRU).", parse=parse_size
     )
+    tenant_uids: str = _f(
+        "",
+        "Tenants reserved for client uids, e.g. team-a=1000,1001;team-b=1002: an Attach naming a listed "
+        "tenant must come from one of its uids (or root; the fd handoff's SO_PEERCRED), else "
+        "PERMISSION_DENIED. Tenants not listed are open to every worker.",
+    )
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from hicached.core.observer import CoreObserver, NullCoreObserver
 from hicached.core.retraction import BackupStore, Retraction
 from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
 from hicached.core.stats import BackupStats, DaemonStats, GroupStats, session_pools
+from hicached.core.tenants import TenantUids
 from hicached.core.types import (
     Ack,
     AttachResult,
@@ -73,6 +74,7 @@ class HiCacheCore:
         observer: CoreObserver | None = None,
     ) -> None:
         self._cfg = config
+        self._tenant_uids = TenantUids.from_text(config.sessions.tenant_uids)
         self._groups = groups
         self._engine = engine
         self._attach_index = attach_index or (lambda state: None)
@@ -183,6 +185,7 @@ class HiCacheCore:
             raise InvalidArgument("identity.model_name must not be empty")
         lease = self._lease(lease_ms)
         validate_worker(worker)
+        self._tenant_uids.check(worker.tenant, peer)
         validate_pool_requests(pools)  # before any mapping is opened
         origin = f"uid:{peer.uid}" if peer is not None else origin
         replaced = self._sessions.check_generation(worker, origin)

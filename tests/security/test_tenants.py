@@ -18,12 +18,22 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session, TokenChain, WorkerIdentity
+from hicached_client import (
+    HiCacheClient,
+    HiCacheError,
+    PageBytes,
+    Session,
+    TokenChain,
+    WorkerIdentity,
+    pool_spec,
+)
 
 from tests.security.roles_helpers import launch, scratch_dir
-from tests.support.daemon import Daemon
+from tests.support.daemon import Daemon, start_daemon
 from tests.support.kv import DEVICE_PAGES, PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
 from tests.support.state import snapshot
+
+from .users import other_user, run_as_other
 
 MODEL = "m-tenants"
 PAGES = 8
@@ -210,5 +220,48 @@ def test_a_refused_put_of_a_repeated_key_evicts_no_other_tenants_pages(
             assert "'x' is listed more than once" in refused.value.message
             assert b.lookup(keys).l2_hit_pages == PAGES
             assert admin_state(daemon) == before
+    finally:
+        daemon.stop()
+
+
+CLAIM = """
+import sys
+from hicached_client import HiCacheClient, HiCacheError, WorkerIdentity, pool_spec
+target = sys.argv[1]
+spec = pool_spec("kv", role="anchor", kind="mha", dtype="float16", page_size=4, num_layers=1,
+                 num_heads=2, head_dim=16, k_buffers=[], host_bytes=1 << 20)
+with HiCacheClient(target) as c:
+    for tenant in sys.argv[2:]:
+        try:
+            c.attach(WorkerIdentity("claim-" + tenant, 1, "m-claim", tenant=tenant), [spec], heartbeat=False).detach()
+            print(tenant, "ATTACHED")
+        except HiCacheError as e:
+            print(tenant, e.code.name, e.message)
+"""
+
+
+def test_a_reserved_tenant_is_only_attached_from_its_uids() -> None:
+    """Before ``sessions.tenant_uids`` any uid on the node could name another user's tenant at
+    attach and read its pages (a reviewer's uid 65534 read root's page of tenant ``team-a``)."""
+    other = other_user()
+    daemon = start_daemon(
+        "--set", "server.socket_mode=0o666",
+        "--set", f"sessions.tenant_uids=team-a=12345;team-c={other}",
+    )  # fmt: skip
+    try:
+        with HiCacheClient(daemon.target, timeout_s=30) as client:
+            proc = run_as_other(CLAIM, daemon.target, "team-a", "team-b", "team-c")
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            answers = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+            assert answers["team-a"].startswith("PERMISSION_DENIED"), answers
+            assert "sessions.tenant_uids" in answers["team-a"] and f"uid {other}" in answers["team-a"]
+            assert answers["team-b"] == "ATTACHED" and answers["team-c"] == "ATTACHED", answers
+            # root may use any tenant (it can read the pools' shared memory anyway)
+            identity = WorkerIdentity(unique_tag("tn"), generation=1, model_name="m-claim", tenant="team-a")
+            spec = pool_spec(
+                "kv", role="anchor", kind="mha", dtype="float16", page_size=4, num_layers=1, num_heads=2,
+                head_dim=16, k_buffers=[], host_bytes=1 << 20,
+            )  # fmt: skip
+            client.attach(identity, [spec], heartbeat=False).detach()
     finally:
         daemon.stop()
