@@ -22,6 +22,7 @@ from hicached.errors import (
     NotFound,
     OutOfRange,
     PermissionDenied,
+    clip,
 )
 from hicached.l2.allocator import as_page_array, first_repeat, first_repeat_of
 from hicached.l2.group import PoolTransfer
@@ -83,7 +84,7 @@ def known_pool(state: GroupState, name: str) -> None:
         state.group.get_entry(name)  # a dict lookup; the entries list is built only for the message
     except NotFound:
         raise NotFound(
-            f"unknown pool {name!r} (this session's pools: {sorted(e.name for e in state.group.entries)})"
+            f"unknown pool {clip(name)} (this session's pools: {sorted(e.name for e in state.group.entries)})"
         ) from None
 
 
@@ -93,7 +94,7 @@ def device_view(session: Session, state: GroupState, name: str) -> DevicePoolVie
     view = session.views.get(name)
     if view is None:
         raise FailedPrecondition(
-            f"pool {name!r} has no device buffers in this session (byte-only): use PutBytes/GetBytes, "
+            f"pool {clip(name)} has no device buffers in this session (byte-only): use PutBytes/GetBytes, "
             "or attach with device buffers to move pages by index"
         )
     return view
@@ -126,11 +127,11 @@ def check_owned(session: Session, state: GroupState, transfers: Iterable[PoolTra
             continue
         if not allocated.all():
             page = int(t.host_indices[~allocated][0])
-            raise DoubleFree(f"host page {page} of pool {owner_pool!r} is not allocated (already freed?)")
+            raise DoubleFree(f"host page {page} of pool {clip(owner_pool)} is not allocated (already freed?)")
         if not owned.all():
             page = int(t.host_indices[~owned][0])
             raise PermissionDenied(
-                f"host page {page} of pool {owner_pool!r} is not owned by session {session.session_id}"
+                f"host page {page} of pool {clip(owner_pool)} is not owned by session {session.session_id}"
             )
 
 
@@ -147,11 +148,11 @@ def check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique
     else:
         lo, hi = int(pages.min()), int(pages.max())
     if lo < 0:
-        raise InvalidArgument(f"pool {pool!r}: negative {side} page index {lo}")
+        raise InvalidArgument(f"pool {clip(pool)}: negative {side} page index {lo}")
     if hi >= limit:
-        raise OutOfRange(f"pool {pool!r}: {side} page {hi} out of range (pool has {limit} pages)")
+        raise OutOfRange(f"pool {clip(pool)}: {side} page {hi} out of range (pool has {limit} pages)")
     if not unique or in_order:
         return
     repeated = first_repeat(pages) if listed is None else first_repeat_of(listed)
     if repeated is not None:
-        raise InvalidArgument(f"pool {pool!r}: duplicate {side} page {repeated}")
+        raise InvalidArgument(f"pool {clip(pool)}: duplicate {side} page {repeated}")

@@ -25,7 +25,7 @@ from hicached.core.groups import GroupRegistry
 from hicached.core.observer import CoreObserver
 from hicached.core.sessions import Session, SessionTable
 from hicached.core.types import Ack, TransferResult
-from hicached.errors import InvalidArgument, PermissionDenied
+from hicached.errors import InvalidArgument, PermissionDenied, clip
 from hicached.l2.allocator import as_page_array
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine, Priority
@@ -154,7 +154,7 @@ class DataPlane:
         if missing is not None:
             pool, page = missing
             raise PermissionDenied(
-                f"host page {page} of pool {pool!r} is not owned by session {session.session_id} "
+                f"host page {page} of pool {clip(pool)} is not owned by session {session.session_id} "
                 "(or no longer: another call of this session freed or published it)"
             )
 
@@ -182,7 +182,7 @@ class DataPlane:
         entry = state.group.get_entry(pool)
         if entry.indices_from_pool:
             raise InvalidArgument(
-                f"pool {pool!r} is derived from {entry.indices_from_pool!r}: it does not allocate"
+                f"pool {clip(pool)} is derived from {clip(entry.indices_from_pool)}: it does not allocate"
             )
         if num_pages <= 0 or num_pages > self._cfg.server.max_batch_pages:
             raise InvalidArgument(
@@ -202,7 +202,7 @@ class DataPlane:
     def free(self, session_id: str, op_id: str, pool: str, pages: Sequence[int] | np.ndarray) -> int:
         session, state = self.session(session_id)
         known_pool(state, pool)
-        arr = as_page_array(pages, f"pool {pool!r} host pages")
+        arr = as_page_array(pages, f"pool {clip(pool)} host pages")
 
         def run() -> int:
             check_indices(pool, "host", arr, state.pool(pool).num_pages)

@@ -21,6 +21,7 @@ from hicached.errors import (
     FailedPrecondition,
     HiCacheError,
     InvalidArgument,
+    clip,
 )
 from hicached.index.index import ContentIndex
 from hicached.l2.allocator import distinct, first_repeat
@@ -136,13 +137,13 @@ class GroupState:
 
     def _check_free_locked(self, name: str, pages: np.ndarray) -> None:
         if first_repeat(pages) is not None:
-            raise InvalidArgument(f"duplicate host pages in free of pool {name!r}")
+            raise InvalidArgument(f"duplicate host pages in free of pool {clip(name)}")
         allocated = self.pool(name).allocator.is_allocated(pages)
         pending = self._pending[name][pages]
         bad = pages[~allocated | pending]
         if len(bad):
             raise FailedPrecondition(
-                f"host page {int(bad[0])} of pool {name!r} is not allocated (double free?)"
+                f"host page {int(bad[0])} of pool {clip(name)} is not allocated (double free?)"
             )
 
     def _free_locked(self, name: str, pages: np.ndarray) -> int:

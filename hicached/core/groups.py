@@ -38,6 +38,7 @@ from hicached.errors import (
     LimitExceeded,
     NotFound,
     ResourceExhausted,
+    clip,
 )
 from hicached.l2.group import HostPoolGroup, PoolEntry
 from hicached.l2.host_pool import HostKVPool, create_host_pool, open_host_pool
@@ -87,7 +88,7 @@ def validate_pool_requests(pools: Sequence[PoolRequest]) -> None:
         if not name:
             raise InvalidArgument("pool name must not be empty")
         if names.count(name) > 1:
-            raise AlreadyExists(f"duplicate pool name {name!r} in attach")
+            raise AlreadyExists(f"duplicate pool name {clip(name)} in attach")
     anchors = [p.name for p in pools if p.role is PoolRole.ANCHOR]
     if len(anchors) != 1:
         raise InvalidArgument(f"a pool group needs exactly one anchor pool, got {len(anchors)}: {anchors}")

@@ -28,7 +28,14 @@ from hicached.core.group_state import GroupState
 from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
 from hicached.core.types import Ack
-from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from hicached.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    clip,
+)
 from hicached.index.entries import check_keys
 from hicached.index.index import ContentIndex
 from hicached.index.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
@@ -161,7 +168,7 @@ class KeyedCache:
             arr = np.asarray(arr if arr is not None else [], dtype=np.int64)
             if len(arr) != len(keys):
                 raise InvalidArgument(
-                    f"pool {name!r}: {len(arr)} {side} pages for {len(keys)} keys (must match)"
+                    f"pool {clip(name)}: {len(arr)} {side} pages for {len(keys)} keys (must match)"
                 )
             if side == "host":  # device pages were range-checked with their session's views
                 check_indices(name, "host", arr, state.pool(name).num_pages)
@@ -282,19 +289,21 @@ class KeyedCache:
         data: dict[tuple[str, str], bytes] = {}
         for key, pool, blob in pages:
             if pool not in pools:
-                raise NotFound(f"unknown or derived pool {pool!r} (allocating pools: {pools})")
+                raise NotFound(f"unknown or derived pool {clip(pool)} (allocating pools: {pools})")
             if (key, pool) in data:
-                raise InvalidArgument(f"key {key!r} pool {pool!r} given twice")
+                raise InvalidArgument(f"key {clip(key)} pool {clip(pool)} given twice")
             want = state.pool(pool).page_bytes
             if len(blob) != want:
-                raise InvalidArgument(f"key {key!r} pool {pool!r}: {len(blob)} bytes, a page is {want}")
+                raise InvalidArgument(
+                    f"key {clip(key)} pool {clip(pool)}: {len(blob)} bytes, a page is {want}"
+                )
             if key not in keys:
                 keys.append(key)
             data[(key, pool)] = blob
         for key in keys:
             for pool in pools:
                 if (key, pool) not in data:
-                    raise InvalidArgument(f"key {key!r} lacks pool {pool!r}")
+                    raise InvalidArgument(f"key {clip(key)} lacks pool {clip(pool)}")
         if len(keys) > self._cfg.server.max_batch_pages:
             raise InvalidArgument(
                 f"{len(keys)} keys exceed server.max_batch_pages={self._cfg.server.max_batch_pages}"

@@ -20,7 +20,7 @@ from hicached.core.checks import bind_derived
 from hicached.core.dataplane import DataPlane, LayerCallback
 from hicached.core.sessions import Backup, now_ms
 from hicached.core.types import Ack, RetractResult
-from hicached.errors import InvalidArgument, NotFound, PermissionDenied
+from hicached.errors import InvalidArgument, NotFound, PermissionDenied, clip
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import Priority
 from hicached.transfer.plan import Direction
@@ -43,9 +43,9 @@ class BackupStore:
         with self._lock:
             backup = self._backups.get(backup_id)
         if backup is None:
-            raise NotFound(f"unknown retraction backup {backup_id!r} (restored, discarded or expired)")
+            raise NotFound(f"unknown retraction backup {clip(backup_id)} (restored, discarded or expired)")
         if backup.session_id != session_id:
-            raise PermissionDenied(f"retraction backup {backup_id!r} belongs to another session")
+            raise PermissionDenied(f"retraction backup {clip(backup_id)} belongs to another session")
         return backup
 
     def take(self, backup_id: str) -> Backup | None:
@@ -112,7 +112,7 @@ class Retraction:
         checked = self._data.check_transfers(session, state, transfers, host="forbidden")
         anchor = state.group.anchor.name
         if not any(t.name == anchor for t in checked):
-            raise InvalidArgument(f"a retraction backup must include the anchor pool {anchor!r}")
+            raise InvalidArgument(f"a retraction backup must include the anchor pool {clip(anchor)}")
         pages = max((len(t.device_indices) for t in checked if t.device_indices is not None), default=0)
         if pages == 0:
             # Each backup holds pages until restored, discarded or expired: the host pool bounds
@@ -186,12 +186,12 @@ class Retraction:
                 got = 0 if t.device_indices is None else len(t.device_indices)
                 if got != want:
                     raise InvalidArgument(
-                        f"restore of pool {name!r}: backup holds {want} pages, got {got} device pages"
+                        f"restore of pool {clip(name)}: backup holds {want} pages, got {got} device pages"
                     )
             bound = [replace(t, host_indices=saved[t.name].host_indices) for t in checked]
             if self._backups.take(backup_id) is None:
                 raise NotFound(
-                    f"unknown retraction backup {backup_id!r} (restored or discarded concurrently)"
+                    f"unknown retraction backup {clip(backup_id)} (restored or discarded concurrently)"
                 )
             try:
                 acks = self._data.copy_pages(
@@ -211,7 +211,7 @@ class Retraction:
         def run() -> int:
             backup = self._backups.owned(session.session_id, backup_id)
             if self._backups.take(backup_id) is None:
-                raise NotFound(f"unknown retraction backup {backup_id!r}")
+                raise NotFound(f"unknown retraction backup {clip(backup_id)}")
             return state.release_transfers(backup.transfers)
 
         return session.run("RetractDiscard", op_id, backup_id, run)

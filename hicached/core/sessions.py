@@ -32,6 +32,7 @@ from hicached.errors import (
     FailedPrecondition,
     NotFound,
     PermissionDenied,
+    clip,
 )
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.mappings import DeviceMappings
@@ -253,7 +254,7 @@ class SessionTable:
                 )
             if current.worker.generation == worker.generation:
                 raise FailedPrecondition(
-                    f"worker {worker.instance_id!r} generation {worker.generation} is already attached "
+                    f"worker {clip(worker.instance_id)} generation {worker.generation} is already attached "
                     f"as session {current.session_id}; attach with a higher generation to replace it"
                 )
             return current
@@ -274,7 +275,7 @@ class SessionTable:
         with self._lock:
             session = self._by_id.get(session_id)
         if session is None:
-            raise NotFound(f"unknown session {session_id!r} (expired, detached or never attached)")
+            raise NotFound(f"unknown session {clip(session_id)} (expired, detached or never attached)")
         return session
 
     def check_secret(self, session_id: str, secret: str) -> None:

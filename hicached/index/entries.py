@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, clip
 from hicached.index.pools import GroupView
 from hicached.l2.allocator import PageArray, as_page_array, first_repeat
 
@@ -94,12 +94,13 @@ def check_keys(keys: Sequence[str], *, unique: bool = False) -> list[str]:
         suspect = True
     for key in out if suspect else ():
         if not isinstance(key, str) or not key or "/" in key:
-            raise InvalidArgument(f"content key must be a non-empty str without '/', got {key!r}")
+            got = clip(key) if isinstance(key, str) else repr(key)  # a non-str: a caller's bug
+            raise InvalidArgument(f"content key must be a non-empty str without '/', got {got}")
     if unique and len(set(out)) != len(out):
         seen: set[str] = set()
         for key in out:
             if key in seen:
-                raise InvalidArgument(f"content key {key!r} is listed more than once")
+                raise InvalidArgument(f"content key {clip(key)} is listed more than once")
             seen.add(key)
     return out
 
@@ -122,21 +123,21 @@ def check_rows(view: GroupView, n: int, pages: Mapping[str, object]) -> list[Pag
         raise InvalidArgument(f"pages for pool(s) {missing} are missing (expected {list(names)})")
     columns = []
     for name, allocator in zip(names, view.allocators, strict=True):
-        arr = as_page_array(pages[name], f"pages of pool {name!r}")
+        arr = as_page_array(pages[name], f"pages of pool {clip(name)}")
         if arr.size != n:
-            raise InvalidArgument(f"pool {name!r} has {arr.size} pages for {n} keys")
+            raise InvalidArgument(f"pool {clip(name)} has {arr.size} pages for {n} keys")
         if arr.size:
             bad = arr[(arr < 0) | (arr >= allocator.capacity)]
             if bad.size:
                 raise InvalidArgument(
-                    f"page {int(bad[0])} of pool {name!r} is outside [0, {allocator.capacity})"
+                    f"page {int(bad[0])} of pool {clip(name)} is outside [0, {allocator.capacity})"
                 )
             if first_repeat(arr) is not None:
-                raise InvalidArgument(f"pool {name!r}: a page is listed twice in {arr.tolist()}")
+                raise InvalidArgument(f"pool {clip(name)}: a page is listed twice in {arr.tolist()}")
             unallocated = arr[~allocator.is_allocated(arr)]
             if unallocated.size:
                 raise FailedPrecondition(
-                    f"page {int(unallocated[0])} of pool {name!r} is not allocated; publish "
+                    f"page {int(unallocated[0])} of pool {clip(name)} is not allocated; publish "
                     f"only pages you allocated and wrote"
                 )
         columns.append(arr)

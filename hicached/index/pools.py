@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from hicached.errors import InvalidArgument, NotFound
+from hicached.errors import InvalidArgument, NotFound, clip
 from hicached.l2.allocator import PageAllocator
 from hicached.l2.group import HostPoolGroup
 from hicached.l2.host_pool import HostKVPool
@@ -57,7 +57,7 @@ class GroupView:
         for slot in self.slots:
             if slot.name == pool:
                 return slot.source
-        raise NotFound(f"host pool {pool!r} is not in this group (known: {[s.name for s in self.slots]})")
+        raise NotFound(f"host pool {clip(pool)} is not in this group (known: {[s.name for s in self.slots]})")
 
     def l3_keys(self, namespace: str, keys: Sequence[str]) -> list[str]:
         """Backend keys, key-major (every pool of key 0, then key 1, ...), so that the

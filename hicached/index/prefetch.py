@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence, Set
 
 import numpy as np
 
-from hicached.errors import NotFound
+from hicached.errors import NotFound, clip
 from hicached.index.entries import batches
 from hicached.index.jobs import PrefetchTask
 from hicached.index.observer import IndexObserver
@@ -85,7 +85,7 @@ class Prefetcher:
         with self._lock:
             found = self._tasks.get(prefetch_id)
         if found is None:
-            raise NotFound(f"prefetch {prefetch_id!r} is unknown (or finished long ago)")
+            raise NotFound(f"prefetch {clip(prefetch_id)} is unknown (or finished long ago)")
         return found[0]
 
     def kept(self, prefetch_ids: Set[str]) -> set[str]:

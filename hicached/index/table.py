@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from hicached.errors import FailedPrecondition, Unavailable
+from hicached.errors import FailedPrecondition, Unavailable, clip
 from hicached.index.entries import SELECTIVE_HITS, Entry, EntryRecord
 from hicached.index.pools import GroupView
 from hicached.index.types import Pin
@@ -148,7 +148,7 @@ class EntryTable:
                         i = int(taken[0])
                         raise FailedPrecondition(
                             f"page {int(column[i])} of pool {self._view.alloc_names[col]!r} already "
-                            f"belongs to the content index (key {keys[i]!r} cannot take it)"
+                            f"belongs to the content index (key {clip(keys[i])} cannot take it)"
                         )
             entries = self._entries
             # Deepest key first, so the head of the prefix ends up most recent.

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from hicached.errors import AlreadyExists, InvalidArgument, NotFound
+from hicached.errors import AlreadyExists, InvalidArgument, NotFound, clip
 from hicached.l2.allocator import PageArray, PagesLike, as_page_array
 from hicached.l2.group_types import (
     Allocation,
@@ -101,7 +101,7 @@ class HostPoolGroup:
         names = [e.name for e in entries]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
-            raise AlreadyExists(f"host pool {dup!r} is listed twice")
+            raise AlreadyExists(f"host pool {clip(dup)} is listed twice")
         anchors = [e.name for e in entries if e.is_primary_index_anchor]
         if len(anchors) > 1:
             raise AlreadyExists(f"a group has one anchor; {anchors} are all marked as anchor")
@@ -127,40 +127,44 @@ class HostPoolGroup:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"pool name must be a non-empty string, got {name!r}")
         if name in self._entries:
-            raise AlreadyExists(f"host pool {name!r} is already registered")
+            raise AlreadyExists(f"host pool {clip(name)} is already registered")
         if not isinstance(entry.host_pool, HostKVPool):
-            raise InvalidArgument(f"pool {name!r}: host_pool must be a HostKVPool")
+            raise InvalidArgument(f"pool {clip(name)}: host_pool must be a HostKVPool")
         owner = next((e.name for e in self._entries.values() if e.host_pool is entry.host_pool), None)
         if owner is not None:
-            raise AlreadyExists(f"pool {name!r}: its host pool is already registered as {owner!r}")
+            raise AlreadyExists(f"pool {clip(name)}: its host pool is already registered as {clip(owner)}")
         if entry.is_primary_index_anchor and self._anchor is not None:
-            raise AlreadyExists(f"pool {name!r} cannot be the anchor: {self._anchor.name!r} already is")
+            raise AlreadyExists(
+                f"pool {clip(name)} cannot be the anchor: {clip(self._anchor.name)} already is"
+            )
         layers = entry.host_pool.spec.num_layers
         if not isinstance(entry.packed_draft_layers, int) or not 0 <= entry.packed_draft_layers < layers:
             raise InvalidArgument(
-                f"pool {name!r}: packed_draft_layers={entry.packed_draft_layers!r} must be in [0, {layers})"
+                f"pool {clip(name)}: packed_draft_layers={entry.packed_draft_layers!r} must be in [0, {layers})"
             )
         source_name = entry.indices_from_pool
         if source_name is None:
             return
         if self._anchor is None or entry.is_primary_index_anchor:
-            raise InvalidArgument(f"pool {name!r}: the anchor cannot derive its indices from {source_name!r}")
+            raise InvalidArgument(
+                f"pool {clip(name)}: the anchor cannot derive its indices from {clip(source_name)}"
+            )
         source = self._entries.get(source_name)
         if source is None:
             raise InvalidArgument(
-                f"pool {name!r} derives its indices from unknown pool {source_name!r} "
+                f"pool {clip(name)} derives its indices from unknown pool {clip(source_name)} "
                 f"(known: {sorted(self._entries)})"
             )
         if source.indices_from_pool is not None:
             raise InvalidArgument(
-                f"pool {name!r} derives from {source_name!r}, which is itself derived; use "
-                f"{source.indices_from_pool!r}"
+                f"pool {clip(name)} derives from {clip(source_name)}, which is itself derived; use "
+                f"{clip(source.indices_from_pool)}"
             )
         mine, theirs = entry.host_pool, source.host_pool
         if mine.num_pages < theirs.num_pages or mine.page_size != theirs.page_size:
             raise InvalidArgument(
-                f"pool {name!r} ({mine.num_pages} pages of {mine.page_size} tokens) cannot hold the "
-                f"indices of {source_name!r} ({theirs.num_pages} pages of {theirs.page_size} tokens)"
+                f"pool {clip(name)} ({mine.num_pages} pages of {mine.page_size} tokens) cannot hold the "
+                f"indices of {clip(source_name)} ({theirs.num_pages} pages of {theirs.page_size} tokens)"
             )
 
     def get_entry(self, name: str) -> PoolEntry:
@@ -168,7 +172,7 @@ class HostPoolGroup:
             return self._entries[name]
         except (KeyError, TypeError):
             raise NotFound(
-                f"host pool {name!r} is not in this group (known: {sorted(self._entries)})"
+                f"host pool {clip(name)} is not in this group (known: {sorted(self._entries)})"
             ) from None
 
     def get_pool(self, name: str) -> HostKVPool:
@@ -240,10 +244,12 @@ class HostPoolGroup:
             entry = self.get_entry(name)
             n = needs[name]
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-                raise InvalidArgument(f"pool {name!r}: page count must be a non-negative integer, got {n!r}")
+                raise InvalidArgument(
+                    f"pool {clip(name)}: page count must be a non-negative integer, got {n!r}"
+                )
             if entry.indices_from_pool is not None:
                 raise InvalidArgument(
-                    f"pool {name!r} is derived from {entry.indices_from_pool!r}: it allocates nothing"
+                    f"pool {clip(name)} is derived from {clip(entry.indices_from_pool)}: it allocates nothing"
                 )
             wanted[name] = int(n)
         free = {name: self._entries[name].host_pool.allocator.available() for name in wanted}
@@ -257,7 +263,7 @@ class HostPoolGroup:
             if able < gap:
                 return Allocation(
                     False,
-                    reason=f"pool {name!r}: no room for {wanted[name]} pages "
+                    reason=f"pool {clip(name)}: no room for {wanted[name]} pages "
                     f"({free[name]} free, {able} reclaimable)",
                 )
         for name in short:  # in name order; one eviction may free pages of several pools
@@ -273,7 +279,7 @@ class HostPoolGroup:
                 self._free_pages(got)
                 return Allocation(
                     False,
-                    reason=f"pool {name!r}: no room for {n} pages ({allocator.available()} free after reclaim)",
+                    reason=f"pool {clip(name)}: no room for {n} pages ({allocator.available()} free after reclaim)",
                 )
             got[name] = pages
         return Allocation(True, got)
@@ -310,7 +316,7 @@ class HostPoolGroup:
         seen: set[str] = set()
         for t in work:
             if t.name in seen:
-                raise InvalidArgument(f"pool {t.name!r} appears in more than one transfer")
+                raise InvalidArgument(f"pool {clip(t.name)} appears in more than one transfer")
             seen.add(t.name)
         return work
 
@@ -385,7 +391,7 @@ class HostPoolGroup:
                 continue
             src = next((c for c in work if c.name == source_name and self._derived_source(c) is None), None)
             if src is None:
-                return f"derived pool {transfer.name!r} needs a transfer of {source_name!r}; none was given"
+                return f"derived pool {clip(transfer.name)} needs a transfer of {clip(source_name)}; none was given"
             transfer.host_indices = copy_indices(src.host_indices, source_name)
             transfer.device_indices = copy_indices(src.device_indices, source_name)
         return ""

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from hicached.errors import InvalidArgument, Unavailable
+from hicached.errors import InvalidArgument, Unavailable, clip
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, chunks_nbytes
 from hicached.l3.framing import FRAME_HEADER, pack_header, payload_checksum, unframe
 from hicached.l3.mooncake_config import MooncakeBackendConfig
@@ -162,7 +162,7 @@ class MooncakeBackend(StorageBackend):
         for key, size in zip(keys, sizes, strict=True):
             if size > limit:
                 raise InvalidArgument(
-                    f"page {key!r} of {size} bytes does not fit the mooncake staging buffer "
+                    f"page {clip(key)} of {size} bytes does not fit the mooncake staging buffer "
                     f"(staging_bytes={self.config.staging_bytes}; a page may be at most {limit} bytes)"
                 )
 

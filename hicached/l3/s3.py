@@ -54,7 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
-from hicached.errors import InvalidArgument, Unavailable
+from hicached.errors import InvalidArgument, Unavailable, clip
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, scatter_into
 from hicached.l3.framing import FRAME_HEADER, frame, unframe
 from hicached.l3.registry import register_backend
@@ -197,7 +197,7 @@ class S3Backend(StorageBackend):
             name = self.config.prefix + escape_key(key)
             if len(name) > MAX_OBJECT_KEY_BYTES:
                 raise InvalidArgument(
-                    f"storage key {key!r} is too long for S3: object name {len(name)} bytes "
+                    f"storage key {clip(key)} is too long for S3: object name {len(name)} bytes "
                     f"> {MAX_OBJECT_KEY_BYTES}"
                 )
             names.append(name)

@@ -18,7 +18,7 @@ from hicached_client.v1 import types_pb2 as tpb
 
 from hicached.core.stats import SessionStats
 from hicached.core.types import Ack, PoolRequest, PoolRole, PoolState, WorkerId
-from hicached.errors import InvalidArgument
+from hicached.errors import InvalidArgument, clip
 from hicached.l2.group import PoolTransfer
 from hicached.l2.layout import HostLayout, KVSpec, PoolKind
 from hicached.page_arrays import SMALL_BATCH
@@ -196,7 +196,7 @@ def batch_in(batch: tpb.TransferBatch, anchor: str, *, max_pools: int) -> list[P
     if len(batch.primary_device_pages) or len(batch.primary_host_pages):
         if any(t.name == anchor for t in out):
             raise InvalidArgument(
-                f"the anchor pool {anchor!r} is given both as primary pages and as a transfer; give it once"
+                f"the anchor pool {clip(anchor)} is given both as primary pages and as a transfer; give it once"
             )
         host = pages_in(batch.primary_host_pages)
         out.append(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, clip
 from hicached.transfer.handles import (
     CUDA_IPC_HANDLE_BYTES,
     CudaIpcBufferHandle,
@@ -94,7 +94,7 @@ def resolve_device(device_id: int, device_uuid: str = "") -> int:
         for ordinal in range(count):
             if _norm_uuid(str(torch.cuda.get_device_properties(ordinal).uuid)) == want:
                 return ordinal
-        raise NotFound(f"no local CUDA device has uuid {device_uuid!r}")
+        raise NotFound(f"no local CUDA device has uuid {clip(device_uuid)}")
     if not 0 <= device_id < count:
         raise InvalidArgument(f"CUDA device id {device_id} is out of range [0, {count})")
     return device_id

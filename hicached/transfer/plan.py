@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from hicached.errors import InvalidArgument, OutOfRange
+from hicached.errors import InvalidArgument, OutOfRange, clip
 from hicached.page_arrays import SMALL_BATCH, ascending
 from hicached.transfer.handles import Medium, medium_of
 from hicached.transfer.words import matched_rows
@@ -235,9 +235,9 @@ def _rows(checked: CheckedPool, direction: Direction) -> Rows:
 def _pages(pool: str, kind: str, pages: object) -> np.ndarray:
     arr = np.asarray(pages)
     if arr.ndim != 1:
-        raise InvalidArgument(f"pool {pool!r}: {kind} pages must be 1-D, got shape {arr.shape}")
+        raise InvalidArgument(f"pool {clip(pool)}: {kind} pages must be 1-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":  # np.issubdtype costs several times more
-        raise InvalidArgument(f"pool {pool!r}: {kind} pages must be integers, got dtype {arr.dtype}")
+        raise InvalidArgument(f"pool {clip(pool)}: {kind} pages must be integers, got dtype {arr.dtype}")
     # A private, contiguous int64 copy: the plan must not see later edits by the caller.
     return np.array(arr, dtype=np.int64, copy=True, order="C")
 
@@ -257,7 +257,7 @@ def _check_range(pool: str, kind: str, pages: np.ndarray, limit: int) -> bool:
     if len(bad):
         i = int(bad[0])
         raise OutOfRange(
-            f"pool {pool!r}: {kind} page {int(pages[i])} at position {i} is out of range [0, {limit})"
+            f"pool {clip(pool)}: {kind} page {int(pages[i])} at position {i} is out of range [0, {limit})"
         )
     return False
 
@@ -273,7 +273,7 @@ def _check_unique(pool: str, kind: str, pages: np.ndarray) -> None:
     if len(dup):
         j = int(dup[0])
         raise InvalidArgument(
-            f"pool {pool!r}: destination {kind} page {int(sorted_pages[j])} appears twice "
+            f"pool {clip(pool)}: destination {kind} page {int(sorted_pages[j])} appears twice "
             f"(positions {int(order[j])} and {int(order[j + 1])})"
         )
 
@@ -283,21 +283,27 @@ def _check_pool(view: DevicePoolView, host: HostPoolLike) -> Layers:
     spec = host.spec
     name = view.name
     if view.page_size != spec.page_size:
-        raise InvalidArgument(f"pool {name!r}: device page size {view.page_size} != host {spec.page_size}")
+        raise InvalidArgument(
+            f"pool {clip(name)}: device page size {view.page_size} != host {spec.page_size}"
+        )
     if len(view.k) != spec.num_layers:
-        raise InvalidArgument(f"pool {name!r}: {len(view.k)} device K buffers != {spec.num_layers} layers")
+        raise InvalidArgument(
+            f"pool {clip(name)}: {len(view.k)} device K buffers != {spec.num_layers} layers"
+        )
     want_v = spec.num_layers if spec.num_kv == 2 else 0
     if len(view.v) != want_v:
-        raise InvalidArgument(f"pool {name!r}: {len(view.v)} device V buffers, expected {want_v}")
+        raise InvalidArgument(f"pool {clip(name)}: {len(view.v)} device V buffers, expected {want_v}")
     if len(view.layer_ids) != spec.num_layers:
-        raise InvalidArgument(f"pool {name!r}: {len(view.layer_ids)} layer ids != {spec.num_layers} layers")
+        raise InvalidArgument(
+            f"pool {clip(name)}: {len(view.layer_ids)} layer ids != {spec.num_layers} layers"
+        )
     tokens = int(view.k[0].shape[0]) if view.k else 0
     if tokens % view.page_size:
-        raise InvalidArgument(f"pool {name!r}: {tokens} device tokens is not a multiple of page size")
+        raise InvalidArgument(f"pool {clip(name)}: {tokens} device tokens is not a multiple of page size")
     out: Layers = []
     for kv, buffers in enumerate((view.k, view.v)):
         for layer, buf in enumerate(buffers):
-            label = f"pool {name!r} {'KV'[kv]} layer {layer}"
+            label = f"pool {clip(name)} {'KV'[kv]} layer {layer}"
             layer_id = view.layer_ids[layer]
             if type(layer_id) is not int or layer_id < TAIL_LAYER:
                 raise InvalidArgument(f"{label}: invalid global layer id {layer_id!r}")
