@@ -198,17 +198,20 @@ class PrefetchTask:
                 self._completed += got
                 if self._state is PrefetchState.RUNNING:
                     if not ok:
-                        self._state = PrefetchState.FAILED
+                        self._finish(PrefetchState.FAILED)
                     elif self._cursor >= len(self._keys):
-                        self._state = PrefetchState.DONE
+                        self._finish(PrefetchState.DONE)
                 self._cond.notify_all()
         with self._cond:
             return self._state is PrefetchState.RUNNING
 
     def _finish(self, state: PrefetchState) -> None:
-        # Caller holds the condition.
+        # Caller holds the condition. A finished task is kept for its status (the index keeps
+        # the last ones) but never reads its keys again: let them go, or each kept task would
+        # hold up to limits.max_keys_per_request strings (~10 MiB a Prefetch, measured).
         if self._state is PrefetchState.RUNNING:
             self._state = state
+            self._keys = []
         self._cond.notify_all()
 
     def abandon(self, reason: BaseException | None) -> None:

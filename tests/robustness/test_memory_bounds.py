@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, HiCacheError, TokenChain
+from hicached_client import HiCacheClient, HiCacheError, PageBytes, TokenChain, WorkerIdentity, pool_spec
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
 
@@ -155,4 +156,43 @@ def test_an_idle_connection_is_closed() -> None:
         assert seen[ready + 1] is grpc.ChannelConnectivity.IDLE
     finally:
         channel.close()
+        d.stop()
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_finished_prefetches_do_not_keep_their_keys(tmp_path: Path) -> None:
+    """Before: the index keeps the last 1,024 finished prefetches for their status, and each kept
+    its whole key list: 16 Prefetches of 16,384 keys of ~400 bytes (found in L3, timed out at
+    once) grew the daemon by about 9 MiB each, for good."""
+    d = start_daemon(
+        "--l3", "file", "--l3-path", str(tmp_path / "l3"), "--set", "server.max_batch_pages=65536"
+    )
+    try:
+        tiny = pool_spec(  # 32-byte pages: 16,384 of them are 512 KiB of L3
+            "kv", role="anchor", kind="mha", dtype="bfloat16", page_size=1, num_layers=1, num_heads=1,
+            head_dim=8, host_layout="layer_first", k_buffers=(), v_buffers=(), host_bytes=4096 * 32,
+        )  # fmt: skip
+        with (
+            HiCacheClient(d.target, timeout_s=60) as client,
+            client.attach(WorkerIdentity("pf", 1, "m-pf"), [tiny], heartbeat=False) as s,
+        ):
+            keys = [f"{i:08d}-" + "k" * 400 for i in range(16_384)]
+            for at in range(0, len(keys), 2048):
+                batch = keys[at : at + 2048]
+                s.put_bytes([PageBytes(k, "kv", bytes(32)) for k in batch])
+                backed = s.backup(batch, wait=True)  # write-through may have stored some already
+                assert backed.stored_pages == backed.queued_pages
+            s.prefetch(keys, policy="timeout", timeout_ms=1)  # the allocator's first growth
+            before = _rss_mib(d.process.pid)
+            for _ in range(16):
+                assert s.prefetch(keys, policy="timeout", timeout_ms=1).planned_pages > 0
+            grown = _rss_mib(d.process.pid) - before
+            assert grown < 48, f"16 finished prefetches of 16,384 keys grew the daemon by {grown:.0f} MiB"
+    finally:
         d.stop()
