@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hicached_client import HiCacheClient, HiCacheError, PageBytes, TokenChain, WorkerIdentity, pool_spec
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
@@ -132,8 +133,13 @@ def test_connections_that_send_nothing_give_their_slots_back() -> None:
         fast_retry = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 500)]
         channel = grpc.insecure_channel(d.target, options=fast_retry)
         assert _connects(channel, 20.0), "still locked out after 20 s"
-        with HiCacheClient(d.target, timeout_s=10) as client:  # while the raw ones stay open
-            assert client.get_stats().version
+        # Served on the connection it got, while the raw ones stay open. (Not over a second
+        # connection made at once: in one CI run on a busy machine that one was still refused,
+        # "socket closed", while the first was served.)
+        check = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=10
+        )
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         if channel is not None:
             channel.close()
