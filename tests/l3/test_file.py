@@ -371,3 +371,23 @@ def test_a_read_batch_split_across_threads_is_byte_exact_and_verified(
             bytes(d) == page(k, size) for i, (d, k) in enumerate(zip(dests, keys, strict=True)) if i != 30
         )
         assert backend.stats().corrupt_pages == 1
+
+
+def test_slab_files_together_stay_within_the_capacity(file_dir: Path) -> None:
+    """Before: the capacity counted occupied slots only and a slab file never shrank, so pages
+    of one new size after another (a client's pool shape is its own choice) grew the directory
+    by up to the capacity per size (a reviewer's 12 sizes: 95.6 MiB on disk at 8 MiB)."""
+    capacity = 64 * SLOT
+    sizes = [4096 * n - 100 for n in range(1, 7)]
+    with open_file(file_dir, capacity=capacity) as backend:
+        for size in sizes:
+            keys = [f"d/{size}/{i}" for i in range(capacity // slot_bytes_for(size))]
+            stored = backend.set(keys, [page(k, size) for k in keys])
+            on_disk = sum(os.path.getsize(p) for p in file_dir.glob("slab-*.dat"))
+            assert on_disk <= capacity, (size, on_disk)
+            assert sum(stored) >= len(keys) - 1, (size, sum(stored), len(keys))
+        # the newest size is whole and byte-exact; the older ones were evicted to make room
+        assert backend.get(keys[-4:]) == [page(k, sizes[-1]) for k in keys[-4:]]
+        assert backend.exists([f"d/{sizes[0]}/0"]) == 0
+    with open_file(file_dir, capacity=capacity) as backend:  # what was stored survives a restart
+        assert backend.exists(keys[-4:]) == 4

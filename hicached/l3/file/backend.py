@@ -16,9 +16,10 @@ returning ``True``/bytes, and a failing page is a miss, counted in
 ``corrupt_pages`` and dropped.
 
 Capacity. ``capacity_bytes`` bounds the bytes of occupied slots (LRU eviction,
-:mod:`~hicached.l3.file.index`). Files never shrink, so when the mix of page
-sizes changes, disk usage can exceed ``capacity_bytes`` by the free slots of
-sizes no longer written. A disk that fills up first (ENOSPC) is treated as the
+:mod:`~hicached.l3.file.index`) and the slab files' sizes together: a file grows
+only within it; past it a page size reuses its free slots, the free slots at the
+ends of the files are truncated, and LRU pages of any size are evicted (a bounded
+number per page) until the file may grow. A disk that fills up first (ENOSPC) is treated as the
 real capacity: it is lowered to the bytes stored, LRU pages are evicted and the
 failed pages written once more into slots that already have disk blocks (it is
 not raised again while the process runs). Keys of more than ``MAX_KEY_BYTES``

@@ -39,6 +39,13 @@ __all__ = ["PageIndex"]
 
 log = logging.getLogger(__name__)
 
+# LRU pages one page may evict to keep the slab files within the capacity. Evicting a page in
+# the middle of a file frees a slot of its size but no disk, so after a switch to a new page
+# size the old size's pages go (oldest first) until the ones at the file's end do; a bound
+# keeps one write from holding the lock for a whole file (~10 us a victim): the page is then
+# refused and the next writes go on where it stopped.
+RECLAIM_VICTIMS = 1024
+
 
 class PageIndex:
     """Entries of the stored pages, their slabs and the counters (guarded by the backend lock)."""
@@ -207,11 +214,40 @@ class PageIndex:
         except OSError as exc:  # e.g. something else holds the slab's name: this size is not stored
             log.warning("file backend %s: cannot open slab-%d.dat: %s", self.root, size, exc)
             return None
-        if not self.evict_for(size):
+        if not self.evict_for(size) or not self._disk_room(slab):
             return None
         self.seq += 1
         self.used += size
         return Entry(key, slab, slab.alloc(), length, 0, self.seq)
+
+    def disk_bytes(self) -> int:
+        """Bytes the slab files may hold on disk together (slots handed out, free ones included)."""
+        return sum(slab.file_bytes for slab in self.slabs.values())
+
+    def _disk_room(self, slab: Slab) -> bool:
+        """Whether ``slab`` can hand out a slot with all slab files within the capacity.
+
+        Why: ``used`` counts occupied slots only, and a file never shrank, so a client that
+        wrote pages of one new size after another (its pool shape is its choice) grew the
+        directory by up to the capacity per size. A free slot of its own costs no new disk;
+        otherwise the free slots at the ends of the files are truncated, and LRU pages of any
+        size are evicted (at most :data:`RECLAIM_VICTIMS` for this page; a later page goes on)
+        until the file may grow. False when it may not.
+        """
+        if slab.has_free() or self.disk_bytes() + slab.slot_bytes <= self.capacity:
+            return True
+        for other in self.slabs.values():
+            other.trim()
+        for _ in range(RECLAIM_VICTIMS):
+            if slab.has_free() or self.disk_bytes() + slab.slot_bytes <= self.capacity:
+                return True
+            victim = next((e for e in self.entries.values() if e.pins == 0), None)
+            if victim is None:
+                return False
+            self.drop(victim, tombstone=True)
+            self.evicted += 1
+            victim.slab.trim()
+        return slab.has_free() or self.disk_bytes() + slab.slot_bytes <= self.capacity
 
     def reserve_on_disk(self, failed: Entry) -> Entry | None:
         """After a full disk: a new slot with existing disk blocks for ``failed``'s page."""

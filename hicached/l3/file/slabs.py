@@ -49,8 +49,9 @@ class Slab:
         # never-written slots cost ~40 bytes each as ints (82 MB for 1 GiB of 512-byte slots).
         # The two are disjoint: a released slot was handed out, so it is in no run.
         self.free: list[int] = []
+        self._in_free: set[int] = set()  # the slots in ``free``, for trim's check of the top one
         self.free_runs: list[range] = []
-        self.high = 0  # slots at or above this index were never handed out
+        self.high = 0  # slots at or above this index were never handed out (or were trimmed)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -112,7 +113,7 @@ class Slab:
             else:
                 self.free_runs.pop()
         else:
-            heapq.heappop(self.free)
+            self._in_free.discard(heapq.heappop(self.free))
 
     def alloc(self) -> int:
         """The lowest free slot, else the next one never handed out."""
@@ -125,6 +126,38 @@ class Slab:
 
     def release(self, slot: int) -> None:
         heapq.heappush(self.free, slot)
+        self._in_free.add(slot)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the file that slots were handed out of: what this slab may hold on disk."""
+        return self.high * self.slot_bytes
+
+    def has_free(self) -> bool:
+        """Whether :meth:`alloc` can reuse a slot (the file need not grow)."""
+        return bool(self.free or self.free_runs)
+
+    def trim(self) -> int:
+        """Give the disk back the free slots at the end of the file: ``high`` drops below them
+        and the file is truncated. Returns the bytes given back. Free slots lower down stay
+        (this size reuses them first)."""
+        top = self.high
+        while self.high:
+            if self.free_runs and self.free_runs[0].stop == self.high:  # the highest run
+                self.high = self.free_runs.pop(0).start
+            elif self.high - 1 in self._in_free:
+                self._in_free.discard(self.high - 1)
+                self.high -= 1
+            else:
+                break
+        if self.high == top:
+            return 0
+        if len(self._in_free) != len(self.free):  # slots above ``high`` left the heap's set
+            self.free = [s for s in self.free if s in self._in_free]
+            heapq.heapify(self.free)
+        if os.fstat(self.fd).st_size > self.file_bytes:
+            os.ftruncate(self.fd, self.file_bytes)
+        return (top - self.high) * self.slot_bytes
 
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes
