@@ -193,7 +193,7 @@ class KeyedCache:
         for t in checked:  # the owning pools' counts were checked just above; derived ones' here
             if t.device_indices is not None and 0 < len(t.device_indices) != len(keys):
                 raise InvalidArgument(
-                    f"pool {t.name!r}: {len(t.device_indices)} device pages for {len(keys)} keys (must match)"
+                    f"pool {clip(t.name)}: {len(t.device_indices)} device pages for {len(keys)} keys (must match)"
                 )
 
         def run() -> PutResult:

@@ -88,7 +88,8 @@ class HandoffRegistry:
     Bounds: at most ``max_pending`` tickets in total, ``max_per_uid`` per uid, and
     ``max_fds_per_uid`` descriptors held in one uid's tickets (a uid's full tickets would
     otherwise hold ``max_per_uid`` x ``server.handoff_max_fds`` of the daemon's descriptors,
-    enough to run it out of them for every other client); a ticket lives ``ttl_s`` seconds. Expired tickets are swept on every put/take and
+    enough to run it out of them for every other client); a ticket lives ``ttl_s`` seconds.
+    Expired tickets are swept on every put/take and
     by :meth:`expire`; their fds are closed.
     """
 
