@@ -37,6 +37,11 @@ from tests.support.daemon import Daemon, start_daemon
 
 SECRET = "x-hicached-session-secret"
 CALL_TIMEOUT_S = 20.0
+# The victim's lease: a generated request that stalls the daemon this long ends it. Longer than
+# the test daemons' 1.5 s: in two CI runs its heartbeats (a thread of this process) missed
+# 1.5 s while both cores ran test workers and mypy; the stall bounds of specific requests are
+# measured in test_loop_stalls.py and test_loop_limits.py.
+VICTIM_LEASE_MS = 6000
 FORBIDDEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 settings.register_profile(
@@ -76,7 +81,9 @@ class World:
                 assert may_be_gone, f"the victim lost its lease: {self.victim.lease_lost}\n{self.daemon.log}"
                 self.victim.close()
             self.model = f"victim-{uuid.uuid4().hex[:8]}"
-            self.victim = self.worker.attach(WorkerIdentity(self.model, 1, self.model), specs(self.device))
+            self.victim = self.worker.attach(
+                WorkerIdentity(self.model, 1, self.model), specs(self.device), lease_ms=VICTIM_LEASE_MS
+            )
             self.victim.alloc("kv", 4)  # owned pages a fuzzed Free/Write may name
             self.baseline = state(self.admin)
         return self.victim
