@@ -8,7 +8,6 @@ import contextlib
 import socket
 import threading
 import uuid
-from pathlib import Path
 
 import grpc
 from hicached_client import HiCacheClient, Session, WorkerIdentity, pool_spec
@@ -41,14 +40,6 @@ def raw_unary(target: str, method: str, payload: bytes, timeout_s: float = 10.0)
         except grpc.RpcError as exc:
             return exc
     raise AssertionError(f"{method} accepted {payload!r}")
-
-
-def peak_rss(pid: int) -> int:
-    """The process's peak resident set (VmHWM), bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 class FakeRedis:

@@ -32,10 +32,10 @@ from hicached_client.export import ShmKVPool
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
 
-from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, byte_spec, peak_rss, raw_unary
+from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, byte_spec, raw_unary
 from tests.robustness.state_support import device_pools, no_retry_client, specs
 from tests.support.daemon import Daemon, start_daemon
-from tests.support.state import state
+from tests.support.state import proc_bytes, state
 
 C = grpc.StatusCode
 MODEL = "m-limits"
@@ -83,9 +83,9 @@ def test_get_bytes_of_one_key_3000_times_is_refused_before_building_the_answer(
     data = np.random.default_rng(1).integers(0, 256, PAGE_BYTES, dtype=np.uint8).tobytes()
     assert session.put_bytes([PageBytes(key, "kv", data)]).stored_pages == 1
     assert session.get_bytes([key]).pages[0].data == data
-    before, rss = state(admin), peak_rss(daemon.process.pid)
+    before, rss = state(admin), proc_bytes(daemon.process.pid, "VmHWM")
     refused(lambda: session.get_bytes([key] * 3000), C.RESOURCE_EXHAUSTED, "limits.max_response_bytes")
-    assert peak_rss(daemon.process.pid) - rss < 64 << 20  # the answer would be 188 MiB
+    assert proc_bytes(daemon.process.pid, "VmHWM") - rss < 64 << 20  # the answer would be 188 MiB
     assert state(admin) == before
 
 
@@ -460,13 +460,13 @@ def test_a_put_bytes_of_many_tiny_pages_is_refused_before_it_is_parsed(
     """Before: the 10 million empty pages (20 MiB on the wire, under server.max_message_bytes)
     were parsed first (~0.45 s of the event loop, ~700 MiB of the daemon's memory) and only
     then refused by their count. Now their count is taken from the wire, without parsing."""
-    before, rss = state(admin), peak_rss(daemon.process.pid)
+    before, rss = state(admin), proc_bytes(daemon.process.pid, "VmHWM")
     head = pb.PutBytesRequest(session_id=session.session_id, op_id="op-tiny-pages").SerializeToString()
     pages = pb.PutBytesRequest.DESCRIPTOR.fields_by_name["pages"].number
     err = _signed(
         daemon.target, session, "PutBytes", head + (TagBytes(pages, 2) + _VarintBytes(0)) * 10_000_000
     )
-    grown = peak_rss(daemon.process.pid) - rss
+    grown = proc_bytes(daemon.process.pid, "VmHWM") - rss
     assert grown < 128 << 20, f"the daemon's peak RSS grew {grown >> 20} MiB"
     assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())
     details = err.details() or ""

@@ -18,7 +18,9 @@ from hicached_client.v1 import types_pb2 as tpb
 from hicached.index.keys import page_keys
 from tests.robustness.loop_support import PAGE, attach_bytes
 from tests.support.daemon import Daemon, start_daemon
-from tests.support.state import poll
+from tests.support.state import poll, proc_bytes
+
+MIB = 1 << 20
 
 LOOKUP = "/hicached.v1.HiCacheService/Lookup"
 
@@ -165,13 +167,6 @@ def test_an_idle_connection_is_closed() -> None:
         d.stop()
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_finished_prefetches_do_not_keep_their_keys(tmp_path: Path) -> None:
     """Before: the index keeps the last 1,024 finished prefetches for their status, and each kept
     its whole key list: 16 Prefetches of 16,384 keys of ~400 bytes (found in L3, timed out at
@@ -195,10 +190,10 @@ def test_finished_prefetches_do_not_keep_their_keys(tmp_path: Path) -> None:
                 backed = s.backup(batch, wait=True)  # write-through may have stored some already
                 assert backed.stored_pages == backed.queued_pages
             s.prefetch(keys, policy="timeout", timeout_ms=1)  # the allocator's first growth
-            before = _rss_mib(d.process.pid)
+            before = proc_bytes(d.process.pid, "VmRSS") / MIB
             for _ in range(16):
                 assert s.prefetch(keys, policy="timeout", timeout_ms=1).planned_pages > 0
-            grown = _rss_mib(d.process.pid) - before
+            grown = proc_bytes(d.process.pid, "VmRSS") / MIB - before
             assert grown < 48, f"16 finished prefetches of 16,384 keys grew the daemon by {grown:.0f} MiB"
     finally:
         d.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -13,6 +12,7 @@ from hicached_client import HiCacheError, PageBytes, Session, WorkerIdentity
 
 from tests.robustness.state_support import device_pools, no_retry_client, specs
 from tests.support.daemon import Daemon, start_daemon
+from tests.support.state import proc_bytes
 
 OP_CACHE_BYTES = 1 << 20
 
@@ -83,13 +83,6 @@ def test_the_same_op_id_with_another_body_is_invalid_argument(session: Session) 
     assert session.stats().sessions[0].owned_pages == 1
 
 
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_400_alloc_free_rounds_keep_the_op_cache_within_its_byte_bound(daemon: Daemon) -> None:
     """Fails before the fix: every answer was remembered (the issue measured +211 MB of daemon
     RSS for 400 rounds of 65,536-page answers; these 16,384-page rounds add ~55 MB); now
@@ -104,12 +97,12 @@ def test_400_alloc_free_rounds_keep_the_op_cache_within_its_byte_bound(daemon: D
         try:
             warm = s.alloc("kv", pages, op_id="warm")
             s.free("kv", warm.host_pages, op_id="warm-free")
-            before = _rss_bytes(daemon.process.pid)
+            before = proc_bytes(daemon.process.pid, "VmRSS")
             for i in range(400):
                 got = s.alloc("kv", pages, op_id=f"a{i}")
                 assert got.ok
                 assert s.free("kv", got.host_pages, op_id=f"f{i}") == pages
-            grown = _rss_bytes(daemon.process.pid) - before
+            grown = proc_bytes(daemon.process.pid, "VmRSS") - before
         finally:
             s.close()
     assert grown < 24 << 20, f"daemon RSS grew {grown / 2**20:.0f} MiB over 400 rounds"

@@ -20,6 +20,7 @@ from hicached_client.export import export_fd_tensor
 
 from tests.support.daemon import Daemon, start_daemon
 from tests.support.kv import KV_DIM, KV_HEADS, PAGE_SIZE, unique_tag
+from tests.support.state import proc_bytes
 
 TIB = 1 << 40
 TOKENS = 16 * PAGE_SIZE  # 16 device pages per buffer
@@ -33,15 +34,6 @@ def daemon() -> Iterator[Daemon]:
         yield d
     finally:
         d.stop()
-
-
-def vm_size(pid: int) -> int:
-    """The process's virtual size in bytes (VmSize of /proc/<pid>/status)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmSize for pid {pid}")
 
 
 def test_a_tiny_pool_in_a_1_tib_sparse_memfd_maps_only_its_buffers_and_round_trips(daemon: Daemon) -> None:
@@ -73,12 +65,12 @@ def test_a_tiny_pool_in_a_1_tib_sparse_memfd_maps_only_its_buffers_and_round_tri
         )
         pid = daemon.process.pid
         with HiCacheClient(daemon.target, timeout_s=30.0) as client:
-            before = vm_size(pid)
+            before = proc_bytes(pid, "VmSize")
             session = client.attach(
                 WorkerIdentity(unique_tag("sparse"), 1, "m-sparse"), [spec], heartbeat=False
             )
             try:
-                grown = vm_size(pid) - before
+                grown = proc_bytes(pid, "VmSize") - before
                 assert grown < 1 << 30, f"the attach grew the daemon's VmSize by {grown} bytes"
 
                 torch.manual_seed(5)

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hicached_client import HiCacheClient
 
 from tests.support.daemon import Daemon, start_daemon
+from tests.support.state import proc_bytes
 
 TOKEN = "health-strangers-token"
 WORKER_SERVICE = "hicached.v1.HiCacheService"
@@ -71,13 +72,6 @@ def _channel(target: str) -> grpc.Channel:
     )
 
 
-def _rss_mib(daemon: Daemon) -> float:
-    for line in Path(f"/proc/{daemon.process.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS in /proc/<pid>/status")
-
-
 def _first(call: Iterator[health_pb2.HealthCheckResponse]) -> str:
     """The stream's first answer: a status name, or the code it ended with."""
     try:
@@ -88,7 +82,7 @@ def _first(call: Iterator[health_pb2.HealthCheckResponse]) -> str:
 
 def test_unknown_and_huge_names_are_refused_at_once_and_not_kept(tcp_daemon: tuple[Daemon, str]) -> None:
     daemon, tcp = tcp_daemon
-    before = _rss_mib(daemon)
+    before = proc_bytes(daemon.process.pid, "VmRSS") / MIB
     channels = [_channel(tcp) for _ in range(STREAMS // PER_CHANNEL)]
     try:
         calls = [
@@ -99,7 +93,7 @@ def test_unknown_and_huge_names_are_refused_at_once_and_not_kept(tcp_daemon: tup
             for j in range(PER_CHANNEL)
         ]
         answers = [_first(call) for call in calls]  # the streams stay open unless the daemon ends them
-        grown = _rss_mib(daemon) - before
+        grown = proc_bytes(daemon.process.pid, "VmRSS") / MIB - before
         for call in calls:
             call.cancel()
     finally:

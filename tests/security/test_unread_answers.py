@@ -16,7 +16,6 @@ import struct
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import h2.config
@@ -31,6 +30,7 @@ from hicached_client.v1 import types_pb2 as tpb
 
 from tests.robustness.loop_support import PAGE_BYTES, attach_bytes
 from tests.support.daemon import Daemon, start_daemon
+from tests.support.state import proc_bytes
 
 from .users import run_as_other
 
@@ -103,13 +103,6 @@ class NonReader:
         self._sock.close()
 
 
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 OTHER = """
 import sys
 import numpy as np
@@ -138,7 +131,7 @@ def test_a_peer_that_never_reads_its_answers_holds_at_most_its_limit_and_no_othe
         rng = np.random.default_rng(5)
         pages = [PageBytes(k, "kv", rng.integers(0, 256, PAGE_BYTES, dtype=np.uint8).tobytes()) for k in keys]
         assert session.put_bytes(pages).stored_pages == KEYS
-        before = rss(daemon.process.pid)
+        before = proc_bytes(daemon.process.pid, "VmRSS")
         stranger = NonReader(daemon.target)
         try:
             stranger.get_bytes(session, keys, CALLS)
@@ -152,7 +145,7 @@ def test_a_peer_that_never_reads_its_answers_holds_at_most_its_limit_and_no_othe
             assert "limits.max_unread_answer_bytes_per_peer" in refused.message, refused.message
             assert "uid:0" in refused.message and len(refused.message) < 400
             assert refused.retry_after_ms is not None
-            grown = rss(daemon.process.pid) - before
+            grown = proc_bytes(daemon.process.pid, "VmRSS") - before
             assert grown < 64 << 20, f"the daemon grew by {grown >> 20} MiB for answers nobody reads"
             other = run_as_other(OTHER, daemon.target)  # another uid: its own count, answered
             assert other.returncode == 0, other.stderr[-2000:]

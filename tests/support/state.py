@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from hicached_client import HiCacheClient, Stats
@@ -43,3 +44,12 @@ def poll(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float, wh
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout_s} s; last: {result!r}")
         time.sleep(0.05)  # poll interval of a deadline-bounded wait
+
+
+def proc_bytes(pid: int, field: str) -> int:
+    """A size of ``/proc/<pid>/status`` in bytes: ``VmRSS`` (resident), ``VmHWM`` (peak
+    resident), ``VmSize`` (virtual)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
