@@ -155,9 +155,16 @@ class KeyedCache:
     def _columns(
         self, state: GroupState, keys: Sequence[str], transfers: Sequence[PoolTransfer], *, side: str
     ) -> dict[str, np.ndarray]:
-        """One page per key for every allocating pool, from the transfers' ``side`` indices."""
+        """One page per key for every allocating pool, from the transfers' ``side`` indices; a
+        derived pool's pages, when given, one per key too (else they default to its source's)."""
         wanted = state.owning_pools()
         given = {t.name: t for t in transfers}
+        for t in transfers:
+            arr = t.host_indices if side == "host" else t.device_indices
+            if t.name not in wanted and arr is not None and 0 < len(arr) != len(keys):
+                raise InvalidArgument(
+                    f"pool {clip(t.name)}: {len(arr)} {side} pages for {len(keys)} keys (must match)"
+                )
         missing = [p for p in wanted if p not in given]
         if missing:
             raise InvalidArgument(f"keyed calls need pages of every allocating pool; missing {missing}")
@@ -190,11 +197,6 @@ class KeyedCache:
         data = self.core.data
         checked = data.check_transfers(session, state, transfers, host="forbidden")
         self._columns(state, keys, checked, side="device")
-        for t in checked:  # the owning pools' counts were checked just above; derived ones' here
-            if t.device_indices is not None and 0 < len(t.device_indices) != len(keys):
-                raise InvalidArgument(
-                    f"pool {clip(t.name)}: {len(t.device_indices)} device pages for {len(keys)} keys (must match)"
-                )
 
         def run() -> PutResult:
             # Every key L2 holds is skipped, not only a leading run: allocating for one would

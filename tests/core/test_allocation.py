@@ -102,9 +102,13 @@ def test_a_put_allocates_only_for_the_keys_the_index_lacks(make_core: Callable[.
     assert c.indexed(sid) == 4  # k0 and k1 stay
 
 
-def test_a_put_whose_derived_pool_names_another_page_count_is_refused(make_core: Callable[..., Core]) -> None:
+@pytest.mark.parametrize("call", ["put", "get"])
+def test_a_keyed_call_whose_derived_pool_names_another_page_count_is_refused(
+    make_core: Callable[..., Core], call: str
+) -> None:
     c = make_core()
     sid = c.attach()
+    _fill_index(c, sid, 3, prefix="p")
     before = c.pools(sid)
     batch = [
         PoolTransfer("kv", pages(range(3))),
@@ -112,5 +116,8 @@ def test_a_put_whose_derived_pool_names_another_page_count_is_refused(make_core:
         PoolTransfer("draft", pages(range(2))),
     ]
     with pytest.raises(InvalidArgument, match="'draft': 2 device pages for 3 keys"):
-        c.keyed.put_pages(sid, "", ["p0", "p1", "p2"], batch)
-    assert c.indexed(sid) == 0 and c.pools(sid) == before
+        if call == "put":
+            c.keyed.put_pages(sid, "", ["n0", "n1", "n2"], batch)
+        else:
+            c.keyed.get_pages(sid, "", ["p0", "p1", "p2"], batch, include_l3=False)
+    assert c.indexed(sid) == 3 and c.pools(sid) == before
