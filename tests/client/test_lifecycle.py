@@ -35,19 +35,10 @@ from hicached_client.export import ShmKVPool, export_fd_tensor, sealed_memfd
 from hicached_client.v1 import types_pb2 as tpb
 
 from hicached.testing.daemon import scratch_dir
-from tests.support.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon
 from tests.support.state import poll
 
 KEY = "00" * 32
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 @pytest.fixture

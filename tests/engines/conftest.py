@@ -6,21 +6,9 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-
-from tests.support.daemon import ROOT, Daemon, start_daemon
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
+from tests.support.daemon import ROOT, Daemon
 
 
 def unique_model() -> str:

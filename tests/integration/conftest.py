@@ -7,16 +7,7 @@ from collections.abc import Iterator
 import pytest
 from hicached_client import HiCacheClient
 
-from tests.support.daemon import Daemon, start_daemon
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
+from tests.support.daemon import Daemon
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from hicached_client import HiCacheClient, HiCacheError, PageBytes, Transfer, Wo
 from hicached_client.export import ShmKVPool
 from hicached_client.v1 import types_pb2 as tpb
 
-from tests.support.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 16, 4
 TOKENS = 64 * PAGE
@@ -34,15 +34,6 @@ def flat_page(kv: ShmKVPool, page: int) -> bytes:
     """A host page's flat bytes in layer_first order: K of each layer, then V of each layer."""
     rows = slice(page * PAGE, (page + 1) * PAGE)
     return b"".join(t[rows].contiguous().view(torch.uint8).numpy().tobytes() for t in (*kv.k, *kv.v))
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 @pytest.fixture

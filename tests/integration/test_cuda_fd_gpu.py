@@ -8,13 +8,11 @@ compares bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from hicached_client import HiCacheClient, Transfer, WorkerIdentity, pool_spec
 
-from tests.support.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon
 from tests.support.kv import unique_tag
 
 pytestmark = [
@@ -23,15 +21,6 @@ pytestmark = [
 ]
 
 PAGE, HEADS, DIM, PAGES = 16, 4, 64, 32
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 def test_pages_round_trip_through_a_posix_fd_cuda_allocation(daemon: Daemon) -> None:

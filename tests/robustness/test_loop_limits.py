@@ -42,15 +42,6 @@ MODEL = "m-limits"
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
-
-
-@pytest.fixture(scope="module")
 def admin(daemon: Daemon) -> Iterator[HiCacheClient]:
     with HiCacheClient(daemon.admin_target, timeout_s=30.0) as c:
         yield c

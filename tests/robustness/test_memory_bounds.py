@@ -5,7 +5,6 @@ runs a real daemon and fails on the code before its bound."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -23,15 +22,6 @@ from tests.support.state import poll, proc_bytes
 MIB = 1 << 20
 
 LOOKUP = "/hicached.v1.HiCacheService/Lookup"
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 def test_a_lookup_of_given_keys_does_not_send_them_back(daemon: Daemon) -> None:

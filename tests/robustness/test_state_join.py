@@ -14,16 +14,7 @@ from hicached_client import HiCacheClient, HiCacheError, WorkerIdentity
 from hicached_client.export import ShmKVPool
 
 from tests.robustness.state_support import device_pools, no_retry_client, specs, state
-from tests.support.daemon import Daemon, start_daemon
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
+from tests.support.daemon import Daemon
 
 
 @pytest.fixture

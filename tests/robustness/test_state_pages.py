@@ -11,16 +11,7 @@ import pytest
 from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session, Transfer, WorkerIdentity
 
 from tests.robustness.state_support import device_pools, no_retry_client, specs, state
-from tests.support.daemon import Daemon, start_daemon
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
+from tests.support.daemon import Daemon
 
 
 @pytest.fixture

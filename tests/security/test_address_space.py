@@ -11,29 +11,18 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-from collections.abc import Iterator
 
-import pytest
 import torch
 from hicached_client import HiCacheClient, Transfer, WorkerIdentity, pool_spec
 from hicached_client.export import export_fd_tensor
 
-from tests.support.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon
 from tests.support.kv import KV_DIM, KV_HEADS, PAGE_SIZE, unique_tag
 from tests.support.state import proc_bytes
 
 TIB = 1 << 40
 TOKENS = 16 * PAGE_SIZE  # 16 device pages per buffer
 LAYERS = 2
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 def test_a_tiny_pool_in_a_1_tib_sparse_memfd_maps_only_its_buffers_and_round_trips(daemon: Daemon) -> None:

@@ -7,25 +7,16 @@ Now each keeps its status and quotes the id's first 32 characters and its length
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, Transfer, WorkerIdentity, _calls, pool_spec
 
-from tests.support.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon
 from tests.support.kv import unique_tag
 
 LONG = "id-" + "0123456789abcdefghij" * 10  # 203 characters, all valid in an id
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 def test_refusals_quote_only_a_prefix_of_a_long_id(daemon: Daemon) -> None:

@@ -10,26 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
-import pytest
 from hicached_client import HiCacheClient, WorkerIdentity, pool_spec
 
-from tests.support.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon
 from tests.support.kv import unique_tag
 
 FORGED = "\n2026-12-06 02:00:00,000 CRITICAL hicached.daemon: FORGED root password changed event=forged"
 MODEL = "m-log\rX\x1b[31mRED\u2028"
 FORGED_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} CRITICAL ", re.MULTILINE)
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_daemon()  # the default log format: text
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 def test_a_forged_identity_stays_inside_the_attach_line(daemon: Daemon) -> None:
