@@ -107,7 +107,11 @@ class Daemon:
         )
         self.keyed = KeyedCache(config, core=self.core, backend=self.backend)
         self.lanes = Lanes.from_config(config)
-        self.peers = PeerSessions(config.limits.max_sessions_per_peer, self.core.live_session_ids)
+        self.peers = PeerSessions(
+            config.limits.max_sessions_per_peer,
+            config.limits.max_buffer_bytes_per_peer,
+            self.core.live_session_ids,
+        )
         self.answers = UnreadAnswers(config.limits.max_unread_answer_bytes_per_peer)
         self.l3_stats = StatsCache(config.l3.backend, self.backend) if self.backend is not None else None
         srv = config.server
@@ -282,7 +286,7 @@ class Daemon:
                         },
                     )
         if applied:
-            setup_logging(fresh.log.level, fresh.log.format)
+            setup_logging(fresh.log.level, fresh.log.format, fresh.log.max_rate)
             self.config = replace(self.config, log=fresh.log)
         logger.info("configuration reloaded", extra={"event": "reload", "applied": applied})
         return applied

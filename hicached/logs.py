@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -107,11 +109,57 @@ def _head_only(record: logging.LogRecord) -> logging.LogRecord:
     return logging.makeLogRecord(head | {"exc_info": None, "exc_text": None, "stack_info": None})
 
 
-def setup_logging(level: str, fmt: str) -> None:
+class SiteRateLimit(logging.Filter):
+    """At most ``rate`` records per second from each logging call site below ERROR, with a
+    burst of ``BURST_SECONDS`` seconds' worth; the rest are dropped and counted, and the
+    site's next record written carries ``dropped=N`` (so nothing goes unnoticed).
+
+    Why: clients cause log lines (each attach and detach writes one), and a client looping
+    on them would otherwise fill the disk and drown everyone else's lines. Keyed by the
+    call site (file and line), so the number of buckets is bounded by the code, not by what
+    clients send. ERROR and above always pass. Thread-safe (one lock; a few dict operations).
+    """
+
+    BURST_SECONDS = 10.0
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._rate = rate
+        self._burst = rate * self.BURST_SECONDS
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._sites: dict[tuple[str, int], list[float]] = {}  # site -> [tokens, last time, dropped]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        now = self._clock()
+        with self._lock:
+            site = self._sites.get((record.pathname, record.lineno))
+            if site is None:
+                site = self._sites[(record.pathname, record.lineno)] = [self._burst, now, 0]
+            tokens = min(self._burst, site[0] + (now - site[1]) * self._rate)
+            site[1] = now
+            if tokens < 1:
+                site[0] = tokens
+                site[2] += 1
+                return False
+            site[0] = tokens - 1
+            dropped, site[2] = int(site[2]), 0
+        if dropped:
+            record.dropped = dropped
+        return True
+
+
+def setup_logging(level: str, fmt: str, max_rate: float = 0.0) -> None:
+    """Log to stderr at ``level`` in ``fmt`` (text or json), at most ``max_rate`` records per
+    second per call site below ERROR (:class:`SiteRateLimit`; 0: no limit)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JsonFormatter() if fmt == "json" else TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
+    if max_rate > 0:
+        handler.addFilter(SiteRateLimit(max_rate))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -13,7 +13,7 @@ import logging
 import re
 import sys
 
-from hicached.logs import MAX_VALUE_CHARS, TextFormatter
+from hicached.logs import MAX_VALUE_CHARS, SiteRateLimit, TextFormatter
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FORGED = "w1\n2026-12-06 02:00:00,000 CRITICAL hicached.daemon: FORGED event=forged"
@@ -90,3 +90,27 @@ def test_a_traceback_cannot_start_a_record() -> None:
     for line in rest:  # the exception's own newline still breaks its traceback: indented
         assert line.startswith("    ") and line.isprintable(), ascii(line)
     assert any(line.startswith("    2026-12-06 02:00:00,000 CRITICAL") for line in rest), text
+
+
+def _record(line: int, level: int = logging.INFO) -> logging.LogRecord:
+    return logging.getLogger("hicached.test").makeRecord(
+        "hicached.test", level, __file__, line, "session attached", (), None
+    )
+
+
+def test_each_call_site_is_rate_limited_and_says_what_it_dropped() -> None:
+    now = [0.0]
+    limit = SiteRateLimit(2.0, clock=lambda: now[0])  # 2 lines/s, a burst of 20
+    passed = [limit.filter(_record(10)) for _ in range(25)]
+    assert passed == [True] * 20 + [False] * 5
+    assert limit.filter(_record(11))  # another call site has its own budget
+    assert limit.filter(_record(10, logging.ERROR))  # errors always pass
+    now[0] = 0.5  # one token back
+    record = _record(10)
+    assert limit.filter(record) and record.dropped == 5  # type: ignore[attr-defined]
+    assert not limit.filter(_record(10))
+    now[0] = 1.0
+    again = _record(10)
+    assert limit.filter(again) and again.dropped == 1  # type: ignore[attr-defined]
+    now[0] = 100.0  # refilled to the burst, no more
+    assert [limit.filter(_record(10)) for _ in range(21)] == [True] * 20 + [False]

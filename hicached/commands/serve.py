@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from hicached.server.sockets import StartupError as SocketError
     from hicached.startup import StartupError
 
-    setup_logging(config.log.level, config.log.format)
+    setup_logging(config.log.level, config.log.format, config.log.max_rate)
     for warning in unknown_env():
         logger.warning(warning, extra={"event": "config"})
     raise_fd_limit()

@@ -68,6 +68,7 @@ _POSITIVE = {
     "limits.max_response_bytes",
     "limits.max_unread_answer_bytes_per_peer",
     "limits.max_sessions_per_peer",
+    "limits.max_buffer_bytes_per_peer",
     "limits.max_buffers_per_attach",
     "limits.max_pools_per_attach",
     "limits.max_layers_per_pool",
@@ -125,6 +126,7 @@ def _check_cross(cfg: Config) -> None:
         ("l3.prefetch_timeout_base_s", cfg.l3.prefetch_timeout_base_s),
         ("l3.prefetch_timeout_per_1k_tokens_s", cfg.l3.prefetch_timeout_per_1k_tokens_s),
         ("l3.stats_wait_s", cfg.l3.stats_wait_s),
+        ("log.max_rate", cfg.log.max_rate),
     ):
         if number < 0:
             raise ConfigError(f"invalid {key} = {number}: must be >= 0")

@@ -320,6 +320,13 @@ class LimitsConfig:
     max_buffers_per_attach: int = _f(
         512, "Most device buffers (K and V of every pool) one Attach may hand over."
     )
+    max_buffer_bytes_per_peer: int = _f(
+        1 << 40,
+        "Most bytes of device buffers (as their shapes declare) the live sessions of one peer may "
+        "have handed over together: the daemon maps what they declare, so this bounds the address "
+        "space one peer can take.",
+        parse=parse_size,
+    )
     max_pools_per_attach: int = _f(
         32,
         "Most pools (byte-only ones included) one Attach may declare, and so the most transfers one "
@@ -367,6 +374,12 @@ class LogConfig:
             "non-printable character is a JSON string, any value is cut at 200 characters; a traceback "
             "follows on indented lines) or json (one JSON object per line)."
         ),
+    )
+    max_rate: float = _f(
+        20.0,
+        "Most lines per second each logging call site writes below ERROR, after a burst of 10 s "
+        "worth (clients cause lines: each attach and detach writes one); the rest are dropped and "
+        "the site's next line says how many (dropped=N). 0: no limit.",
     )
 
 

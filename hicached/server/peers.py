@@ -1,4 +1,5 @@
-"""What one peer may hold: sessions (``limits.max_sessions_per_peer``, checked before an
+"""What one peer may hold: sessions and the device buffers they hand over
+(``limits.max_sessions_per_peer``, ``limits.max_buffer_bytes_per_peer``, checked before an
 attach starts) and answers its clients have not read (``limits.max_unread_answer_bytes_per_peer``).
 
 A peer is what the kernel or the transport says, never what the client claims:
@@ -32,42 +33,60 @@ def peer_key(cred: PeerCred | None, transport_peer: str) -> str:
 
 
 class PeerSessions:
-    """Live session ids per peer, plus attaches under way (reserved before they start)."""
+    """Live sessions per peer, each with the bytes of device buffers it handed over, plus
+    attaches under way (reserved, with their bytes, before they start).
 
-    def __init__(self, limit: int, alive: Callable[[], frozenset[str]]) -> None:
+    Why bytes: an fd's buffers are mapped over the span they declare (a sparse memfd
+    makes any size free to the client), so without a bound a peer's sessions could take
+    the daemon's whole address space, after which every client's mmap fails.
+    """
+
+    def __init__(self, limit: int, byte_limit: int, alive: Callable[[], frozenset[str]]) -> None:
         self._limit = limit
+        self._byte_limit = byte_limit
         self._alive = alive
-        self._sessions: dict[str, set[str]] = {}
-        self._reserved: dict[str, int] = {}
+        self._sessions: dict[str, dict[str, int]] = {}  # peer -> session id -> buffer bytes
+        self._reserved: dict[str, list[int]] = {}  # peer -> buffer bytes of attaches under way
 
-    def reserve(self, key: str) -> None:
-        """Count an attach under way; LimitExceeded when the peer is at its limit."""
+    def reserve(self, key: str, buffer_bytes: int = 0) -> None:
+        """Count an attach under way that hands over ``buffer_bytes`` of device buffers;
+        LimitExceeded when the peer is at its session or byte limit (nothing counted then)."""
         live = self._alive()
-        mine = self._sessions.get(key, set()) & live
-        for other, ids in list(self._sessions.items()):  # forget ended sessions
-            kept = ids & live
+        for other, sessions in list(self._sessions.items()):  # forget ended sessions
+            kept = {sid: n for sid, n in sessions.items() if sid in live}
             if kept:
                 self._sessions[other] = kept
             else:
                 del self._sessions[other]
-        held = len(mine) + self._reserved.get(key, 0)
+        mine = self._sessions.get(key, {})
+        reserved = self._reserved.get(key, [])
+        held = len(mine) + len(reserved)
         if held >= self._limit:
             raise LimitExceeded(
                 f"peer {key} already holds {held} sessions, the most limits.max_sessions_per_peer="
                 f"{self._limit} allows: detach sessions it no longer uses",
                 "limits.max_sessions_per_peer",
             )
-        self._reserved[key] = self._reserved.get(key, 0) + 1
+        held_bytes = sum(mine.values()) + sum(reserved)
+        if held_bytes + buffer_bytes > self._byte_limit:
+            raise LimitExceeded(
+                f"this attach hands over {buffer_bytes} bytes of device buffers and peer {key}'s "
+                f"sessions already hold {held_bytes}: over limits.max_buffer_bytes_per_peer="
+                f"{self._byte_limit}; detach sessions it no longer uses, or declare buffers of the "
+                "size the pools use",
+                "limits.max_buffer_bytes_per_peer",
+            )
+        self._reserved.setdefault(key, []).append(buffer_bytes)
 
-    def settle(self, key: str, session_id: str | None) -> None:
-        """The reserved attach finished: as ``session_id``, or failed (None)."""
-        left = self._reserved.get(key, 1) - 1
-        if left:
-            self._reserved[key] = left
-        else:
+    def settle(self, key: str, session_id: str | None, buffer_bytes: int = 0) -> None:
+        """The attach reserved with ``buffer_bytes`` finished: as ``session_id``, or failed (None)."""
+        reserved = self._reserved.get(key, [])
+        if buffer_bytes in reserved:
+            reserved.remove(buffer_bytes)
+        if not reserved:
             self._reserved.pop(key, None)
         if session_id is not None:
-            self._sessions.setdefault(key, set()).add(session_id)
+            self._sessions.setdefault(key, {})[session_id] = buffer_bytes
 
 
 class UnreadAnswers:

@@ -34,8 +34,10 @@ class SessionRpcs(ServicerBase):
             check_tenant(worker.tenant)
             pools = [convert.pool_request(p, i, fds) for i, p in enumerate(request.pools)]
             key = peer_key(peer, context.peer())
+            # As declared (each buffer's size must match its shape, checked at the mapping).
+            buffer_bytes = sum(max(b.handle.size, 0) for p in pools for b in p.k_buffers + p.v_buffers)
             if self._peers is not None:
-                self._peers.reserve(key)
+                self._peers.reserve(key, buffer_bytes)
             session_id = None
             try:
                 result = await self.offload(
@@ -50,7 +52,7 @@ class SessionRpcs(ServicerBase):
                 session_id = result.session_id
             finally:
                 if self._peers is not None:
-                    self._peers.settle(key, session_id)
+                    self._peers.settle(key, session_id, buffer_bytes)
         finally:
             # Mapped buffers keep their memory; the descriptors are not needed after the attach.
             for fd in fds:

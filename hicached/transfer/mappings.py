@@ -46,9 +46,10 @@ def _runs(
     SPAN_MAX_GAP between them, plus under mmap.ALLOCATIONGRANULARITY of rounding at
     its start -- so a session maps at most the bytes its buffers declare plus
     ~1 MiB per buffer (an attach has at most limits.max_buffers_per_attach). The
-    file's size plays no part. The buffers' own sizes are what the worker declares:
-    the attach checks heads, head_dim and dtype against the pool spec, but not the
-    token count, so a session may still map as much as its buffers claim.
+    file's size plays no part. The buffers' own sizes are what the worker declares
+    (the attach checks heads, head_dim and dtype against the pool spec, not the token
+    count): what bounds them is ``limits.max_buffer_bytes_per_peer``, checked before
+    the attach maps anything (:mod:`hicached.server.peers`).
     """
     order = sorted(indices, key=lambda i: specs[i].handle.offset)
     runs: list[_Run] = []

@@ -154,7 +154,7 @@ def test_the_lanes_take_their_per_session_limit_from_config(lane: str, key: str)
 
 def test_peer_sessions_count_live_sessions_and_attaches_under_way() -> None:
     live: set[str] = set()
-    peers = PeerSessions(2, lambda: frozenset(live))
+    peers = PeerSessions(2, 1 << 40, lambda: frozenset(live))
     peers.reserve("uid:1")
     peers.reserve("uid:1")
     with pytest.raises(LimitExceeded) as err:
@@ -169,6 +169,27 @@ def test_peer_sessions_count_live_sessions_and_attaches_under_way() -> None:
     peers.settle("uid:1", None)
     peers.reserve("uid:1")
     peers.reserve("uid:1")
+
+
+def test_peer_sessions_bound_the_buffer_bytes_a_peer_hands_over() -> None:
+    live: set[str] = set()
+    peers = PeerSessions(8, 100, lambda: frozenset(live))
+    peers.reserve("uid:1", 60)
+    with pytest.raises(LimitExceeded) as err:
+        peers.reserve("uid:1", 41)  # 60 reserved + 41 > 100, refused and not counted
+    assert err.value.key == "limits.max_buffer_bytes_per_peer"
+    assert "limits.max_buffer_bytes_per_peer=100" in str(err.value) and "hold 60" in str(err.value)
+    peers.reserve("uid:2", 100)  # another peer has its own bytes
+    peers.reserve("uid:1", 40)
+    live.add("a")
+    peers.settle("uid:1", "a", 60)
+    peers.settle("uid:1", None, 40)  # a failed attach gives its bytes back
+    with pytest.raises(LimitExceeded):
+        peers.reserve("uid:1", 41)  # the live session still holds its 60
+    peers.reserve("uid:1", 40)
+    peers.settle("uid:1", None, 40)
+    live.discard("a")  # the session ended: its bytes are free again
+    peers.reserve("uid:1", 100)
 
 
 def test_peer_keys_come_from_the_kernel_or_the_transport() -> None:

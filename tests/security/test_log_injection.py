@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 from hicached_client import HiCacheClient, WorkerIdentity, pool_spec
 
-from tests.support.daemon import Daemon
+from tests.support.daemon import Daemon, start_daemon
 from tests.support.kv import unique_tag
 
 FORGED = "\n2026-12-06 02:00:00,000 CRITICAL hicached.daemon: FORGED root password changed event=forged"
@@ -35,3 +36,35 @@ def test_a_forged_identity_stays_inside_the_attach_line(daemon: Daemon) -> None:
     assert len(attached) == 1, log[-3000:]
     assert f"instance={json.dumps(instance)} " in attached[0], attached[0]
     assert f"model={json.dumps(MODEL)} " in attached[0], attached[0]
+
+
+def test_a_client_looping_on_attach_cannot_flood_the_log() -> None:
+    """Each attach and detach writes a line; a loop of them wrote every one (372 KiB/s in a
+    review). Now each call site writes at most log.max_rate lines a second after a burst of
+    10 s worth, and its next line says how many it dropped: none goes uncounted."""
+    rate = 5.0
+    d = start_daemon("--set", f"log.max_rate={rate}")
+    try:
+        spec = pool_spec("kv", role="anchor", kind="mha", dtype="float16", page_size=4, num_layers=1,
+                         num_heads=2, head_dim=16, k_buffers=[], host_bytes=1 << 20)  # fmt: skip
+        tag = unique_tag("flood")
+        attaches = 0
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            start = time.monotonic()
+            for _ in range(80):
+                client.attach(WorkerIdentity(tag, 1, "m-flood"), [spec], heartbeat=False).detach()
+                attaches += 1
+            elapsed = time.monotonic() - start
+            lines = [line for line in d.log.splitlines() if "session attached" in line]
+            assert len(lines) <= rate * 10 + rate * elapsed + 1, f"{len(lines)} lines in {elapsed:.2f} s"
+            # The next line written says how many were dropped.
+            deadline = time.monotonic() + 30
+            while "dropped=" not in lines[-1]:
+                assert time.monotonic() < deadline, lines[-1]
+                client.attach(WorkerIdentity(tag, 1, "m-flood"), [spec], heartbeat=False).detach()
+                attaches += 1
+                lines = [line for line in d.log.splitlines() if "session attached" in line]
+        dropped = sum(int(m) for m in re.findall(r" dropped=(\d+)", "\n".join(lines)))
+        assert len(lines) + dropped == attaches, (len(lines), dropped, attaches)
+    finally:
+        d.stop()
