@@ -130,10 +130,12 @@ class DataPlane:
         )
 
     def allocate(
-        self, session: Session, state: GroupState, transfers: Sequence[PoolTransfer]
+        self, session: Session, state: GroupState, transfers: Sequence[PoolTransfer], *, copy_in: bool
     ) -> TransferResult:
-        """Allocate missing host pages across the group (atomic); record ownership."""
-        result = state.group.resolve_all(list(transfers))
+        """Allocate missing host pages across the group (atomic); record ownership. ``copy_in``:
+        the caller copies the device pages in (or frees the pages), so they need no zeroing
+        (:meth:`PoolGroup.resolve_all`)."""
+        result = state.group.resolve_all(list(transfers), copy_in=copy_in)
         if not result.ok:
             return TransferResult(ok=False, reason=result.reason)
         for t in result.transfers:
@@ -222,7 +224,7 @@ class DataPlane:
 
         def run() -> TransferResult:
             check_owned(session, state, checked)  # inside: a replay must not re-check
-            return self.allocate(session, state, checked)
+            return self.allocate(session, state, checked, copy_in=False)
 
         return session.run("ResolveTransfers", op_id, checked, run)
 
@@ -252,7 +254,9 @@ class DataPlane:
         def run() -> TransferResult:
             check_owned(session, state, checked)
             resolved = (
-                self.allocate(session, state, checked) if allocate else TransferResult(True, tuple(checked))
+                self.allocate(session, state, checked, copy_in=True)
+                if allocate
+                else TransferResult(True, tuple(checked))
             )
             if not resolved.ok:
                 return resolved

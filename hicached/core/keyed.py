@@ -207,7 +207,7 @@ class KeyedCache:
                 return PutResult(ok=True, existing_pages=len(keys))
             todo = [device_pages_at(t, at) for t in checked]
             new_keys = [keys[i] for i in at]
-            resolved = data.allocate(session, state, todo)
+            resolved = data.allocate(session, state, todo, copy_in=True)
             if not resolved.ok:
                 return PutResult(ok=False, reason=resolved.reason or "no host room")
             try:
@@ -315,7 +315,7 @@ class KeyedCache:
         def run() -> tuple[int, int]:
             # One allocation for every pool: it evicts only when all of them will then fit,
             # so a PutBytes without room leaves the pools and the index as they were.
-            got = state.group.allocate(dict.fromkeys(pools, len(keys)))
+            got = state.group.allocate(dict.fromkeys(pools, len(keys)), fills=pools)
             if not got.ok:
                 raise ResourceExhausted(f"no host room for {len(keys)} keys: {got.reason}")
             allocated = got.pages

@@ -131,7 +131,7 @@ class Retraction:
         lease = lease_ms or self._lease_ms
 
         def run() -> RetractResult:
-            result = state.group.resolve_all(checked)
+            result = state.group.resolve_all(checked, copy_in=True)
             if not result.ok:
                 logger.info("retraction backup declined: no host room", extra={"session": session_id})
                 return RetractResult(ok=False)

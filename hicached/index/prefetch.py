@@ -120,7 +120,10 @@ class Prefetcher:
     def _alloc_rows(self, n: int) -> list[PageArray] | None:
         """``n`` pages of every independent pool, or None and nothing (the group's one
         allocation path: it evicts only when all of them will then fit)."""
-        got = self._view.group.allocate(dict.fromkeys(self._view.alloc_names, n))
+        # Filled from L3 whole, or freed: no zeroing needed for them.
+        got = self._view.group.allocate(
+            dict.fromkeys(self._view.alloc_names, n), fills=self._view.alloc_names
+        )
         return [got.pages[name] for name in self._view.alloc_names] if got.ok else None
 
     def _fetch_batch(self, tenant: str, keys: Sequence[str], discard: Callable[[], bool]) -> tuple[int, bool]:

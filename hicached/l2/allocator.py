@@ -103,6 +103,8 @@ class PageAllocator:
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._top = num_pages
         self._allocated = np.zeros(num_pages, dtype=bool)
+        # Pages whose bytes may be someone's data: set when freed, cleared by take_dirty.
+        self._dirty = np.zeros(num_pages, dtype=bool)
 
     def available(self) -> int:
         with self._lock:
@@ -146,11 +148,26 @@ class PageAllocator:
         with self._lock:
             ordered = self._check(arr, want_allocated=True)
             self._allocated[arr] = False
+            self._dirty[arr] = True
             n = arr.size
             # Descending onto the stack, so the next alloc pops them ascending.
             self._stack[self._top : self._top + n] = ordered[::-1]
             self._top += n
             return n
+
+    def take_dirty(self, pages: PageArray) -> PageArray:
+        """Of ``pages`` (just allocated by the caller), those whose bytes may still be an
+        earlier owner's (freed since they were last zeroed), now counted as clean: the
+        caller zeroes them, or overwrites them whole, before anyone else can read them."""
+        with self._lock:
+            dirty = pages[self._dirty[pages]]
+            self._dirty[dirty] = False
+            return dirty
+
+    def mark_all_dirty(self) -> None:
+        """Every page's bytes are unknown (a segment re-mapped at a warm restart)."""
+        with self._lock:
+            self._dirty[:] = True
 
     def check_free(self, pages: PagesLike) -> None:
         """Raise exactly what :meth:`free` would raise for ``pages``, without freeing."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -219,10 +219,17 @@ class HostPoolGroup:
         entry = self.anchor if pool is None else self.get_entry(pool)
         with self._lock:
             got = self._allocate_locked({entry.name: n}, self._reclaimer if reclaim else None)
-            return got.pages[entry.name] if got.ok else None
+        if not got.ok:
+            return None
+        self._scrub(got.pages, ())
+        return got.pages[entry.name]
 
-    def allocate(self, needs: Mapping[str, int]) -> Allocation:
+    def allocate(self, needs: Mapping[str, int], *, fills: Collection[str] = ()) -> Allocation:
         """``needs[pool]`` fresh pages of each named pool, all or nothing: the one allocation path.
+
+        The pages come zeroed where an earlier owner's bytes may remain (in the pool and
+        in every pool derived from it), except in the pools named in ``fills``: the caller
+        overwrites those pages whole before anyone else can read them, or frees them.
 
         Pools short of room are reclaimed (the group's :class:`Reclaimer`)
         only when every pool's shortfall can be freed, as its ``reclaimable``
@@ -236,7 +243,27 @@ class HostPoolGroup:
         Thread-safe (the group lock); the returned arrays belong to the caller.
         """
         with self._lock:
-            return self._allocate_locked(needs, self._reclaimer)
+            got = self._allocate_locked(needs, self._reclaimer)
+        if got.ok:
+            self._scrub(got.pages, fills)
+        return got
+
+    def _scrub(self, pages: Mapping[str, PageArray], fills: Collection[str]) -> None:
+        """Zero the pages just allocated (the caller's now) that an earlier owner may have
+        written, in every pool that shares them but those in ``fills``.
+
+        Why: a freed page keeps its bytes, and the next session may be another tenant's
+        (an Alloc, then Publish and GetBytes, read them back). Only pages freed since they
+        were last zeroed are written: a pool's first use costs nothing.
+        """
+        for name, arr in pages.items():
+            dirty = self._entries[name].host_pool.allocator.take_dirty(arr)
+            if dirty.size == 0:
+                continue
+            for entry in self._entries.values():
+                shares = name in (entry.name, entry.indices_from_pool)
+                if shares and entry.name not in fills:
+                    entry.host_pool.zero_pages(dirty)
 
     def _allocate_locked(self, needs: Mapping[str, int], reclaimer: Reclaimer | None) -> Allocation:
         wanted: dict[str, int] = {}
@@ -396,8 +423,12 @@ class HostPoolGroup:
             transfer.device_indices = copy_indices(src.device_indices, source_name)
         return ""
 
-    def resolve_all(self, transfers: Sequence[PoolTransfer]) -> ResolveResult:
+    def resolve_all(self, transfers: Sequence[PoolTransfer], *, copy_in: bool = False) -> ResolveResult:
         """The daemon's resolve: the anchor's transfer (if any) is the primary.
+
+        ``copy_in``: the caller copies every transfer's device pages into its host pages
+        (a Write), so only the pools without a transfer get their new pages zeroed; else
+        every new page comes zeroed (see :meth:`allocate`).
 
         Unknown pools raise NotFound. Every missing host page (the anchor's
         and the sidecars') comes from one :meth:`allocate`, so nothing is
@@ -422,7 +453,8 @@ class HostPoolGroup:
                 if self._derived_source(t) is None and t.host_indices is None and t.device_indices is not None
             ]
             got = self.allocate(
-                {t.name: int(t.device_indices.size) for t in todo if t.device_indices is not None}
+                {t.name: int(t.device_indices.size) for t in todo if t.device_indices is not None},
+                fills={t.name for t in work if t.device_indices is not None} if copy_in else (),
             )
             if not got.ok:
                 return ResolveResult(False, [t.copy() for t in transfers], got.reason)

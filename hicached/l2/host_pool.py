@@ -12,6 +12,7 @@ pools needs a new field.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import struct
@@ -80,6 +81,7 @@ class HostKVPool(ABC):
         self._page_step = (last[0][0] - self._extents0[0][0]) // max(1, self.total_pages - 1)
         if last != self._shifted(self.total_pages - 1):
             raise AssertionError(f"layout {layout} does not place pages at a fixed step")
+        self._page_rows = self._rows_by_page()
 
     @classmethod
     def required_bytes(cls, spec: KVSpec, layout: HostLayout, num_pages: int) -> int:
@@ -109,6 +111,42 @@ class HostKVPool(ABC):
         """Contiguous zero-copy byte views whose concatenation is the page's flat data."""
         view = self._bytes.data  # a memoryview slice is cheaper than a numpy one, and the same bytes
         return [view[off : off + n] for off, n in self.page_extents(page)]
+
+    def _rows_by_page(self) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+        """The data as ``(runs of a page, total_pages, run bytes)`` when every layout run of a
+        page is as long as the step between pages and the runs are evenly spaced (every layout
+        here), so that one fancy-index assignment zeroes any set of pages; else None."""
+        runs = self._extents0
+        length = runs[0][1]
+        gap = runs[1][0] - runs[0][0] if len(runs) > 1 else length * self.total_pages
+        if any(n != length for _, n in runs) or self._page_step != length:
+            return None
+        if any(b[0] - a[0] != gap for a, b in itertools.pairwise(runs)):
+            return None
+        return np.lib.stride_tricks.as_strided(
+            self._bytes[runs[0][0] :],
+            shape=(len(runs), self.total_pages, length),
+            strides=(gap, length, 1),
+            writeable=True,
+        )
+
+    def zero_pages(self, pages: np.ndarray[Any, np.dtype[np.int64]]) -> None:
+        """Zero every byte of ``pages`` (K and V of every layer).
+
+        The caller owns the pages (just allocated, nobody else may read or write them);
+        page data is not locked. Why: a freed page keeps its bytes, and the next session
+        it is handed to must not read an earlier owner's (another tenant's) KV.
+        """
+        if pages.size == 0:
+            return
+        if not self.segment.writable:
+            raise FailedPrecondition(f"pool segment {self.segment.name!r} is mapped read-only")
+        if self._page_rows is not None:
+            self._page_rows[:, pages, :] = 0
+            return
+        for page in pages.tolist():
+            for off, n in self._shifted(page):
+                self._bytes[off : off + n] = 0
 
     def get_page_flat(self, page: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """A uint8 copy of page ``page``'s flat data (``page_bytes`` long).
@@ -311,6 +349,7 @@ def open_host_pool(
             )
         pool = cls(spec, layout, num_pages, segment)
         pool._check_header()
+        pool.allocator.mark_all_dirty()  # the free pages hold whatever the last daemon left
         if prefault:
             # Re-mapping is lazy; fault the page tables in now, as at creation.
             segment.prefault()

@@ -1,0 +1,54 @@
+"""A host page handed to a session holds no earlier owner's bytes.
+
+A freed page keeps its bytes. On the code before, tenant A's Alloc on a full pool evicted
+tenant B's cached entries and handed their pages to A with B's KV still in them; A
+published them under keys of its own and read B's bytes back with GetBytes. Now a page
+that may hold an earlier owner's bytes is zeroed before it is handed out (or overwritten
+whole by the call that allocated it: PutBytes, PutPages, a Write, an L3 read).
+"""
+
+from __future__ import annotations
+
+from hicached_client import HiCacheClient, PageBytes, Transfer, WorkerIdentity, pool_spec
+
+from tests.support.daemon import Daemon
+from tests.support.kv import unique_tag
+
+PAGES = 8
+PAGE_SIZE, LAYERS, HEADS, DIM = 4, 2, 2, 16
+PAGE_BYTES = PAGE_SIZE * LAYERS * HEADS * DIM * 2 * 2  # float16, K and V
+
+
+def _spec() -> object:
+    return pool_spec("kv", role="anchor", kind="mha", dtype="float16", page_size=PAGE_SIZE,
+                     num_layers=LAYERS, num_heads=HEADS, head_dim=DIM, k_buffers=[],
+                     host_bytes=PAGES * PAGE_BYTES)  # fmt: skip
+
+
+def test_another_tenants_evicted_pages_come_zeroed(daemon: Daemon) -> None:
+    model = unique_tag("m-resid")
+    secret = [(f"TEAM-B-SECRET-{i:02d}|".encode() * PAGE_BYTES)[:PAGE_BYTES] for i in range(PAGES)]
+    with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+        victim = client.attach(
+            WorkerIdentity(unique_tag("b"), 1, model, tenant="team-b"), [_spec()], heartbeat=False
+        )
+        stranger = client.attach(
+            WorkerIdentity(unique_tag("a"), 1, model, tenant="team-a"), [_spec()], heartbeat=False
+        )
+        try:
+            stored = victim.put_bytes([PageBytes(f"b{i}", "kv", secret[i]) for i in range(PAGES)])
+            assert stored.stored_pages == PAGES  # the pool is full of B's pages
+            got = stranger.alloc("kv", PAGES)  # evicts every one of B's entries
+            pages = list(got.host_pages)
+            assert len(pages) == PAGES
+            keys = [f"a{i}" for i in range(PAGES)]
+            published = stranger.publish(keys, [Transfer("kv", device_pages=[], host_pages=pages)])
+            assert published.published_pages == PAGES
+            read = stranger.get_bytes(keys)
+            assert len(read.pages) == PAGES
+            for page in read.pages:
+                assert page.data == bytes(PAGE_BYTES), f"{page.key} holds {page.data[:20]!r}"
+            assert victim.lookup([f"b{i}" for i in range(PAGES)]).l2_hit_pages == 0  # really evicted
+        finally:
+            stranger.detach()
+            victim.detach()
