@@ -11,6 +11,12 @@ deterministic names, a clean shutdown journals each group's content index
 (:mod:`hicached.core.journal`) and keeps the segments, and the next daemon
 re-maps them when a worker recreates the group.
 
+A new group is built before anything makes room for it: the idle groups it would
+replace are only chosen, and retired once it is built and has its index. A build that
+fails leaves the registry as it was and frees what it made, so every group is closed
+exactly once (before, the chosen groups had already left the registry and were never
+closed: their segments and index threads leaked).
+
 Thread-safety: ``GroupRegistry`` has one lock for its map and the budget;
 ``GroupState`` has one lock for the in-flight page counts that defer frees.
 """
@@ -44,7 +50,7 @@ from hicached.l2.group import HostPoolGroup, PoolEntry
 from hicached.l2.host_pool import HostKVPool, create_host_pool, open_host_pool
 from hicached.l2.layout import PoolKind, host_pages_for
 from hicached.l2.owners import OwnerRecord, reclaim_dead
-from hicached.l2.shm import SHM_DIR, SharedSegment
+from hicached.l2.shm import MAX_NAME_BYTES, SHM_DIR, SharedSegment, name_is_valid
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +201,18 @@ class GroupRegistry:
             return f"{self._host.shm_prefix}-{gid}-{pool}"  # the next daemon must find it
         return f"{self._host.shm_prefix}-{self._daemon_id}-{gid}-{pool}"
 
+    def _check_segment_names(self, gid: str, pools: Sequence[PoolRequest]) -> None:
+        """InvalidArgument for a pool name that cannot be part of its segment's name, before
+        anything is retired or built (the segment would be refused only after that)."""
+        room = MAX_NAME_BYTES - len(self._segment_name(gid, "").encode())
+        for p in pools:
+            if not name_is_valid(self._segment_name(gid, p.name)):
+                raise InvalidArgument(
+                    f"pool name {clip(p.name)} cannot be part of a host segment name: use at most "
+                    f"{room} UTF-8 bytes (what host.shm_prefix and the group id leave of "
+                    f"{MAX_NAME_BYTES}) and no '/' or NUL"
+                )
+
     @property
     def budget_bytes(self) -> int:
         return self._budget
@@ -231,6 +249,7 @@ class GroupRegistry:
         validate_pool_requests(pools)
         key = group_key(worker, pools)
         gid = group_id_for(key)
+        self._check_segment_names(gid, pools)
         plan = self._plan(pools)  # sizes are checked on a join too (a NaN ratio is refused either way)
         with self._lock:
             existing = self._groups.get(gid)
@@ -251,11 +270,20 @@ class GroupRegistry:
             need = sum(nbytes for _, _, nbytes in plan)
             retired = self._make_room(need, idle)
             state, journal = self._build(gid, worker.model_name, pools, plan)
-            on_create(state)
-            restored = journal is not None and self._restore(state, journal)
+            try:
+                on_create(state)
+                restored = journal is not None and self._restore(state, journal)
+            except BaseException:
+                state.close()  # its index (if made) and pools; nothing was retired yet
+                raise
+            # Built: only now do the groups it replaces leave (nobody can join them meanwhile:
+            # joins take this lock).
+            for old in retired:
+                del self._groups[old.group_id]
+                logger.info("retired idle pool group %s to make room", old.group_id)
             self._groups[gid] = state
         for old in retired:
-            old.close()
+            old.close()  # outside the lock: an index close waits for its L3 writes
         logger.info(
             "%s pool group %s for model %r (%d bytes)",
             "re-mapped" if restored else "created",
@@ -287,9 +315,12 @@ class GroupRegistry:
         return [(p, pages_of(p), HostKVPool.required_bytes(p.spec, p.layout, pages_of(p))) for p in pools]
 
     def _make_room(self, need: int, idle: Callable[[str], bool]) -> list[GroupState]:
-        """Retire least recently used idle groups until a new group of ``need`` bytes fits the
-        budget and the count (``host.max_groups``: each group also costs a descriptor and
-        memory maps, which a budget of bytes alone did not bound)."""
+        """The least recently used idle groups to retire so that a new group of ``need`` bytes
+        fits the budget and the count (``host.max_groups``: each group also costs a descriptor
+        and memory maps, which a budget of bytes alone did not bound).
+
+        Only chosen: the caller retires them once the new group is built. ResourceExhausted
+        or LimitExceeded when even all of them would not make room."""
         used = sum(g.nbytes for g in self._groups.values())
         count, most = len(self._groups) + 1, self._host.max_groups
         retired: list[GroupState] = []
@@ -315,9 +346,6 @@ class GroupRegistry:
                 "detach the sessions of a model no longer served, or raise host.max_groups",
                 "host.max_groups",
             )
-        for g in retired:
-            del self._groups[g.group_id]
-            logger.info("retired idle pool group %s to make room", g.group_id)
         return retired
 
     def _take_journal(
