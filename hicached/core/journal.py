@@ -14,6 +14,9 @@ pages may have been half written). Only one daemon may use a prefix's
 journals at a time; :meth:`JournalStore.lock` enforces that with an
 advisory lock the kernel drops when the holder dies.
 
+Journals list tenants and their keys: a journal is created 0600 and the directory 0700,
+as the lock file and the file L3's slabs are.
+
 Thread-safety: the methods are independent file operations; the caller
 serialises work on one group (the group registry's lock does).
 Atomicity: :meth:`JournalStore.write` replaces a journal atomically (tmp
@@ -135,7 +138,7 @@ class JournalStore:
         return self.directory / f"{self.prefix}-{group_id}.json"
 
     def lock(self) -> None:
-        """Claim the prefix for this process (creates the directory).
+        """Claim the prefix for this process (creates the directory, mode 0700).
 
         FailedPrecondition if the directory cannot be made or another live
         daemon holds the prefix (two daemons re-mapping one set of segments
@@ -145,7 +148,7 @@ class JournalStore:
             return
         lock_path = self.directory / f"{self.prefix}.lock"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self._make_private_directory()
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise FailedPrecondition(
@@ -161,6 +164,19 @@ class JournalStore:
             ) from None
         self._lock_fd = fd
 
+    def _make_private_directory(self) -> None:
+        """The directory, mode 0700: journals name tenants and keys. One this user owns with
+        wider bits (an earlier version made it 0755) is narrowed; another's is left alone
+        (the journals themselves are 0600)."""
+        try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(self.directory, 0o700)
+        except FileExistsError:
+            st = os.stat(self.directory)
+            if st.st_uid != os.geteuid() or not st.st_mode & 0o077:
+                return
+        os.chmod(self.directory, 0o700)  # mkdir applied the umask; or narrow an old one
+
     def unlock(self) -> None:
         """Release :meth:`lock`. Idempotent."""
         fd, self._lock_fd = self._lock_fd, None
@@ -171,8 +187,12 @@ class JournalStore:
         """Replace the group's journal atomically; OSError if the disk refuses."""
         final = self.path(journal.group_id)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a killed earlier write with this pid (pid 1 in a container, say)
         try:
-            with tmp.open("w", encoding="utf-8") as f:
+            # 0600, not the umask's 0644: a journal lists tenants and their keys.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(journal.to_json(), f, separators=(",", ":"))
                 f.flush()
                 os.fsync(f.fileno())

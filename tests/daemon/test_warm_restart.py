@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -115,6 +116,8 @@ def test_clean_restart_keeps_published_pages(warm: Warm, pools: WorkerPools) -> 
     kept = warm.segments()
     assert len(kept) == len(POOLS), f"host pools not kept: {kept}"
     (journal,) = warm.journals()
+    # It lists tenants and keys: only the daemon's user reads it (was 0644 in a 0755 directory).
+    assert (mode(journal), mode(warm.journal_dir)) == (0o600, 0o700)
     data = json.loads(journal.read_text())
     assert len(data["entries"]["keys"]) == N
     assert {p["segment"] for p in data["pools"]} == kept
@@ -300,10 +303,19 @@ def test_restore_refuses_bad_records_and_changes_nothing(
         group.get_pool("draft").allocator.free([5])
 
 
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
 def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
     store = JournalStore(tmp_path / "j", "hcwr-unit")
-    store.lock()
+    old = os.umask(0o002)  # the most a umask usually allows: 0664 files, 0775 directories
     try:
+        store.lock()
+    finally:
+        os.umask(old)
+    try:
+        assert mode(tmp_path / "j") == 0o700
         with pytest.raises(FailedPrecondition, match="another daemon"):
             JournalStore(tmp_path / "j", "hcwr-unit").lock()
         journal = GroupJournal(
@@ -313,6 +325,7 @@ def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
         )
         assert store.read("g1") is None
         path = store.write(journal)
+        assert mode(path) == 0o600, "a journal lists tenants and keys: the daemon's user only"
         assert store.read("g1") == journal
         assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
         data = json.loads(path.read_text())
@@ -333,6 +346,9 @@ def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
     finally:
         store.unlock()
     JournalStore(tmp_path / "j", "hcwr-unit").lock()  # released: the next daemon may take it
+    (tmp_path / "old").mkdir(mode=0o755)  # made by an earlier version
+    JournalStore(tmp_path / "old", "hcwr-unit").lock()
+    assert mode(tmp_path / "old") == 0o700
 
 
 def test_every_journal_is_written_before_a_stalled_l3_holds_the_shutdown(
