@@ -15,10 +15,13 @@ journals at a time; :meth:`JournalStore.lock` enforces that with an
 advisory lock the kernel drops when the holder dies.
 
 Journals list tenants and their keys: a journal is created 0600 and the directory 0700,
-as the lock file and the file L3's slabs are.
+as the lock file and the file L3's slabs are. What bounds the journals a prefix keeps is
+:mod:`hicached.core.warm`.
 
 Thread-safety: the methods are independent file operations; the caller
-serialises work on one group (the group registry's lock does).
+serialises work on one group (the group registry's lock does), and calls
+:meth:`JournalStore.write` from one thread at a time (the registry's close writes
+one journal after another), as it keeps the last write's time.
 Atomicity: :meth:`JournalStore.write` replaces a journal atomically (tmp
 file, fsync, rename, fsync of the directory); readers never see half of one.
 """
@@ -29,6 +32,8 @@ import contextlib
 import fcntl
 import json
 import os
+import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +138,7 @@ class JournalStore:
         self.directory = Path(directory)
         self.prefix = prefix
         self._lock_fd: int | None = None
+        self._last_stamp_ns = 0
 
     def path(self, group_id: str) -> Path:
         return self.directory / f"{self.prefix}-{group_id}.json"
@@ -184,7 +190,12 @@ class JournalStore:
             os.close(fd)  # closing the descriptor drops the flock
 
     def write(self, journal: GroupJournal) -> Path:
-        """Replace the group's journal atomically; OSError if the disk refuses."""
+        """Replace the group's journal atomically; OSError if the disk refuses.
+
+        Its modification time is the write's, strictly later than this store's previous
+        write: :meth:`saved` then orders journals as they were written (the kernel's file
+        times tick only every few ms, so one shutdown's journals could share one).
+        """
         final = self.path(journal.group_id)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         with contextlib.suppress(FileNotFoundError):
@@ -195,6 +206,8 @@ class JournalStore:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(journal.to_json(), f, separators=(",", ":"))
                 f.flush()
+                stamp = self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
+                os.utime(f.fileno(), ns=(stamp, stamp))
                 os.fsync(f.fileno())
             os.replace(tmp, final)
         except BaseException:
@@ -207,6 +220,17 @@ class JournalStore:
         finally:
             os.close(dir_fd)
         return final
+
+    def saved(self) -> dict[str, int]:
+        """The group ids that have a journal, with its modification time (ns; see :meth:`write`)."""
+        pattern = re.compile(rf"{re.escape(self.prefix)}-([0-9a-f]{{16}})\.json")
+        found: dict[str, int] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.directory):
+                m = pattern.fullmatch(entry.name)
+                if m and entry.is_file(follow_symlinks=False):
+                    found[m.group(1)] = entry.stat(follow_symlinks=False).st_mtime_ns
+        return found
 
     def read(self, group_id: str) -> GroupJournal | None:
         """The group's journal, or None when there is none.

@@ -7,14 +7,11 @@ from L2.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import stat
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,50 +25,14 @@ from hicached.index import ContentIndex
 from hicached.index.entries import EntryRecord
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.testing.servers import redis_server
-from tests.support.daemon import Daemon, start_daemon
+from tests.daemon.conftest import Warm, stop_with
+from tests.support.daemon import Daemon
 from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
 from tests.support.state import poll
 
 MODEL = "m-warm"
 N = 48  # keys put before the restart
 TIMEOUT_S = 30.0
-
-
-@dataclass
-class Warm:
-    """The shm prefix and journal directory two successive daemons share."""
-
-    prefix: str
-    journal_dir: Path
-
-    def start(self) -> Daemon:
-        return self.start_with()
-
-    def start_with(self, *extra: str) -> Daemon:
-        return start_daemon(
-            "--set", "host.warm_restart=true",
-            "--set", f"host.journal_dir={self.journal_dir}",
-            "--set", f"host.shm_prefix={self.prefix}",
-            *extra,
-        )  # fmt: skip
-
-    def segments(self) -> set[str]:
-        return {p.name for p in Path("/dev/shm").glob(f"{self.prefix}-*")}
-
-    def journals(self) -> list[Path]:
-        return sorted(self.journal_dir.glob(f"{self.prefix}-*.json"))
-
-
-@pytest.fixture
-def warm(tmp_path: Path) -> Iterator[Warm]:
-    w = Warm(prefix=f"hcwr{uuid.uuid4().hex[:10]}", journal_dir=tmp_path / "journal")
-    try:
-        yield w
-    finally:
-        # Warm-restart segments outlive their daemon by design; these are test-only.
-        for seg in Path("/dev/shm").glob(f"{w.prefix}*"):
-            with contextlib.suppress(FileNotFoundError):
-                seg.unlink()
 
 
 @pytest.fixture
@@ -81,13 +42,6 @@ def pools() -> Iterator[WorkerPools]:
         yield p
     finally:
         p.close()
-
-
-def stop_with(daemon: Daemon, sig: signal.Signals) -> int:
-    daemon.process.send_signal(sig)
-    code = daemon.process.wait(timeout=TIMEOUT_S)
-    daemon.stop()  # the process is gone: removes its workdir only (our prefix is not its own)
-    return code
 
 
 def put_keys(daemon: Daemon, pools: WorkerPools, ident: WorkerIdentity, chain: TokenChain) -> None:
