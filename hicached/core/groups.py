@@ -9,19 +9,23 @@ replicated worker with the same key re-joins the group, so its warm L2 pages
 With ``host.warm_restart`` the pools also outlive the daemon: segments get
 deterministic names, a clean shutdown journals each group's content index
 (:mod:`hicached.core.journal`) and keeps the segments, and the next daemon
-re-maps them when a worker recreates the group.
+re-maps them when a worker recreates the group. Until then they are journaled
+groups (:mod:`hicached.core.warm`), counted against the budget and the group count.
 
-Thread-safety: ``GroupRegistry`` has one lock for its map and the budget;
+A new group is built before anything makes room for it: the idle groups it would
+replace are only chosen, and retired once it is built and has its index. A build that
+fails leaves the registry as it was and frees what it made, so every group is closed
+exactly once (before, the chosen groups had already left the registry and were never
+closed: their segments and index threads leaked).
+
+Thread-safety: ``GroupRegistry`` has one lock for its map, its journaled groups and the budget;
 ``GroupState`` has one lock for the in-flight page counts that defer frees.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +34,7 @@ from hicached.config import HostConfig
 from hicached.core.group_state import GroupState
 from hicached.core.journal import GroupJournal, JournalStore
 from hicached.core.types import PoolRequest, PoolRole, WorkerId
+from hicached.core.warm import Journaled, WarmGroups
 from hicached.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -41,10 +46,10 @@ from hicached.errors import (
     clip,
 )
 from hicached.l2.group import HostPoolGroup, PoolEntry
-from hicached.l2.host_pool import HostKVPool, create_host_pool, open_host_pool
+from hicached.l2.host_pool import HostKVPool, create_host_pool
 from hicached.l2.layout import PoolKind, host_pages_for
 from hicached.l2.owners import OwnerRecord, reclaim_dead
-from hicached.l2.shm import SHM_DIR, SharedSegment
+from hicached.l2.shm import MAX_NAME_BYTES, name_is_valid
 
 logger = logging.getLogger(__name__)
 
@@ -164,44 +169,42 @@ class GroupRegistry:
         self._lock = threading.Lock()
         self._groups: dict[str, GroupState] = {}
         self._journals: JournalStore | None = None
+        self._warm: WarmGroups | None = None
         if host.warm_restart:
             self._journals = JournalStore(host.journal_dir, host.shm_prefix)
-            self._journals.lock()
-            self._remove_orphans()
+            self._warm = WarmGroups(self._journals, prefault=host.prefault)
+            self._warm.start(budget=self._budget, max_groups=host.max_groups)
         # Cold-mode segments carry their daemon's id; its locked record proves it alive, and
         # the records of dead daemons of this prefix (a SIGKILL leaves them) free theirs now.
         # Warm-restart names carry no daemon id: the journal lock above owns those.
         reclaim_dead(host.shm_prefix)
         self._owner = None if host.warm_restart else OwnerRecord(host.shm_prefix, daemon_id)
 
-    def _remove_orphans(self) -> None:
-        """Unlink this prefix's warm-restart segments that no journal covers (a crash left them).
-
-        Journaled groups keep theirs until a worker re-creates the group. Names
-        of daemons without warm restart (``prefix-<daemon id>-...``) never match.
-        """
-        assert self._journals is not None
-        pattern = re.compile(rf"{re.escape(self._host.shm_prefix)}-([0-9a-f]{{16}})-[^/]+")
-        with contextlib.suppress(FileNotFoundError):
-            for name in sorted(os.listdir(SHM_DIR)):
-                m = pattern.fullmatch(name)
-                if m and not self._journals.path(m.group(1)).exists():
-                    logger.warning("removing segment %s left without a journal (no clean shutdown)", name)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(SHM_DIR, name))
-
     def _segment_name(self, gid: str, pool: str) -> str:
-        if self._journals is not None:
-            return f"{self._host.shm_prefix}-{gid}-{pool}"  # the next daemon must find it
+        if self._warm is not None:
+            return self._warm.segment_name(gid, pool)
         return f"{self._host.shm_prefix}-{self._daemon_id}-{gid}-{pool}"
+
+    def _check_segment_names(self, gid: str, pools: Sequence[PoolRequest]) -> None:
+        """InvalidArgument for a pool name that cannot be part of its segment's name, before
+        anything is retired or built (the segment would be refused only after that)."""
+        room = MAX_NAME_BYTES - len(self._segment_name(gid, "").encode())
+        for p in pools:
+            if not name_is_valid(self._segment_name(gid, p.name)):
+                raise InvalidArgument(
+                    f"pool name {clip(p.name)} cannot be part of a host segment name: use at most "
+                    f"{room} UTF-8 bytes (what host.shm_prefix and the group id leave of "
+                    f"{MAX_NAME_BYTES}) and no '/' or NUL"
+                )
 
     @property
     def budget_bytes(self) -> int:
         return self._budget
 
     def used_bytes(self) -> int:
+        """Bytes of the budget taken: live groups' and journaled groups' (warm restart)."""
         with self._lock:
-            return sum(g.nbytes for g in self._groups.values())
+            return sum(g.nbytes for g in self._groups.values()) + (self._warm.nbytes() if self._warm else 0)
 
     def get(self, group_id: str) -> GroupState:
         with self._lock:
@@ -231,6 +234,7 @@ class GroupRegistry:
         validate_pool_requests(pools)
         key = group_key(worker, pools)
         gid = group_id_for(key)
+        self._check_segment_names(gid, pools)
         plan = self._plan(pools)  # sizes are checked on a join too (a NaN ratio is refused either way)
         with self._lock:
             existing = self._groups.get(gid)
@@ -249,13 +253,25 @@ class GroupRegistry:
                     existing.last_used = time.monotonic()
                     return existing, True
             need = sum(nbytes for _, _, nbytes in plan)
-            retired = self._make_room(need, idle)
+            retired, dropped = self._make_room(gid, need, idle)
             state, journal = self._build(gid, worker.model_name, pools, plan)
-            on_create(state)
-            restored = journal is not None and self._restore(state, journal)
+            try:
+                on_create(state)
+                restored = journal is not None and self._restore(state, journal)
+            except BaseException:
+                state.close()  # its index (if made) and pools; nothing was retired yet
+                raise
+            # Built: only now do the groups it replaces leave (nobody can join them meanwhile:
+            # joins take this lock).
+            for old in retired:
+                del self._groups[old.group_id]
+                logger.info("retired idle pool group %s to make room", old.group_id)
+            for j in dropped:
+                assert self._warm is not None
+                self._warm.drop(j.group_id, f"to make room for pool group {gid}")
             self._groups[gid] = state
         for old in retired:
-            old.close()
+            old.close()  # outside the lock: an index close waits for its L3 writes
         logger.info(
             "%s pool group %s for model %r (%d bytes)",
             "re-mapped" if restored else "created",
@@ -286,17 +302,32 @@ class GroupRegistry:
 
         return [(p, pages_of(p), HostKVPool.required_bytes(p.spec, p.layout, pages_of(p))) for p in pools]
 
-    def _make_room(self, need: int, idle: Callable[[str], bool]) -> list[GroupState]:
-        """Retire least recently used idle groups until a new group of ``need`` bytes fits the
-        budget and the count (``host.max_groups``: each group also costs a descriptor and
-        memory maps, which a budget of bytes alone did not bound)."""
-        used = sum(g.nbytes for g in self._groups.values())
-        count, most = len(self._groups) + 1, self._host.max_groups
+    def _make_room(
+        self, gid: str, need: int, idle: Callable[[str], bool]
+    ) -> tuple[list[GroupState], list[Journaled]]:
+        """The groups to retire so that group ``gid`` of ``need`` bytes fits the budget and the
+        count (``host.max_groups``: each group also costs a descriptor and memory maps, which a
+        budget of bytes alone did not bound): journaled groups first, oldest first (nobody has
+        used them since the last daemon stopped), then least recently used idle groups.
+
+        Only chosen: the caller retires them once the new group is built. ``gid``'s own
+        journal is not counted (its bytes are ``need``). ResourceExhausted or LimitExceeded
+        when even all of them would not make room."""
+        journaled = [j for j in self._warm.oldest_first() if j.group_id != gid] if self._warm else []
+        used = sum(g.nbytes for g in self._groups.values()) + sum(j.nbytes for j in journaled)
+        count, most = len(self._groups) + len(journaled) + 1, self._host.max_groups
         retired: list[GroupState] = []
+        dropped: list[Journaled] = []
 
         def fits() -> bool:
             return used + need <= self._budget and count <= most
 
+        for j in journaled:
+            if fits():
+                break
+            dropped.append(j)
+            used -= j.nbytes
+            count -= 1
         for g in sorted(self._groups.values(), key=lambda g: g.last_used):
             if fits():
                 break
@@ -315,64 +346,7 @@ class GroupRegistry:
                 "detach the sessions of a model no longer served, or raise host.max_groups",
                 "host.max_groups",
             )
-        for g in retired:
-            del self._groups[g.group_id]
-            logger.info("retired idle pool group %s to make room", g.group_id)
-        return retired
-
-    def _take_journal(
-        self, gid: str, plan: list[tuple[PoolRequest, int, int]]
-    ) -> tuple[GroupJournal, list[HostKVPool]] | None:
-        """The group's journal and its re-mapped pools in ``plan`` order (consuming the
-        journal), or None and no stale segment of the group's names left.
-
-        Whatever does not match the attach exactly (pool names, page counts,
-        segment names, segment headers) falls back to a fresh group, logged.
-        """
-        store = self._journals
-        if store is None:
-            return None
-        names = [self._segment_name(gid, p.name) for p, _, _ in plan]
-        try:
-            journal = store.read(gid)
-        except FailedPrecondition as exc:
-            logger.warning("pool group %s: %s; starting it cold", gid, exc)
-            journal = None
-        store.remove(gid)  # consumed now: a later crash must never replay it
-        opened: list[HostKVPool] = []
-        if journal is not None:
-            wanted = sorted((p.name, n, seg) for (p, n, _), seg in zip(plan, names, strict=True))
-            stored = sorted((r.name, r.num_pages, r.segment) for r in journal.pools)
-            if wanted != stored:
-                logger.warning(
-                    "pool group %s: the warm-restart journal's pools %s do not match the attach's %s; "
-                    "starting it cold",
-                    gid,
-                    stored,
-                    wanted,
-                )
-            else:
-                try:
-                    for (p, num_pages, _), seg in zip(plan, names, strict=True):
-                        opened.append(
-                            open_host_pool(
-                                p.spec, p.layout, num_pages, segment_name=seg, prefault=self._host.prefault
-                            )
-                        )
-                except HiCacheError as exc:
-                    logger.warning("pool group %s: cannot re-map its pools (%s); starting it cold", gid, exc)
-                    for pool in opened:
-                        pool.close()
-                    opened = []
-                else:
-                    return journal, opened
-        for seg in names:
-            if SharedSegment.exists(seg):
-                # No usable journal: a crashed daemon's pages may be half written.
-                logger.warning("pool group %s: removing segment %s left without a journal", gid, seg)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(SHM_DIR, seg))
-        return None
+        return retired, dropped
 
     def _restore(self, state: GroupState, journal: GroupJournal) -> bool:
         """Replay the journal's entries into the new index; False (logged) leaves the group cold."""
@@ -393,7 +367,7 @@ class GroupRegistry:
         self, gid: str, model: str, pools: Sequence[PoolRequest], plan: list[tuple[PoolRequest, int, int]]
     ) -> tuple[GroupState, GroupJournal | None]:
         """A new group (its journal when its pools were re-mapped from one)."""
-        taken = self._take_journal(gid, plan)
+        taken = self._warm.take(gid, plan) if self._warm is not None else None
         journal, reopened = taken if taken is not None else (None, None)
         group = HostPoolGroup()
         created: list[HostKVPool] = []
@@ -433,7 +407,8 @@ class GroupRegistry:
         """Release every group (shutdown: sessions have ended). Under warm restart each
         group is journaled and its segments kept; then the prefix is released."""
         with self._lock:
-            states = list(self._groups.values())
+            # Least recently used first: the next daemon drops the oldest journals first.
+            states = sorted(self._groups.values(), key=lambda g: g.last_used)
             self._groups.clear()
         # Every journal is written before any index closes: closing an index waits for
         # its L3 writes, which a stalled store can hold past the pod's grace period.
@@ -443,5 +418,5 @@ class GroupRegistry:
             s.close(saved)
         if self._owner is not None:
             self._owner.release()
-        if self._journals is not None:
-            self._journals.unlock()
+        if self._warm is not None:
+            self._warm.unlock()

@@ -14,8 +14,14 @@ pages may have been half written). Only one daemon may use a prefix's
 journals at a time; :meth:`JournalStore.lock` enforces that with an
 advisory lock the kernel drops when the holder dies.
 
+Journals list tenants and their keys: a journal is created 0600 and the directory 0700,
+as the lock file and the file L3's slabs are. What bounds the journals a prefix keeps is
+:mod:`hicached.core.warm`.
+
 Thread-safety: the methods are independent file operations; the caller
-serialises work on one group (the group registry's lock does).
+serialises work on one group (the group registry's lock does), and calls
+:meth:`JournalStore.write` from one thread at a time (the registry's close writes
+one journal after another), as it keeps the last write's time.
 Atomicity: :meth:`JournalStore.write` replaces a journal atomically (tmp
 file, fsync, rename, fsync of the directory); readers never see half of one.
 """
@@ -26,6 +32,8 @@ import contextlib
 import fcntl
 import json
 import os
+import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,12 +138,13 @@ class JournalStore:
         self.directory = Path(directory)
         self.prefix = prefix
         self._lock_fd: int | None = None
+        self._last_stamp_ns = 0
 
     def path(self, group_id: str) -> Path:
         return self.directory / f"{self.prefix}-{group_id}.json"
 
     def lock(self) -> None:
-        """Claim the prefix for this process (creates the directory).
+        """Claim the prefix for this process (creates the directory, mode 0700).
 
         FailedPrecondition if the directory cannot be made or another live
         daemon holds the prefix (two daemons re-mapping one set of segments
@@ -145,7 +154,7 @@ class JournalStore:
             return
         lock_path = self.directory / f"{self.prefix}.lock"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self._make_private_directory()
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise FailedPrecondition(
@@ -161,6 +170,19 @@ class JournalStore:
             ) from None
         self._lock_fd = fd
 
+    def _make_private_directory(self) -> None:
+        """The directory, mode 0700: journals name tenants and keys. One this user owns with
+        wider bits (an earlier version made it 0755) is narrowed; another's is left alone
+        (the journals themselves are 0600)."""
+        try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(self.directory, 0o700)
+        except FileExistsError:
+            st = os.stat(self.directory)
+            if st.st_uid != os.geteuid() or not st.st_mode & 0o077:
+                return
+        os.chmod(self.directory, 0o700)  # mkdir applied the umask; or narrow an old one
+
     def unlock(self) -> None:
         """Release :meth:`lock`. Idempotent."""
         fd, self._lock_fd = self._lock_fd, None
@@ -168,13 +190,24 @@ class JournalStore:
             os.close(fd)  # closing the descriptor drops the flock
 
     def write(self, journal: GroupJournal) -> Path:
-        """Replace the group's journal atomically; OSError if the disk refuses."""
+        """Replace the group's journal atomically; OSError if the disk refuses.
+
+        Its modification time is the write's, strictly later than this store's previous
+        write: :meth:`saved` then orders journals as they were written (the kernel's file
+        times tick only every few ms, so one shutdown's journals could share one).
+        """
         final = self.path(journal.group_id)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a killed earlier write with this pid (pid 1 in a container, say)
         try:
-            with tmp.open("w", encoding="utf-8") as f:
+            # 0600, not the umask's 0644: a journal lists tenants and their keys.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(journal.to_json(), f, separators=(",", ":"))
                 f.flush()
+                stamp = self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
+                os.utime(f.fileno(), ns=(stamp, stamp))
                 os.fsync(f.fileno())
             os.replace(tmp, final)
         except BaseException:
@@ -187,6 +220,17 @@ class JournalStore:
         finally:
             os.close(dir_fd)
         return final
+
+    def saved(self) -> dict[str, int]:
+        """The group ids that have a journal, with its modification time (ns; see :meth:`write`)."""
+        pattern = re.compile(rf"{re.escape(self.prefix)}-([0-9a-f]{{16}})\.json")
+        found: dict[str, int] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.directory):
+                m = pattern.fullmatch(entry.name)
+                if m and entry.is_file(follow_symlinks=False):
+                    found[m.group(1)] = entry.stat(follow_symlinks=False).st_mtime_ns
+        return found
 
     def read(self, group_id: str) -> GroupJournal | None:
         """The group's journal, or None when there is none.

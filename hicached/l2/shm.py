@@ -29,13 +29,26 @@ SHM_DIR = "/dev/shm"
 OS_PAGE = 4096
 _MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
-_MAX_NAME = 200
+MAX_NAME_BYTES = 200  # of the file name's bytes (os.fsencode): tmpfs takes 255 at most
+
+
+def name_is_valid(name: str) -> bool:
+    """Whether ``name`` can name a segment: 1..MAX_NAME_BYTES bytes, no '/' or NUL, not '.' or '..'.
+
+    Bytes, not characters: a name within 200 characters but past the file system's 255
+    bytes passed a count of characters, and then failed with an OSError.
+    """
+    try:
+        size = len(os.fsencode(name))
+    except UnicodeEncodeError:  # a lone surrogate: no file name
+        return False
+    return 0 < size <= MAX_NAME_BYTES and "/" not in name and "\0" not in name and name not in (".", "..")
 
 
 def _path_for(name: str) -> str:
-    if not name or len(name) > _MAX_NAME or "/" in name or name in (".", "..") or "\0" in name:
+    if not name_is_valid(name):
         raise InvalidArgument(
-            f"shared memory segment name {name!r} is invalid: use 1..{_MAX_NAME} characters without '/'"
+            f"shared memory segment name {name!r} is invalid: use 1..{MAX_NAME_BYTES} bytes without '/' or NUL"
         )
     return os.path.join(SHM_DIR, name)
 

@@ -1,10 +1,15 @@
 """Fixtures of the issue-5 operating tests: real daemons (``python -m hicached serve``) with the
-file L3 backend in a temp dir, shared-memory worker pools, and the daemon's own HTTP /metrics."""
+file L3 backend in a temp dir, shared-memory worker pools, the daemon's own HTTP /metrics, and
+the warm-restart prefix and journal directory successive daemons share."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import urllib.request
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -66,3 +71,47 @@ def new_pools(made: list[WorkerPools], seed: int | None) -> tuple[str, WorkerPoo
     else:
         pools.fill_random(seed)
     return tag, pools
+
+
+@dataclass
+class Warm:
+    """The shm prefix and journal directory two successive daemons share."""
+
+    prefix: str
+    journal_dir: Path
+
+    def start(self) -> Daemon:
+        return self.start_with()
+
+    def start_with(self, *extra: str) -> Daemon:
+        return start_daemon(
+            "--set", "host.warm_restart=true",
+            "--set", f"host.journal_dir={self.journal_dir}",
+            "--set", f"host.shm_prefix={self.prefix}",
+            *extra,
+        )  # fmt: skip
+
+    def segments(self) -> set[str]:
+        return {p.name for p in Path("/dev/shm").glob(f"{self.prefix}-*")}
+
+    def journals(self) -> list[Path]:
+        return sorted(self.journal_dir.glob(f"{self.prefix}-*.json"))
+
+
+@pytest.fixture
+def warm(tmp_path: Path) -> Iterator[Warm]:
+    w = Warm(prefix=f"hcwr{uuid.uuid4().hex[:10]}", journal_dir=tmp_path / "journal")
+    try:
+        yield w
+    finally:
+        # Warm-restart segments outlive their daemon by design; these are test-only.
+        for seg in Path("/dev/shm").glob(f"{w.prefix}*"):
+            with contextlib.suppress(FileNotFoundError):
+                seg.unlink()
+
+
+def stop_with(daemon: Daemon, sig: signal.Signals, timeout_s: float = 30.0) -> int:
+    daemon.process.send_signal(sig)
+    code = daemon.process.wait(timeout=timeout_s)
+    daemon.stop()  # the process is gone: removes its workdir only (our prefix is not its own)
+    return code

@@ -7,13 +7,11 @@ from L2.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import uuid
+import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,50 +25,14 @@ from hicached.index import ContentIndex
 from hicached.index.entries import EntryRecord
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.testing.servers import redis_server
-from tests.support.daemon import Daemon, start_daemon
+from tests.daemon.conftest import Warm, stop_with
+from tests.support.daemon import Daemon
 from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
 from tests.support.state import poll
 
 MODEL = "m-warm"
 N = 48  # keys put before the restart
 TIMEOUT_S = 30.0
-
-
-@dataclass
-class Warm:
-    """The shm prefix and journal directory two successive daemons share."""
-
-    prefix: str
-    journal_dir: Path
-
-    def start(self) -> Daemon:
-        return self.start_with()
-
-    def start_with(self, *extra: str) -> Daemon:
-        return start_daemon(
-            "--set", "host.warm_restart=true",
-            "--set", f"host.journal_dir={self.journal_dir}",
-            "--set", f"host.shm_prefix={self.prefix}",
-            *extra,
-        )  # fmt: skip
-
-    def segments(self) -> set[str]:
-        return {p.name for p in Path("/dev/shm").glob(f"{self.prefix}-*")}
-
-    def journals(self) -> list[Path]:
-        return sorted(self.journal_dir.glob(f"{self.prefix}-*.json"))
-
-
-@pytest.fixture
-def warm(tmp_path: Path) -> Iterator[Warm]:
-    w = Warm(prefix=f"hcwr{uuid.uuid4().hex[:10]}", journal_dir=tmp_path / "journal")
-    try:
-        yield w
-    finally:
-        # Warm-restart segments outlive their daemon by design; these are test-only.
-        for seg in Path("/dev/shm").glob(f"{w.prefix}*"):
-            with contextlib.suppress(FileNotFoundError):
-                seg.unlink()
 
 
 @pytest.fixture
@@ -80,13 +42,6 @@ def pools() -> Iterator[WorkerPools]:
         yield p
     finally:
         p.close()
-
-
-def stop_with(daemon: Daemon, sig: signal.Signals) -> int:
-    daemon.process.send_signal(sig)
-    code = daemon.process.wait(timeout=TIMEOUT_S)
-    daemon.stop()  # the process is gone: removes its workdir only (our prefix is not its own)
-    return code
 
 
 def put_keys(daemon: Daemon, pools: WorkerPools, ident: WorkerIdentity, chain: TokenChain) -> None:
@@ -115,6 +70,8 @@ def test_clean_restart_keeps_published_pages(warm: Warm, pools: WorkerPools) -> 
     kept = warm.segments()
     assert len(kept) == len(POOLS), f"host pools not kept: {kept}"
     (journal,) = warm.journals()
+    # It lists tenants and keys: only the daemon's user reads it (was 0644 in a 0755 directory).
+    assert (mode(journal), mode(warm.journal_dir)) == (0o600, 0o700)
     data = json.loads(journal.read_text())
     assert len(data["entries"]["keys"]) == N
     assert {p["segment"] for p in data["pools"]} == kept
@@ -300,10 +257,19 @@ def test_restore_refuses_bad_records_and_changes_nothing(
         group.get_pool("draft").allocator.free([5])
 
 
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
 def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
     store = JournalStore(tmp_path / "j", "hcwr-unit")
-    store.lock()
+    old = os.umask(0o002)  # the most a umask usually allows: 0664 files, 0775 directories
     try:
+        store.lock()
+    finally:
+        os.umask(old)
+    try:
+        assert mode(tmp_path / "j") == 0o700
         with pytest.raises(FailedPrecondition, match="another daemon"):
             JournalStore(tmp_path / "j", "hcwr-unit").lock()
         journal = GroupJournal(
@@ -313,6 +279,7 @@ def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
         )
         assert store.read("g1") is None
         path = store.write(journal)
+        assert mode(path) == 0o600, "a journal lists tenants and keys: the daemon's user only"
         assert store.read("g1") == journal
         assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
         data = json.loads(path.read_text())
@@ -333,6 +300,9 @@ def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
     finally:
         store.unlock()
     JournalStore(tmp_path / "j", "hcwr-unit").lock()  # released: the next daemon may take it
+    (tmp_path / "old").mkdir(mode=0o755)  # made by an earlier version
+    JournalStore(tmp_path / "old", "hcwr-unit").lock()
+    assert mode(tmp_path / "old") == 0o700
 
 
 def test_every_journal_is_written_before_a_stalled_l3_holds_the_shutdown(

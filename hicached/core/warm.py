@@ -1,0 +1,196 @@
+"""Warm restart's side of the group registry: the pool groups a clean shutdown journaled.
+
+At startup (:meth:`WarmGroups.start`) the prefix is locked, segments that no journal covers
+are unlinked (a crash left them), journals none of whose segments is left are removed (a node
+reboot empties ``/dev/shm`` but not ``host.journal_dir``), and the rest are *journaled
+groups*. Each keeps its segments and journal until a worker re-creates the group
+(:meth:`WarmGroups.take` consumes the journal) or it is dropped (:meth:`WarmGroups.drop`:
+segments unlinked, journal removed, logged).
+
+Journaled groups hold ``/dev/shm`` memory, so they count against ``host.budget`` and
+``host.max_groups`` as live groups do: at startup the oldest are dropped until the rest fit
+both, and the registry drops them, oldest first, before it retires any idle live group to make
+room. Before, the groups of models that never came back piled up across restarts, past both
+bounds (12 groups and 101 MB of segments after six daemons of a 64 MiB, 2-group node).
+"Oldest" is the journal's modification time: a shutdown writes the least recently used
+group's journal first.
+
+Thread-safety: none of its own. The registry calls it from its constructor and under its
+lock; it owns the journaled groups' segments and journals (nobody maps them meanwhile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hicached.core.journal import GroupJournal, JournalStore
+from hicached.core.types import PoolRequest
+from hicached.errors import FailedPrecondition, HiCacheError
+from hicached.l2.host_pool import HostKVPool, open_host_pool
+from hicached.l2.shm import SHM_DIR, SharedSegment
+
+__all__ = ["Journaled", "WarmGroups"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Journaled:
+    """A journaled group not yet re-created: its segments, their bytes and when it was saved."""
+
+    group_id: str
+    segments: tuple[str, ...]
+    nbytes: int
+    saved_ns: int
+
+
+class WarmGroups:
+    """The journaled groups of one ``shm_prefix`` (see the module docstring)."""
+
+    def __init__(self, store: JournalStore, *, prefault: bool) -> None:
+        self._store = store
+        self._prefault = prefault
+        self._journaled: dict[str, Journaled] = {}
+
+    def segment_name(self, group_id: str, pool: str) -> str:
+        return f"{self._store.prefix}-{group_id}-{pool}"  # no daemon id: the next daemon must find it
+
+    def start(self, *, budget: int, max_groups: int) -> None:
+        """Lock the prefix, clean up after crashes and reboots, then drop the oldest journaled
+        groups until the rest fit ``budget`` bytes and ``max_groups`` groups.
+
+        FailedPrecondition (from :meth:`JournalStore.lock`) when the prefix is taken.
+        """
+        self._store.lock()
+        saved = self._store.saved()
+        segments = self._segments()
+        for gid, names in sorted(segments.items()):
+            if gid not in saved:
+                for name in names:
+                    logger.warning("removing segment %s left without a journal (no clean shutdown)", name)
+                    _unlink(name)
+        for gid, saved_ns in saved.items():
+            names = segments.get(gid, [])
+            if not names:
+                logger.warning(
+                    "pool group %s: removing its warm-restart journal, none of its segments is left "
+                    "(a reboot empties /dev/shm)",
+                    gid,
+                )
+                self._store.remove(gid)
+                continue
+            self._journaled[gid] = Journaled(gid, tuple(names), sum(_size(n) for n in names), saved_ns)
+        held = self.oldest_first()
+        count, used = len(held), sum(j.nbytes for j in held)
+        for j in held:
+            if count <= max_groups and used <= budget:
+                break
+            self.drop(
+                j.group_id,
+                f"the journaled groups exceed host.max_groups={max_groups} or host.budget={budget} bytes",
+                level=logging.WARNING,
+            )
+            count, used = count - 1, used - j.nbytes
+        if self._journaled:
+            logger.info(
+                "%d journaled pool groups (%d bytes) wait for their workers",
+                len(self._journaled),
+                self.nbytes(),
+            )
+
+    def _segments(self) -> dict[str, list[str]]:
+        """This prefix's warm-restart segment names by group id. Names of daemons without warm
+        restart (``prefix-<daemon id>-...``) never match."""
+        pattern = re.compile(rf"{re.escape(self._store.prefix)}-([0-9a-f]{{16}})-[^/]+")
+        found: dict[str, list[str]] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for name in sorted(os.listdir(SHM_DIR)):
+                m = pattern.fullmatch(name)
+                if m:
+                    found.setdefault(m.group(1), []).append(name)
+        return found
+
+    def oldest_first(self) -> list[Journaled]:
+        return sorted(self._journaled.values(), key=lambda j: (j.saved_ns, j.group_id))
+
+    def nbytes(self) -> int:
+        return sum(j.nbytes for j in self._journaled.values())
+
+    def drop(self, group_id: str, why: str, *, level: int = logging.INFO) -> None:
+        """Unlink a journaled group's segments and remove its journal, logged with ``why``."""
+        j = self._journaled.pop(group_id)
+        for name in j.segments:
+            _unlink(name)
+        self._store.remove(group_id)
+        logger.log(level, "dropped journaled pool group %s (%d bytes): %s", group_id, j.nbytes, why)
+
+    def take(
+        self, gid: str, plan: Sequence[tuple[PoolRequest, int, int]]
+    ) -> tuple[GroupJournal, list[HostKVPool]] | None:
+        """The group's journal and its re-mapped pools in ``plan`` order (consuming the
+        journal), or None and no stale segment of the group's names left.
+
+        Whatever does not match the attach exactly (pool names, page counts,
+        segment names, segment headers) falls back to a fresh group, logged.
+        """
+        held = self._journaled.pop(gid, None)  # a live group's now, whatever follows
+        names = [self.segment_name(gid, p.name) for p, _, _ in plan]
+        try:
+            journal = self._store.read(gid)
+        except FailedPrecondition as exc:
+            logger.warning("pool group %s: %s; starting it cold", gid, exc)
+            journal = None
+        self._store.remove(gid)  # consumed now: a later crash must never replay it
+        opened: list[HostKVPool] = []
+        if journal is not None:
+            wanted = sorted((p.name, n, seg) for (p, n, _), seg in zip(plan, names, strict=True))
+            stored = sorted((r.name, r.num_pages, r.segment) for r in journal.pools)
+            if wanted != stored:
+                logger.warning(
+                    "pool group %s: the warm-restart journal's pools %s do not match the attach's %s; "
+                    "starting it cold",
+                    gid,
+                    stored,
+                    wanted,
+                )
+            else:
+                try:
+                    for (p, num_pages, _), seg in zip(plan, names, strict=True):
+                        opened.append(
+                            open_host_pool(
+                                p.spec, p.layout, num_pages, segment_name=seg, prefault=self._prefault
+                            )
+                        )
+                except HiCacheError as exc:
+                    logger.warning("pool group %s: cannot re-map its pools (%s); starting it cold", gid, exc)
+                    for pool in opened:
+                        pool.close()
+                    opened = []
+                else:
+                    return journal, opened
+        for seg in sorted({*names, *(held.segments if held is not None else ())}):
+            if SharedSegment.exists(seg):
+                # No usable journal: a crashed daemon's pages may be half written.
+                logger.warning("pool group %s: removing segment %s left without a journal", gid, seg)
+                _unlink(seg)
+        return None
+
+    def unlock(self) -> None:
+        self._store.unlock()
+
+
+def _unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
+
+
+def _size(name: str) -> int:
+    try:
+        return os.lstat(os.path.join(SHM_DIR, name)).st_size
+    except FileNotFoundError:
+        return 0
