@@ -54,6 +54,7 @@ from hicached.l2.group_types import (
     PoolTransfer,
     Reclaimer,
     ResolveResult,
+    check_new_entry,
     copy_indices,
     identity_layers,
     layer_map,
@@ -117,55 +118,10 @@ class HostPoolGroup:
     def add_entry(self, entry: PoolEntry) -> None:
         """Register a pool. The first entry (or the one marked) is the anchor, fixed for life."""
         with self._lock:
-            self._validate_entry(entry)
+            check_new_entry(entry, self._entries, self._anchor)
             self._entries[entry.name] = entry
             if self._anchor is None:
                 self._anchor = entry
-
-    def _validate_entry(self, entry: PoolEntry) -> None:
-        name = entry.name
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"pool name must be a non-empty string, got {name!r}")
-        if name in self._entries:
-            raise AlreadyExists(f"host pool {clip(name)} is already registered")
-        if not isinstance(entry.host_pool, HostKVPool):
-            raise InvalidArgument(f"pool {clip(name)}: host_pool must be a HostKVPool")
-        owner = next((e.name for e in self._entries.values() if e.host_pool is entry.host_pool), None)
-        if owner is not None:
-            raise AlreadyExists(f"pool {clip(name)}: its host pool is already registered as {clip(owner)}")
-        if entry.is_primary_index_anchor and self._anchor is not None:
-            raise AlreadyExists(
-                f"pool {clip(name)} cannot be the anchor: {clip(self._anchor.name)} already is"
-            )
-        layers = entry.host_pool.spec.num_layers
-        if not isinstance(entry.packed_draft_layers, int) or not 0 <= entry.packed_draft_layers < layers:
-            raise InvalidArgument(
-                f"pool {clip(name)}: packed_draft_layers={entry.packed_draft_layers!r} must be in [0, {layers})"
-            )
-        source_name = entry.indices_from_pool
-        if source_name is None:
-            return
-        if self._anchor is None or entry.is_primary_index_anchor:
-            raise InvalidArgument(
-                f"pool {clip(name)}: the anchor cannot derive its indices from {clip(source_name)}"
-            )
-        source = self._entries.get(source_name)
-        if source is None:
-            raise InvalidArgument(
-                f"pool {clip(name)} derives its indices from unknown pool {clip(source_name)} "
-                f"(known: {sorted(self._entries)})"
-            )
-        if source.indices_from_pool is not None:
-            raise InvalidArgument(
-                f"pool {clip(name)} derives from {clip(source_name)}, which is itself derived; use "
-                f"{clip(source.indices_from_pool)}"
-            )
-        mine, theirs = entry.host_pool, source.host_pool
-        if mine.num_pages < theirs.num_pages or mine.page_size != theirs.page_size:
-            raise InvalidArgument(
-                f"pool {clip(name)} ({mine.num_pages} pages of {mine.page_size} tokens) cannot hold the "
-                f"indices of {clip(source_name)} ({theirs.num_pages} pages of {theirs.page_size} tokens)"
-            )
 
     def get_entry(self, name: str) -> PoolEntry:
         try:
@@ -376,6 +332,7 @@ class HostPoolGroup:
             if failure:
                 self._rollback(allocated)
                 return ResolveResult(False, [t.copy() for t in transfers], failure)
+        self._scrub({t.name: t.host_indices for t in allocated if t.host_indices is not None}, ())
         return ResolveResult(True, work)
 
     def _resolve_locked(

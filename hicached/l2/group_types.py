@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hicached.errors import InvalidArgument, OutOfRange
+from hicached.errors import AlreadyExists, InvalidArgument, OutOfRange, clip
 from hicached.l2.allocator import PageArray, as_page_array
 from hicached.l2.host_pool import HostKVPool
 
@@ -170,3 +170,50 @@ class LayerRoute:
 
 def copy_indices(indices: object, what: str) -> PageArray | None:
     return None if indices is None else as_page_array(indices, what)
+
+
+def check_new_entry(entry: PoolEntry, entries: Mapping[str, PoolEntry], anchor: PoolEntry | None) -> None:
+    """Raise unless ``entry`` may join a group of ``entries`` (whose anchor is ``anchor``):
+    a new name and host pool, at most one anchor, draft layers within the pool, and a derived
+    pool only from an independent one whose indices it can hold. Changes nothing."""
+    name = entry.name
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"pool name must be a non-empty string, got {name!r}")
+    if name in entries:
+        raise AlreadyExists(f"host pool {clip(name)} is already registered")
+    if not isinstance(entry.host_pool, HostKVPool):
+        raise InvalidArgument(f"pool {clip(name)}: host_pool must be a HostKVPool")
+    owner = next((e.name for e in entries.values() if e.host_pool is entry.host_pool), None)
+    if owner is not None:
+        raise AlreadyExists(f"pool {clip(name)}: its host pool is already registered as {clip(owner)}")
+    if entry.is_primary_index_anchor and anchor is not None:
+        raise AlreadyExists(f"pool {clip(name)} cannot be the anchor: {clip(anchor.name)} already is")
+    layers = entry.host_pool.spec.num_layers
+    if not isinstance(entry.packed_draft_layers, int) or not 0 <= entry.packed_draft_layers < layers:
+        raise InvalidArgument(
+            f"pool {clip(name)}: packed_draft_layers={entry.packed_draft_layers!r} must be in [0, {layers})"
+        )
+    source_name = entry.indices_from_pool
+    if source_name is None:
+        return
+    if anchor is None or entry.is_primary_index_anchor:
+        raise InvalidArgument(
+            f"pool {clip(name)}: the anchor cannot derive its indices from {clip(source_name)}"
+        )
+    source = entries.get(source_name)
+    if source is None:
+        raise InvalidArgument(
+            f"pool {clip(name)} derives its indices from unknown pool {clip(source_name)} "
+            f"(known: {sorted(entries)})"
+        )
+    if source.indices_from_pool is not None:
+        raise InvalidArgument(
+            f"pool {clip(name)} derives from {clip(source_name)}, which is itself derived; use "
+            f"{clip(source.indices_from_pool)}"
+        )
+    mine, theirs = entry.host_pool, source.host_pool
+    if mine.num_pages < theirs.num_pages or mine.page_size != theirs.page_size:
+        raise InvalidArgument(
+            f"pool {clip(name)} ({mine.num_pages} pages of {mine.page_size} tokens) cannot hold the "
+            f"indices of {clip(source_name)} ({theirs.num_pages} pages of {theirs.page_size} tokens)"
+        )
