@@ -71,6 +71,7 @@ class GroupState:
     owners: PageOwners = field(init=False)
 
     def __post_init__(self) -> None:
+        # Per page: host.budget charges these and the owner table (hicached/core/footprint.py).
         for entry in self.group.entries:
             total = entry.host_pool.total_pages
             self._busy[entry.name] = np.zeros(total, dtype=np.int32)

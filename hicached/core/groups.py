@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from hicached.config import HostConfig
+from hicached.core.footprint import bookkeeping_bytes, entry_bytes
 from hicached.core.group_state import GroupState
 from hicached.core.journal import GroupJournal, JournalStore
 from hicached.core.types import PoolRequest, PoolRole, WorkerId
@@ -47,6 +48,9 @@ from hicached.l2.owners import OwnerRecord, reclaim_dead
 from hicached.l2.shm import SHM_DIR, SharedSegment
 
 logger = logging.getLogger(__name__)
+
+# Per pool of an attach: its request, its usable pages, what it costs host.budget.
+_Plan = list[tuple[PoolRequest, int, int]]
 
 
 def group_key(worker: WorkerId, pools: Sequence[PoolRequest]) -> tuple[object, ...]:
@@ -157,9 +161,12 @@ def _check_join(state: GroupState, plan: Sequence[tuple[PoolRequest, int, int]])
 class GroupRegistry:
     """Creates, finds and retires pool groups within the node's host budget."""
 
-    def __init__(self, host: HostConfig, *, daemon_id: str) -> None:
+    def __init__(self, host: HostConfig, *, daemon_id: str, max_key_bytes: int) -> None:
+        """``max_key_bytes`` (``limits.max_key_bytes``) sizes what the budget charges for each
+        content-index entry a group may hold (:func:`hicached.core.footprint.entry_bytes`)."""
         self._host = host
         self._budget = host.budget_bytes()
+        self._max_key_bytes = max_key_bytes
         self._daemon_id = daemon_id
         self._lock = threading.Lock()
         self._groups: dict[str, GroupState] = {}
@@ -249,7 +256,7 @@ class GroupRegistry:
                     existing.last_used = time.monotonic()
                     return existing, True
             need = sum(nbytes for _, _, nbytes in plan)
-            retired = self._make_room(need, idle)
+            retired = self._make_room(plan, idle)
             state, journal = self._build(gid, worker.model_name, pools, plan)
             on_create(state)
             restored = journal is not None and self._restore(state, journal)
@@ -265,7 +272,7 @@ class GroupRegistry:
         )
         return state, restored
 
-    def _plan(self, pools: Sequence[PoolRequest]) -> list[tuple[PoolRequest, int, int]]:
+    def _plan(self, pools: Sequence[PoolRequest]) -> _Plan:
         by_name = {p.name: p for p in pools}
         pages: dict[str, int] = {}
 
@@ -284,12 +291,24 @@ class GroupRegistry:
             pages[p.name] = n
             return n
 
-        return [(p, pages_of(p), HostKVPool.required_bytes(p.spec, p.layout, pages_of(p))) for p in pools]
+        allocating = sum(1 for p in pools if p.role is not PoolRole.DERIVED)
+        return [(p, pages_of(p), self._cost(p, pages_of(p), allocating)) for p in pools]
 
-    def _make_room(self, need: int, idle: Callable[[str], bool]) -> list[GroupState]:
-        """Retire least recently used idle groups until a new group of ``need`` bytes fits the
+    def _cost(self, p: PoolRequest, pages: int, allocating_pools: int) -> int:
+        """What pool ``p`` of ``pages`` pages costs the budget: its segment, the per-page
+        arrays, and for the anchor the content-index entries the group may hold (one per
+        anchor page at most). See :mod:`hicached.core.footprint`."""
+        nbytes = HostKVPool.required_bytes(p.spec, p.layout, pages)
+        nbytes += bookkeeping_bytes(pages, allocating=p.role is not PoolRole.DERIVED)
+        if p.role is PoolRole.ANCHOR:
+            nbytes += pages * entry_bytes(allocating_pools, self._max_key_bytes)
+        return nbytes
+
+    def _make_room(self, plan: _Plan, idle: Callable[[str], bool]) -> list[GroupState]:
+        """Retire least recently used idle groups until a new group of ``plan`` fits the
         budget and the count (``host.max_groups``: each group also costs a descriptor and
         memory maps, which a budget of bytes alone did not bound)."""
+        need = sum(nbytes for _, _, nbytes in plan)
         used = sum(g.nbytes for g in self._groups.values())
         count, most = len(self._groups) + 1, self._host.max_groups
         retired: list[GroupState] = []
@@ -305,9 +324,13 @@ class GroupRegistry:
                 used -= g.nbytes
                 count -= 1
         if used + need > self._budget:
+            segments = sum(HostKVPool.required_bytes(p.spec, p.layout, n) for p, n, _ in plan)
+            pages = sum(n for _, n, _ in plan)
             raise ResourceExhausted(
-                f"host pools need {need} bytes but only {max(self._budget - used, 0)} of the "
-                f"host.budget={self._budget} bytes are free; lower the pools' host_size or raise host.budget"
+                f"host pools need {need} bytes ({segments} of shared memory, {need - segments} of "
+                f"the daemon's bookkeeping for their {pages} pages, ~{(need - segments) // max(pages, 1)} "
+                f"bytes each) but only {max(self._budget - used, 0)} of the host.budget={self._budget} "
+                "bytes are free; lower the pools' host_size, use larger pages, or raise host.budget"
             )
         if count > most:
             raise LimitExceeded(
@@ -320,9 +343,7 @@ class GroupRegistry:
             logger.info("retired idle pool group %s to make room", g.group_id)
         return retired
 
-    def _take_journal(
-        self, gid: str, plan: list[tuple[PoolRequest, int, int]]
-    ) -> tuple[GroupJournal, list[HostKVPool]] | None:
+    def _take_journal(self, gid: str, plan: _Plan) -> tuple[GroupJournal, list[HostKVPool]] | None:
         """The group's journal and its re-mapped pools in ``plan`` order (consuming the
         journal), or None and no stale segment of the group's names left.
 
@@ -390,7 +411,7 @@ class GroupRegistry:
         return True
 
     def _build(
-        self, gid: str, model: str, pools: Sequence[PoolRequest], plan: list[tuple[PoolRequest, int, int]]
+        self, gid: str, model: str, pools: Sequence[PoolRequest], plan: _Plan
     ) -> tuple[GroupState, GroupJournal | None]:
         """A new group (its journal when its pools were re-mapped from one)."""
         taken = self._take_journal(gid, plan)

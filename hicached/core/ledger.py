@@ -5,7 +5,8 @@ int32 per page, 0 for nobody); a session's :class:`PageLedger` is its holder num
 table. Before, every session kept its own bool per page of every pool of its group: a group of
 P pages with S sessions cost S x P bytes that ``host.budget`` did not count, and a byte-only
 pool of 1-byte pages made each attach cost as much as the pool. Now a group's ownership costs
-4 bytes per page whatever the number of sessions.
+4 bytes per page whatever the number of sessions, and the budget counts it
+(:mod:`hicached.core.footprint`).
 
 Thread-safety: one lock per group guards the table and the holder numbers. A holder gives pages
 away (frees or publishes them) with :meth:`PageLedger.take` *before* it lets go of them: the
@@ -61,7 +62,7 @@ class PageOwners:
         return PageLedger(self, holder)
 
     def nbytes(self) -> int:
-        """Bytes of the table."""
+        """Bytes of the table (what :mod:`hicached.core.footprint` charges per page)."""
         return sum(a.nbytes for a in self._owner.values())
 
     def _table(self, pool: str) -> np.ndarray | None:
