@@ -417,7 +417,7 @@ def _host_pools(config: Config, daemon_id: str) -> GroupRegistry:
     """The pool groups' registry; a journal directory, prefix or /dev/shm that cannot be used
     is a :class:`StartupError` (one line naming the key), not a traceback."""
     try:
-        return GroupRegistry(config.host, daemon_id=daemon_id)
+        return GroupRegistry(config.host, daemon_id=daemon_id, max_key_bytes=config.limits.max_key_bytes)
     except FailedPrecondition as exc:
         message = str(exc)
         if "host." not in message:

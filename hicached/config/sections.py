@@ -190,7 +190,12 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class HostConfig:
-    budget: int = _f(0, "Node-wide host (L2) memory budget in bytes; 0 = budget_fraction.", parse=parse_size)
+    budget: int = _f(
+        0,
+        "Node-wide host (L2) memory budget in bytes: the pools' segments plus the daemon's "
+        "bookkeeping per page (docs/limits.md); 0 = budget_fraction.",
+        parse=parse_size,
+    )
     budget_fraction: float = _f(
         0.25, "Budget as a fraction of available memory (cgroup-aware) when budget=0."
     )

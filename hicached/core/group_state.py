@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hicached.core.journal import GroupJournal, JournalStore, PoolRecord
+from hicached.core.ledger import PageOwners
 from hicached.core.types import PoolRole, PoolState
 from hicached.errors import (
     FailedPrecondition,
@@ -66,12 +67,18 @@ class GroupState:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _busy: dict[str, np.ndarray] = field(default_factory=dict)
     _pending: dict[str, np.ndarray] = field(default_factory=dict)
+    # Who owns each page of the allocating pools: one table for all the group's sessions.
+    owners: PageOwners = field(init=False)
 
     def __post_init__(self) -> None:
+        # Per page: host.budget charges these and the owner table (hicached/core/footprint.py).
         for entry in self.group.entries:
             total = entry.host_pool.total_pages
             self._busy[entry.name] = np.zeros(total, dtype=np.int32)
             self._pending[entry.name] = np.zeros(total, dtype=bool)
+        self.owners = PageOwners(
+            {e.name: e.host_pool.total_pages for e in self.group.entries if not e.indices_from_pool}
+        )
 
     def pool(self, name: str) -> HostKVPool:
         return self.group.get_pool(name)

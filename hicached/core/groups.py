@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from hicached.config import HostConfig
+from hicached.core.footprint import bookkeeping_bytes, entry_bytes
 from hicached.core.group_state import GroupState
 from hicached.core.journal import GroupJournal, JournalStore
 from hicached.core.types import PoolRequest, PoolRole, WorkerId
@@ -52,6 +53,9 @@ from hicached.l2.owners import OwnerRecord, reclaim_dead
 from hicached.l2.shm import MAX_NAME_BYTES, name_is_valid
 
 logger = logging.getLogger(__name__)
+
+# Per pool of an attach: its request, its usable pages, what it costs host.budget.
+_Plan = list[tuple[PoolRequest, int, int]]
 
 
 def group_key(worker: WorkerId, pools: Sequence[PoolRequest]) -> tuple[object, ...]:
@@ -162,9 +166,12 @@ def _check_join(state: GroupState, plan: Sequence[tuple[PoolRequest, int, int]])
 class GroupRegistry:
     """Creates, finds and retires pool groups within the node's host budget."""
 
-    def __init__(self, host: HostConfig, *, daemon_id: str) -> None:
+    def __init__(self, host: HostConfig, *, daemon_id: str, max_key_bytes: int) -> None:
+        """``max_key_bytes`` (``limits.max_key_bytes``) sizes what the budget charges for each
+        content-index entry a group may hold (:func:`hicached.core.footprint.entry_bytes`)."""
         self._host = host
         self._budget = host.budget_bytes()
+        self._max_key_bytes = max_key_bytes
         self._daemon_id = daemon_id
         self._lock = threading.Lock()
         self._groups: dict[str, GroupState] = {}
@@ -253,7 +260,7 @@ class GroupRegistry:
                     existing.last_used = time.monotonic()
                     return existing, True
             need = sum(nbytes for _, _, nbytes in plan)
-            retired, dropped = self._make_room(gid, need, idle)
+            retired, dropped = self._make_room(gid, plan, idle)
             state, journal = self._build(gid, worker.model_name, pools, plan)
             try:
                 on_create(state)
@@ -281,7 +288,7 @@ class GroupRegistry:
         )
         return state, restored
 
-    def _plan(self, pools: Sequence[PoolRequest]) -> list[tuple[PoolRequest, int, int]]:
+    def _plan(self, pools: Sequence[PoolRequest]) -> _Plan:
         by_name = {p.name: p for p in pools}
         pages: dict[str, int] = {}
 
@@ -300,19 +307,31 @@ class GroupRegistry:
             pages[p.name] = n
             return n
 
-        return [(p, pages_of(p), HostKVPool.required_bytes(p.spec, p.layout, pages_of(p))) for p in pools]
+        allocating = sum(1 for p in pools if p.role is not PoolRole.DERIVED)
+        return [(p, pages_of(p), self._cost(p, pages_of(p), allocating)) for p in pools]
+
+    def _cost(self, p: PoolRequest, pages: int, allocating_pools: int) -> int:
+        """What pool ``p`` of ``pages`` pages costs the budget: its segment, the per-page
+        arrays, and for the anchor the content-index entries the group may hold (one per
+        anchor page at most). See :mod:`hicached.core.footprint`."""
+        nbytes = HostKVPool.required_bytes(p.spec, p.layout, pages)
+        nbytes += bookkeeping_bytes(pages, allocating=p.role is not PoolRole.DERIVED)
+        if p.role is PoolRole.ANCHOR:
+            nbytes += pages * entry_bytes(allocating_pools, self._max_key_bytes)
+        return nbytes
 
     def _make_room(
-        self, gid: str, need: int, idle: Callable[[str], bool]
+        self, gid: str, plan: _Plan, idle: Callable[[str], bool]
     ) -> tuple[list[GroupState], list[Journaled]]:
-        """The groups to retire so that group ``gid`` of ``need`` bytes fits the budget and the
+        """The groups to retire so that group ``gid`` of ``plan`` fits the budget and the
         count (``host.max_groups``: each group also costs a descriptor and memory maps, which a
         budget of bytes alone did not bound): journaled groups first, oldest first (nobody has
         used them since the last daemon stopped), then least recently used idle groups.
 
         Only chosen: the caller retires them once the new group is built. ``gid``'s own
-        journal is not counted (its bytes are ``need``). ResourceExhausted or LimitExceeded
+        journal is not counted (its bytes are the plan's). ResourceExhausted or LimitExceeded
         when even all of them would not make room."""
+        need = sum(nbytes for _, _, nbytes in plan)
         journaled = [j for j in self._warm.oldest_first() if j.group_id != gid] if self._warm else []
         used = sum(g.nbytes for g in self._groups.values()) + sum(j.nbytes for j in journaled)
         count, most = len(self._groups) + len(journaled) + 1, self._host.max_groups
@@ -336,9 +355,13 @@ class GroupRegistry:
                 used -= g.nbytes
                 count -= 1
         if used + need > self._budget:
+            segments = sum(HostKVPool.required_bytes(p.spec, p.layout, n) for p, n, _ in plan)
+            pages = sum(n for _, n, _ in plan)
             raise ResourceExhausted(
-                f"host pools need {need} bytes but only {max(self._budget - used, 0)} of the "
-                f"host.budget={self._budget} bytes are free; lower the pools' host_size or raise host.budget"
+                f"host pools need {need} bytes ({segments} of shared memory, {need - segments} of "
+                f"the daemon's bookkeeping for their {pages} pages, ~{(need - segments) // max(pages, 1)} "
+                f"bytes each) but only {max(self._budget - used, 0)} of the host.budget={self._budget} "
+                "bytes are free; lower the pools' host_size, use larger pages, or raise host.budget"
             )
         if count > most:
             raise LimitExceeded(
@@ -364,7 +387,7 @@ class GroupRegistry:
         return True
 
     def _build(
-        self, gid: str, model: str, pools: Sequence[PoolRequest], plan: list[tuple[PoolRequest, int, int]]
+        self, gid: str, model: str, pools: Sequence[PoolRequest], plan: _Plan
     ) -> tuple[GroupState, GroupJournal | None]:
         """A new group (its journal when its pools were re-mapped from one)."""
         taken = self._warm.take(gid, plan) if self._warm is not None else None

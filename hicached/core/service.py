@@ -29,7 +29,7 @@ from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry, validate_pool_requests, validate_worker
 from hicached.core.observer import CoreObserver, NullCoreObserver
 from hicached.core.retraction import BackupStore, Retraction
-from hicached.core.sessions import Backup, PageLedger, Session, SessionTable, now_ms
+from hicached.core.sessions import Backup, Session, SessionTable, now_ms
 from hicached.core.stats import BackupStats, DaemonStats, GroupStats, session_pools
 from hicached.core.tenants import TenantUids
 from hicached.core.types import (
@@ -210,7 +210,7 @@ class HiCacheCore:
             lease_ms=lease,
             mappings=mappings,
             views=views,
-            ledger=PageLedger({e.name: e.host_pool.total_pages for e in state.group.entries}),
+            ledger=state.owners.ledger(),
             op_cache_size=self._cfg.sessions.op_cache_size,
             peer=peer,
             origin=origin,

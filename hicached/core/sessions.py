@@ -1,9 +1,10 @@
 """Worker sessions: identity, lease, owned host pages, idempotent operations.
 
 Thread-safety: ``Session`` guards its mutable state with its own lock; the
-``SessionTable`` guards the id -> session and slot -> session maps. Page
-ownership lives here (not in the pools) so that a session that ends can give
-back exactly what it held, once.
+``SessionTable`` guards the id -> session and slot -> session maps. Each session
+holds its :class:`~hicached.core.ledger.PageLedger` (page ownership, recorded in its
+group's owner table, not in the pools) so that a session that ends can give back
+exactly what it held, once.
 
 Idempotent operations (:meth:`Session.run`, the one way an operation runs)
 remember their answers by ``(rpc, op_id)`` in the session's
@@ -17,13 +18,12 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import numpy as np
-
+from hicached.core.ledger import PageLedger
 from hicached.core.opcache import OpCache
 from hicached.core.stats import SessionPoolStats, SessionStats
 from hicached.core.types import PeerCred, WorkerId
@@ -43,62 +43,6 @@ T = TypeVar("T")
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-class PageLedger:
-    """Which host pages of each pool a holder owns (a bool mask per pool).
-
-    Thread-safety: one lock. A holder gives pages away (frees or publishes them) with
-    :meth:`take` *before* it lets go of them: the test and the clear are one step, so of two
-    concurrent calls giving away the same pages exactly one gets them, and a page freed and
-    handed back to this holder by a concurrent allocation (:meth:`add`) is never forgotten by
-    the call that freed it.
-    """
-
-    def __init__(self, sizes: dict[str, int]) -> None:
-        self._lock = threading.Lock()
-        self._owned = {name: np.zeros(n, dtype=bool) for name, n in sizes.items()}
-
-    def add(self, pool: str, pages: np.ndarray) -> None:
-        with self._lock:
-            self._owned[pool][pages] = True
-
-    def owns(self, pool: str, pages: np.ndarray) -> np.ndarray:
-        with self._lock:
-            owned: np.ndarray = self._owned[pool][pages]
-        return owned
-
-    def take(self, pages: Iterable[tuple[str, np.ndarray]]) -> tuple[str, int] | None:
-        """Forget ``pages`` (pool, pages) if this holder owns every one: None then. Otherwise
-        (a pool, its first page not owned) and nothing changes. Atomic; give a page away only
-        once this returned None, and :meth:`give` back what then was not given away."""
-        batch = list(pages)
-        with self._lock:
-            for pool, arr in batch:
-                owned = self._owned[pool][arr]
-                if not owned.all():
-                    return pool, int(arr[~owned][0])
-            for pool, arr in batch:
-                self._owned[pool][arr] = False
-        return None
-
-    def give(self, pages: Iterable[tuple[str, np.ndarray]]) -> None:
-        """Own ``pages`` (pool, pages) again: those :meth:`take` forgot and the holder kept."""
-        with self._lock:
-            for pool, arr in pages:
-                self._owned[pool][arr] = True
-
-    def take_all(self) -> dict[str, np.ndarray]:
-        out = {}
-        with self._lock:
-            for name, mask in self._owned.items():
-                out[name] = np.flatnonzero(mask).astype(np.int64)
-                mask[:] = False
-        return out
-
-    def count(self) -> int:
-        with self._lock:
-            return int(sum(int(m.sum()) for m in self._owned.values()))
 
 
 @dataclass

@@ -55,6 +55,7 @@ class EntryTable:
         self._view = view
         self._lock = threading.Lock()
         self._entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
+        # Per page, as each entry is per key: host.budget charges both (hicached/core/footprint.py).
         self._owned = [np.zeros(a.capacity, dtype=bool) for a in view.allocators]
         self._pins: dict[int, tuple[Entry, ...]] = {}
         self._pinned_entries = 0

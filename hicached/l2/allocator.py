@@ -100,6 +100,7 @@ class PageAllocator:
         self.capacity = num_pages
         self.page_size = page_size
         self._lock = threading.Lock()
+        # Per page: host.budget charges these two (hicached/core/footprint.py; keep in step).
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._top = num_pages
         self._allocated = np.zeros(num_pages, dtype=bool)

@@ -123,7 +123,7 @@ def make_core() -> Iterator[Callable[..., Core]]:
         engine = CopyEngine(workers=1, max_queued_bytes=cfg.copy.max_queued)
         core = HiCacheCore(
             cfg,
-            groups=GroupRegistry(cfg.host, daemon_id=tag),
+            groups=GroupRegistry(cfg.host, daemon_id=tag, max_key_bytes=cfg.limits.max_key_bytes),
             engine=engine,
             attach_index=lambda state: attach_content_index(cfg, state, backend=None, metrics=None),
         )

@@ -14,9 +14,10 @@ from hicached_client import HiCacheClient, HiCacheError, PageBytes, TokenChain, 
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
 
+from hicached.core.footprint import bookkeeping_bytes, entry_bytes
 from hicached.index.keys import page_keys
 from tests.robustness.loop_support import PAGE, attach_bytes
-from tests.support.daemon import Daemon, start_daemon
+from tests.support.daemon import MAX_BATCH_PAGES, Daemon, start_daemon
 from tests.support.state import poll, proc_bytes
 
 MIB = 1 << 20
@@ -185,5 +186,57 @@ def test_finished_prefetches_do_not_keep_their_keys(tmp_path: Path) -> None:
                 assert s.prefetch(keys, policy="timeout", timeout_ms=1).planned_pages > 0
             grown = proc_bytes(d.process.pid, "VmRSS") / MIB - before
             assert grown < 48, f"16 finished prefetches of 16,384 keys grew the daemon by {grown:.0f} MiB"
+    finally:
+        d.stop()
+
+
+def _one_byte_pages(host_bytes: int) -> tpb.PoolSpec:
+    """A byte-only pool of 1-byte pages (MLA, int8, one layer, head_dim 1, page_size 1)."""
+    return pool_spec(
+        "kv", role="anchor", kind="mla", dtype="int8", page_size=1, num_layers=1, num_heads=1,
+        head_dim=1, host_layout="layer_first", k_buffers=(), host_bytes=host_bytes,
+    )  # fmt: skip
+
+
+def test_tiny_pages_are_charged_their_bookkeeping_against_the_budget() -> None:
+    """Before, host.budget charged a pool its segment only: a 63 MiB pool of 1-byte pages
+    (66 M pages) was accepted in a 64 MiB budget and grew the daemon by ~570 MiB (its
+    free-page stack), and an index full of its pages would have taken 30-160 GB. Now the pages'
+    bookkeeping is charged (hicached.core.footprint): that attach is refused naming the budget
+    and costs nothing; a pool that fits, every page published under the longest keys, grows
+    the daemon by at most what the budget charged for it plus 8 MiB (the session's op cache,
+    at most 4 MiB, and the first calls' buffers)."""
+    budget = 64 * MIB
+    d = start_daemon("--host-budget", str(budget))
+    pid = d.process.pid
+    try:
+        with HiCacheClient(d.target, timeout_s=60) as client, HiCacheClient(d.admin_target) as admin:
+            start = proc_bytes(pid, "VmRSS")
+            with pytest.raises(HiCacheError) as refused:
+                client.attach(WorkerIdentity("tiny", 1, "m-tiny"), [_one_byte_pages(budget - MIB)])
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"host.budget={budget}" in refused.value.message and "bookkeeping" in refused.value.message
+            assert admin.get_stats().groups == ()
+            grown = (proc_bytes(pid, "VmRSS") - start) / MIB
+            assert grown < 8, f"a refused attach grew the daemon by {grown:.0f} MiB"
+
+            # The most 1-byte pages the budget holds (less a margin for the segment's header).
+            per_page = 1 + bookkeeping_bytes(0, allocating=True) + entry_bytes(1, 512)
+            pages = (budget - 2 * MIB) // per_page
+            with client.attach(WorkerIdentity("tiny", 2, "m-tiny"), [_one_byte_pages(pages)]) as s:
+                charged = admin.get_stats().host_used_bytes
+                assert charged <= budget
+                # The longest keys a client may send (limits.max_key_bytes, 512 UTF-8 bytes),
+                # one character beyond U+FFFF making Python store each character in 4 bytes.
+                keys = [f"\U0001f600{i:08d}" + "k" * 500 for i in range(pages)]
+                for at in range(0, pages, MAX_BATCH_PAGES):
+                    batch = keys[at : at + MAX_BATCH_PAGES]
+                    assert s.put_bytes([PageBytes(k, "kv", b"x") for k in batch]).stored_pages == len(batch)
+                assert admin.get_stats().groups[0].indexed_pages == pages
+                grown = (proc_bytes(pid, "VmRSS") - start) / MIB
+                bound = charged / MIB + 8
+                assert grown < bound, (
+                    f"{pages} 1-byte pages grew the daemon by {grown:.1f} MiB, over {bound:.1f}"
+                )
     finally:
         d.stop()
