@@ -12,7 +12,8 @@ deterministic names, a clean shutdown journals each group's content index
 re-maps them when a worker recreates the group.
 
 Thread-safety: ``GroupRegistry`` has one lock for its map and the budget;
-``GroupState`` has one lock for the in-flight page counts that defer frees.
+``GroupState`` has one lock for the in-flight page counts that defer frees. The
+registry's ``tenant_keys`` (thread-safe, its own lock) is shared by every group's index.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from hicached.errors import (
     ResourceExhausted,
     clip,
 )
+from hicached.index.tenant_keys import TenantL3Keys
 from hicached.l2.group import HostPoolGroup, PoolEntry
 from hicached.l2.host_pool import HostKVPool, create_host_pool, open_host_pool
 from hicached.l2.layout import PoolKind, host_pages_for
@@ -163,6 +165,9 @@ class GroupRegistry:
         self._daemon_id = daemon_id
         self._lock = threading.Lock()
         self._groups: dict[str, GroupState] = {}
+        # The keys of named tenants that the groups' indexes wrote to L3 (for a tenant clear):
+        # one store for all groups, so its bound is the daemon's, not one per group.
+        self.tenant_keys = TenantL3Keys()
         self._journals: JournalStore | None = None
         if host.warm_restart:
             self._journals = JournalStore(host.journal_dir, host.shm_prefix)
@@ -426,7 +431,11 @@ class GroupRegistry:
                 pool.unlink()
             raise
         return GroupState(
-            group_id=gid, model_name=model, group=group, nbytes=sum(n for *_, n in plan)
+            group_id=gid,
+            model_name=model,
+            group=group,
+            nbytes=sum(n for *_, n in plan),
+            tenant_keys=self.tenant_keys,
         ), journal
 
     def close(self) -> None:
