@@ -226,11 +226,14 @@ class GroupRegistry:
         *,
         idle: Callable[[str], bool],
         on_create: Callable[[GroupState], None],
+        join_only: bool = False,
     ) -> tuple[GroupState, bool]:
         """The group for these pools and whether it already existed.
 
         ``idle(group_id)`` tells whether a group has no sessions (it may then be
-        retired to make room); ``on_create`` attaches the content index.
+        retired to make room); ``on_create`` attaches the content index. With
+        ``join_only`` a group that does not exist (or could only be joined by
+        recreating it larger) is NotFound, and nothing changes.
         """
         validate_worker(worker)
         validate_pool_requests(pools)
@@ -243,7 +246,7 @@ class GroupRegistry:
                 try:
                     _check_join(existing, plan)
                 except FailedPrecondition:
-                    if not idle(gid):
+                    if join_only or not idle(gid):
                         raise
                     # Nobody uses the smaller group: recreate it at the new size (its segment
                     # names are reused, so it is closed first; its cached pages are dropped).
@@ -253,6 +256,11 @@ class GroupRegistry:
                 else:
                     existing.last_used = time.monotonic()
                     return existing, True
+            if join_only:
+                raise NotFound(
+                    f"no pool group of model {clip(worker.model_name)} with this pool layout (group "
+                    f"{gid}); attach without join_only to create it"
+                )
             need = sum(nbytes for _, _, nbytes in plan)
             retired = self._make_room(need, idle)
             state, journal = self._build(gid, worker.model_name, pools, plan)

@@ -46,6 +46,7 @@ class SessionRpcs(ServicerBase):
                     lease_ms=request.lease_ms,
                     peer=peer,
                     origin=key,
+                    join_only=request.join_only,
                 )
                 session_id = result.session_id
             finally:
