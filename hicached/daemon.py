@@ -73,6 +73,7 @@ def attach_content_index(
         observer=observer,
         prefetch_timeout_base_s=l3.prefetch_timeout_base_s,
         prefetch_timeout_per_1k_tokens_s=l3.prefetch_timeout_per_1k_tokens_s,
+        tenant_keys=state.tenant_keys,
     )
 
 

@@ -2,11 +2,11 @@
 
 The Lookup RPC answers for one pool group, and a group is named by what its workers
 share: the model, the TP/PP position and the exact pool layout. So this command takes
-the worker's pool layout, checks (with GetStats) that the daemon has that group, then
-attaches a byte-only session to it (no shared memory, nothing allocated: the group
-exists), asks Lookup and detaches. A layout the daemon has no group for is reported
-without attaching, so the command never creates a group. Groups of more than one pool
-(sidecars, draft pools) are out of reach of its flags.
+the worker's pool layout and attaches a byte-only session to that group with
+``join_only`` (no shared memory, nothing allocated: the daemon joins an existing group
+or answers NOT_FOUND), asks Lookup and detaches; it never creates a group. GetStats is
+not asked first: a worker sees no pool groups but its own session's. Groups of more
+than one pool (sidecars, draft pools) are out of reach of its flags.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def _specs(args: argparse.Namespace) -> tuple[WorkerIdentity, Any]:
             head_dim=args.head_dim,
             host_layout=args.host_layout,
             k_buffers=(),
-            # Only used if the group vanished between the check and the attach: a few pages'
-            # worth (the daemon refuses a pool of no page, and joins a group at least this big).
+            # A few pages' worth: the daemon refuses a pool of no page, and joins a group at
+            # least this big (join_only: it never creates one of this size).
             host_bytes=4 * args.page_size * args.layers * args.heads * args.head_dim * 2 * 8,
         )
     except (ValueError, KeyError) as exc:
@@ -124,6 +124,22 @@ def _group_id(identity: WorkerIdentity, spec: Any) -> str:
     return group_id_for(group_key(worker, [pool_request(spec, 0)]))
 
 
+def _no_group(client: HiCacheClient, gid: str, model: str) -> None:
+    """Say the daemon has no group for the layout; list the model's groups where the caller
+    may see them (an admin; a worker's GetStats shows no groups)."""
+    print(f"hicached lookup: the daemon has no pool group for this layout (group {gid}).", file=sys.stderr)
+    groups = client.get_stats().groups
+    if not groups:
+        print("  (`hicached status` on the admin socket lists the groups it has)", file=sys.stderr)
+        return
+    same_model = [g for g in groups if g.model_name == model]
+    for g in same_model:
+        pools = ", ".join(f"{p.name} (page_size {p.page_size}, {p.page_bytes} B/page)" for p in g.pools)
+        print(f"  group {g.group} of model {g.model_name!r}: {pools}", file=sys.stderr)
+    if not same_model:
+        print(f"  no group of model {model!r}; groups: {len(groups)}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     target = target_of(args)
     try:
@@ -140,22 +156,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         with HiCacheClient(target, timeout_s=args.timeout) as client:
-            groups = client.get_stats().groups
-            if gid not in {g.group for g in groups}:
-                same_model = [g for g in groups if g.model_name == args.model]
-                print(
-                    f"hicached lookup: the daemon has no pool group for this layout (group {gid}).",
-                    file=sys.stderr,
-                )
-                for g in same_model:
-                    pools = ", ".join(
-                        f"{p.name} (page_size {p.page_size}, {p.page_bytes} B/page)" for p in g.pools
-                    )
-                    print(f"  group {g.group} of model {g.model_name!r}: {pools}", file=sys.stderr)
-                if not same_model:
-                    print(f"  no group of model {args.model!r}; groups: {len(groups)}", file=sys.stderr)
+            try:
+                session = client.attach(identity, [spec], heartbeat=False, join_only=True)
+            except HiCacheError as exc:
+                if exc.code.name != "NOT_FOUND":
+                    raise
+                _no_group(client, gid, args.model)
                 return EXIT_MISS
-            session = client.attach(identity, [spec], heartbeat=False)
             try:
                 result = session.lookup(keys)
             finally:

@@ -25,6 +25,7 @@ from hicached.errors import (
     clip,
 )
 from hicached.index.index import ContentIndex
+from hicached.index.tenant_keys import TenantL3Keys
 from hicached.l2.allocator import distinct, first_repeat
 from hicached.l2.group import HostPoolGroup, PoolTransfer
 from hicached.l2.host_pool import HostKVPool
@@ -63,6 +64,8 @@ class GroupState:
     group: HostPoolGroup
     nbytes: int
     index: ContentIndex | None = None  # set by the composition root (hicached.daemon.attach_content_index)
+    # The registry's, shared by every group's index: one bound for all groups' remembered keys.
+    tenant_keys: TenantL3Keys | None = None
     last_used: float = field(default_factory=time.monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _busy: dict[str, np.ndarray] = field(default_factory=dict)

@@ -19,7 +19,8 @@ exactly once (before, the chosen groups had already left the registry and were n
 closed: their segments and index threads leaked).
 
 Thread-safety: ``GroupRegistry`` has one lock for its map, its journaled groups and the budget;
-``GroupState`` has one lock for the in-flight page counts that defer frees.
+``GroupState`` has one lock for the in-flight page counts that defer frees. The
+registry's ``tenant_keys`` (thread-safe, its own lock) is shared by every group's index.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from hicached.errors import (
     ResourceExhausted,
     clip,
 )
+from hicached.index.tenant_keys import TenantL3Keys
 from hicached.l2.group import HostPoolGroup, PoolEntry
 from hicached.l2.host_pool import HostKVPool, create_host_pool
 from hicached.l2.layout import PoolKind, host_pages_for
@@ -175,6 +177,9 @@ class GroupRegistry:
         self._daemon_id = daemon_id
         self._lock = threading.Lock()
         self._groups: dict[str, GroupState] = {}
+        # The keys of named tenants that the groups' indexes wrote to L3 (for a tenant clear):
+        # one store for all groups, so its bound is the daemon's, not one per group.
+        self.tenant_keys = TenantL3Keys()
         self._journals: JournalStore | None = None
         self._warm: WarmGroups | None = None
         if host.warm_restart:
@@ -231,11 +236,14 @@ class GroupRegistry:
         *,
         idle: Callable[[str], bool],
         on_create: Callable[[GroupState], None],
+        join_only: bool = False,
     ) -> tuple[GroupState, bool]:
         """The group for these pools and whether it already existed.
 
         ``idle(group_id)`` tells whether a group has no sessions (it may then be
-        retired to make room); ``on_create`` attaches the content index.
+        retired to make room); ``on_create`` attaches the content index. With
+        ``join_only`` a group that does not exist (or could only be joined by
+        recreating it larger) is NotFound, and nothing changes.
         """
         validate_worker(worker)
         validate_pool_requests(pools)
@@ -249,7 +257,7 @@ class GroupRegistry:
                 try:
                     _check_join(existing, plan)
                 except FailedPrecondition:
-                    if not idle(gid):
+                    if join_only or not idle(gid):
                         raise
                     # Nobody uses the smaller group: recreate it at the new size (its segment
                     # names are reused, so it is closed first; its cached pages are dropped).
@@ -259,6 +267,11 @@ class GroupRegistry:
                 else:
                     existing.last_used = time.monotonic()
                     return existing, True
+            if join_only:
+                raise NotFound(
+                    f"no pool group of model {clip(worker.model_name)} with this pool layout (group "
+                    f"{gid}); attach without join_only to create it"
+                )
             need = sum(nbytes for _, _, nbytes in plan)
             retired, dropped = self._make_room(gid, plan, idle)
             state, journal = self._build(gid, worker.model_name, pools, plan)
@@ -423,7 +436,11 @@ class GroupRegistry:
                 pool.unlink()
             raise
         return GroupState(
-            group_id=gid, model_name=model, group=group, nbytes=sum(n for *_, n in plan)
+            group_id=gid,
+            model_name=model,
+            group=group,
+            nbytes=sum(n for *_, n in plan),
+            tenant_keys=self.tenant_keys,
         ), journal
 
     def close(self) -> None:

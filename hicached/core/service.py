@@ -173,10 +173,12 @@ class HiCacheCore:
         lease_ms: int = 0,
         peer: PeerCred | None = None,
         origin: str = "",
+        join_only: bool = False,
     ) -> AttachResult:
         """``peer``: the kernel's credentials of an fd handoff; ``origin``: who attaches as the
         transport tells (``hicached.server.peers.peer_key``; the handoff's uid wins). A worker
-        slot's live session is replaced only from its own origin and tenant."""
+        slot's live session is replaced only from its own origin and tenant. ``join_only``:
+        NotFound, creating nothing, unless the pools' group exists (``GroupRegistry``)."""
         if self._draining.is_set():
             raise Unavailable("daemon is draining: no new sessions; attach to the replacement daemon")
         if not worker.instance_id:
@@ -197,6 +199,7 @@ class HiCacheCore:
                 pools,
                 idle=lambda gid: self._sessions.in_group(gid) == 0,
                 on_create=self._attach_index,
+                join_only=join_only,
             )
         except BaseException:
             mappings.close()

@@ -184,9 +184,13 @@ class SessionTable:
                 return None
             name = f"worker {worker.instance_id[:64]!r} (tp_rank={worker.tp_rank}, pp_rank={worker.pp_rank})"
             if current.origin != origin:
-                by = current.origin.replace(":", " ", 1) if current.origin else "another client"
-                kind = "uid" if current.origin.startswith("uid:") else "peer"
-                raise PermissionDenied(f"{name} is attached by {by}; only that {kind} may replace it")
+                # Who holds the slot (a uid, a TCP host) is not this caller's to learn: the
+                # refusal says only that it is another peer, and what to do about it.
+                raise PermissionDenied(
+                    f"{name} is attached by another peer; only the peer (uid or host) that attached "
+                    "it may replace it: give each worker an instance_id unique in the deployment, "
+                    "or wait for that session to end"
+                )
             if current.worker.tenant != worker.tenant:
                 raise PermissionDenied(
                     f"{name} is attached in another tenant; only that tenant may replace it"

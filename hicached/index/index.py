@@ -37,7 +37,7 @@ table's lock guards the entries; it is never held during L3 I/O, nor while
 calling into the pool group. The index registers itself as the group's
 :class:`~hicached.l2.group.Reclaimer` (and unregisters on close); the group
 calls :meth:`ContentIndex.reclaim` with its own lock held, so the order is
-always group lock -> table lock -> backup queue lock.
+always group lock -> table lock -> backup queue lock (or the shared ``tenant_keys``' lock).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from hicached.index.observer import IndexObserver, NullIndexObserver
 from hicached.index.pools import GroupView
 from hicached.index.prefetch import Prefetcher
 from hicached.index.table import EntryTable
+from hicached.index.tenant_keys import TenantL3Keys
 from hicached.index.types import (
     DEFAULT_BATCH_PAGES,
     BackupResult,
@@ -76,9 +77,10 @@ __all__ = ["ContentIndex"]
 class ContentIndex:
     """Content key -> L2 pages of one host pool group, with L3 behind it.
 
-    See the module docstring for ownership, eviction and locking. Configuration
-    errors raise :class:`~hicached.errors.InvalidArgument`; nothing is installed
-    then. A group has one index: AlreadyExists while another is open on it.
+    See the module docstring for ownership, eviction and locking. Configuration errors raise
+    :class:`~hicached.errors.InvalidArgument`; nothing is installed then. A group has one
+    index: AlreadyExists while another is open on it. ``tenant_keys``: the daemon's store of
+    tenant keys written to L3, shared by all groups' indexes (the index's own when not given).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class ContentIndex:
         prefetch_timeout_per_1k_tokens_s: float = 0.25,
         max_finished_prefetches: int = 1024,
         write_back_free_fraction: float = 0.125,
+        tenant_keys: TenantL3Keys | None = None,
     ) -> None:
         if not isinstance(namespace, str) or not namespace or namespace.endswith("/"):
             raise InvalidArgument(f"namespace must be a non-empty str not ending in '/', got {namespace!r}")
@@ -120,7 +123,7 @@ class ContentIndex:
         self._obs: IndexObserver = observer if observer is not None else NullIndexObserver()
         self._timeout_base = prefetch_timeout_base_s
         self._timeout_per_1k = prefetch_timeout_per_1k_tokens_s
-        self._table = EntryTable(self._view)
+        self._table = EntryTable(self._view, tenant_keys)
         self._writer = Writer(
             self._table,
             self._view,
@@ -438,12 +441,11 @@ class ContentIndex:
     def export_entries(self) -> list[EntryRecord]:
         """Freeze the index and return its entries, least recently used first (a journal's content).
 
-        Background I/O stops first (queued backups dropped, prefetches cancelled:
-        :meth:`flush` before to keep them), not waiting for an L3 call in flight
-        (a stalled store holds it); the index then takes no new entries and evicts
-        nothing, so no returned entry's page changes after the snapshot. Pinned
-        entries are included. :meth:`close` afterwards waits for those calls and
-        frees every page in this process. Unavailable after :meth:`close`.
+        Background I/O stops first (queued backups dropped, prefetches cancelled: :meth:`flush`
+        before to keep them), not waiting for an L3 call in flight (a stalled store holds it);
+        the index then takes no new entries and evicts nothing, so no returned entry's page
+        changes after the snapshot. Pinned entries are included. :meth:`close` afterwards waits
+        for those calls and frees every page in this process. Unavailable after :meth:`close`.
         """
         self._prefetcher.cancel(wait=False)
         self._io.stop()
@@ -452,13 +454,12 @@ class ContentIndex:
     def restore(self, records: Sequence[EntryRecord]) -> int:
         """Re-install journaled entries (least recently used first) into an empty index.
 
-        Each record's pages are marked allocated in their pools (exactly once)
-        and owned by the index, as if published; its tenant and L3 flag are
-        kept. Under ``write_through`` the entries not yet in L3 are queued for
-        backup. Returns the entries restored. Validates everything first:
-        InvalidArgument for a bad record, FailedPrecondition when the index
-        already holds entries or a page is already allocated; nothing changes then.
-        Call it before any session can reach the group (the registry does).
+        Each record's pages are marked allocated in their pools (exactly once) and owned by the
+        index, as if published; its tenant and L3 flag are kept. Under ``write_through`` the
+        entries not yet in L3 are queued for backup. Returns the entries restored. Validates
+        everything first: InvalidArgument for a bad record, FailedPrecondition when the index already
+        holds entries or a page is already allocated; nothing changes then. Call it before any
+        session can reach the group (the registry does).
         """
         records = list(records)
         self._table.check_empty()

@@ -5,8 +5,8 @@ other rooms (:mod:`.backup`, :mod:`.writer`, :mod:`.prefetch`) change
 entries only through its methods. Each method is one critical section:
 it takes the table's lock, never holds it while calling anything but the
 backup queue's reservations handed to :meth:`EntryTable.claim` and
-:meth:`EntryTable.evict` (which only take the queue's own lock), and never
-does I/O.
+:meth:`EntryTable.evict` and the daemon's :class:`~hicached.index.tenant_keys.TenantL3Keys`
+(which only take their own locks), and never does I/O.
 
 Holds: an entry's pages are freed exactly once, when it has left the
 table (``detached``) and its last hold is dropped (``refs``: pins plus
@@ -33,6 +33,7 @@ import numpy.typing as npt
 from hicached.errors import FailedPrecondition, Unavailable, clip
 from hicached.index.entries import SELECTIVE_HITS, Entry, EntryRecord
 from hicached.index.pools import GroupView
+from hicached.index.tenant_keys import TenantL3Keys
 from hicached.index.types import Pin
 from hicached.l2.allocator import PageArray
 
@@ -42,16 +43,16 @@ __all__ = ["EntryTable"]
 # releasing someone else's pages.
 _PIN_IDS = itertools.count(1)
 
-# Keys remembered as a tenant's L3 copies (for clear(tenant)), all tenants together: the
-# oldest are forgotten beyond this (about 150 bytes each). A forgotten key's L3 copy is
-# only removed by a full clear, as are the copies an earlier daemon wrote.
-MAX_TENANT_L3_KEYS = 1 << 18
-
 
 class EntryTable:
-    """Entries of one content index and the pages they own. Thread-safe (one lock)."""
+    """Entries of one content index and the pages they own. Thread-safe (one lock).
 
-    def __init__(self, view: GroupView) -> None:
+    ``tenant_keys``: where the keys of named tenants written to L3 are remembered (for
+    ``clear(tenant)``): the daemon's, shared by every group's table so that one bound holds
+    for all of them; a table of its own when not given. This table's keys there are
+    forgotten at :meth:`close`."""
+
+    def __init__(self, view: GroupView, tenant_keys: TenantL3Keys | None = None) -> None:
         self._view = view
         self._lock = threading.Lock()
         self._entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
@@ -59,7 +60,8 @@ class EntryTable:
         self._owned = [np.zeros(a.capacity, dtype=bool) for a in view.allocators]
         self._pins: dict[int, tuple[Entry, ...]] = {}
         self._pinned_entries = 0
-        self._l3_tenant_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # key -> tenant
+        self._tenant_keys = tenant_keys if tenant_keys is not None else TenantL3Keys()
+        self._owner = self._tenant_keys.new_owner()
         self._held: dict[int, Entry] = {}  # evicted, held until their L3 write ends (by id)
         self._clears = 0  # the clear epoch: detach() and end_clear() move it
         self._clearing = 0  # clears between detach() and end_clear(): their L3 delete is to come
@@ -286,19 +288,12 @@ class EntryTable:
                 if unsure:
                     continue
                 entry.in_l3 = True
-                if entry.tenant:
-                    self._remember_l3_locked(entry)
+                if entry.tenant and not self.closed:  # close() forgot this table's keys for good
+                    self._tenant_keys.remember(self._owner, entry.key, entry.tenant)
             if orphans:
                 self._clears += 1
                 self._clearing += 1
         return orphans
-
-    def _remember_l3_locked(self, entry: Entry) -> None:
-        known = self._l3_tenant_keys
-        known[entry.key] = entry.tenant
-        known.move_to_end(entry.key)
-        while len(known) > MAX_TENANT_L3_KEYS:
-            known.popitem(last=False)
 
     # ------------------------------------------------------------- eviction
 
@@ -372,7 +367,7 @@ class EntryTable:
             self._free_locked([e for e in targets if e.refs == 0])
             if tenant is None:
                 return len(targets), None
-            l3_keys = {k for k, t in self._l3_tenant_keys.items() if t == tenant}
+            l3_keys = self._tenant_keys.of(self._owner, tenant)
             l3_keys.update(e.key for e in targets if e.in_l3)
             return len(targets), l3_keys
 
@@ -388,11 +383,7 @@ class EntryTable:
         """The L3 copies of ``keys`` (None: of every tenant) are deleted: stop remembering them.
         Called after the delete succeeded, so a failed one can be retried by a later clear."""
         with self._lock:
-            if keys is None:
-                self._l3_tenant_keys.clear()
-                return
-            for key in keys:
-                self._l3_tenant_keys.pop(key, None)
+            self._tenant_keys.forget(self._owner, keys)
 
     # ------------------------------------------------------------- warm restart / close
 
@@ -435,6 +426,8 @@ class EntryTable:
         """Free every page the table owns, pinned or not, exactly once; outstanding pins become no-ops."""
         with self._lock:
             self.closed = True
+            # The daemon's store outlives this table: its keys there would only take room.
+            self._tenant_keys.forget(self._owner, None)
             alive = list(self._entries.values())
             self._entries.clear()
             for entries in self._pins.values():

@@ -48,6 +48,7 @@ class SessionRpcs(ServicerBase):
                     lease_ms=request.lease_ms,
                     peer=peer,
                     origin=key,
+                    join_only=request.join_only,
                 )
                 session_id = result.session_id
             finally:
@@ -105,6 +106,7 @@ class SessionRpcs(ServicerBase):
         backends = await self.backend_infos()
         if self.is_admin(context):
             return stats_out(stats, backends)
+        # A session named here passed the interceptor's secret check: it is the caller's.
         return worker_view(stats_out(stats, backends), own=bool(request.session_id))
 
     async def backend_infos(self) -> list[pb.BackendInfo]:
@@ -139,14 +141,17 @@ def check_tenant(tenant: str) -> None:
 
 
 def worker_view(full: pb.GetStatsResponse, *, own: bool) -> pb.GetStatsResponse:
-    """What a non-admin may see: aggregates and group counts; no other session's ids,
-    identities or backups, and no segment names. ``own``: the request named one
-    session (the caller's), whose entry and backups stay."""
+    """What a non-admin may see: the daemon's aggregates; no session, backup or pool group
+    of anyone else, and no segment names. ``own``: the request named one session (the
+    caller's; ``full`` then holds only it, its group and its backups), which stay."""
     view = pb.GetStatsResponse()
     view.CopyFrom(full)
     if not own:
+        # Groups too: their model names, indexed pages and session counts are other
+        # tenants' business (a stranger saw a 'team-b-secret-model' and its cache activity).
         del view.sessions[:]
         del view.backups[:]
+        del view.groups[:]
     for group in view.groups:
         for pool in group.pools:
             pool.segment = ""

@@ -141,15 +141,15 @@ def test_lookup_reports_the_tiers_of_a_published_prefix(daemon: Served, tmp_path
 
 
 def test_lookup_of_an_unknown_layout_creates_nothing(daemon: Served, tmp_path: Path) -> None:
-    with HiCacheClient(daemon.target) as client:
-        before = client.get_stats()
+    with HiCacheClient(daemon.admin_target) as admin:  # a worker's GetStats shows no groups
+        before = admin.get_stats()
     model = f"nobody-{uuid.uuid4().hex[:6]}"
     args = ["--model", model, "--page-size", "16", "--layers", "2", "--heads", "4", "--head-dim", "64"]
     result = cli("lookup", *args, "--tokens", PREFIX, cwd=tmp_path, env=daemon.env())
     assert result.returncode == 1
     assert "no pool group for this layout" in result.stderr and "Traceback" not in result.stderr
-    with HiCacheClient(daemon.target) as client:
-        after = client.get_stats()
+    with HiCacheClient(daemon.admin_target) as admin:
+        after = admin.get_stats()
     assert len(after.groups) == len(before.groups) and after.host_used_bytes == before.host_used_bytes
     assert not [s for s in after.sessions if s.identity.model_name == model]
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import hicached.index.table as table_module
 from hicached.errors import Unavailable
 from hicached.index import BackupResult, ContentIndex, LookupResult, WritePolicy
+from hicached.index.tenant_keys import TenantL3Keys, entry_bytes
 from hicached.l2 import HostPoolGroup
 from hicached.l3 import StorageBackend, create_backend
 
@@ -167,21 +167,37 @@ def test_the_keys_remembered_for_a_tenant_clear_stay_within_their_bound(
     make_group: Callable[..., HostPoolGroup],
     make_index: Callable[..., ContentIndex],
     file_backend: StorageBackend,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(table_module, "MAX_TENANT_L3_KEYS", 6)
+    store = TenantL3Keys(max_bytes=6 * entry_bytes(keys_of("r0-", 1)[0], "t"))  # six keys
     group = make_group(8)
-    index = make_index(group, file_backend)
+    index = make_index(group, file_backend, tenant_keys=store)
     for r in range(5):  # 20 keys written to L3, 4 at a time, L2 emptied after each round
         index.publish(keys_of(f"r{r}-", 4), write_pages(group, 4, seed=r), tenant="t")
         index.flush(timeout_s=30)
         index.reclaim("kv", 4)
-    assert len(index._table._l3_tenant_keys) == 6
+    assert store.count() == 6 and store.nbytes <= store.max_bytes
     # A tenant clear removes the newest six it remembers; the older ones need a full clear.
     assert index.clear("t") == (0, 6)
     assert index.lookup(keys_of("r4-", 4)) == LookupResult(0, 0)
     assert index.lookup(keys_of("r0-", 4)) == LookupResult(0, 4)
     assert index.clear()[1] == 14
+
+
+def test_a_closed_index_gives_its_remembered_keys_back(
+    make_group: Callable[..., HostPoolGroup],
+    make_index: Callable[..., ContentIndex],
+    file_backend: StorageBackend,
+) -> None:
+    """The store outlives a group's index (it is the daemon's): a retired group's keys would
+    otherwise hold room in it for good."""
+    store = TenantL3Keys()
+    group = make_group(8)
+    index = make_index(group, file_backend, tenant_keys=store)
+    index.publish(keys_of("c-", 4), write_pages(group, 4, seed=1), tenant="t")
+    assert index.flush(timeout_s=30) == 4
+    assert store.count() == 4
+    index.close()
+    assert (store.count(), store.nbytes) == (0, 0)
 
 
 class FailingDeletes(Wrapped):

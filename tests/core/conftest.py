@@ -27,6 +27,7 @@ from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.core.types import PoolRequest, WorkerId
 from hicached.daemon import attach_content_index
+from hicached.l3 import StorageBackend
 from hicached.server import convert
 from hicached.transfer.engine import CopyEngine
 
@@ -101,7 +102,8 @@ class Core:
 def make_core() -> Iterator[Callable[..., Core]]:
     made: list[tuple[Core, CopyEngine]] = []
 
-    def make(**sessions: Any) -> Core:
+    def make(*, l3: StorageBackend | None = None, **sessions: Any) -> Core:
+        """A core with ``sessions`` config overrides; ``l3``: its L3 backend (none by default)."""
         tag = uuid.uuid4().hex[:10]
         cfg = Config()
         cfg = dataclasses.replace(
@@ -125,9 +127,9 @@ def make_core() -> Iterator[Callable[..., Core]]:
             cfg,
             groups=GroupRegistry(cfg.host, daemon_id=tag, max_key_bytes=cfg.limits.max_key_bytes),
             engine=engine,
-            attach_index=lambda state: attach_content_index(cfg, state, backend=None, metrics=None),
+            attach_index=lambda state: attach_content_index(cfg, state, backend=l3, metrics=None),
         )
-        keyed = KeyedCache(cfg, core=core, backend=None)
+        keyed = KeyedCache(cfg, core=core, backend=l3)
         c = Core(core, keyed, device)
         made.append((c, engine))
         return c

@@ -14,7 +14,7 @@ from hicached_client import HiCacheClient, RetryPolicy, pool_spec
 from hicached_client.export import ShmKVPool
 from hicached_client.v1 import types_pb2 as tpb
 
-from tests.support.state import snapshot
+from tests.support import state as support
 
 PAGE, LAYERS, HEADS, DIM = 4, 2, 2, 8
 DEVICE_PAGES = 64
@@ -75,4 +75,5 @@ def no_retry_client(target: str) -> HiCacheClient:
 
 
 def state(client: HiCacheClient) -> dict[str, Any]:
-    return snapshot(client.get_stats())
+    """The daemon's state as its admin sees it (:func:`tests.support.state.state`)."""
+    return support.state(client)

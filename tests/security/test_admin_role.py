@@ -26,7 +26,9 @@ import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, Session, Stats, TokenChain, WorkerIdentity
 
+from tests.robustness.loop_support import byte_spec
 from tests.security.roles_helpers import connect_as, launch, other_user, scratch_dir
+from tests.security.users import run_as_other
 from tests.support.daemon import ROOT, Daemon
 from tests.support.kv import PAGE_SIZE, WorkerPools, transfers, unique_tag
 from tests.support.state import snapshot
@@ -135,13 +137,15 @@ def test_a_worker_clears_only_its_own_tenant(setup: Setup) -> None:
 
 def _hides_everything_private(stats: Stats) -> None:
     assert stats.sessions == () and stats.backups == ()
-    assert stats.groups and all(p.segment == "" for g in stats.groups for p in g.pools)
-    assert sum(g.sessions for g in stats.groups) == 1, "aggregates stay"
-    assert stats.host_used_bytes > 0
+    # No pool group either: each named its model, and showed its indexed pages and sessions.
+    assert stats.groups == (), [g.model_name for g in stats.groups]
+    assert stats.host_used_bytes > 0, "aggregates stay"
 
 
 def test_getstats_shows_a_worker_aggregates_only(setup: Setup) -> None:
-    """Before: any client read every session id (a capability then) and the pool segment names."""
+    """Before: any client read every session id (a capability then) and the pool segment names;
+    and, until the pool groups were hidden too, every group's model name, indexed pages and
+    session count (this test asserted those were shown)."""
     for client in _worker_clients(setup).values():
         with client:
             _hides_everything_private(client.get_stats())
@@ -151,7 +155,42 @@ def test_getstats_shows_a_worker_aggregates_only(setup: Setup) -> None:
     own = setup.session.stats()  # with the session's secret: its own view
     (mine,) = own.sessions
     assert mine.session_id == setup.session.session_id and len(own.backups) == 1
-    assert all(p.segment == "" for g in own.groups for p in g.pools)
+    (group,) = own.groups  # its own group, segment names hidden
+    assert group.group == mine.group and group.model_name == MODEL and group.indexed_pages == PAGES
+    assert all(p.segment == "" for p in group.pools)
+
+
+STRANGER = """
+import json, sys
+from hicached_client import HiCacheClient
+with HiCacheClient(sys.argv[1], timeout_s=30) as c:
+    st = c.get_stats()
+    print(json.dumps({"sessions": len(st.sessions), "models": [g.model_name for g in st.groups],
+                      "indexed": sum(g.indexed_pages for g in st.groups), "used": st.host_used_bytes}))
+"""
+
+
+def test_a_stranger_sees_no_tenants_pool_group(setup: Setup) -> None:
+    """A reviewer's repro: another uid, with no session at all, read every pool group of every
+    tenant from GetStats (model 'team-b-secret-model', its indexed pages, its sessions)."""
+    proc = run_as_other(STRANGER, setup.daemon.target)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (seen["sessions"], seen["models"], seen["indexed"]) == (0, [], 0), seen
+    assert seen["used"] > 0, "the daemon's aggregates stay"
+
+
+def test_a_worker_sees_its_own_group_and_no_other(setup: Setup) -> None:
+    with HiCacheClient(setup.daemon.target, timeout_s=10) as client:
+        identity = WorkerIdentity(unique_tag("own"), generation=1, model_name="m-own", tenant="t-own")
+        session = client.attach(identity, [byte_spec()], heartbeat=False)
+        try:
+            own = session.stats()
+            assert [g.model_name for g in own.groups] == ["m-own"], "not the other tenant's m-roles"
+            assert [s.session_id for s in own.sessions] == [session.session_id]
+            assert client.get_stats().groups == (), "without naming its session: no group"
+        finally:
+            session.detach()
 
 
 @pytest.mark.parametrize("via", ["admin socket", "tcp admin token"])

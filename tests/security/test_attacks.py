@@ -409,13 +409,18 @@ with HiCacheClient(target) as c:
 
 def test_another_uid_cannot_replace_a_workers_session_by_generation(daemon: Daemon, victim: Worker) -> None:
     """Before: any client attaching the victim's instance id with a higher generation ended the
-    victim's session. The slot now belongs to the uid the kernel reported at its handoff."""
+    victim's session. The slot now belongs to the uid the kernel reported at its handoff.
+
+    The refusal does not name that uid: it said "is attached by uid 0; only that uid may
+    replace it", so any peer could learn who runs a given instance id."""
     other_user()
     with HiCacheClient(daemon.target) as client:
         before = state(client)
         proc = run_as_other(REPLACE, daemon.target, victim.identity.instance_id)
         assert proc.returncode == 0, proc.stderr[-2000:]
         out = proc.stdout.strip()
-        assert out.startswith("PERMISSION_DENIED") and "only that uid may replace it" in out, out
+        assert out.startswith("PERMISSION_DENIED") and "is attached by another peer" in out, out
+        assert "unique" in out, out  # says what to do: an instance_id unique in the deployment
+        assert f"uid {os.geteuid()}" not in out and "only that uid" not in out, out
         assert state(client) == before
     assert victim.session.heartbeat() > 0

@@ -30,8 +30,24 @@ def snapshot(stats: Stats) -> dict[str, Any]:
     }
 
 
+def admin_target_of(target: str) -> str | None:
+    """The admin socket next to a worker socket target (the daemon's default
+    ``server.admin_socket``) when it exists; None for a TCP target."""
+    if not target.startswith("unix:"):
+        return None
+    admin = Path(target.removeprefix("unix://").removeprefix("unix:")).parent / "admin.sock"
+    return f"unix://{admin}" if admin.exists() else None
+
+
 def state(client: HiCacheClient) -> dict[str, Any]:
-    return snapshot(client.get_stats())
+    """:func:`snapshot` of the daemon behind ``client`` as its admin sees it: a worker's
+    GetStats shows no pool groups (nor sessions), whose pages a "nothing changed" check must
+    see. The client's own view where no admin socket is at hand (TCP)."""
+    admin = admin_target_of(client.target)
+    if admin is None:
+        return snapshot(client.get_stats())
+    with HiCacheClient(admin, timeout_s=30.0) as whole:
+        return snapshot(whole.get_stats())
 
 
 def poll(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float, what: str) -> T:

@@ -34,8 +34,10 @@ def emit(report: Report) -> None:
     sys.stdout.flush()
 
 
-def group_free(client: HiCacheClient, group: str) -> dict[str, int]:
-    for g in client.get_stats().groups:
+def group_free(session: Session, group: str) -> dict[str, int]:
+    """Free pages of each pool of ``group``, from the session's own view (a worker's GetStats
+    shows no pool group unless it names its session)."""
+    for g in session.stats().groups:
         if g.group == group:
             return {p.name: p.free_pages for p in g.pools}
     raise AssertionError(f"group {group!r} not in GetStats")
@@ -64,13 +66,13 @@ def roundtrip(args: argparse.Namespace, client: HiCacheClient, pools: WorkerPool
     """Write N random pages of both pools, clobber the device, load them into other slots."""
     with client.attach(identity(args), pools.specs()) as session:
         group = group_of(session)
-        free_before = group_free(client, group)
+        free_before = group_free(session, group)
         src, dst = slots(args.seed, args.pages)
         pools.fill_random(args.seed)
         expected = {p: pools.digest(p, src) for p in POOLS}
         written = session.write(transfers(src), allocate=True)
         host = host_pages_of(written.transfers)
-        free_written = group_free(client, group)
+        free_written = group_free(session, group)
         pools.clobber()
         loaded = session.load(transfers(dst, host)).wait()
         report = {
@@ -85,7 +87,7 @@ def roundtrip(args: argparse.Namespace, client: HiCacheClient, pools: WorkerPool
             "free_before": free_before,
             "free_written": free_written,
             "released": session.release_transfers(written.transfers),
-            "free_after": group_free(client, group),
+            "free_after": group_free(session, group),
         }
     return report
 
@@ -95,7 +97,7 @@ def retract(args: argparse.Namespace, client: HiCacheClient, pools: WorkerPools)
     """Retraction backup -> clobber -> restore into new slots; host availability round trip."""
     with client.attach(identity(args), pools.specs()) as session:
         group = group_of(session)
-        free_before = group_free(client, group)
+        free_before = group_free(session, group)
         src, dst = slots(args.seed, args.pages)
         pools.fill_random(args.seed)
         expected = {p: pools.digest(p, src) for p in POOLS}
@@ -103,7 +105,7 @@ def retract(args: argparse.Namespace, client: HiCacheClient, pools: WorkerPools)
         backup = session.retract_backup("req-1", transfers(src), num_tokens)
         stats = session.stats()
         listed = [b.pages for b in stats.backups if b.backup_id == backup.backup_id]
-        free_backed_up = group_free(client, group)
+        free_backed_up = group_free(session, group)
         pools.clobber()
         restored = session.retract_restore_wait(backup.backup_id, transfers(dst))
         return {
@@ -115,7 +117,7 @@ def retract(args: argparse.Namespace, client: HiCacheClient, pools: WorkerPools)
             "layers": list(restored.layers),
             "free_before": free_before,
             "free_backed_up": free_backed_up,
-            "free_after": group_free(client, group),
+            "free_after": group_free(session, group),
             "backups_after": [b.backup_id for b in session.stats().backups],
             "backup_id": backup.backup_id,
         }
@@ -126,18 +128,18 @@ def decline(args: argparse.Namespace, client: HiCacheClient, pools: WorkerPools)
     """Fill the host pool but a few pages; a bigger backup / allocating write is declined."""
     with client.attach(identity(args), pools.specs()) as session:
         group = group_of(session)
-        total = group_free(client, group)
+        total = group_free(session, group)
         held: list[int] = []
         while (want := total["kv"] - args.room - len(held)) > 0:  # Alloc is capped at max_batch_pages
             got = session.alloc("kv", min(want, 256))
             assert got.ok, f"alloc of {min(want, 256)} pages failed with {total['kv'] - len(held)} free"
             held += got.host_pages
-        free_held = group_free(client, group)
+        free_held = group_free(session, group)
         src, _ = slots(args.seed, args.pages)
         backup = session.retract_backup("req-big", transfers(src), args.pages * 4)
-        free_after_backup = group_free(client, group)
+        free_after_backup = group_free(session, group)
         write = session.write(transfers(src), allocate=True)
-        free_after_write = group_free(client, group)
+        free_after_write = group_free(session, group)
         freed = sum(session.free("kv", held[i : i + 256]) for i in range(0, len(held), 256))
         return {
             "backup_ok": backup.ok,
@@ -148,7 +150,7 @@ def decline(args: argparse.Namespace, client: HiCacheClient, pools: WorkerPools)
             "free_after_write": free_after_write,
             "backups": len(session.stats().backups),
             "freed": freed,
-            "free_end": group_free(client, group),
+            "free_end": group_free(session, group),
             "total": total,
         }
 

@@ -89,6 +89,7 @@ def attach(
     pools: Sequence[tpb.PoolSpec],
     lease_ms: int,
     handoff_ticket: str = "",
+    join_only: bool = False,
 ) -> Call[AttachResult]:
     req = pb.AttachRequest(
         op_id=op_id,
@@ -96,6 +97,7 @@ def attach(
         pools=list(pools),
         lease_ms=lease_ms,
         handoff_ticket=handoff_ticket,
+        join_only=join_only,
     )
     return Call("Attach", req, cv.attach_result)
 

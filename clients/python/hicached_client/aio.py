@@ -162,12 +162,15 @@ class AsyncHiCacheClient:
         heartbeat: bool = True,
         op_id: str | None = None,
         timeout_s: float | None = None,
+        join_only: bool = False,
     ) -> AsyncSession:
         """Register a worker and its device pools; returns its :class:`AsyncSession`.
 
         With ``heartbeat`` the session renews its lease every ``lease_ms / 3`` until it is
         detached or closed. Device buffers (fds) are handed over first on the
         ``<socket>.fds`` socket; the ticket serves one Attach, so Attach is not retried.
+        With ``join_only`` the daemon only joins an existing pool group of this model and
+        layout: NOT_FOUND, creating nothing, when it has none (see ``hicached lookup``).
         """
         wire_pools, fds = _handoff.prepare(pools)
         path = _handoff.handoff_path(self.target)
@@ -176,7 +179,7 @@ class AsyncHiCacheClient:
         timeout = self._timeout(timeout_s)
         deadline = None if timeout is None else time.monotonic() + timeout
         ticket = "" if path is None else (await backend.hand_over(path, fds, timeout)) or ""
-        call = _calls.attach(op_id or new_op_id(), identity, wire_pools, lease_ms, ticket)
+        call = _calls.attach(op_id or new_op_id(), identity, wire_pools, lease_ms, ticket, join_only)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         result = await self.invoke(call, left)
         return AsyncSession(self, result, heartbeat=heartbeat)

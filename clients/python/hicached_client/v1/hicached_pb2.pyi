@@ -47,18 +47,20 @@ PREFETCH_STATE_TIMED_OUT: PrefetchState
 PREFETCH_STATE_FAILED: PrefetchState
 
 class AttachRequest(_message.Message):
-    __slots__ = ("op_id", "identity", "pools", "lease_ms", "handoff_ticket")
+    __slots__ = ("op_id", "identity", "pools", "lease_ms", "handoff_ticket", "join_only")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_TICKET_FIELD_NUMBER: _ClassVar[int]
+    JOIN_ONLY_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     identity: _types_pb2.WorkerIdentity
     pools: _containers.RepeatedCompositeFieldContainer[_types_pb2.PoolSpec]
     lease_ms: int
     handoff_ticket: str
-    def __init__(self, op_id: _Optional[str] = ..., identity: _Optional[_Union[_types_pb2.WorkerIdentity, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolSpec, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., handoff_ticket: _Optional[str] = ...) -> None: ...
+    join_only: bool
+    def __init__(self, op_id: _Optional[str] = ..., identity: _Optional[_Union[_types_pb2.WorkerIdentity, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolSpec, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., handoff_ticket: _Optional[str] = ..., join_only: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session_id", "lease_ms", "pools", "joined_existing_group", "replaced_session_id", "session_secret")
