@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -20,17 +19,14 @@ from tests.fastlane.conftest import Worker
 from tests.security.users import other_user, run_as_other
 from tests.support.daemon import ROOT, Daemon, start_daemon
 from tests.support.kv import WorkerPools, unique_tag
-from tests.support.state import poll, state
+from tests.support.state import fd_links, poll, state
 
 
 def daemon_resources(daemon: Daemon) -> tuple[int, int, int]:
     """What the daemon holds for lanes, from /proc: (lane memfd fds, lane rings mapped,
     accepted lane connections). gRPC's own fds come and go, so they are not counted."""
     pid = daemon.process.pid
-    memfds = 0
-    for f in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(FileNotFoundError):  # an fd closed between listdir and readlink
-            memfds += "memfd:hicached-lane" in os.readlink(f"/proc/{pid}/fd/{f}")
+    memfds = sum("memfd:hicached-lane" in link for link in fd_links(pid))
     rings = Path(f"/proc/{pid}/maps").read_text().count("memfd:hicached-lane")
     path = path_of(daemon)
     conns = sum(line.endswith(" " + path) for line in Path("/proc/net/unix").read_text().splitlines()) - 1

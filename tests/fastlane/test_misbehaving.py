@@ -25,18 +25,13 @@ from hicached_client.fastlane import FastLane, lane_path
 import hicached.server.lane as lane_module
 from tests.fastlane.conftest import Worker
 from tests.support.daemon import Daemon, start_daemon
-from tests.support.state import poll
+from tests.support.state import fd_links, poll
 
 LAYERS, PAGE, PAGES = 32, 16, 64
 
 
 def eventfds(daemon: Daemon) -> int:
-    pid = daemon.process.pid
-    n = 0
-    for f in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(FileNotFoundError):  # closed between listdir and readlink
-            n += os.readlink(f"/proc/{pid}/fd/{f}") == "anon_inode:[eventfd]"
-    return n
+    return fd_links(daemon.process.pid).count("anon_inode:[eventfd]")
 
 
 def lane_rings(daemon: Daemon) -> int:

@@ -35,7 +35,7 @@ from hicached_client.v1 import types_pb2 as tpb
 from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, byte_spec, raw_unary
 from tests.robustness.state_support import device_pools, no_retry_client, specs
 from tests.support.daemon import Daemon, start_daemon
-from tests.support.state import proc_bytes, state
+from tests.support.state import fd_links, proc_bytes, state
 
 C = grpc.StatusCode
 MODEL = "m-limits"
@@ -297,7 +297,7 @@ def test_out_of_descriptors_is_resource_exhausted_and_changes_nothing() -> None:
                 resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
                 assert state(admin) == before
             assert C.RESOURCE_EXHAUSTED in codes
-            fds = sorted(os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd"))
+            fds = fd_links(pid)
             assert len(fds) <= held + 2, fds
             client.attach(WorkerIdentity("fds-after", 1, "m-fds"), specs(dev), heartbeat=False).detach()
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -69,3 +71,13 @@ def proc_bytes(pid: int, field: str) -> int:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def fd_links(pid: int) -> list[str]:
+    """What each open descriptor of process ``pid`` refers to, sorted (one closed between the
+    listing and its readlink is left out: the daemon's threads open and close as we look)."""
+    links = []
+    for f in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            links.append(os.readlink(f"/proc/{pid}/fd/{f}"))
+    return sorted(links)
