@@ -29,6 +29,7 @@ from hicached.errors import FailedPrecondition
 from hicached.index.index import ContentIndex
 from hicached.index.observer import IndexObserver, NullIndexObserver
 from hicached.l3.base import StorageBackend
+from hicached.l3.framing import L3Key
 from hicached.l3.stats_cache import StatsCache
 from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
@@ -77,10 +78,11 @@ def attach_content_index(
     )
 
 
-def l3_backend(config: Config) -> StorageBackend | None:
-    """The configured L3 backend (None for ``l3.backend = "none"``); raises
-    :class:`~hicached.startup.StartupError` (one line naming the key) when it cannot start."""
-    return open_l3(config)
+def l3_backend(config: Config, key: L3Key | None = None) -> StorageBackend | None:
+    """The configured L3 backend (None for ``l3.backend = "none"``), its frames authenticated
+    with ``key``; raises :class:`~hicached.startup.StartupError` (one line naming the key)
+    when it cannot start."""
+    return open_l3(config, key)
 
 
 class Daemon:
@@ -91,11 +93,12 @@ class Daemon:
         # Before anything takes a resource: bad credentials and a socket another daemon
         # serves (or another user could swap) stop startup here, naming the cause.
         creds = credentials.load(config.server)
+        l3_key = credentials.load_l3_key(config.l3)
         admin_gid = claim_sockets(config)
         self.daemon_id = daemon_id or f"{os.getpid():x}{uuid.uuid4().hex[:4]}"
         self.metrics = Metrics()
         self._observe_rpc = RpcMetrics(self.metrics)
-        self.backend = l3_backend(config)  # first: a backend that cannot start leaves nothing behind
+        self.backend = l3_backend(config, l3_key)  # first: a backend that cannot start leaves nothing behind
         self.engine = CopyEngine(workers=config.copy.workers, max_queued_bytes=config.copy.max_queued)
         self.groups = _host_pools(config, self.daemon_id)
         self._core_metrics = CoreMetrics(self.metrics)
@@ -106,7 +109,12 @@ class Daemon:
             attach_index=self._attach_index,
             observer=self._core_metrics,
         )
-        self.keyed = KeyedCache(config, core=self.core, backend=self.backend)
+        self.keyed = KeyedCache(
+            config,
+            core=self.core,
+            backend=self.backend,
+            tag_key=l3_key.tenant_key if l3_key is not None else None,
+        )
         self.lanes = Lanes.from_config(config)
         self.peers = PeerSessions(
             config.limits.max_sessions_per_peer,

@@ -233,7 +233,7 @@ class Metrics:
         )
         self.l3_corrupt_pages = Counter(
             f"{p}_l3_corrupt_pages",
-            "Pages whose checksum failed on read; each is served as a miss.",
+            "Pages whose checksum or MAC failed on read (or not a page); each is served as a miss.",
             backend,
             registry=r,
         )

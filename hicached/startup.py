@@ -14,9 +14,10 @@ from hicached import __version__
 from hicached.config import Config, default_cache_dir
 from hicached.errors import HiCacheError
 from hicached.l3.base import StorageBackend
-from hicached.l3.registry import open_backend
+from hicached.l3.framing import FrameCodec, L3Key
+from hicached.l3.registry import open_backend, takes_frames
 
-__all__ = ["StartupError", "banner", "l3_source", "l3_target", "open_l3"]
+__all__ = ["StartupError", "banner", "l3_auth", "l3_source", "l3_target", "open_l3"]
 
 # The keys an operator fixes when a backend cannot start.
 _BACKEND_KEYS = {
@@ -67,11 +68,26 @@ def l3_source(config: Config) -> str:
     return f"default $HOME/.cache/hicached/l3 (HOME={home or '(unset)'}); set l3.file.path to change it"
 
 
-def open_l3(config: Config) -> StorageBackend | None:
+def l3_auth(config: Config) -> str:
+    """Who can put pages into the configured L3 that the daemon serves, for the banner."""
+    name = config.l3.backend
+    if name == "none":
+        return "none"
+    if not takes_frames(name):  # the file backend: a directory only the daemon's user writes
+        return "file permissions"
+    if config.l3.auth_key_file:
+        return "hmac (holders of l3.auth_key_file)"
+    return "off (every writer of the L3, for every tenant; set l3.auth_key_file)"
+
+
+def open_l3(config: Config, key: L3Key | None = None) -> StorageBackend | None:
     """The configured L3 backend (None for ``l3.backend = "none"``); the caller owns it.
 
-    A backend that cannot start (missing package, unreachable server, unwritable or
-    busy directory, bad bucket) raises :class:`StartupError` naming the key to fix.
+    ``key`` (from ``l3.auth_key_file``): a backend that stores frames (redis, s3, mooncake)
+    writes and accepts only frames authenticated with it; the file backend does not take
+    it (its directory's permissions are its trust). A backend that cannot start (missing
+    package, unreachable server, unwritable or busy directory, bad bucket) raises
+    :class:`StartupError` naming the key to fix.
     """
     name = config.l3.backend
     if name == "none":
@@ -79,7 +95,8 @@ def open_l3(config: Config) -> StorageBackend | None:
     options = config.l3.backend_config()
     keys = _BACKEND_KEYS.get(name, f"[l3.{name}]")
     try:
-        return open_backend(name, options)
+        codec = FrameCodec(key.frame_key) if key is not None and takes_frames(name) else None
+        return open_backend(name, options, codec=codec)
     except (HiCacheError, OSError) as exc:
         reason = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise StartupError(
@@ -127,6 +144,7 @@ def banner(
         "l3": config.l3.backend,
         "l3_target": l3_target(config),
         "l3_source": l3_source(config),
+        "l3_auth": l3_auth(config),
         "warm_restart": f"on (journals in {config.host.journal_dir})" if config.host.warm_restart else "off",
     }
     if config.l3.backend == "file":

@@ -273,6 +273,14 @@ class L3Config:
         0.5,
         "Longest GetStats waits for a fresh L3 stats refresh before answering the last stats (0 = never).",
     )
+    auth_key_file: str = _f(
+        "",
+        "File holding a secret of at least 32 bytes (read at start; trailing newlines are not part of "
+        "it): the redis, s3 and mooncake backends write and serve only frames carrying an HMAC of key "
+        "and payload under it, and tenant tags are keyed by it. The same file on every daemon sharing "
+        "the L3. Empty = none: every writer of a shared L3 is trusted with every tenant's pages "
+        "(docs/deploy.md).",
+    )
     file: FileBackendConfig = _f(_default_file_backend, _BACKEND_HELP.format("file", "file", "file"))
     redis: RedisBackendConfig = field(
         default_factory=RedisBackendConfig, metadata={"help": _BACKEND_HELP.format("redis", "redis", "redis")}

@@ -11,11 +11,17 @@ a client key ``k`` of tenant ``t`` is ``k~<tag(t)>`` inside the daemon (``k`` it
 for the default tenant ``""``), and client keys may not contain ``~``, so two
 tenants' keys never meet in L2 or L3 even when a client names another tenant's
 raw key, and a page fetched back from L3 can only land in its own tenant.
+
+The tag is public (a SHA-256 of the name) unless the daemon has
+``l3.auth_key_file``: then it is an HMAC of the name under a key derived from
+that secret (:class:`~hicached.l3.framing.L3Key`), so another writer of a shared
+L3 cannot compute a tenant's object names (and pre-seed them).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,13 +66,18 @@ class PutResult:
 TENANT_SEP = "~"
 
 
-def tenant_tag(tenant: str) -> str:
-    """A fixed-length, collision-resistant tag of a tenant name (no '/' nor '~')."""
-    return hashlib.sha256(b"hicached-tenant\0" + tenant.encode("utf-8")).hexdigest()[:32]
+def tenant_tag(tenant: str, key: bytes | None = None) -> str:
+    """A fixed-length, collision-resistant tag of a tenant name (no '/' nor '~'): keyed by
+    ``key`` (:attr:`L3Key.tenant_key <hicached.l3.framing.L3Key>`), or public without one."""
+    name = b"hicached-tenant\0" + tenant.encode("utf-8")
+    if key is None:
+        return hashlib.sha256(name).hexdigest()[:32]
+    return hmac.new(key, name, "sha256").hexdigest()[:32]
 
 
-def scoped_keys(tenant: str, keys: Sequence[str]) -> list[str]:
-    """Client keys -> the index's keys of ``tenant`` (unchanged for the default tenant).
+def scoped_keys(tenant: str, keys: Sequence[str], *, tag_key: bytes | None = None) -> list[str]:
+    """Client keys -> the index's keys of ``tenant`` (unchanged for the default tenant), its
+    tag keyed by ``tag_key`` (see :func:`tenant_tag`).
 
     InvalidArgument for a key holding the reserved separator ``~``, so no client
     key of one tenant can spell another tenant's scoped key.
@@ -83,7 +94,7 @@ def scoped_keys(tenant: str, keys: Sequence[str]) -> list[str]:
             raise InvalidArgument(f"content key {key[:64]!r} contains {TENANT_SEP!r}, which is reserved")
     if not tenant:
         return out
-    suffix = TENANT_SEP + tenant_tag(tenant)
+    suffix = TENANT_SEP + tenant_tag(tenant, tag_key)
     return [k + suffix if isinstance(k, str) else k for k in out]
 
 
@@ -93,12 +104,23 @@ def client_key(key: str) -> str:
 
 
 class KeyedCache:
-    """Thread-safe (the index and the core lock their own state)."""
+    """Thread-safe (the index and the core lock their own state; ``tag_key`` is immutable).
 
-    def __init__(self, config: Config, *, core: HiCacheCore, backend: StorageBackend | None) -> None:
+    ``tag_key``: the key of tenant tags (from ``l3.auth_key_file``), None for public tags.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        core: HiCacheCore,
+        backend: StorageBackend | None,
+        tag_key: bytes | None = None,
+    ) -> None:
         self._cfg = config
         self._core = core
         self._backend = backend
+        self._tag_key = tag_key
 
     @property
     def core(self) -> HiCacheCore:
@@ -119,7 +141,7 @@ class KeyedCache:
         self, session_id: str, keys: Sequence[str]
     ) -> tuple[Session, GroupState, ContentIndex, list[str]]:
         session, state, index = self._ctx(session_id)
-        return session, state, index, scoped_keys(session.worker.tenant, keys)
+        return session, state, index, scoped_keys(session.worker.tenant, keys, tag_key=self._tag_key)
 
     def page_size(self, session_id: str) -> int:
         _, state, _ = self._ctx(session_id)
@@ -283,7 +305,11 @@ class KeyedCache:
         session, state, index = self._ctx(session_id)
         tenant = session.worker.tenant
         scoped = dict(
-            zip((k for k, _, _ in pages), scoped_keys(tenant, [k for k, _, _ in pages]), strict=True)
+            zip(
+                (k for k, _, _ in pages),
+                scoped_keys(tenant, [k for k, _, _ in pages], tag_key=self._tag_key),
+                strict=True,
+            )
         )
         pages = [(scoped[k], pool, blob) for k, pool, blob in pages]
         pools = state.owning_pools()

@@ -8,7 +8,9 @@ daemon; with a positive size it also contributes that much of its own memory
 (those pages go away when the backend closes).
 
 Object layout. Page ``key`` is the object ``<key_prefix><key>`` whose value is
-one self-verifying frame from :mod:`hicached.l3.framing`. ``key_prefix``
+one self-verifying frame from :mod:`hicached.l3.framing` (with
+``l3.auth_key_file``, authenticated by an HMAC of key and payload; without it,
+every writer of the cluster is trusted with every page). ``key_prefix``
 (default ``hicached/``) keeps this daemon's pages apart from other users of
 the same cluster, so ``clear("")`` removes only ours.
 
@@ -50,7 +52,7 @@ import numpy as np
 
 from hicached.errors import InvalidArgument, Unavailable, clip
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, chunks_nbytes
-from hicached.l3.framing import FRAME_HEADER, pack_header, payload_checksum, unframe
+from hicached.l3.framing import PLAIN, FrameCodec
 from hicached.l3.mooncake_config import MooncakeBackendConfig
 from hicached.l3.registry import register_backend
 
@@ -77,18 +79,20 @@ def _flat(chunk: _Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-@register_backend("mooncake", MooncakeBackendConfig)
+@register_backend("mooncake", MooncakeBackendConfig, framed=True)
 class MooncakeBackend(StorageBackend):
     """Pages as framed objects in Mooncake Store; see the module docstring."""
 
     name = "mooncake"
 
-    def __init__(self, config: MooncakeBackendConfig) -> None:
+    def __init__(self, config: MooncakeBackendConfig, *, codec: FrameCodec = PLAIN) -> None:
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as exc:
             raise InvalidArgument(f"{_INSTALL_HINT}: {exc}") from exc
         self.config = config
+        self._codec = codec
+        self._header = codec.header_size
         self._lock = threading.Lock()  # counters, the closed flag and the calls in flight
         self._idle = threading.Condition(self._lock)
         self._users = 0  # calls into the store outside the staging lock
@@ -96,7 +100,7 @@ class MooncakeBackend(StorageBackend):
         self._pages = self._bytes = 0
         self._hits = self._misses = self._corrupt = 0
         self._closed = False
-        self._frame_hint = FRAME_HEADER.size + (64 << 10)  # largest frame seen; sizes get()'s slots
+        self._frame_hint = self._header + (64 << 10)  # largest frame seen; sizes get()'s slots
         self._replicate: Any = ReplicateConfig()
         self._replicate.replica_num = config.replicas
         host, _, port = config.master_addr.rpartition(":")
@@ -158,7 +162,7 @@ class MooncakeBackend(StorageBackend):
         return [self.config.key_prefix + key for key in keys]
 
     def _check_fits(self, keys: Sequence[str], sizes: Sequence[int]) -> None:
-        limit = self.config.staging_bytes - FRAME_HEADER.size
+        limit = self.config.staging_bytes - self._header
         for key, size in zip(keys, sizes, strict=True):
             if size > limit:
                 raise InvalidArgument(
@@ -179,8 +183,8 @@ class MooncakeBackend(StorageBackend):
             rounds.append(range(start, len(frame_sizes)))
         return rounds
 
-    def _drop_corrupt(self, key: str, object_key: str) -> None:
-        log.warning("mooncake backend: page %r failed verification; removing it", key)
+    def _drop_corrupt(self, key: str, object_key: str, why: str) -> None:
+        log.warning("mooncake backend: page %r failed verification (%s); removing it", key, why)
         with self._lock:
             self._corrupt += 1
         rc = self._store.remove(object_key, True)
@@ -243,9 +247,9 @@ class MooncakeBackend(StorageBackend):
                     if rc < 0:
                         status[i] = 0 if rc == _OBJECT_NOT_FOUND else -1
                         continue
-                    payload = unframe(keys[i], self._staging_view[offset : offset + rc])
+                    payload, why = self._codec.verify(keys[i], self._staging_view[offset : offset + rc])
                     if payload is None:
-                        self._drop_corrupt(keys[i], names[i])
+                        self._drop_corrupt(keys[i], names[i], why)
                     elif deliver(i, payload):
                         status[i] = 1
         return status
@@ -273,8 +277,8 @@ class MooncakeBackend(StorageBackend):
             )
         with self._lock:
             for page in pages:
-                if page is not None and len(page) + FRAME_HEADER.size > self._frame_hint:
-                    self._frame_hint = len(page) + FRAME_HEADER.size
+                if page is not None and len(page) + self._header > self._frame_hint:
+                    self._frame_hint = len(page) + self._header
         self._count([p is not None for p in pages])
         return pages
 
@@ -294,7 +298,7 @@ class MooncakeBackend(StorageBackend):
                 at += flat.nbytes
             return True
 
-        status = self._read_staged(keys, names, [FRAME_HEADER.size + s for s in sizes], scatter)
+        status = self._read_staged(keys, names, [self._header + s for s in sizes], scatter)
         ok = [st == 1 for st in status]
         self._count(ok)
         return ok
@@ -328,22 +332,22 @@ class MooncakeBackend(StorageBackend):
         stored = stored_bytes = 0
         with self._staging_lock:
             self._check_open()
-            frames = [FRAME_HEADER.size + sizes[i] for i in todo]
+            frames = [self._header + sizes[i] for i in todo]
             for part in self._rounds(frames):
                 batch = [todo[j] for j in part]
                 offsets, at = [], 0
                 for i in batch:
                     offsets.append(at)
-                    header = pack_header(keys[i], sizes[i], payload_checksum(srcs[i]))
-                    self._staging_view[at : at + FRAME_HEADER.size] = header
-                    at += FRAME_HEADER.size
+                    header = self._codec.header(keys[i], srcs[i])
+                    self._staging_view[at : at + self._header] = header
+                    at += self._header
                     for chunk in srcs[i]:
                         self._staging_view[at : at + chunk.nbytes] = chunk
                         at += chunk.nbytes
                 results = self._store.batch_put_from(
                     [names[i] for i in batch],
                     [self._staging_addr + o for o in offsets],
-                    [FRAME_HEADER.size + sizes[i] for i in batch],
+                    [self._header + sizes[i] for i in batch],
                     self._replicate,
                 )
                 failed: list[tuple[str, int]] = []
@@ -368,7 +372,7 @@ class MooncakeBackend(StorageBackend):
             self._pages += stored
             self._bytes += stored_bytes
             if sizes:
-                self._frame_hint = max(self._frame_hint, FRAME_HEADER.size + max(sizes))
+                self._frame_hint = max(self._frame_hint, self._header + max(sizes))
         return ok
 
     def delete(self, keys: Sequence[str]) -> int:

@@ -1,8 +1,9 @@
 """The ``redis`` L3 backend: Redis or Valkey through redis-py (with hiredis).
 
 Each page is one string value holding a frame (``hicached.l3.framing``:
-header with length, key hash and XXH3 checksum, then the payload), stored
-with ``SET NX`` so a present key is never rewritten. Batches go out as
+header with length and the key's and payload's XXH3, or with ``l3.auth_key_file``
+an HMAC of key and payload, then the payload), stored with ``SET NX`` so a
+present key is never rewritten. Batches go out as
 pipelines of at most ``batch_pages`` commands (one round trip each). Reads are
 ``GETRANGE`` of at most one byte past the largest value the reader can take (the
 frame of its destination for ``get_into``, ``max_value_bytes`` for ``get``): the
@@ -13,6 +14,12 @@ than the frame asked for, of another type (another program's hash, list, ...)
 or an empty string; all are removed so the page can be stored again (a frame
 that fails verification by a request of its own, the others by one request
 for a batch with such a value or a miss).
+
+Trust. With plain frames (the default ``codec``) every writer of the database
+can store a valid frame of any bytes under any page's name: it is trusted with
+every page. With an authenticated codec (the daemon's ``l3.auth_key_file``)
+only a holder of the secret can: a frame without a valid MAC, a plain one
+included, fails verification like a corrupt one (a counted miss, removed).
 
 Buffers: redis-py needs one contiguous value per page, so ``set_from`` makes
 one copy (header + chunks) and ``get_into`` copies each verified payload into
@@ -43,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from hicached.coerce import option, parse_size
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, chunks_nbytes, scatter_into
-from hicached.l3.framing import FRAME_HEADER, frame, unframe
+from hicached.l3.framing import FRAME_HEADER, PLAIN, FrameCodec
 from hicached.l3.registry import register_backend
 
 if TYPE_CHECKING:
@@ -123,7 +130,8 @@ class RedisBackendConfig:
     batch_pages: int = option(128, help="Commands per pipeline.")
     max_value_bytes: int = option(
         MAX_VALUE_BYTES,
-        help="Largest value (page + 32-byte header) stored, or read whole for a page of unknown size; "
+        help="Largest value (page + frame header: 32 bytes, 48 with l3.auth_key_file) stored, or read "
+        "whole for a page of unknown size; "
         "a larger page is not stored, a larger value found is a corrupt miss, never read whole.",
         parse=parse_size,
     )
@@ -161,14 +169,15 @@ def _import_redis() -> Any:
     return redis
 
 
-@register_backend("redis", RedisBackendConfig)
+@register_backend("redis", RedisBackendConfig, framed=True)
 class RedisBackend(StorageBackend):
     """Pages as framed string values in Redis/Valkey; see the module docstring."""
 
     name = "redis"
 
-    def __init__(self, config: RedisBackendConfig) -> None:
+    def __init__(self, config: RedisBackendConfig, *, codec: FrameCodec = PLAIN) -> None:
         self.config = config
+        self._codec = codec
         self._redis = _import_redis()
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
@@ -281,11 +290,10 @@ class RedisBackend(StorageBackend):
         out: list[memoryview | None] = []
         corrupt = 0
         most = self.config.max_value_bytes
+        least = self._codec.header_size
         for batch in self._batches(len(keys)):
             names = [keys[i] for i in batch]
-            bounds = [
-                (frames[i], frames[i]) if frames is not None else (FRAME_HEADER.size, most) for i in batch
-            ]
+            bounds = [(frames[i], frames[i]) if frames is not None else (least, most) for i in batch]
             replies = self._read(names, [high for _low, high in bounds])
             bad: list[int] = []  # positions in the batch for _drop_not_pages
             counted: set[int] = set()  # of those, the strings of a size no page of theirs has
@@ -298,16 +306,24 @@ class RedisBackend(StorageBackend):
                     counted.add(pos)
                     bad.append(pos)
                     size = f"over {high}" if len(blob) > high else f"{len(blob)}, under {low}"
+                    # The usual cause of a wrong size: a daemon with the other l3.auth_key_file
+                    # setting wrote it (its header differs in size); say so when the header shows it.
+                    foreign = self._codec.foreign(blob)
                     log.warning(
-                        "redis backend: page %r failed verification (%s bytes); removing it", key, size
+                        "redis backend: page %r failed verification (%s bytes%s); removing it",
+                        key,
+                        size,
+                        f"; {foreign}" if foreign else "",
                     )
-                elif (payload := unframe(key, blob)) is None:
-                    corrupt += 1
-                    log.warning("redis backend: page %r failed verification; removing it", key)
-                    try:
-                        self._call(self._client.eval, _DELETE_IF_SAME, 1, self._full(key), blob)
-                    except Unavailable as exc:  # still a miss; the next read tries again
-                        log.warning("redis backend: could not remove page %r: %s", key, exc)
+                else:
+                    payload, why = self._codec.verify(key, blob)
+                    if payload is None:
+                        corrupt += 1
+                        log.warning("redis backend: page %r failed verification (%s); removing it", key, why)
+                        try:
+                            self._call(self._client.eval, _DELETE_IF_SAME, 1, self._full(key), blob)
+                        except Unavailable as exc:  # still a miss; the next read tries again
+                            log.warning("redis backend: could not remove page %r: %s", key, exc)
                 out.append(payload)
             if bad:
                 dropped = self._drop_not_pages([names[p] for p in bad], [bounds[p] for p in bad])
@@ -343,7 +359,7 @@ class RedisBackend(StorageBackend):
         than one byte past that frame: the namespace of a daemon's keys names its pools'
         layouts, so a page of another size under one is not the daemon's. Thread-safe."""
         check_batch(keys, dests, "destinations")
-        frames = [FRAME_HEADER.size + chunks_nbytes(chunks) for chunks in dests]
+        frames = [self._codec.header_size + chunks_nbytes(chunks) for chunks in dests]
         ok = [
             scatter_into(payload, chunks)
             for payload, chunks in zip(self._fetch(keys, frames), dests, strict=True)
@@ -379,7 +395,7 @@ class RedisBackend(StorageBackend):
     def _frame(self, key: str, chunks: Sequence[bytes | memoryview]) -> bytes | None:
         """``key``'s frame of ``chunks``, or None (logged) when it would be over
         ``max_value_bytes``: ``get`` reads no more than that, so it is never stored."""
-        size = FRAME_HEADER.size + sum(memoryview(c).nbytes for c in chunks)
+        size = self._codec.header_size + sum(memoryview(c).nbytes for c in chunks)
         if size > self.config.max_value_bytes:
             log.warning(
                 "redis backend: page %r (%d bytes framed) is over max_value_bytes=%d; not stored",
@@ -388,7 +404,7 @@ class RedisBackend(StorageBackend):
                 self.config.max_value_bytes,
             )
             return None
-        return frame(key, chunks)
+        return self._codec.frame(key, chunks)
 
     def set(self, keys: Sequence[str], values: Sequence[bytes | memoryview]) -> list[bool]:
         check_batch(keys, values, "values")
@@ -435,7 +451,7 @@ class RedisBackend(StorageBackend):
                     pipe.strlen(name)
                 sizes = [n for n in self._call(pipe.execute, raise_on_error=False) if isinstance(n, int)]
                 pages += len(sizes)
-                payload += sum(max(0, n - FRAME_HEADER.size) for n in sizes)
+                payload += sum(max(0, n - self._codec.header_size) for n in sizes)
             if not cursor:
                 return pages, payload
 

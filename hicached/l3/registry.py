@@ -7,6 +7,12 @@ one is one module plus one entry in ``BACKEND_MODULES``. Optional backends
 raise :class:`~hicached.errors.InvalidArgument` with an install hint when it
 is missing.
 
+Backends registered with ``framed=True`` (redis, s3, mooncake) store
+:mod:`~hicached.l3.framing` frames and are constructed as ``cls(config,
+codec=...)`` when a codec is given (:func:`open_backend`), so the daemon's
+``l3.auth_key_file`` reaches them without entering their config dataclass
+(which is printed by ``hicached config show``).
+
 Options arrive as a plain mapping (from a config file or the command line);
 :func:`build_config` checks every name and type against the dataclass and
 names the offending option and what is allowed. Registration happens under a
@@ -24,6 +30,7 @@ from typing import Any, TypeVar, cast
 from hicached.coerce import coerce, type_hints
 from hicached.errors import AlreadyExists, InvalidArgument
 from hicached.l3.base import StorageBackend
+from hicached.l3.framing import FrameCodec
 
 __all__ = [
     "BACKEND_MODULES",
@@ -34,6 +41,7 @@ __all__ = [
     "create_backend",
     "open_backend",
     "register_backend",
+    "takes_frames",
 ]
 
 # Modules that register a backend when imported, in listing order. A module
@@ -46,7 +54,7 @@ BACKEND_MODULES = (
 )
 
 
-BackendFactory = Callable[[Any], StorageBackend]
+BackendFactory = Callable[..., StorageBackend]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +62,8 @@ class BackendEntry:
     name: str
     factory: BackendFactory
     config_type: type[Any]
+    # Stores frames (hicached.l3.framing), so it takes ``codec=`` at construction.
+    framed: bool = False
 
 
 _ENTRIES: dict[str, BackendEntry] = {}
@@ -63,8 +73,9 @@ _LOADED = threading.Event()
 B = TypeVar("B", bound=type[StorageBackend])
 
 
-def register_backend(name: str, config_type: type[Any]) -> Callable[[B], B]:
-    """Class decorator: register ``cls`` (constructed as ``cls(config)``) under ``name``."""
+def register_backend(name: str, config_type: type[Any], *, framed: bool = False) -> Callable[[B], B]:
+    """Class decorator: register ``cls`` (constructed as ``cls(config)``, and with ``framed``
+    as ``cls(config, codec=codec)`` too) under ``name``."""
     if not dataclasses.is_dataclass(config_type):
         raise InvalidArgument(f"config type {config_type!r} of backend {name!r} is not a dataclass")
 
@@ -74,7 +85,7 @@ def register_backend(name: str, config_type: type[Any]) -> Callable[[B], B]:
             factory = cast(BackendFactory, cls)
             if existing is not None and existing.factory is not factory:
                 raise AlreadyExists(f"storage backend {name!r} is already registered")
-            _ENTRIES[name] = BackendEntry(name, factory, config_type)
+            _ENTRIES[name] = BackendEntry(name, factory, config_type, framed)
         return cls
 
     return decorate
@@ -110,6 +121,11 @@ def _entry(name: str) -> BackendEntry:
 def config_type(name: str) -> type[Any]:
     """The config dataclass of backend ``name`` (``InvalidArgument`` for an unknown name)."""
     return _entry(name).config_type
+
+
+def takes_frames(name: str) -> bool:
+    """Whether backend ``name`` stores frames, so authenticates them with a keyed codec."""
+    return _entry(name).framed
 
 
 def build_config(name: str, options: Mapping[str, object], *, text: bool = False) -> Any:
@@ -156,11 +172,18 @@ def create_backend(name: str, options: Mapping[str, object]) -> StorageBackend:
     return open_backend(name, build_config(name, options))
 
 
-def open_backend(name: str, config: Any) -> StorageBackend:
-    """A new backend named ``name`` from its built config dataclass; the caller owns it (``close()``)."""
+def open_backend(name: str, config: Any, *, codec: FrameCodec | None = None) -> StorageBackend:
+    """A new backend named ``name`` from its built config dataclass; the caller owns it (``close()``).
+
+    ``codec``: how a framed backend writes and verifies its frames (None: its default, plain
+    frames); InvalidArgument for a backend that stores no frames."""
     entry = _entry(name)
     if not isinstance(config, entry.config_type):
         raise InvalidArgument(
             f"storage backend {name!r} takes a {entry.config_type.__name__}, got {type(config).__name__}"
         )
-    return entry.factory(config)
+    if codec is None:
+        return entry.factory(config)
+    if not entry.framed:
+        raise InvalidArgument(f"storage backend {name!r} stores no frames; it takes no frame codec")
+    return entry.factory(config, codec=codec)

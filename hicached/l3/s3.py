@@ -3,7 +3,8 @@
 Object layout. Page ``key`` is stored as one object named
 ``<prefix><escaped key>`` whose body is one self-verifying frame from
 :mod:`hicached.l3.framing` (32-byte header with the key's and the payload's
-XXH3, then the payload). ``escaped key`` keeps ``[A-Za-z0-9_-]`` and writes
+XXH3, or with ``l3.auth_key_file`` a 48-byte header with an HMAC of both, then
+the payload). ``escaped key`` keeps ``[A-Za-z0-9_-]`` and writes
 every other UTF-8 byte as ``%XX``: the object namespace is flat (no ``/``
 path segments, no ``.``/``..`` that a filer-backed store such as SeaweedFS
 would normalise), and escaping byte by byte keeps prefixes, so
@@ -30,7 +31,9 @@ end to end, from the writer's memory to the reader's.
 Reads. Every body is verified before it is served; a truncated, mislabelled
 or corrupt object is a miss, counted in ``corrupt_pages``, and deleted so a
 later ``set`` can store the page again (otherwise ``If-None-Match`` would keep
-the broken object forever). A request that fails for any other reason (server
+the broken object forever). With plain frames every writer of the bucket is
+trusted with every page; with an authenticated codec (``l3.auth_key_file``) an
+object without a valid MAC, a plain frame included, is such a corrupt miss. A request that fails for any other reason (server
 down, timeout after boto3's retries) is a miss/``False`` and is logged.
 
 A stalled or unreachable store costs one request's timeout per call, not one
@@ -56,7 +59,7 @@ from urllib.parse import unquote
 
 from hicached.errors import InvalidArgument, Unavailable, clip
 from hicached.l3.base import BackendStats, StorageBackend, check_batch, scatter_into
-from hicached.l3.framing import FRAME_HEADER, frame, unframe
+from hicached.l3.framing import PLAIN, FrameCodec
 from hicached.l3.registry import register_backend
 from hicached.l3.s3_config import MAX_OBJECT_KEY_BYTES, S3BackendConfig
 
@@ -99,13 +102,13 @@ def _error_code(exc: BaseException) -> str | None:
     return None if code is None else str(code)
 
 
-@register_backend("s3", S3BackendConfig)
+@register_backend("s3", S3BackendConfig, framed=True)
 class S3Backend(StorageBackend):
     """Pages as framed objects in an S3 bucket; see the module docstring."""
 
     name = "s3"
 
-    def __init__(self, config: S3BackendConfig) -> None:
+    def __init__(self, config: S3BackendConfig, *, codec: FrameCodec = PLAIN) -> None:
         try:
             import boto3
             from botocore.config import Config
@@ -114,6 +117,7 @@ class S3Backend(StorageBackend):
         except ImportError as exc:
             raise InvalidArgument(_INSTALL_HINT) from exc
         self.config = config
+        self._codec = codec
         self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError)
         self._no_credentials: type[BaseException] = NoCredentialsError
         # Connection errors and timeouts (after boto3's retries): the store, not the key.
@@ -264,7 +268,7 @@ class S3Backend(StorageBackend):
             body = reply["Body"]
             try:
                 length = reply.get("ContentLength")
-                if most is not None and isinstance(length, int) and length > most + FRAME_HEADER.size:
+                if most is not None and isinstance(length, int) and length > most + self._codec.header_size:
                     return None
                 blob = body.read()
             finally:
@@ -273,9 +277,11 @@ class S3Backend(StorageBackend):
             if _error_code(exc) not in _MISSING_CODES:
                 self._failed(exc, f"GET {name}")
             return None
-        payload = unframe(key, blob)
+        payload, why = self._codec.verify(key, blob)
         if payload is None:
-            log.warning("s3 backend %s: object %s failed verification; removing it", self._where(), name)
+            log.warning(
+                "s3 backend %s: object %s failed verification (%s); removing it", self._where(), name, why
+            )
             with self._lock:
                 self._corrupt += 1
             try:
@@ -297,9 +303,11 @@ class S3Backend(StorageBackend):
             if not self.config.conditional_put:
                 if self._head(name):
                     return True
-                self._client.put_object(Bucket=bucket, Key=name, Body=frame(key, chunks))
+                self._client.put_object(Bucket=bucket, Key=name, Body=self._codec.frame(key, chunks))
                 return True
-            self._client.put_object(Bucket=bucket, Key=name, Body=frame(key, chunks), IfNoneMatch="*")
+            self._client.put_object(
+                Bucket=bucket, Key=name, Body=self._codec.frame(key, chunks), IfNoneMatch="*"
+            )
             return True
         except self._errors as exc:
             if _error_code(exc) in _EXISTS_CODES:
@@ -424,7 +432,7 @@ class S3Backend(StorageBackend):
             try:
                 for entries in self._list(self.config.prefix):
                     pages += len(entries)
-                    payload += sum(max(0, int(e["Size"]) - FRAME_HEADER.size) for e in entries)
+                    payload += sum(max(0, int(e["Size"]) - self._codec.header_size) for e in entries)
                 listed = (now, pages, payload)
                 with self._lock:
                     self._listed = listed

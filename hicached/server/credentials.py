@@ -1,4 +1,4 @@
-"""TCP credentials, read and validated before anything else starts.
+"""Credentials (TCP tokens and TLS, the L3 secret), read and validated before anything else starts.
 
 Every file is checked in Python first: grpc aborts the whole process (a C++
 abort, exit -6) on an unreadable or garbage PEM, so a bad file must stop
@@ -12,9 +12,10 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from hicached.config import ConfigError, ServerConfig
+from hicached.config import ConfigError, L3Config, ServerConfig
+from hicached.l3.framing import KEY_MIN_BYTES, L3Key
 
-__all__ = ["TcpCredentials", "load"]
+__all__ = ["TcpCredentials", "load", "load_l3_key"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,26 @@ def load(cfg: ServerConfig) -> TcpCredentials:
         tls_cert=data["server.tls_cert"],
         tls_client_ca=data["server.tls_client_ca"],
     )
+
+
+def load_l3_key(cfg: L3Config) -> L3Key | None:
+    """The keys derived from ``l3.auth_key_file`` (None when it is empty); ConfigError naming
+    the key for a file that cannot be read or holds under ``KEY_MIN_BYTES`` bytes.
+
+    The file's bytes are the secret, less trailing CR/LF: a secret written by ``echo`` and
+    one written by ``printf`` then match on the daemons that share an L3 (a mismatch makes
+    every page a miss)."""
+    key, path = "l3.auth_key_file", cfg.auth_key_file
+    if not path:
+        return None
+    secret = _read(key, path).rstrip(b"\r\n")
+    if not secret:
+        raise ConfigError(
+            f"{key} = {path!r}: the file is empty (the secret must be at least {KEY_MIN_BYTES} bytes)"
+        )
+    if len(secret) < KEY_MIN_BYTES:
+        raise ConfigError(
+            f"{key} = {path!r}: the secret is {len(secret)} bytes, it must be at least {KEY_MIN_BYTES} "
+            "(e.g. openssl rand -base64 48 > FILE)"
+        )
+    return L3Key.from_secret(secret)

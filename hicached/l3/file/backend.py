@@ -29,6 +29,14 @@ Thread-safety: one lock guards index, allocator and counters; file I/O runs
 outside it (the GIL is released during syscalls). A slot being read is pinned,
 so eviction or deletion cannot hand it to a writer until the read finished.
 One process owns a directory at a time (``flock`` on ``LOCK``).
+
+Trust. Pages carry checksums, not MACs (``l3.auth_key_file`` is for the shared
+backends): whoever can write the directory or its files is trusted with every
+tenant's pages. So the directory is created 0700 (slab and ``LOCK`` files
+0600); an existing one this user owns with wider bits is narrowed to 0700, and
+one writable by others, or owned by another user (root excepted: a volume's
+mount point, whose group -- a pod's ``fsGroup`` -- is then trusted too), is
+refused: its owner or anyone could plant a slab file the next start opens.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import fcntl
 import functools
 import logging
 import os
+import stat
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,6 +81,36 @@ _READ_SPLIT_BYTES = 1 << 20
 _WRITE_SPLIT_BYTES = 1 << 20
 
 
+def claim_directory(root: Path) -> None:
+    """Create ``root`` (mode 0700) or check an existing one; see "Trust" in the module
+    docstring. FailedPrecondition naming the directory when others could write it."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(root, 0o700)  # mkdir applied the umask (0o277 would leave 0500)
+        return
+    st = os.stat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise FailedPrecondition(f"file backend path {str(root)!r} exists and is not a directory")
+    where = f"file backend directory {str(root)!r}"
+    if st.st_mode & stat.S_IWOTH:  # narrowing it now would keep what others planted meanwhile
+        raise FailedPrecondition(
+            f"{where} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): anyone could plant "
+            "pages the daemon serves to every tenant; use a directory only the daemon's user can write"
+        )
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise FailedPrecondition(
+            f"{where} is owned by uid {st.st_uid}, not by this daemon's uid {me}: its owner could plant "
+            "pages the daemon serves to every tenant; use a directory of this user"
+        )
+    if st.st_uid == me and st.st_mode & 0o077:
+        os.chmod(root, 0o700)  # narrow one an earlier version made under the umask (0755)
+
+
 @register_backend("file", FileBackendConfig)
 class FileBackend(StorageBackend):
     """Pages in slot files under one directory; see the module docstring."""
@@ -88,7 +127,7 @@ class FileBackend(StorageBackend):
         self._ops = 0
         self._idle = threading.Condition(self._lock)
         self._io = IoPool(config.io_threads, "hicached-l3-file")
-        self.root.mkdir(parents=True, exist_ok=True)
+        claim_directory(self.root)
         self._lock_fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

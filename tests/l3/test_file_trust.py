@@ -1,0 +1,58 @@
+"""The file backend's directory is trusted by its permissions (it has no ``l3.auth_key_file``).
+
+Its pages carry checksums, not MACs: whoever can write the directory can plant a slab file
+of pages the daemon serves to every tenant. Before, the directory was made under the umask
+(0755 under 022) and any existing one was used as found, 0777 or another user's included.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from hicached.errors import FailedPrecondition
+from hicached.l3 import create_backend
+
+OPTIONS = {"capacity_bytes": 1 << 20}
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_new_directory_is_private_whatever_the_umask(file_dir: Path) -> None:
+    old = os.umask(0o002)
+    try:
+        create_backend("file", {"path": str(file_dir), **OPTIONS}).close()
+    finally:
+        os.umask(old)
+    assert mode(file_dir) == 0o700
+    assert {mode(p) for p in file_dir.iterdir()} == {0o600}
+
+
+def test_an_own_directory_with_wider_bits_is_narrowed(file_dir: Path) -> None:
+    file_dir.mkdir(parents=True)
+    file_dir.chmod(0o775)
+    create_backend("file", {"path": str(file_dir), **OPTIONS}).close()
+    assert mode(file_dir) == 0o700
+
+
+@pytest.mark.parametrize("bits", [0o777, 0o1777, 0o703])
+def test_a_directory_others_can_write_is_refused(file_dir: Path, bits: int) -> None:
+    file_dir.mkdir(parents=True)
+    file_dir.chmod(bits)
+    with pytest.raises(FailedPrecondition, match="writable by others"):
+        create_backend("file", {"path": str(file_dir), **OPTIONS})
+    assert mode(file_dir) == bits & 0o7777 and list(file_dir.iterdir()) == []
+
+
+def test_a_directory_of_another_user_is_refused(file_dir: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("needs root to give the directory to another uid: run the suite as root, as CI does")
+    file_dir.mkdir(parents=True, mode=0o700)
+    os.chown(file_dir, 65534, 65534)
+    with pytest.raises(FailedPrecondition, match="owned by uid 65534"):
+        create_backend("file", {"path": str(file_dir), **OPTIONS})
