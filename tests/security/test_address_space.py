@@ -28,6 +28,24 @@ TOKENS = 16 * PAGE_SIZE  # 16 device pages per buffer
 LAYERS = 2
 
 
+def _kv_spec(name: str, msgs: list[tpb.DeviceBuffer], **host: float) -> tpb.PoolSpec:
+    """An MHA pool of LAYERS layers whose K buffers are ``msgs``' first half, V the second."""
+    return pool_spec(
+        name,
+        role="anchor",
+        kind="mha",
+        dtype="float16",
+        host_layout="layer_first",
+        page_size=PAGE_SIZE,
+        num_layers=LAYERS,
+        num_heads=KV_HEADS,
+        head_dim=KV_DIM,
+        k_buffers=msgs[:LAYERS],
+        v_buffers=msgs[LAYERS:],
+        **host,  # type: ignore[arg-type]
+    )
+
+
 def test_a_tiny_pool_in_a_1_tib_sparse_memfd_maps_only_its_buffers_and_round_trips(daemon: Daemon) -> None:
     fd = os.memfd_create("hcsec-sparse-tib", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -41,20 +59,7 @@ def test_a_tiny_pool_in_a_1_tib_sparse_memfd_maps_only_its_buffers_and_round_tri
         flat = torch.frombuffer(mine, dtype=torch.float16)
         bufs = list(flat.view(2 * LAYERS, TOKENS, KV_HEADS, KV_DIM).unbind(0))
         msgs = [export_fd_tensor(fd, i * buf_bytes, template) for i in range(2 * LAYERS)]
-        spec = pool_spec(
-            "kv",
-            role="anchor",
-            kind="mha",
-            dtype="float16",
-            host_layout="layer_first",
-            page_size=PAGE_SIZE,
-            num_layers=LAYERS,
-            num_heads=KV_HEADS,
-            head_dim=KV_DIM,
-            k_buffers=msgs[:LAYERS],
-            v_buffers=msgs[LAYERS:],
-            host_ratio=1.0,
-        )
+        spec = _kv_spec("kv", msgs, host_ratio=1.0)
         pid = daemon.process.pid
         with HiCacheClient(daemon.target, timeout_s=30.0) as client:
             before = proc_bytes(pid, "VmSize")
@@ -93,20 +98,7 @@ def _huge_pool(fd: int, name: str, offset: int, buffer_bytes: int) -> tpb.PoolSp
     for msg in msgs:  # declared as large as it likes: the message is the client's to write
         msg.handle.fd.size = buffer_bytes
         msg.shape[0] = buffer_bytes // (KV_HEADS * KV_DIM * 2)
-    return pool_spec(
-        name,
-        role="anchor",
-        kind="mha",
-        dtype="float16",
-        host_layout="layer_first",
-        page_size=PAGE_SIZE,
-        num_layers=LAYERS,
-        num_heads=KV_HEADS,
-        head_dim=KV_DIM,
-        k_buffers=msgs[:LAYERS],
-        v_buffers=msgs[LAYERS:],
-        host_bytes=64 << 20,
-    )
+    return _kv_spec(name, msgs, host_bytes=64 << 20)
 
 
 def test_a_peer_maps_at_most_its_buffer_byte_limit(daemon: Daemon) -> None:
