@@ -125,7 +125,7 @@ class SiteRateLimit(logging.Filter):
     def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self._rate = rate
-        self._burst = rate * self.BURST_SECONDS
+        self._burst = max(1.0, rate * self.BURST_SECONDS)  # below 0.1/s a smaller burst passed nothing
         self._clock = clock
         self._lock = threading.Lock()
         self._sites: dict[tuple[str, int], list[float]] = {}  # site -> [tokens, last time, dropped]

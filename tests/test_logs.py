@@ -114,3 +114,12 @@ def test_each_call_site_is_rate_limited_and_says_what_it_dropped() -> None:
     assert limit.filter(again) and again.dropped == 1  # type: ignore[attr-defined]
     now[0] = 100.0  # refilled to the burst, no more
     assert [limit.filter(_record(10)) for _ in range(21)] == [True] * 20 + [False]
+
+
+def test_a_rate_below_one_line_per_burst_still_lets_lines_through() -> None:
+    now = [0.0]
+    limit = SiteRateLimit(0.05, clock=lambda: now[0])  # a 10 s burst of 0.5 lines: rounded up to 1
+    assert limit.filter(_record(10))
+    assert not limit.filter(_record(10))
+    now[0] = 20.0
+    assert limit.filter(_record(10))

@@ -335,9 +335,9 @@ class LimitsConfig:
     )
     max_buffer_bytes_per_peer: int = _f(
         1 << 40,
-        "Most bytes of device buffers (as their shapes declare) the live sessions of one peer may "
-        "have handed over together: the daemon maps what they declare, so this bounds the address "
-        "space one peer can take.",
+        "Most bytes of memfd device buffers (fd handoff; as their shapes declare) the live sessions "
+        "of one peer may have handed over together: the daemon maps what they declare, so this "
+        "bounds the address space one peer can take. CUDA buffers are not counted.",
         parse=parse_size,
     )
     max_pools_per_attach: int = _f(

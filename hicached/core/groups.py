@@ -256,8 +256,10 @@ class GroupRegistry:
             if existing is not None:
                 try:
                     _check_join(existing, plan)
-                except FailedPrecondition:
-                    if join_only or not idle(gid):
+                except FailedPrecondition as exc:
+                    if join_only:
+                        raise NotFound(f"{exc}; join_only does not recreate it") from None
+                    if not idle(gid):
                         raise
                     # Nobody uses the smaller group: recreate it at the new size (its segment
                     # names are reused, so it is closed first; its cached pages are dropped).

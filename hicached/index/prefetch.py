@@ -120,9 +120,10 @@ class Prefetcher:
     def _alloc_rows(self, n: int) -> list[PageArray] | None:
         """``n`` pages of every independent pool, or None and nothing (the group's one
         allocation path: it evicts only when all of them will then fit)."""
-        # Filled from L3 whole, or freed: no zeroing needed for them.
+        # Every pool's pages (derived ones too: chunks() covers each slot) are filled from L3
+        # whole, or freed: none needs zeroing.
         got = self._view.group.allocate(
-            dict.fromkeys(self._view.alloc_names, n), fills=self._view.alloc_names
+            dict.fromkeys(self._view.alloc_names, n), fills=[s.name for s in self._view.slots]
         )
         return [got.pages[name] for name in self._view.alloc_names] if got.ok else None
 

@@ -206,20 +206,28 @@ class HostPoolGroup:
 
     def _scrub(self, pages: Mapping[str, PageArray], fills: Collection[str]) -> None:
         """Zero the pages just allocated (the caller's now) that an earlier owner may have
-        written, in every pool that shares them but those in ``fills``.
+        written, in every pool that shares them but those in ``fills``. Runs outside the
+        group lock (nobody else may touch the caller's pages): zeroing a large batch must not
+        hold every other session's allocations. When zeroing fails the pages are freed (their
+        flags set again) and the error raised: nothing is handed out unzeroed, nothing leaks.
 
         Why: a freed page keeps its bytes, and the next session may be another tenant's
         (an Alloc, then Publish and GetBytes, read them back). Only pages freed since they
         were last zeroed are written: a pool's first use costs nothing.
         """
-        for name, arr in pages.items():
-            dirty = self._entries[name].host_pool.allocator.take_dirty(arr)
-            if dirty.size == 0:
-                continue
-            for entry in self._entries.values():
-                shares = name in (entry.name, entry.indices_from_pool)
-                if shares and entry.name not in fills:
-                    entry.host_pool.zero_pages(dirty)
+        try:
+            for name, arr in pages.items():
+                dirty = self._entries[name].host_pool.allocator.take_dirty(arr)
+                if dirty.size == 0:
+                    continue
+                for entry in self._entries.values():
+                    shares = name in (entry.name, entry.indices_from_pool)
+                    if shares and entry.name not in fills:
+                        entry.host_pool.zero_pages(dirty)
+        except BaseException:
+            with self._lock:
+                self._free_pages(pages)
+            raise
 
     def _allocate_locked(self, needs: Mapping[str, int], reclaimer: Reclaimer | None) -> Allocation:
         wanted: dict[str, int] = {}
@@ -388,7 +396,7 @@ class HostPoolGroup:
         every new page comes zeroed (see :meth:`allocate`).
 
         Unknown pools raise NotFound. Every missing host page (the anchor's
-        and the sidecars') comes from one :meth:`allocate`, so nothing is
+        and the sidecars') comes from one allocation (:meth:`allocate`'s rules), so nothing is
         evicted unless the whole batch fits; then
         :meth:`resolve_host_transfers` binds the derived transfers, with the
         anchor's pages as the primary indices. On any failure everything
@@ -409,9 +417,9 @@ class HostPoolGroup:
                 for t in work
                 if self._derived_source(t) is None and t.host_indices is None and t.device_indices is not None
             ]
-            got = self.allocate(
+            got = self._allocate_locked(
                 {t.name: int(t.device_indices.size) for t in todo if t.device_indices is not None},
-                fills={t.name for t in work if t.device_indices is not None} if copy_in else (),
+                self._reclaimer,
             )
             if not got.ok:
                 return ResolveResult(False, [t.copy() for t in transfers], got.reason)
@@ -433,7 +441,9 @@ class HostPoolGroup:
             if failure:
                 self._free_pages(got.pages)
                 return ResolveResult(False, [t.copy() for t in transfers], failure)
-            return ResolveResult(True, work)
+        # Outside the lock (see _scrub), once the batch is bound.
+        self._scrub(got.pages, {t.name for t in work if t.device_indices is not None} if copy_in else ())
+        return ResolveResult(True, work)
 
     def release_transfers(self, transfers: Sequence[PoolTransfer]) -> int:
         """Free the pages of every transfer this group allocated (``host_allocated``); pages freed.

@@ -137,6 +137,7 @@ class HostKVPool(ABC):
         page data is not locked. Why: a freed page keeps its bytes, and the next session
         it is handed to must not read an earlier owner's (another tenant's) KV.
         """
+        self._require_open()
         if pages.size == 0:
             return
         if not self.segment.writable:
@@ -204,6 +205,7 @@ class HostKVPool(ABC):
             return
         del self.buffer
         del self._bytes
+        self._page_rows = None  # a view of the mapping too: kept, it would keep the segment mapped
         self.segment.close()
 
     def unlink(self) -> None:

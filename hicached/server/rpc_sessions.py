@@ -18,6 +18,7 @@ from hicached.server import convert
 from hicached.server.limits import check_buffers, check_identity
 from hicached.server.peers import peer_key
 from hicached.server.rpc_base import Ctx, ServicerBase
+from hicached.transfer.handles import FdBufferHandle
 
 MAX_TENANT_BYTES = 256
 
@@ -34,8 +35,14 @@ class SessionRpcs(ServicerBase):
             check_tenant(worker.tenant)
             pools = [convert.pool_request(p, i, fds) for i, p in enumerate(request.pools)]
             key = peer_key(peer, context.peer())
-            # As declared (each buffer's size must match its shape, checked at the mapping).
-            buffer_bytes = sum(max(b.handle.size, 0) for p in pools for b in p.k_buffers + p.v_buffers)
+            # Handed-over memfds, as declared (each buffer's size must match its shape, checked at
+            # the mapping): the daemon maps their span. CUDA buffers map device memory instead.
+            buffer_bytes = sum(
+                max(b.handle.size, 0)
+                for p in pools
+                for b in p.k_buffers + p.v_buffers
+                if isinstance(b.handle, FdBufferHandle)
+            )
             if self._peers is not None:
                 self._peers.reserve(key, buffer_bytes)
             session_id = None
@@ -143,7 +150,9 @@ def check_tenant(tenant: str) -> None:
 def worker_view(full: pb.GetStatsResponse, *, own: bool) -> pb.GetStatsResponse:
     """What a non-admin may see: the daemon's aggregates; no session, backup or pool group
     of anyone else, and no segment names. ``own``: the request named one session (the
-    caller's; ``full`` then holds only it, its group and its backups), which stay."""
+    caller's; ``full`` then holds only it, its group and its backups), which stay. Its group
+    is shared by every session of its model and pool layout, so the group's counts (indexed
+    pages, sessions) include theirs, whatever their tenant."""
     view = pb.GetStatsResponse()
     view.CopyFrom(full)
     if not own:

@@ -42,3 +42,16 @@ def test_join_only_joins_an_existing_group(client: HiCacheClient) -> None:
             joined.detach()
     finally:
         first.detach()
+
+
+def test_join_only_does_not_recreate_a_smaller_group(client: HiCacheClient, admin: HiCacheClient) -> None:
+    """A group too small for the request would be recreated larger (it is idle); with
+    join_only it is NOT_FOUND, and the group stays as it was."""
+    model = f"m-small-{uuid.uuid4().hex[:6]}"
+    client.attach(_identity(model), [byte_spec(pages=2)], heartbeat=False).detach()  # now idle
+    before = snapshot(admin.get_stats())
+    with pytest.raises(HiCacheError) as info:
+        client.attach(_identity(model), [byte_spec(pages=8)], heartbeat=False, join_only=True)
+    assert info.value.code == grpc.StatusCode.NOT_FOUND, info.value
+    assert "join_only" in info.value.message
+    assert snapshot(admin.get_stats()) == before

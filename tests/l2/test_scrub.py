@@ -5,10 +5,12 @@ whole (``fills``, ``copy_in``); a pool's first use and re-zeroing are skipped.""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hicached.errors import FailedPrecondition
 from hicached.l2 import HostKVPool, HostLayout, HostPoolGroup, PoolEntry, PoolTransfer, open_host_pool
 
 from .conftest import mha_spec, mla_spec
@@ -107,3 +109,32 @@ def test_a_remapped_pool_zeroes_what_the_last_daemon_left(make_pool: MakePool) -
         assert all(_is(again, p, 0) for p in got.pages["kv"].tolist())
     finally:
         again.close()
+
+
+def test_a_closed_pool_is_unmapped_and_refuses_zeroing(make_pool: MakePool) -> None:
+    pool = make_pool(mha_spec(), num_pages=4)
+    name = pool.segment.name
+    pool.close()
+    with pytest.raises(FailedPrecondition, match="closed"):
+        pool.zero_pages(np.array([0], dtype=np.int64))
+    # The page view zero_pages keeps must not keep the segment mapped after close.
+    assert name not in Path("/proc/self/maps").read_text()
+
+
+def test_a_failed_zeroing_frees_the_pages_it_was_handed(
+    group: HostPoolGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pages = _used(group)
+    available = group.available("kv")
+
+    def broken(_pages: np.ndarray) -> None:
+        raise FailedPrecondition("pool segment is mapped read-only")
+
+    monkeypatch.setattr(group.get_pool("draft"), "zero_pages", broken)
+    with pytest.raises(FailedPrecondition):
+        group.allocate({"kv": 4})
+    assert group.available("kv") == available  # nothing leaked
+    monkeypatch.undo()
+    got = group.allocate({"kv": 4})  # still flagged: zeroed now
+    assert sorted(got.pages["kv"].tolist()) == sorted(pages.tolist())
+    assert all(_is(group.get_pool("draft"), p, 0) for p in pages.tolist())
