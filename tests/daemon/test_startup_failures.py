@@ -77,10 +77,10 @@ def test_unusable_journal_dir_is_one_line() -> None:
 SLOW_START = """
 import hicached.daemon as d
 _open = d.l3_backend
-def l3_backend(config):
+def l3_backend(*args, **kwargs):
     print("BUILDING", flush=True)
     sys.stdin.readline()
-    return _open(config)
+    return _open(*args, **kwargs)
 d.l3_backend = l3_backend
 """
 
