@@ -31,14 +31,6 @@ def client(l3_daemon: Daemon) -> Iterator[HiCacheClient]:
         yield c
 
 
-@pytest.fixture
-def worker_pools() -> Iterator[list[WorkerPools]]:
-    made: list[WorkerPools] = []
-    yield made
-    for pools in made:
-        pools.close()
-
-
 def new_worker(made: list[WorkerPools], seed: int | None) -> tuple[str, WorkerPools]:
     tag = unique_tag("kw")
     pools = WorkerPools.create(tag)

@@ -4,12 +4,8 @@ the warm-restart prefix and journal directory successive daemons share."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import urllib.request
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -53,15 +49,6 @@ def l3_dir(tmp_path: Path) -> Path:
     return tmp_path / "l3"
 
 
-@pytest.fixture
-def worker_pools() -> Iterator[list[WorkerPools]]:
-    """Shared-memory "device" pools made by a test; every segment is unlinked at the end."""
-    made: list[WorkerPools] = []
-    yield made
-    for pools in made:
-        pools.close()
-
-
 def new_pools(made: list[WorkerPools], seed: int | None) -> tuple[str, WorkerPools]:
     tag = unique_tag("dw")
     pools = WorkerPools.create(tag)
@@ -71,43 +58,6 @@ def new_pools(made: list[WorkerPools], seed: int | None) -> tuple[str, WorkerPoo
     else:
         pools.fill_random(seed)
     return tag, pools
-
-
-@dataclass
-class Warm:
-    """The shm prefix and journal directory two successive daemons share."""
-
-    prefix: str
-    journal_dir: Path
-
-    def start(self) -> Daemon:
-        return self.start_with()
-
-    def start_with(self, *extra: str) -> Daemon:
-        return start_daemon(
-            "--set", "host.warm_restart=true",
-            "--set", f"host.journal_dir={self.journal_dir}",
-            "--set", f"host.shm_prefix={self.prefix}",
-            *extra,
-        )  # fmt: skip
-
-    def segments(self) -> set[str]:
-        return {p.name for p in Path("/dev/shm").glob(f"{self.prefix}-*")}
-
-    def journals(self) -> list[Path]:
-        return sorted(self.journal_dir.glob(f"{self.prefix}-*.json"))
-
-
-@pytest.fixture
-def warm(tmp_path: Path) -> Iterator[Warm]:
-    w = Warm(prefix=f"hcwr{uuid.uuid4().hex[:10]}", journal_dir=tmp_path / "journal")
-    try:
-        yield w
-    finally:
-        # Warm-restart segments outlive their daemon by design; these are test-only.
-        for seg in Path("/dev/shm").glob(f"{w.prefix}*"):
-            with contextlib.suppress(FileNotFoundError):
-                seg.unlink()
 
 
 def stop_with(daemon: Daemon, sig: signal.Signals, timeout_s: float = 30.0) -> int:

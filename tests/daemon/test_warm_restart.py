@@ -25,10 +25,11 @@ from hicached.index import ContentIndex
 from hicached.index.entries import EntryRecord
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.testing.servers import redis_server
-from tests.daemon.conftest import Warm, stop_with
+from tests.daemon.conftest import stop_with
 from tests.support.daemon import Daemon
 from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
 from tests.support.state import poll
+from tests.support.warm import Warm
 
 MODEL = "m-warm"
 N = 48  # keys put before the restart

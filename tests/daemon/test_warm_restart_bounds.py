@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from hicached_client import HiCacheClient, Session, WorkerIdentity
 
-from tests.daemon.conftest import Warm, stop_with
+from tests.daemon.conftest import stop_with
 from tests.robustness.loop_support import byte_spec
 from tests.support.daemon import Daemon
 from tests.support.kv import unique_tag
+from tests.support.warm import Warm
 
 TIMEOUT_S = 30.0
 RESTARTS = 4

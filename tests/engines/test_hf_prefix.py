@@ -8,19 +8,15 @@ process with the same seeded weights.
 
 from __future__ import annotations
 
-import contextlib
 import signal
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.engines.conftest import run_hf_worker, unique_model
 from tests.engines.model import GENERATE, PAGE_SIZE, PROMPT_TOKENS, full_run, prompt, tiny_llama
-from tests.support.daemon import Daemon, start_daemon
+from tests.support.daemon import Daemon
+from tests.support.warm import Warm
 
 PREFIX = (PROMPT_TOKENS - 1) // PAGE_SIZE * PAGE_SIZE  # 96 tokens in 6 pages
 
@@ -69,33 +65,6 @@ def test_retraction_mid_generation_gives_the_uninterrupted_tokens(
     assert report["retracted_tokens"] == PROMPT_TOKENS + 9  # a partial last page included
     assert report["restored_tokens"] == PROMPT_TOKENS + 9
     assert report["tokens"] == reference[1]
-
-
-@dataclass
-class Warm:
-    """What two successive daemons share for a warm restart."""
-
-    prefix: str
-    journal_dir: Path
-
-    def start(self) -> Daemon:
-        return start_daemon(
-            "--set", "host.warm_restart=true",
-            "--set", f"host.journal_dir={self.journal_dir}",
-            "--set", f"host.shm_prefix={self.prefix}",
-        )  # fmt: skip
-
-
-@pytest.fixture
-def warm(tmp_path: Path) -> Iterator[Warm]:
-    w = Warm(prefix=f"hcengine{uuid.uuid4().hex[:8]}", journal_dir=tmp_path / "journal")
-    try:
-        yield w
-    finally:
-        # Warm-restart segments outlive their daemon by design; these are test-only.
-        for seg in Path("/dev/shm").glob(f"{w.prefix}*"):
-            with contextlib.suppress(FileNotFoundError):
-                seg.unlink()
 
 
 def test_prefix_hits_after_worker_and_daemon_restarts(

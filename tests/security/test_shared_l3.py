@@ -64,22 +64,14 @@ def secrets(tmp_path: Path) -> tuple[Path, Path]:
     return first, second
 
 
-@pytest.fixture
-def made() -> Iterator[list[WorkerPools]]:
-    pools: list[WorkerPools] = []
-    yield pools
-    for p in pools:
-        p.close()
-
-
 def start(redis_srv: RedisServer, key_file: Path | None) -> Daemon:
     key = ["--set", f"l3.auth_key_file={key_file}"] if key_file is not None else []
     return start_daemon("--l3", "redis", "--set", f"l3.redis.port={redis_srv.port}", *key)
 
 
-def attach(client: HiCacheClient, made: list[WorkerPools], tenant: str, seed: int | None) -> Session:
+def attach(client: HiCacheClient, worker_pools: list[WorkerPools], tenant: str, seed: int | None) -> Session:
     pools = WorkerPools.create(unique_tag("sl3"))
-    made.append(pools)
+    worker_pools.append(pools)
     pools.fill_random(seed) if seed is not None else pools.clobber()
     return client.attach(WorkerIdentity(unique_tag("sl3"), 1, MODEL, tenant=tenant), pools.specs())
 
@@ -99,12 +91,15 @@ def names_of(raw: redis.Redis, key: str) -> dict[str, str]:
 
 
 def test_a_page_forged_in_a_shared_redis_is_never_served(
-    redis_srv: RedisServer, raw: redis.Redis, secrets: tuple[Path, Path], made: list[WorkerPools]
+    redis_srv: RedisServer, raw: redis.Redis, secrets: tuple[Path, Path], worker_pools: list[WorkerPools]
 ) -> None:
     daemon = start(redis_srv, secrets[0])
     try:
-        with HiCacheClient(daemon.target, timeout_s=30) as client, attach(client, made, "alice", 7) as s:
-            pools = made[-1]
+        with (
+            HiCacheClient(daemon.target, timeout_s=30) as client,
+            attach(client, worker_pools, "alice", 7) as s,
+        ):
+            pools = worker_pools[-1]
             assert s.put_pages(["legit"], transfers([SRC])).stored_pages == 1
             backed = s.backup(["legit"], wait=True)
             assert backed.stored_pages == backed.queued_pages
@@ -155,7 +150,7 @@ def test_a_page_forged_in_a_shared_redis_is_never_served(
 
 
 def test_daemons_sharing_an_l3_need_the_same_key(
-    redis_srv: RedisServer, raw: redis.Redis, secrets: tuple[Path, Path], made: list[WorkerPools]
+    redis_srv: RedisServer, raw: redis.Redis, secrets: tuple[Path, Path], worker_pools: list[WorkerPools]
 ) -> None:
     """The same key file on two daemons: one's pages are the other's hits (the tag and the MAC
     are the same). Another key, or none: every read a miss (logged, counted, removed), no crash."""
@@ -163,19 +158,22 @@ def test_daemons_sharing_an_l3_need_the_same_key(
     try:
         with HiCacheClient(first.target, timeout_s=30) as client:
             for tenant in ("alice", ""):
-                with attach(client, made, tenant, 3) as s:
+                with attach(client, worker_pools, tenant, 3) as s:
                     keys = [f"{tenant or 'default'}-{i}" for i in range(3)]
                     assert s.put_pages(keys, transfers([SRC, SRC + 1, SRC + 2])).stored_pages == 3
                     backed = s.backup(keys, wait=True)
                     assert backed.stored_pages == backed.queued_pages
-        written = digests(made[-1], SRC)
+        written = digests(worker_pools[-1], SRC)
     finally:
         first.stop()
 
     def read(daemon: Daemon, tenant: str, key: str) -> tuple[int, dict[str, str]]:
-        with HiCacheClient(daemon.target, timeout_s=30) as client, attach(client, made, tenant, None) as s:
+        with (
+            HiCacheClient(daemon.target, timeout_s=30) as client,
+            attach(client, worker_pools, tenant, None) as s,
+        ):
             hit = s.get_pages([key], transfers([DST]), include_l3=True).hit_pages
-            return hit, digests(made[-1], DST)
+            return hit, digests(worker_pools[-1], DST)
 
     same = start(redis_srv, secrets[0])
     try:

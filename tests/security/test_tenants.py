@@ -52,17 +52,9 @@ def l3(tmp_path: Path) -> Iterator[Path]:
     shutil.rmtree(tmp_path / "l3", ignore_errors=True)
 
 
-@pytest.fixture
-def made() -> Iterator[list[WorkerPools]]:
-    pools: list[WorkerPools] = []
-    yield pools
-    for p in pools:
-        p.close()
-
-
-def pools_of(made: list[WorkerPools], seed: int | None) -> WorkerPools:
+def pools_of(worker_pools: list[WorkerPools], seed: int | None) -> WorkerPools:
     pools = WorkerPools.create(unique_tag("tn"))
-    made.append(pools)
+    worker_pools.append(pools)
     pools.fill_random(seed) if seed is not None else pools.clobber()
     return pools
 
@@ -77,11 +69,11 @@ def admin_state(daemon: Daemon) -> dict[str, object]:
         return snapshot(admin.get_stats())
 
 
-def test_tenant_b_reads_nothing_of_tenant_a(l3: Path, made: list[WorkerPools]) -> None:
+def test_tenant_b_reads_nothing_of_tenant_a(l3: Path, worker_pools: list[WorkerPools]) -> None:
     daemon = start(l3)
     try:
         with HiCacheClient(daemon.target, timeout_s=30) as client:
-            pools_a, pools_b = pools_of(made, 11), pools_of(made, None)
+            pools_a, pools_b = pools_of(worker_pools, 11), pools_of(worker_pools, None)
             with attach(client, "tenant-a", pools_a) as a, attach(client, "tenant-b", pools_b) as b:
                 assert a.put_pages(TOKENS, transfers(SRC)).stored_pages == PAGES
                 raw = list(a.lookup(TOKENS).keys)  # tenant A's keys, as a client sees them
@@ -134,13 +126,13 @@ def test_tenant_b_reads_nothing_of_tenant_a(l3: Path, made: list[WorkerPools]) -
         daemon.stop()
 
 
-def test_pages_fetched_from_l3_keep_their_tenant(l3: Path, made: list[WorkerPools]) -> None:
+def test_pages_fetched_from_l3_keep_their_tenant(l3: Path, worker_pools: list[WorkerPools]) -> None:
     """Before: B's fetch from L3 relabelled A's pages B, and clearing tenant A left them in L2."""
     first = start(l3)
     try:
         with (
             HiCacheClient(first.target, timeout_s=30) as client,
-            attach(client, "tenant-a", pools_of(made, 12)) as a,
+            attach(client, "tenant-a", pools_of(worker_pools, 12)) as a,
         ):
             assert a.put_pages(TOKENS, transfers(SRC)).stored_pages == PAGES
             raw = list(a.lookup(TOKENS).keys)
@@ -151,9 +143,9 @@ def test_pages_fetched_from_l3_keep_their_tenant(l3: Path, made: list[WorkerPool
     second = start(l3)  # an empty L2 in front of the same L3
     try:
         with HiCacheClient(second.target, timeout_s=30) as client:
-            pools_a = pools_of(made, None)
+            pools_a = pools_of(worker_pools, None)
             with (
-                attach(client, "tenant-b", pools_of(made, None)) as b,
+                attach(client, "tenant-b", pools_of(worker_pools, None)) as b,
                 attach(client, "tenant-a", pools_a) as a,
             ):
                 for keys in (TOKENS, raw):
@@ -169,14 +161,16 @@ def test_pages_fetched_from_l3_keep_their_tenant(l3: Path, made: list[WorkerPool
         second.stop()
 
 
-def attach_small(client: HiCacheClient, made: list[WorkerPools], tenant: str) -> Session:
+def attach_small(client: HiCacheClient, worker_pools: list[WorkerPools], tenant: str) -> Session:
     """A session whose pools share one group of ``PAGES`` host pages with every other such session."""
     identity = WorkerIdentity(unique_tag("tn"), generation=1, model_name=MODEL, tenant=tenant)
-    return client.attach(identity, pools_of(made, len(made)).specs(host_ratio=PAGES / DEVICE_PAGES))
+    return client.attach(
+        identity, pools_of(worker_pools, len(worker_pools)).specs(host_ratio=PAGES / DEVICE_PAGES)
+    )
 
 
 def test_a_put_skips_every_cached_key_and_evicts_no_other_tenants_pages(
-    l3: Path, made: list[WorkerPools]
+    l3: Path, worker_pools: list[WorkerPools]
 ) -> None:
     """Before: only a leading run of cached keys was skipped; a cached key later in the list got
     a host page (evicting tenant B's oldest entry from the full pool) and a copy, both thrown
@@ -185,8 +179,8 @@ def test_a_put_skips_every_cached_key_and_evicts_no_other_tenants_pages(
     try:
         with (
             HiCacheClient(daemon.target, timeout_s=30) as client,
-            attach_small(client, made, "tenant-b") as b,
-            attach_small(client, made, "tenant-a") as a,
+            attach_small(client, worker_pools, "tenant-b") as b,
+            attach_small(client, worker_pools, "tenant-a") as a,
         ):
             keys = [f"b{i}" for i in range(PAGES - 2)]
             assert b.put_pages(keys, transfers(SRC[: PAGES - 2])).stored_pages == PAGES - 2
@@ -200,7 +194,7 @@ def test_a_put_skips_every_cached_key_and_evicts_no_other_tenants_pages(
 
 
 def test_a_refused_put_of_a_repeated_key_evicts_no_other_tenants_pages(
-    l3: Path, made: list[WorkerPools]
+    l3: Path, worker_pools: list[WorkerPools]
 ) -> None:
     """Before: the put allocated its two host pages (evicting two of tenant B's eight entries
     from the full pool) and copied into them before the index refused the repeated key."""
@@ -208,8 +202,8 @@ def test_a_refused_put_of_a_repeated_key_evicts_no_other_tenants_pages(
     try:
         with (
             HiCacheClient(daemon.target, timeout_s=30) as client,
-            attach_small(client, made, "tenant-b") as b,
-            attach_small(client, made, "tenant-a") as a,
+            attach_small(client, worker_pools, "tenant-b") as b,
+            attach_small(client, worker_pools, "tenant-a") as a,
         ):
             keys = [f"b{i}" for i in range(PAGES)]
             assert b.put_pages(keys, transfers(SRC)).stored_pages == PAGES
