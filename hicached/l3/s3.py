@@ -28,7 +28,9 @@ result means the store acknowledged the PUT (S3 durability). boto3's own
 request checksums are turned off: the frame's XXH3 already covers the payload
 end to end, from the writer's memory to the reader's.
 
-Reads. Every body is verified before it is served; a truncated, mislabelled
+Reads. No more of a body is read than the reader can take (the frame of its
+destination, or ``max_object_bytes``), whatever ``Content-Length`` says or
+whether it is sent at all. Every body is verified before it is served; a truncated, mislabelled
 or corrupt object is a miss, counted in ``corrupt_pages``, and deleted so a
 later ``set`` can store the page again (otherwise ``If-None-Match`` would keep
 the broken object forever). With plain frames every writer of the bucket is
@@ -260,19 +262,31 @@ class S3Backend(StorageBackend):
 
     def _fetch(self, item: tuple[str, str, int | None]) -> memoryview | None:
         """The verified payload of one page, or None (miss; corrupt objects are removed).
-        ``item``: key, object name, and the payload size the caller can take (None: any); a
-        larger object is a miss, not read (it may be anyone's, of any size)."""
+        ``item``: key, object name, and the payload size the caller can take (None: up to
+        ``max_object_bytes`` in all); a larger object is a miss, not read past that bound (it
+        may be anyone's, of any size)."""
         key, name, most = item
+        limit = self.config.max_object_bytes if most is None else most + self._codec.header_size
         try:
             reply = self._client.get_object(Bucket=self.config.bucket, Key=name)
             body = reply["Body"]
             try:
                 length = reply.get("ContentLength")
-                if most is not None and isinstance(length, int) and length > most + self._codec.header_size:
+                if isinstance(length, int) and length > limit:
                     return None
-                blob = body.read()
+                # Bounded even when the store sends no Content-Length (a chunked body): closing
+                # the body after a partial read drops the connection instead of draining it.
+                blob = body.read(limit + 1)
             finally:
                 body.close()
+            if len(blob) > limit:
+                log.warning(
+                    "s3 backend %s: object %s is larger than the %d bytes a page read takes; a miss",
+                    self._where(),
+                    clip(name),
+                    limit,
+                )
+                return None
         except self._errors as exc:
             if _error_code(exc) not in _MISSING_CODES:
                 self._failed(exc, f"GET {name}")

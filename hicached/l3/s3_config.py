@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicached.coerce import option
+from hicached.coerce import option, parse_size
 from hicached.errors import InvalidArgument
 
-__all__ = ["MAX_OBJECT_KEY_BYTES", "S3BackendConfig"]
+__all__ = ["MAX_OBJECT_BYTES", "MAX_OBJECT_KEY_BYTES", "S3BackendConfig"]
 
 MAX_OBJECT_KEY_BYTES = 1024  # S3's limit on an object name
+MAX_OBJECT_BYTES = 512 << 20  # as the redis backend's max_value_bytes
 _ADDRESSING = ("auto", "path", "virtual")
 
 
@@ -31,7 +32,10 @@ class S3BackendConfig:
     request; ``max_attempts`` counts the first attempt and boto3's retries.
     ``stats_ttl_s``: ``stats()`` lists the prefix (one request per 1000
     objects); its page/byte counts are reused for this many seconds (and
-    while a listing fails).
+    while a listing fails). ``max_object_bytes``: the most of one object a
+    ``get`` reads (a ``get_into`` reads at most its destination's frame); a
+    larger object is a miss, and its body is not read past that bound even
+    when the store sends no ``Content-Length``.
     """
 
     bucket: str = option(help="Bucket name.")
@@ -48,6 +52,12 @@ class S3BackendConfig:
     read_timeout_s: float = option(30.0, help="Per-request read timeout in seconds.")
     max_attempts: int = option(3, help="Attempts per request in all (the first and boto3's retries).")
     stats_ttl_s: float = option(30.0, help="Seconds a bucket listing's page/byte counts are reused.")
+    max_object_bytes: int = option(
+        MAX_OBJECT_BYTES,
+        help="Most bytes of one object read for a page of unknown size (page + frame header); "
+        "a larger object is a miss, never read whole.",
+        parse=parse_size,
+    )
 
     def __post_init__(self) -> None:
         if not self.bucket:
@@ -78,5 +88,9 @@ class S3BackendConfig:
                 raise InvalidArgument(f"s3 backend opt {opt!r} must be > 0, got {getattr(self, opt)}")
         if self.max_attempts < 1:
             raise InvalidArgument(f"s3 backend opt 'max_attempts' must be >= 1, got {self.max_attempts}")
+        if self.max_object_bytes < 1:
+            raise InvalidArgument(
+                f"s3 backend opt 'max_object_bytes' must be >= 1, got {self.max_object_bytes}"
+            )
         if self.stats_ttl_s < 0:
             raise InvalidArgument(f"s3 backend opt 'stats_ttl_s' must be >= 0, got {self.stats_ttl_s}")
