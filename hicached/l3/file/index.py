@@ -4,7 +4,10 @@ The index lives in memory and is rebuilt at start by reading the slot headers
 (headers verified; payloads verified on read; duplicates of one key resolved by
 the higher sequence number), about 8 us per page from the page cache. Headers in
 a hole of a sparse slab file are not read: they are free slots
-(:mod:`~hicached.l3.file.extents`). LRU order is restored from write order.
+(:mod:`~hicached.l3.file.extents`). LRU order is restored from write order. The
+sequence counter goes on from the highest number found; where that is past
+:data:`RENUMBER_ABOVE` (a header this store did not write) the pages are
+renumbered on disk first (:meth:`PageIndex.renumber`).
 
 ``capacity`` bounds the bytes of occupied slots; a page that needs room evicts
 least-recently-used pages that no reader pins. A freed slot is reused by later
@@ -30,12 +33,13 @@ from hicached.l3.file.layout import (
     SLAB_NAME,
     SLOT_ALIGN,
     TOMBSTONE,
+    pack_header,
     parse_header,
     slot_bytes_for,
 )
 from hicached.l3.file.slabs import Entry, Slab
 
-__all__ = ["PageIndex"]
+__all__ = ["RENUMBER_ABOVE", "PageIndex"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,12 @@ log = logging.getLogger(__name__)
 # keeps one write from holding the lock for a whole file (~10 us a victim): the page is then
 # refused and the next writes go on where it stopped.
 RECLAIM_VICTIMS = 1024
+# The highest sequence number the start-up scan takes as it is. Numbers grow by one per page
+# written, so a store reaches it after 2**62 writes (14,000 years at 10 million a second); a header
+# above it was written by something else (planted by whoever can write the directory, or another
+# program's), and the counter following it would soon pass MAX_SEQ: the pages written next would
+# be refused at the next start. Such a store is renumbered at start, leaving 2**62 numbers of room.
+RENUMBER_ABOVE = 1 << 62
 
 
 class PageIndex:
@@ -85,6 +95,7 @@ class PageIndex:
         list its holes)."""
         found: dict[str, Entry] = {}
         corrupt: list[tuple[Slab, int]] = []
+        stale: list[Entry] = []  # older copies of a key found: their slots are free
         for path in sorted(self.root.iterdir()):
             match = SLAB_NAME.match(path.name)
             if match is None:
@@ -117,7 +128,10 @@ class PageIndex:
                 entry = Entry(key, slab, slot, length, checksum, seq)
                 old = found.get(key)
                 if old is not None and old.seq > seq:
+                    stale.append(entry)
                     continue
+                if old is not None:
+                    stale.append(old)
                 if old is not None and old.slab is slab:
                     used.discard(old.slot)
                 elif old is not None:
@@ -125,7 +139,10 @@ class PageIndex:
                 found[key] = entry
                 used.add(slot)
             slab.restore(nslots, used)
-        for entry in sorted(found.values(), key=lambda e: e.seq):
+        ordered = sorted(found.values(), key=lambda e: e.seq)
+        if ordered and ordered[-1].seq > RENUMBER_ABOVE:
+            ordered = self.renumber(ordered, stale)
+        for entry in ordered:
             self.entries[entry.key] = entry
             self.used += entry.slab.slot_bytes
             self.payload += entry.length
@@ -142,6 +159,42 @@ class PageIndex:
         self.evict_for(0)  # a smaller capacity than last time: trim the oldest
         if self.entries:
             log.info("file backend %s: rebuilt index of %d pages", self.root, len(self.entries))
+
+    def renumber(self, ordered: list[Entry], stale: list[Entry]) -> list[Entry]:
+        """Rewrite the headers of the pages found (``ordered``: oldest first) with the numbers
+        1, 2, ... in the same order; the entries with their new numbers.
+
+        Why renumber rather than drop the header past :data:`RENUMBER_ABOVE`: whatever bound the
+        scan takes, a header just under it moves the counter past it, and the pages written next
+        would be dropped at the next start. Ranks keep the write order and the LRU order, and leave
+        the counter as low as the number of pages. The older copies of a key (``stale``) are
+        cleared and synced first, or one would outnumber its newer copy's new number; the new
+        numbers are synced before any page is written after them. Runs only on a store that holds
+        a header it did not write (never for an honest one); an I/O error stops the start, as one
+        in the scan does, rather than leave numbers that could order copies wrongly.
+        """
+        log.warning(
+            "file backend %s: a slot header carries sequence number %d, past the %d this store "
+            "could have reached (not written by this backend); renumbering %d page(s)",
+            self.root,
+            ordered[-1].seq,
+            RENUMBER_ABOVE,
+            len(ordered),
+        )
+        for entry in stale:
+            os.pwrite(entry.slab.fd, TOMBSTONE, entry.slab.offset(entry.slot))
+        self._sync_slabs()
+        renumbered: list[Entry] = []
+        for seq, entry in enumerate(ordered, start=1):
+            header = pack_header(entry.key.encode("utf-8"), seq, entry.length, entry.checksum)
+            os.pwrite(entry.slab.fd, header, entry.slab.offset(entry.slot))
+            renumbered.append(Entry(entry.key, entry.slab, entry.slot, entry.length, entry.checksum, seq))
+        self._sync_slabs()
+        return renumbered
+
+    def _sync_slabs(self) -> None:
+        for slab in self.slabs.values():
+            os.fdatasync(slab.fd)
 
     # -------------------------------------------------------- slots and eviction
 

@@ -57,7 +57,8 @@ MAX_KEY_BYTES = HEADER_BYTES - _KEY_OFFSET
 # The highest sequence number a header may carry. Numbers grow by one per page written, from the
 # highest found at start, so a store never comes near it; a header above it (damaged, or written
 # by another program) would leave the next numbers no room in the 64-bit field, and every later
-# write would fail to pack its header.
+# write would fail to pack its header. One at or just under it is renumbered at start
+# (hicached.l3.file.index.RENUMBER_ABOVE), or the numbers after it would pass this bound.
 MAX_SEQ = (1 << 63) - 1
 SLAB_NAME = re.compile(r"^slab-(\d+)\.dat$")
 # Zero padding between a page's payload and the next slot, and what clears a slot header.
