@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -62,34 +63,40 @@ def daemon() -> Iterator[Daemon]:
         d.stop()
 
 
-class Paused:
-    """Runs one call on a thread while copies pause; :meth:`error` is what the call raised."""
-
-    def __init__(self, daemon: Daemon, call: Callable[[], object]) -> None:
-        self._daemon = daemon
-        self._seen = len(log_lines(daemon, "copy paused"))
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True)
-        (daemon.workdir / "pause-copies").touch()
-        self._thread.start()
-        poll(
-            lambda: len(log_lines(daemon, "copy paused")),
-            lambda n: n > self._seen,
-            WAIT_S,
-            "the copy pausing in flight",
+@contextmanager
+def copies_paused(daemon: Daemon) -> Iterator[Callable[[], None]]:
+    """Inside, each copy pauses before its first pages until its session ends; yields a
+    function that waits until one copy more than before has paused."""
+    flag = daemon.workdir / "pause-copies"
+    seen = len(log_lines(daemon, "copy paused"))
+    flag.touch()
+    try:
+        yield lambda: poll(
+            lambda: len(log_lines(daemon, "copy paused")), lambda n: n > seen, WAIT_S, "a copy pausing"
         )
+    finally:
+        flag.unlink()
 
-    def _run(self, call: Callable[[], object]) -> None:
+
+def in_thread(call: Callable[[], object]) -> Callable[[], BaseException | None]:
+    """Start ``call`` on a thread; returns a function that joins it and returns what it raised."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
         try:
             call()
         except BaseException as exc:
-            self._error = exc
+            raised.append(exc)
 
-    def error(self) -> BaseException | None:
-        self._thread.join(WAIT_S)
-        assert not self._thread.is_alive(), "the paused call never returned"
-        (self._daemon.workdir / "pause-copies").unlink()
-        return self._error
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def join() -> BaseException | None:
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "the call never returned"
+        return raised[0] if raised else None
+
+    return join
 
 
 def _attach(client: HiCacheClient, pools: WorkerPools, lease_ms: int = 0) -> Session:
@@ -113,9 +120,11 @@ def test_a_write_cancelled_by_detach_leaves_no_buffer_mapped(
     with HiCacheClient(daemon.target, timeout_s=WAIT_S) as client:
         session = _attach(client, pools)
         assert memfd_mappings(pid, tag), "the attach mapped no memfd"
-        paused = Paused(daemon, lambda: session.write(transfers(PAGES), allocate=True))
-        session.detach()
-        _cancelled(paused.error())
+        with copies_paused(daemon) as wait_paused:
+            write = in_thread(lambda: session.write(transfers(PAGES), allocate=True))
+            wait_paused()
+            session.detach()
+            _cancelled(write())
         # Both calls are answered: the session was torn down and the copy's error sent.
         assert memfd_mappings(pid, tag) == []
     assert daemon.process.poll() is None, daemon.log
@@ -133,9 +142,11 @@ def test_a_load_cancelled_by_detach_leaves_no_buffer_mapped(
         written = session.write(transfers(PAGES), allocate=True)
         assert written.ok
         host = host_pages_of(written.transfers)
-        paused = Paused(daemon, lambda: session.load(transfers(PAGES, host)).wait())
-        session.detach()
-        _cancelled(paused.error())
+        with copies_paused(daemon) as wait_paused:
+            load = in_thread(lambda: session.load(transfers(PAGES, host)).wait())
+            wait_paused()
+            session.detach()
+            _cancelled(load())
         assert memfd_mappings(pid, tag) == []
     assert daemon.process.poll() is None, daemon.log
 
@@ -152,7 +163,34 @@ def test_a_write_cancelled_by_lease_expiry_leaves_no_buffer_mapped(
         assert memfd_mappings(pid, tag), "the attach mapped no memfd"
         # No heartbeat: the lease reaper ends the session while the copy waits; the session's
         # teardown then runs on the copy's own thread, before the Write is answered.
-        paused = Paused(daemon, lambda: session.write(transfers(PAGES), allocate=True))
-        _cancelled(paused.error())
+        with copies_paused(daemon) as wait_paused:
+            write = in_thread(lambda: session.write(transfers(PAGES), allocate=True))
+            wait_paused()
+            _cancelled(write())
         assert memfd_mappings(pid, tag) == []
+    assert daemon.process.poll() is None, daemon.log
+
+
+def test_a_load_its_client_abandoned_then_cancelled_by_lease_expiry_leaves_no_buffer_mapped(
+    daemon: Daemon, worker_pools: list[WorkerPools]
+) -> None:
+    """A worker that went away: its call is cancelled (no answer is sent, so the copy's error
+    never reaches the error interceptor), then its lease runs out."""
+    tag = unique_tag("unmap-a")
+    pools = WorkerPools.create(tag)
+    worker_pools.append(pools)
+    pid = daemon.process.pid
+    with HiCacheClient(daemon.target, timeout_s=WAIT_S) as client:
+        session = _attach(client, pools, lease_ms=2000)
+        written = session.write(transfers(PAGES), allocate=True)
+        assert written.ok
+        host = host_pages_of(written.transfers)
+        with copies_paused(daemon) as wait_paused:
+            stream = session.load(transfers(PAGES, host))
+            wait_paused()
+            stream.cancel()
+            # The session ends on the reaper's thread, its teardown on the copy's, after the
+            # stream's end: nothing tells when the copy's thread is done but the mappings
+            # going (the collector is off, so polling cannot be what frees them).
+            poll(lambda: memfd_mappings(pid, tag), lambda m: m == [], WAIT_S, "the buffers unmapped")
     assert daemon.process.poll() is None, daemon.log
