@@ -145,6 +145,9 @@ class _Mapped:
         return None
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:  # fmt: skip
+        # This frame outlives the call: the AbortError that answer_error raises keeps it in its
+        # traceback, and gRPC keeps that error. It must not keep ``exc``'s frames too.
+        del tb
         if exc is None or not isinstance(exc, Exception) or isinstance(exc, grpc.aio.AbortError):
             return False  # success, cancellation, a stream's close, or an answer already given
         await answer_error(self.context, self.method, exc)
@@ -169,7 +172,7 @@ async def answer_error(context: Ctx, method: str, exc: Exception) -> None:
             logger.exception("internal error in %s", method, exc_info=exc)
         else:
             logger.debug("%s ended by the client: %s: %s", method, type(exc).__name__, exc)
-        traceback.clear_frames(exc.__traceback__)
+        _forget_frames(exc)
         return
     if code is None:
         logger.exception("internal error in %s", method, exc_info=exc)
@@ -185,11 +188,34 @@ async def answer_error(context: Ctx, method: str, exc: Exception) -> None:
         message = str(exc)
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message)} chars)"
-    # The failed call's finished frames may hold what it had opened (a partly mapped attach's
-    # tensors keep their descriptors): release them now rather than at the next GC cycle.
-    traceback.clear_frames(exc.__traceback__)
+    _forget_frames(exc)  # before abort: its AbortError takes ``exc`` as its __context__
     context.set_trailing_metadata(trailing_metadata_for(exc))
     await context.abort(code, message)
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """Drop the frames of ``exc`` and of the errors it chains (``__cause__``, ``__context__``),
+    once it is logged: what they hold is released now, by reference counting, not at the next
+    cyclic garbage collection.
+
+    Why: the failed call's frames hold what it had opened -- the session of a cancelled copy
+    (through the closure the core ran it in), a partly mapped attach's tensors -- and the
+    error outlives the call in reference cycles: gRPC keeps an aborted call's AbortError,
+    whose ``__context__`` is ``exc`` and whose frames hold the call's context, which holds
+    that AbortError. Clearing the frames' locals is not enough: a cleared frame still holds
+    its function (a closure's cells) and its caller's frame. Event-loop only: ``exc`` is not
+    being raised elsewhere (the worker thread that raised it has returned).
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)  # the locals of frames still held elsewhere
+        err.__traceback__ = None
+        todo += (err.__cause__, err.__context__)
 
 
 class _Timed:

@@ -71,7 +71,9 @@ class Lane:
         self._held: dict[str, int] = {}  # the same, per session (event-loop confined)
 
     async def run(self, fn: Callable[..., T], *args: Any, session: str = "", **kwargs: Any) -> T:
-        """Run ``fn`` on the lane's threads; ``session`` (authenticated) is the caller's id."""
+        """Run ``fn`` on the lane's threads; ``session`` (authenticated) is the caller's id.
+        Event loop only. ``fn``'s error is raised as is; the lane keeps no reference to it
+        (nor to the work), so what its frames hold goes with the error."""
         held = self._held.get(session, 0) if session else 0
         if session and self._per_session is not None and held >= self._per_session:
             # One session's blocking calls (waits of up to limits.max_wait_s) must leave
@@ -107,6 +109,11 @@ class Lane:
                 self._finished(session)
             else:
                 work.add_done_callback(finished)
+            # The work's error is raised here (or, when this call was cancelled, kept by the
+            # work): this frame in its traceback must not hold the work, which holds the error.
+            # Else the cycle keeps the failed call's frames -- a session's device views among
+            # them -- until the cyclic collector runs, whoever still waits for the call.
+            del work
 
     def _finished(self, session: str) -> None:
         self.pending -= 1

@@ -218,7 +218,9 @@ class CopyEngine:
 
         When a copy slot is free and no job is queued (so none waits for that slot),
         the copy runs on the calling thread, callbacks included: no hand-off to a
-        worker thread and back. Otherwise it is queued and waited for.
+        worker thread and back. Otherwise it is queued and waited for. The error it raises
+        refers back to no job of the engine, so the plan's tensors (borrowed: the caller's)
+        are released as soon as the caller drops the error, not by the cyclic collector.
         """
         priority = _check_args(priority, owner)
         with self._cv:
@@ -246,7 +248,16 @@ class CopyEngine:
                 self._wake_for_queued()
             if closed:
                 ctx.close()
-        return job.future.result()
+        future = job.future
+        del job  # it holds the future, and stop_error: the error raised below (see finally)
+        try:
+            return future.result()
+        finally:
+            # A failed copy's error keeps this frame in its traceback: were the frame to keep
+            # the error too (through the future or the job), the two would form a cycle that
+            # holds the plan -- the session's device views, and so its mappings -- and the
+            # caller's frames until the cyclic collector runs, long after the session ended.
+            del future
 
     def cancel_owner(self, owner: str) -> int:
         """Cancel every queued job of ``owner`` (its session ended) and stop its running ones.

@@ -81,3 +81,10 @@ def fd_links(pid: int) -> list[str]:
         with contextlib.suppress(FileNotFoundError):
             links.append(os.readlink(f"/proc/{pid}/fd/{f}"))
     return sorted(links)
+
+
+def memfd_mappings(pid: int, name: str = "") -> list[str]:
+    """The lines of ``/proc/<pid>/maps`` that map a memfd whose name contains ``name``
+    (``/memfd:NAME (deleted)``): a worker's handed-over buffers while the daemon maps them."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return [line for line in lines if "/memfd:" in line and name in line.partition("/memfd:")[2]]

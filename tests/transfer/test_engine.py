@@ -293,6 +293,27 @@ def test_engine_keeps_no_reference_to_finished_plans(engine: CopyEngine) -> None
     assert src_ref() is None and dst_ref() is None
 
 
+def test_a_copy_cancelled_in_flight_leaves_no_cycle_that_holds_its_plan(engine: CopyEngine) -> None:
+    """The cancelled copy's error keeps the engine's frame in its traceback; were that frame
+    to hold the error too (through the job's future or its stop_error), the plan -- a
+    session's device views, so its mapped memory -- would live on until the cyclic collector
+    ran. The collector is off here: the plan must go when the error does."""
+    plan, srcs, _ = make_plan((0, 1))
+    src = weakref.ref(srcs[0])
+    gc.disable()
+    try:
+        try:  # runs on this thread (a slot is free); the end of layer 0 cancels layer 1
+            engine.run(plan, priority=Priority.DEMAND, owner="w", on_layer=lambda _: engine.cancel_owner("w"))
+        except Cancelled:
+            pass
+        else:
+            pytest.fail("the copy was not cancelled")
+        del plan, srcs
+        assert src() is None, "the cancelled copy's plan outlived its error"
+    finally:
+        gc.enable()
+
+
 def test_fairness_is_by_bytes_not_by_job_count(engine: CopyEngine) -> None:
     gate = Gate()
     held = gate.hold(engine)
