@@ -261,11 +261,6 @@ class GroupRegistry:
                         raise NotFound(f"{exc}; join_only does not recreate it") from None
                     if not idle(gid):
                         raise
-                    # Nobody uses the smaller group: recreate it at the new size (its segment
-                    # names are reused, so it is closed first; its cached pages are dropped).
-                    logger.info("pool group %s is recreated with larger host pools", gid)
-                    del self._groups[gid]
-                    existing.close()
                 else:
                     existing.last_used = time.monotonic()
                     return existing, True
@@ -275,7 +270,15 @@ class GroupRegistry:
                     f"{gid}); attach without join_only to create it"
                 )
             need = sum(nbytes for _, _, nbytes in plan)
-            retired, dropped = self._make_room(gid, plan, idle)
+            # Room is found (or refused) with the smaller group still in place, so a refused
+            # attach leaves it and its cached pages as they were.
+            retired, dropped = self._make_room(gid, plan, idle, replacing=existing)
+            if existing is not None:
+                # Nobody uses the smaller group: recreate it at the new size (its segment names
+                # are reused, so it is closed first; its cached pages are dropped).
+                logger.info("pool group %s is recreated with larger host pools", gid)
+                del self._groups[gid]
+                existing.close()
             state, journal = self._build(gid, worker.model_name, pools, plan)
             try:
                 on_create(state)
@@ -336,7 +339,7 @@ class GroupRegistry:
         return nbytes
 
     def _make_room(
-        self, gid: str, plan: _Plan, idle: Callable[[str], bool]
+        self, gid: str, plan: _Plan, idle: Callable[[str], bool], *, replacing: GroupState | None = None
     ) -> tuple[list[GroupState], list[Journaled]]:
         """The groups to retire so that group ``gid`` of ``plan`` fits the budget and the
         count (``host.max_groups``: each group also costs a descriptor and memory maps, which a
@@ -344,12 +347,14 @@ class GroupRegistry:
         used them since the last daemon stopped), then least recently used idle groups.
 
         Only chosen: the caller retires them once the new group is built. ``gid``'s own
-        journal is not counted (its bytes are the plan's). ResourceExhausted or LimitExceeded
+        journal is not counted (its bytes are the plan's), nor the group the new one
+        ``replacing`` (an idle smaller group of the same id). ResourceExhausted or LimitExceeded
         when even all of them would not make room."""
         need = sum(nbytes for _, _, nbytes in plan)
         journaled = [j for j in self._warm.oldest_first() if j.group_id != gid] if self._warm else []
-        used = sum(g.nbytes for g in self._groups.values()) + sum(j.nbytes for j in journaled)
-        count, most = len(self._groups) + len(journaled) + 1, self._host.max_groups
+        others = [g for g in self._groups.values() if g is not replacing]
+        used = sum(g.nbytes for g in others) + sum(j.nbytes for j in journaled)
+        count, most = len(others) + len(journaled) + 1, self._host.max_groups
         retired: list[GroupState] = []
         dropped: list[Journaled] = []
 
@@ -362,7 +367,7 @@ class GroupRegistry:
             dropped.append(j)
             used -= j.nbytes
             count -= 1
-        for g in sorted(self._groups.values(), key=lambda g: g.last_used):
+        for g in sorted(others, key=lambda g: g.last_used):
             if fits():
                 break
             if idle(g.group_id):

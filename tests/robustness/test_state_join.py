@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, HiCacheError, WorkerIdentity
+from hicached_client import HiCacheClient, HiCacheError, Transfer, WorkerIdentity
 from hicached_client.export import ShmKVPool
 
 from tests.robustness.state_support import device_pools, no_retry_client, specs, state
@@ -93,3 +93,31 @@ def test_a_join_asking_for_a_larger_host_pool_is_refused_naming_both_sizes(
         assert bigger.info.pools[0].total_pages > have
     finally:
         bigger.close()
+
+
+def test_a_refused_recreate_leaves_the_idle_group_and_its_pages(
+    client: HiCacheClient, device: dict[str, ShmKVPool]
+) -> None:
+    """Fails before the fix: a join too large for the idle group closed it (and every page of its
+    content index) before the budget refused the larger one, so anyone attaching the same model
+    and layout with a huge host ratio, another tenant too, wiped the cached pages."""
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    owner = WorkerIdentity(f"a-{model}", 1, model)
+    keys = [f"{i:064x}" for i in range(1, 5)]
+    first = client.attach(owner, specs(device, names=("kv",)), heartbeat=False)
+    try:
+        assert first.put_pages(keys, [Transfer("kv", [0, 1, 2, 3])]).stored_pages == 4
+    finally:
+        first.close()
+    error = _refused(
+        client,
+        WorkerIdentity(f"b-{model}", 1, model, tenant="another-tenant"),
+        specs(device, names=("kv",), ratio=1e6),
+    )
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "host.budget" in error.message, error
+    again = client.attach(owner, specs(device, names=("kv",)), heartbeat=False)
+    try:
+        assert again.info.joined_existing_group
+        assert again.lookup(keys).l2_hit_pages == 4
+    finally:
+        again.close()
