@@ -13,6 +13,7 @@ lane's thread and touches only the (thread-safe) core.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -33,6 +34,7 @@ from hicached.server.peers import PeerSessions, UnreadAnswers
 from hicached.server.roles import Access
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 Ctx = grpc.aio.ServicerContext[Any, Any]
 LayerCall = Callable[[Callable[[int], None] | None], tuple[Ack, ...]]
 
@@ -128,18 +130,37 @@ class ServicerBase:
         task = asyncio.ensure_future(
             self.offload(rpc, call, on_layer if layer_progress else None, session=session)
         )
-        while True:
-            getter = asyncio.ensure_future(layers.get())
-            done, _ = await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
-            if getter in done:
-                yield pb.LoadProgress(layer=getter.result())
-                continue
-            getter.cancel()
-            break
-        while not layers.empty():
-            yield pb.LoadProgress(layer=layers.get_nowait())
-        acks = task.result()
-        yield pb.LoadProgress(layer=-1, done=True, acks=convert.acks_out(acks))
+        getter: asyncio.Future[int] | None = None
+        try:
+            while True:
+                getter = asyncio.ensure_future(layers.get())
+                done, _ = await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield pb.LoadProgress(layer=getter.result())
+                    continue
+                break
+            while not layers.empty():
+                yield pb.LoadProgress(layer=layers.get_nowait())
+            acks = task.result()
+            yield pb.LoadProgress(layer=-1, done=True, acks=convert.acks_out(acks))
+        finally:
+            # A client that leaves mid-stream (its deadline, a cancel) closes this generator at a
+            # yield or cancels it at the wait. The copy runs on to its end (the session settles
+            # its pages) and nobody reads its outcome: take it here, or asyncio logs an ERROR with
+            # a traceback for each such call (and one for the pending getter), which any client
+            # could repeat at will.
+            if getter is not None:
+                getter.cancel()
+            if not task.done():
+                task.add_done_callback(_outcome)
+            elif not task.cancelled():
+                task.exception()  # raised above already, or the client left after the copy ended
+
+
+def _outcome(task: asyncio.Future[Any]) -> None:
+    """Take a finished task's outcome, which nobody else will (see ``stream_layers``)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("a streamed copy whose client left ended with %r", task.exception())
 
 
 def no_fence(ready: tpb.Fence) -> None:

@@ -33,6 +33,8 @@ from tests.support.kv import WorkerPools, host_pages_of, transfers, unique_tag
 from tests.support.state import memfd_mappings, poll
 
 WAIT_S = 30.0
+ORPHANED_TASK = "Task exception was never retrieved"
+PENDING_TASK = "Task was destroyed but it is pending"
 PAGES = list(range(256))
 
 PATCH = """
@@ -185,6 +187,7 @@ def test_a_load_its_client_abandoned_then_cancelled_by_lease_expiry_leaves_no_bu
         written = session.write(transfers(PAGES), allocate=True)
         assert written.ok
         host = host_pages_of(written.transfers)
+        orphans = len(log_lines(daemon, ORPHANED_TASK)) + len(log_lines(daemon, PENDING_TASK))
         with copies_paused(daemon) as wait_paused:
             stream = session.load(transfers(PAGES, host))
             wait_paused()
@@ -194,3 +197,7 @@ def test_a_load_its_client_abandoned_then_cancelled_by_lease_expiry_leaves_no_bu
             # going (the collector is off, so polling cannot be what frees them).
             poll(lambda: memfd_mappings(pid, tag), lambda m: m == [], WAIT_S, "the buffers unmapped")
     assert daemon.process.poll() is None, daemon.log
+    # The stream's copy failed after its client left; its error went with it, not to the log
+    # as an ERROR with a traceback (before: "Task exception was never retrieved" for each such
+    # call, once the failed task was freed, which the mappings going shows).
+    assert len(log_lines(daemon, ORPHANED_TASK)) + len(log_lines(daemon, PENDING_TASK)) == orphans, daemon.log
