@@ -186,7 +186,7 @@ class Lane:
         deadline = time.monotonic() + NEGOTIATE_TIMEOUT_S
         data = b""
         try:
-            while not data.endswith(b"\n"):
+            while b"\n" not in data:
                 if len(data) > w.MAX_NEGOTIATE:
                     raise Refused("INVALID_ARGUMENT", f"negotiation line longer than {w.MAX_NEGOTIATE} bytes")
                 left = deadline - time.monotonic()
@@ -201,7 +201,13 @@ class Lane:
             raise Refused(
                 "DEADLINE_EXCEEDED", f"no negotiation line within {NEGOTIATE_TIMEOUT_S} s"
             ) from None
-        return data
+        line, _, rest = data.partition(b"\n")
+        if rest:  # the protocol is a line, then the daemon's answer: say so rather than wait
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"{len(rest)} byte(s) after the negotiation line; send the line alone and wait for the answer",
+            )
+        return line + b"\n"
 
     def _negotiate(self) -> None:
         parts = self._read_line()[:-1].split(b" ")

@@ -163,3 +163,22 @@ def test_a_negotiation_line_sent_a_byte_at_a_time_past_the_deadline_is_refused(
         answer = s.recv(512)
     assert time.monotonic() - started > lane_module.NEGOTIATE_TIMEOUT_S  # the line took longer
     assert answer.startswith(b"error DEADLINE_EXCEEDED"), answer
+
+
+def test_bytes_after_the_negotiation_line_are_refused_at_once(worker: Worker, daemon: Daemon) -> None:
+    """Before: the line was only seen when the data read ended with it, so a valid line with
+    anything after it in the same send waited out the whole deadline and was answered
+    "no negotiation line" (2.0 s, reviewer's measure)."""
+    path = lane_path(daemon.target)
+    assert path is not None
+    line = b" ".join(
+        [w.NEGOTIATE_MAGIC, worker.session.session_id.encode(), worker.session.info.session_secret.encode()]
+    )
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(line + b"\nX")
+        s.settimeout(10)
+        started = time.monotonic()
+        answer = s.recv(512)
+    assert answer.startswith(b"error INVALID_ARGUMENT") and b"after the negotiation line" in answer, answer
+    assert time.monotonic() - started < lane_module.NEGOTIATE_TIMEOUT_S
