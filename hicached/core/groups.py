@@ -275,7 +275,8 @@ class GroupRegistry:
             retired, dropped = self._make_room(gid, plan, idle, replacing=existing)
             if existing is not None:
                 # Nobody uses the smaller group: recreate it at the new size (its segment names
-                # are reused, so it is closed first; its cached pages are dropped).
+                # are reused, so it is closed first; its cached pages are dropped, and a build
+                # that fails now -- shared memory exhausted -- leaves neither group).
                 logger.info("pool group %s is recreated with larger host pools", gid)
                 del self._groups[gid]
                 existing.close()
