@@ -139,14 +139,19 @@ def test_a_lane_kept_busy_by_its_client_still_ends_with_its_session(worker: Work
         spinner.join(10)
 
 
+def _negotiation(worker: Worker, daemon: Daemon) -> tuple[str, bytes]:
+    """The lane socket's path and the worker's negotiation line (without its newline)."""
+    path = lane_path(daemon.target)
+    assert path is not None
+    return path, b" ".join(
+        [w.NEGOTIATE_MAGIC, worker.session.session_id.encode(), worker.session.info.session_secret.encode()]
+    )
+
+
 def test_a_negotiation_line_sent_a_byte_at_a_time_past_the_deadline_is_refused(
     worker: Worker, daemon: Daemon
 ) -> None:
-    path = lane_path(daemon.target)
-    assert path is not None
-    line = b" ".join(
-        [w.NEGOTIATE_MAGIC, worker.session.session_id.encode(), worker.session.info.session_secret.encode()]
-    )
+    path, line = _negotiation(worker, daemon)
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(path)
         started = time.monotonic()
@@ -169,11 +174,7 @@ def test_bytes_after_the_negotiation_line_are_refused_at_once(worker: Worker, da
     """Before: the line was only seen when the data read ended with it, so a valid line with
     anything after it in the same send waited out the whole deadline and was answered
     "no negotiation line" (2.0 s, reviewer's measure)."""
-    path = lane_path(daemon.target)
-    assert path is not None
-    line = b" ".join(
-        [w.NEGOTIATE_MAGIC, worker.session.session_id.encode(), worker.session.info.session_secret.encode()]
-    )
+    path, line = _negotiation(worker, daemon)
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(path)
         s.sendall(line + b"\nX")
