@@ -296,23 +296,22 @@ class SessionInterceptor(CallInterceptor):
 
 
 def _deny(code: grpc.StatusCode, message: str, handler: Handler) -> Handler:
-    async def unary(request: Any, context: Ctx) -> Any:
+    """A handler that refuses the call at its headers, for any of the method's four shapes.
+
+    It takes the request as a stream it never reads, with no deserializer: a handler of a
+    unary request makes gRPC read the whole message and parse it before the refusal can run, so
+    a caller without the token had a body of up to ``server.max_message_bytes`` read, parsed on
+    the event loop and held per stream (a body never finished was held for as long as the
+    stranger kept its connection).
+    """
+
+    async def refuse(requests: Any, context: Ctx) -> Any:
         await context.abort(code, message)
 
-    async def streaming(request: Any, context: Ctx) -> Any:
-        await context.abort(code, message)
-
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(streaming, **kw)
+    serializer = handler.response_serializer
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+        return grpc.stream_stream_rpc_method_handler(refuse, response_serializer=serializer)
+    return grpc.stream_unary_rpc_method_handler(refuse, response_serializer=serializer)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
