@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     # 10-20 % lower without them, a CLI client's about 30 %). Read when gRPC starts, so set
     # here, before anything imports it; an operator's own GRPC_EXPERIMENTS wins.
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
+    # gRPC's C core logs to stderr at INFO unless told otherwise, outside our logging and its
+    # log.max_rate, and some of its lines are a stranger's to cause at will: each failed TLS
+    # handshake on the daemon's TCP port is one (2,000 plaintext connections wrote 2,000 lines,
+    # 410 KB, in 1.5 s). Keep its errors only; GRPC_VERBOSITY=INFO (the operator's) shows them.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

@@ -97,5 +97,11 @@ def test_tls_listener_serves_clients_that_trust_its_certificate(tmp_path: Path) 
         with HiCacheClient(f"localhost:{port}", timeout_s=5) as plain, pytest.raises(HiCacheError) as info:
             plain.ping(b"plaintext")  # a plaintext client cannot talk to the TLS port
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        for _ in range(20):  # strangers' failed handshakes: none writes to the log (before: one line each)
+            with socket.create_connection(("localhost", port), timeout=10) as stranger:
+                stranger.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                while stranger.recv(4096):  # until the daemon closes it, after its handshake failed
+                    pass
+        assert "Handshake failed" not in daemon.log, daemon.log[-2000:]
     finally:
         daemon.stop()
