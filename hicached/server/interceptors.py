@@ -295,8 +295,9 @@ class SessionInterceptor(CallInterceptor):
         self._core.check_secret(session_id, secret)
 
 
-def _deny(code: grpc.StatusCode, message: str, handler: Handler) -> Handler:
-    """A handler that refuses the call at its headers, for any of the method's four shapes.
+def _deny(code: grpc.StatusCode, message: str, handler: Handler | None) -> Handler:
+    """A handler that refuses the call at its headers, for any of the method's four shapes
+    (``handler`` None: a method not served, refused as one with a unary answer).
 
     It takes the request as a stream it never reads, with no deserializer: a handler of a
     unary request makes gRPC read the whole message and parse it before the refusal can run, so
@@ -308,8 +309,8 @@ def _deny(code: grpc.StatusCode, message: str, handler: Handler) -> Handler:
     async def refuse(requests: Any, context: Ctx) -> Any:
         await context.abort(code, message)
 
-    serializer = handler.response_serializer
-    if handler.response_streaming:
+    serializer = None if handler is None else handler.response_serializer
+    if handler is not None and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse, response_serializer=serializer)
     return grpc.stream_unary_rpc_method_handler(refuse, response_serializer=serializer)
 
@@ -326,10 +327,11 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     ) -> Handler:
         handler = await continuation(details)
         method = details.method  # type: ignore[attr-defined]
-        if handler is None or method.startswith(HEALTH_PREFIX):
+        if method.startswith(HEALTH_PREFIX):
             return handler
         try:
             self._access.authenticate(details.invocation_metadata)  # type: ignore[attr-defined]
         except Unauthenticated as exc:
+            # An unknown method too: without the token a caller learns nothing of what is served.
             return _deny(grpc.StatusCode.UNAUTHENTICATED, str(exc), handler)
         return handler

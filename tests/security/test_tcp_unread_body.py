@@ -83,8 +83,12 @@ def _status_of_unfinished_call(port: int, path: str, timeout_s: float) -> str | 
 
 @pytest.mark.parametrize(
     "path",
-    ["/hicached.v1.HiCacheService/Lookup", "/hicached.v1.HiCacheService/Load"],
-    ids=["unary-answer", "streamed-answer"],
+    [
+        "/hicached.v1.HiCacheService/Lookup",
+        "/hicached.v1.HiCacheService/Load",
+        "/hicached.v1.HiCacheService/NoSuchMethod",  # before: UNIMPLEMENTED, telling what is served
+    ],
+    ids=["unary-answer", "streamed-answer", "unknown-method"],
 )
 def test_a_call_without_the_token_is_refused_before_its_body_arrives(tcp_port: int, path: str) -> None:
     """Before: no answer (the daemon waited for the other 8 MiB of the message)."""
