@@ -73,8 +73,16 @@ class Access:
 
     def require_admin(self, metadata: Any, what: str) -> None:
         """PERMISSION_DENIED naming where the admin role is, unless the caller is an admin."""
-        if not self.is_admin(metadata):
+        if self.is_admin(metadata):
+            return
+        if self.tcp:
+            # A TCP caller may be off the node: the admin socket's path is no use to it and tells
+            # a token holder where the node keeps its admin access.
             raise PermissionDenied(
-                f"{what} needs the admin role: call it on the admin socket {self.admin_socket} "
-                "(or over TCP with the admin token, server.admin_token_file)"
+                f"{what} needs the admin role: over TCP, call it with the admin token "
+                "(server.admin_token_file), or on the node's admin socket (server.admin_socket)"
             )
+        raise PermissionDenied(
+            f"{what} needs the admin role: call it on the admin socket {self.admin_socket} "
+            "(or over TCP with the admin token, server.admin_token_file)"
+        )
