@@ -394,13 +394,16 @@ class HiCacheCore:
 
     # ------------------------------------------------------------------- admin
 
-    def stats(self, session_id: str = "") -> DaemonStats:
+    def stats(self, session_id: str = "", *, own: bool = False) -> DaemonStats:
+        """Everything, or one session, its group and its backups. ``own`` (a worker's view of its
+        session): the group's indexed pages and sessions count the session's tenant only."""
         sessions = self._sessions.all()
         if session_id:
             sessions = [self._sessions.get(session_id)]
         groups = self._groups.all()
         if session_id:
             groups = [g for g in groups if g.group_id == sessions[0].group_id]
+        tenant = sessions[0].worker.tenant if own and session_id else None
         backups = self._backups.snapshot(session_id)
         return DaemonStats(
             sessions=tuple(s.stats() for s in sessions),
@@ -409,8 +412,8 @@ class HiCacheCore:
                     g.group_id,
                     g.model_name,
                     g.states(),
-                    _indexed(g),
-                    self._sessions.in_group(g.group_id),
+                    0 if g.index is None else g.index.stats(tenant).entries,
+                    self._sessions.in_group(g.group_id, tenant),
                 )
                 for g in groups
             ),
@@ -491,10 +494,6 @@ class HiCacheCore:
             self._groups_closed = True
             self._teardowns.wait_for(lambda: self._tearing == 0)
         self._groups.close()
-
-
-def _indexed(state: GroupState) -> int:
-    return 0 if state.index is None else state.index.stats().entries
 
 
 __all__ = ["HiCacheCore", "PoolRole"]

@@ -254,6 +254,11 @@ class SessionTable:
         with self._lock:
             return list(self._by_id.values())
 
-    def in_group(self, group_id: str) -> int:
+    def in_group(self, group_id: str, tenant: str | None = None) -> int:
+        """Live sessions of the group (of ``tenant`` only, when given)."""
         with self._lock:
-            return sum(1 for s in self._by_id.values() if s.group_id == group_id)
+            return sum(
+                1
+                for s in self._by_id.values()
+                if s.group_id == group_id and (tenant is None or s.worker.tenant == tenant)
+            )

@@ -414,9 +414,9 @@ class ContentIndex:
             self._table.end_clear()
         return dropped, deleted
 
-    def stats(self) -> IndexStats:
-        """Counters of the index (each room's read atomically, the rooms one after another)."""
-        entries, pinned, in_l3, totals = self._table.sizes()
+    def stats(self, tenant: str | None = None) -> IndexStats:
+        """Counters of the index (each room's read atomically, in turn); ``tenant``: count its entries only."""
+        entries, pinned, in_l3, totals = self._table.sizes(tenant)
         backups = self._writer.counts()
         return IndexStats(
             entries=entries,

@@ -97,11 +97,15 @@ class EntryTable:
         with self._lock:
             return [e for e in self._entries.values() if not (e.in_l3 or e.backup_queued)]
 
-    def sizes(self) -> tuple[int, int, int, dict[str, int]]:
-        """(entries, pinned entries, entries also in L3, totals: published, prefetched, evicted, restored)."""
+    def sizes(self, tenant: str | None = None) -> tuple[int, int, int, dict[str, int]]:
+        """(entries, pinned entries, entries also in L3, totals: published, prefetched, evicted, restored).
+        With a ``tenant``, entries counts only that tenant's."""
         with self._lock:
             in_l3 = sum(e.in_l3 for e in self._entries.values())
-            return len(self._entries), self._pinned_entries, in_l3, dict(self._counts)
+            entries = len(self._entries)
+            if tenant is not None:
+                entries = sum(e.tenant == tenant for e in self._entries.values())
+            return entries, self._pinned_entries, in_l3, dict(self._counts)
 
     def owned_pages(self) -> dict[str, PageArray]:
         with self._lock:

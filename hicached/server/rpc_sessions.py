@@ -107,11 +107,12 @@ class SessionRpcs(ServicerBase):
         return pb.HeartbeatResponse(lease_expires_unix_ms=expires)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Ctx) -> pb.GetStatsResponse:
+        admin = self.is_admin(context)
         stats = await self.offload(
-            "GetStats", self.core.stats, request.session_id, session=request.session_id
+            "GetStats", self.core.stats, request.session_id, own=not admin, session=request.session_id
         )
         backends = await self.backend_infos()
-        if self.is_admin(context):
+        if admin:
             return stats_out(stats, backends)
         # A session named here passed the interceptor's secret check: it is the caller's.
         return worker_view(stats_out(stats, backends), own=bool(request.session_id))
@@ -151,8 +152,9 @@ def worker_view(full: pb.GetStatsResponse, *, own: bool) -> pb.GetStatsResponse:
     """What a non-admin may see: the daemon's aggregates; no session, backup or pool group
     of anyone else, and no segment names. ``own``: the request named one session (the
     caller's; ``full`` then holds only it, its group and its backups), which stay. Its group
-    is shared by every session of its model and pool layout, so the group's counts (indexed
-    pages, sessions) include theirs, whatever their tenant."""
+    is shared by every session of its model and pool layout: the group's counts (indexed
+    pages, sessions) are the caller's tenant's (``core.stats(own=True)``), its pools' free
+    pages everyone's (the room a write will find)."""
     view = pb.GetStatsResponse()
     view.CopyFrom(full)
     if not own:

@@ -197,6 +197,26 @@ def test_a_worker_sees_its_own_group_and_no_other(setup: Setup) -> None:
             session.detach()
 
 
+def test_a_worker_counts_only_its_tenant_in_its_shared_group(setup: Setup) -> None:
+    """Groups are per model and layout, not per tenant: before, a worker's own view of its group
+    counted every tenant's indexed pages and sessions (another tenant's cache activity)."""
+    pools = WorkerPools.create(unique_tag("co-tenant"))
+    try:
+        with HiCacheClient(setup.daemon.target, timeout_s=10) as client:
+            identity = WorkerIdentity(unique_tag("co"), generation=1, model_name=MODEL, tenant="t-other")
+            with client.attach(identity, pools.specs(), heartbeat=False) as other:
+                (group,) = other.stats().groups
+                (theirs,) = setup.session.stats().groups
+                assert group.group == theirs.group, "the same model and layout share one group"
+                assert (group.indexed_pages, group.sessions) == (0, 1), "its own tenant only"
+                assert (theirs.indexed_pages, theirs.sessions) == (PAGES, 1)
+                with HiCacheClient(setup.daemon.admin_target, timeout_s=10) as admin:
+                    (full,) = [g for g in admin.get_stats().groups if g.group == group.group]
+                assert (full.indexed_pages, full.sessions) == (PAGES, 2), "the admin sees everyone"
+    finally:
+        pools.close()
+
+
 @pytest.mark.parametrize("via", ["admin socket", "tcp admin token"])
 def test_the_admin_role_sees_everything_and_drains(setup: Setup, via: str) -> None:
     target, token = (setup.daemon.admin_target, None) if via == "admin socket" else (setup.tcp, ADMIN_TOKEN)
