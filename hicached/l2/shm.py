@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 import stat
+import sys
 import warnings
 
 import numpy as np
@@ -82,6 +83,24 @@ def _prefault(mm: mmap.mmap, size: int, *, write: bool) -> None:
             int(view[::OS_PAGE].sum())
     finally:
         del view
+
+
+TMPFS_MAGIC = 0x01021994  # memfd_create without MFD_HUGETLB, /dev/shm
+_STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type (a long) comes first
+
+
+def fs_type(fd: int) -> int:
+    """The ``f_type`` of the file system holding ``fd`` (``fstatfs``); OSError as the kernel says."""
+    import ctypes  # only the memfd checks at attach need it
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(_STATFS_BYTES)
+    if libc.fstatfs(ctypes.c_int(fd), buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int.from_bytes(
+        buf.raw[: ctypes.sizeof(ctypes.c_long)], "little" if sys.byteorder == "little" else "big"
+    )
 
 
 def populate_backed(mm: mmap.mmap, st: os.stat_result) -> bool:

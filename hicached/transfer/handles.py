@@ -197,6 +197,9 @@ class FdOpener(HandleOpener[FdBufferHandle]):
     (holes punched in it read back as zeros, never fault). Copying unsealed fds
     with ``preadv``/``pwritev`` instead would be SIGBUS-safe too, but halves the
     copy speed and keeps two data paths; a worker can always seal its own memfd.
+    Only tmpfs memfds: a hugetlbfs one (``MFD_HUGETLB``) gives its pages and their
+    reservation back on ``fallocate(PUNCH_HOLE)``, which the seal does not stop, and
+    the daemon's next copy into them faults with SIGBUS once another file took them.
     """
 
     medium = Medium.CPU
@@ -220,7 +223,7 @@ class FdOpener(HandleOpener[FdBufferHandle]):
         takes the daemon's address space -- 54 such attaches took it to 127 TiB, and
         then mmap and thread stacks failed for every client (ENOMEM).
         """
-        from hicached.l2.shm import SharedSegment, populate_backed
+        from hicached.l2.shm import TMPFS_MAGIC, SharedSegment, fs_type, populate_backed
 
         what = f"handed-over fd #{handle.index}"
         try:
@@ -234,6 +237,15 @@ class FdOpener(HandleOpener[FdBufferHandle]):
             raise InvalidArgument(
                 f"{what} can still shrink: seal it with F_SEAL_SHRINK (memfd_create with "
                 "MFD_ALLOW_SEALING, then fcntl(F_ADD_SEALS)) so that truncating it cannot crash the daemon"
+            )
+        try:
+            fs = fs_type(handle.fd)
+        except OSError as exc:
+            raise InvalidArgument(f"{what}: cannot tell its file system ({exc.strerror})") from None
+        if fs != TMPFS_MAGIC:
+            raise InvalidArgument(
+                f"{what} is not on tmpfs (file system 0x{fs:x}; hugetlbfs memfds, MFD_HUGETLB, can "
+                "lose their pages under the seal): hand over a memfd created without MFD_HUGETLB"
             )
         st = os.fstat(handle.fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:

@@ -10,6 +10,7 @@ session id alone was enough to act as that session.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import threading
 import uuid
@@ -206,6 +207,30 @@ def test_a_buffer_that_can_still_shrink_is_refused(daemon: Daemon) -> None:
         os.close(unsealed)
         os.close(shm_fd)
         shm_path.unlink()
+
+
+HUGE_PAGE = 2 << 20
+
+
+def test_a_sealed_hugetlb_memfd_is_refused(daemon: Daemon) -> None:
+    """A reviewer's repro killed the daemon with SIGBUS: a sealed ``MFD_HUGETLB`` memfd passed
+    every check; its sender punched a hole (the seal does not stop it, and it frees the huge
+    pages and their reservation), took the pages with another file and asked for a Load. Now
+    only tmpfs memfds are mapped. (No huge pages are needed here: the refusal comes before any
+    mapping; before, this attach got a misleading RESOURCE_EXHAUSTED from the failing mmap.)"""
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB
+    fd = os.memfd_create("hcsec-hugetlb", flags)
+    try:
+        os.ftruncate(fd, 2 * HUGE_PAGE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        with HiCacheClient(daemon.target) as client:
+            before = state(client)
+            err = attack_attach(client, _attacker_fd_buffers(fd, 2 * HUGE_PAGE))
+            assert err.code == C.INVALID_ARGUMENT, err
+            assert "not on tmpfs" in err.message and "MFD_HUGETLB" in err.message, err.message
+            assert state(client) == before
+    finally:
+        os.close(fd)
 
 
 def _cuda_fd_buffers(fd: int, size: int, allocation_size: int) -> list[tpb.DeviceBuffer]:
