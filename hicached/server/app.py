@@ -35,6 +35,8 @@ from hicached.core.service import HiCacheCore
 from hicached.server import sockets
 from hicached.server.credentials import TcpCredentials
 from hicached.server.decode import DecodeInterceptor
+from hicached.server.fastlane import lane_path
+from hicached.server.handoff import handoff_path
 from hicached.server.health import SERVICE_NAME as HEALTH_SERVICE
 from hicached.server.health import HealthServicer, HealthStatus
 from hicached.server.interceptors import (
@@ -67,12 +69,16 @@ Registrations = Callable[[Access], Sequence[Callable[[grpc.aio.Server], None]]]
 
 
 def claim_sockets(config: Config) -> int | None:
-    """Check the socket directories and probe both socket paths (before the L3 lock, so a
-    second daemon's error names the first one); the admin group's gid. StartupError."""
+    """Check the socket directories and probe every socket path (before the L3 lock, so a
+    second daemon's error names the first one; and before anything is served, so a refusal
+    is one line); the admin group's gid. StartupError."""
     cfg = config.server
     gid = sockets.group_id(cfg.admin_group) if cfg.admin_group else None
     sockets.claim(Path(cfg.socket), gid=gid)
     sockets.claim(cfg.admin_socket_path(), gid=gid)
+    sockets.probe(handoff_path(cfg.socket))
+    if cfg.fast_lane:
+        sockets.probe(lane_path(cfg.socket))
     return gid
 
 

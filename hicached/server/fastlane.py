@@ -39,6 +39,7 @@ from hicached.server.handoff import ACCEPT_PAUSE_S as HANDOFF_ACCEPT_PAUSE_S
 from hicached.server.handoff import peer_cred
 from hicached.server.lane import Lane, Refused
 from hicached.server.observer import NullRpcObserver, RpcObserver
+from hicached.server.sockets import BoundSocket
 
 logger = logging.getLogger(__name__)
 
@@ -100,28 +101,24 @@ class LaneServer:
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
-        self._inode: tuple[int, int] | None = None
+        self._bound: BoundSocket | None = None
 
     @property
     def path(self) -> Path:
         return self._path
 
     def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()  # a stale socket of a dead daemon (the gRPC socket was free too)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            old = os.umask(0o177)  # never reachable with wider permissions than configured
-            try:
-                listener.bind(str(self._path))
-            finally:
-                os.umask(old)
-            os.chmod(self._path, self._mode)
-            st = os.stat(self._path)
-            self._inode = (st.st_dev, st.st_ino)
+            # Probed (a live daemon's refused, any other file kept) and bound privately, then
+            # linked into place with its mode set: never chmodded through the public path.
+            self._bound = BoundSocket.bind(listener, self._path, self._mode, "l")
             listener.listen(64)
         except BaseException:
             listener.close()
+            if self._bound is not None:
+                self._bound.unlink()
+                self._bound = None
             raise
         self._listener = listener
         self._acceptor = threading.Thread(target=self._accept_loop, name="hicached-lane-accept", daemon=True)
@@ -303,7 +300,7 @@ class LaneServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-            with contextlib.suppress(OSError):
-                st = os.stat(self._path)
-                if (st.st_dev, st.st_ino) == self._inode:
-                    self._path.unlink()
+            if self._bound is not None:
+                with contextlib.suppress(OSError):
+                    self._bound.unlink()  # only if it is still ours
+                self._bound = None

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hicached.core.types import PeerCred
+from hicached.server.sockets import BoundSocket
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ class HandoffServer:
         self._conns: dict[socket.socket, asyncio.TimerHandle] = {}
         self._uid_of: dict[socket.socket, int] = {}
         self._per_uid: dict[int, int] = {}
-        self._inode: tuple[int, int] | None = None
+        self._bound: BoundSocket | None = None
 
     @property
     def path(self) -> Path:
@@ -241,22 +242,18 @@ class HandoffServer:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()  # a stale socket of a dead daemon (the gRPC socket was free too)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            old = os.umask(0o177)  # never reachable with wider permissions than configured
-            try:
-                listener.bind(str(self._path))
-            finally:
-                os.umask(old)
-            os.chmod(self._path, self._mode)
-            st = os.stat(self._path)
-            self._inode = (st.st_dev, st.st_ino)
+            # Probed (a live daemon's refused, any other file kept) and bound privately, then
+            # linked into place with its mode set: never chmodded through the public path.
+            self._bound = BoundSocket.bind(listener, self._path, self._mode, "f")
             listener.listen(MAX_CONNECTIONS)
             listener.setblocking(False)
         except BaseException:
             listener.close()
+            if self._bound is not None:
+                self._bound.unlink()
+                self._bound = None
             raise
         self._listener = listener
         self._loop = loop
@@ -382,7 +379,7 @@ class HandoffServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-            with contextlib.suppress(OSError):
-                st = os.stat(self._path)
-                if (st.st_dev, st.st_ino) == self._inode:
-                    self._path.unlink()
+            if self._bound is not None:
+                with contextlib.suppress(OSError):
+                    self._bound.unlink()  # only if it is still ours
+                self._bound = None

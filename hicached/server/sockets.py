@@ -2,13 +2,17 @@
 
 Before binding, :func:`claim` checks the socket's directory (created by the
 daemon with mode 0700, 0750 with an admin group; an existing one owned by
-another user, or writable by others, is refused: whoever can write it can
-swap the socket), then probes the socket path: a live listener there is
+another user, or writable by its group or others, is refused: whoever can write
+it can swap the socket) and the path to it (every directory and symlink on the
+way owned by root or the daemon's uid: whoever owns one can re-point the path),
+then probes the socket path: a live listener there is
 another daemon (its pid comes from ``SO_PEERCRED`` of a probe connection, so
 no pid file can go stale) and startup stops; a dead socket is replaced; any
 other file is refused rather than deleted. The socket is bound under umask
 0o177, so it never exists with looser permissions than 0600, and at stop it
-is unlinked only when the path still names the file this daemon bound.
+is unlinked only when the path still names the file this daemon bound. Its
+mode and group are set on a private name in that directory before it is linked
+to the public one: a chmod by the public path would follow a symlink put there.
 
 Not thread-safe (startup and shutdown run once, on one thread).
 """
@@ -55,6 +59,7 @@ def group_id(name: str) -> int:
 def prepare_dir(directory: Path, *, gid: int | None) -> None:
     """Create ``directory`` (0700, or 0750 owned by group ``gid``) or check an existing one."""
     mode = 0o750 if gid is not None else 0o700
+    _check_path(directory)
     try:
         os.mkdir(directory, mode)
     except FileExistsError:
@@ -76,11 +81,38 @@ def prepare_dir(directory: Path, *, gid: int | None) -> None:
             f"socket directory {directory} is owned by uid {st.st_uid}, not by this daemon's uid {me}: "
             "another user could swap the socket; remove it or choose another server.socket"
         )
-    if st.st_mode & stat.S_IWOTH:
-        raise StartupError(
-            f"socket directory {directory} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
-            "anyone could swap the socket; use a directory only the daemon can write"
-        )
+    # Group-writable too: in a directory its group can write, a member can unlink the sockets
+    # and bind its own (sticky or not: before the daemon binds, any name is free to take).
+    for bit, who in ((stat.S_IWOTH, "others"), (stat.S_IWGRP, "its group")):
+        if st.st_mode & bit:
+            raise StartupError(
+                f"socket directory {directory} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}): "
+                "they could swap the socket; use a directory only the daemon can write "
+                "(workers need only search permission on it, o+x or g+x)"
+            )
+
+
+def _check_path(directory: Path) -> None:
+    """StartupError unless every directory and symlink on the way to ``directory`` (as given and
+    as resolved) is owned by root or this daemon's uid: the owner of one can rename what it holds
+    or re-point it, and send the daemon's sockets, or its workers, elsewhere. Their write bits are
+    not checked (a pod's emptyDir is 0777 and root's); the socket directory's own are."""
+    me = os.geteuid()
+    given = Path(os.path.abspath(directory))
+    for path in (given, Path(os.path.realpath(given))):
+        for part in (*reversed(path.parents), path):
+            try:
+                st = os.lstat(part)
+            except FileNotFoundError:
+                continue  # created by the daemon below
+            if part == path and not stat.S_ISLNK(st.st_mode):
+                continue  # the directory itself: prepare_dir checks it
+            if st.st_uid not in (me, 0):
+                kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory"
+                raise StartupError(
+                    f"socket directory {directory}: {part} on its path is {kind} owned by uid "
+                    f"{st.st_uid}, who could re-point it; use a path owned by root or uid {me}"
+                )
 
 
 def _peer_pid(conn: socket.socket) -> int:
@@ -151,26 +183,46 @@ class BoundSocket:
 
     @classmethod
     def publish(cls, private: Path, path: Path, mode: int, gid: int | None = None) -> BoundSocket:
-        """Link the socket bound at ``private`` to ``path`` (which must not exist: a daemon that
-        raced us there wins), drop the private name, give it its final mode (and group)."""
+        """Give the socket bound at ``private`` its final mode (and group), link it to ``path``
+        (which must not exist: a daemon that raced us there wins) and drop the private name.
+
+        Mode and group are set through the private name, never the public one: chmod and chown
+        follow symlinks, and a symlink swapped in at ``path`` would have them change its target.
+        """
         try:
+            if gid is not None:
+                try:
+                    os.chown(private, -1, gid)
+                except PermissionError:
+                    raise StartupError(
+                        f"server.admin_group: cannot give {path} to gid {gid} (the daemon is not a member)"
+                    ) from None
+            os.chmod(private, mode)
             os.link(private, path)
         except FileExistsError:
             raise StartupError(f"another hicached took {path} while this one started") from None
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(private)
-        if gid is not None:
-            try:
-                os.chown(path, -1, gid)
-            except PermissionError:
-                os.unlink(path)
-                raise StartupError(
-                    f"server.admin_group: cannot give {path} to gid {gid} (the daemon is not a member)"
-                ) from None
-        os.chmod(path, mode)
         st = os.lstat(path)
         return cls(path, st.st_dev, st.st_ino, st.st_ctime_ns)
+
+    @classmethod
+    def bind(cls, listener: socket.socket, path: Path, mode: int, role: str) -> BoundSocket:
+        """Bind ``listener`` (AF_UNIX) at ``path`` with ``mode``: :func:`probe` of the path (a live
+        daemon's is refused, a dead one's replaced, any other file kept), then bound at a private
+        name under umask 0o177 and :meth:`publish` ed, so the public name never has looser
+        permissions and nothing is chmodded through it."""
+        probe(path)
+        private = cls.private_path(path, role)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(private)  # a name of a dead daemon with our pid
+        old = os.umask(0o177)
+        try:
+            listener.bind(str(private))
+        finally:
+            os.umask(old)
+        return cls.publish(private, path, mode)
 
     def unlink(self) -> bool:
         """Unlink the path if it is still our inode (another daemon may have replaced it)."""

@@ -28,7 +28,9 @@ def daemon_resources(daemon: Daemon) -> tuple[int, int, int]:
     pid = daemon.process.pid
     memfds = sum("memfd:hicached-lane" in link for link in fd_links(pid))
     rings = Path(f"/proc/{pid}/maps").read_text().count("memfd:hicached-lane")
-    path = path_of(daemon)
+    # /proc/net/unix names a socket by the address it was bound at: the daemon binds each
+    # socket at a private name (``.hc-<pid>-l``) and links it to the public path.
+    path = str(Path(path_of(daemon)).parent / f".hc-{pid}-l")
     conns = sum(line.endswith(" " + path) for line in Path("/proc/net/unix").read_text().splitlines()) - 1
     return memfds, rings, conns
 

@@ -152,3 +152,82 @@ def test_stop_unlinks_only_the_socket_it_created(daemon: Daemon) -> None:
         assert sock.exists(), "the daemon left the socket it did not create"
         assert (os.lstat(sock).st_ino, os.lstat(sock).st_ctime_ns) == (theirs.st_ino, theirs.st_ctime_ns)
     assert not Path(daemon.admin_target.removeprefix("unix://")).exists(), "its own admin socket is gone"
+
+
+# ---- a reviewer's takeovers of the socket paths (each test failed before) ---------------------
+
+
+def test_a_group_writable_runtime_dir_is_refused(workdir: Path) -> None:
+    """deploy/base made /run/hicached 0770 with the workers in its group: any worker could
+    unlink admin.sock and the fd handoff socket and bind its own, then read and overwrite the
+    KV buffers other workers handed over."""
+    shared = workdir / "run"
+    shared.mkdir()
+    shared.chmod(0o770)
+    line = one_line_error(serve("--socket", str(shared / "hicached.sock")))
+    assert f"socket directory {shared} is writable by its group (mode 0770)" in line, line
+    assert list(shared.iterdir()) == []
+
+
+def test_a_socket_dir_reached_through_another_users_symlink_is_refused(workdir: Path) -> None:
+    """A stranger's symlink named as the socket directory (in /tmp, say): the daemon served in
+    the directory it pointed at, and the stranger re-pointed it at its own sockets at will."""
+    uid, _ = other_user()
+    real = workdir / "real"
+    real.mkdir(mode=0o700)
+    link = workdir / "run"
+    link.symlink_to(real)
+    os.lchown(link, uid, -1)
+    line = one_line_error(serve("--socket", str(link / "hicached.sock")))
+    assert f"{link} on its path is a symlink owned by uid {uid}" in line, line
+    assert list(real.iterdir()) == []
+
+
+def test_a_directory_of_another_user_above_the_socket_dir_is_refused(workdir: Path) -> None:
+    """Whoever owns a directory on the way can rename the socket directory away and put its own."""
+    uid, gid = other_user()
+    theirs = workdir / "home"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, uid, gid)
+    line = one_line_error(serve("--socket", str(theirs / "run" / "hicached.sock")))
+    assert f"{theirs} on its path is a directory owned by uid {uid}" in line, line
+    assert list(theirs.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".fds", ".lane"])
+def test_a_file_at_the_handoff_or_lane_path_is_kept_and_refused(workdir: Path, suffix: str) -> None:
+    """The handoff and lane sockets unlinked whatever their paths named at start."""
+    run = workdir / "run"
+    run.mkdir(mode=0o700)
+    victim = run / f"hicached.sock{suffix}"
+    victim.write_text("precious")
+    line = one_line_error(serve("--socket", str(run / "hicached.sock")))
+    assert f"{victim} exists and is not a socket" in line, line
+    assert victim.read_text() == "precious"
+
+
+def test_a_symlink_swapped_in_after_linking_is_never_chmodded(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reviewer's racer renamed a symlink to a root-only file over a socket the daemon had
+    just linked into place, before its chmod by path: the file became 0666 in 3 of 6 starts.
+    Here the racer always wins (a symlink replaces the public name as soon as it is linked);
+    the mode is set through the private name, before the link, so nothing follows it."""
+    from hicached.server.sockets import BoundSocket
+
+    secret = workdir / "secret"
+    secret.write_text("root only")
+    secret.chmod(0o600)
+    run = workdir / "run"
+    run.mkdir(mode=0o700)
+    link = os.link
+
+    def link_then_swap(src: str | Path, dst: str | Path) -> None:
+        link(src, dst)
+        os.unlink(dst)
+        os.symlink(secret, dst)
+
+    monkeypatch.setattr(os, "link", link_then_swap)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        BoundSocket.bind(listener, run / "w.sock", 0o666, "w")
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
