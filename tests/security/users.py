@@ -58,8 +58,21 @@ def _as_other_prefix() -> list[str]:
     ]  # fmt: skip
 
 
-def run_as_other(code: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run ``python -c code args`` as the test user with this checkout on the path."""
+def popen_as_other(code: str, *args: str) -> subprocess.Popen[str]:
+    """Start ``python -c code args`` as the test user (stdin, stdout piped; text); the caller
+    waits for it and closes it."""
+    env = _env()  # creates the user first
+    return subprocess.Popen(
+        [*_as_other_prefix(), sys.executable, "-c", code, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd="/",
+    )
+
+
+def _env() -> dict[str, str]:
     other_user()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
     # The checkout first; then the caller's own entries, where its packages may live (an
@@ -67,6 +80,12 @@ def run_as_other(code: str, *args: str, timeout_s: float = 120) -> subprocess.Co
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python"), *inherited])
     env["HOME"] = "/tmp"
+    return env
+
+
+def run_as_other(code: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code args`` as the test user with this checkout on the path."""
+    env = _env()
     return subprocess.run(
         [*_as_other_prefix(), sys.executable, "-c", code, *args],
         check=False,  # callers assert on the return code with stderr in the message

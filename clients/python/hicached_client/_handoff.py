@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 from collections.abc import Sequence
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"hicached-fds-v1"
 SUFFIX = ".fds"
+DAEMON_UID_ENV = "HICACHED_DAEMON_UID"
 # Metadata key carrying AttachResponse.session_secret on every call of a session.
 SESSION_SECRET_METADATA = "x-hicached-session-secret"
 _MAX_REPLY = 512
@@ -91,6 +93,36 @@ def prepare(pools: Sequence[tpb.PoolSpec]) -> tuple[list[tpb.PoolSpec], list[int
     return out, fds
 
 
+def trusted_uids() -> frozenset[int]:
+    """Who may receive this process's buffers: root, this process's uid, and
+    ``$HICACHED_DAEMON_UID`` when set (a daemon running as its own user, as in deploy/base)."""
+    uids = {0, os.geteuid()}
+    env = os.environ.get(DAEMON_UID_ENV, "").strip()
+    if env:
+        if not env.isdigit():
+            raise HiCacheError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{DAEMON_UID_ENV}={env[:32]!r} is not a numeric uid"
+            )
+        uids.add(int(env))
+    return frozenset(uids)
+
+
+def check_daemon(sock: socket.socket, path: str) -> None:
+    """PERMISSION_DENIED unless the process listening at ``path`` runs as a :func:`trusted_uids`
+    uid (``SO_PEERCRED``: the kernel's word, not the peer's). Whoever can put a socket at the
+    path (a squatted ``/tmp/hicached-<uid>``, a directory its group can write) would otherwise
+    receive the worker's memory, read it and write into it."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    if uid not in trusted_uids():
+        raise HiCacheError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"the fd handoff socket {path} is served by uid {uid} (pid {pid}), not by root or this "
+            f"process's uid {os.geteuid()}: refusing to hand buffers over (if uid {uid} runs your "
+            f"daemon, set {DAEMON_UID_ENV}={uid})",
+        )
+
+
 def hand_over(path: str, fds: Sequence[int], timeout_s: float | None) -> str | None:
     """Send ``fds`` (may be empty) to the daemon's handoff socket; returns the ticket.
 
@@ -110,6 +142,8 @@ def hand_over(path: str, fds: Sequence[int], timeout_s: float | None) -> str | N
                 grpc.StatusCode.UNAVAILABLE,
                 f"cannot hand buffers over: no daemon handoff socket at {path} ({exc})",
             ) from None
+        if fds:
+            check_daemon(sock, path)
         socket.send_fds(sock, [MAGIC], list(fds))
         reply = b""
         while not reply.endswith(b"\n") and len(reply) < _MAX_REPLY:
