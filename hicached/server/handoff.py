@@ -31,7 +31,7 @@ import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +86,8 @@ class TicketRefused(Exception):
 class HandoffRegistry:
     """Pending handoffs by ticket. Thread-safe (one lock; every method is O(1) amortised).
 
-    Bounds: at most ``max_pending`` tickets in total, ``max_per_uid`` per uid, and
+    Bounds: at most ``max_pending`` tickets in total (when all are taken, a new one displaces
+    the oldest ticket of the uid holding the most, if it holds more), ``max_per_uid`` per uid, and
     ``max_fds_per_uid`` descriptors held in one uid's tickets (a uid's full tickets would
     otherwise hold ``max_per_uid`` x ``server.handoff_max_fds`` of the daemon's descriptors,
     enough to run it out of them for every other client); a ticket lives ``ttl_s`` seconds.
@@ -124,7 +125,7 @@ class HandoffRegistry:
                 if self._closed:
                     raise TicketRefused("the daemon is shutting down", "UNAVAILABLE")
                 if len(self._pending) >= self._max_pending:
-                    raise TicketRefused(f"too many pending handoffs ({self._max_pending}); retry shortly")
+                    stale.extend(self._evict_for_locked(cred.uid))
                 mine = [p for p in self._pending.values() if p.cred.uid == cred.uid]
                 if len(mine) >= self._max_per_uid:
                     raise TicketRefused(
@@ -146,6 +147,25 @@ class HandoffRegistry:
             raise
         finally:
             _close_all(stale)
+
+    def _evict_for_locked(self, uid: int) -> list[int]:
+        """Room for one more of ``uid``'s tickets when all are taken: the oldest ticket of the
+        uid holding the most goes (its fds returned, to close), if that uid holds more than
+        ``uid`` will; else TicketRefused. So a few uids filling every ticket (8 at the
+        defaults) cannot lock the others out: only the largest holders lose tickets."""
+        held = Counter(p.cred.uid for p in self._pending.values())
+        top, most = held.most_common(1)[0]
+        if most <= held[uid] + 1:
+            raise TicketRefused(f"too many pending handoffs ({self._max_pending}); retry shortly")
+        ticket = next(t for t, p in self._pending.items() if p.cred.uid == top)
+        logger.info(
+            "fd handoff ticket of uid %d dropped for uid %d (all %d taken)",
+            top,
+            uid,
+            self._max_pending,
+            extra={"event": "handoff", "uid": top},
+        )
+        return self._pending.pop(ticket).fds
 
     def take(self, ticket: str) -> tuple[PeerCred, list[int]] | None:
         """Consume a ticket: its credentials and fds (the caller now owns and must close them).

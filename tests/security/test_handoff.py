@@ -289,3 +289,29 @@ def test_one_uids_idle_connections_do_not_lock_another_uid_out(served: Served) -
     finally:
         for s in idle:
             s.close()
+
+
+def test_uids_filling_every_ticket_do_not_lock_another_uid_out() -> None:
+    """A reviewer's 8 uids, 32 tickets each, held all 256: an honest uid's attaches failed
+    ("too many pending handoffs") 38 times in 38. Now a full registry drops the oldest ticket of
+    the uid holding the most, never one of a uid that would then hold as many."""
+    registry = HandoffRegistry(max_pending=4, max_per_uid=2, max_fds_per_uid=8)
+    fd = sealed_memfd("fair", 4096)
+    try:
+        dropped = os.dup(fd)
+        a = [registry.put(PeerCred(1000, 1, 0), [dropped]), registry.put(PeerCred(1000, 1, 1), [os.dup(fd)])]
+        b = [registry.put(PeerCred(1001, 1, i), [os.dup(fd)]) for i in range(2)]
+        honest = registry.put(PeerCred(2000, 1, 9), [os.dup(fd)])
+        assert registry.take(a[0]) is None and not fd_is_open(dropped), "the oldest of a top holder"
+        assert registry.pending == 4
+        with pytest.raises(TicketRefused, match="too many pending handoffs"):
+            registry.put(PeerCred(1000, 1, 5), [os.dup(fd)])  # 1000 would hold as many as 1001
+        later = registry.put(PeerCred(2001, 1, 10), [os.dup(fd)])  # displaces one of 1001's
+        for ticket in (honest, later, a[1], *b[1:]):
+            got = registry.take(ticket)
+            assert got is not None, ticket
+            os.close(got[1][0])
+        assert registry.take(b[0]) is None
+    finally:
+        registry.close()
+        os.close(fd)
