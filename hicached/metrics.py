@@ -22,15 +22,13 @@ default one), so tests and embedded daemons can build several side by side.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Iterable
-from typing import NamedTuple
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import start_http_server
 
+from hicached import metrics_http
 from hicached.errors import InvalidArgument
+from hicached.metrics_http import MetricsServer
 from hicached.transfer.engine import Priority
 
 __all__ = [
@@ -60,7 +58,7 @@ DIRECTIONS = ("d2h", "h2d", "l3_to_l2", "l2_to_l3")
 # metric share one vocabulary (``Priority.WRITE_BACK`` -> ``write_back``).
 PRIORITIES = tuple(p.name.lower() for p in Priority)
 # Periodic background tasks of the daemon (bounded: names are code constants).
-TASKS = ("gauges", "l3_stats", "handoff_sweep", "lane_accept", "lease_reaper")
+TASKS = ("gauges", "l3_stats", "handoff_sweep", "lane_accept", "lease_reaper", "metrics_http")
 # gRPC status code names (grpc.StatusCode.X.name); spelled out here because
 # only hicached.server may import grpc.
 RPC_CODES = (
@@ -323,30 +321,18 @@ class Metrics:
         return frozenset(names)
 
 
-class MetricsServer(NamedTuple):
-    """A running /metrics endpoint; unpacks as ``(server, port)``."""
-
-    server: WSGIServer
-    port: int
-    thread: threading.Thread
-
-    def close(self) -> None:
-        """Stop serving, release the port and join the thread; a second call is a no-op."""
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
-
-
-def serve_metrics(metrics: Metrics, host: str, port: int) -> MetricsServer:
+def serve_metrics(
+    metrics: Metrics, host: str, port: int, *, on_failure: Callable[[], None] | None = None
+) -> MetricsServer:
     """Serve ``metrics`` as Prometheus text on ``http://host:port/metrics``.
 
-    ``port`` 0 picks a free port; the returned ``port`` is the real one. The
-    server runs on a daemon thread of its own (scrapes never touch the asyncio
-    loop) until :meth:`MetricsServer.close`.
+    ``port`` 0 picks a free port; the returned ``port`` is the real one. The server runs on a
+    daemon thread of its own (scrapes never touch the asyncio loop), bounded in connections,
+    time and bytes (:mod:`hicached.metrics_http`), until :meth:`MetricsServer.close`;
+    ``on_failure`` is called on that thread when a step of it failed (logged, then it goes on).
     """
     if not 0 <= port <= 65535:
         raise InvalidArgument(f"metrics port {port} is outside 0..65535")
-    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
-    real_port = int(server.server_port)
-    logger.info("metrics on http://%s:%d/metrics", host, real_port)
-    return MetricsServer(server, real_port, thread)
+    server = metrics_http.start(metrics.registry, host, port, on_failure=on_failure)
+    logger.info("metrics on http://%s:%d/metrics", host, server.port)
+    return server
