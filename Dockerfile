@@ -74,7 +74,10 @@ LABEL org.opencontainers.image.title="hicached" \
 # These are defaults only: a config file, HICACHED_* variables and flags still win.  The
 # startup line names the L3 path and where it came from (l3_target, l3_source).
 # /metrics listens on every interface, as EXPOSE 9400 promises (the daemon's default is
-# loopback only: outside a container that is the safe choice).
+# loopback only: outside a container that is the safe choice).  Inside a pod that is what
+# Prometheus needs, and anyone who can reach the pod's IP can reach it too: restrict who
+# with a NetworkPolicy (deploy/base/networkpolicy.yaml admits one namespace), or run with
+# `docker run -p 127.0.0.1:9400:9400`; the server itself is bounded (docs/limits.md).
 ENV XDG_CACHE_HOME=/var/lib \
     XDG_RUNTIME_DIR=/run \
     HICACHED_SERVER_METRICS_HOST=0.0.0.0

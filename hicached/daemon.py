@@ -193,7 +193,9 @@ class Daemon:
         url = None
         if port >= 0:
             try:
-                self.metrics_server = serve_metrics(self.metrics, host, port)
+                self.metrics_server = serve_metrics(
+                    self.metrics, host, port, on_failure=lambda: self._task_failed("metrics_http")
+                )
             except OSError as exc:  # in use, or a host that does not resolve (gaierror)
                 raise StartupError(
                     f"server.metrics_host/server.metrics_port {host}:{port} cannot serve metrics: "

@@ -6,8 +6,10 @@ Every metric is named ``hicached_*`` and modelled on SGLang HiCache's own
 translate directly. docs/metrics.md is the reference for operators.
 
 Cardinality is bounded by construction: ``model`` and ``pool`` are the live pool
-groups' (at most ``host.max_groups``; a retired group's series are removed,
-hicached/observability.py), ``backend``, ``method`` and ``reason`` come from the
+groups' (at most ``host.max_groups`` groups of ``limits.max_pools_per_attach`` pools; a
+retired group's series are removed, and groups sharing a model and pool name share its
+series, summed: hicached/observability.py), each value at most :data:`MAX_LABEL_CHARS`
+characters (:func:`label_value`); ``backend``, ``method`` and ``reason`` come from the
 code, and ``tier``, ``direction``, ``priority`` and ``code`` are closed
 vocabularies, checked here.
 Never label a metric with a session, request, operation or page id: those
@@ -21,22 +23,23 @@ default one), so tests and embedded daemons can build several side by side.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
-import threading
-from collections.abc import Iterable
-from typing import NamedTuple
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import start_http_server
 
+from hicached import metrics_http
 from hicached.errors import InvalidArgument
+from hicached.metrics_http import MetricsServer
 from hicached.transfer.engine import Priority
 
 __all__ = [
     "BANDWIDTH_BUCKETS_GBPS",
     "DIRECTIONS",
     "DURATION_BUCKETS",
+    "MAX_LABEL_CHARS",
     "PREFIX",
     "PRIORITIES",
     "RPC_CODES",
@@ -44,6 +47,7 @@ __all__ = [
     "TIERS",
     "Metrics",
     "MetricsServer",
+    "label_value",
     "serve_metrics",
 ]
 
@@ -60,7 +64,7 @@ DIRECTIONS = ("d2h", "h2d", "l3_to_l2", "l2_to_l3")
 # metric share one vocabulary (``Priority.WRITE_BACK`` -> ``write_back``).
 PRIORITIES = tuple(p.name.lower() for p in Priority)
 # Periodic background tasks of the daemon (bounded: names are code constants).
-TASKS = ("gauges", "l3_stats", "handoff_sweep", "lane_accept", "lease_reaper")
+TASKS = ("gauges", "l3_stats", "handoff_sweep", "lane_accept", "lease_reaper", "metrics_http")
 # gRPC status code names (grpc.StatusCode.X.name); spelled out here because
 # only hicached.server may import grpc.
 RPC_CODES = (
@@ -110,6 +114,23 @@ DURATION_BUCKETS = (
 BANDWIDTH_BUCKETS_GBPS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
 # Pages per prefetch/backup batch (the reference batches by 128 pages).
 BATCH_PAGE_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
+
+
+# Longest ``model``/``pool`` label value. Names are the clients' (up to limits.max_identity_bytes
+# each): 64 models x 32 pools of 256- and 100-byte names made every scrape 3.3 MB (180x).
+MAX_LABEL_CHARS = 64
+_HASH_CHARS = 8
+
+
+@functools.lru_cache(maxsize=4096)  # the gauges ask again every second for every live pool
+def label_value(name: str) -> str:
+    """``name`` as a ``model`` or ``pool`` label value: itself up to :data:`MAX_LABEL_CHARS`
+    characters, else its first characters, ``~`` and 8 hex digits of its SHA-256, 64 in all
+    (so that names sharing a long prefix stay distinct series)."""
+    if len(name) <= MAX_LABEL_CHARS:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_CHARS]
+    return f"{name[: MAX_LABEL_CHARS - _HASH_CHARS - 1]}~{digest}"
 
 
 def _check_vocabulary(label: str, value: str, allowed: Iterable[str]) -> str:
@@ -323,30 +344,18 @@ class Metrics:
         return frozenset(names)
 
 
-class MetricsServer(NamedTuple):
-    """A running /metrics endpoint; unpacks as ``(server, port)``."""
-
-    server: WSGIServer
-    port: int
-    thread: threading.Thread
-
-    def close(self) -> None:
-        """Stop serving, release the port and join the thread; a second call is a no-op."""
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
-
-
-def serve_metrics(metrics: Metrics, host: str, port: int) -> MetricsServer:
+def serve_metrics(
+    metrics: Metrics, host: str, port: int, *, on_failure: Callable[[], None] | None = None
+) -> MetricsServer:
     """Serve ``metrics`` as Prometheus text on ``http://host:port/metrics``.
 
-    ``port`` 0 picks a free port; the returned ``port`` is the real one. The
-    server runs on a daemon thread of its own (scrapes never touch the asyncio
-    loop) until :meth:`MetricsServer.close`.
+    ``port`` 0 picks a free port; the returned ``port`` is the real one. The server runs on a
+    daemon thread of its own (scrapes never touch the asyncio loop), bounded in connections,
+    time and bytes (:mod:`hicached.metrics_http`), until :meth:`MetricsServer.close`;
+    ``on_failure`` is called on that thread when a step of it failed (logged, then it goes on).
     """
     if not 0 <= port <= 65535:
         raise InvalidArgument(f"metrics port {port} is outside 0..65535")
-    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
-    real_port = int(server.server_port)
-    logger.info("metrics on http://%s:%d/metrics", host, real_port)
-    return MetricsServer(server, real_port, thread)
+    server = metrics_http.start(metrics.registry, host, port, on_failure=on_failure)
+    logger.info("metrics on http://%s:%d/metrics", host, server.port)
+    return server

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
+from hicached.metrics import label_value
 from hicached.transfer.plan import CopyPlan, Direction
 
 if TYPE_CHECKING:
@@ -42,9 +43,10 @@ class CoreMetrics:
 
     def __init__(self, metrics: Metrics) -> None:
         self._m = metrics
-        # (direction, model, pool) -> its (tokens, bytes) children: ``labels()`` cost more than
-        # the increments (15 us a copy in all). As many as the registry holds for these series.
-        self._children: dict[tuple[Direction, str, str], tuple[Counter, Counter]] = {}
+        # (direction, model, pool) -> its (tokens, bytes) children and their label values
+        # (:func:`~hicached.metrics.label_value`): ``labels()`` cost more than the increments
+        # (15 us a copy in all). As many as the registry holds for these series.
+        self._children: dict[tuple[Direction, str, str], tuple[Counter, Counter, tuple[str, str]]] = {}
         self._durations = {
             d: metrics.transfer_duration.labels(direction=metrics.direction(d.value)) for d in Direction
         }
@@ -63,24 +65,26 @@ class CoreMetrics:
         self._durations[direction].observe(seconds)
 
     def retain(self, live: set[tuple[str, str]]) -> None:
-        """Remove the write/load series of every (model, pool) not in ``live`` (their group was
-        retired): model and pool names are the clients', and must not pile up in every scrape.
-        A model that comes back starts its counters again from 0 (a counter reset). Called by
-        :class:`HostGauges` on its one thread; a retired group has no session left to copy."""
+        """Remove the write/load series of every (model, pool) label pair not in ``live``
+        (their group was retired): model and pool names are the clients', and must not pile up
+        in every scrape. A model that comes back starts its counters again from 0 (a counter
+        reset). Called by :class:`HostGauges` on its one thread; a retired group has no
+        session left to copy."""
         m = self._m
-        for key in [k for k in list(self._children) if (k[1], k[2]) not in live]:
+        for key, (_, _, labels) in list(self._children.items()):
+            if labels in live:
+                continue
             self._children.pop(key, None)
-            direction, model, pool = key
             pair = (
-                (m.write_tokens, m.write_bytes)
-                if direction is Direction.D2H
-                else (m.load_tokens, m.load_bytes)
+                (m.write_tokens, m.write_bytes) if key[0] is Direction.D2H else (m.load_tokens, m.load_bytes)
             )
             for counter in pair:
                 with contextlib.suppress(KeyError):
-                    counter.remove(model, pool)
+                    counter.remove(*labels)
 
     def _pool_children(self, direction: Direction, model: str, pool: str) -> tuple[Counter, Counter]:
+        """The (tokens, bytes) counters of one (direction, model, pool); groups sharing a
+        model and pool name (other layouts) count into the same ones."""
         children = self._children.get((direction, model, pool))
         if children is None:
             tokens, nbytes = (
@@ -88,11 +92,13 @@ class CoreMetrics:
                 if direction is Direction.D2H
                 else (self._m.load_tokens, self._m.load_bytes)
             )
+            labels = (label_value(model), label_value(pool))
             children = self._children[(direction, model, pool)] = (
-                tokens.labels(model=model, pool=pool),
-                nbytes.labels(model=model, pool=pool),
+                tokens.labels(*labels),
+                nbytes.labels(*labels),
+                labels,
             )
-        return children
+        return children[0], children[1]
 
 
 class IndexMetrics:
@@ -167,8 +173,12 @@ class RpcMetrics:
 class HostGauges:
     """Host pool usage and copy-queue depths, read from the live objects on each ``refresh``.
 
-    A retired pool group's series are removed with it (its write/load counters too, through
-    ``core``), so a scrape never shows a group that is gone. Not thread-safe: one caller (the daemon's reaper) refreshes.
+    Series are per (model, pool) label pair: pool groups of one model in other layouts (the
+    same pool names, another head_dim or page size) are summed into it, as its write/load
+    counters are (each group set the gauge in turn before, and the last one won). A retired
+    pool group's series are removed with it (its write/load counters too, through ``core``),
+    so a scrape never shows a group that is gone. Not thread-safe: one caller (the daemon's
+    reaper) refreshes.
     """
 
     def __init__(
@@ -182,18 +192,24 @@ class HostGauges:
 
     def refresh(self) -> None:
         m = self._m
-        seen: set[tuple[str, str]] = set()
+        # (model, pool) label pair -> used tokens, total tokens, used bytes, total bytes
+        sums: dict[tuple[str, str], list[int]] = {}
         for state in self._groups.all():
+            model = label_value(state.model_name)
             for p in state.states():
-                labels = {"model": state.model_name, "pool": p.name}
-                seen.add((state.model_name, p.name))
                 used = p.total_pages - p.free_pages
-                m.host_used_tokens.labels(**labels).set(used * p.page_size)
-                m.host_total_tokens.labels(**labels).set(p.total_pages * p.page_size)
-                m.host_used_bytes.labels(**labels).set(used * p.page_bytes)
-                m.host_total_bytes.labels(**labels).set(p.total_pages * p.page_bytes)
+                levels = sums.setdefault((model, label_value(p.name)), [0, 0, 0, 0])
+                levels[0] += used * p.page_size
+                levels[1] += p.total_pages * p.page_size
+                levels[2] += used * p.page_bytes
+                levels[3] += p.total_pages * p.page_bytes
+        gauges = (m.host_used_tokens, m.host_total_tokens, m.host_used_bytes, m.host_total_bytes)
+        for labels, levels in sums.items():
+            for gauge, level in zip(gauges, levels, strict=True):
+                gauge.labels(*labels).set(level)
+        seen = set(sums)
         for model, pool in self._labels - seen:
-            for gauge in (m.host_used_tokens, m.host_total_tokens, m.host_used_bytes, m.host_total_bytes):
+            for gauge in gauges:
                 with contextlib.suppress(KeyError):
                     gauge.remove(model, pool)
         self._labels = seen

@@ -9,11 +9,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hicached_client import HiCacheClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicached.testing.procs import free_ports
 from tests.support.daemon import Daemon, start_daemon
 from tests.support.kv import WorkerPools, unique_tag
+from tests.support.state import poll
 
 
 def free_port() -> int:
@@ -36,6 +38,18 @@ def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+def fresh_scrape(port: int, client: HiCacheClient) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """A scrape rendered after this call began. /metrics serves one render for up to a second
+    (hicached/metrics_http.py): ping, then scrape until a render counts more pings than the
+    one before the ping did (renders only move forward; nothing else in these tests pings)."""
+    pings = "hicached_rpcs_total"
+    seen = total(scrape(port), pings, method="Ping")
+    client.ping(b"fresh scrape")
+    return poll(
+        lambda: scrape(port), lambda s: total(s, pings, method="Ping") > seen, 10.0, "a render after a ping"
+    )
 
 
 def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:

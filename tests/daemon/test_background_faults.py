@@ -43,6 +43,19 @@ def lane_init(self, *a, **k):
 fl.Lane.__init__ = lane_init
 """
 
+# The metrics endpoint's first accept fails (an unexpected error on its thread).
+FAILING_METRICS_ACCEPT = """
+import hicached.metrics_http as mh
+_accept = mh.MetricsServer._accept
+_first = [True]
+def accept(self):
+    if _first[0]:
+        _first[0] = False
+        raise RuntimeError("injected metrics accept fault")
+    return _accept(self)
+mh.MetricsServer._accept = accept
+"""
+
 # Closing the fast lanes at shutdown fails.
 FAILING_LANE_CLOSE = """
 import hicached.server.fastlane as fl
@@ -92,6 +105,19 @@ def test_lane_acceptor_survives_a_failure_and_counts_it() -> None:
         assert _lane_answers(lane).startswith(b"error "), "the acceptor still accepts"
         assert total(scrape(port), FAILURES, task="lane_accept") == 1
         assert log_lines(d, "fast lane acceptor failed")
+    finally:
+        assert d.stop() == 0
+
+
+def test_metrics_endpoint_survives_a_failure_and_counts_it() -> None:
+    """Fails before the fix: prometheus_client's server had no such seam (its per-connection
+    threads printed tracebacks to stderr, outside the log and its rate limit)."""
+    d = serve_patched(FAILING_METRICS_ACCEPT, "--metrics-port", "0")
+    try:
+        port = metrics_port(d)
+        # The first connection's accept fails; the thread logs, pauses and accepts it then.
+        assert total(scrape(port), FAILURES, task="metrics_http") == 1
+        assert log_lines(d, "metrics endpoint failed; serving again")
     finally:
         assert d.stop() == 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hicached_client import HiCacheClient, PrefetchState, TokenChain, WorkerIdentity
 
-from tests.daemon.conftest import free_port, new_pools, scrape, start_file_daemon, total
+from tests.daemon.conftest import free_port, fresh_scrape, new_pools, scrape, start_file_daemon, total
 from tests.robustness.loop_support import attach_bytes
 from tests.support.daemon import start_daemon
 from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, host_pages_of, transfers
@@ -56,7 +56,7 @@ def test_metrics_after_a_bench_like_workload(l3_dir: Path, worker_pools: list[Wo
                 loaded = b.load_wait(transfers(dst, host))
                 for pool in POOLS:
                     assert pools_b.digest(pool, dst) == pools_b.digest(pool, src), pool
-                after_copy = scrape(port)
+                after_copy = fresh_scrape(port, client)
                 # The counters count exactly the bytes the daemon acknowledged moving.
                 assert (
                     total(after_copy, "hicached_write_bytes_total") == sum(a.bytes for a in written.acks) > 0
@@ -70,7 +70,7 @@ def test_metrics_after_a_bench_like_workload(l3_dir: Path, worker_pools: list[Wo
                 # A put checks only what L2 holds: it asks no L3 and is not counted as a lookup
                 # (it was, and the hit rate fell with every put).
                 asked = "hicached_lookup_query_pages_total"
-                assert total(scrape(port), asked) == total(after_copy, asked)
+                assert total(fresh_scrape(port, client), asked) == total(after_copy, asked)
                 backed = b.backup(new_prefix, wait=True)
                 assert backed.stored_pages == backed.queued_pages
 
@@ -82,7 +82,7 @@ def test_metrics_after_a_bench_like_workload(l3_dir: Path, worker_pools: list[Wo
                 assert (status.state, status.completed_pages) == (PrefetchState.DONE, PAGES)
                 assert b.lookup(old_prefix).l2_hit_pages == PAGES
 
-                end = scrape(port)
+                end = fresh_scrape(port, client)
                 assert total(end, "hicached_write_bytes_total") > total(
                     after_copy, "hicached_write_bytes_total"
                 )

@@ -368,6 +368,12 @@ def test_network_policy_admits_only_metrics(rendered: dict[str, list[Manifest]])
     assert "Ingress" in policy["spec"]["policyTypes"]
     ports = [p for rule in policy["spec"]["ingress"] for p in rule["ports"]]
     assert ports == [{"port": "metrics", "protocol": "TCP"}]
+    # From Prometheus' namespace only (any pod reached the metrics server before).
+    for rule in policy["spec"]["ingress"]:
+        assert rule["from"], "an ingress rule without a source admits every pod"
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer, peer
+            assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
     container_ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
     assert "metrics" in container_ports
 

@@ -137,8 +137,8 @@ def test_bad_port_is_rejected_and_close_releases_the_port() -> None:
     with pytest.raises(InvalidArgument, match="70000"):
         serve_metrics(metrics, "127.0.0.1", 70000)
     endpoint = serve_metrics(metrics, "127.0.0.1", 0)
-    server, port = endpoint[0], endpoint[1]
-    assert port == server.server_port != 0
+    port = endpoint.port
+    assert port != 0
     assert scrape(port)[("hicached_sessions", ())] == 0
     endpoint.close()
     endpoint.close()  # second close is a no-op
