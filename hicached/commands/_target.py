@@ -8,6 +8,8 @@ from collections.abc import Callable
 import grpc
 from hicached_client._channel import SOCKET_ENV, default_target, normalize_target
 
+from hicached.commands._common import shown
+
 
 def add_target_flags(
     parser: argparse.ArgumentParser,
@@ -27,7 +29,9 @@ def target_of(args: argparse.Namespace, default: Callable[[], str] = default_tar
 
 
 def failure_message(target: str, code: grpc.StatusCode, details: str) -> str:
-    """One line for a failed call; for an unreachable daemon, how to start one there."""
+    """One line for a failed call; for an unreachable daemon, how to start one there.
+    ``details`` (the server's, or gRPC's) is escaped with :func:`shown`."""
+    details = shown(details)
     if code is not grpc.StatusCode.UNAVAILABLE:
         return f"hicached: {target}: {code.name}: {details}"
     where = target.removeprefix("unix://")

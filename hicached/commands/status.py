@@ -18,6 +18,7 @@ from hicached_client._channel import (
 )
 from hicached_client.v1 import hicached_pb2 as pb
 
+from hicached.commands._common import shown
 from hicached.commands._target import add_target_flags, failure_message, target_of
 
 
@@ -81,33 +82,41 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_as_json(stats), default=str))
         return 0
-    print(f"hicached {stats.version} at {target}{'  (draining)' if stats.draining else ''}")
+    # Every string of the answer goes through shown(): it is the daemon's, or an impostor's.
+    print(f"hicached {shown(stats.version)} at {target}{'  (draining)' if stats.draining else ''}")
     used, budget = stats.host_used_bytes, stats.host_budget_bytes
     print(f"host memory: {used / 2**20:.1f} MiB of {budget / 2**20:.1f} MiB budget")
     print(f"\nsessions ({len(stats.sessions)}):")
     for s in stats.sessions:
         w = s.identity
         print(
-            f"  {s.session_id}  {w.instance_id} gen {w.generation}  model {w.model_name!r} "
+            f"  {shown(s.session_id)}  {shown(w.instance_id)} gen {w.generation}  model '{shown(w.model_name)}' "
             f"tp {w.tp_rank}/{w.tp_size} pp {w.pp_rank}/{w.pp_size}  owns {s.owned_pages} pages"
         )
         for sp in s.pools:
-            print(f"    pool {sp.name}: buffers {sp.buffers}, data path {sp.data_path or '(not given)'}")
+            path = shown(sp.data_path) or "(not given)"
+            print(f"    pool {shown(sp.name)}: buffers {shown(sp.buffers)}, data path {path}")
     print(f"\npool groups ({len(stats.groups)}):")
     for g in stats.groups:
-        print(f"  {g.group}  model {g.model_name!r}  sessions {g.sessions}  indexed pages {g.indexed_pages}")
+        print(
+            f"  {shown(g.group)}  model '{shown(g.model_name)}'  sessions {g.sessions}"
+            f"  indexed pages {g.indexed_pages}"
+        )
         for p in g.pools:
             print(
-                f"    {p.name:12} {p.total_pages - p.free_pages:>8}/{p.total_pages:<8} pages used"
-                f"  {p.page_bytes} B/page  {p.segment}"
+                f"    {shown(p.name):12} {p.total_pages - p.free_pages:>8}/{p.total_pages:<8} pages used"
+                f"  {p.page_bytes} B/page  {shown(p.segment)}"
             )
     print(f"\nretraction backups ({len(stats.backups)}):")
     for b in stats.backups:
-        print(f"  {b.backup_id}  request {b.request_id!r}  {b.pages} pages  session {b.session_id}")
+        print(
+            f"  {shown(b.backup_id)}  request '{shown(b.request_id)}'  {b.pages} pages"
+            f"  session {shown(b.session_id)}"
+        )
     print("\nL3:")
     for be in stats.backends:
         print(
-            f"  {be.name}: {be.pages} pages, {be.bytes / 2**20:.1f} MiB"
+            f"  {shown(be.name)}: {be.pages} pages, {be.bytes / 2**20:.1f} MiB"
             f" hits {be.hits} misses {be.misses} corrupt {be.corrupt_pages}"
         )
     if not stats.backends:
