@@ -6,9 +6,17 @@ import argparse
 from collections.abc import Callable
 
 import grpc
+from hicached_client import HiCacheClient
 from hicached_client._channel import SOCKET_ENV, default_target, normalize_target
 
 from hicached.commands._common import shown
+
+# The largest answer these commands accept (the client library's default is 256 MiB, for byte
+# batches). An honest GetStats is far smaller: a peer's 256 sessions of 32 pools, every name
+# at its limit, come to 1.4 MiB, all 64 pool groups to 0.7 MiB. An answer is parsed and
+# converted whole before a line is printed: a stranger answering on the socket made `status`
+# take 46 s and 1.2 GiB with 16 MiB of tiny sessions, 212 s and 4.6 GiB with 64 MiB.
+MAX_ANSWER_BYTES = 16 << 20
 
 
 def add_target_flags(
@@ -18,6 +26,12 @@ def add_target_flags(
     parser.add_argument("--socket", help=f"daemon Unix socket (default: {default_help})")
     parser.add_argument("--target", help="gRPC target instead of --socket (host:port or unix:///path)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+
+
+def client_of(args: argparse.Namespace, target: str) -> HiCacheClient:
+    """The client these commands ask ``target`` with: ``--timeout``, answers up to
+    :data:`MAX_ANSWER_BYTES` (a larger one fails RESOURCE_EXHAUSTED)."""
+    return HiCacheClient(target, timeout_s=args.timeout, max_message_bytes=MAX_ANSWER_BYTES)
 
 
 def target_of(args: argparse.Namespace, default: Callable[[], str] = default_target) -> str:

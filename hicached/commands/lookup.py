@@ -20,7 +20,7 @@ from typing import Any
 from hicached_client import HiCacheClient, HiCacheError, TokenChain, WorkerIdentity, pool_spec
 
 from hicached.commands._common import shown
-from hicached.commands._target import add_target_flags, failure_message, target_of
+from hicached.commands._target import add_target_flags, client_of, failure_message, target_of
 from hicached.commands.keys import parse_tokens
 from hicached.errors import InvalidArgument
 
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicached lookup: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        with HiCacheClient(target, timeout_s=args.timeout) as client:
+        with client_of(args, target) as client:
             try:
                 session = client.attach(identity, [spec], heartbeat=False, join_only=True)
             except HiCacheError as exc:

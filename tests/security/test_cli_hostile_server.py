@@ -10,6 +10,7 @@ OSC 0 retitled the window, CSI 2J cleared the screen, OSC 52 wrote the clipboard
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -186,3 +187,41 @@ def test_lookup_escapes_the_keys_a_hostile_server_answers(fake: Fake) -> None:
     shown = fake.cli("lookup", *LAYOUT, "--tokens", "1,2,3,4,5,6,7,8")
     assert shown.returncode == 0, shown.stderr
     assert_escaped(shown.stdout, 2)
+
+
+def test_status_refuses_an_answer_over_16_mib(fake: Fake) -> None:
+    """Before: the client accepted 256 MiB; a stranger's 64 MiB answer of tiny sessions took
+    `status` 212 s and 4.6 GiB. Now an answer over 16 MiB fails before it is converted."""
+    huge = pb.SessionInfo(session_id="s", identity=tpb.WorkerIdentity(instance_id="x" * (17 << 20)))
+    fake.answers.stats = pb.GetStatsResponse(version="x", sessions=[huge])
+    for args in (["status"], ["status", "--json"]):
+        shown = fake.cli(*args)
+        assert shown.returncode == 1, shown.stderr[:2000]
+        assert "RESOURCE_EXHAUSTED" in shown.stderr and "larger than max" in shown.stderr, shown.stderr
+        assert shown.stdout == "", len(shown.stdout)
+
+
+def test_status_prints_at_most_100_rows_per_table(fake: Fake) -> None:
+    pools = [pb.SessionPool(name=f"p{i}") for i in range(40)]
+    group_pools = [tpb.PoolInfo(name=f"p{i}") for i in range(40)]
+    fake.answers.stats = pb.GetStatsResponse(
+        version="x",
+        sessions=[pb.SessionInfo(session_id=f"s{i}", pools=pools) for i in range(250)],
+        groups=[pb.GroupInfo(group=f"g{i}", pools=group_pools) for i in range(150)],
+        backups=[pb.RetractionInfo(backup_id=f"b{i}") for i in range(120)],
+    )
+    shown = fake.cli("status")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert "sessions (250):" in lines and "pool groups (150):" in lines, lines[:5]
+    assert sum(line.startswith("  s") for line in lines) == 100
+    assert sum(line.startswith("  g") for line in lines) == 100
+    assert sum(line.startswith("  b") for line in lines) == 100
+    assert sum(line.startswith("    pool p") for line in lines) == 100 * 32  # a session's pools
+    assert "  ... and 150 more sessions (--json lists them all)" in lines
+    assert "  ... and 50 more pool groups (--json lists them all)" in lines
+    assert "  ... and 20 more retraction backups (--json lists them all)" in lines
+    assert lines.count("    ... and 8 more pools (--json lists them all)") == 200  # 100 sessions, 100 groups
+    assert len(lines) < 7000, len(lines)
+    data = json.loads(fake.cli("status", "--json").stdout)
+    assert (len(data["sessions"]), len(data["groups"]), len(data["backups"])) == (250, 150, 120)
