@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 import grpc
@@ -25,7 +26,31 @@ def add_target_flags(
 ) -> None:
     parser.add_argument("--socket", help=f"daemon Unix socket (default: {default_help})")
     parser.add_argument("--target", help="gRPC target instead of --socket (host:port or unix:///path)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    parser.add_argument(
+        "--timeout",
+        type=seconds,
+        default=5.0,
+        help=f"seconds to wait for the daemon (more than 0, at most {MAX_TIMEOUT_S:.0f}; default: %(default)s)",
+    )
+
+
+# The longest --timeout: gRPC turned a deadline of 1e10 s or more into DEADLINE_EXCEEDED at once.
+MAX_TIMEOUT_S = 86400.0
+
+
+def seconds(text: str) -> float:
+    """``--timeout``'s type: a number of seconds above 0 and at most :data:`MAX_TIMEOUT_S`;
+    otherwise argparse's usage error (exit 2). 0 or -1 ended in a ValueError traceback from the
+    client, ``nan`` and ``inf`` in DEADLINE_EXCEEDED at once."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f}"
+        )
+    return value
 
 
 def client_of(args: argparse.Namespace, target: str) -> HiCacheClient:

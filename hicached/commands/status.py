@@ -71,7 +71,10 @@ def _health(target: str, timeout: float, service: str) -> int:
         except grpc.RpcError as exc:
             print(failure_message(target, exc.code(), exc.details() or ""), file=sys.stderr)
             return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    try:
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except ValueError:  # not in this grpcio's enum: a newer server's, or a hostile one's (exit 1)
+        status = f"UNKNOWN_STATUS({reply.status})"
     print(status)
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 

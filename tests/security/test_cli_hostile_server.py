@@ -225,3 +225,12 @@ def test_status_prints_at_most_100_rows_per_table(fake: Fake) -> None:
     assert len(lines) < 7000, len(lines)
     data = json.loads(fake.cli("status", "--json").stdout)
     assert (len(data["sessions"]), len(data["groups"]), len(data["backups"])) == (250, 150, 120)
+
+
+def test_health_only_names_a_status_it_does_not_know(fake: Fake) -> None:
+    """Before: a ValueError traceback (`ServingStatus.Name(99)`). Now the status is named by
+    its number and the probe fails (exit 1): only SERVING is healthy."""
+    fake.answers.health = 99
+    shown = fake.cli("status", "--health-only")
+    assert (shown.returncode, shown.stdout.strip()) == (1, "UNKNOWN_STATUS(99)"), shown.stderr
+    assert "Traceback" not in shown.stderr, shown.stderr
