@@ -1,4 +1,9 @@
-"""Flags and messages shared by the commands that talk to a running daemon (status, lookup)."""
+"""Flags, the client and messages shared by the commands that talk to a running daemon
+(status, lookup): what a daemon answers is bounded (:data:`MAX_ANSWER_BYTES`) and escaped
+(:func:`hicached.commands._common.shown`), since a stranger's process may answer instead.
+
+Thread-safety: pure functions; each command builds and closes its own client.
+"""
 
 from __future__ import annotations
 
