@@ -1,4 +1,8 @@
-"""Flags shared by the commands that build a configuration (serve, config show)."""
+"""What the commands share: the flags of those that build a configuration (serve, config
+show), and :func:`shown`, how every command prints text a daemon sent.
+
+Thread-safety: pure functions (argument parsing happens once, on the main thread).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,21 @@ from pathlib import Path
 from typing import Any
 
 from hicached.config import Config, describe, resolve
+from hicached.logs import escape_controls
+
+
+def shown(text: str) -> str:
+    """``text`` that came from a daemon, as a command prints it: every non-printable
+    character (C0 and C1 controls such as ESC, CR and newline, DEL, bidi overrides and other
+    format characters) written as its Python escape (``\\x1b``), the rest unchanged.
+
+    A daemon's strings are a stranger's: the worker that chose its instance id or pool name,
+    an older daemon that let it, or any process answering on the socket. Printed raw, their
+    escape sequences retitled the admin's window, cleared the screen and wrote the clipboard
+    (OSC 52). Readable and one line, not reversible (a backslash stays as it is).
+    """
+    return escape_controls(text)
+
 
 # flag dest -> dotted configuration key
 CONFIG_FLAGS: dict[str, tuple[str, str]] = {

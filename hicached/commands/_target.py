@@ -1,12 +1,28 @@
-"""Flags and messages shared by the commands that talk to a running daemon (status, lookup)."""
+"""Flags, the client and messages shared by the commands that talk to a running daemon
+(status, lookup): what a daemon answers is bounded (:data:`MAX_ANSWER_BYTES`) and escaped
+(:func:`hicached.commands._common.shown`), since a stranger's process may answer instead.
+
+Thread-safety: pure functions; each command builds and closes its own client.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 import grpc
+from hicached_client import HiCacheClient
 from hicached_client._channel import SOCKET_ENV, default_target, normalize_target
+
+from hicached.commands._common import shown
+
+# The largest answer these commands accept (the client library's default is 256 MiB, for byte
+# batches). An honest GetStats is far smaller: a peer's 256 sessions of 32 pools, every name
+# at its limit, come to 1.4 MiB, all 64 pool groups to 0.7 MiB. An answer is parsed and
+# converted whole before a line is printed: a stranger answering on the socket made `status`
+# take 46 s and 1.2 GiB with 16 MiB of tiny sessions, 212 s and 4.6 GiB with 64 MiB.
+MAX_ANSWER_BYTES = 16 << 20
 
 
 def add_target_flags(
@@ -15,7 +31,37 @@ def add_target_flags(
 ) -> None:
     parser.add_argument("--socket", help=f"daemon Unix socket (default: {default_help})")
     parser.add_argument("--target", help="gRPC target instead of --socket (host:port or unix:///path)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    parser.add_argument(
+        "--timeout",
+        type=seconds,
+        default=5.0,
+        help=f"seconds to wait for the daemon (more than 0, at most {MAX_TIMEOUT_S:.0f}; default: %(default)s)",
+    )
+
+
+# The longest --timeout: gRPC turned a deadline of 1e10 s or more into DEADLINE_EXCEEDED at once.
+MAX_TIMEOUT_S = 86400.0
+
+
+def seconds(text: str) -> float:
+    """``--timeout``'s type: a number of seconds above 0 and at most :data:`MAX_TIMEOUT_S`;
+    otherwise argparse's usage error (exit 2). 0 or -1 ended in a ValueError traceback from the
+    client, ``nan`` and ``inf`` in DEADLINE_EXCEEDED at once."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f}"
+        )
+    return value
+
+
+def client_of(args: argparse.Namespace, target: str) -> HiCacheClient:
+    """The client these commands ask ``target`` with: ``--timeout``, answers up to
+    :data:`MAX_ANSWER_BYTES` (a larger one fails RESOURCE_EXHAUSTED)."""
+    return HiCacheClient(target, timeout_s=args.timeout, max_message_bytes=MAX_ANSWER_BYTES)
 
 
 def target_of(args: argparse.Namespace, default: Callable[[], str] = default_target) -> str:
@@ -27,7 +73,9 @@ def target_of(args: argparse.Namespace, default: Callable[[], str] = default_tar
 
 
 def failure_message(target: str, code: grpc.StatusCode, details: str) -> str:
-    """One line for a failed call; for an unreachable daemon, how to start one there."""
+    """One line for a failed call; for an unreachable daemon, how to start one there.
+    ``details`` (the server's, or gRPC's) is escaped with :func:`shown`."""
+    details = shown(details)
     if code is not grpc.StatusCode.UNAVAILABLE:
         return f"hicached: {target}: {code.name}: {details}"
     where = target.removeprefix("unix://")

@@ -19,7 +19,8 @@ from typing import Any
 
 from hicached_client import HiCacheClient, HiCacheError, TokenChain, WorkerIdentity, pool_spec
 
-from hicached.commands._target import add_target_flags, failure_message, target_of
+from hicached.commands._common import shown
+from hicached.commands._target import add_target_flags, client_of, failure_message, target_of
 from hicached.commands.keys import parse_tokens
 from hicached.errors import InvalidArgument
 
@@ -133,9 +134,11 @@ def _no_group(client: HiCacheClient, gid: str, model: str) -> None:
         print("  (`hicached status` on the admin socket lists the groups it has)", file=sys.stderr)
         return
     same_model = [g for g in groups if g.model_name == model]
-    for g in same_model:
-        pools = ", ".join(f"{p.name} (page_size {p.page_size}, {p.page_bytes} B/page)" for p in g.pools)
-        print(f"  group {g.group} of model {g.model_name!r}: {pools}", file=sys.stderr)
+    for g in same_model:  # the daemon's strings: shown() escapes what a terminal would obey
+        pools = ", ".join(
+            f"{shown(p.name)} (page_size {p.page_size}, {p.page_bytes} B/page)" for p in g.pools
+        )
+        print(f"  group {shown(g.group)} of model {g.model_name!r}: {pools}", file=sys.stderr)
     if not same_model:
         print(f"  no group of model {model!r}; groups: {len(groups)}", file=sys.stderr)
 
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicached lookup: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        with HiCacheClient(target, timeout_s=args.timeout) as client:
+        with client_of(args, target) as client:
             try:
                 session = client.attach(identity, [spec], heartbeat=False, join_only=True)
             except HiCacheError as exc:
@@ -190,5 +193,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"  leading pages in L2 (host memory): {l2}")
         print(f"  leading pages in L2 or L3:         {total}")
         for i, (key, tier) in enumerate(zip(result.keys, tiers, strict=True)):
-            print(f"  {i:6}  {key}  {tier}")
+            print(f"  {i:6}  {shown(key)}  {tier}")
     return 0 if total == n else EXIT_MISS

@@ -2,8 +2,9 @@
 
 Each check raises a precise error that names the limit and its configuration
 key: sizes and counts are RESOURCE_EXHAUSTED (:class:`LimitExceeded`), string
-lengths are INVALID_ARGUMENT; a message quotes at most a short prefix of the
-client's value (:func:`hicached.errors.clip`). Nothing here changes state.
+lengths and names that are not printable are INVALID_ARGUMENT; a message quotes at
+most a short prefix of the client's value (:func:`hicached.errors.clip`). Nothing
+here changes state.
 
 Thread-safety: pure functions of their arguments and the frozen config.
 """
@@ -24,11 +25,28 @@ __all__ = [
     "check_identity",
     "check_ids",
     "check_keys",
+    "check_pool_names",
+    "check_printable",
     "check_response",
 ]
 
 # Request fields that carry client-chosen identifiers (checked on every RPC that has them).
 ID_FIELDS = ("session_id", "op_id", "request_id", "backup_id", "prefetch_id", "pool", "model_name", "tenant")
+
+
+def check_printable(field: str, value: str) -> None:
+    """``value`` (a name the daemon shows: identity strings, pool names) is printable
+    (``str.isprintable``: no C0/C1 control, DEL, separator or format character).
+
+    These names reach ``hicached status`` on an admin's terminal, the logs and pool
+    segment names in ``/dev/shm``: a worker's ESC sequences in them retitled the admin's
+    window, cleared the screen and wrote the clipboard (OSC 52). The tenant was already
+    held to this (:func:`hicached.server.rpc_sessions.check_tenant`)."""
+    if not value.isprintable():
+        at = next(i for i, ch in enumerate(value) if not ch.isprintable())
+        raise InvalidArgument(
+            f"{field} {clip(value)} must be printable: it has {value[at]!r} at position {at}"
+        )
 
 
 def check_count(what: str, n: int, limit: int, key: str) -> None:
@@ -73,20 +91,22 @@ def check_id_values(fields: Iterable[tuple[str, object]], limits: LimitsConfig) 
 
 def check_pool_names(what: str, names: Iterable[str], limits: LimitsConfig) -> None:
     """The pool named by each of a request's transfers or pages (``what``), within
-    ``limits.max_identity_bytes``."""
+    ``limits.max_identity_bytes`` and printable (no pool has another name)."""
+    limit = limits.max_identity_bytes
     for i, name in enumerate(names):
-        _check_string(f"{what}[{i}].pool", name, limits.max_identity_bytes, "limits.max_identity_bytes")
+        # Named only when it could fail: a PutPages of 65,536 pages names a pool per page.
+        if len(name) * 4 > limit or not name.isprintable():
+            _check_string(f"{what}[{i}].pool", name, limit, "limits.max_identity_bytes")
+            check_printable(f"{what}[{i}].pool", name)
 
 
 def check_identity(identity: Any, limits: LimitsConfig) -> None:
-    """The attach identity's strings (instance_id, model_name, tenant)."""
+    """The attach identity's strings (instance_id, model_name, tenant): within
+    ``limits.max_identity_bytes`` and printable."""
     for name in ("instance_id", "model_name", "tenant"):
-        _check_string(
-            f"identity.{name}",
-            getattr(identity, name),
-            limits.max_identity_bytes,
-            "limits.max_identity_bytes",
-        )
+        value = getattr(identity, name)
+        _check_string(f"identity.{name}", value, limits.max_identity_bytes, "limits.max_identity_bytes")
+        check_printable(f"identity.{name}", value)
 
 
 def check_buffers(pools: Sequence[Any], limits: LimitsConfig) -> None:
@@ -94,7 +114,8 @@ def check_buffers(pools: Sequence[Any], limits: LimitsConfig) -> None:
     layers, ``limits.max_buffers_per_attach`` device buffers (K and V of every pool), and every
     pool name within the identity limit. Byte-only pools have no buffers but cost the daemon a
     host segment, its descriptor and metric series each, and per-layer bookkeeping is built at
-    attach: both are counted here, before anything is opened."""
+    attach: both are counted here, before anything is opened. Pool names must be printable
+    too (:func:`check_printable`)."""
     check_count(
         "pools in this attach", len(pools), limits.max_pools_per_attach, "limits.max_pools_per_attach"
     )
@@ -108,6 +129,7 @@ def check_buffers(pools: Sequence[Any], limits: LimitsConfig) -> None:
     )
     for i, p in enumerate(pools):
         _check_string(f"pools[{i}].name", p.name, limits.max_identity_bytes, "limits.max_identity_bytes")
+        check_printable(f"pools[{i}].name", p.name)
 
 
 def check_keys(keys: Sequence[str], limits: LimitsConfig) -> None:

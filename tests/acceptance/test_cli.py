@@ -59,6 +59,20 @@ def test_status_against_a_dead_socket_says_how_to_start_the_daemon(tmp_path: Pat
         assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "1e10"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(
+    timeout: str, tmp_path: Path
+) -> None:
+    """Before: 0 and -1 ended in a ValueError traceback from the client (exit 1); nan, inf and
+    1e10 s failed every call at once with DEADLINE_EXCEEDED."""
+    sock = str(tmp_path / "nobody.sock")
+    for command in (["status"], ["status", "--health-only"], ["lookup", *LAYOUT, "--tokens", PREFIX]):
+        result = cli(*command, "--socket", sock, "--timeout", timeout, cwd=tmp_path)
+        assert result.returncode == 2, (command, result.stderr)
+        assert "usage: hicached" in result.stderr and "argument --timeout" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and "DEADLINE_EXCEEDED" not in result.stderr, result.stderr
+
+
 # What the command line hands gRPC, printed by a process that runs it: gRPC reads the variable
 # when it starts, so it must be set before anything imports grpc.
 PROBE = """

@@ -2,8 +2,10 @@
 
 On the code before, an attach whose instance_id held a newline and a fake record wrote a
 standalone ``<timestamp> CRITICAL hicached.daemon: FORGED ...`` line into the log, and CR
-and ANSI escapes in model_name reached it raw. Now the attach line carries both as JSON
-string literals (``instance="w1\\n2026-..."``) and the log holds only the daemon's records.
+and ANSI escapes in model_name reached it raw. Then the attach line carried both as JSON
+string literals (``instance="w1\\n2026-..."``); now such an attach is refused (identity
+strings must be printable, tests/security/test_printable_names.py), and a printable one that
+looks like a record still stays a quoted value inside the attach line.
 """
 
 from __future__ import annotations
@@ -12,30 +14,38 @@ import json
 import re
 import time
 
-from hicached_client import HiCacheClient, WorkerIdentity, pool_spec
+import grpc
+import pytest
+from hicached_client import HiCacheClient, HiCacheError, WorkerIdentity, pool_spec
 
 from tests.support.daemon import Daemon, start_daemon
 from tests.support.kv import unique_tag
 
-FORGED = "\n2026-12-06 02:00:00,000 CRITICAL hicached.daemon: FORGED root password changed event=forged"
+RECORD = "2026-12-06 02:00:00,000 CRITICAL hicached.daemon: FORGED root password changed event=forged"
 MODEL = "m-log\rX\x1b[31mRED\u2028"
 FORGED_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} CRITICAL ", re.MULTILINE)
 
 
 def test_a_forged_identity_stays_inside_the_attach_line(daemon: Daemon) -> None:
-    instance = unique_tag("w") + FORGED
     spec = pool_spec("kv", role="anchor", kind="mha", dtype="float16", page_size=4, num_layers=1,
                      num_heads=2, head_dim=16, k_buffers=[], host_bytes=1 << 20)  # fmt: skip
+    instance = unique_tag("w") + " " + RECORD  # printable: attached, and logged
     with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+        for forged in (
+            WorkerIdentity(instance + "\n" + RECORD, 1, "m-log"),
+            WorkerIdentity(instance, 1, MODEL),
+        ):
+            with pytest.raises(HiCacheError) as refused:
+                client.attach(forged, [spec], heartbeat=False)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT, refused.value
         # the attach line is written before Attach answers, and flushed with it
-        client.attach(WorkerIdentity(instance, 1, MODEL), [spec], heartbeat=False).detach()
+        client.attach(WorkerIdentity(instance, 1, "m-log"), [spec], heartbeat=False).detach()
     log = daemon.log
     assert not FORGED_RECORD.search(log), log[-3000:]
     assert "\r" not in log and "\x1b" not in log and "\u2028" not in log, ascii(log[-3000:])
     attached = [line for line in log.splitlines() if "session attached" in line]
     assert len(attached) == 1, log[-3000:]
     assert f"instance={json.dumps(instance)} " in attached[0], attached[0]
-    assert f"model={json.dumps(MODEL)} " in attached[0], attached[0]
 
 
 def test_a_client_looping_on_attach_cannot_flood_the_log() -> None:

@@ -27,7 +27,7 @@ from hicached_client import _aio_backend as backend
 from hicached_client import _calls, _handoff
 from hicached_client._aio_session import AsyncSession
 from hicached_client._calls import Call, Service, new_op_id
-from hicached_client._channel import ChannelConfig, RetryPolicy
+from hicached_client._channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelConfig, RetryPolicy
 from hicached_client.errors import ClientClosedError, HiCacheError, from_rpc_error, start_failure
 from hicached_client.types import (
     AttachResult,
@@ -52,6 +52,9 @@ class AsyncHiCacheClient:
     :func:`hicached_client.default_target`). ``timeout_s`` is each call's overall deadline,
     retries included. ``fast_lane``: sessions send their hot operations over the daemon's
     fast lane where it has one (see the session's docstring and docs/fastlane.md).
+    ``max_message_bytes``: the largest message the channel sends or accepts (256 MiB, room for
+    large GetBytes/PutBytes batches); a tool that asks a daemon it may not trust only small
+    calls keeps it smaller, since an answer is parsed and converted whole.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class AsyncHiCacheClient:
         retry: RetryPolicy | None = None,
         options: Sequence[tuple[str, Any]] = (),
         fast_lane: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         kwargs: dict[str, Any] = {"target": target} if target is not None else {}
         self.config = ChannelConfig(
@@ -71,6 +75,7 @@ class AsyncHiCacheClient:
             credentials=credentials,
             timeout_s=timeout_s,
             retry=retry or RetryPolicy(),
+            max_message_bytes=max_message_bytes,
             options=options,
             **kwargs,
         )

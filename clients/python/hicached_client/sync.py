@@ -27,7 +27,7 @@ import grpc
 from hicached_client import _calls, _handoff
 from hicached_client import _sync_backend as backend
 from hicached_client._calls import Call, Service, new_op_id
-from hicached_client._channel import ChannelConfig, RetryPolicy
+from hicached_client._channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelConfig, RetryPolicy
 from hicached_client._sync_session import Session
 from hicached_client.errors import ClientClosedError, HiCacheError, from_rpc_error, start_failure
 from hicached_client.types import (
@@ -53,6 +53,9 @@ class HiCacheClient:
     :func:`hicached_client.default_target`). ``timeout_s`` is each call's overall deadline,
     retries included. ``fast_lane``: sessions send their hot operations over the daemon's
     fast lane where it has one (see the session's docstring and docs/fastlane.md).
+    ``max_message_bytes``: the largest message the channel sends or accepts (256 MiB, room for
+    large GetBytes/PutBytes batches); a tool that asks a daemon it may not trust only small
+    calls keeps it smaller, since an answer is parsed and converted whole.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class HiCacheClient:
         retry: RetryPolicy | None = None,
         options: Sequence[tuple[str, Any]] = (),
         fast_lane: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         kwargs: dict[str, Any] = {"target": target} if target is not None else {}
         self.config = ChannelConfig(
@@ -72,6 +76,7 @@ class HiCacheClient:
             credentials=credentials,
             timeout_s=timeout_s,
             retry=retry or RetryPolicy(),
+            max_message_bytes=max_message_bytes,
             options=options,
             **kwargs,
         )
