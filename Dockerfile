@@ -55,7 +55,7 @@ RUN pip install --no-cache-dir /tmp/wheels/hicached_client-0.1.0-py3-none-any.wh
     && groupadd --system --gid 10001 hicached \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin hicached \
-    && install -d -o 10001 -g 10001 -m 0770 /run/hicached \
+    && install -d -o 10001 -g 10001 -m 0750 /run/hicached \
     && install -d -o 10001 -g 10001 -m 0750 /var/lib/hicached \
     && install -d -m 0755 /etc/hicached
 

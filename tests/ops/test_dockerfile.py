@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -300,3 +301,18 @@ def test_entrypoint_starts_the_daemon_and_stops_on_sigterm(short_tmp: Path) -> N
             proc.kill()
             proc.wait(timeout=10)
         log.close()
+
+
+def test_the_images_socket_directory_is_one_the_daemon_accepts(tmp_path: Path) -> None:
+    """The image's CMD serves in /run/hicached, a VOLUME whose mode an anonymous volume copies:
+    made 0770, the daemon (which refuses a socket directory its group can write) exited 2 on
+    the image's own defaults."""
+    from hicached.server.sockets import prepare_dir
+
+    run = " ".join(r.value for r in runtime_stage().all("RUN"))
+    found = re.search(r"install -d (?:-[og] \S+ )*-m (0[0-7]{3}) /run/hicached\b", run)
+    assert found, "the runtime stage creates /run/hicached with install -d -m MODE"
+    directory = tmp_path / "run-hicached"
+    directory.mkdir()
+    directory.chmod(int(found.group(1), 8))
+    prepare_dir(directory, gid=None)  # StartupError before the fix
