@@ -169,14 +169,16 @@ class Server:
         sock = Path(cfg.socket)
         Bound = sockets.BoundSocket
         private = (Bound.private_path(sock, "w"), Bound.private_path(admin_path, "a"))
-        with sockets.restrictive_umask():
-            worker.add_insecure_port(f"unix:{private[0]}")
-            admin.add_insecure_port(f"unix:{private[1]}")
-            await worker.start()
-            await admin.start()
-        self._bound.append(Bound.publish(private[0], sock, cfg.socket_mode))
         admin_mode = 0o660 if self._admin_gid is not None else 0o600
-        self._bound.append(Bound.publish(private[1], admin_path, admin_mode, self._admin_gid))
+        # gRPC binds at add_insecure_port: each socket is created with its mode (no chmod).
+        with sockets.umask_for(cfg.socket_mode):
+            worker.add_insecure_port(f"unix:{private[0]}")
+        with sockets.umask_for(admin_mode):
+            admin.add_insecure_port(f"unix:{private[1]}")
+        await worker.start()
+        await admin.start()
+        self._bound.append(Bound.publish(private[0], sock))
+        self._bound.append(Bound.publish(private[1], admin_path, self._admin_gid))
         if cfg.listen:
             await self._start_tcp(str(admin_path))
         for name in ("", *SERVICE_NAMES):

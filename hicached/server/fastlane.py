@@ -111,7 +111,7 @@ class LaneServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             # Probed (a live daemon's refused, any other file kept) and bound privately, then
-            # linked into place with its mode set: never chmodded through the public path.
+            # linked into place, bound with its mode: nothing is chmodded.
             self._bound = BoundSocket.bind(listener, self._path, self._mode, "l")
             listener.listen(64)
         except BaseException:

@@ -10,9 +10,13 @@ another daemon (its pid comes from ``SO_PEERCRED`` of a probe connection, so
 no pid file can go stale) and startup stops; a dead socket is replaced; any
 other file is refused rather than deleted. The socket is bound under umask
 0o177, so it never exists with looser permissions than 0600, and at stop it
-is unlinked only when the path still names the file this daemon bound. Its
-mode and group are set on a private name in that directory before it is linked
-to the public one: a chmod by the public path would follow a symlink put there.
+is unlinked only when the path still names the file this daemon bound. Its mode
+comes from the umask it is bound under (:func:`umask_for`), and its group is set
+on a private name in that directory, without following symlinks, before it is
+linked to the public one: nothing is chmodded by path (a chmod follows a symlink
+put there). The directories above the socket directory are checked for their
+owners, not their write bits (a pod's emptyDir is 0777 and root's): one others can
+write lets them rename the socket directory away, so do not use one.
 
 Not thread-safe (startup and shutdown run once, on one thread).
 """
@@ -40,7 +44,7 @@ __all__ = [
     "group_id",
     "prepare_dir",
     "probe",
-    "restrictive_umask",
+    "umask_for",
 ]
 
 
@@ -68,10 +72,19 @@ def prepare_dir(directory: Path, *, gid: int | None) -> None:
         directory.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(directory, mode)
     else:
-        os.chmod(directory, mode)  # mkdir applied the umask
-        if gid is not None:
-            os.chown(directory, -1, gid)
+        # Through a descriptor of the directory just made, not its name (which a symlink
+        # could replace in between): mkdir applied the umask.
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, mode)
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+        finally:
+            os.close(fd)
         return
+    # Again, now that the name exists: a symlink another user put there after the first
+    # check (mkdir then found it) is refused, not followed.
+    _check_path(directory)
     st = os.stat(directory)
     if not stat.S_ISDIR(st.st_mode):
         raise StartupError(f"socket directory {directory} exists and is not a directory")
@@ -150,9 +163,10 @@ def claim(path: Path, *, gid: int | None) -> None:
 
 
 @contextlib.contextmanager
-def restrictive_umask() -> Iterator[None]:
-    """Sockets bound inside are created 0600 at most (process-wide umask; startup only)."""
-    old = os.umask(0o177)
+def umask_for(mode: int) -> Iterator[None]:
+    """Sockets bound inside are created with ``mode`` (a socket's bits are 0777 less the umask;
+    process-wide umask, startup only): no chmod afterwards, which would follow a symlink."""
+    old = os.umask(0o777 & ~mode)
     try:
         yield
     finally:
@@ -182,23 +196,20 @@ class BoundSocket:
         return path.parent / f".hc-{os.getpid()}-{role}"
 
     @classmethod
-    def publish(cls, private: Path, path: Path, mode: int, gid: int | None = None) -> BoundSocket:
-        """Give the socket bound at ``private`` its final mode (and group), link it to ``path``
-        (which must not exist: a daemon that raced us there wins) and drop the private name.
-
-        Mode and group are set through the private name, never the public one: chmod and chown
-        follow symlinks, and a symlink swapped in at ``path`` would have them change its target.
-        """
+    def publish(cls, private: Path, path: Path, gid: int | None = None) -> BoundSocket:
+        """Give the socket bound at ``private`` (under :func:`umask_for` its mode) its group, link
+        it to ``path`` (which must not exist: a daemon that raced us there wins) and drop the
+        private name. Neither step follows a symlink: one swapped in at either name would
+        otherwise have them act on its target."""
         try:
             if gid is not None:
                 try:
-                    os.chown(private, -1, gid)
+                    os.chown(private, -1, gid, follow_symlinks=False)
                 except PermissionError:
                     raise StartupError(
                         f"server.admin_group: cannot give {path} to gid {gid} (the daemon is not a member)"
                     ) from None
-            os.chmod(private, mode)
-            os.link(private, path)
+            os.link(private, path, follow_symlinks=False)
         except FileExistsError:
             raise StartupError(f"another hicached took {path} while this one started") from None
         finally:
@@ -211,18 +222,15 @@ class BoundSocket:
     def bind(cls, listener: socket.socket, path: Path, mode: int, role: str) -> BoundSocket:
         """Bind ``listener`` (AF_UNIX) at ``path`` with ``mode``: :func:`probe` of the path (a live
         daemon's is refused, a dead one's replaced, any other file kept), then bound at a private
-        name under umask 0o177 and :meth:`publish` ed, so the public name never has looser
-        permissions and nothing is chmodded through it."""
+        name under :func:`umask_for` ``mode`` and :meth:`publish` ed: the public name never has
+        other permissions and nothing is chmodded."""
         probe(path)
         private = cls.private_path(path, role)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(private)  # a name of a dead daemon with our pid
-        old = os.umask(0o177)
-        try:
+        with umask_for(mode):
             listener.bind(str(private))
-        finally:
-            os.umask(old)
-        return cls.publish(private, path, mode)
+        return cls.publish(private, path)
 
     def unlink(self) -> bool:
         """Unlink the path if it is still our inode (another daemon may have replaced it)."""

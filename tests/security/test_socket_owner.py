@@ -222,8 +222,8 @@ def test_a_symlink_swapped_in_after_linking_is_never_chmodded(
     run.mkdir(mode=0o700)
     link = os.link
 
-    def link_then_swap(src: str | Path, dst: str | Path) -> None:
-        link(src, dst)
+    def link_then_swap(src: str | Path, dst: str | Path, **kw: bool) -> None:
+        link(src, dst, **kw)
         os.unlink(dst)
         os.symlink(secret, dst)
 
