@@ -124,8 +124,6 @@ class HandoffRegistry:
                 stale = self._sweep_locked()
                 if self._closed:
                     raise TicketRefused("the daemon is shutting down", "UNAVAILABLE")
-                if len(self._pending) >= self._max_pending:
-                    stale.extend(self._evict_for_locked(cred.uid))
                 mine = [p for p in self._pending.values() if p.cred.uid == cred.uid]
                 if len(mine) >= self._max_per_uid:
                     raise TicketRefused(
@@ -139,6 +137,9 @@ class HandoffRegistry:
                         f"pass server.handoff_max_pending_fds_per_uid={self._max_fds_per_uid}: attach with "
                         "them or let them expire"
                     )
+                if len(self._pending) >= self._max_pending:
+                    # Last: a handoff refused by its own uid's bounds displaces nobody's ticket.
+                    stale.extend(self._evict_for_locked(cred.uid))
                 ticket = secrets.token_hex(16)
                 self._pending[ticket] = _Pending(cred, list(fds), self._clock() + self._ttl_s)
                 return ticket
@@ -265,7 +266,7 @@ class HandoffServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # Probed (a live daemon's refused, any other file kept) and bound privately, then
-            # linked into place with its mode set: never chmodded through the public path.
+            # linked into place, bound with its mode: nothing is chmodded.
             self._bound = BoundSocket.bind(listener, self._path, self._mode, "f")
             listener.listen(MAX_CONNECTIONS)
             listener.setblocking(False)

@@ -306,6 +306,9 @@ def test_uids_filling_every_ticket_do_not_lock_another_uid_out() -> None:
         assert registry.pending == 4
         with pytest.raises(TicketRefused, match="too many pending handoffs"):
             registry.put(PeerCred(1000, 1, 5), [os.dup(fd)])  # 1000 would hold as many as 1001
+        with pytest.raises(TicketRefused, match="handoff_max_pending_fds_per_uid"):
+            registry.put(PeerCred(3000, 1, 9), [os.dup(fd) for _ in range(9)])  # over its own bound
+        assert registry.pending == 4, "a handoff refused by its own bounds displaced nobody"
         later = registry.put(PeerCred(2001, 1, 10), [os.dup(fd)])  # displaces one of 1001's
         for ticket in (honest, later, a[1], *b[1:]):
             got = registry.take(ticket)
