@@ -170,7 +170,11 @@ def _answer(head: bytes, exposition: _Exposition) -> tuple[bytes, ...]:
         headers[name.strip().lower()] = value.strip().decode("latin-1")
     if method not in (b"GET", b"HEAD"):
         return (NOT_ALLOWED,)
-    if urlsplit(target).path not in _PATHS:
+    try:
+        path = urlsplit(target).path
+    except ValueError:  # "//[x": an invalid IPv6 authority
+        return (BAD_REQUEST,)
+    if path not in _PATHS:
         return (NOT_FOUND,)
     fmt: Format = "openmetrics" if "application/openmetrics-text" in headers.get(b"accept", "") else "text"
     gzipped = _wants_gzip(headers.get(b"accept-encoding", ""))
@@ -350,6 +354,11 @@ class MetricsServer:
             pass  # nothing yet (a read right after the accept): the selector tells when
         except OSError as exc:  # reset by the peer, broken pipe: its loss
             logger.debug("metrics connection failed: %s", exc, extra={"event": "metrics"})
+            self._drop(conn)
+        except Exception:  # a request this code did not foresee: its connection goes, not the server
+            logger.warning(
+                "metrics request failed; connection dropped", exc_info=True, extra={"event": "metrics"}
+            )
             self._drop(conn)
 
     def _read(self, conn: _Conn) -> None:

@@ -204,6 +204,22 @@ def test_only_get_and_head_of_the_metrics_path_are_served(served: tuple[Daemon, 
     assert b"script" not in answer  # the method is not echoed
 
 
+def test_a_target_urllib_cannot_parse_is_a_bad_request_and_stalls_nothing(served: tuple[Daemon, int]) -> None:
+    """A reviewer's stranger sent ``GET //[x`` 50 times a second: urlsplit's ValueError escaped
+    the connection, failed the server's step (an ERROR traceback each, outside the log's rate
+    limit) and paused it 0.1 s; honest scrapes took 12.5 s."""
+    _, port = served
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"GET //[x HTTP/1.1\r\n\r\n")
+            sock.settimeout(10)
+            answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:80]
+    started = time.monotonic()
+    assert _scrape(port)[0] == 200
+    assert time.monotonic() - started < 5
+
+
 # Waits for a line on stdin, connects, says so, and prints the first line of the answer.
 CALLER = """
 import socket, sys
