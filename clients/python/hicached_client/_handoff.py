@@ -99,7 +99,7 @@ def trusted_uids() -> frozenset[int]:
     uids = {0, os.geteuid()}
     env = os.environ.get(DAEMON_UID_ENV, "").strip()
     if env:
-        if not env.isdigit():
+        if not (env.isascii() and env.isdigit()):
             raise HiCacheError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"{DAEMON_UID_ENV}={env[:32]!r} is not a numeric uid"
             )
