@@ -19,16 +19,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from hicached_client import HiCacheClient
 
 from hicached.metrics import Metrics, serve_metrics
 from hicached.metrics_http import HEAD_TIMEOUT_S, MAX_CONNECTIONS
-from tests.support.daemon import Daemon, start_daemon
-from tests.support.faults import metrics_port
+from tests.support.daemon import Daemon
 from tests.support.state import poll, proc_bytes
 
 MIB = 1 << 20
@@ -45,15 +42,6 @@ def _threads(pid: int) -> int:
         if line.startswith("Threads:"):
             return int(line.split()[1])
     raise AssertionError("no Threads line")
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[Daemon, int]]:
-    daemon = start_daemon("--metrics-port", "0")
-    try:
-        yield daemon, metrics_port(daemon)
-    finally:
-        daemon.stop()
 
 
 def _scrape(port: int, path: str = "/metrics", method: str = "GET") -> tuple[int, bytes]:
@@ -79,9 +67,9 @@ def _closed_by_server(sock: socket.socket, timeout_s: float) -> bool:
     return True
 
 
-def test_a_request_head_held_open_is_dropped_at_its_deadline(served: tuple[Daemon, int]) -> None:
+def test_a_request_head_held_open_is_dropped_at_its_deadline(metrics_served: tuple[Daemon, int]) -> None:
     """The deadline is for the whole head: a byte every half second does not extend it."""
-    _, port = served
+    _, port = metrics_served
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(PARTIAL)
         started = time.monotonic()
@@ -101,9 +89,9 @@ def test_a_request_head_held_open_is_dropped_at_its_deadline(served: tuple[Daemo
 
 
 def test_connections_beyond_the_cap_take_no_thread_and_their_end_stalls_no_call(
-    served: tuple[Daemon, int],
+    metrics_served: tuple[Daemon, int],
 ) -> None:
-    daemon, port = served
+    daemon, port = metrics_served
     pid = daemon.process.pid
     before = _threads(pid)
     strangers = []
@@ -142,8 +130,8 @@ def test_connections_beyond_the_cap_take_no_thread_and_their_end_stalls_no_call(
             sock.close()
 
 
-def test_an_oversized_request_head_is_refused_and_holds_no_memory(served: tuple[Daemon, int]) -> None:
-    daemon, port = served
+def test_an_oversized_request_head_is_refused_and_holds_no_memory(metrics_served: tuple[Daemon, int]) -> None:
+    daemon, port = metrics_served
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n")
         sock.settimeout(10)
@@ -169,10 +157,10 @@ def test_an_oversized_request_head_is_refused_and_holds_no_memory(served: tuple[
             sock.close()
 
 
-def test_scrapes_within_a_second_share_one_render(served: tuple[Daemon, int]) -> None:
+def test_scrapes_within_a_second_share_one_render(metrics_served: tuple[Daemon, int]) -> None:
     """A flood of scrapes costs one render a second: a scrape right after another gets the
     same bytes, even though a counter moved in between; the next second shows the move."""
-    daemon, port = served
+    daemon, port = metrics_served
     with HiCacheClient(daemon.target, timeout_s=10) as client:
         shared = 0
         for _ in range(5):
@@ -186,8 +174,8 @@ def test_scrapes_within_a_second_share_one_render(served: tuple[Daemon, int]) ->
         poll(lambda: _scrape(port)[1], lambda body: body != before, 5.0, "a fresh render")
 
 
-def test_only_get_and_head_of_the_metrics_path_are_served(served: tuple[Daemon, int]) -> None:
-    _, port = served
+def test_only_get_and_head_of_the_metrics_path_are_served(metrics_served: tuple[Daemon, int]) -> None:
+    _, port = metrics_served
     assert _scrape(port, "/metrics")[0] == 200
     assert _scrape(port, "/")[0] == 200
     status, body = _scrape(port, "/metrics", method="HEAD")
@@ -204,11 +192,13 @@ def test_only_get_and_head_of_the_metrics_path_are_served(served: tuple[Daemon, 
     assert b"script" not in answer  # the method is not echoed
 
 
-def test_a_target_urllib_cannot_parse_is_a_bad_request_and_stalls_nothing(served: tuple[Daemon, int]) -> None:
+def test_a_target_urllib_cannot_parse_is_a_bad_request_and_stalls_nothing(
+    metrics_served: tuple[Daemon, int],
+) -> None:
     """A reviewer's stranger sent ``GET //[x`` 50 times a second: urlsplit's ValueError escaped
     the connection, failed the server's step (an ERROR traceback each, outside the log's rate
     limit) and paused it 0.1 s; honest scrapes took 12.5 s."""
-    _, port = served
+    _, port = metrics_served
     for _ in range(20):
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(b"GET //[x HTTP/1.1\r\n\r\n")

@@ -8,27 +8,15 @@ group refreshed overwrote the others). A real daemon with metrics on 127.0.0.1:0
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
 
-import pytest
 from hicached_client import HiCacheClient, Session, WorkerIdentity, pool_spec
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicached.metrics import MAX_LABEL_CHARS
-from tests.support.daemon import Daemon, start_daemon
-from tests.support.faults import metrics_port
+from tests.support.daemon import Daemon
 from tests.support.state import poll
 
 Series = dict[tuple[str, str], float]
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[Daemon, int]]:
-    daemon = start_daemon("--metrics-port", "0")
-    try:
-        yield daemon, metrics_port(daemon)
-    finally:
-        daemon.stop()
 
 
 def _attach(client: HiCacheClient, model: str, pool: str, head_dim: int, pages: int) -> Session:
@@ -57,8 +45,10 @@ def _tokens(session: Session) -> int:
     return sum(p.total_pages * p.page_size for p in session.stats().pools())
 
 
-def test_long_model_and_pool_names_become_short_distinct_label_values(served: tuple[Daemon, int]) -> None:
-    daemon, port = served
+def test_long_model_and_pool_names_become_short_distinct_label_values(
+    metrics_served: tuple[Daemon, int],
+) -> None:
+    daemon, port = metrics_served
     stem, pool = "m" * 250, "p" * 100
     with HiCacheClient(daemon.target, timeout_s=30) as client:
         first = _attach(client, stem + "-first", pool, 8, 16)
@@ -80,9 +70,9 @@ def test_long_model_and_pool_names_become_short_distinct_label_values(served: tu
         assert model.startswith("m" * 40) and pool_label.startswith("p" * 40)  # still recognisable
 
 
-def test_groups_of_one_model_and_pool_name_are_summed(served: tuple[Daemon, int]) -> None:
+def test_groups_of_one_model_and_pool_name_are_summed(metrics_served: tuple[Daemon, int]) -> None:
     """Two layouts of model ``llama-collide`` (head_dim 8 and 16): two pool groups, one series."""
-    daemon, port = served
+    daemon, port = metrics_served
     with HiCacheClient(daemon.target, timeout_s=30) as client:
         narrow = _attach(client, "llama-collide", "kv", 8, 64)
         wide = _attach(client, "llama-collide", "kv", 16, 8)
