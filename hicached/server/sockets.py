@@ -64,14 +64,15 @@ def prepare_dir(directory: Path, *, gid: int | None) -> None:
     """Create ``directory`` (0700, or 0750 owned by group ``gid``) or check an existing one."""
     mode = 0o750 if gid is not None else 0o700
     _check_path(directory)
+    created = True
     try:
         os.mkdir(directory, mode)
     except FileExistsError:
-        pass
-    except FileNotFoundError:
+        created = False
+    except FileNotFoundError:  # its parents too (they, unlike it, keep the umask's mode)
         directory.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(directory, mode)
-    else:
+    if created:
         # Through a descriptor of the directory just made, not its name (which a symlink
         # could replace in between): mkdir applied the umask.
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -120,9 +120,12 @@ def test_the_daemon_creates_its_runtime_dir_and_sockets_with_tight_modes(workdir
     assert not (run / "hicached.sock").exists() and not (run / "a.sock").exists(), "stop removes its sockets"
 
 
-def test_an_admin_group_gets_a_0750_dir_and_a_0660_admin_socket(workdir: Path) -> None:
+@pytest.mark.parametrize("nested", [False, True], ids=["parent-exists", "parent-made-too"])
+def test_an_admin_group_gets_a_0750_dir_and_a_0660_admin_socket(workdir: Path, nested: bool) -> None:
+    """``parent-made-too``: a socket directory whose parent was missing skipped its mode and
+    group (the admin group could not reach the admin socket)."""
     _, gid = other_user()
-    run = workdir / "run"
+    run = workdir / "new" / "run" if nested else workdir / "run"
     d = launch(workdir, "--set", f"server.admin_group={gid}", sock=run / "hicached.sock")
     try:
         st_dir, st_admin = os.stat(run), os.lstat(run / "admin.sock")
