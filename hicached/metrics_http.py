@@ -446,5 +446,9 @@ def start(
     except BaseException:
         listener.close()
         raise
-    server.thread.start()
+    try:
+        server.thread.start()
+    except RuntimeError as exc:  # "can't start new thread": at a pids limit, say
+        server.close()  # never started: releases the listener and the wake-up pair
+        raise OSError(errno.EAGAIN, f"cannot start the metrics thread ({exc})") from exc
     return server

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 from hicached_client import HiCacheClient
 
 from hicached.metrics import Metrics, serve_metrics
@@ -266,3 +267,22 @@ def test_out_of_descriptors_the_listener_pauses_instead_of_spinning() -> None:
         caller.kill()
         caller.wait()
         endpoint.close()
+
+
+def test_a_metrics_thread_that_cannot_start_leaves_nothing_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a pids limit the thread's start fails: before, the listener, selector and wake-up pair
+    stayed open and the daemon ended with a traceback; now an OSError (the daemon's one-line
+    start refusal) with every descriptor closed."""
+    from prometheus_client import CollectorRegistry
+
+    from hicached import metrics_http
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(OSError, match="cannot start the metrics thread"):
+        metrics_http.start(CollectorRegistry(), "127.0.0.1", 0)
+    monkeypatch.undo()
+    assert set(os.listdir("/proc/self/fd")) <= before
