@@ -15,6 +15,7 @@ from hicached_client.v1 import hicached_pb2 as pb
 
 from hicached.core.types import Ack
 from hicached.server import convert
+from hicached.server.limits import check_printable
 from hicached.server.rpc_base import Ctx, ServicerBase, no_fence
 
 
@@ -107,6 +108,7 @@ class PageRpcs(ServicerBase):
 
     async def RetractBackup(self, request: pb.RetractBackupRequest, context: Ctx) -> pb.RetractBackupResponse:
         no_fence(request.ready)
+        check_printable("request_id", request.request_id)  # `hicached status` lists backups
         transfers = self.batch_in(request.batch, request.session_id)
         result = await self.offload(
             "RetractBackup",

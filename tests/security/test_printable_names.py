@@ -15,7 +15,7 @@ from hicached_client import HiCacheClient, HiCacheError, PageBytes, Transfer, Wo
 from hicached_client.v1 import types_pb2 as tpb
 
 from tests.support.daemon import Daemon
-from tests.support.kv import unique_tag
+from tests.support.kv import PAGE_SIZE, WorkerPools, transfers, unique_tag
 
 ESCAPES = "\x1b]0;owned\x1b\\\x1b[2J\x1b]52;c;cm0gLXJmIH4K\x07"
 
@@ -73,3 +73,25 @@ def test_a_transfer_or_page_naming_a_pool_that_is_not_printable_is_refused(daemo
                 assert "must be printable" in refused.value.message, refused.value.message
         finally:
             session.detach()
+
+
+def test_a_retraction_backup_with_a_request_id_that_is_not_printable_is_refused(daemon: Daemon) -> None:
+    """A backup's request id is listed by ``hicached status``: before, only its length was
+    checked (the CLI escapes it; an older CLI would not)."""
+    pools = WorkerPools.create(unique_tag("print"))
+    try:
+        with (
+            HiCacheClient(daemon.target, timeout_s=30.0) as client,
+            HiCacheClient(daemon.admin_target) as admin,
+        ):
+            identity = WorkerIdentity(unique_tag("w"), 1, "m-print-backup")
+            with client.attach(identity, pools.specs(), heartbeat=False) as session:
+                with pytest.raises(HiCacheError) as refused:
+                    session.retract_backup("req" + ESCAPES, transfers([10, 11]), 2 * PAGE_SIZE)
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+                assert refused.value.message.startswith("request_id "), refused.value.message
+                assert "must be printable" in refused.value.message, refused.value.message
+                assert not admin.get_stats().backups
+                assert session.retract_backup("req-printable", transfers([10, 11]), 2 * PAGE_SIZE).ok
+    finally:
+        pools.close()
