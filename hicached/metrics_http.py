@@ -221,6 +221,11 @@ class MetricsServer:
         self._close_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="hicached-metrics", daemon=True)
 
+    @property
+    def accept_pauses(self) -> int:
+        """Accepts paused for want of descriptors so far (read from any thread; an int)."""
+        return self._accept_pauses
+
     def close(self) -> None:
         """Stop serving, drop every connection, release the port and join the thread;
         a second call is a no-op."""
