@@ -40,8 +40,7 @@ def check_printable(field: str, value: str) -> None:
 
     These names reach ``hicached status`` on an admin's terminal, the logs and pool
     segment names in ``/dev/shm``: a worker's ESC sequences in them retitled the admin's
-    window, cleared the screen and wrote the clipboard (OSC 52). The tenant was already
-    held to this (:func:`hicached.server.rpc_sessions.check_tenant`)."""
+    window, cleared the screen and wrote the clipboard (OSC 52)."""
     if not value.isprintable():
         at = next(i for i, ch in enumerate(value) if not ch.isprintable())
         raise InvalidArgument(

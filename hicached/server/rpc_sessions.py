@@ -142,10 +142,10 @@ class SessionRpcs(ServicerBase):
 
 
 def check_tenant(tenant: str) -> None:
-    if len(tenant.encode()) > MAX_TENANT_BYTES or not tenant.isprintable():
-        raise InvalidArgument(
-            f"identity.tenant {clip(tenant)} must be printable and at most {MAX_TENANT_BYTES} bytes"
-        )
+    """At most MAX_TENANT_BYTES, whatever ``limits.max_identity_bytes`` allows (that it is
+    printable, :func:`~hicached.server.limits.check_identity` checked with the other names)."""
+    if len(tenant.encode()) > MAX_TENANT_BYTES:
+        raise InvalidArgument(f"identity.tenant {clip(tenant)} must be at most {MAX_TENANT_BYTES} bytes")
 
 
 def worker_view(full: pb.GetStatsResponse, *, own: bool) -> pb.GetStatsResponse:

@@ -26,20 +26,21 @@ def _spec(name: str = "kv") -> tpb.PoolSpec:
 
 
 @pytest.mark.parametrize(
-    ("field", "instance", "model", "pool"),
+    ("field", "instance", "model", "pool", "tenant"),
     [
-        ("identity.instance_id", ESCAPES, "m-print", "kv"),
-        ("identity.model_name", "", "m-print\n", "kv"),
-        ("identity.model_name", "", "m-\u202eprint", "kv"),  # a bidi override
-        ("identity.model_name", "", "m-\x9b2J", "kv"),  # C1 CSI
-        ("pools[0].name", "", "m-print", "kv" + ESCAPES),
+        ("identity.instance_id", ESCAPES, "m-print", "kv", ""),
+        ("identity.model_name", "", "m-print\n", "kv", ""),
+        ("identity.model_name", "", "m-\u202eprint", "kv", ""),  # a bidi override
+        ("identity.model_name", "", "m-\x9b2J", "kv", ""),  # C1 CSI
+        ("pools[0].name", "", "m-print", "kv" + ESCAPES, ""),
+        ("identity.tenant", "", "m-print", "kv", "team" + ESCAPES),
     ],
 )
 def test_an_attach_with_a_name_that_is_not_printable_is_refused(
-    daemon: Daemon, field: str, instance: str, model: str, pool: str
+    daemon: Daemon, field: str, instance: str, model: str, pool: str, tenant: str
 ) -> None:
     tag = unique_tag("w")
-    identity = WorkerIdentity(tag + instance, 1, model)
+    identity = WorkerIdentity(tag + instance, 1, model, tenant=tenant)
     with HiCacheClient(daemon.target, timeout_s=30.0) as client, HiCacheClient(daemon.admin_target) as admin:
         before = admin.get_stats()
         with pytest.raises(HiCacheError) as refused:
