@@ -16,7 +16,7 @@ stranger's connection costs a socket, a slot and a few microseconds of that thre
 * the whole answer taken within :data:`ANSWER_TIMEOUT_S`, else the reader is dropped;
 * one render per format per :data:`CACHE_TTL_S` (gzip'd once more when asked), shared by
   every answer: a flood of scrapes costs one render a second;
-* an accept out of descriptors pauses :data:`ACCEPT_PAUSE_S` (as the daemon's other listeners).
+* an accept out of descriptors pauses, as the daemon's other listeners (:mod:`hicached.server.accept`).
 
 Thread-safety: :func:`start` and :meth:`MetricsServer.close` may be called from any thread
 (close once or more); everything else runs on the server's own thread, which reads the
@@ -45,6 +45,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
+from hicached.server.accept import ACCEPT_PAUSE_S, AcceptPauses
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -70,10 +72,6 @@ ANSWER_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 8192
 # How long one render is served before the next; a flood costs one render per format a second.
 CACHE_TTL_S = 1.0
-# As the fd handoff and fast-lane listeners (docs/limits.md).
-ACCEPT_PAUSE_S = 0.1
-# At most one warning per this many seconds about accepts paused for descriptors.
-LOG_EVERY_S = 10.0
 BACKLOG = 128
 # Accepts per wake-up: then the connections' own reads, so that a flood of connections needs
 # several rounds, each reading every waiting head first, to replace a scraper's connection.
@@ -83,7 +81,6 @@ ACCEPT_BATCH = 4
 LINGER_BYTES = 64 * 1024
 LINGER_S = 1.0
 _READ = 4096
-_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _PATHS = frozenset({"/metrics", "/"})
 _WAKE = "wake"  # the selector key data of close()'s wake-up socket; the listener's is None
 
@@ -215,8 +212,7 @@ class MetricsServer:
         self._wake_w.setblocking(False)
         self._stopping = False
         self._resume_at: float | None = None  # accepts paused (out of descriptors) until then
-        self._accept_pauses = 0
-        self._last_pause_log = -LOG_EVERY_S
+        self._pauses = AcceptPauses("metrics", "metrics", clock=clock)
         self._closed = False
         self._close_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="hicached-metrics", daemon=True)
@@ -224,7 +220,7 @@ class MetricsServer:
     @property
     def accept_pauses(self) -> int:
         """Accepts paused for want of descriptors so far (read from any thread; an int)."""
-        return self._accept_pauses
+        return self._pauses.count
 
     def close(self) -> None:
         """Stop serving, drop every connection, release the port and join the thread;
@@ -328,24 +324,9 @@ class MetricsServer:
         return min(waiting, key=lambda c: c.accepted)
 
     def _accept_failed(self, exc: OSError) -> None:
-        if exc.errno not in _OUT_OF_RESOURCES:
-            logger.debug("metrics accept failed: %s", exc)  # e.g. ECONNABORTED: the caller left
-            return
-        # Out of descriptors the listener stays readable: accepting again at once spun a core.
-        # Pause (the kernel's backlog holds the callers) and log a streak once per LOG_EVERY_S.
-        self._accept_pauses += 1
-        now = self._clock()
-        if now - self._last_pause_log >= LOG_EVERY_S:
-            logger.warning(
-                "metrics accept failed: %s; pausing %.1f s each time (%d pauses so far)",
-                exc,
-                ACCEPT_PAUSE_S,
-                self._accept_pauses,
-                extra={"event": "metrics", "pauses": self._accept_pauses},
-            )
-            self._last_pause_log = now
-        self._selector.unregister(self._listener)
-        self._resume_at = now + ACCEPT_PAUSE_S
+        if self._pauses.failed(exc):  # out of descriptors: the listener sleeps (hicached.server.accept)
+            self._selector.unregister(self._listener)
+            self._resume_at = self._clock() + ACCEPT_PAUSE_S
 
     def _serve(self, conn: _Conn) -> None:
         try:

@@ -10,7 +10,7 @@ Bounds: at most ``max_lanes`` connections (negotiating or open) in total,
 ``max_per_session`` open lanes per session and ``max_per_uid`` per client uid; a connection beyond them is answered
 ``error RESOURCE_EXHAUSTED ...`` and closed, as is one whose thread cannot start (out of
 threads: RLIMIT_NPROC, pids.max). The acceptor never dies while the server is open: out of
-descriptors it pauses :data:`ACCEPT_PAUSE_S` (a rate-limited warning), any other failure is
+descriptors it pauses (:mod:`hicached.server.accept`), any other failure is
 logged, counted by ``on_failure("lane_accept")`` and accepting goes on.
 
 Thread-safety: ``start``/``close`` from one thread; the acceptor and lane threads share only
@@ -20,7 +20,6 @@ the registry under ``_lock``; ``on_failure`` is called on the acceptor thread.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import select
@@ -35,7 +34,7 @@ from hicached_client.lane_wire import SUFFIX
 
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
-from hicached.server.handoff import ACCEPT_PAUSE_S as HANDOFF_ACCEPT_PAUSE_S
+from hicached.server.accept import ACCEPT_PAUSE_S, AcceptPauses
 from hicached.server.handoff import peer_cred
 from hicached.server.lane import Lane, Refused
 from hicached.server.observer import NullRpcObserver, RpcObserver
@@ -44,13 +43,6 @@ from hicached.server.sockets import BoundSocket
 logger = logging.getLogger(__name__)
 
 __all__ = ["LaneServer", "lane_path"]
-
-# An accept that failed for want of descriptors or memory: the listener stays readable.
-_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-# Seconds the acceptor pauses after such a failure, or after an unexpected one.
-ACCEPT_PAUSE_S = HANDOFF_ACCEPT_PAUSE_S
-# At most one warning per this many seconds about accepts paused for descriptors.
-LOG_EVERY_S = 10.0
 
 
 def _refuse(conn: socket.socket, reason: str) -> None:
@@ -90,8 +82,7 @@ class LaneServer:
         self._max_per_uid = max_per_uid
         self._observe: RpcObserver = observe or NullRpcObserver()
         self._on_failure = on_failure
-        self._accept_pauses = 0
-        self._last_pause_log = -LOG_EVERY_S
+        self._pauses = AcceptPauses("fast lane", "lane")
         self._lock = threading.Lock()
         self._threads: dict[Lane, threading.Thread] = {}  # joined at close()
         self._open = 0  # lanes counted against max_lanes: started and not yet released
@@ -157,24 +148,8 @@ class LaneServer:
         try:
             conn, _ = listener.accept()
         except OSError as exc:
-            if exc.errno not in _OUT_OF_RESOURCES:
-                logger.warning("fast lane accept failed: %s", exc)
-                return
-            # Out of descriptors the listener stays readable: accepting again at once spun a
-            # core and wrote ~40,000 lines a second. Pause (the kernel backlog holds the
-            # callers meanwhile) and log a streak once, then at most every LOG_EVERY_S.
-            self._accept_pauses += 1
-            now = time.monotonic()
-            if now - self._last_pause_log >= LOG_EVERY_S:
-                logger.warning(
-                    "fast lane accept failed: %s; pausing %.1f s each time (%d pauses so far)",
-                    exc,
-                    ACCEPT_PAUSE_S,
-                    self._accept_pauses,
-                    extra={"event": "lane", "pauses": self._accept_pauses},
-                )
-                self._last_pause_log = now
-            self._stopped_within(ACCEPT_PAUSE_S)  # the loop's poll sees a close() at once
+            if self._pauses.failed(exc):
+                self._stopped_within(ACCEPT_PAUSE_S)  # the loop's poll sees a close() at once
             return
         try:
             self._start_lane(conn)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import secrets
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hicached.core.types import PeerCred
+from hicached.server.accept import ACCEPT_PAUSE_S, AcceptPauses
 from hicached.server.sockets import BoundSocket
 
 logger = logging.getLogger(__name__)
@@ -52,8 +52,6 @@ MAX_CONNECTIONS = 64
 # Connections of one uid under way at once; one more is refused at accept, so one local user
 # cannot hold every slot (and the kernel's backlog behind them) and lock the others out.
 MAX_CONNECTIONS_PER_UID = 32  # half of all: a node's workers may all start at once
-# How long the listener pauses after an accept that ran out of descriptors.
-ACCEPT_PAUSE_S = 0.1
 _INT = array.array("i").itemsize
 
 
@@ -256,6 +254,7 @@ class HandoffServer:
         self._uid_of: dict[socket.socket, int] = {}
         self._per_uid: dict[int, int] = {}
         self._bound: BoundSocket | None = None
+        self._pauses = AcceptPauses("fd handoff", "handoff")
 
     @property
     def path(self) -> Path:
@@ -313,11 +312,8 @@ class HandoffServer:
         self._loop.remove_reader(self._listener.fileno())
 
     def _accept_failed(self, exc: OSError) -> None:
-        """Out of descriptors (EMFILE/ENFILE) the listener stays readable: accepting again at
-        once would spin and log without end. Pause it for ACCEPT_PAUSE_S (the kernel backlog
-        holds the callers meanwhile), logging once per pause."""
-        logger.warning("fd handoff accept failed: %s; retrying in %.1f s", exc, ACCEPT_PAUSE_S)
-        if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+        """Out of descriptors the listener pauses (:mod:`hicached.server.accept`)."""
+        if not self._pauses.failed(exc):
             return
         assert self._listener is not None and self._loop is not None
         listener = self._listener
