@@ -157,14 +157,29 @@ def _answer(head: bytes, exposition: _Exposition) -> tuple[bytes, ...]:
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
         return (BAD_REQUEST,)
     method, target = parts[0], parts[1].decode("latin-1")
+    headers = _headers(lines[1:])
+    answer = (BAD_REQUEST,) if headers is None else _route(method, target, headers, exposition)
+    if method == b"HEAD":  # the head a GET gets, no body (RFC 9110, 9.3.2)
+        return (answer[0][: answer[0].index(b"\r\n\r\n") + 4],)
+    return answer
+
+
+def _headers(lines: list[bytes]) -> dict[bytes, str] | None:
+    """The header fields by lower-case name; None when a line is not one."""
     headers: dict[bytes, str] = {}
-    for line in lines[1:]:
+    for line in lines:
         if not line:
             continue
         name, sep, value = line.partition(b":")
         if not sep:
-            return (BAD_REQUEST,)
+            return None
         headers[name.strip().lower()] = value.strip().decode("latin-1")
+    return headers
+
+
+def _route(
+    method: bytes, target: str, headers: dict[bytes, str], exposition: _Exposition
+) -> tuple[bytes, ...]:
     if method not in (b"GET", b"HEAD"):
         return (NOT_ALLOWED,)
     try:
@@ -186,7 +201,7 @@ def _answer(head: bytes, exposition: _Exposition) -> tuple[bytes, ...]:
         f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
         f"{encoding}Connection: close\r\n\r\n"
     ).encode()
-    return (status, body) if method == b"GET" else (status,)
+    return (status, body)
 
 
 class MetricsServer:

@@ -193,6 +193,30 @@ def test_only_get_and_head_of_the_metrics_path_are_served(metrics_served: tuple[
     assert b"script" not in answer  # the method is not echoed
 
 
+def _raw_answer(port: int, request: bytes) -> bytes:
+    """Everything the endpoint sends for one raw request, up to its close."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(request)
+        sock.settimeout(10)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/nothing-here"])
+def test_an_answer_to_head_has_no_body(metrics_served: tuple[Daemon, int], path: str) -> None:
+    """Fails before the fix for a refusal: a HEAD of an unknown path was answered 404 with its
+    body, which a client reading the next answer on the connection takes as its start (RFC 9110:
+    a HEAD answer has none). The headers are those a GET gets."""
+    _, port = metrics_served
+    answer = _raw_answer(port, f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    head, sep, body = answer.partition(b"\r\n\r\n")
+    assert sep and body == b"", answer[-80:]
+    assert head.startswith(b"HTTP/1.1 200 " if path == "/metrics" else b"HTTP/1.1 404 "), head[:40]
+    assert b"Content-Length: " in head
+
+
 def test_a_target_urllib_cannot_parse_is_a_bad_request_and_stalls_nothing(
     metrics_served: tuple[Daemon, int],
 ) -> None:
