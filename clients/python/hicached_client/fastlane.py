@@ -385,11 +385,25 @@ class FastLane:
                     raise _unavailable("the fast lane is closed")
                 if int(self._counters[w.CQ_TAIL // 8]) > self._collected or self._spin():
                     s = self._collected
-                    self._results[s] = w.read_completion(self._view, w.completion_offset(s))
+                    self._results[s] = self._read(s)
                     self._collected += 1
                     continue
                 self._sleep(deadline)
             return self._results.pop(seq)
+
+    def _read(self, seq: int) -> w.Completion:
+        """The completion of ``seq``; a record that is not one (the other side is no daemon of
+        ours, or a broken one) closes the lane: UNAVAILABLE, so the session goes on over gRPC."""
+        try:
+            c = w.read_completion(self._view, w.completion_offset(seq))
+            if c.seq != seq:
+                raise w.RecordError(f"completion of seq {c.seq} in the slot of seq {seq}")
+        except w.RecordError as exc:
+            self.close(timeout_s=0)
+            raise _unavailable(
+                f"the daemon wrote a malformed fast lane completion ({exc}); lane closed"
+            ) from None
+        return c
 
     def _spin(self) -> bool:
         """Poll the completion counter for up to ``spin_us`` before sleeping on the doorbell."""

@@ -1,0 +1,111 @@
+"""The worker's side of the fast lane does not trust what the ring says.
+
+* What the ring says: a completion claiming more acks or layers than fit its record raised
+  ``struct.error`` / ``ValueError`` (not a HiCacheError, so the session did not fall back to
+  gRPC and SGLang's threads saw it), and the lane stayed wedged: every later op re-read the
+  same record and raised again. A malformed completion (or one of another seq) now closes the
+  lane with UNAVAILABLE, which sends the session's ops over gRPC.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import select
+import shutil
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from hicached_client import HiCacheError
+from hicached_client import lane_wire as w
+from hicached_client.fastlane import FastLane
+
+from tests.security.roles_helpers import scratch_dir
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    base = scratch_dir()
+    base.chmod(0o755)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+class HostileLane:
+    """A lane listener (this process's uid) handing a real sealed ring; ``patch(view, offset)``
+    spoils each completion after it is written."""
+
+    def __init__(self, path: Path, patch: Callable[[memoryview, int], None]) -> None:
+        self.patch = patch
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(1)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        conn, _ = self.sock.accept()
+        conn.recv(512)
+        fd = os.memfd_create("ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, w.RING_BYTES)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        ring = mmap.mmap(fd, w.RING_BYTES)
+        view = memoryview(ring)
+        w.init_ring(view)
+        efds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(3)]
+        socket.send_fds(conn, [b"ok lane\n"], [fd, *efds])
+        os.close(fd)
+        seq = 0
+        while not self.stop.is_set():
+            if not select.select([efds[0]], [], [], 0.1)[0]:
+                continue
+            os.eventfd_read(efds[0])
+            tail = struct.unpack_from("<Q", view, w.SQ_TAIL)[0]
+            while seq < tail:
+                at = w.completion_offset(seq)
+                w.encode_completion(view, at, w.Completion(int(w.Opcode.PING), seq, 0, True, None, ""))
+                self.patch(view, at)
+                seq += 1
+                struct.pack_into("<Q", view, w.CQ_TAIL, seq)
+                os.eventfd_write(efds[1], 1)
+        conn.close()
+        view.release()
+        ring.close()
+        for e in efds:
+            os.close(e)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.sock.close()
+
+
+# Byte offsets of COMPLETION fields (``<IHHQIIiIIIQI256s``).
+OFFSET = {"seq": 8, "nacks": 32, "nlayers": 36}
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "fmt"),
+    [("nacks", 0xFFFFFFFF, "<I"), ("nlayers", 0xFFFFFFFF, "<I"), ("seq", 7, "<Q")],
+)
+def test_a_malformed_completion_closes_the_lane(run_dir: Path, name: str, value: int, fmt: str) -> None:
+    path = run_dir / "hicached.sock.lane"
+    hostile = HostileLane(path, lambda view, at: struct.pack_into(fmt, view, at + OFFSET[name], value))
+    try:
+        lane = FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
+        for _ in range(2):  # the first closes the lane; the next says it is closed
+            with pytest.raises(HiCacheError) as info:
+                lane.ping(timeout_s=5)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+        assert lane.closed
+    finally:
+        hostile.close()
