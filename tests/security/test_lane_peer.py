@@ -1,5 +1,9 @@
-"""The worker's side of the fast lane does not trust what the ring says.
+"""The worker's side of the fast lane trusts neither who listens nor what the ring says.
 
+* Who listens: before, ``FastLane.connect`` sent ``hicached-lane-v1 <session id> <secret>`` to
+  whatever listened at ``<socket>.lane`` -- a stranger's uid in a squatted directory got the
+  session's capability (the fd handoff already checked ``SO_PEERCRED``; the lane did not). It
+  now refuses a listener that is not root, this uid or ``$HICACHED_DAEMON_UID`` and sends nothing.
 * What the ring says: a completion claiming more acks or layers than fit its record raised
   ``struct.error`` / ``ValueError`` (not a HiCacheError, so the session did not fall back to
   gRPC and SGLang's threads saw it), and the lane stayed wedged: every later op re-read the
@@ -27,6 +31,22 @@ from hicached_client import lane_wire as w
 from hicached_client.fastlane import FastLane
 
 from tests.security.roles_helpers import scratch_dir
+from tests.security.users import other_user, popen_as_other
+
+# A stranger's listener at the lane path: prints what the worker sent before it closed.
+STRANGER = r"""
+import socket, sys
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(sys.argv[1])
+srv.listen(1)
+print("ready", flush=True)
+conn, _ = srv.accept()
+conn.settimeout(10)
+got = b""
+while chunk := conn.recv(512):
+    got += chunk
+print(repr(got), flush=True)
+"""
 
 
 @pytest.fixture
@@ -37,6 +57,27 @@ def run_dir() -> Iterator[Path]:
         yield base
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_session_secret_is_not_sent_to_a_strangers_lane(run_dir: Path) -> None:
+    uid = other_user()
+    squatted = run_dir / "run"
+    squatted.mkdir()
+    os.chown(squatted, uid, -1)
+    stranger = popen_as_other(STRANGER, str(squatted / "hicached.sock.lane"))
+    try:
+        assert stranger.stdout is not None
+        assert stranger.stdout.readline().strip() == "ready"
+        with pytest.raises(HiCacheError) as info:
+            FastLane.connect(str(squatted / "hicached.sock.lane"), "s-1", "the-session-secret", timeout_s=5)
+        out, _ = stranger.communicate(timeout=30)
+    finally:
+        if stranger.poll() is None:
+            stranger.kill()
+            stranger.wait()
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, info.value
+    assert f"served by uid {uid}" in info.value.message and "HICACHED_DAEMON_UID" in info.value.message
+    assert out.strip() == "b''", f"the stranger got {out.strip()}"
 
 
 class HostileLane:

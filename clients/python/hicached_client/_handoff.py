@@ -107,18 +107,21 @@ def trusted_uids() -> frozenset[int]:
     return frozenset(uids)
 
 
-def check_daemon(sock: socket.socket, path: str) -> None:
+def check_daemon(
+    sock: socket.socket, path: str, *, what: str = "fd handoff", refusing: str = "hand buffers over"
+) -> None:
     """PERMISSION_DENIED unless the process listening at ``path`` runs as a :func:`trusted_uids`
     uid (``SO_PEERCRED``: the kernel's word, not the peer's). Whoever can put a socket at the
     path (a squatted ``/tmp/hicached-<uid>``, a directory its group can write) would otherwise
-    receive the worker's memory, read it and write into it."""
+    receive the worker's memory, read it and write into it (the fd handoff), or its session's
+    secret and its ops (the fast lane)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)
     if uid not in trusted_uids():
         raise HiCacheError(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"the fd handoff socket {path} is served by uid {uid} (pid {pid}), not by root or this "
-            f"process's uid {os.geteuid()}: refusing to hand buffers over (if uid {uid} runs your "
+            f"the {what} socket {path} is served by uid {uid} (pid {pid}), not by root or this "
+            f"process's uid {os.geteuid()}: refusing to {refusing} (if uid {uid} runs your "
             f"daemon, set {DAEMON_UID_ENV}={uid})",
         )
 

@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 
 from hicached_client import lane_wire as w
-from hicached_client._handoff import handoff_path
+from hicached_client._handoff import check_daemon, handoff_path
 from hicached_client.errors import HiCacheError
 from hicached_client.types import (
     GetPagesResult,
@@ -170,6 +170,8 @@ class FastLane:
                 conn.connect(path)
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 raise _unavailable(f"no fast lane socket at {path} ({exc}); use gRPC") from None
+            # The session's secret goes only to a daemon this process trusts (as its buffers do).
+            check_daemon(conn, path, what="fast lane", refusing="send the session's secret")
             # Refused at accept (all lanes taken), the daemon has answered and closed: the
             # send fails, and its answer is read below.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
