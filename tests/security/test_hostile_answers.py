@@ -1,0 +1,148 @@
+"""The worker is the victim: what a hostile or broken daemon answers cannot forge the worker's
+log lines, crash its adapters or make it busy-loop.
+
+Each test runs a fake hicached (:class:`Fake`: a real gRPC server with the generated stubs on a
+Unix socket in this process, with the fd handoff answered) whose answers the test sets, and the
+real client library against it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from hicached_client import HiCacheClient, HiCacheError, Transfer, WorkerIdentity
+from hicached_client.sglang.refusals import RefusalLog
+from hicached_client.v1 import hicached_pb2 as pb
+from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
+
+from tests.security.roles_helpers import scratch_dir
+
+# A forged second line, a screen clear, a window title, a bidi override.
+EVIL = "no room\nWARNING hicached: all clear\x1b[2J\x1b]0;owned\x07\u202eend"
+RAW = ("\n", "\r", "\x1b", "\x07", "\u202e")
+
+
+@dataclass
+class Answers:
+    lease_ms: int = 30_000
+    put_pages: pb.PutPagesResponse = field(default_factory=lambda: pb.PutPagesResponse(ok=True))
+    get_pages: pb.GetPagesResponse = field(default_factory=pb.GetPagesResponse)
+    lookup: pb.LookupResponse = field(default_factory=pb.LookupResponse)
+    get_bytes: Callable[[pb.GetBytesRequest], pb.GetBytesResponse] = lambda _: pb.GetBytesResponse()
+    fail: tuple[grpc.StatusCode, str] | None = None
+    heartbeats: list[float] = field(default_factory=list)
+
+
+class _Service(pb_grpc.HiCacheServiceServicer):
+    def __init__(self, answers: Answers) -> None:
+        self.a = answers
+
+    def _check(self, context: Any) -> None:
+        if self.a.fail is not None:
+            context.abort(*self.a.fail)
+
+    def Attach(self, request: Any, context: Any) -> pb.AttachResponse:
+        return pb.AttachResponse(session_id="s-1", session_secret="0123abcd", lease_ms=self.a.lease_ms)
+
+    def Heartbeat(self, request: Any, context: Any) -> pb.HeartbeatResponse:
+        self.a.heartbeats.append(time.monotonic())
+        return pb.HeartbeatResponse()
+
+    def Detach(self, request: Any, context: Any) -> pb.DetachResponse:
+        return pb.DetachResponse()
+
+    def PutPages(self, request: Any, context: Any) -> pb.PutPagesResponse:
+        self._check(context)
+        return self.a.put_pages
+
+    def GetPages(self, request: Any, context: Any) -> pb.GetPagesResponse:
+        self._check(context)
+        return self.a.get_pages
+
+    def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
+        self._check(context)
+        return self.a.lookup
+
+    def GetBytes(self, request: Any, context: Any) -> pb.GetBytesResponse:
+        self._check(context)
+        return self.a.get_bytes(request)
+
+
+def _handoff(path: Path) -> socket.socket:
+    """Answers every fd handoff with a ticket (this process's uid: a trusted listener)."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(8)
+
+    def run() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                _, fds, _, _ = socket.recv_fds(conn, 64, 64)
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(b"ok ticket\n")
+
+    threading.Thread(target=run, daemon=True).start()
+    return srv
+
+
+@dataclass
+class Fake:
+    target: str
+    answers: Answers
+
+
+@pytest.fixture
+def fake() -> Iterator[Fake]:
+    base = scratch_dir()
+    sock = base / "hicached.sock"
+    answers = Answers()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_HiCacheServiceServicer_to_server(_Service(answers), server)
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    handoff = _handoff(Path(f"{sock}.fds"))
+    try:
+        yield Fake(f"unix://{sock}", answers)
+    finally:
+        handoff.close()
+        server.stop(None)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_daemons_text_reaches_the_log_as_one_line(fake: Fake, caplog: pytest.LogCaptureFixture) -> None:
+    """A refusal's reason (the SGLang adapter's rate-limited line) and an error's details were
+    logged raw: a newline forged a second log line, escapes drove the operator's terminal."""
+    fake.answers.put_pages = pb.PutPagesResponse(ok=False, reason=EVIL)
+    log = logging.getLogger("victim")
+    with HiCacheClient(fake.target) as client:
+        session = client.attach(WorkerIdentity("w"), [], heartbeat=False)
+        refused = session.put_pages(["k"], [Transfer("kv", [0])])
+        assert refused.reason == EVIL  # the result keeps the daemon's words as sent
+        with caplog.at_level(logging.WARNING, logger="victim"):
+            RefusalLog(log).refused("kv", 1, refused.reason)
+            fake.answers.fail = (grpc.StatusCode.INTERNAL, EVIL)
+            with pytest.raises(HiCacheError) as info:
+                session.lookup(["k"])
+            log.warning("hicached: lookup failed, reading as a miss: %s", info.value)
+    assert info.value.message == EVIL
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("all clear" in line for line in lines), lines
+    for line in lines:
+        assert not any(ch in line for ch in RAW), repr(line)
