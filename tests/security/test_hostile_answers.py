@@ -22,7 +22,9 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from hicached_client import HiCacheClient, HiCacheError, Transfer, WorkerIdentity
+from hicached_client.hf import HFKVCache, KVShape
 from hicached_client.sglang.refusals import RefusalLog
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
@@ -146,3 +148,20 @@ def test_the_daemons_text_reaches_the_log_as_one_line(fake: Fake, caplog: pytest
     assert len(lines) == 2 and all("all clear" in line for line in lines), lines
     for line in lines:
         assert not any(ch in line for ch in RAW), repr(line)
+
+
+def test_the_hf_adapter_restores_no_more_than_it_loaded(fake: Fake) -> None:
+    """A hit count above the pages asked for made ``load_prefix`` of 9 tokens return
+    ``tokens=4000000`` and a cache of the whole staging area (pages nothing was loaded into,
+    left from earlier requests), and ``cached_tokens`` report 2**42 tokens."""
+    fake.answers.get_pages = pb.GetPagesResponse(hit_pages=10**6)
+    fake.answers.lookup = pb.LookupResponse(l2_hit_pages=2**40, total_hit_pages=2**40)
+    with HiCacheClient(fake.target) as client:
+        hf = HFKVCache(client, model_name="m", shape=KVShape(2, 2, 8, torch.float32), page_size=4, slots=64)
+        try:
+            ids = list(range(9))  # two whole pages, and one token left to compute
+            cache, tokens = hf.load_prefix(ids)
+            assert tokens == 8 and cache.get_seq_length() == 8
+            assert hf.cached_tokens(ids) == 8
+        finally:
+            hf.close()
