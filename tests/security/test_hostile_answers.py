@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -25,15 +26,20 @@ import pytest
 import torch
 from hicached_client import HiCacheClient, HiCacheError, Transfer, WorkerIdentity
 from hicached_client.hf import HFKVCache, KVShape
+from hicached_client.sglang.config import AdapterConfig
+from hicached_client.sglang.link import BytesTransport
 from hicached_client.sglang.refusals import RefusalLog
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
+from hicached_client.v1 import types_pb2 as tpb
 
 from tests.security.roles_helpers import scratch_dir
 
 # A forged second line, a screen clear, a window title, a bidi override.
 EVIL = "no room\nWARNING hicached: all clear\x1b[2J\x1b]0;owned\x07\u202eend"
 RAW = ("\n", "\r", "\x1b", "\x07", "\u202e")
+# The byte transport's page: GROUPS chunks.
+GROUPS, PAGE = 4, 4 * 256
 
 
 @dataclass
@@ -165,3 +171,31 @@ def test_the_hf_adapter_restores_no_more_than_it_loaded(fake: Fake) -> None:
             assert hf.cached_tokens(ids) == 8
         finally:
             hf.close()
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        lambda key: tpb.PageBytes(key=key, pool="kv", data=b"x" * 3),  # short
+        lambda key: tpb.PageBytes(key=key, pool="kv", data=b"x" * (PAGE + 1)),  # long
+        lambda key: tpb.PageBytes(key=f"other-{key}", pool="kv", data=b"x" * PAGE),  # another key
+    ],
+    ids=["short", "long", "other-key"],
+)
+def test_the_sglang_byte_transport_takes_only_whole_pages_of_its_keys(
+    fake: Fake, page: Callable[[str], tpb.PageBytes]
+) -> None:
+    """GetBytes pages of the wrong size raised RuntimeError (a tensor view) from
+    ``batch_get_v1`` into SGLang's thread (it is not one of the failures read as a miss)."""
+    fake.answers.get_bytes = lambda req: pb.GetBytesResponse(
+        hit_pages=len(req.keys.keys.keys), pages=[page(k) for k in req.keys.keys.keys]
+    )
+    geometry = SimpleNamespace(groups=GROUPS, chunk_bytes=PAGE // GROUPS)
+    drained: list[torch.Tensor] = []
+    with HiCacheClient(fake.target) as client:
+        session = client.attach(WorkerIdentity("w"), [], heartbeat=False)
+        transport = BytesTransport(
+            session, SimpleNamespace(geometry=geometry), AdapterConfig(target=fake.target)
+        )  # type: ignore[arg-type]
+        assert transport.get(["k0", "k1"], drained.append) == 0
+    assert drained == []
