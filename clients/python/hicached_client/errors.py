@@ -120,6 +120,16 @@ def start_failure(error: Exception, method: str, closed: bool) -> HiCacheError:
     )
 
 
+# The shortest heartbeat period: a lease of a few ms (the daemon's answer) made the worker beat
+# thousands of times a second on a core of its own (a daemon's minimum lease is 500 ms).
+MIN_BEAT_S = 0.01
+
+
+def beat_interval(lease_ms: int) -> float:
+    """Seconds between heartbeats (and each one's deadline) for a lease of ``lease_ms``."""
+    return max(lease_ms / 3000.0, MIN_BEAT_S)
+
+
 def heartbeat_failure(error: Exception, session_id: str) -> HiCacheError | None:
     """Log a failed heartbeat; the error to keep as the session's ``lease_lost`` when the lease
     is gone for good (stop beating), None when it is transient (beat again)."""
