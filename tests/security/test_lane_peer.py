@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -84,8 +85,9 @@ class HostileLane:
     """A lane listener (this process's uid) handing a real sealed ring; ``patch(view, offset)``
     spoils each completion after it is written."""
 
-    def __init__(self, path: Path, patch: Callable[[memoryview, int], None]) -> None:
+    def __init__(self, path: Path, patch: Callable[[memoryview, int], None], *, v1_ring: bool = True) -> None:
         self.patch = patch
+        self.v1_ring = v1_ring
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(1)
@@ -101,7 +103,8 @@ class HostileLane:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         ring = mmap.mmap(fd, w.RING_BYTES)
         view = memoryview(ring)
-        w.init_ring(view)
+        if self.v1_ring:
+            w.init_ring(view)
         efds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(3)]
         socket.send_fds(conn, [b"ok lane\n"], [fd, *efds])
         os.close(fd)
@@ -150,3 +153,28 @@ def test_a_malformed_completion_closes_the_lane(run_dir: Path, name: str, value:
         assert lane.closed
     finally:
         hostile.close()
+
+
+def _eventfds() -> int:
+    """Eventfds open in this process (the listing's own fd is gone when it is read: skipped)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+    return count
+
+
+def test_a_ring_of_another_layout_is_no_lane(run_dir: Path) -> None:
+    """A ring whose header is not v1's raised lane_wire.RecordError from ``connect`` (not a
+    HiCacheError: the session did not fall back to gRPC, SGLang's thread saw it) and left the
+    three doorbells and the ring's mapping open."""
+    before = _eventfds()
+    path = run_dir / "hicached.sock.lane"
+    hostile = HostileLane(path, lambda view, at: None, v1_ring=False)
+    try:
+        with pytest.raises(HiCacheError) as info:
+            FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
+    finally:
+        hostile.close()
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+    assert _eventfds() == before, "the lane's doorbells were left open"

@@ -126,13 +126,18 @@ class FastLane:
             if seals & _SEALS != _SEALS or size != w.RING_BYTES:
                 raise _unavailable(f"the daemon's lane ring is not sealed or has size {size}")
             self._ring = mmap.mmap(memfd, w.RING_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                with memoryview(self._ring) as header:
+                    w.check_ring(header)
+            except w.RecordError as exc:
+                self._ring.close()
+                raise _unavailable(f"the daemon's lane ring: {exc}") from None
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
         os.close(memfd)
         self._view = memoryview(self._ring)
-        w.check_ring(self._view)
         self._counters = np.frombuffer(self._ring, dtype=np.int64, count=w.LAYER_SEQ // 8)
         self.layer_seq = np.frombuffer(self._ring, dtype=np.int64, count=w.MAX_LAYERS, offset=w.LAYER_SEQ)
         self.layer_ns = np.frombuffer(self._ring, dtype=np.int64, count=w.MAX_LAYERS, offset=w.LAYER_NS)
