@@ -8,14 +8,12 @@ behaviour over a real channel.
 
 from __future__ import annotations
 
-import os
+import shutil
 import threading
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,6 +21,8 @@ import pytest
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 from hicached_client.v1 import types_pb2 as tpb
+
+from hicached.testing.daemon import scratch_dir
 
 SESSION = "sess-1"
 GONE_SESSION = "sess-gone"
@@ -200,8 +200,10 @@ class ScriptedServer:
 
 @pytest.fixture
 def scripted_server() -> Iterator[ScriptedServer]:
-    # A short path: AF_UNIX paths are limited to ~107 bytes.
-    sock = Path("/tmp") / f"hcc-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+    # A short path (AF_UNIX paths are limited to ~107 bytes) in a directory of this uid: the
+    # client refuses a socket in one others can write, as /tmp.
+    base = scratch_dir("hcc")
+    sock = base / "hicached.sock"
     servicer = ScriptedServicer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_HiCacheServiceServicer_to_server(servicer, server)
@@ -213,4 +215,4 @@ def scripted_server() -> Iterator[ScriptedServer]:
         yield ScriptedServer(target=target, servicer=servicer)
     finally:
         server.stop(grace=None).wait()
-        sock.unlink(missing_ok=True)
+        shutil.rmtree(base, ignore_errors=True)

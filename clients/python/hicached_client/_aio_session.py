@@ -25,7 +25,7 @@ from hicached_client._aio_backend import AsyncBeat, AsyncLock
 from hicached_client._aio_lane import AsyncLaneSlot, lane_keys
 from hicached_client._calls import Call, new_op_id
 from hicached_client._channel import check_metadata
-from hicached_client.errors import HiCacheError, heartbeat_failure
+from hicached_client.errors import HiCacheError, beat_interval, heartbeat_failure
 from hicached_client.types import (
     AllocResult,
     AttachResult,
@@ -77,7 +77,7 @@ class AsyncSession:
             if info.lease_ms <= 0:
                 raise ValueError(f"heartbeat needs lease_ms > 0, got lease_ms={info.lease_ms}")
             name = f"hicached-heartbeat-{info.session_id[:8]}"
-            self._beat = AsyncBeat(self._beat_once, info.lease_ms / 3000.0, name)
+            self._beat = AsyncBeat(self._beat_once, beat_interval(info.lease_ms), name)
 
     @property
     def session_id(self) -> str:
@@ -95,7 +95,7 @@ class AsyncSession:
     async def _beat_once(self) -> bool:
         """One heartbeat; False once the lease is lost for good (every failure is logged)."""
         try:
-            await self.heartbeat(timeout_s=self.info.lease_ms / 3000.0)
+            await self.heartbeat(timeout_s=beat_interval(self.info.lease_ms))
         except Exception as exc:
             self._lease_lost = heartbeat_failure(exc, self.session_id)
             return self._lease_lost is None

@@ -195,7 +195,7 @@ class ChannelConfig:
     """
 
     target: str = field(default_factory=default_target)
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # a credential: never in a log line
     credentials: grpc.ChannelCredentials | None = None
     timeout_s: float | None = 30.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)

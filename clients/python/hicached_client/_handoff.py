@@ -107,20 +107,65 @@ def trusted_uids() -> frozenset[int]:
     return frozenset(uids)
 
 
-def check_daemon(sock: socket.socket, path: str) -> None:
+def check_daemon(
+    sock: socket.socket, path: str, *, what: str = "fd handoff", refusing: str = "hand buffers over"
+) -> None:
     """PERMISSION_DENIED unless the process listening at ``path`` runs as a :func:`trusted_uids`
     uid (``SO_PEERCRED``: the kernel's word, not the peer's). Whoever can put a socket at the
     path (a squatted ``/tmp/hicached-<uid>``, a directory its group can write) would otherwise
-    receive the worker's memory, read it and write into it."""
+    receive the worker's memory, read it and write into it (the fd handoff), or its session's
+    secret and its ops (the fast lane)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)
     if uid not in trusted_uids():
         raise HiCacheError(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"the fd handoff socket {path} is served by uid {uid} (pid {pid}), not by root or this "
-            f"process's uid {os.geteuid()}: refusing to hand buffers over (if uid {uid} runs your "
+            f"the {what} socket {path} is served by uid {uid} (pid {pid}), not by root or this "
+            f"process's uid {os.geteuid()}: refusing to {refusing} (if uid {uid} runs your "
             f"daemon, set {DAEMON_UID_ENV}={uid})",
         )
+
+
+def check_socket_dir(target: str) -> bool:
+    """PERMISSION_DENIED unless only :func:`trusted_uids` can put a socket at a ``unix:`` target's
+    path: its directory owned by one of them and not writable by its group or others (the
+    daemon's own rule for it), every directory and symlink above owned by one of them. Whoever
+    could put a socket there would receive the worker's token and Attach and answer its calls
+    (the gRPC channel cannot ask the kernel who listens, as :func:`check_daemon` does; a sound
+    directory keeps every reconnect of the channel in trusted hands too). False (nothing to
+    judge yet) when the directory does not exist; True once it passed; True for TCP."""
+    path = handoff_path(target)
+    if path is None:
+        return True
+    directory = os.path.dirname(os.path.abspath(path))
+    trusted = trusted_uids()
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        return False
+    whom = (st.st_uid, directory) if st.st_uid not in trusted else None
+    if whom is None and st.st_mode & 0o022:
+        raise HiCacheError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"the daemon's socket directory {directory} is writable by its group or others "
+            f"(mode {st.st_mode & 0o777:o}): anyone who can write it can answer as the daemon; "
+            "refusing to connect",
+        )
+    at = directory
+    while whom is None and at != os.path.dirname(at):
+        for owner in (os.lstat(at).st_uid, os.stat(at).st_uid):
+            if owner not in trusted:
+                whom = (owner, at)
+        at = os.path.dirname(at)
+    if whom is not None:
+        uid, where = whom
+        raise HiCacheError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{where}, on the way to the daemon's socket {path[: -len(SUFFIX)]}, is owned by uid {uid}, "
+            f"not by root or this process's uid {os.geteuid()}: refusing to connect (if uid {uid} "
+            f"runs your daemon, set {DAEMON_UID_ENV}={uid})",
+        )
+    return True
 
 
 def hand_over(path: str, fds: Sequence[int], timeout_s: float | None) -> str | None:

@@ -86,6 +86,7 @@ class AsyncHiCacheClient:
         }
         self._metadata = self.config.metadata()
         self._closed = False
+        self._dir_checked = False  # _handoff.check_socket_dir passed (before the first call)
         self.fast_lane = fast_lane
         # Sessions of this client: their heartbeats and fast lanes end before the channel closes.
         self._sessions: weakref.WeakSet[AsyncSession] = weakref.WeakSet()
@@ -132,6 +133,7 @@ class AsyncHiCacheClient:
         """Send a unary call (the channel retries transient failures with the same request)."""
         if self._closed:
             raise ClientClosedError(call.method)
+        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
         method = getattr(self._stubs[call.service], call.method)
         try:
             reply = await method(
@@ -147,6 +149,7 @@ class AsyncHiCacheClient:
         """Start a server-streaming call; see :class:`AsyncLoadStream`."""
         if self._closed:
             raise ClientClosedError(call.method)
+        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
         method = getattr(self._stubs[call.service], call.method)
         try:
             rpc = method(

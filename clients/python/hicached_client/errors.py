@@ -29,11 +29,23 @@ LEASE_LOST_CODES = frozenset(
 log = logging.getLogger(__name__)
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with every non-printable character (``str.isprintable``: newline, CR, ESC and
+    the other C0/C1 controls, DEL, line separators, bidi and other format characters) written
+    as its Python escape (``\\n``, ``\\x1b``, ``\\u202e``): one line a log or a terminal shows
+    as text. The daemon's words reach the worker's logs through this."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 class HiCacheError(Exception):
     """A failed call: ``code`` (``grpc.StatusCode``), ``message`` (the daemon's details).
 
     ``retry_after_ms`` is the daemon's hint of when a retry may succeed (sent
-    with ``RESOURCE_EXHAUSTED``), else ``None``. ``method`` names the RPC.
+    with ``RESOURCE_EXHAUSTED``), else ``None``. ``method`` names the RPC. ``message``
+    is the daemon's text as sent; ``str()`` writes its controls escaped
+    (:func:`escape_controls`), so a log line that formats the error stays one line.
     """
 
     def __init__(
@@ -53,7 +65,7 @@ class HiCacheError(Exception):
     def __str__(self) -> str:
         where = f"{self.method}: " if self.method else ""
         hint = f" (retry after {self.retry_after_ms} ms)" if self.retry_after_ms is not None else ""
-        return f"{where}{self.code.name}: {self.message}{hint}"
+        return f"{where}{self.code.name}: {escape_controls(self.message)}{hint}"
 
     def __repr__(self) -> str:
         return f"HiCacheError({self.code.name}, {self.message!r}, retry_after_ms={self.retry_after_ms!r})"
@@ -106,6 +118,16 @@ def start_failure(error: Exception, method: str, closed: bool) -> HiCacheError:
     return HiCacheError(
         grpc.StatusCode.INTERNAL, f"the call could not start: {type(error).__name__}: {error}", method=method
     )
+
+
+# The shortest heartbeat period: a lease of a few ms (the daemon's answer) made the worker beat
+# thousands of times a second on a core of its own (a daemon's minimum lease is 500 ms).
+MIN_BEAT_S = 0.01
+
+
+def beat_interval(lease_ms: int) -> float:
+    """Seconds between heartbeats (and each one's deadline) for a lease of ``lease_ms``."""
+    return max(lease_ms / 3000.0, MIN_BEAT_S)
 
 
 def heartbeat_failure(error: Exception, session_id: str) -> HiCacheError | None:

@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 
 from hicached_client import lane_wire as w
-from hicached_client._handoff import handoff_path
+from hicached_client._handoff import check_daemon, handoff_path
 from hicached_client.errors import HiCacheError
 from hicached_client.types import (
     GetPagesResult,
@@ -126,13 +126,18 @@ class FastLane:
             if seals & _SEALS != _SEALS or size != w.RING_BYTES:
                 raise _unavailable(f"the daemon's lane ring is not sealed or has size {size}")
             self._ring = mmap.mmap(memfd, w.RING_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                with memoryview(self._ring) as header:
+                    w.check_ring(header)
+            except w.RecordError as exc:
+                self._ring.close()
+                raise _unavailable(f"the daemon's lane ring: {exc}") from None
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
         os.close(memfd)
         self._view = memoryview(self._ring)
-        w.check_ring(self._view)
         self._counters = np.frombuffer(self._ring, dtype=np.int64, count=w.LAYER_SEQ // 8)
         self.layer_seq = np.frombuffer(self._ring, dtype=np.int64, count=w.MAX_LAYERS, offset=w.LAYER_SEQ)
         self.layer_ns = np.frombuffer(self._ring, dtype=np.int64, count=w.MAX_LAYERS, offset=w.LAYER_NS)
@@ -170,6 +175,8 @@ class FastLane:
                 conn.connect(path)
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 raise _unavailable(f"no fast lane socket at {path} ({exc}); use gRPC") from None
+            # The session's secret goes only to a daemon this process trusts (as its buffers do).
+            check_daemon(conn, path, what="fast lane", refusing="send the session's secret")
             # Refused at accept (all lanes taken), the daemon has answered and closed: the
             # send fails, and its answer is read below.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -385,11 +392,25 @@ class FastLane:
                     raise _unavailable("the fast lane is closed")
                 if int(self._counters[w.CQ_TAIL // 8]) > self._collected or self._spin():
                     s = self._collected
-                    self._results[s] = w.read_completion(self._view, w.completion_offset(s))
+                    self._results[s] = self._read(s)
                     self._collected += 1
                     continue
                 self._sleep(deadline)
             return self._results.pop(seq)
+
+    def _read(self, seq: int) -> w.Completion:
+        """The completion of ``seq``; a record that is not one (the other side is no daemon of
+        ours, or a broken one) closes the lane: UNAVAILABLE, so the session goes on over gRPC."""
+        try:
+            c = w.read_completion(self._view, w.completion_offset(seq))
+            if c.seq != seq:
+                raise w.RecordError(f"completion of seq {c.seq} in the slot of seq {seq}")
+        except w.RecordError as exc:
+            self.close(timeout_s=0)
+            raise _unavailable(
+                f"the daemon wrote a malformed fast lane completion ({exc}); lane closed"
+            ) from None
+        return c
 
     def _spin(self) -> bool:
         """Poll the completion counter for up to ``spin_us`` before sleeping on the doorbell."""

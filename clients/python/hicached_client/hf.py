@@ -286,7 +286,8 @@ class HFKVCache:
         if pages == 0:
             return 0
         found = self.session.lookup(TokenChain(ids[: pages * self.page_size]))
-        return (found.total_hit_pages if include_l3 else found.l2_hit_pages) * self.page_size
+        # At most the pages asked about, whatever the daemon answers.
+        return min(found.total_hit_pages if include_l3 else found.l2_hit_pages, pages) * self.page_size
 
     def load_prefix(self, token_ids: Sequence[int] | Any, *, include_l3: bool = True) -> tuple[Any, int]:
         """(new cache, tokens it holds) for the longest cached prefix of ``token_ids``.
@@ -301,9 +302,10 @@ class HFKVCache:
             return None, 0
         chain = TokenChain(ids[: pages * self.page_size])
         got = self.session.get_pages(chain, [Transfer(POOL, self._pages(pages))], include_l3=include_l3)
-        if got.hit_pages == 0:
+        hits = min(got.hit_pages, pages)  # a daemon's larger count would restore unloaded slots
+        if hits == 0:
             return None, 0
-        tokens = got.hit_pages * self.page_size
+        tokens = hits * self.page_size
         return self._unstage(tokens, 0), tokens
 
     def persist(self, token_ids: Sequence[int] | Any) -> int:

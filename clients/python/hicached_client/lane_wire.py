@@ -436,14 +436,19 @@ def read_completion(ring: memoryview, offset: int) -> Completion:
     acks: list[WireAck] = []
     layers: tuple[int, ...] = ()
     if ntr or nacks or nlayers:
-        # A view, not a copy (the area is 1 MiB): the arrays decoded from it are copies.
-        body = ring[offset + COMPLETION.size : offset + AREA]
-        transfers, pos = _read_transfers(body, 0, ntr, len(body))
-        for _ in range(nacks):
-            raw, pages, tokens, nbytes = ACK.unpack_from(body, pos)
-            acks.append(WireAck(_name(raw, "ack.pool"), pages, tokens, nbytes))
-            pos += ACK.size
-        layers = tuple(np.frombuffer(body, dtype="<i4", count=nlayers, offset=pos).tolist())
+        # A view, not a copy (the area is 1 MiB): the arrays decoded from it are copies,
+        # and it is released on the way out (an error's frame must not keep the ring exported).
+        with ring[offset + COMPLETION.size : offset + AREA] as body:
+            transfers, pos = _read_transfers(body, 0, ntr, len(body))
+            if pos + nacks * ACK.size + 4 * nlayers > len(body):
+                raise RecordError(
+                    f"completion claims {nacks} acks and {nlayers} layers: more than fit", "INTERNAL"
+                )
+            for _ in range(nacks):
+                raw, pages, tokens, nbytes = ACK.unpack_from(body, pos)
+                acks.append(WireAck(_name(raw, "ack.pool"), pages, tokens, nbytes))
+                pos += ACK.size
+            layers = tuple(np.frombuffer(body, dtype="<i4", count=nlayers, offset=pos).tolist())
     return Completion(
         opcode=opcode,
         seq=seq,

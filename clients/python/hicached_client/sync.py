@@ -87,6 +87,7 @@ class HiCacheClient:
         }
         self._metadata = self.config.metadata()
         self._closed = False
+        self._dir_checked = False  # _handoff.check_socket_dir passed (before the first call)
         self.fast_lane = fast_lane
         # Sessions of this client: their heartbeats and fast lanes end before the channel closes.
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -133,6 +134,7 @@ class HiCacheClient:
         """Send a unary call (the channel retries transient failures with the same request)."""
         if self._closed:
             raise ClientClosedError(call.method)
+        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
         method = getattr(self._stubs[call.service], call.method)
         try:
             reply = method(
@@ -148,6 +150,7 @@ class HiCacheClient:
         """Start a server-streaming call; see :class:`LoadStream`."""
         if self._closed:
             raise ClientClosedError(call.method)
+        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
         method = getattr(self._stubs[call.service], call.method)
         try:
             rpc = method(

@@ -53,6 +53,11 @@ DEFAULT_CHUNK_BYTES = 16 << 10
 CHUNKS_PER_CALL = 64
 MAGIC = b"hcblob01"
 MAX_DIMS = 8
+# The most chunks a tensor stored by key may have: the daemon's default
+# ``limits.max_keys_per_request`` (one Lookup of every chunk must fit) -- 1 GiB at the
+# default chunk size. A header is read from the daemon, where any worker of the tenant
+# may have written it: its byte count bounds the key list ``exists`` / ``get`` build.
+MAX_CHUNKS = 65_536
 # magic, nbytes, dtype name (24 bytes), ndim, shape[MAX_DIMS]
 _HEADER = struct.Struct(f"<8sQ24sI{MAX_DIMS}q")
 HEADER_BYTES = _HEADER.size
@@ -66,13 +71,22 @@ def encode_header(value: torch.Tensor) -> bytes:
     return _HEADER.pack(MAGIC, value.numel() * value.element_size(), dtype, value.dim(), *shape)
 
 
-def decode_header(raw: bytes) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
-    """(nbytes, dtype, shape) of a stored tensor, or None when ``raw`` is no header of ours."""
-    magic, nbytes, dtype_name, ndim, *shape = _HEADER.unpack_from(raw)
-    dtype = getattr(torch, dtype_name.rstrip(b"\0").decode(errors="replace"), None)
-    if magic != MAGIC or not isinstance(dtype, torch.dtype) or ndim > MAX_DIMS:
+def decode_header(raw: bytes, max_bytes: int) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+    """(nbytes, dtype, shape) of a stored tensor, or None when ``raw`` is no header of ours.
+
+    Another worker of the tenant may have written it: a header whose shape is negative or does
+    not hold exactly ``nbytes`` of ``dtype``, or whose ``nbytes`` exceeds ``max_bytes``, is none.
+    """
+    if len(raw) < HEADER_BYTES:
         return None
-    return nbytes, dtype, tuple(shape[:ndim])
+    magic, nbytes, dtype_name, ndim, *dims = _HEADER.unpack_from(raw)
+    dtype = getattr(torch, dtype_name.rstrip(b"\0").decode(errors="replace"), None)
+    if magic != MAGIC or not isinstance(dtype, torch.dtype) or ndim > MAX_DIMS or nbytes > max_bytes:
+        return None
+    shape = tuple(dims[:ndim])
+    if any(d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != nbytes:
+        return None
+    return nbytes, dtype, shape
 
 
 class BlobStore:
@@ -99,6 +113,8 @@ class BlobStore:
         self._lock = threading.Lock()
         self._session: Session | None = None
         self._closed = False
+        # The largest tensor stored or read by key: MAX_CHUNKS chunks, the header included.
+        self.max_bytes = MAX_CHUNKS * chunk_bytes - HEADER_BYTES
 
     # ----------------------------------------------------------------- session
 
@@ -165,6 +181,9 @@ class BlobStore:
         except ValueError as exc:
             log.error("hicached: cannot store key %.64r: %s", key, exc)
             return False
+        if value.numel() * value.element_size() > self.max_bytes:
+            log.error("hicached: cannot store key %.64r: more than %d bytes", key, self.max_bytes)
+            return False
         raw = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         blob = header + raw
         keys = self.chunk_keys(key, len(raw))
@@ -189,7 +208,7 @@ class BlobStore:
     def exists(self, key: str) -> bool:
         """Every chunk of ``key`` is cached (the header says how many there are)."""
         head = self._fetch(self.chunk_keys(key, 0)[:1])
-        header = decode_header(head[:HEADER_BYTES]) if head else None
+        header = decode_header(head[:HEADER_BYTES], self.max_bytes) if head else None
         if header is None:
             return False
         keys = self.chunk_keys(key, header[0])
@@ -210,9 +229,9 @@ class BlobStore:
         data = self._fetch(keys[:CHUNKS_PER_CALL])
         if not data:
             return None
-        header = decode_header(data[:HEADER_BYTES])
+        header = decode_header(data[:HEADER_BYTES], self.max_bytes)
         if header is None:
-            log.warning("hicached: key %.64r holds no tensor header; reading as a miss", key)
+            log.warning("hicached: key %.64r holds no valid tensor header; reading as a miss", key)
             return None
         nbytes, dtype, shape = header
         if want is not None and nbytes != want:

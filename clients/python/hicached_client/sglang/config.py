@@ -20,7 +20,7 @@ import os
 import socket
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hicached_client._channel import default_target
@@ -66,7 +66,7 @@ class AdapterConfig:
 
     target: str
     tenant: str = ""
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # a credential: never in a log line
     transport: Transport = Transport.SHM
     staging_pages: int = DEFAULT_STAGING_PAGES
     staging_bytes: int = DEFAULT_STAGING_BYTES

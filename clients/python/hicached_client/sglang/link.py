@@ -145,7 +145,12 @@ class BytesTransport(PageTransport):
     def get(self, keys: Sequence[str], drain: Drain) -> int:
         g = self._geometry
         result = self._session.get_bytes(keys, include_l3=self._include_l3, tenant=self._tenant)
-        hits = min(result.hit_pages, len(keys))
+        # The leading run of pages that are what was asked for: the key, one whole page each.
+        size, hits = g.groups * g.chunk_bytes, 0
+        for page, key in zip(result.pages[: min(result.hit_pages, len(keys))], keys, strict=False):
+            if page.key != key or len(page.data) != size:
+                break
+            hits += 1
         if hits:
             flat = torch.frombuffer(
                 bytearray(b"".join(p.data for p in result.pages[:hits])), dtype=torch.uint8

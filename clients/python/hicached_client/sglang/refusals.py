@@ -15,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from hicached_client.errors import escape_controls
+
 # One line per this many seconds at most (the first refusal is always logged).
 DEFAULT_INTERVAL_S = 10.0
 
@@ -60,6 +62,6 @@ class RefusalLog:
             self._template,
             pages,
             what,
-            reason or "no reason given",
+            escape_controls(reason) if reason else "no reason given",  # the daemon's text
             more,
         )

@@ -1,0 +1,180 @@
+"""The worker's side of the fast lane trusts neither who listens nor what the ring says.
+
+* Who listens: before, ``FastLane.connect`` sent ``hicached-lane-v1 <session id> <secret>`` to
+  whatever listened at ``<socket>.lane`` -- a stranger's uid in a squatted directory got the
+  session's capability (the fd handoff already checked ``SO_PEERCRED``; the lane did not). It
+  now refuses a listener that is not root, this uid or ``$HICACHED_DAEMON_UID`` and sends nothing.
+* What the ring says: a completion claiming more acks or layers than fit its record raised
+  ``struct.error`` / ``ValueError`` (not a HiCacheError, so the session did not fall back to
+  gRPC and SGLang's threads saw it), and the lane stayed wedged: every later op re-read the
+  same record and raised again. A malformed completion (or one of another seq) now closes the
+  lane with UNAVAILABLE, which sends the session's ops over gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import select
+import shutil
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from hicached_client import HiCacheError
+from hicached_client import lane_wire as w
+from hicached_client.fastlane import FastLane
+
+from tests.security.roles_helpers import scratch_dir
+from tests.security.users import other_user, popen_as_other
+
+# A stranger's listener at the lane path: prints what the worker sent before it closed.
+STRANGER = r"""
+import socket, sys
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(sys.argv[1])
+srv.listen(1)
+print("ready", flush=True)
+conn, _ = srv.accept()
+conn.settimeout(10)
+got = b""
+while chunk := conn.recv(512):
+    got += chunk
+print(repr(got), flush=True)
+"""
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    base = scratch_dir()
+    base.chmod(0o755)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_session_secret_is_not_sent_to_a_strangers_lane(run_dir: Path) -> None:
+    uid = other_user()
+    squatted = run_dir / "run"
+    squatted.mkdir()
+    os.chown(squatted, uid, -1)
+    stranger = popen_as_other(STRANGER, str(squatted / "hicached.sock.lane"))
+    try:
+        assert stranger.stdout is not None
+        assert stranger.stdout.readline().strip() == "ready"
+        with pytest.raises(HiCacheError) as info:
+            FastLane.connect(str(squatted / "hicached.sock.lane"), "s-1", "the-session-secret", timeout_s=5)
+        out, _ = stranger.communicate(timeout=30)
+    finally:
+        if stranger.poll() is None:
+            stranger.kill()
+            stranger.wait()
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, info.value
+    assert f"served by uid {uid}" in info.value.message and "HICACHED_DAEMON_UID" in info.value.message
+    assert out.strip() == "b''", f"the stranger got {out.strip()}"
+
+
+class HostileLane:
+    """A lane listener (this process's uid) handing a real sealed ring; ``patch(view, offset)``
+    spoils each completion after it is written."""
+
+    def __init__(self, path: Path, patch: Callable[[memoryview, int], None], *, v1_ring: bool = True) -> None:
+        self.patch = patch
+        self.v1_ring = v1_ring
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(1)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        conn, _ = self.sock.accept()
+        conn.recv(512)
+        fd = os.memfd_create("ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, w.RING_BYTES)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        ring = mmap.mmap(fd, w.RING_BYTES)
+        view = memoryview(ring)
+        if self.v1_ring:
+            w.init_ring(view)
+        efds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(3)]
+        socket.send_fds(conn, [b"ok lane\n"], [fd, *efds])
+        os.close(fd)
+        seq = 0
+        while not self.stop.is_set():
+            if not select.select([efds[0]], [], [], 0.1)[0]:
+                continue
+            os.eventfd_read(efds[0])
+            tail = struct.unpack_from("<Q", view, w.SQ_TAIL)[0]
+            while seq < tail:
+                at = w.completion_offset(seq)
+                w.encode_completion(view, at, w.Completion(int(w.Opcode.PING), seq, 0, True, None, ""))
+                self.patch(view, at)
+                seq += 1
+                struct.pack_into("<Q", view, w.CQ_TAIL, seq)
+                os.eventfd_write(efds[1], 1)
+        conn.close()
+        view.release()
+        ring.close()
+        for e in efds:
+            os.close(e)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.sock.close()
+
+
+# Byte offsets of COMPLETION fields (``<IHHQIIiIIIQI256s``).
+OFFSET = {"seq": 8, "nacks": 32, "nlayers": 36}
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "fmt"),
+    [("nacks", 0xFFFFFFFF, "<I"), ("nlayers", 0xFFFFFFFF, "<I"), ("seq", 7, "<Q")],
+)
+def test_a_malformed_completion_closes_the_lane(run_dir: Path, name: str, value: int, fmt: str) -> None:
+    path = run_dir / "hicached.sock.lane"
+    hostile = HostileLane(path, lambda view, at: struct.pack_into(fmt, view, at + OFFSET[name], value))
+    try:
+        lane = FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
+        for _ in range(2):  # the first closes the lane; the next says it is closed
+            with pytest.raises(HiCacheError) as info:
+                lane.ping(timeout_s=5)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+        assert lane.closed
+    finally:
+        hostile.close()
+
+
+def _eventfds() -> int:
+    """Eventfds open in this process (the listing's own fd is gone when it is read: skipped)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+    return count
+
+
+def test_a_ring_of_another_layout_is_no_lane(run_dir: Path) -> None:
+    """A ring whose header is not v1's raised lane_wire.RecordError from ``connect`` (not a
+    HiCacheError: the session did not fall back to gRPC, SGLang's thread saw it) and left the
+    three doorbells and the ring's mapping open."""
+    before = _eventfds()
+    path = run_dir / "hicached.sock.lane"
+    hostile = HostileLane(path, lambda view, at: None, v1_ring=False)
+    try:
+        with pytest.raises(HiCacheError) as info:
+            FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
+    finally:
+        hostile.close()
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+    assert _eventfds() == before, "the lane's doorbells were left open"

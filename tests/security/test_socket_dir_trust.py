@@ -1,0 +1,117 @@
+"""The worker's gRPC channel goes only to a socket that only trusted uids could have put there.
+
+The fd handoff and the fast lane ask the kernel who listens (``SO_PEERCRED``); a gRPC channel
+cannot. Before, a stranger's uid that owned the socket directory (a squatted
+``/tmp/hicached-<uid>``) received every call: the worker's bearer token (``authorization``
+metadata) and its Attach, and a byte-only session (no fds to hand over) attached to it and
+took its answers as the daemon's. The client now checks the directory before its first call,
+as the daemon does before it binds there: owned by root, this uid or ``$HICACHED_DAEMON_UID``,
+not writable by its group or others, and every directory above owned by one of them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from hicached_client import HiCacheClient, HiCacheError, WorkerIdentity
+
+from tests.security.roles_helpers import scratch_dir
+from tests.security.users import other_user, popen_as_other
+
+# A stranger's listener at the gRPC path: prints how many bytes it received before the test's END.
+STRANGER = r"""
+import socket, sys
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(sys.argv[1])
+srv.listen(8)
+print("ready", flush=True)
+total = 0
+while True:
+    conn, _ = srv.accept()
+    conn.settimeout(2)
+    got = b""
+    try:
+        while chunk := conn.recv(65536):
+            got += chunk
+            if got == b"END":
+                break
+    except OSError:
+        pass
+    if got == b"END":
+        break
+    total += len(got)
+print(total, flush=True)
+"""
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    root = scratch_dir()
+    root.chmod(0o755)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _call_stranger(run: Path) -> tuple[HiCacheError, int]:
+    """A byte-only attach with a token against a stranger listening at ``run/hicached.sock``:
+    (the error, bytes the stranger received)."""
+    sock = run / "hicached.sock"
+    stranger = popen_as_other(STRANGER, str(sock))
+    try:
+        assert stranger.stdout is not None
+        assert stranger.stdout.readline().strip() == "ready"
+        with (
+            HiCacheClient(f"unix://{sock}", token="worker-token", timeout_s=3) as client,
+            pytest.raises(HiCacheError) as info,
+        ):
+            client.attach(WorkerIdentity("w"), [], heartbeat=False)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as end:  # unblocks an idle stranger
+            end.connect(str(sock))
+            end.sendall(b"END")
+        out, _ = stranger.communicate(timeout=30)
+    finally:
+        if stranger.poll() is None:
+            stranger.kill()
+            stranger.wait()
+    return info.value, int(out.split()[-1])
+
+
+def test_a_strangers_socket_directory_gets_nothing(base: Path) -> None:
+    uid = other_user()
+    run = base / "run"
+    run.mkdir()
+    os.chown(run, uid, -1)
+    err, received = _call_stranger(run)
+    assert err.code == grpc.StatusCode.PERMISSION_DENIED, err
+    assert f"owned by uid {uid}" in err.message and "HICACHED_DAEMON_UID" in err.message
+    assert received == 0, f"the stranger got {received} bytes of the worker's calls"
+
+
+def test_a_socket_directory_others_can_write_gets_nothing(base: Path) -> None:
+    run = base / "run"
+    run.mkdir()
+    run.chmod(0o777)  # the stranger can put its socket in a directory root owns
+    err, received = _call_stranger(run)
+    assert err.code == grpc.StatusCode.PERMISSION_DENIED, err
+    assert "writable by its group or others" in err.message
+    assert received == 0, f"the stranger got {received} bytes of the worker's calls"
+
+
+def test_hicached_daemon_uid_names_the_daemons_user(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the daemon runs as its own user (deploy/base: uid 10001), the workers name it."""
+    uid = other_user()
+    monkeypatch.setenv("HICACHED_DAEMON_UID", str(uid))
+    run = base / "run"
+    run.mkdir()
+    os.chown(run, uid, -1)
+    err, received = _call_stranger(run)
+    assert err.code != grpc.StatusCode.PERMISSION_DENIED, err
+    assert received > 0, "the named uid's directory is trusted"
