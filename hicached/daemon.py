@@ -25,7 +25,7 @@ from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
-from hicached.errors import FailedPrecondition
+from hicached.errors import FailedPrecondition, StartupError
 from hicached.index.index import ContentIndex
 from hicached.index.observer import IndexObserver, NullIndexObserver
 from hicached.l3.base import StorageBackend
@@ -43,7 +43,7 @@ from hicached.server.peers import PeerSessions, UnreadAnswers
 from hicached.server.roles import Access
 from hicached.server.servicer import AdminServicer, CacheServicer
 from hicached.shutdown import flush_within, rpc_grace_s
-from hicached.startup import StartupError, banner, open_l3
+from hicached.startup import banner, open_l3
 from hicached.tasks import supervise
 from hicached.transfer.engine import CopyEngine
 
@@ -80,7 +80,7 @@ def attach_content_index(
 
 def l3_backend(config: Config, key: L3Key | None = None) -> StorageBackend | None:
     """The configured L3 backend (None for ``l3.backend = "none"``), its frames authenticated
-    with ``key``; raises :class:`~hicached.startup.StartupError` (one line naming the key)
+    with ``key``; raises :class:`~hicached.errors.StartupError` (one line naming the key)
     when it cannot start."""
     return open_l3(config, key)
 
@@ -411,7 +411,7 @@ class EarlySignals:
 
 
 def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> int:
-    """Build and serve a daemon; a :class:`~hicached.startup.StartupError` propagates (exit 2)."""
+    """Build and serve a daemon; a :class:`~hicached.errors.StartupError` propagates (exit 2)."""
     import uvloop
 
     # The event loop thread gives the GIL up at every I/O call; with a CPU-bound lane thread

@@ -130,3 +130,9 @@ class LimitExceeded(ResourceExhausted):
     def __init__(self, message: str, key: str) -> None:
         super().__init__(message)
         self.key = key
+
+
+class StartupError(Exception):
+    """The daemon cannot start as configured (an L3 backend that cannot start, a socket that
+    is another daemon's, a directory others could write): the message is one actionable line,
+    naming the key to fix, and ``hicached serve`` exits 2. Not a caller's error: no code."""

@@ -12,12 +12,12 @@ from typing import Any
 
 from hicached import __version__
 from hicached.config import Config, default_cache_dir
-from hicached.errors import HiCacheError
+from hicached.errors import HiCacheError, StartupError
 from hicached.l3.base import StorageBackend
 from hicached.l3.framing import FrameCodec, L3Key
 from hicached.l3.registry import open_backend, takes_frames
 
-__all__ = ["StartupError", "banner", "l3_auth", "l3_source", "l3_target", "open_l3"]
+__all__ = ["banner", "l3_auth", "l3_source", "l3_target", "open_l3"]
 
 # The keys an operator fixes when a backend cannot start.
 _BACKEND_KEYS = {
@@ -26,10 +26,6 @@ _BACKEND_KEYS = {
     "s3": "l3.s3.endpoint_url, l3.s3.bucket and the credentials (l3.s3.access_key_id)",
     "mooncake": "l3.mooncake.master_addr",
 }
-
-
-class StartupError(Exception):
-    """The daemon cannot start as configured; the message is one actionable line."""
 
 
 def l3_target(config: Config) -> str:

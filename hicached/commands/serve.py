@@ -51,10 +51,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicached: configuration error: {exc}", file=sys.stderr)
         return 2
     from hicached.daemon import run_daemon
-    from hicached.errors import FailedPrecondition
+    from hicached.errors import FailedPrecondition, StartupError
     from hicached.logs import setup_logging
-    from hicached.server.sockets import StartupError as SocketError
-    from hicached.startup import StartupError
 
     setup_logging(config.log.level, config.log.format, config.log.max_rate)
     for warning in unknown_env():
@@ -65,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # a credential file (token, PEM) read at startup
         print(f"hicached: configuration error: {exc}", file=sys.stderr)
         return 2
-    except (StartupError, SocketError) as exc:  # L3 cannot start; the socket is another daemon's
+    except StartupError as exc:  # L3 cannot start; the socket is another daemon's
         print(f"hicached: {exc}", file=sys.stderr)
         return 2
     except FailedPrecondition as exc:  # a precondition of startup the sites above did not name

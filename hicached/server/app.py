@@ -32,6 +32,7 @@ from hicached_client.v1 import hicached_pb2 as pb
 
 from hicached.config import Config
 from hicached.core.service import HiCacheCore
+from hicached.errors import StartupError
 from hicached.server import sockets
 from hicached.server.credentials import TcpCredentials
 from hicached.server.decode import DecodeInterceptor
@@ -47,7 +48,6 @@ from hicached.server.interceptors import (
 )
 from hicached.server.observer import RpcObserver
 from hicached.server.roles import Access
-from hicached.startup import StartupError
 
 logger = logging.getLogger(__name__)
 

@@ -35,21 +35,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from hicached.errors import StartupError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "BoundSocket",
-    "StartupError",
     "claim",
     "group_id",
     "prepare_dir",
     "probe",
     "umask_for",
 ]
-
-
-class StartupError(Exception):
-    """The daemon cannot take its sockets; the message is one line for the operator (exit 2)."""
 
 
 def group_id(name: str) -> int:

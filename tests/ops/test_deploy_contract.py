@@ -227,7 +227,8 @@ def test_sidecar_socket_directory_is_one_the_daemon_accepts(
     refuses a socket directory others can write. The sidecar's socket therefore lives in a
     directory the daemon creates inside the emptyDir. (Before: directly in the emptyDir, so the
     daemon would refuse to start.)"""
-    from hicached.server.sockets import StartupError, prepare_dir
+    from hicached.errors import StartupError
+    from hicached.server.sockets import prepare_dir
 
     spec = pod_spec(rendered["examples/sidecar"])
     sidecar = container(spec, "hicached")
