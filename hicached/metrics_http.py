@@ -16,7 +16,7 @@ stranger's connection costs a socket, a slot and a few microseconds of that thre
 * the whole answer taken within :data:`ANSWER_TIMEOUT_S`, else the reader is dropped;
 * one render per format per :data:`CACHE_TTL_S` (gzip'd once more when asked), shared by
   every answer: a flood of scrapes costs one render a second;
-* an accept out of descriptors pauses, as the daemon's other listeners (:mod:`hicached.server.accept`).
+* an accept out of descriptors pauses, as the daemon's other listeners (:mod:`hicached.accept`).
 
 Thread-safety: :func:`start` and :meth:`MetricsServer.close` may be called from any thread
 (close once or more); everything else runs on the server's own thread, which reads the
@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from hicached.server.accept import ACCEPT_PAUSE_S, AcceptPauses
+from hicached.accept import ACCEPT_PAUSE_S, AcceptPauses
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ class MetricsServer:
         return min(waiting, key=lambda c: c.accepted)
 
     def _accept_failed(self, exc: OSError) -> None:
-        if self._pauses.failed(exc):  # out of descriptors: the listener sleeps (hicached.server.accept)
+        if self._pauses.failed(exc):  # out of descriptors: the listener sleeps (hicached.accept)
             self._selector.unregister(self._listener)
             self._resume_at = self._clock() + ACCEPT_PAUSE_S
 

@@ -42,7 +42,7 @@ from hicached_client.export import ShmKVPool
 from hicached_client.fastlane import FastLane
 
 from hicached.bench.timing import timed
-from hicached.l2.shm import SharedSegment
+from hicached.shm import SharedSegment
 from hicached.testing.daemon import launch
 
 log = logging.getLogger(__name__)

@@ -151,7 +151,7 @@ MAX_GRACE_S = 86400.0
 # gRPC takes its message limits as a C int.
 MAX_MESSAGE_BYTES = 2**31 - 1
 # Segment names are "{prefix}-{daemon id}-{group id}-{pool}" (at most 200 characters, see
-# hicached/l2/shm.py) and the owner record ".{prefix}-..." lives in /dev/shm: the prefix is
+# hicached/shm.py) and the owner record ".{prefix}-..." lives in /dev/shm: the prefix is
 # one plain file-name word, short enough to leave the pool name its room.
 SHM_PREFIX_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _LISTEN_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>\d{1,5})")

@@ -52,7 +52,7 @@ from hicached.l2.group import HostPoolGroup, PoolEntry
 from hicached.l2.host_pool import HostKVPool, create_host_pool
 from hicached.l2.layout import PoolKind, host_pages_for
 from hicached.l2.owners import OwnerRecord, reclaim_dead
-from hicached.l2.shm import MAX_NAME_BYTES, name_is_valid
+from hicached.shm import MAX_NAME_BYTES, name_is_valid
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from hicached.core.journal import GroupJournal, JournalStore
 from hicached.core.types import PoolRequest
 from hicached.errors import FailedPrecondition, HiCacheError
 from hicached.l2.host_pool import HostKVPool, open_host_pool
-from hicached.l2.shm import SHM_DIR, SharedSegment
+from hicached.shm import SHM_DIR, SharedSegment
 
 __all__ = ["Journaled", "WarmGroups"]
 

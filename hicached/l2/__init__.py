@@ -27,7 +27,7 @@ from hicached.l2.host_pool import (
 )
 from hicached.l2.layout import DEFAULT_HOST_RATIO, HostLayout, KVSpec, PoolKind, host_pages_for
 from hicached.l2.pinning import pin_host_memory
-from hicached.l2.shm import SharedSegment
+from hicached.shm import SharedSegment
 
 __all__ = [
     "DEFAULT_HOST_RATIO",

@@ -27,7 +27,7 @@ from hicached.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from hicached.l2.allocator import PageAllocator
 from hicached.l2.layout import HostLayout, KVSpec, Layout, PoolKind, layout_for
 from hicached.l2.pinning import pin_host_memory
-from hicached.l2.shm import OS_PAGE, SharedSegment
+from hicached.shm import OS_PAGE, SharedSegment
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 
 from hicached.errors import FailedPrecondition
-from hicached.l2.shm import SHM_DIR
+from hicached.shm import SHM_DIR
 
 __all__ = ["OwnerRecord", "Reclaimed", "reclaim_dead"]
 

@@ -10,7 +10,7 @@ Bounds: at most ``max_lanes`` connections (negotiating or open) in total,
 ``max_per_session`` open lanes per session and ``max_per_uid`` per client uid; a connection beyond them is answered
 ``error RESOURCE_EXHAUSTED ...`` and closed, as is one whose thread cannot start (out of
 threads: RLIMIT_NPROC, pids.max). The acceptor never dies while the server is open: out of
-descriptors it pauses (:mod:`hicached.server.accept`), any other failure is
+descriptors it pauses (:mod:`hicached.accept`), any other failure is
 logged, counted by ``on_failure("lane_accept")`` and accepting goes on.
 
 Thread-safety: ``start``/``close`` from one thread; the acceptor and lane threads share only
@@ -32,9 +32,9 @@ from pathlib import Path
 
 from hicached_client.lane_wire import SUFFIX
 
+from hicached.accept import ACCEPT_PAUSE_S, AcceptPauses
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
-from hicached.server.accept import ACCEPT_PAUSE_S, AcceptPauses
 from hicached.server.handoff import peer_cred
 from hicached.server.lane import Lane, Refused
 from hicached.server.observer import NullRpcObserver, RpcObserver

@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hicached.accept import ACCEPT_PAUSE_S, AcceptPauses
 from hicached.core.types import PeerCred
-from hicached.server.accept import ACCEPT_PAUSE_S, AcceptPauses
 from hicached.server.sockets import BoundSocket
 
 logger = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ class HandoffServer:
         self._loop.remove_reader(self._listener.fileno())
 
     def _accept_failed(self, exc: OSError) -> None:
-        """Out of descriptors the listener pauses (:mod:`hicached.server.accept`)."""
+        """Out of descriptors the listener pauses (:mod:`hicached.accept`)."""
         if not self._pauses.failed(exc):
             return
         assert self._listener is not None and self._loop is not None

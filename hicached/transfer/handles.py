@@ -33,6 +33,7 @@ import torch
 from hicached_client import vocab
 
 from hicached.errors import InvalidArgument
+from hicached.shm import TMPFS_MAGIC, SharedSegment, fs_type, populate_backed
 
 # Every buffer must start on this byte boundary: the copy kernels view pages as
 # 8/16-byte words to reach memcpy speed, which needs aligned starts.
@@ -223,8 +224,6 @@ class FdOpener(HandleOpener[FdBufferHandle]):
         takes the daemon's address space -- 54 such attaches took it to 127 TiB, and
         then mmap and thread stacks failed for every client (ENOMEM).
         """
-        from hicached.l2.shm import TMPFS_MAGIC, SharedSegment, fs_type, populate_backed
-
         what = f"handed-over fd #{handle.index}"
         try:
             seals = fcntl.fcntl(handle.fd, fcntl.F_GET_SEALS)
@@ -296,7 +295,7 @@ class _ShmAllocation(OpenedAllocation):
 
 
 class _Segment(Protocol):
-    """The part of ``hicached.l2.shm.SharedSegment`` used here."""
+    """The part of ``hicached.shm.SharedSegment`` used here."""
 
     @property
     def size(self) -> int: ...

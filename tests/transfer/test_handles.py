@@ -13,7 +13,7 @@ import torch
 from hicached_client.export import sealed_memfd
 
 from hicached.errors import FailedPrecondition, InvalidArgument, NotFound
-from hicached.l2.shm import SharedSegment
+from hicached.shm import SharedSegment
 from hicached.transfer import BufferSpec, CudaIpcBufferHandle, DeviceMappings, FdBufferHandle
 from hicached.transfer.handles import (
     DTYPE_BY_NAME,
