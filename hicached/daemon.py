@@ -29,7 +29,6 @@ from hicached.errors import FailedPrecondition, StartupError
 from hicached.index.index import ContentIndex
 from hicached.index.observer import IndexObserver, NullIndexObserver
 from hicached.l3.base import StorageBackend
-from hicached.l3.framing import L3Key
 from hicached.l3.stats_cache import StatsCache
 from hicached.logs import setup_logging
 from hicached.metrics import Metrics, MetricsServer, serve_metrics
@@ -78,13 +77,6 @@ def attach_content_index(
     )
 
 
-def l3_backend(config: Config, key: L3Key | None = None) -> StorageBackend | None:
-    """The configured L3 backend (None for ``l3.backend = "none"``), its frames authenticated
-    with ``key``; raises :class:`~hicached.errors.StartupError` (one line naming the key)
-    when it cannot start."""
-    return open_l3(config, key)
-
-
 class Daemon:
     """Everything one ``hicached serve`` runs, built from ``config``."""
 
@@ -98,7 +90,7 @@ class Daemon:
         self.daemon_id = daemon_id or f"{os.getpid():x}{uuid.uuid4().hex[:4]}"
         self.metrics = Metrics()
         self._observe_rpc = RpcMetrics(self.metrics)
-        self.backend = l3_backend(config, l3_key)  # first: a backend that cannot start leaves nothing behind
+        self.backend = open_l3(config, l3_key)  # first: a backend that cannot start leaves nothing behind
         self.engine = CopyEngine(workers=config.copy.workers, max_queued_bytes=config.copy.max_queued)
         self.groups = _host_pools(config, self.daemon_id)
         self._core_metrics = CoreMetrics(self.metrics)
@@ -151,11 +143,9 @@ class Daemon:
             config,
             self.core,
             self._registrations,
-            executor=self.lanes.bookkeeping.executor,
             credentials=creds,
             observe=self._observe_rpc,
             admin_gid=admin_gid,
-            on_failure=self._task_failed,
         )
         self.metrics_server: MetricsServer | None = None
         self._gauges = HostGauges(self.metrics, self.groups, self.engine, self._core_metrics)
@@ -181,7 +171,7 @@ class Daemon:
         attach_content_index(self.config, state, backend=self.backend, metrics=self.metrics)
 
     def refresh_gauges(self) -> None:
-        """Host usage and queue depths (cheap; called by the lease reaper)."""
+        """Host usage and queue depths (cheap; the supervised `gauges` task calls it every second)."""
         self._gauges.refresh()
 
     async def start(self) -> None:
@@ -206,7 +196,7 @@ class Daemon:
             self.config,
             budget_bytes=self.groups.budget_bytes,
             metrics_url=url,
-            tcp_port=getattr(self.server, "tcp_port", None),
+            tcp_port=self.server.tcp_port,
         )
         logger.info("hicached %s started", fields["version"], extra=fields)
 
@@ -331,6 +321,9 @@ class Daemon:
         on_failure = self._task_failed
         srv = self.config.server
         periodic: list[tuple[str, Callable[[], Awaitable[None] | None], float]] = [
+            # Ends sessions (and backups) past their lease, on the bookkeeping lane (never
+            # shared with copies or L3 calls); a lease of min_lease_ms is seen within a quarter.
+            ("lease_reaper", self._reap, max(0.05, min(1.0, self.config.sessions.min_lease_ms / 4000))),
             ("gauges", self.refresh_gauges, 1.0),
             # Closes the fds of expired fd-handoff tickets even when nobody hands over or attaches.
             ("handoff_sweep", self._sweep_handoffs, max(0.05, srv.handoff_ticket_ttl_s / 4)),
@@ -351,6 +344,9 @@ class Daemon:
             logger.error("%s", exc, extra={"event": "shutdown"})
             return 1
         return 0
+
+    async def _reap(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self.lanes.bookkeeping.executor, self.core.expire)
 
     def _sweep_handoffs(self) -> None:
         self.handoff.expire()

@@ -10,8 +10,8 @@ this module, so every layer works, and is tested, without Prometheus.
 
 Thread-safety: adapters only touch prometheus_client metric objects (thread-safe); their only
 state of their own is the label children they looked up once (filled idempotently, see each
-class), except :class:`HostGauges`, whose ``refresh`` is called from one thread (the daemon's
-reaper).
+class), except :class:`HostGauges`, whose ``refresh`` is called from one thread (the event loop's
+supervised ``gauges`` task).
 """
 
 from __future__ import annotations
@@ -177,8 +177,8 @@ class HostGauges:
     same pool names, another head_dim or page size) are summed into it, as its write/load
     counters are (each group set the gauge in turn before, and the last one won). A retired
     pool group's series are removed with it (its write/load counters too, through ``core``),
-    so a scrape never shows a group that is gone. Not thread-safe: one caller (the daemon's
-    reaper) refreshes.
+    so a scrape never shows a group that is gone. Not thread-safe: one caller (the event
+    loop's supervised ``gauges`` task) refreshes.
     """
 
     def __init__(

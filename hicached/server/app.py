@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +85,8 @@ class Server:
     """Owns the grpc.aio servers of the listeners; ``start``/``stop`` once each.
 
     ``registrations(access)`` returns the servicer registrations of one listener,
-    built for that listener's role. ``executor`` runs the lease reaper (the
-    bookkeeping lane: never shared with copies or L3 calls). ``observe`` gets one
-    observation per RPC of the daemon's services (the Prometheus RPC metrics).
+    built for that listener's role. ``observe`` gets one observation per RPC of the
+    daemon's services (the Prometheus RPC metrics).
     """
 
     def __init__(
@@ -97,25 +95,20 @@ class Server:
         core: HiCacheCore,
         registrations: Registrations,
         *,
-        executor: ThreadPoolExecutor,
         credentials: TcpCredentials,
         observe: RpcObserver,
         admin_gid: int | None = None,
-        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self._cfg = config
         self._core = core
         self._registrations = registrations
-        self._executor = executor
         self._creds = credentials
         self._observe = observe
         self._admin_gid = admin_gid
-        self._on_failure = on_failure
         self._servers: list[grpc.aio.Server] = []
         self._bound: list[sockets.BoundSocket] = []
         # One status for every listener; each listener counts its own Watch streams.
         self._health = HealthStatus(("", *SERVICE_NAMES))
-        self._reaper: asyncio.Task[None] | None = None
         self.tcp_port: int | None = None
 
     def _interceptors(self, access: Access) -> tuple[grpc.aio.ServerInterceptor[Any, Any], ...]:
@@ -183,7 +176,6 @@ class Server:
             await self._start_tcp(str(admin_path))
         for name in ("", *SERVICE_NAMES):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._reaper = asyncio.create_task(self._reap())
         logger.info(
             "serving",
             extra={
@@ -221,22 +213,6 @@ class Server:
             ) from exc
         await tcp.start()
 
-    async def _reap(self) -> None:
-        """End sessions whose lease ran out (and backups past their lease)."""
-        interval = max(0.05, min(1.0, self._cfg.sessions.min_lease_ms / 4000))
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await loop.run_in_executor(self._executor, self._core.expire)
-            except Exception:
-                # The reaper goes on (an expired session must still be ended), counted.
-                logger.exception(
-                    "lease reaper failed", extra={"event": "task_failed", "task": "lease_reaper"}
-                )
-                if self._on_failure is not None:
-                    self._on_failure("lease_reaper")
-
     async def mark_draining(self) -> None:
         """Readiness: the services stop SERVING (no new sessions); ``""`` (liveness) stays SERVING."""
         for name in SERVICE_NAMES:
@@ -249,8 +225,6 @@ class Server:
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight RPCs finish for ``grace_s``, then cancel them."""
-        if self._reaper is not None:
-            self._reaper.cancel()
         self._health.enter_graceful_shutdown()
         await asyncio.gather(*(server.stop(grace_s) for server in self._servers))
         for bound in self._bound:

@@ -30,6 +30,20 @@ def expire(self):
 h.HandoffRegistry.expire = expire
 """
 
+# The lease reaper fails once, on its 3rd run; every run is logged ("REAP").
+FAILING_REAPER = """
+import hicached.core.service as cs
+_calls = [0]
+_expire = cs.HiCacheCore.expire
+def expire(self, now=None):
+    _calls[0] += 1
+    print("REAP", _calls[0], flush=True)
+    if _calls[0] == 3:
+        raise RuntimeError("injected reaper fault")
+    return _expire(self, now)
+cs.HiCacheCore.expire = expire
+"""
+
 # The fast lane's first connection cannot be set up (an unexpected error in the acceptor).
 FAILING_LANE = """
 import hicached.server.fastlane as fl
@@ -87,6 +101,19 @@ def test_handoff_sweeper_keeps_running_after_a_failure_and_counts_it() -> None:
         poll(lambda: len(log_lines(d, "SWEEP")), lambda n: n >= 8, 30.0, "sweeps after the failure")
         assert total(scrape(port), FAILURES, task="handoff_sweep") == 1
         assert log_lines(d, "background task handoff_sweep failed")
+    finally:
+        assert d.stop() == 0
+
+
+def test_lease_reaper_keeps_running_after_a_failure_and_counts_it() -> None:
+    """The reaper is one of the supervised tasks (it had a loop of its own in the server): a
+    failure is logged with its traceback, counted, and the runs go on after the backoff."""
+    d = serve_patched(FAILING_REAPER, "--metrics-port", "0")
+    try:
+        port = metrics_port(d)
+        poll(lambda: len(log_lines(d, "REAP")), lambda n: n >= 6, 30.0, "reaps after the failure")
+        assert total(scrape(port), FAILURES, task="lease_reaper") == 1
+        assert log_lines(d, "background task lease_reaper failed")
     finally:
         assert d.stop() == 0
 

@@ -76,12 +76,12 @@ def test_unusable_journal_dir_is_one_line() -> None:
 # The daemon's build blocks (as on a big L3 directory's index rebuild) until stdin has a line.
 SLOW_START = """
 import hicached.daemon as d
-_open = d.l3_backend
-def l3_backend(*args, **kwargs):
+_open = d.open_l3
+def open_l3(*args, **kwargs):
     print("BUILDING", flush=True)
     sys.stdin.readline()
     return _open(*args, **kwargs)
-d.l3_backend = l3_backend
+d.open_l3 = open_l3
 """
 
 
