@@ -12,7 +12,8 @@ journal is consumed exactly once, so a later crash never replays stale state.
 A crash writes no journal; segments found without one are unlinked (their
 pages may have been half written). Only one daemon may use a prefix's
 journals at a time; :meth:`JournalStore.lock` enforces that with an
-advisory lock the kernel drops when the holder dies.
+advisory lock the kernel drops when the holder dies, in the journal directory and in
+``/dev/shm`` (:mod:`hicached.l2.prefix_lock`: one prefix, two journal directories).
 
 Journals list tenants and their keys, and the next daemon maps what they name: a journal is
 created 0600 and the directory 0700, as the lock file and the file L3's slabs are; a
@@ -43,6 +44,7 @@ from typing import Any
 
 from hicached.errors import FailedPrecondition
 from hicached.index.entries import EntryRecord
+from hicached.l2.prefix_lock import ShmPrefixLock
 
 __all__ = ["JOURNAL_FORMAT", "JOURNAL_VERSION", "GroupJournal", "JournalStore", "PoolRecord"]
 
@@ -141,6 +143,7 @@ class JournalStore:
         self.directory = Path(directory)
         self.prefix = prefix
         self._lock_fd: int | None = None
+        self._shm_lock = ShmPrefixLock(prefix)
         self._last_stamp_ns = 0
 
     def path(self, group_id: str) -> Path:
@@ -171,6 +174,11 @@ class JournalStore:
                 f"another daemon holds warm-restart prefix {self.prefix!r} ({lock_path}); "
                 f"give each daemon its own host.shm_prefix"
             ) from None
+        try:
+            self._shm_lock.acquire()  # and in /dev/shm: a daemon with another journal_dir
+        except BaseException:
+            os.close(fd)
+            raise
         self._lock_fd = fd
 
     def _make_private_directory(self) -> None:
@@ -210,6 +218,7 @@ class JournalStore:
         """Release :meth:`lock`. Idempotent."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
+            self._shm_lock.release()
             os.close(fd)  # closing the descriptor drops the flock
 
     def write(self, journal: GroupJournal) -> Path:
