@@ -86,6 +86,7 @@ class Daemon:
         # serves (or another user could swap) stop startup here, naming the cause.
         creds = credentials.load(config.server)
         l3_key = credentials.load_l3_key(config.l3)
+        credentials.warn_readable(config.server, config.l3)
         admin_gid = claim_sockets(config)
         self.daemon_id = daemon_id or f"{os.getpid():x}{uuid.uuid4().hex[:4]}"
         self.metrics = Metrics()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -272,6 +273,26 @@ def _check_mode_literals(text: str, file: Path) -> None:
             )
 
 
+# A configuration is a few KiB; its bytes are read whole (SIGHUP reads them on the event loop).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_config(file: Path) -> bytes:
+    """The config file's bytes: a regular file (symlinks followed, as a ConfigMap's are) of at
+    most MAX_CONFIG_BYTES, opened without blocking. ConfigError otherwise: a FIFO swapped in
+    for it blocked the event loop for good at the next SIGHUP (health checks timed out, SIGTERM
+    went unhandled), and ``/dev/zero`` grew the daemon's memory without end."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"config file {file} is not a regular file")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {file} is larger than {MAX_CONFIG_BYTES} bytes")
+    return data
+
+
 def resolve(
     cli: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
@@ -289,7 +310,7 @@ def resolve(
     layered: dict[str, dict[str, Any]] = {name: {} for name in SECTION_TYPES}
     if file is not None:
         try:
-            text = file.read_bytes().decode("utf-8")
+            text = _read_config(file).decode("utf-8")
             data = tomllib.loads(text)
         except OSError as exc:
             raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from exc

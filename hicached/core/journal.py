@@ -12,11 +12,14 @@ journal is consumed exactly once, so a later crash never replays stale state.
 A crash writes no journal; segments found without one are unlinked (their
 pages may have been half written). Only one daemon may use a prefix's
 journals at a time; :meth:`JournalStore.lock` enforces that with an
-advisory lock the kernel drops when the holder dies.
+advisory lock the kernel drops when the holder dies, in the journal directory and in
+``/dev/shm`` (:mod:`hicached.l2.prefix_lock`: one prefix, two journal directories).
 
-Journals list tenants and their keys: a journal is created 0600 and the directory 0700,
-as the lock file and the file L3's slabs are. What bounds the journals a prefix keeps is
-:mod:`hicached.core.warm`.
+Journals list tenants and their keys, and the next daemon maps what they name: a journal is
+created 0600 and the directory 0700, as the lock file and the file L3's slabs are; a
+``journal_dir`` another user owns, or one on a path through another user's directory or symlink
+is refused (FailedPrecondition), and journals are read only as regular files of the daemon's
+uid. What bounds the journals a prefix keeps is :mod:`hicached.core.warm`.
 
 Thread-safety: the methods are independent file operations; the caller
 serialises work on one group (the group registry's lock does), and calls
@@ -33,6 +36,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +44,7 @@ from typing import Any
 
 from hicached.errors import FailedPrecondition
 from hicached.index.entries import EntryRecord
+from hicached.l2.prefix_lock import ShmPrefixLock
 
 __all__ = ["JOURNAL_FORMAT", "JOURNAL_VERSION", "GroupJournal", "JournalStore", "PoolRecord"]
 
@@ -138,6 +143,7 @@ class JournalStore:
         self.directory = Path(directory)
         self.prefix = prefix
         self._lock_fd: int | None = None
+        self._shm_lock = ShmPrefixLock(prefix)
         self._last_stamp_ns = 0
 
     def path(self, group_id: str) -> Path:
@@ -155,7 +161,7 @@ class JournalStore:
         lock_path = self.directory / f"{self.prefix}.lock"
         try:
             self._make_private_directory()
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise FailedPrecondition(
                 f"host.journal_dir {str(self.directory)!r} is not usable: {exc}"
@@ -168,25 +174,51 @@ class JournalStore:
                 f"another daemon holds warm-restart prefix {self.prefix!r} ({lock_path}); "
                 f"give each daemon its own host.shm_prefix"
             ) from None
+        try:
+            self._shm_lock.acquire()  # and in /dev/shm: a daemon with another journal_dir
+        except BaseException:
+            os.close(fd)
+            raise
         self._lock_fd = fd
 
     def _make_private_directory(self) -> None:
-        """The directory, mode 0700: journals name tenants and keys. One this user owns with
-        wider bits (an earlier version made it 0755) is narrowed; another's is left alone
-        (the journals themselves are 0600)."""
-        try:
-            self.directory.parent.mkdir(parents=True, exist_ok=True)
+        """The directory, mode 0700: journals name tenants and keys, and the next daemon maps
+        what they name. One this user owns with wider bits (an earlier version made it 0755)
+        is narrowed.
+
+        FailedPrecondition (OSError for the caller) for a directory of another user, or a path
+        through a directory or symlink of a user other than root and this one: its
+        owner could plant journals (the next daemon replayed them: another tenant's keys mapped
+        onto pages of its choice), read them, or re-point the name. Before, another's directory
+        was used as it was, and a symlink was followed by the chmod (a root daemon narrowed
+        whatever directory it pointed to, /tmp included, to 0700)."""
+        _check_ancestors(self.directory)
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        _check_ancestors(self.directory)  # again, now that the parents exist
+        with contextlib.suppress(FileExistsError):
             os.mkdir(self.directory, 0o700)
-        except FileExistsError:
-            st = os.stat(self.directory)
-            if st.st_uid != os.geteuid() or not st.st_mode & 0o077:
-                return
-        os.chmod(self.directory, 0o700)  # mkdir applied the umask; or narrow an old one
+        # A symlink on the way is root's or ours (checked above): open what it resolves to, as
+        # a directory, and check that directory's owner.
+        target = os.path.realpath(self.directory)
+        fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise FailedPrecondition(
+                    f"host.journal_dir {str(self.directory)!r} is owned by uid {st.st_uid}, not by this "
+                    f"daemon's uid {os.geteuid()}: its owner could plant or read journals; remove it "
+                    "or choose another directory"
+                )
+            if stat.S_IMODE(st.st_mode) != 0o700:
+                os.fchmod(fd, 0o700)  # mkdir applied the umask; or narrow an old one
+        finally:
+            os.close(fd)
 
     def unlock(self) -> None:
         """Release :meth:`lock`. Idempotent."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
+            self._shm_lock.release()
             os.close(fd)  # closing the descriptor drops the flock
 
     def write(self, journal: GroupJournal) -> Path:
@@ -241,7 +273,7 @@ class JournalStore:
         """
         path = self.path(group_id)
         try:
-            raw = path.read_bytes()
+            raw = _read_own_file(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -267,3 +299,36 @@ class JournalStore:
         """Delete the group's journal (it is consumed). Idempotent."""
         with contextlib.suppress(FileNotFoundError):
             self.path(group_id).unlink()
+
+
+def _check_ancestors(directory: Path) -> None:
+    """FailedPrecondition unless every directory and symlink on the way to ``directory`` (as
+    given and as resolved) is owned by root or this daemon's uid: the owner of one can rename
+    what it holds or re-point it. Write bits are not checked (``/tmp`` is root's, 1777 and
+    sticky); the journal directory's own owner and mode are (see ``_make_private_directory``)."""
+    me = os.geteuid()
+    given = Path(os.path.abspath(directory))
+    for path in (given, Path(os.path.realpath(given))):
+        for part in (*reversed(path.parents), path):
+            try:
+                st = os.lstat(part)
+            except FileNotFoundError:
+                continue  # made below, by this daemon
+            if st.st_uid not in (me, 0):
+                kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory"
+                raise FailedPrecondition(
+                    f"host.journal_dir {str(directory)!r}: {part} on its path is {kind} owned by uid "
+                    f"{st.st_uid}, who could plant journals or re-point it; use a path owned by root "
+                    f"or uid {me}"
+                )
+
+
+def _read_own_file(path: Path) -> bytes:
+    """The bytes of ``path``, a regular file of this daemon's uid: not through a symlink, and
+    never blocking on a FIFO (OSError otherwise; FileNotFoundError when there is none)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(f"not a regular file owned by uid {os.geteuid()}")
+        return f.read()

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -105,13 +106,18 @@ class WarmGroups:
 
     def _segments(self) -> dict[str, list[str]]:
         """This prefix's warm-restart segment names by group id. Names of daemons without warm
-        restart (``prefix-<daemon id>-...``) never match."""
+        restart (``prefix-<daemon id>-...``) never match, nor files that are not regular files
+        of this daemon's uid: ``/dev/shm`` is usually writable by every local user, and such a
+        file under one of our names is somebody else's (logged, never counted nor unlinked).
+        Before, one made a non-root daemon fail to start (its unlink raised EPERM), and a sparse
+        one of 1 TiB under a journaled group's id made the daemon drop that group to fit the
+        budget."""
         pattern = re.compile(rf"{re.escape(self._store.prefix)}-([0-9a-f]{{16}})-[^/]+")
         found: dict[str, list[str]] = {}
         with contextlib.suppress(FileNotFoundError):
             for name in sorted(os.listdir(SHM_DIR)):
                 m = pattern.fullmatch(name)
-                if m:
+                if m and _ours(name):
                     found.setdefault(m.group(1), []).append(name)
         return found
 
@@ -184,9 +190,31 @@ class WarmGroups:
         self._store.unlock()
 
 
+def _ours(name: str) -> bool:
+    """Whether ``/dev/shm/name`` is a regular file owned by this daemon's uid (else logged)."""
+    try:
+        st = os.lstat(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        return True
+    logger.warning(
+        "ignoring %s/%s: not a regular file owned by uid %d (uid %d's); it is not this daemon's",
+        SHM_DIR,
+        name,
+        os.geteuid(),
+        st.st_uid,
+    )
+    return False
+
+
 def _unlink(name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    try:
         os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # EPERM: another user's file in the sticky /dev/shm
+        logger.warning("cannot remove %s/%s: %s", SHM_DIR, name, exc.strerror)
 
 
 def _size(name: str) -> int:

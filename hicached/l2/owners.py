@@ -10,7 +10,9 @@ touched: nothing proves its owner dead (another prefix, an older daemon, a
 warm-restart segment, which the journal logic owns).
 
 The record lives in ``SHM_DIR`` itself, so it shares the segments' namespace
-(a container with its own ``/dev/shm`` sees only its own daemons).
+(a container with its own ``/dev/shm`` sees only its own daemons). A plain host's is
+writable by every local user: a record or segment that is not a regular file of the daemon's
+uid is somebody else's, never opened as a record (a FIFO blocked ``open``), nor unlinked.
 
 Atomicity: the record is created under a temporary name, locked, and only then
 renamed into place, so the final name never refers to an unlocked file of a
@@ -27,6 +29,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 from hicached.errors import FailedPrecondition
@@ -109,9 +112,8 @@ def reclaim_dead(prefix: str, *, directory: str = SHM_DIR) -> Reclaimed:
         if m is None:
             continue
         path = os.path.join(directory, record)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        fd = _open_record(path)
+        if fd is None:
             continue
         try:
             try:
@@ -128,12 +130,18 @@ def reclaim_dead(prefix: str, *, directory: str = SHM_DIR) -> Reclaimed:
                 if mine.fullmatch(name):
                     seg = os.path.join(directory, name)
                     try:
-                        size = os.stat(seg).st_size
+                        st = os.lstat(seg)
+                        if st.st_uid != os.geteuid():
+                            continue  # not a segment of ours: another user's name in a shared SHM_DIR
                         os.unlink(seg)
                     except FileNotFoundError:
                         continue
+                    except OSError as exc:  # EPERM, say: never a reason not to start
+                        logger.warning("cannot reclaim host segment %s: %s", seg, exc.strerror)
+                        continue
+                    size = st.st_size
                     freed.append((name, size))
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 os.unlink(path)
             owners.append(daemon_id)
         finally:
@@ -150,6 +158,30 @@ def reclaim_dead(prefix: str, *, directory: str = SHM_DIR) -> Reclaimed:
             extra={"event": "reclaim", "segments": [n for n, _ in freed], "bytes": result.nbytes},
         )
     return result
+
+
+def _open_record(path: str) -> int | None:
+    """A descriptor of the ownership record at ``path``, or None (logged) for one that is not a
+    regular file of this daemon's uid: ``SHM_DIR`` is usually writable by every local user, and
+    a FIFO there blocked a plain ``open`` (every daemon of the prefix hung at startup), an
+    unreadable one raised (a non-root daemon could not start)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        logger.warning("ignoring ownership record %s: %s", path, exc.strerror)
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        logger.warning(
+            "ignoring ownership record %s: not a regular file owned by uid %d (another user's?)",
+            path,
+            os.geteuid(),
+        )
+        return None
+    return fd
 
 
 def _same_file(fd: int, path: str) -> bool:

@@ -8,14 +8,18 @@ one line). Immutable once loaded; safe to share between threads.
 
 from __future__ import annotations
 
+import logging
+import os
 import ssl
+import stat
 from dataclasses import dataclass
-from pathlib import Path
 
 from hicached.config import ConfigError, L3Config, ServerConfig
 from hicached.l3.framing import KEY_MIN_BYTES, L3Key
 
-__all__ = ["TcpCredentials", "load", "load_l3_key"]
+__all__ = ["TcpCredentials", "load", "load_l3_key", "warn_readable"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,11 +33,64 @@ class TcpCredentials:
     tls_client_ca: bytes | None = None
 
 
+# Larger than any token, key or PEM bundle a daemon needs.
+MAX_CREDENTIAL_BYTES = 1 << 20
+
+
 def _read(key: str, path: str) -> bytes:
+    """The file's bytes. ConfigError naming ``key`` for a file that cannot be read, is not a
+    regular file (opened without blocking: a FIFO hung the start), is over
+    MAX_CREDENTIAL_BYTES, or that its group or others can write (they would choose the token
+    or key: the admin token gives every admin call; workers may share the daemon's group)."""
     try:
-        return Path(path).read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            data = f.read(MAX_CREDENTIAL_BYTES + 1) if stat.S_ISREG(st.st_mode) else b""
     except OSError as exc:
         raise ConfigError(f"{key} = {path!r}: cannot read it: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{key} = {path!r}: not a regular file")
+    if len(data) > MAX_CREDENTIAL_BYTES:
+        raise ConfigError(f"{key} = {path!r}: larger than {MAX_CREDENTIAL_BYTES} bytes")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & (stat.S_IWOTH | stat.S_IWGRP):
+        who = "others" if mode & stat.S_IWOTH else "its group"
+        raise ConfigError(
+            f"{key} = {path!r}: the file is writable by {who} (mode {mode:04o}): they could choose "
+            "its contents; chmod go-w (0400 or 0440 is enough)"
+        )
+    return data
+
+
+def _warn_if_readable(key: str, path: str) -> None:
+    """Log a warning when others can read the secret at ``path`` (after it was found valid):
+    any local user could then call over TCP, as admin with the admin token."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return  # read a moment ago; nothing to warn about now
+    if mode & stat.S_IROTH:
+        logger.warning(
+            "%s = %r is readable by others (mode %04o): any local user can read the secret; "
+            "chmod o-r (0400, or 0440 for the daemon's group)",
+            key,
+            path,
+            mode,
+        )
+
+
+def warn_readable(server: ServerConfig, l3: L3Config) -> None:
+    """:func:`_warn_if_readable` for every secret file configured; called once :func:`load` and
+    :func:`load_l3_key` found them valid (a refused start stays one line)."""
+    for key, path in (
+        ("server.auth_token_file", server.auth_token_file),
+        ("server.admin_token_file", server.admin_token_file),
+        ("server.tls_key", server.tls_key if server.tls_cert else ""),
+        ("l3.auth_key_file", l3.auth_key_file),
+    ):
+        if path:
+            _warn_if_readable(key, path)
 
 
 def _token(key: str, path: str) -> str | None:

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import stat
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -263,7 +264,8 @@ def mode(path: Path) -> int:
 
 
 def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
-    store = JournalStore(tmp_path / "j", "hcwr-unit")
+    prefix = f"hcwr-unit{uuid.uuid4().hex[:8]}"  # its lock in /dev/shm is host-wide
+    store = JournalStore(tmp_path / "j", prefix)
     old = os.umask(0o002)  # the most a umask usually allows: 0664 files, 0775 directories
     try:
         store.lock()
@@ -272,7 +274,7 @@ def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
     try:
         assert mode(tmp_path / "j") == 0o700
         with pytest.raises(FailedPrecondition, match="another daemon"):
-            JournalStore(tmp_path / "j", "hcwr-unit").lock()
+            JournalStore(tmp_path / "j", prefix).lock()
         journal = GroupJournal(
             "g1",
             (PoolRecord("kv", 16, "seg-kv"),),
@@ -300,9 +302,13 @@ def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
         assert store.read("g2") is None
     finally:
         store.unlock()
-    JournalStore(tmp_path / "j", "hcwr-unit").lock()  # released: the next daemon may take it
+    again = JournalStore(tmp_path / "j", prefix)
+    again.lock()  # released: the next daemon may take it
+    again.unlock()  # (and must give it back: the prefix's lock in /dev/shm is one for every journal_dir)
     (tmp_path / "old").mkdir(mode=0o755)  # made by an earlier version
-    JournalStore(tmp_path / "old", "hcwr-unit").lock()
+    older = JournalStore(tmp_path / "old", prefix)
+    older.lock()
+    older.unlock()
     assert mode(tmp_path / "old") == 0o700
 
 
