@@ -189,8 +189,9 @@ class SharedSegment:
         """Map an existing segment of the daemon's own (warm restart). Never a client's: workers
         hand their buffers over as fds (see hicached.transfer.handles).
 
-        Raises NotFound if no segment has this name, PermissionDenied for a symlink or a
-        segment another user owns (planted to make the daemon map a file it chose).
+        Raises NotFound if no segment has this name, PermissionDenied for a symlink, a
+        segment another user owns (planted to make the daemon map a file it chose) or one with
+        a second name (a hard link: two groups would share its pages).
         """
         path = _path_for(name)
         try:
@@ -209,6 +210,10 @@ class SharedSegment:
                 raise PermissionDenied(
                     f"shared memory segment {name!r} is not a regular file owned by uid {os.geteuid()}"
                 )
+            if st.st_nlink != 1:
+                # A second name for the file: one group's segment linked under another group's
+                # name (where fs.protected_hardlinks=0 lets others link the daemon's files).
+                raise PermissionDenied(f"shared memory segment {name!r} has {st.st_nlink} names; refusing it")
             size = st.st_size
             if size <= 0:
                 raise InvalidArgument(f"shared memory segment {name!r} is empty")

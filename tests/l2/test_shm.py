@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -57,6 +58,24 @@ def test_open_refuses_a_symlink_planted_under_the_daemons_name(
     finally:
         link.unlink()
     assert target.read_bytes() == b"s" * 4096
+
+
+def test_open_refuses_a_segment_with_a_second_name(shm_name: Callable[[], str]) -> None:
+    """Fails before: a hard link of one group's segment under another group's name was mapped,
+    and the two groups shared its pages (the link needs fs.protected_hardlinks=0 for another
+    user; root makes it here)."""
+    name, other = shm_name(), shm_name()
+    with SharedSegment.create(name, 4096) as seg:
+        seg.buf[0:3] = b"abc"
+        os.link(Path("/dev/shm") / name, Path("/dev/shm") / other)
+        try:
+            for either in (name, other):
+                with pytest.raises(PermissionDenied, match="2 names"):
+                    SharedSegment.open(either)
+        finally:
+            os.unlink(Path("/dev/shm") / other)
+        with SharedSegment.open(name) as again:  # one name again: its own
+            assert bytes(again.buf[0:3]) == b"abc"
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", "..", "x" * 300])
