@@ -28,6 +28,7 @@ from hicached.core.service import HiCacheCore
 from hicached.errors import FailedPrecondition, StartupError
 from hicached.index.index import ContentIndex
 from hicached.index.observer import IndexObserver, NullIndexObserver
+from hicached.index.types import IndexOptions
 from hicached.l3.base import StorageBackend
 from hicached.l3.stats_cache import StatsCache
 from hicached.logs import setup_logging
@@ -68,11 +69,13 @@ def attach_content_index(
         state.group,
         namespace=f"hicached/{state.group_id}",
         backend=backend,
-        write_policy=l3.write_policy,
-        io_workers=l3.io_workers,
+        options=IndexOptions(
+            write_policy=l3.write_policy,
+            io_workers=l3.io_workers,
+            prefetch_timeout_base_s=l3.prefetch_timeout_base_s,
+            prefetch_timeout_per_1k_tokens_s=l3.prefetch_timeout_per_1k_tokens_s,
+        ),
         observer=observer,
-        prefetch_timeout_base_s=l3.prefetch_timeout_base_s,
-        prefetch_timeout_per_1k_tokens_s=l3.prefetch_timeout_per_1k_tokens_s,
         tenant_keys=state.tenant_keys,
     )
 
