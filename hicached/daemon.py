@@ -105,12 +105,7 @@ class Daemon:
             attach_index=self._attach_index,
             observer=self._core_metrics,
         )
-        self.keyed = KeyedCache(
-            config,
-            core=self.core,
-            backend=self.backend,
-            tag_key=l3_key.tenant_key if l3_key is not None else None,
-        )
+        self.keyed = KeyedCache(core=self.core, tag_key=l3_key.tenant_key if l3_key is not None else None)
         self.lanes = Lanes.from_config(config)
         self.peers = PeerSessions(
             config.limits.max_sessions_per_peer,
@@ -248,7 +243,7 @@ class Daemon:
         if self.fast_lanes is not None:
             lanes, grace = self.fast_lanes, self.config.server.grace_s
             parts.append(("fast lanes", lambda: lanes.close(grace)))
-        parts += [("core", self.core.close), ("keyed", self.keyed.close), ("engine", self.engine.close)]
+        parts += [("core", self.core.close), ("engine", self.engine.close)]
         for name, part in (
             ("l3", self.backend),
             ("metrics", self.metrics_server),
