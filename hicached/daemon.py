@@ -28,6 +28,7 @@ from hicached.core.service import HiCacheCore
 from hicached.errors import FailedPrecondition, StartupError
 from hicached.index.index import ContentIndex
 from hicached.index.observer import IndexObserver, NullIndexObserver
+from hicached.index.types import IndexOptions
 from hicached.l3.base import StorageBackend
 from hicached.l3.stats_cache import StatsCache
 from hicached.logs import setup_logging
@@ -68,11 +69,13 @@ def attach_content_index(
         state.group,
         namespace=f"hicached/{state.group_id}",
         backend=backend,
-        write_policy=l3.write_policy,
-        io_workers=l3.io_workers,
+        options=IndexOptions(
+            write_policy=l3.write_policy,
+            io_workers=l3.io_workers,
+            prefetch_timeout_base_s=l3.prefetch_timeout_base_s,
+            prefetch_timeout_per_1k_tokens_s=l3.prefetch_timeout_per_1k_tokens_s,
+        ),
         observer=observer,
-        prefetch_timeout_base_s=l3.prefetch_timeout_base_s,
-        prefetch_timeout_per_1k_tokens_s=l3.prefetch_timeout_per_1k_tokens_s,
         tenant_keys=state.tenant_keys,
     )
 
@@ -102,12 +105,7 @@ class Daemon:
             attach_index=self._attach_index,
             observer=self._core_metrics,
         )
-        self.keyed = KeyedCache(
-            config,
-            core=self.core,
-            backend=self.backend,
-            tag_key=l3_key.tenant_key if l3_key is not None else None,
-        )
+        self.keyed = KeyedCache(core=self.core, tag_key=l3_key.tenant_key if l3_key is not None else None)
         self.lanes = Lanes.from_config(config)
         self.peers = PeerSessions(
             config.limits.max_sessions_per_peer,
@@ -245,7 +243,7 @@ class Daemon:
         if self.fast_lanes is not None:
             lanes, grace = self.fast_lanes, self.config.server.grace_s
             parts.append(("fast lanes", lambda: lanes.close(grace)))
-        parts += [("core", self.core.close), ("keyed", self.keyed.close), ("engine", self.engine.close)]
+        parts += [("core", self.core.close), ("engine", self.engine.close)]
         for name, part in (
             ("l3", self.backend),
             ("metrics", self.metrics_server),

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from hicached.bench.timing import timed
-from hicached.index import ContentIndex, PrefetchPolicy, PrefetchState, WritePolicy
+from hicached.index import ContentIndex, IndexOptions, PrefetchPolicy, PrefetchState, WritePolicy
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.l3 import create_backend
 
@@ -133,7 +133,10 @@ def _l3_paths(num_pages: int, root: Path, rounds: int = 3) -> dict[str, float]:
         chunks = [pool.page_chunks(p) for p in pages.tolist()]
         backend = create_backend("file", {"path": str(root / "l3")})
         index = ContentIndex(
-            group, namespace="bench", backend=backend, write_policy=WritePolicy.WRITE_THROUGH
+            group,
+            namespace="bench",
+            backend=backend,
+            options=IndexOptions(write_policy=WritePolicy.WRITE_THROUGH),
         )
         try:
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from hicached.bench.timing import drop_cache, gbps, timed
-from hicached.index import ContentIndex, PrefetchPolicy, PrefetchState, WritePolicy
+from hicached.index import ContentIndex, IndexOptions, PrefetchPolicy, PrefetchState, WritePolicy
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.l3.file import FileBackend, FileBackendConfig
 
@@ -60,7 +60,12 @@ def restore_gbps(group: HostPoolGroup, source: memoryview, num_pages: int, root:
     rows = pool.buffer.view(SPEC.num_kv, pool.total_pages, -1).view(torch.int64)
     workers = {BATCH: torch.ones(SPEC.num_kv, BATCH, rows.shape[2], dtype=torch.int64)}  # faulted in
     backend = FileBackend(FileBackendConfig(path=str(root), capacity_bytes=4 * num_pages * page_bytes))
-    index = ContentIndex(group, namespace="bench", backend=backend, write_policy=WritePolicy.WRITE_THROUGH)
+    index = ContentIndex(
+        group,
+        namespace="bench",
+        backend=backend,
+        options=IndexOptions(write_policy=WritePolicy.WRITE_THROUGH),
+    )
     try:
         pages = pool.allocator.alloc(num_pages)
         if pages is None:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicached.config import Config
 from hicached.core.checks import check_indices
 from hicached.core.group_state import GroupState
 from hicached.core.service import HiCacheCore
@@ -46,7 +45,6 @@ from hicached.index.entries import check_keys
 from hicached.index.index import ContentIndex
 from hicached.index.types import BackupResult, LookupResult, PrefetchPolicy, PrefetchStatus
 from hicached.l2.group import PoolTransfer
-from hicached.l3.base import StorageBackend
 from hicached.transfer.engine import Priority
 from hicached.transfer.plan import Direction
 
@@ -106,20 +104,15 @@ def client_key(key: str) -> str:
 class KeyedCache:
     """Thread-safe (the index and the core lock their own state; ``tag_key`` is immutable).
 
-    ``tag_key``: the key of tenant tags (from ``l3.auth_key_file``), None for public tags.
+    Owns nothing that needs closing: the indexes are closed with their groups
+    (``GroupState.close``, run by the core's close). Its limits and the default prefetch
+    policy are the core's config (``core.config``). ``tag_key``: the key of tenant tags
+    (from ``l3.auth_key_file``), None for public tags.
     """
 
-    def __init__(
-        self,
-        config: Config,
-        *,
-        core: HiCacheCore,
-        backend: StorageBackend | None,
-        tag_key: bytes | None = None,
-    ) -> None:
-        self._cfg = config
+    def __init__(self, *, core: HiCacheCore, tag_key: bytes | None = None) -> None:
         self._core = core
-        self._backend = backend
+        self._cfg = core.config
         self._tag_key = tag_key
 
     @property
@@ -480,9 +473,6 @@ class KeyedCache:
             l2 += a
             l3 += b
         return l2, l3
-
-    def close(self) -> None:
-        """The indexes are closed with their groups (GroupState.close)."""
 
 
 def device_pages_at(t: PoolTransfer, at: list[int]) -> PoolTransfer:

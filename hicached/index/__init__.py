@@ -14,6 +14,7 @@ from hicached.index.observer import IndexObserver, NullIndexObserver
 from hicached.index.types import (
     DEFAULT_BATCH_PAGES,
     BackupResult,
+    IndexOptions,
     IndexStats,
     LookupResult,
     Pin,
@@ -29,6 +30,7 @@ __all__ = [
     "BackupResult",
     "ContentIndex",
     "IndexObserver",
+    "IndexOptions",
     "IndexStats",
     "LookupResult",
     "NullIndexObserver",

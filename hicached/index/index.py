@@ -56,14 +56,13 @@ from hicached.index.prefetch import Prefetcher
 from hicached.index.table import EntryTable
 from hicached.index.tenant_keys import TenantL3Keys
 from hicached.index.types import (
-    DEFAULT_BATCH_PAGES,
     BackupResult,
+    IndexOptions,
     IndexStats,
     LookupResult,
     Pin,
     PrefetchPolicy,
     WritePolicy,
-    check_options,
     prefetch_deadline_s,
 )
 from hicached.index.writer import Writer
@@ -73,6 +72,8 @@ from hicached.l3.base import StorageBackend
 
 __all__ = ["ContentIndex"]
 
+_DEFAULT_OPTIONS = IndexOptions()
+
 
 class ContentIndex:
     """Content key -> L2 pages of one host pool group, with L3 behind it.
@@ -81,6 +82,7 @@ class ContentIndex:
     :class:`~hicached.errors.InvalidArgument`; nothing is installed then. A group has one
     index: AlreadyExists while another is open on it. ``tenant_keys``: the daemon's store of
     tenant keys written to L3, shared by all groups' indexes (the index's own when not given).
+    ``options``: the tunables (:class:`~hicached.index.types.IndexOptions`, validated there).
     """
 
     def __init__(
@@ -89,40 +91,20 @@ class ContentIndex:
         *,
         namespace: str,
         backend: StorageBackend | None,
-        write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
-        io_workers: int = 2,
-        max_queued_pages: int = 65536,
+        options: IndexOptions = _DEFAULT_OPTIONS,
         observer: IndexObserver | None = None,
-        batch_pages: int = DEFAULT_BATCH_PAGES,
-        prefetch_timeout_base_s: float = 1.0,
-        prefetch_timeout_per_1k_tokens_s: float = 0.25,
-        max_finished_prefetches: int = 1024,
-        write_back_free_fraction: float = 0.125,
         tenant_keys: TenantL3Keys | None = None,
     ) -> None:
         if not isinstance(namespace, str) or not namespace or namespace.endswith("/"):
             raise InvalidArgument(f"namespace must be a non-empty str not ending in '/', got {namespace!r}")
-        try:
-            self.write_policy = WritePolicy(write_policy)
-        except ValueError:
-            raise InvalidArgument(
-                f"unknown write policy {write_policy!r}; use one of {[p.value for p in WritePolicy]}"
-            ) from None
-        check_options(
-            max_queued_pages=max_queued_pages,
-            batch_pages=batch_pages,
-            max_finished_prefetches=max_finished_prefetches,
-            prefetch_timeout_base_s=prefetch_timeout_base_s,
-            prefetch_timeout_per_1k_tokens_s=prefetch_timeout_per_1k_tokens_s,
-            write_back_free_fraction=write_back_free_fraction,
-        )
+        self.write_policy = WritePolicy(options.write_policy)  # a WritePolicy already (IndexOptions)
         self.namespace = namespace
         self.backend = backend
-        self.batch_pages = batch_pages
+        self.batch_pages = options.batch_pages
         self._view = GroupView(group)
         self._obs: IndexObserver = observer if observer is not None else NullIndexObserver()
-        self._timeout_base = prefetch_timeout_base_s
-        self._timeout_per_1k = prefetch_timeout_per_1k_tokens_s
+        self._timeout_base = options.prefetch_timeout_base_s
+        self._timeout_per_1k = options.prefetch_timeout_per_1k_tokens_s
         self._table = EntryTable(self._view, tenant_keys)
         self._writer = Writer(
             self._table,
@@ -130,9 +112,9 @@ class ContentIndex:
             backend=backend,
             namespace=namespace,
             policy=self.write_policy,
-            max_queued_pages=max_queued_pages,
-            batch_pages=batch_pages,
-            free_fraction=write_back_free_fraction,
+            max_queued_pages=options.max_queued_pages,
+            batch_pages=options.batch_pages,
+            free_fraction=options.write_back_free_fraction,
             observer=self._obs,
             submit=lambda job: self._io.submit(job, IoPriority.BACKUP),
         )
@@ -141,12 +123,12 @@ class ContentIndex:
             self._view,
             backend=backend,
             namespace=namespace,
-            batch_pages=batch_pages,
-            max_finished=max_finished_prefetches,
+            batch_pages=options.batch_pages,
+            max_finished=options.max_finished_prefetches,
             observer=self._obs,
             submit=lambda task: self._io.submit(task, IoPriority.PREFETCH),
         )
-        self._io = IoScheduler(io_workers, f"hicache-{namespace}")
+        self._io = IoScheduler(options.io_workers, f"hicache-{namespace}")
         # Registered last: from here on the group may call reclaim/reclaimable.
         try:
             group.register_reclaimer(self)

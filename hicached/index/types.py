@@ -20,6 +20,7 @@ from hicached.errors import InvalidArgument
 __all__ = [
     "DEFAULT_BATCH_PAGES",
     "BackupResult",
+    "IndexOptions",
     "IndexStats",
     "LookupResult",
     "Pin",
@@ -27,7 +28,6 @@ __all__ = [
     "PrefetchState",
     "PrefetchStatus",
     "WritePolicy",
-    "check_options",
     "prefetch_deadline_s",
 ]
 
@@ -152,25 +152,43 @@ def prefetch_deadline_s(num_tokens: int, base_s: float = 1.0, per_1k_tokens_s: f
     return base_s + per_1k_tokens_s * num_tokens / 1024.0
 
 
-def check_options(
-    *,
-    max_queued_pages: int,
-    batch_pages: int,
-    max_finished_prefetches: int,
-    prefetch_timeout_base_s: float,
-    prefetch_timeout_per_1k_tokens_s: float,
-    write_back_free_fraction: float,
-) -> None:
-    """InvalidArgument for a content index option that cannot work."""
-    for name, value in (
-        ("max_queued_pages", max_queued_pages),
-        ("batch_pages", batch_pages),
-        ("max_finished_prefetches", max_finished_prefetches),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
-    prefetch_deadline_s(0, prefetch_timeout_base_s, prefetch_timeout_per_1k_tokens_s)  # validates
-    if not 0 <= write_back_free_fraction < 0.5:
-        raise InvalidArgument(
-            f"write_back_free_fraction must be in [0, 0.5), got {write_back_free_fraction!r}"
-        )
+@dataclasses.dataclass(frozen=True)
+class IndexOptions:
+    """The tunables of one :class:`~hicached.index.index.ContentIndex` (the daemon sets the
+    first four from ``[l3]``; the rest are for tests and benches).
+
+    Validated at construction: :class:`~hicached.errors.InvalidArgument` for an option
+    that cannot work. ``write_policy`` may be given as its name (a str); it is stored as a
+    :class:`WritePolicy`. Frozen, so safe to share between threads and indexes.
+    """
+
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    io_workers: int = 2
+    prefetch_timeout_base_s: float = 1.0
+    prefetch_timeout_per_1k_tokens_s: float = 0.25
+    max_queued_pages: int = 65536
+    batch_pages: int = DEFAULT_BATCH_PAGES
+    max_finished_prefetches: int = 1024
+    write_back_free_fraction: float = 0.125
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
+        except ValueError:
+            raise InvalidArgument(
+                f"unknown write policy {self.write_policy!r}; use one of {[p.value for p in WritePolicy]}"
+            ) from None
+        for name, value in (
+            ("io_workers", self.io_workers),
+            ("max_queued_pages", self.max_queued_pages),
+            ("batch_pages", self.batch_pages),
+            ("max_finished_prefetches", self.max_finished_prefetches),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+        # Validates the timeout parameters (the same errors as a prefetch's deadline).
+        prefetch_deadline_s(0, self.prefetch_timeout_base_s, self.prefetch_timeout_per_1k_tokens_s)
+        if not 0 <= self.write_back_free_fraction < 0.5:
+            raise InvalidArgument(
+                f"write_back_free_fraction must be in [0, 0.5), got {self.write_back_free_fraction!r}"
+            )

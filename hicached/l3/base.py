@@ -18,13 +18,14 @@ unspecified (the caller treats the page as a miss).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
 from hicached.errors import InvalidArgument
 
-__all__ = ["BackendStats", "StorageBackend", "check_batch", "chunks_nbytes"]
+__all__ = ["BackendStats", "ReadCounters", "ReadCounts", "StorageBackend", "check_batch", "chunks_nbytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,44 @@ class BackendStats:
     misses: int
     corrupt_pages: int
     evicted_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadCounts:
+    """A snapshot of :class:`ReadCounters` (the ``hits``/``misses``/``corrupt_pages`` of
+    :class:`BackendStats`)."""
+
+    hits: int
+    misses: int
+    corrupt_pages: int
+
+
+class ReadCounters:
+    """A backend's read counters: pages hit and missed by ``get``/``get_into``, pages
+    that failed verification (a corrupt page is also counted as a miss, by ``count``).
+
+    Thread-safe: its own lock, a leaf (held only for the arithmetic), so a backend may
+    call it from any thread, with or without its own locks held.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._corrupt = 0
+
+    def count(self, ok: Sequence[bool]) -> None:
+        """One read's results: a hit per true flag, a miss per false one."""
+        hits = sum(ok)
+        with self._lock:
+            self._hits += hits
+            self._misses += len(ok) - hits
+
+    def corrupt(self, n: int = 1) -> None:
+        with self._lock:
+            self._corrupt += n
+
+    def snapshot(self) -> ReadCounts:
+        with self._lock:
+            return ReadCounts(self._hits, self._misses, self._corrupt)
 
 
 def chunks_nbytes(chunks: Sequence[memoryview]) -> int:

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from hicached.errors import InvalidArgument, Unavailable, clip
-from hicached.l3.base import BackendStats, StorageBackend, check_batch, chunks_nbytes
+from hicached.l3.base import BackendStats, ReadCounters, StorageBackend, check_batch, chunks_nbytes
 from hicached.l3.framing import PLAIN, FrameCodec
 from hicached.l3.mooncake_config import MooncakeBackendConfig
 from hicached.l3.registry import register_backend
@@ -93,12 +93,12 @@ class MooncakeBackend(StorageBackend):
         self.config = config
         self._codec = codec
         self._header = codec.header_size
-        self._lock = threading.Lock()  # counters, the closed flag and the calls in flight
+        self._lock = threading.Lock()  # page/byte counts, frame hint, closed flag, calls in flight
         self._idle = threading.Condition(self._lock)
         self._users = 0  # calls into the store outside the staging lock
         self._staging_lock = threading.Lock()
         self._pages = self._bytes = 0
-        self._hits = self._misses = self._corrupt = 0
+        self._reads = ReadCounters()
         self._closed = False
         self._frame_hint = self._header + (64 << 10)  # largest frame seen; sizes get()'s slots
         self._replicate: Any = ReplicateConfig()
@@ -185,17 +185,10 @@ class MooncakeBackend(StorageBackend):
 
     def _drop_corrupt(self, key: str, object_key: str, why: str) -> None:
         log.warning("mooncake backend: page %r failed verification (%s); removing it", key, why)
-        with self._lock:
-            self._corrupt += 1
+        self._reads.corrupt()
         rc = self._store.remove(object_key, True)
         if rc not in (0, _OBJECT_NOT_FOUND):
             log.warning("mooncake backend: could not remove corrupt %r (code %s)", key, rc)
-
-    def _count(self, ok: Sequence[bool]) -> None:
-        hits = sum(ok)
-        with self._lock:
-            self._hits += hits
-            self._misses += len(ok) - hits
 
     # ------------------------------------------------------------- interface
 
@@ -279,7 +272,7 @@ class MooncakeBackend(StorageBackend):
             for page in pages:
                 if page is not None and len(page) + self._header > self._frame_hint:
                     self._frame_hint = len(page) + self._header
-        self._count([p is not None for p in pages])
+        self._reads.count([p is not None for p in pages])
         return pages
 
     def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
@@ -300,7 +293,7 @@ class MooncakeBackend(StorageBackend):
 
         status = self._read_staged(keys, names, [self._header + s for s in sizes], scatter)
         ok = [st == 1 for st in status]
-        self._count(ok)
+        self._reads.count(ok)
         return ok
 
     def set(self, keys: Sequence[str], values: Sequence[bytes | memoryview]) -> list[bool]:
@@ -429,15 +422,17 @@ class MooncakeBackend(StorageBackend):
     def stats(self) -> BackendStats:
         with self._lock:
             self._check_open()
-            return BackendStats(
-                pages=self._pages,
-                bytes=self._bytes,
-                capacity_bytes=0,  # the cluster's segments, not ours: unknown to a client
-                hits=self._hits,
-                misses=self._misses,
-                corrupt_pages=self._corrupt,
-                evicted_pages=0,
-            )
+            pages, payload = self._pages, self._bytes
+        reads = self._reads.snapshot()
+        return BackendStats(
+            pages=pages,
+            bytes=payload,
+            capacity_bytes=0,  # the cluster's segments, not ours: unknown to a client
+            hits=reads.hits,
+            misses=reads.misses,
+            corrupt_pages=reads.corrupt_pages,
+            evicted_pages=0,
+        )
 
     def close(self) -> None:
         with self._lock:

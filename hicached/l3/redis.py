@@ -27,7 +27,7 @@ the caller's chunks; there is no zero-copy path over the Redis protocol. One
 batch holds at most ``batch_pages`` x (its largest frame + 1) bytes read.
 
 Thread-safety: redis-py clients draw connections from a thread-safe pool;
-counters sit behind a lock. A server that cannot be reached raises
+the read counters (:class:`~hicached.l3.base.ReadCounters`) lock their own. A server that cannot be reached raises
 :class:`~hicached.errors.Unavailable`; a command the server refuses (e.g.
 out of memory) fails only its own key.
 
@@ -43,13 +43,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hicached.coerce import option, parse_size
 from hicached.errors import InvalidArgument, Unavailable
-from hicached.l3.base import BackendStats, StorageBackend, check_batch, chunks_nbytes, scatter_into
+from hicached.l3.base import (
+    BackendStats,
+    ReadCounters,
+    StorageBackend,
+    check_batch,
+    chunks_nbytes,
+    scatter_into,
+)
 from hicached.l3.framing import FRAME_HEADER, PLAIN, FrameCodec
 from hicached.l3.registry import register_backend
 
@@ -196,8 +202,7 @@ class RedisBackend(StorageBackend):
             kwargs["host"] = config.host
             kwargs["port"] = config.port
         self._client: redis_lib.Redis = self._redis.Redis(**kwargs)
-        self._lock = threading.Lock()
-        self._hits = self._misses = self._corrupt = 0
+        self._reads = ReadCounters()
         self._closed = False
         self._call(self._client.ping)
 
@@ -335,22 +340,15 @@ class RedisBackend(StorageBackend):
                             "an empty string); removed it",
                             names[pos],
                         )
-        with self._lock:
-            self._corrupt += corrupt
+        self._reads.corrupt(corrupt)
         return out
-
-    def _count(self, ok: Sequence[bool]) -> None:
-        hits = sum(ok)
-        with self._lock:
-            self._hits += hits
-            self._misses += len(ok) - hits
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Whole pages; a value over ``max_value_bytes`` is a corrupt miss, read no further than
         one byte past that. Thread-safe; the pages returned are new bytes the caller owns."""
         check_batch(keys, keys, "keys")
         pages = [None if p is None else p.tobytes() for p in self._fetch(keys, None)]
-        self._count([p is not None for p in pages])
+        self._reads.count([p is not None for p in pages])
         return pages
 
     def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
@@ -364,7 +362,7 @@ class RedisBackend(StorageBackend):
             scatter_into(payload, chunks)
             for payload, chunks in zip(self._fetch(keys, frames), dests, strict=True)
         ]
-        self._count(ok)
+        self._reads.count(ok)
         return ok
 
     # ----------------------------------------------------------------- writes
@@ -458,16 +456,16 @@ class RedisBackend(StorageBackend):
     def stats(self) -> BackendStats:
         info = self._call(self._client.info)
         pages, payload = self._ours()
-        with self._lock:
-            return BackendStats(
-                pages=pages,
-                bytes=payload,
-                capacity_bytes=int(info.get("maxmemory", 0)),
-                hits=self._hits,
-                misses=self._misses,
-                corrupt_pages=self._corrupt,
-                evicted_pages=int(info.get("evicted_keys", 0)),
-            )
+        reads = self._reads.snapshot()
+        return BackendStats(
+            pages=pages,
+            bytes=payload,
+            capacity_bytes=int(info.get("maxmemory", 0)),
+            hits=reads.hits,
+            misses=reads.misses,
+            corrupt_pages=reads.corrupt_pages,
+            evicted_pages=int(info.get("evicted_keys", 0)),
+        )
 
     def close(self) -> None:
         if self._closed:

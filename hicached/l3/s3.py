@@ -60,7 +60,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote
 
 from hicached.errors import InvalidArgument, Unavailable, clip
-from hicached.l3.base import BackendStats, StorageBackend, check_batch, scatter_into
+from hicached.l3.base import BackendStats, ReadCounters, StorageBackend, check_batch, scatter_into
 from hicached.l3.framing import PLAIN, FrameCodec
 from hicached.l3.registry import register_backend
 from hicached.l3.s3_config import MAX_OBJECT_KEY_BYTES, S3BackendConfig
@@ -124,8 +124,8 @@ class S3Backend(StorageBackend):
         self._no_credentials: type[BaseException] = NoCredentialsError
         # Connection errors and timeouts (after boto3's retries): the store, not the key.
         self._unreachable: tuple[type[BaseException], ...] = (BotoConnectionError, HTTPClientError)
-        self._lock = threading.Lock()
-        self._hits = self._misses = self._corrupt = 0
+        self._lock = threading.Lock()  # the last listing and the closed flag
+        self._reads = ReadCounters()
         self._listed: tuple[float, int, int] | None = None  # (monotonic time, pages, bytes)
         self._closed = False
         boto_config = Config(
@@ -296,19 +296,12 @@ class S3Backend(StorageBackend):
             log.warning(
                 "s3 backend %s: object %s failed verification (%s); removing it", self._where(), name, why
             )
-            with self._lock:
-                self._corrupt += 1
+            self._reads.corrupt()
             try:
                 self._client.delete_object(Bucket=self.config.bucket, Key=name)
             except self._errors as exc:
                 log.warning("s3 backend %s: could not remove corrupt %s: %s", self._where(), name, exc)
         return payload
-
-    def _count(self, ok: Sequence[bool]) -> None:
-        hits = sum(ok)
-        with self._lock:
-            self._hits += hits
-            self._misses += len(ok) - hits
 
     def _store(self, item: tuple[str, str, Sequence[_Buffer]]) -> bool:
         key, name, chunks = item
@@ -390,7 +383,7 @@ class S3Backend(StorageBackend):
         names = self._object_names(keys)
         payloads = self._map(self._fetch, [(k, n, None) for k, n in zip(keys, names, strict=True)], None)
         pages = [None if p is None else bytes(p) for p in payloads]
-        self._count([p is not None for p in pages])
+        self._reads.count([p is not None for p in pages])
         return pages
 
     def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
@@ -399,7 +392,7 @@ class S3Backend(StorageBackend):
         sizes = [sum(memoryview(c).nbytes for c in chunks) for chunks in dests]
         payloads = self._map(self._fetch, list(zip(keys, names, sizes, strict=True)), None)
         ok = [scatter_into(payload, chunks) for payload, chunks in zip(payloads, dests, strict=True)]
-        self._count(ok)
+        self._reads.count(ok)
         return ok
 
     def set(self, keys: Sequence[str], values: Sequence[bytes | memoryview]) -> list[bool]:
@@ -455,16 +448,16 @@ class S3Backend(StorageBackend):
                 # and byte counts are the last listing's (zero before the first).
                 log.warning("s3 backend %s: listing for stats failed: %s", self._where(), exc)
                 listed = listed or (now, 0, 0)
-        with self._lock:
-            return BackendStats(
-                pages=listed[1],
-                bytes=listed[2],
-                capacity_bytes=0,
-                hits=self._hits,
-                misses=self._misses,
-                corrupt_pages=self._corrupt,
-                evicted_pages=0,
-            )
+        reads = self._reads.snapshot()
+        return BackendStats(
+            pages=listed[1],
+            bytes=listed[2],
+            capacity_bytes=0,
+            hits=reads.hits,
+            misses=reads.misses,
+            corrupt_pages=reads.corrupt_pages,
+            evicted_pages=0,
+        )
 
     def close(self) -> None:
         with self._lock:

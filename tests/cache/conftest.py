@@ -8,12 +8,14 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from hicached.index import ContentIndex, WritePolicy
+from hicached.index import ContentIndex, IndexObserver, IndexOptions
+from hicached.index.tenant_keys import TenantL3Keys
 from hicached.l2 import HostKVPool, HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
 from hicached.l3 import StorageBackend, create_backend
 from hicached.l3.base import BackendStats
@@ -177,7 +179,8 @@ class GatedSets(Wrapped):
 
 @pytest.fixture
 def make_index() -> Iterator[Callable[..., ContentIndex]]:
-    """Factory of indexes; each is closed at teardown and must have left its pools full."""
+    """Factory of indexes; each is closed at teardown and must have left its pools full.
+    Keyword arguments other than those named are :class:`IndexOptions` fields."""
     made: list[tuple[ContentIndex, HostPoolGroup]] = []
 
     def make(
@@ -185,15 +188,17 @@ def make_index() -> Iterator[Callable[..., ContentIndex]]:
         backend: StorageBackend | None = None,
         *,
         namespace: str = "model-a",
-        write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
-        **kwargs: object,
+        observer: IndexObserver | None = None,
+        tenant_keys: TenantL3Keys | None = None,
+        **options: Any,
     ) -> ContentIndex:
         index = ContentIndex(
             group,
             namespace=namespace,
             backend=backend,
-            write_policy=write_policy,
-            **kwargs,  # type: ignore[arg-type]
+            options=IndexOptions(**options),
+            observer=observer,
+            tenant_keys=tenant_keys,
         )
         made.append((index, group))
         return index

@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicached.index import ContentIndex, Pin, WritePolicy
+from hicached.index import ContentIndex, IndexOptions, Pin, WritePolicy
 from hicached.l2 import HostKVPool, HostLayout, HostPoolGroup, PoolEntry, create_host_pool
 from hicached.l3 import create_backend
 
@@ -70,7 +70,9 @@ def test_random_sequences_free_every_page_exactly_once(
 ) -> None:
     group, pools = build_group()
     backend = create_backend("file", {"path": str(tmp_path / uuid.uuid4().hex)})
-    index = ContentIndex(group, namespace="prop", backend=backend, write_policy=policy, batch_pages=3)
+    index = ContentIndex(
+        group, namespace="prop", backend=backend, options=IndexOptions(write_policy=policy, batch_pages=3)
+    )
     pins: list[tuple[Pin, dict[str, bytes]]] = []
     seed = 0
     try:
@@ -126,7 +128,7 @@ def test_threads_racing_publish_pin_reclaim_and_backup_leak_nothing(
 ) -> None:
     group = make_group(32, sidecars=("swa",))
     backend = create_backend("file", {"path": str(tmp_path / "l3")})
-    index = ContentIndex(group, namespace="race", backend=backend, batch_pages=4)
+    index = ContentIndex(group, namespace="race", backend=backend, options=IndexOptions(batch_pages=4))
     errors: list[BaseException] = []
     start = threading.Barrier(4)
 

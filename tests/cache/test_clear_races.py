@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hicached.errors import Unavailable
-from hicached.index import BackupResult, ContentIndex, LookupResult, WritePolicy
+from hicached.index import BackupResult, ContentIndex, IndexOptions, LookupResult, WritePolicy
 from hicached.index.tenant_keys import TenantL3Keys, entry_bytes
 from hicached.l2 import HostPoolGroup
 from hicached.l3 import StorageBackend, create_backend
@@ -102,8 +102,7 @@ def test_closing_while_an_eviction_holds_pages_for_their_write_frees_them(
         group,
         namespace="ns",
         backend=file_backend,
-        write_policy=WritePolicy.WRITE_BACK,
-        write_back_free_fraction=0.25,
+        options=IndexOptions(write_policy=WritePolicy.WRITE_BACK, write_back_free_fraction=0.25),
     )
     # The window between the eviction (pages held for their write) and the write's job,
     # held open on the publishing thread at the queue (the index's own object).

@@ -10,7 +10,7 @@ import pytest
 
 from hicached.core.keyed import scoped_keys
 from hicached.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from hicached.index import ContentIndex, LookupResult
+from hicached.index import ContentIndex, IndexOptions, LookupResult, WritePolicy
 from hicached.index.entries import check_keys
 from hicached.index.keys import page_keys
 from hicached.l2 import HostPoolGroup, PoolTransfer
@@ -264,3 +264,27 @@ def test_scoped_keys_refuse_the_tenant_separator_in_any_key() -> None:
     keys[100] = "x~y"
     with pytest.raises(InvalidArgument, match="content key 'x~y' contains '~'"):
         scoped_keys("", keys)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"write_policy": "lazy"}, "unknown write policy 'lazy'; use one of ['write_through', "),
+        ({"io_workers": 0}, "io_workers must be a positive int, got 0"),
+        ({"max_queued_pages": 0}, "max_queued_pages must be a positive int, got 0"),
+        ({"batch_pages": True}, "batch_pages must be a positive int, got True"),
+        ({"max_finished_prefetches": 1.5}, "max_finished_prefetches must be a positive int, got 1.5"),
+        ({"prefetch_timeout_base_s": -1.0}, "must be non-negative, got base_s=-1.0"),
+        ({"prefetch_timeout_per_1k_tokens_s": -0.5}, "per_1k_tokens_s=-0.5"),
+        ({"write_back_free_fraction": 0.5}, "write_back_free_fraction must be in [0, 0.5), got 0.5"),
+        ({"write_back_free_fraction": -0.1}, "write_back_free_fraction must be in [0, 0.5), got -0.1"),
+    ],
+)
+def test_index_options_refuse_what_cannot_work(options: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        IndexOptions(**options)  # type: ignore[arg-type]
+
+
+def test_index_options_take_a_write_policy_by_name() -> None:
+    assert IndexOptions(write_policy="write_back").write_policy is WritePolicy.WRITE_BACK
+    assert IndexOptions().write_policy is WritePolicy.WRITE_THROUGH

@@ -129,7 +129,7 @@ def make_core() -> Iterator[Callable[..., Core]]:
             engine=engine,
             attach_index=lambda state: attach_content_index(cfg, state, backend=l3, metrics=None),
         )
-        keyed = KeyedCache(cfg, core=core, backend=l3)
+        keyed = KeyedCache(core=core)
         c = Core(core, keyed, device)
         made.append((c, engine))
         return c
