@@ -382,6 +382,5 @@ class HandoffServer:
             self._listener.close()
             self._listener = None
             if self._bound is not None:
-                with contextlib.suppress(OSError):
-                    self._bound.unlink()  # only if it is still ours
+                self._bound.unlink()  # only if it is still ours; a failure is logged there
                 self._bound = None
