@@ -9,7 +9,7 @@ import pytest
 
 from hicached import errors
 from hicached.config import ConfigError
-from hicached.server.status import status_for
+from hicached.server.status import MAX_MESSAGE_CHARS, answer_for, status_for
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -59,3 +59,23 @@ def test_the_base_class_and_foreign_errors_are_bugs() -> None:
     assert status_for(ValueError("x")) is None
     assert status_for(OSError(errno.ENOENT, "x")) is None
     assert status_for(OSError(errno.EMFILE, "x")) is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_one_answer_per_error_for_every_transport() -> None:
+    """``answer_for`` is what gRPC's interceptor and the fast lane both send."""
+    exhausted = answer_for(OSError(errno.EMFILE, "Too many open files"), "Write")
+    assert (exhausted.code, exhausted.log_it) == (grpc.StatusCode.RESOURCE_EXHAUSTED, False)
+    assert exhausted.message.startswith(
+        "the daemon is out of resources in Write: EMFILE (Too many open files)"
+    )
+    bug = answer_for(ValueError("x" * 5000), "GetPages")
+    assert (bug.code, bug.log_it, bug.retry_after_ms) == (grpc.StatusCode.INTERNAL, True, None)
+    assert bug.message.startswith("internal error in GetPages: ValueError: xxx")
+    whole = len("internal error in GetPages: ValueError: ") + 5000
+    assert (
+        bug.message
+        == f"internal error in GetPages: ValueError: {'x' * 5000}"[:MAX_MESSAGE_CHARS]
+        + f"... ({whole} chars)"
+    )
+    busy = answer_for(errors.ResourceExhausted("busy", retry_after_ms=40), "Load")
+    assert busy == (grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", 40, False)

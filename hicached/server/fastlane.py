@@ -14,7 +14,9 @@ descriptors it pauses (:mod:`hicached.accept`), any other failure is
 logged, counted by ``on_failure("lane_accept")`` and accepting goes on.
 
 Thread-safety: ``start``/``close`` from one thread; the acceptor and lane threads share only
-the registry under ``_lock``; ``on_failure`` is called on the acceptor thread.
+the registry under ``_lock`` and the per-uid counts (:class:`hicached.accept.UidSlots`, its own
+lock, taken inside ``_lock`` and never around it); ``on_failure`` is called on the acceptor
+thread.
 """
 
 from __future__ import annotations
@@ -32,10 +34,9 @@ from pathlib import Path
 
 from hicached_client.lane_wire import SUFFIX
 
-from hicached.accept import ACCEPT_PAUSE_S, AcceptPauses
+from hicached.accept import ACCEPT_PAUSE_S, AcceptPauses, UidSlots, refuse
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
-from hicached.server.handoff import peer_cred
 from hicached.server.lane import Lane, Refused
 from hicached.server.observer import NullRpcObserver, RpcObserver
 from hicached.server.sockets import BoundSocket
@@ -47,9 +48,7 @@ __all__ = ["LaneServer", "lane_path"]
 
 def _refuse(conn: socket.socket, reason: str) -> None:
     """The lane protocol's refusal line (docs/fastlane.md), then close."""
-    with contextlib.suppress(OSError):
-        conn.send(f"error RESOURCE_EXHAUSTED {reason}\n".encode())
-    conn.close()
+    refuse(conn, f"error RESOURCE_EXHAUSTED {reason}\n")
 
 
 def lane_path(grpc_socket: str | Path) -> Path:
@@ -79,7 +78,6 @@ class LaneServer:
         self._mode = mode
         self._max_lanes = max_lanes
         self._max_per_session = max_per_session
-        self._max_per_uid = max_per_uid
         self._observe: RpcObserver = observe or NullRpcObserver()
         self._on_failure = on_failure
         self._pauses = AcceptPauses("fast lane", "lane")
@@ -87,7 +85,11 @@ class LaneServer:
         self._threads: dict[Lane, threading.Thread] = {}  # joined at close()
         self._open = 0  # lanes counted against max_lanes: started and not yet released
         self._per_session: Counter[str] = Counter()
-        self._per_uid: Counter[int] = Counter()  # lanes open or negotiating, by SO_PEERCRED uid
+        # Lanes open or negotiating, by SO_PEERCRED uid: taken by the acceptor, released by the
+        # lane's thread (UidSlots has its own lock; taken inside _lock, never the other way).
+        self._uids = UidSlots(
+            max_per_uid, "fast lanes open or opening (server.fast_lane_max_per_uid)", "close one or use gRPC"
+        )
         self._uid_of: dict[Lane, int] = {}
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._listener: socket.socket | None = None
@@ -161,23 +163,13 @@ class LaneServer:
         # Counted per uid from accept on, not from admission: a uid holding idle connections
         # that never negotiate would otherwise hold every slot of max_lanes (and as many
         # threads) and lock every other user out.
-        try:
-            uid = peer_cred(conn).uid
-        except OSError:
-            uid = -1  # no credentials: one shared bucket
-        refusal = ""
+        uid, refusal = self._uids.take(conn)
+        if refusal is not None:
+            refuse(conn, refusal)
+            return
         with self._lock:
-            if self._per_uid[uid] >= self._max_per_uid:
+            if self._open >= self._max_lanes:
                 lane = None
-                refusal = (
-                    f"uid {uid} already has {self._max_per_uid} fast lanes open or opening "
-                    "(server.fast_lane_max_per_uid); close one or use gRPC"
-                )
-            elif self._open >= self._max_lanes:
-                lane = None
-                refusal = (
-                    f"{self._max_lanes} fast lanes are open (server.fast_lane_max); use gRPC or retry later"
-                )
             else:
                 lane = Lane(
                     self._core,
@@ -191,10 +183,12 @@ class LaneServer:
                 thread = threading.Thread(target=self._run, args=(lane,), name="hicached-lane", daemon=True)
                 self._threads[lane] = thread
                 self._uid_of[lane] = uid
-                self._per_uid[uid] += 1
                 self._open += 1
         if lane is None:
-            _refuse(conn, refusal)
+            self._uids.release(uid)
+            _refuse(
+                conn, f"{self._max_lanes} fast lanes are open (server.fast_lane_max); use gRPC or retry later"
+            )
             return
         try:
             thread.start()
@@ -240,13 +234,10 @@ class LaneServer:
             self._per_session += Counter()  # drop zero counts: only live sessions are held
 
     def _drop_uid(self, lane: Lane) -> None:
-        """Under the lock: ``lane``'s uid slot is free (once; zero counts are dropped)."""
+        """Under the lock: ``lane``'s uid slot is free (once)."""
         uid = self._uid_of.pop(lane, None)
-        if uid is None:
-            return
-        self._per_uid[uid] -= 1
-        if self._per_uid[uid] <= 0:
-            del self._per_uid[uid]
+        if uid is not None:
+            self._uids.release(uid)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, end every lane (each finishes its current op), unlink our socket. Idempotent."""
@@ -276,6 +267,5 @@ class LaneServer:
             self._listener.close()
             self._listener = None
             if self._bound is not None:
-                with contextlib.suppress(OSError):
-                    self._bound.unlink()  # only if it is still ours
+                self._bound.unlink()  # only if it is still ours; a failure is logged there
                 self._bound = None

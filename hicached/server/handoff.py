@@ -27,7 +27,6 @@ import logging
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -35,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hicached.accept import ACCEPT_PAUSE_S, AcceptPauses
+from hicached.accept import ACCEPT_PAUSE_S, AcceptPauses, UidSlots, peer_ids, refuse
 from hicached.core.types import PeerCred
 from hicached.server.sockets import BoundSocket
 
@@ -217,9 +216,8 @@ class HandoffRegistry:
 
 
 def peer_cred(sock: socket.socket) -> PeerCred:
-    """SO_PEERCRED of a connected Unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
+    """SO_PEERCRED of a connected Unix socket (:func:`hicached.accept.peer_ids`)."""
+    pid, uid, gid = peer_ids(sock)
     return PeerCred(uid=uid, gid=gid, pid=pid)
 
 
@@ -239,7 +237,8 @@ class HandoffServer:
     Every socket is non-blocking and driven by ``add_reader``; a connection sends one
     message, gets one line back and is closed (or is dropped after
     :data:`CONNECTION_TIMEOUT_S`). At most :data:`MAX_CONNECTIONS` are open at once, at most
-    :data:`MAX_CONNECTIONS_PER_UID` of one uid (``SO_PEERCRED`` at accept).
+    :data:`MAX_CONNECTIONS_PER_UID` of one uid (``SO_PEERCRED`` at accept: :class:`UidSlots`,
+    taken and released on the loop).
     ``start``/``close`` must be called on the loop's thread.
     """
 
@@ -252,7 +251,7 @@ class HandoffServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conns: dict[socket.socket, asyncio.TimerHandle] = {}
         self._uid_of: dict[socket.socket, int] = {}
-        self._per_uid: dict[int, int] = {}
+        self._uids = UidSlots(MAX_CONNECTIONS_PER_UID, "fd handoffs under way", "finish one and retry")
         self._bound: BoundSocket | None = None
         self._pauses = AcceptPauses("fd handoff", "handoff")
 
@@ -290,23 +289,14 @@ class HandoffServer:
             except OSError as exc:
                 self._accept_failed(exc)
                 return
-            try:
-                uid = peer_cred(conn).uid
-            except OSError:
-                uid = -1  # no credentials: one shared bucket
-            if self._per_uid.get(uid, 0) >= MAX_CONNECTIONS_PER_UID:
-                with contextlib.suppress(OSError):
-                    conn.send(
-                        f"error RESOURCE_EXHAUSTED uid {uid} already has {MAX_CONNECTIONS_PER_UID} fd handoffs "
-                        "under way; finish one and retry\n".encode()
-                    )
-                conn.close()
+            uid, refusal = self._uids.take(conn)
+            if refusal is not None:
+                refuse(conn, refusal)
                 continue
             conn.setblocking(False)
             timer = self._loop.call_later(CONNECTION_TIMEOUT_S, self._drop, conn)
             self._conns[conn] = timer
             self._uid_of[conn] = uid
-            self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
             self._loop.add_reader(conn.fileno(), self._serve, conn)
         # Full: stop accepting until a connection finishes (the kernel backlog holds the rest).
         self._loop.remove_reader(self._listener.fileno())
@@ -330,12 +320,7 @@ class HandoffServer:
         if timer is None:
             return
         timer.cancel()
-        uid = self._uid_of.pop(conn)
-        left = self._per_uid[uid] - 1
-        if left:
-            self._per_uid[uid] = left
-        else:
-            del self._per_uid[uid]
+        self._uids.release(self._uid_of.pop(conn))
         assert self._loop is not None
         self._loop.remove_reader(conn.fileno())
         conn.close()
@@ -397,6 +382,5 @@ class HandoffServer:
             self._listener.close()
             self._listener = None
             if self._bound is not None:
-                with contextlib.suppress(OSError):
-                    self._bound.unlink()  # only if it is still ours
+                self._bound.unlink()  # only if it is still ours; a failure is logged there
                 self._bound = None

@@ -6,10 +6,10 @@ order from the outside in (``app.Server`` builds the chain per listener):
 1. :class:`TokenInterceptor` (TCP only): a call without a configured bearer token
    is refused UNAUTHENTICATED before anything is decoded (health stays open);
 2. ``decode.DecodeInterceptor``: undecodable bytes are INVALID_ARGUMENT;
-3. :class:`ErrorInterceptor`: a daemon error becomes its status code
-   (:func:`hicached.server.status.status_for`), its retry hint
-   (``grpc-retry-pushback-ms``) and a message cut at ``MAX_MESSAGE_CHARS``; anything
-   else is a bug, logged and answered INTERNAL;
+3. :class:`ErrorInterceptor`: a daemon error becomes its answer
+   (:func:`hicached.server.status.answer_for`, the fast lane's too): its status code, its
+   retry hint (``grpc-retry-pushback-ms``) and a message cut at ``MAX_MESSAGE_CHARS``;
+   anything else is a bug, logged and answered INTERNAL;
 4. :class:`MetricsInterceptor`: the per-RPC observation (method, code, seconds);
 5. :class:`SessionInterceptor`: identifiers within ``limits.max_identity_bytes``, and
    a request naming a ``session_id`` carries that session's secret.
@@ -24,7 +24,6 @@ their per-method handler caches, which only the event loop touches.
 from __future__ import annotations
 
 import asyncio
-import errno
 import inspect
 import logging
 import time
@@ -42,7 +41,7 @@ from hicached.errors import Unauthenticated
 from hicached.server.limits import check_ids
 from hicached.server.observer import RpcObserver
 from hicached.server.roles import HEALTH_PREFIX, Access
-from hicached.server.status import status_for, trailing_metadata_for
+from hicached.server.status import MAX_MESSAGE_CHARS, answer_for, status_for, trailing_metadata_for
 
 __all__ = [
     "MAX_MESSAGE_CHARS",
@@ -61,8 +60,6 @@ if TYPE_CHECKING:  # grpc's handler type is generic only in its stubs
     Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable[Handler]]
 # Metadata key of the session capability (AttachResponse.session_secret).
 SESSION_SECRET_METADATA = "x-hicached-session-secret"
-# An error message longer than this is cut (gRPC carries it in a header).
-MAX_MESSAGE_CHARS = 1024
 
 
 class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
@@ -162,35 +159,22 @@ class ErrorInterceptor(CallInterceptor):
 
 
 async def answer_error(context: Ctx, method: str, exc: Exception) -> None:
-    """Abort the call with ``exc``'s status, message and retry hint (raises AbortError),
-    or return when the client is gone. A bug is logged and answered INTERNAL."""
-    code = status_for(exc)
+    """Abort the call with ``exc``'s answer (:func:`hicached.server.status.answer_for`: status,
+    message, retry hint; raises AbortError), or return when the client is gone. A bug is logged
+    and answered INTERNAL."""
+    answer = answer_for(exc, method)
+    if answer.log_it:  # a bug stays a bug, whoever is listening
+        logger.exception("internal error in %s", method, exc_info=exc)
     if context.cancelled() or context.done():
         # The client went away (it stopped reading a stream, or cancelled): nobody is left
         # to answer, and that is the client's choice, not a daemon error.
-        if code is None:  # a bug stays a bug, whoever is listening
-            logger.exception("internal error in %s", method, exc_info=exc)
-        else:
+        if not answer.log_it:
             logger.debug("%s ended by the client: %s: %s", method, type(exc).__name__, exc)
         _forget_frames(exc)
         return
-    if code is None:
-        logger.exception("internal error in %s", method, exc_info=exc)
-        code, message = grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
-    elif isinstance(exc, OSError) and exc.errno is not None:
-        # The daemon's own resources ran out (status.exhausted_os_error): say which.
-        name = errno.errorcode.get(exc.errno, str(exc.errno))
-        message = (
-            f"the daemon is out of resources in {method}: {name} ({exc.strerror}); retry later "
-            "(descriptors: its RLIMIT_NOFILE; memory: host.budget; space: the L3 disk)"
-        )
-    else:
-        message = str(exc)
-    if len(message) > MAX_MESSAGE_CHARS:
-        message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message)} chars)"
     _forget_frames(exc)  # before abort: its AbortError takes ``exc`` as its __context__
     context.set_trailing_metadata(trailing_metadata_for(exc))
-    await context.abort(code, message)
+    await context.abort(answer.code, answer.message)
 
 
 def _forget_frames(exc: BaseException) -> None:

@@ -49,7 +49,7 @@ from hicached.l2.group import PoolTransfer
 from hicached.server.handoff import peer_cred
 from hicached.server.limits import check_id_values, check_keys
 from hicached.server.observer import RpcObserver
-from hicached.server.status import status_for
+from hicached.server.status import Answer, answer_for
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +71,12 @@ class RingViolation(Exception):
     """The client broke the ring protocol (counters out of range): the lane is closed."""
 
 
-def _code_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    code = status_for(exc)
-    if code is None:
-        logger.exception("internal error in a fast-lane op", exc_info=exc)
-        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-    return code, str(exc)
+def _answer(exc: BaseException, method: str) -> Answer:
+    """``exc``'s answer, as gRPC's error interceptor gives it for ``method`` (a bug logged alike)."""
+    answer = answer_for(exc, method)
+    if answer.log_it:
+        logger.exception("internal error in %s", method, exc_info=exc)
+    return answer
 
 
 def _transfers_in(ts: tuple[w.WireTransfer, ...]) -> list[PoolTransfer]:
@@ -226,8 +226,8 @@ class Lane:
             self._core.check_secret(session_id, secret)  # constant time, as on gRPC
             session, _ = self._core.session_group(session_id)
         except Exception as exc:
-            code, message = _code_of(exc)
-            raise Refused(code.name, message) from None
+            answer = _answer(exc, "FastLane")
+            raise Refused(answer.code.name, answer.message) from None
         if session.peer is None or session.peer.uid != cred.uid:
             bound = "no kernel-verified uid (attached over TCP)" if session.peer is None else "another uid"
             raise Refused(
@@ -345,9 +345,11 @@ class Lane:
                 opcode, seq, getattr(grpc.StatusCode, exc.code).value[0], False, None, str(exc)
             )
         except Exception as exc:
-            code, message = _code_of(exc)
-            retry = getattr(exc, "retry_after_ms", None)
-            done = w.Completion(opcode, seq, code.value[0], False, retry, message)
+            # The answer gRPC gives the same error in the same RPC: one mapping for both.
+            answer = _answer(exc, _RPC_NAMES.get(opcode, "FastLane"))
+            done = w.Completion(
+                opcode, seq, answer.code.value[0], False, answer.retry_after_ms, answer.message
+            )
             # A copy's future may keep the exception: its frames (this one holds the ring's
             # view) must not keep the ring mapped after the lane ends.
             exc.__traceback__ = None
@@ -413,7 +415,7 @@ class Lane:
         """Refuse, before anything runs, a Write/Resolve whose answer might not fit its completion
         slot: once pages are allocated the answer must reach the client. Bound: one transfer per
         request transfer and per pool of the group (derived pools), each of at most twice the
-        longest request transfer's pages (device and host)."""
+        longest request transfer's pages (device and host), and the longest message."""
         _, state = self._core.session_group(self.session_id)
         longest = max(
             (max(len(t.device) if t.device is not None else 0, len(t.host) if t.host is not None else 0)
@@ -422,6 +424,7 @@ class Lane:
         )  # fmt: skip
         rows = len(req.transfers) + len(state.group.entries)
         need = w.COMPLETION.size + rows * (w.TRANSFER.size + 16 * longest + w.ACK.size)
+        need += w.MAX_MESSAGE_BYTES - w.MESSAGE_BYTES  # a long reason's tail goes after the sections
         if need > w.AREA:
             raise w.RecordError(
                 f"the answer to transfers of up to {longest} pages may not fit one lane completion "
@@ -455,6 +458,17 @@ def _ring_doorbell(fd: int) -> None:
 
 
 _OP_NAMES = {int(o): "FastLane" + "".join(p.capitalize() for p in o.name.split("_")) for o in w.Opcode}
+# The gRPC method each opcode stands for: an error's message names it as gRPC's does.
+_RPC_NAMES = {
+    int(w.Opcode.WRITE): "Write",
+    int(w.Opcode.LOAD): "Load",
+    int(w.Opcode.RESOLVE): "ResolveTransfers",
+    int(w.Opcode.RELEASE): "ReleaseTransfers",
+    int(w.Opcode.PING): "FastLanePing",
+    int(w.Opcode.GET_PAGES): "GetPages",
+    int(w.Opcode.PUT_PAGES): "PutPages",
+    int(w.Opcode.LOOKUP): "Lookup",
+}
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -231,17 +231,29 @@ class BoundSocket:
         return cls.publish(private, path)
 
     def unlink(self) -> bool:
-        """Unlink the path if it is still our inode (another daemon may have replaced it)."""
+        """Unlink the path if it is still our inode (another daemon may have replaced it); True
+        when it was removed. Never raises: it runs at shutdown, where one socket left behind
+        must not keep the others (or the rest of the shutdown) from going. A failure to look or
+        to remove (the directory made read-only, say) is logged as a warning naming the path
+        and the error, and returns False; a path already gone returns False quietly."""
         try:
             st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino, st.st_ctime_ns) != (self.dev, self.ino, self.ctime_ns):
+                logger.warning(
+                    "not removing %s: it is no longer this daemon's socket",
+                    self.path,
+                    extra={"event": "socket", "path": str(self.path)},
+                )
+                return False
+            os.unlink(self.path)
         except FileNotFoundError:
             return False
-        if (st.st_dev, st.st_ino, st.st_ctime_ns) != (self.dev, self.ino, self.ctime_ns):
+        except OSError as exc:
             logger.warning(
-                "not removing %s: it is no longer this daemon's socket",
+                "cannot remove the socket %s: %s; remove it by hand (a daemon starting there replaces it)",
                 self.path,
+                exc,
                 extra={"event": "socket", "path": str(self.path)},
             )
             return False
-        os.unlink(self.path)
         return True

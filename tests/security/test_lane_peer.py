@@ -134,13 +134,14 @@ class HostileLane:
 
 
 # Byte offsets of COMPLETION fields (``<IHHQIIiIIIQI256s``).
-OFFSET = {"seq": 8, "nacks": 32, "nlayers": 36}
+OFFSET = {"seq": 8, "nacks": 32, "nlayers": 36, "message length": 48}
 
 
 @pytest.mark.parametrize(
     ("name", "value", "fmt"),
-    [("nacks", 0xFFFFFFFF, "<I"), ("nlayers", 0xFFFFFFFF, "<I"), ("seq", 7, "<Q")],
-)
+    [("nacks", 0xFFFFFFFF, "<I"), ("nlayers", 0xFFFFFFFF, "<I"), ("seq", 7, "<Q"),
+     ("message length", 0xFFFFFFFF, "<I")],
+)  # fmt: skip
 def test_a_malformed_completion_closes_the_lane(run_dir: Path, name: str, value: int, fmt: str) -> None:
     path = run_dir / "hicached.sock.lane"
     hostile = HostileLane(path, lambda view, at: struct.pack_into(fmt, view, at + OFFSET[name], value))

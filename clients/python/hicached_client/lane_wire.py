@@ -30,9 +30,12 @@ Completion record::
 
     COMPLETION <I H H Q I I i I I I Q I 256s>  magic 'HCCQ', version, opcode, seq, status (gRPC
                code number), ok, retry_after_ms (-1 = none), ntransfers, nacks, nlayers, value,
-               message length, message (utf-8, truncated to 256 bytes)
+               message length (utf-8 bytes, at most MAX_MESSAGE_BYTES), message (its first 256
+               bytes, NUL padded)
     TRANSFER + pages x ntransfers (as in a request), ACK <64s Q Q Q> x nacks (pool, pages, tokens,
-    bytes), int32 layers x nlayers (a Load's layers in the order they landed)
+    bytes), int32 layers x nlayers (a Load's layers in the order they landed), then the
+    message's bytes past the first 256: an error's message is gRPC's whole message (a reader
+    of the fixed field only reads its first 256 bytes, all that older daemons sent)
 
 ``value`` is a Release's freed pages, a GetPages' hit pages and a PutPages' stored pages (its
 existing pages are the keys not stored when ``ok``, else 0, as the core counts them); a
@@ -67,7 +70,10 @@ AREA = 1 << 20  # bytes of one request or one completion record
 MAX_LAYERS = 1024
 MAX_TRANSFERS = 64
 MAX_NEGOTIATE = 512
-MESSAGE_BYTES = 256
+MESSAGE_BYTES = 256  # the completion's fixed message field
+# A whole message at most (the fixed field and the tail after the sections): above the
+# daemon's error messages (1,024 characters, at most 4 UTF-8 bytes each, and the length said).
+MAX_MESSAGE_BYTES = 8192
 POOL_NAME_BYTES = 64
 
 RING_HEADER = struct.Struct("<IHHIII")
@@ -409,11 +415,11 @@ def read_request(ring: memoryview, offset: int, *, max_keys: int | None = None) 
 
 def encode_completion(buf: memoryview, offset: int, c: Completion) -> None:
     """Write ``c`` at ``offset`` (the daemon's side); a result too large to fit becomes an error."""
-    msg = c.message.encode("utf-8", "replace")[:MESSAGE_BYTES]
+    msg = c.message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
     COMPLETION.pack_into(
         buf, offset, COMPLETION_MAGIC, VERSION, c.opcode, c.seq, c.status, int(c.ok),
         -1 if c.retry_after_ms is None else c.retry_after_ms,
-        len(c.transfers), len(c.acks), len(c.layers), c.value, len(msg), msg,
+        len(c.transfers), len(c.acks), len(c.layers), c.value, len(msg), msg[:MESSAGE_BYTES],
     )  # fmt: skip
     pos = offset + COMPLETION.size
     if c.transfers:  # each section is skipped when empty: a ping or a Lookup has none
@@ -424,6 +430,12 @@ def encode_completion(buf: memoryview, offset: int, c: Completion) -> None:
     if c.layers:
         layers = np.asarray(c.layers, dtype="<i4").tobytes()
         buf[pos : pos + len(layers)] = layers
+        pos += len(layers)
+    tail = msg[MESSAGE_BYTES:]
+    if tail:
+        if pos + len(tail) > offset + AREA:
+            raise ValueError(f"a message of {len(msg)} bytes does not fit after the completion's sections")
+        buf[pos : pos + len(tail)] = tail
 
 
 def read_completion(ring: memoryview, offset: int) -> Completion:
@@ -435,20 +447,29 @@ def read_completion(ring: memoryview, offset: int) -> Completion:
     transfers: tuple[WireTransfer, ...] = ()
     acks: list[WireAck] = []
     layers: tuple[int, ...] = ()
-    if ntr or nacks or nlayers:
+    if mlen > MAX_MESSAGE_BYTES:
+        raise RecordError(
+            f"completion claims a message of {mlen} bytes (at most {MAX_MESSAGE_BYTES})", "INTERNAL"
+        )
+    tail = max(0, mlen - MESSAGE_BYTES)
+    if ntr or nacks or nlayers or tail:
         # A view, not a copy (the area is 1 MiB): the arrays decoded from it are copies,
         # and it is released on the way out (an error's frame must not keep the ring exported).
         with ring[offset + COMPLETION.size : offset + AREA] as body:
             transfers, pos = _read_transfers(body, 0, ntr, len(body))
-            if pos + nacks * ACK.size + 4 * nlayers > len(body):
+            if pos + nacks * ACK.size + 4 * nlayers + tail > len(body):
                 raise RecordError(
-                    f"completion claims {nacks} acks and {nlayers} layers: more than fit", "INTERNAL"
+                    f"completion claims {nacks} acks, {nlayers} layers and {mlen} message bytes: "
+                    "more than fit",
+                    "INTERNAL",
                 )
             for _ in range(nacks):
                 raw, pages, tokens, nbytes = ACK.unpack_from(body, pos)
                 acks.append(WireAck(_name(raw, "ack.pool"), pages, tokens, nbytes))
                 pos += ACK.size
             layers = tuple(np.frombuffer(body, dtype="<i4", count=nlayers, offset=pos).tolist())
+            pos += 4 * nlayers
+            msg = msg[:MESSAGE_BYTES] + bytes(body[pos : pos + tail])
     return Completion(
         opcode=opcode,
         seq=seq,
