@@ -25,7 +25,7 @@ RANKS: dict[str, float] = {
     "index": 5,
     "config": 5.5,
     "l2": 6, "l3": 6, "transfer": 6,
-    "page_arrays": 7, "shm": 7, "accept": 7,
+    "page_arrays": 7, "shm": 7, "accept": 7, "paths": 7,
     "coerce": 8, "logs": 8, "tasks": 8, "errors": 8.5,
     "hicached": 9,  # the package itself: its version
 }  # fmt: skip

@@ -45,6 +45,7 @@ from typing import Any
 from hicached.errors import FailedPrecondition
 from hicached.index.entries import EntryRecord
 from hicached.l2.prefix_lock import ShmPrefixLock
+from hicached.paths import foreign_on_path
 
 __all__ = ["JOURNAL_FORMAT", "JOURNAL_VERSION", "GroupJournal", "JournalStore", "PoolRecord"]
 
@@ -302,25 +303,16 @@ class JournalStore:
 
 
 def _check_ancestors(directory: Path) -> None:
-    """FailedPrecondition unless every directory and symlink on the way to ``directory`` (as
-    given and as resolved) is owned by root or this daemon's uid: the owner of one can rename
-    what it holds or re-point it. Write bits are not checked (``/tmp`` is root's, 1777 and
-    sticky); the journal directory's own owner and mode are (see ``_make_private_directory``)."""
+    """FailedPrecondition unless every directory and symlink on the way to ``directory`` is
+    root's or this daemon's (:func:`hicached.paths.foreign_on_path`): their owner could plant
+    journals. The journal directory's own mode is checked in ``_make_private_directory``."""
     me = os.geteuid()
-    given = Path(os.path.abspath(directory))
-    for path in (given, Path(os.path.realpath(given))):
-        for part in (*reversed(path.parents), path):
-            try:
-                st = os.lstat(part)
-            except FileNotFoundError:
-                continue  # made below, by this daemon
-            if st.st_uid not in (me, 0):
-                kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory"
-                raise FailedPrecondition(
-                    f"host.journal_dir {str(directory)!r}: {part} on its path is {kind} owned by uid "
-                    f"{st.st_uid}, who could plant journals or re-point it; use a path owned by root "
-                    f"or uid {me}"
-                )
+    found = foreign_on_path(directory, (me, 0), itself=True)
+    if found is not None:
+        raise FailedPrecondition(
+            f"host.journal_dir {str(directory)!r}: {found.path} on its path is {found.kind} owned by uid "
+            f"{found.uid}, who could plant journals or re-point it; use a path owned by root or uid {me}"
+        )
 
 
 def _read_own_file(path: Path) -> bytes:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hicached.errors import StartupError
+from hicached.paths import foreign_on_path
 
 logger = logging.getLogger(__name__)
 
@@ -104,26 +105,17 @@ def prepare_dir(directory: Path, *, gid: int | None) -> None:
 
 
 def _check_path(directory: Path) -> None:
-    """StartupError unless every directory and symlink on the way to ``directory`` (as given and
-    as resolved) is owned by root or this daemon's uid: the owner of one can rename what it holds
-    or re-point it, and send the daemon's sockets, or its workers, elsewhere. Their write bits are
-    not checked (a pod's emptyDir is 0777 and root's); the socket directory's own are."""
+    """StartupError unless every directory and symlink on the way to ``directory`` is root's or
+    this daemon's (:func:`hicached.paths.foreign_on_path`): their owner could send the daemon's
+    sockets, or its workers, elsewhere. The socket directory's own owner and mode are
+    ``prepare_dir``'s to check."""
     me = os.geteuid()
-    given = Path(os.path.abspath(directory))
-    for path in (given, Path(os.path.realpath(given))):
-        for part in (*reversed(path.parents), path):
-            try:
-                st = os.lstat(part)
-            except FileNotFoundError:
-                continue  # created by the daemon below
-            if part == path and not stat.S_ISLNK(st.st_mode):
-                continue  # the directory itself: prepare_dir checks it
-            if st.st_uid not in (me, 0):
-                kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory"
-                raise StartupError(
-                    f"socket directory {directory}: {part} on its path is {kind} owned by uid "
-                    f"{st.st_uid}, who could re-point it; use a path owned by root or uid {me}"
-                )
+    found = foreign_on_path(directory, (me, 0), itself=False)
+    if found is not None:
+        raise StartupError(
+            f"socket directory {directory}: {found.path} on its path is {found.kind} owned by uid "
+            f"{found.uid}, who could re-point it; use a path owned by root or uid {me}"
+        )
 
 
 def _peer_pid(conn: socket.socket) -> int:
