@@ -60,9 +60,9 @@ def base() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _call_stranger(run: Path) -> tuple[HiCacheError, int]:
-    """A byte-only attach with a token against a stranger listening at ``run/hicached.sock``:
-    (the error, bytes the stranger received)."""
+def _call_stranger(run: Path, *, wait_ready: bool = False) -> tuple[HiCacheError, int]:
+    """A byte-only attach with a token against a stranger listening at ``run/hicached.sock``,
+    after ``client.wait_ready`` when ``wait_ready``: (the error, bytes the stranger received)."""
     sock = run / "hicached.sock"
     stranger = popen_as_other(STRANGER, str(sock))
     try:
@@ -72,6 +72,8 @@ def _call_stranger(run: Path) -> tuple[HiCacheError, int]:
             HiCacheClient(f"unix://{sock}", token="worker-token", timeout_s=3) as client,
             pytest.raises(HiCacheError) as info,
         ):
+            if wait_ready:
+                client.wait_ready(3)
             client.attach(WorkerIdentity("w"), [], heartbeat=False)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as end:  # unblocks an idle stranger
             end.connect(str(sock))
@@ -84,12 +86,16 @@ def _call_stranger(run: Path) -> tuple[HiCacheError, int]:
     return info.value, int(out.split()[-1])
 
 
-def test_a_strangers_socket_directory_gets_nothing(base: Path) -> None:
+@pytest.mark.parametrize("wait_ready", [False, True])
+def test_a_strangers_socket_directory_gets_nothing(base: Path, wait_ready: bool) -> None:
+    """With ``wait_ready`` it fails before wait_ready ran the check: the channel connected to the
+    stranger (who got the HTTP/2 preface) and a later call, once the stranger had put a
+    trusted directory in its place, went over that connection."""
     uid = other_user()
     run = base / "run"
     run.mkdir()
     os.chown(run, uid, -1)
-    err, received = _call_stranger(run)
+    err, received = _call_stranger(run, wait_ready=wait_ready)
     assert err.code == grpc.StatusCode.PERMISSION_DENIED, err
     assert f"owned by uid {uid}" in err.message and "HICACHED_DAEMON_UID" in err.message
     assert received == 0, f"the stranger got {received} bytes of the worker's calls"
@@ -115,3 +121,16 @@ def test_hicached_daemon_uid_names_the_daemons_user(base: Path, monkeypatch: pyt
     err, received = _call_stranger(run)
     assert err.code != grpc.StatusCode.PERMISSION_DENIED, err
     assert received > 0, "the named uid's directory is trusted"
+
+
+def test_a_socket_path_that_cannot_be_read_is_unavailable(base: Path) -> None:
+    """Fails before: a parent that is a file raised a bare NotADirectoryError from the call."""
+    afile = base / "afile"
+    afile.write_text("x")
+    with (
+        HiCacheClient(f"unix://{afile}/run/hicached.sock", timeout_s=3) as client,
+        pytest.raises(HiCacheError) as info,
+    ):
+        client.ping()
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "cannot check the daemon's socket directory" in info.value.message

@@ -133,16 +133,27 @@ def check_socket_dir(target: str) -> bool:
     could put a socket there would receive the worker's token and Attach and answer its calls
     (the gRPC channel cannot ask the kernel who listens, as :func:`check_daemon` does; a sound
     directory keeps every reconnect of the channel in trusted hands too). False (nothing to
-    judge yet) when the directory does not exist; True once it passed; True for TCP."""
+    judge yet) when the directory does not exist; True once it passed; True for TCP.
+    UNAVAILABLE when the path cannot be read (a parent that is a file or not searchable).
+    The check judges the path, not a connection the channel already holds: every entry point
+    that may connect (calls, :meth:`wait_ready`) runs it first."""
     path = handoff_path(target)
     if path is None:
         return True
     directory = os.path.dirname(os.path.abspath(path))
-    trusted = trusted_uids()
     try:
-        st = os.stat(directory)
+        return _judge_socket_dir(path, directory, trusted_uids())
     except FileNotFoundError:
         return False
+    except OSError as exc:  # a parent that is a file, or that this uid cannot search
+        raise HiCacheError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"cannot check the daemon's socket directory {directory}: {exc.strerror}",
+        ) from None
+
+
+def _judge_socket_dir(path: str, directory: str, trusted: frozenset[int]) -> bool:
+    st = os.stat(directory)
     whom = (st.st_uid, directory) if st.st_uid not in trusted else None
     if whom is None and st.st_mode & 0o022:
         raise HiCacheError(

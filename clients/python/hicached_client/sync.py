@@ -117,7 +117,10 @@ class HiCacheClient:
         self.close()
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Wait until the channel connects; ``HiCacheError(UNAVAILABLE)`` after ``timeout_s``."""
+        """Wait until the channel connects; ``HiCacheError(UNAVAILABLE)`` after ``timeout_s``.
+        The socket's directory is checked first, as before a call: connecting is what hands a
+        stranger the channel."""
+        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
         if not backend.channel_ready(self._channel, timeout_s):
             raise HiCacheError(
                 grpc.StatusCode.UNAVAILABLE, f"daemon at {self.target} not reachable within {timeout_s} s"
