@@ -16,7 +16,6 @@ import ast
 import contextlib
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,21 +27,11 @@ import pytest
 from hicached_client import HiCacheClient, HiCacheError, Session, WorkerIdentity
 from hicached_client.fastlane import FastLane
 
+from tests.security.users import NOBODY, as_nobody
 from tests.support.daemon import start_daemon
 from tests.support.faults import log_lines, serve_patched, socket_files
 from tests.support.kv import WorkerPools, unique_tag
 from tests.support.state import poll
-
-NOBODY = 65534
-
-
-def _as_nobody() -> list[str]:
-    assert os.geteuid() == 0, "needs root to run the daemon as nobody: run the suite as root, as CI does"
-    setpriv = shutil.which("setpriv")
-    assert setpriv, "setpriv is missing"
-    # CAP_DAC_READ_SEARCH only to read an interpreter under a 0700 home (as tests/security/users.py).
-    return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-            "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]  # fmt: skip
 
 
 def _answer(conn: socket.socket) -> bytes:
@@ -82,7 +71,7 @@ def test_out_of_threads_refuses_the_lane_and_keeps_accepting() -> None:
     """Fails before the fix: thread.start() raised in the acceptor, which died (every later lane
     client hung), and SIGTERM then crashed joining the never-started thread (exit 1, no flush,
     sockets left)."""
-    d = serve_patched(NPROC_SWITCH, "--set", "server.socket_mode=0o666", runner=_as_nobody(), owner=NOBODY)
+    d = serve_patched(NPROC_SWITCH, "--set", "server.socket_mode=0o666", runner=as_nobody(), owner=NOBODY)
     lane = f"{d.socket}.lane"
     try:
         d.process.send_signal(signal.SIGUSR1)
@@ -184,7 +173,7 @@ def test_idle_connections_of_one_uid_leave_lanes_for_the_others() -> None:
     try:
         lane_socket = f"{d.socket}.lane"
         attacker = subprocess.Popen(
-            [*_as_nobody(), sys.executable, "-c", _IDLE_CONNECTIONS, lane_socket],
+            [*as_nobody(), sys.executable, "-c", _IDLE_CONNECTIONS, lane_socket],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -9,26 +9,14 @@ their shutdown step (the admin socket was not tried; "shutdown steps failed: grp
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
+from tests.security.users import NOBODY, as_nobody
 from tests.support.faults import log_lines, serve_patched, socket_files
-
-NOBODY = 65534
-
-
-def _as_nobody() -> list[str]:
-    assert os.geteuid() == 0, "needs root to run the daemon as nobody: run the suite as root, as CI does"
-    setpriv = shutil.which("setpriv")
-    assert setpriv, "setpriv is missing"
-    # CAP_DAC_READ_SEARCH only to read an interpreter under a 0700 home (as tests/security/users.py);
-    # it grants no write: the read-only directory binds the daemon.
-    return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-            "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]  # fmt: skip
 
 
 def test_a_socket_left_behind_at_stop_is_logged_and_the_rest_of_the_stop_goes_on() -> None:
-    d = serve_patched("", runner=_as_nobody(), owner=NOBODY)
+    d = serve_patched("", runner=as_nobody(), owner=NOBODY)
     workdir = d.workdir
     try:
         sockets = socket_files(workdir)

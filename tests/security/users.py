@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 USER = "hicached-sec"
+NOBODY = 65534
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -95,3 +96,14 @@ def run_as_other(code: str, *args: str, timeout_s: float = 120) -> subprocess.Co
         env=env,
         cwd="/",
     )
+
+
+def as_nobody() -> list[str]:
+    """The command prefix that runs a daemon as ``nobody`` (root is exempt from RLIMIT_NPROC
+    and from file modes: tests of those limits need another uid). Needs root, as CI runs."""
+    assert os.geteuid() == 0, "needs root to run the daemon as nobody: run the suite as root, as CI does"
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "setpriv is missing"
+    # CAP_DAC_READ_SEARCH only to read an interpreter under a 0700 home; it grants no write.
+    return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+            "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]  # fmt: skip
