@@ -71,7 +71,10 @@ def test_a_group_costs_what_the_budget_charges_per_page(make_core: Callable[...,
         _, grown[pages] = traced(lambda: c.core.attach(worker, byte_pools(pages)))  # noqa: B023
     per_page = (grown[PAGES] - grown[PAGES // 4]) / (PAGES - PAGES // 4)
     charged = 3 * POOL_PAGE_BYTES + 2 * ALLOCATING_PAGE_BYTES
-    assert charged - 0.5 < per_page <= charged, f"{per_page:.2f} bytes per page, {charged} charged"
+    # Within half a byte either way: a per-page array left uncharged adds at least one byte per
+    # page, while the few hundred bytes other threads allocate during a measurement (a CI run of
+    # this test once measured 632 of them, 0.006 per page) must not fail it.
+    assert abs(per_page - charged) < 0.5, f"{per_page:.3f} bytes per page, {charged} charged"
 
 
 def test_an_index_entry_costs_at_most_what_the_budget_charges(make_core: Callable[..., Core]) -> None:
