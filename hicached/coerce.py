@@ -11,6 +11,9 @@ parsed. Two field kinds are marked in the dataclass field's metadata:
   ``0o660`` are all ``0o660``, as with ``chmod``); a typed integer is taken as
   is and must lie in ``0..0o777`` (write ``0o660`` in TOML).
 
+A field typed with a string enum (``enum.StrEnum``) takes one of its values, spelled
+exactly (typed or text alike), and holds the member; :func:`one_of` lists them.
+
 Errors are :class:`~hicached.errors.InvalidArgument` whose message names the
 key (the caller's ``label``), quotes the value and says what is allowed. Pure
 functions; thread-safe.
@@ -19,6 +22,7 @@ functions; thread-safe.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 import types
@@ -30,7 +34,16 @@ from typing import Any
 
 from hicached.errors import InvalidArgument
 
-__all__ = ["coerce", "format_mode", "option", "parse_mode", "parse_size", "parse_tenant_uids", "type_hints"]
+__all__ = [
+    "coerce",
+    "format_mode",
+    "one_of",
+    "option",
+    "parse_mode",
+    "parse_size",
+    "parse_tenant_uids",
+    "type_hints",
+]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -102,6 +115,11 @@ def format_mode(mode: int) -> str:
     return f"0o{mode:03o}"
 
 
+def one_of(choices: type[enum.StrEnum]) -> str:
+    """The values of a string enum as help and errors list them: ``"a, b, c"``."""
+    return ", ".join(member.value for member in choices)
+
+
 def type_hints(cls: type[Any]) -> dict[str, Any]:
     """The resolved annotations of a dataclass's fields (string annotations evaluated)."""
     return typing.get_type_hints(cls)
@@ -114,6 +132,8 @@ def _describe(tp: Any, meta: typing.Mapping[str, Any]) -> str:
         return "a whole number of bytes such as 512MiB, 4GiB, 1.5KiB or 1048576"
     if "parse" in meta:
         return str(meta.get("expect", "a valid value"))
+    if isinstance(tp, type) and issubclass(tp, enum.StrEnum):
+        return f"one of {one_of(tp)}"
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(m, {}) for m in typing.get_args(tp) if m is not type(None))
@@ -163,6 +183,10 @@ def _convert(value: Any, tp: Any, text: bool) -> Any:
         if not math.isfinite(number):  # nan passes every range check written as "x <= 0"
             raise ValueError(value)
         return number
+    if isinstance(tp, type) and issubclass(tp, enum.StrEnum):
+        if isinstance(value, str):
+            return tp(value)  # ValueError unless one of its values, exactly (a member is one)
+        raise ValueError(value)
     if tp is str:
         if isinstance(value, str):
             return value

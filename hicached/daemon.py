@@ -61,7 +61,7 @@ def attach_content_index(
     """Give a new pool group its content index (it registers as the group's reclaimer)."""
     l3 = config.l3
     observer: IndexObserver = (
-        IndexMetrics(metrics, backend=l3.backend, page_size=state.group.anchor.host_pool.page_size)
+        IndexMetrics(metrics, backend=l3.backend.value, page_size=state.group.anchor.host_pool.page_size)
         if metrics is not None
         else NullIndexObserver()
     )
@@ -113,7 +113,9 @@ class Daemon:
             self.core.live_session_ids,
         )
         self.answers = UnreadAnswers(config.limits.max_unread_answer_bytes_per_peer)
-        self.l3_stats = StatsCache(config.l3.backend, self.backend) if self.backend is not None else None
+        self.l3_stats = (
+            StatsCache(config.l3.backend.value, self.backend) if self.backend is not None else None
+        )
         srv = config.server
         self.handoff = HandoffRegistry(
             ttl_s=srv.handoff_ticket_ttl_s,

@@ -15,7 +15,7 @@ from hicached.config import Config, default_cache_dir
 from hicached.errors import HiCacheError, StartupError
 from hicached.l3.base import StorageBackend
 from hicached.l3.framing import FrameCodec, L3Key
-from hicached.l3.registry import open_backend, takes_frames
+from hicached.l3.registry import L3Backend, open_backend, takes_frames
 
 __all__ = ["banner", "l3_auth", "l3_source", "l3_target", "open_l3"]
 
@@ -32,13 +32,13 @@ def l3_target(config: Config) -> str:
     """Where the configured backend keeps its pages, for the banner and errors."""
     c: Any = config.l3.backend_config()
     backend = config.l3.backend
-    if backend == "file":
+    if backend is L3Backend.FILE:
         return f"{c.path} (capacity {_human(c.capacity_bytes)})"
-    if backend == "redis":
+    if backend is L3Backend.REDIS:
         return f"unix:{c.unix_socket}" if c.unix_socket else f"{c.host}:{c.port}/{c.db}"
-    if backend == "s3":
+    if backend is L3Backend.S3:
         return f"{c.endpoint_url or 'aws:' + c.region}/{c.bucket}/{c.prefix}"
-    if backend == "mooncake":
+    if backend is L3Backend.MOONCAKE:
         return f"master {c.master_addr}"
     return "none"
 
@@ -51,8 +51,8 @@ def l3_source(config: Config) -> str:
     useless, so the startup line and the error say which variable it came from.
     """
     backend = config.l3.backend
-    if backend != "file":
-        return f"[l3.{backend}]" if backend != "none" else "l3.backend"
+    if backend is not L3Backend.FILE:
+        return f"[l3.{backend}]" if backend is not L3Backend.NONE else "l3.backend"
     if config.l3.file.path != str(default_cache_dir() / "l3"):
         return "l3.file.path"
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -67,7 +67,7 @@ def l3_source(config: Config) -> str:
 def l3_auth(config: Config) -> str:
     """Who can put pages into the configured L3 that the daemon serves, for the banner."""
     name = config.l3.backend
-    if name == "none":
+    if name is L3Backend.NONE:
         return "none"
     if not takes_frames(name):  # the file backend: a directory only the daemon's user writes
         return "file permissions"
@@ -86,7 +86,7 @@ def open_l3(config: Config, key: L3Key | None = None) -> StorageBackend | None:
     :class:`StartupError` naming the key to fix.
     """
     name = config.l3.backend
-    if name == "none":
+    if name is L3Backend.NONE:
         return None
     options = config.l3.backend_config()
     keys = _BACKEND_KEYS.get(name, f"[l3.{name}]")
@@ -137,12 +137,12 @@ def banner(
         "metrics": metrics_url or "off",
         "host_budget_bytes": budget_bytes,
         "host_budget": f"{_human(budget_bytes)} from {_budget_source(config)}",
-        "l3": config.l3.backend,
+        "l3": config.l3.backend.value,
         "l3_target": l3_target(config),
         "l3_source": l3_source(config),
         "l3_auth": l3_auth(config),
         "warm_restart": f"on (journals in {config.host.journal_dir})" if config.host.warm_restart else "off",
     }
-    if config.l3.backend == "file":
+    if config.l3.backend is L3Backend.FILE:
         fields["l3_capacity_bytes"] = config.l3.file.capacity_bytes
     return fields

@@ -10,7 +10,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from hicached.coerce import one_of
 from hicached.config import Config, describe, resolve
+from hicached.l3.registry import L3Backend
 from hicached.logs import escape_controls
 
 
@@ -33,7 +35,7 @@ CONFIG_FLAGS: dict[str, tuple[str, str]] = {
     "listen": ("server.listen", "also listen on TCP HOST:PORT"),
     "metrics_port": ("server.metrics_port", "serve Prometheus /metrics on this port (0 = any)"),
     "host_budget": ("host.budget", "node-wide host memory budget, e.g. 8GiB"),
-    "l3": ("l3.backend", "L3 backend: file, redis, s3, mooncake or none"),
+    "l3": ("l3.backend", f"L3 backend: {one_of(L3Backend)}"),
     "l3_path": ("l3.file.path", "directory of the file backend"),
     "lease_ms": ("sessions.lease_ms", "default session lease in milliseconds"),
     "log_level": ("log.level", "debug, info, warning or error"),

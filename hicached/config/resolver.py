@@ -24,10 +24,8 @@ from hicached.errors import InvalidArgument
 __all__ = ["ALIASES", "KEYS", "OTHER_ENV", "all_keys", "env_var", "resolve"]
 
 
+# Plain-text keys with a closed vocabulary (a key typed with a StrEnum is checked by the coercer).
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "l3.backend": ("file", "redis", "s3", "mooncake", "none"),
-    "l3.write_policy": ("write_through", "write_through_selective", "write_back"),
-    "l3.prefetch_policy": ("best_effort", "wait_complete", "timeout"),
     "log.level": ("debug", "info", "warning", "error"),
     "log.format": ("text", "json"),
 }

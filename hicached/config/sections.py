@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicached.coerce import parse_size
+from hicached.coerce import one_of, parse_size
 from hicached.errors import InvalidArgument
+from hicached.index.types import PrefetchPolicy, WritePolicy
 from hicached.l3.file import FileBackendConfig
 from hicached.l3.mooncake import MooncakeBackendConfig
 from hicached.l3.redis import RedisBackendConfig
+from hicached.l3.registry import L3Backend
 from hicached.l3.s3 import S3BackendConfig
 
 __all__ = [
@@ -260,9 +262,13 @@ _BACKEND_HELP = "Options of the {} backend (table [l3.{}]; see the l3.{}.* keys)
 
 @dataclass(frozen=True)
 class L3Config:
-    backend: str = _f("file", "Storage backend: file, redis, s3, mooncake, or none.")
-    write_policy: str = _f("write_through", "write_through, write_through_selective or write_back.")
-    prefetch_policy: str = _f("best_effort", "best_effort, wait_complete or timeout.")
+    backend: L3Backend = _f(L3Backend.FILE, f"Storage backend: {one_of(L3Backend)}.")
+    write_policy: WritePolicy = _f(
+        WritePolicy.WRITE_THROUGH, f"When an L2 page is backed up to L3: {one_of(WritePolicy)}."
+    )
+    prefetch_policy: PrefetchPolicy = _f(
+        PrefetchPolicy.BEST_EFFORT, f"Prefetch policy of a request that names none: {one_of(PrefetchPolicy)}."
+    )
     prefetch_timeout_base_s: float = _f(1.0, "Timeout policy: base seconds.")
     prefetch_timeout_per_1k_tokens_s: float = _f(0.25, "Timeout policy: seconds per 1024 tokens.")
     io_workers: int = _f(2, "Threads doing L3 I/O.")
@@ -295,7 +301,7 @@ class L3Config:
 
     def backend_config(self) -> Any:
         """The selected backend's config dataclass (None for ``backend = "none"``)."""
-        return None if self.backend == "none" else getattr(self, self.backend)
+        return None if self.backend is L3Backend.NONE else getattr(self, self.backend)
 
 
 @dataclass(frozen=True)

@@ -381,15 +381,16 @@ class KeyedCache:
         session_id: str,
         keys: Sequence[str],
         *,
-        policy: str,
+        policy: PrefetchPolicy | None,
         timeout_ms: int,
     ) -> tuple[str, int]:
         """Start a prefetch of ``keys``: (its id, pages planned). ResourceExhausted, before
         any work, when the session already has ``limits.max_prefetches_per_session`` running
-        or queued (each holds its plan, and the index's I/O threads take jobs in turn)."""
+        or queued (each holds its plan, and the index's I/O threads take jobs in turn).
+        ``policy`` None: ``l3.prefetch_policy``."""
         session, _, index, keys = self._scoped(session_id, keys)
         tenant = session.worker.tenant
-        chosen = policy or self._cfg.l3.prefetch_policy
+        chosen = policy or self._cfg.l3.prefetch_policy  # None: the configured default
         limit = self._cfg.limits.max_prefetches_per_session
         with session.lock:
             held = index.running_prefetches(session.prefetches) + session.prefetches_starting
@@ -405,7 +406,7 @@ class KeyedCache:
         try:
             task = index.prefetch(
                 keys,
-                policy=PrefetchPolicy(chosen),
+                policy=chosen,
                 timeout_s=timeout_ms / 1000 if timeout_ms else None,
                 tenant=tenant,
             )

@@ -47,6 +47,7 @@ from hicached.errors import (
     NotFound,
     Unavailable,
 )
+from hicached.index.types import WritePolicy
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine
 from hicached.transfer.handles import medium_of
@@ -454,7 +455,7 @@ class HiCacheCore:
     def allocation_may_block(self) -> bool:
         """True when an allocation can wait on L3 I/O (write_back eviction writes before freeing)."""
         l3 = self._cfg.l3
-        return l3.backend != "none" and l3.write_policy == "write_back"
+        return l3.write_policy is WritePolicy.WRITE_BACK and l3.backend_config() is not None
 
     @property
     def config(self) -> Config:

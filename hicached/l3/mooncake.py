@@ -54,7 +54,7 @@ from hicached.errors import InvalidArgument, Unavailable, clip
 from hicached.l3.base import BackendStats, ReadCounters, StorageBackend, check_batch, chunks_nbytes
 from hicached.l3.framing import PLAIN, FrameCodec
 from hicached.l3.mooncake_config import MooncakeBackendConfig
-from hicached.l3.registry import register_backend
+from hicached.l3.registry import L3Backend, register_backend
 
 __all__ = ["MooncakeBackend", "MooncakeBackendConfig"]
 
@@ -79,7 +79,7 @@ def _flat(chunk: _Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-@register_backend("mooncake", MooncakeBackendConfig, framed=True)
+@register_backend(L3Backend.MOONCAKE, MooncakeBackendConfig, framed=True)
 class MooncakeBackend(StorageBackend):
     """Pages as framed objects in Mooncake Store; see the module docstring."""
 

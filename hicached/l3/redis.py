@@ -57,7 +57,7 @@ from hicached.l3.base import (
     scatter_into,
 )
 from hicached.l3.framing import FRAME_HEADER, PLAIN, FrameCodec
-from hicached.l3.registry import register_backend
+from hicached.l3.registry import L3Backend, register_backend
 
 if TYPE_CHECKING:
     import redis as redis_lib
@@ -175,7 +175,7 @@ def _import_redis() -> Any:
     return redis
 
 
-@register_backend("redis", RedisBackendConfig, framed=True)
+@register_backend(L3Backend.REDIS, RedisBackendConfig, framed=True)
 class RedisBackend(StorageBackend):
     """Pages as framed string values in Redis/Valkey; see the module docstring."""
 

@@ -2,7 +2,8 @@
 
 Each backend module calls :func:`register_backend` at import time with its
 own frozen config dataclass, so a backend owns its configuration and adding
-one is one module plus one entry in ``BACKEND_MODULES``. Optional backends
+one is one module plus its member of :class:`L3Backend` and its entry in
+``BACKEND_MODULES``. Optional backends
 (redis, s3, mooncake) import their client library only when constructed and
 raise :class:`~hicached.errors.InvalidArgument` with an install hint when it
 is missing.
@@ -22,6 +23,7 @@ lock; lookups are read-only and thread-safe.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import threading
 from collections.abc import Callable, Mapping
@@ -35,6 +37,7 @@ from hicached.l3.framing import FrameCodec
 __all__ = [
     "BACKEND_MODULES",
     "BackendEntry",
+    "L3Backend",
     "backend_names",
     "build_config",
     "config_type",
@@ -44,14 +47,25 @@ __all__ = [
     "takes_frames",
 ]
 
-# Modules that register a backend when imported, in listing order. A module
+
+class L3Backend(enum.StrEnum):
+    """The values of ``l3.backend``: each backend's registered name, and ``none`` (no L3)."""
+
+    FILE = "file"
+    REDIS = "redis"
+    S3 = "s3"
+    MOONCAKE = "mooncake"
+    NONE = "none"
+
+
+# The module that registers each backend when imported, in listing order. A module
 # that does not exist yet (a backend still being built) is skipped.
-BACKEND_MODULES = (
-    "hicached.l3.file",
-    "hicached.l3.redis",
-    "hicached.l3.s3",
-    "hicached.l3.mooncake",
-)
+BACKEND_MODULES: dict[L3Backend, str] = {
+    L3Backend.FILE: "hicached.l3.file",
+    L3Backend.REDIS: "hicached.l3.redis",
+    L3Backend.S3: "hicached.l3.s3",
+    L3Backend.MOONCAKE: "hicached.l3.mooncake",
+}
 
 
 BackendFactory = Callable[..., StorageBackend]
@@ -94,7 +108,7 @@ def register_backend(name: str, config_type: type[Any], *, framed: bool = False)
 def _load_builtin() -> None:
     if _LOADED.is_set():
         return
-    for module in BACKEND_MODULES:
+    for module in BACKEND_MODULES.values():
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -62,7 +62,7 @@ from urllib.parse import unquote
 from hicached.errors import InvalidArgument, Unavailable, clip
 from hicached.l3.base import BackendStats, ReadCounters, StorageBackend, check_batch, scatter_into
 from hicached.l3.framing import PLAIN, FrameCodec
-from hicached.l3.registry import register_backend
+from hicached.l3.registry import L3Backend, register_backend
 from hicached.l3.s3_config import MAX_OBJECT_KEY_BYTES, S3BackendConfig
 
 __all__ = ["S3Backend", "S3BackendConfig", "escape_key", "unescape_key"]
@@ -104,7 +104,7 @@ def _error_code(exc: BaseException) -> str | None:
     return None if code is None else str(code)
 
 
-@register_backend("s3", S3BackendConfig, framed=True)
+@register_backend(L3Backend.S3, S3BackendConfig, framed=True)
 class S3Backend(StorageBackend):
     """Pages as framed objects in an S3 bucket; see the module docstring."""
 

@@ -25,6 +25,7 @@ from hicached.config import LimitsConfig
 from hicached.core.service import HiCacheCore
 from hicached.core.types import Ack, PoolTransfer
 from hicached.errors import PermissionDenied, Unimplemented, clip
+from hicached.l3.registry import L3Backend
 from hicached.l3.stats_cache import StatsCache
 from hicached.server import convert
 from hicached.server.handoff import HandoffRegistry
@@ -102,7 +103,7 @@ class ServicerBase:
         context.add_done_callback(cast("grpc.aio.DoneCallback[Any, Any]", release))
 
     def has_l3(self) -> bool:
-        return self.core.config.l3.backend != "none"
+        return self.core.config.l3.backend is not L3Backend.NONE
 
     async def offload(
         self, rpc: str, fn: Callable[..., T], *args: Any, l3: bool = False, session: str = "", **kwargs: Any

@@ -18,7 +18,7 @@ from hicached_client.v1 import types_pb2 as tpb
 from hicached.core.keyed import KeyedCache
 from hicached.errors import InvalidArgument
 from hicached.index.keys import page_keys
-from hicached.index.types import PrefetchState
+from hicached.index.types import PrefetchPolicy, PrefetchState
 from hicached.server import convert
 from hicached.server.limits import check_count, check_keys, check_pool_names, check_response
 from hicached.server.rpc_base import Ctx, ServicerBase, no_fence, same_tenant
@@ -162,15 +162,14 @@ class KeyedRpcs(ServicerBase):
 
     async def Prefetch(self, request: pb.PrefetchRequest, context: Ctx) -> pb.PrefetchResponse:
         keys, _ = await self.keys_of(request.session_id, request.keys)
-        policy = PREFETCH_POLICIES.get(request.policy)
-        if policy is None:
+        if request.policy not in PREFETCH_POLICIES:
             raise InvalidArgument(f"policy = {request.policy} is not a PrefetchPolicy")
         pid, planned = await self.offload(
             "Prefetch",
             self.keyed.prefetch,
             request.session_id,
             keys,
-            policy=policy,
+            policy=PREFETCH_POLICIES[request.policy],
             timeout_ms=request.timeout_ms,
             session=request.session_id,
         )
@@ -256,11 +255,12 @@ class KeyedRpcs(ServicerBase):
         )
 
 
-PREFETCH_POLICIES = {
-    pb.PREFETCH_POLICY_UNSPECIFIED: "",
-    pb.PREFETCH_POLICY_BEST_EFFORT: "best_effort",
-    pb.PREFETCH_POLICY_WAIT_COMPLETE: "wait_complete",
-    pb.PREFETCH_POLICY_TIMEOUT: "timeout",
+# The wire's policy -> the index's (UNSPECIFIED: the configured l3.prefetch_policy).
+PREFETCH_POLICIES: dict[int, PrefetchPolicy | None] = {
+    pb.PREFETCH_POLICY_UNSPECIFIED: None,
+    pb.PREFETCH_POLICY_BEST_EFFORT: PrefetchPolicy.BEST_EFFORT,
+    pb.PREFETCH_POLICY_WAIT_COMPLETE: PrefetchPolicy.WAIT_COMPLETE,
+    pb.PREFETCH_POLICY_TIMEOUT: PrefetchPolicy.TIMEOUT,
 }
 PREFETCH_STATES = {
     PrefetchState.RUNNING: pb.PREFETCH_STATE_RUNNING,

@@ -18,7 +18,7 @@ def test_a_session_keeps_only_the_prefetch_ids_the_index_keeps(make_core: Callab
     answers NotFound as before."""
     c = make_core()
     sid = c.attach()
-    ids = [c.keyed.prefetch(sid, [f"k{i}"], policy="", timeout_ms=0)[0] for i in range(1100)]
+    ids = [c.keyed.prefetch(sid, [f"k{i}"], policy=None, timeout_ms=0)[0] for i in range(1100)]
     session = c.core._sessions.get(sid)
     assert ids[-1] in session.prefetches and ids[0] not in session.prefetches
     assert len(session.prefetches) == 1024

@@ -10,7 +10,7 @@ from hicached.errors import InvalidArgument
 from hicached.l3 import backend_names, create_backend
 from hicached.l3.file import FileBackend, FileBackendConfig
 from hicached.l3.redis import RedisBackendConfig
-from hicached.l3.registry import build_config
+from hicached.l3.registry import BACKEND_MODULES, L3Backend, build_config
 
 
 def test_builtin_backends_registered() -> None:
@@ -59,3 +59,9 @@ def test_configs_are_owned_and_typed(tmp_path: Path) -> None:
         assert backend.stats().capacity_bytes == FileBackendConfig.capacity_bytes
     finally:
         backend.close()
+
+
+def test_every_backend_value_but_none_is_a_registered_backend() -> None:
+    """``l3.backend``'s vocabulary (:class:`L3Backend`) is the registry's names, and ``none``."""
+    assert set(backend_names()) == {b.value for b in L3Backend} - {L3Backend.NONE.value}
+    assert set(BACKEND_MODULES) == set(L3Backend) - {L3Backend.NONE}

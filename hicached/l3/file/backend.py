@@ -59,7 +59,7 @@ from hicached.l3.file.io import IoPool, as_bytes_view, read_run, runs, verify, w
 from hicached.l3.file.layout import HEADER_BYTES, MAX_KEY_BYTES
 from hicached.l3.file.options import FileBackendConfig
 from hicached.l3.file.slabs import Entry
-from hicached.l3.registry import register_backend
+from hicached.l3.registry import L3Backend, register_backend
 
 __all__ = ["FileBackend"]
 
@@ -111,7 +111,7 @@ def claim_directory(root: Path) -> None:
         os.chmod(root, 0o700)  # narrow one an earlier version made under the umask (0755)
 
 
-@register_backend("file", FileBackendConfig)
+@register_backend(L3Backend.FILE, FileBackendConfig)
 class FileBackend(StorageBackend):
     """Pages in slot files under one directory; see the module docstring."""
 
