@@ -7,6 +7,7 @@ parsed. Two field kinds are marked in the dataclass field's metadata:
 
 * ``parse``: a custom parser (``parse_size``: ``"4GiB"`` / ``1024``), used for
   typed and text values alike.
+* ``show``: how a value with a custom parser is written back as text (``config show``).
 * ``mode``: a permission mode. Text is always octal (``660``, ``0660`` and
   ``0o660`` are all ``0o660``, as with ``chmod``); a typed integer is taken as
   is and must lie in ``0..0o777`` (write ``0o660`` in TOML).
@@ -27,7 +28,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from hicached.errors import InvalidArgument
 __all__ = [
     "coerce",
     "format_mode",
+    "format_tenant_uids",
     "one_of",
     "option",
     "parse_mode",
@@ -74,12 +76,15 @@ def parse_size(text: str | int) -> int:
     return int(size)
 
 
-def parse_tenant_uids(text: str) -> dict[str, frozenset[int]]:
-    """``"team-a=1000,1001; team-b=1002"`` -> ``{"team-a": {1000, 1001}, "team-b": {1002}}``.
+def parse_tenant_uids(text: str) -> Mapping[str, frozenset[int]]:
+    """``"team-a=1000,1001; team-b=1002"`` -> ``{"team-a": {1000, 1001}, "team-b": {1002}}``
+    (read-only).
 
-    ValueError naming what is wrong: a tenant not of ``[A-Za-z0-9._-]{1,64}``, listed twice, or
-    without uids; a uid that is not a non-negative integer.
+    ValueError naming what is wrong: not text; a tenant not of ``[A-Za-z0-9._-]{1,64}``, listed
+    twice, or without uids; a uid that is not a non-negative integer.
     """
+    if not isinstance(text, str):
+        raise ValueError(f"not text: {text!r}")
     out: dict[str, frozenset[int]] = {}
     for entry in filter(None, (part.strip() for part in text.split(";"))):
         tenant, sep, uids = (s.strip() for s in entry.partition("="))
@@ -93,7 +98,12 @@ def parse_tenant_uids(text: str) -> dict[str, frozenset[int]]:
         if not numbers or not all(u.isdigit() for u in numbers):
             raise ValueError(f"tenant {tenant!r}: uids must be non-negative integers, got {uids[:40]!r}")
         out[tenant] = frozenset(int(u) for u in numbers)
-    return out
+    return types.MappingProxyType(out)
+
+
+def format_tenant_uids(reserved: Mapping[str, frozenset[int]]) -> str:
+    """The text :func:`parse_tenant_uids` reads back to ``reserved``: ``"team-a=1000,1001;team-b=1002"``."""
+    return ";".join(f"{tenant}={','.join(map(str, sorted(uids)))}" for tenant, uids in reserved.items())
 
 
 def parse_mode(value: str | int) -> int:
@@ -220,7 +230,9 @@ def coerce(
             return parse(value)
         return _convert(value, tp, text)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"invalid {label} = {value!r}: expected {_describe(tp, meta)}") from exc
+        # A custom parser's own message says what is wrong (a tenant listed twice, ...).
+        reason = f" ({exc})" if "expect" in meta and str(exc) else ""
+        raise InvalidArgument(f"invalid {label} = {value!r}: expected {_describe(tp, meta)}{reason}") from exc
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, **meta: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from hicached.coerce import type_hints
-from hicached.config import ALIASES, Config, ConfigError, as_dict, describe, env_var, resolve
+from hicached.config import ALIASES, Config, ConfigError, as_dict, describe, env_var, resolve, to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -275,6 +275,8 @@ SILENTLY_COERCED = {
     "float for octal mode": ("[server]\nsocket_mode = 1.5\n", ["server.socket_mode", "1.5"]),
     "negative byte count": ("[host]\nbudget = -5\n", ["host.budget", "-5"]),
     "bool for string key": ("[server]\nmetrics_host = true\n", ["server.metrics_host", "True"]),
+    "number for tenant uids": ("[sessions]\ntenant_uids = 1000\n", ["sessions.tenant_uids", "1000"]),
+    "number for a policy": ("[l3]\nwrite_policy = 1\n", ["l3.write_policy", "write_back"]),
 }
 
 
@@ -403,6 +405,18 @@ def test_config_show_prints_toml_that_round_trips(tmp_path: Path) -> None:
     )
     again = resolve(env={}, file=_write(tmp_path, shown.stdout))
     assert again == expected
+
+
+def test_tenant_uids_are_parsed_once_and_written_back_as_text(tmp_path: Path) -> None:
+    """``sessions.tenant_uids`` holds tenant -> uids (parsed when resolved, not again by its
+    users), read-only, and ``config show`` writes the text that reads back to it."""
+    cfg = resolve(cli={"sessions.tenant_uids": "team-b=1002; team-a=1001,1000"}, env={})
+    assert cfg.sessions.tenant_uids == {"team-b": frozenset({1002}), "team-a": frozenset({1000, 1001})}
+    with pytest.raises(TypeError):
+        cfg.sessions.tenant_uids["team-c"] = frozenset({1})  # type: ignore[index]
+    assert as_dict(cfg)["sessions"]["tenant_uids"] == "team-b=1002;team-a=1000,1001"
+    assert resolve(env={}, file=_write(tmp_path, to_toml(cfg))) == cfg
+    assert resolve(env={}).sessions.tenant_uids == {}
 
 
 def test_config_show_rejects_an_invalid_value_with_exit_2() -> None:

@@ -33,7 +33,9 @@ def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(section):
             v = getattr(section, f.name)
-            if dataclasses.is_dataclass(v):
+            if "show" in f.metadata:
+                values[f.name] = f.metadata["show"](v)
+            elif dataclasses.is_dataclass(v):
                 values[f.name] = {
                     g.name: _plain(getattr(v, g.name))
                     for g in dataclasses.fields(v)

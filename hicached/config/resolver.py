@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hicached.coerce import coerce, parse_tenant_uids, type_hints
+from hicached.coerce import coerce, type_hints
 from hicached.config.sections import SECTION_TYPES, Config, ConfigError, ServerConfig
 from hicached.errors import InvalidArgument
 
@@ -116,10 +116,6 @@ def _check_cross(cfg: Config) -> None:
         value = cfg.server.tls_cert or cfg.server.tls_key
         raise ConfigError(f"{given} = {value!r} is set but {missing} is not: TLS needs both")
     _check_tcp(cfg.server)
-    try:
-        parse_tenant_uids(cfg.sessions.tenant_uids)
-    except ValueError as exc:
-        raise ConfigError(f"invalid sessions.tenant_uids: {exc}") from None
     for key, number in (
         ("server.grace_s", cfg.server.grace_s),
         ("l3.prefetch_timeout_base_s", cfg.l3.prefetch_timeout_base_s),

@@ -9,12 +9,12 @@ thread-safe.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicached.coerce import one_of, parse_size
+from hicached.coerce import format_tenant_uids, one_of, parse_size, parse_tenant_uids
 from hicached.errors import InvalidArgument
 from hicached.index.types import PrefetchPolicy, WritePolicy
 from hicached.l3.file import FileBackendConfig
@@ -90,11 +90,22 @@ def available_memory_bytes() -> int:
 
 
 def _f(
-    default: Any, help: str, *, parse: Callable[[Any], Any] | None = None, mode: bool = False, **kw: Any
+    default: Any,
+    help: str,
+    *,
+    parse: Callable[[Any], Any] | None = None,
+    mode: bool = False,
+    expect: str = "",
+    show: Callable[[Any], str] | None = None,
+    **kw: Any,
 ) -> Any:
     meta: dict[str, Any] = {"help": help}
     if parse is not None:
         meta["parse"] = parse
+    if expect:
+        meta["expect"] = expect  # what a custom parser takes, for errors
+    if show is not None:
+        meta["show"] = show  # how the parsed value is written back as text
     if mode:
         meta["mode"] = True  # octal permission bits: text is octal, written back as 0o660
     if callable(default) and not isinstance(default, type):
@@ -235,11 +246,14 @@ class SessionConfig:
     op_cache_bytes: int = _f(
         4 << 20, "Bytes of remembered answers per session for idempotent retries (LRU).", parse=parse_size
     )
-    tenant_uids: str = _f(
-        "",
+    tenant_uids: Mapping[str, frozenset[int]] = _f(
+        lambda: parse_tenant_uids(""),
         "Tenants reserved for client uids, e.g. team-a=1000,1001;team-b=1002: an Attach naming a listed "
         "tenant must come from one of its uids (or root; the fd handoff's SO_PEERCRED), else "
         "PERMISSION_DENIED. Tenants not listed are open to every worker.",
+        parse=parse_tenant_uids,
+        expect="TENANT=UID[,UID...] entries separated by ;",
+        show=format_tenant_uids,
     )
 
 

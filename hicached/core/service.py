@@ -75,7 +75,7 @@ class HiCacheCore:
         observer: CoreObserver | None = None,
     ) -> None:
         self._cfg = config
-        self._tenant_uids = TenantUids.from_text(config.sessions.tenant_uids)
+        self._tenant_uids = TenantUids(config.sessions.tenant_uids)
         self._groups = groups
         self._engine = engine
         self._attach_index = attach_index or (lambda state: None)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hicached.coerce import parse_tenant_uids
 from hicached.core.types import PeerCred
 from hicached.errors import PermissionDenied, clip
 
@@ -26,12 +25,8 @@ class TenantUids:
     """Which uids may attach as each reserved tenant."""
 
     def __init__(self, reserved: Mapping[str, frozenset[int]]) -> None:
+        """``reserved``: tenant -> its uids, as ``sessions.tenant_uids`` holds them."""
         self._reserved = dict(reserved)
-
-    @classmethod
-    def from_text(cls, text: str) -> TenantUids:
-        """From the configuration's text (validated when the configuration was resolved)."""
-        return cls(parse_tenant_uids(text))
 
     def check(self, tenant: str, peer: PeerCred | None) -> None:
         """PermissionDenied unless ``tenant`` is open or ``peer`` is one of its uids (or root)."""
