@@ -38,6 +38,7 @@ from hicached.errors import InvalidArgument
 __all__ = [
     "coerce",
     "format_mode",
+    "format_size",
     "format_tenant_uids",
     "one_of",
     "option",
@@ -74,6 +75,14 @@ def parse_size(text: str | int) -> int:
     if size.denominator != 1:
         raise ValueError(f"not a whole number of bytes: {text!r} is {float(size):g} bytes")
     return int(size)
+
+
+def format_size(nbytes: int) -> str:
+    """``17179869184`` -> ``"16.0 GiB"`` (for people: one decimal, binary units)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def parse_tenant_uids(text: str) -> Mapping[str, frozenset[int]]:

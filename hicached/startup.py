@@ -11,36 +11,21 @@ import os
 from typing import Any
 
 from hicached import __version__
+from hicached.coerce import format_size
 from hicached.config import Config, default_cache_dir
 from hicached.errors import HiCacheError, StartupError
 from hicached.l3.base import StorageBackend
 from hicached.l3.framing import FrameCodec, L3Key
-from hicached.l3.registry import L3Backend, open_backend, takes_frames
+from hicached.l3.registry import L3Backend, fix_keys, open_backend, takes_frames
 
 __all__ = ["banner", "l3_auth", "l3_source", "l3_target", "open_l3"]
 
-# The keys an operator fixes when a backend cannot start.
-_BACKEND_KEYS = {
-    "file": "l3.file.path",
-    "redis": "l3.redis.host/l3.redis.port (or l3.redis.unix_socket)",
-    "s3": "l3.s3.endpoint_url, l3.s3.bucket and the credentials (l3.s3.access_key_id)",
-    "mooncake": "l3.mooncake.master_addr",
-}
-
 
 def l3_target(config: Config) -> str:
-    """Where the configured backend keeps its pages, for the banner and errors."""
-    c: Any = config.l3.backend_config()
-    backend = config.l3.backend
-    if backend is L3Backend.FILE:
-        return f"{c.path} (capacity {_human(c.capacity_bytes)})"
-    if backend is L3Backend.REDIS:
-        return f"unix:{c.unix_socket}" if c.unix_socket else f"{c.host}:{c.port}/{c.db}"
-    if backend is L3Backend.S3:
-        return f"{c.endpoint_url or 'aws:' + c.region}/{c.bucket}/{c.prefix}"
-    if backend is L3Backend.MOONCAKE:
-        return f"master {c.master_addr}"
-    return "none"
+    """Where the configured backend keeps its pages (its options' ``target()``), for the
+    banner and errors."""
+    options: Any = config.l3.backend_config()
+    return "none" if options is None else str(options.target())
 
 
 def l3_source(config: Config) -> str:
@@ -89,7 +74,6 @@ def open_l3(config: Config, key: L3Key | None = None) -> StorageBackend | None:
     if name is L3Backend.NONE:
         return None
     options = config.l3.backend_config()
-    keys = _BACKEND_KEYS.get(name, f"[l3.{name}]")
     try:
         codec = FrameCodec(key.frame_key) if key is not None and takes_frames(name) else None
         return open_backend(name, options, codec=codec)
@@ -98,15 +82,8 @@ def open_l3(config: Config, key: L3Key | None = None) -> StorageBackend | None:
         raise StartupError(
             f"L3 backend {name!r} at {l3_target(config)} [{l3_source(config)}] cannot start: "
             f"{reason.rstrip('.')}. "
-            f'Fix {keys}, or run without L3 (l3.backend = "none").'
+            f'Fix {fix_keys(name)}, or run without L3 (l3.backend = "none").'
         ) from exc
-
-
-def _human(nbytes: int) -> str:
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def _budget_source(config: Config) -> str:
@@ -136,7 +113,7 @@ def banner(
         "tcp": tcp,
         "metrics": metrics_url or "off",
         "host_budget_bytes": budget_bytes,
-        "host_budget": f"{_human(budget_bytes)} from {_budget_source(config)}",
+        "host_budget": f"{format_size(budget_bytes)} from {_budget_source(config)}",
         "l3": config.l3.backend.value,
         "l3_target": l3_target(config),
         "l3_source": l3_source(config),

@@ -79,7 +79,7 @@ def _flat(chunk: _Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-@register_backend(L3Backend.MOONCAKE, MooncakeBackendConfig, framed=True)
+@register_backend(L3Backend.MOONCAKE, MooncakeBackendConfig, framed=True, fix_keys="l3.mooncake.master_addr")
 class MooncakeBackend(StorageBackend):
     """Pages as framed objects in Mooncake Store; see the module docstring."""
 

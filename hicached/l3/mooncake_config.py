@@ -49,6 +49,10 @@ class MooncakeBackendConfig:
     key_prefix: str = option("hicached/", help="Prepended to every object key.")
     connect_timeout_s: float = option(5.0, help="Seconds the master has to accept a connection at start.")
 
+    def target(self) -> str:
+        """Where the pages are, for the startup line and errors."""
+        return f"master {self.master_addr}"
+
     def __post_init__(self) -> None:
         host, sep, port = self.master_addr.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -143,6 +143,10 @@ class RedisBackendConfig:
     )
     retries: int = option(2, help="Reconnect attempts before a command fails as unavailable.")
 
+    def target(self) -> str:
+        """Where the pages are, for the startup line and errors."""
+        return f"unix:{self.unix_socket}" if self.unix_socket else f"{self.host}:{self.port}/{self.db}"
+
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise InvalidArgument(f"redis backend option 'port' must be in 1..65535, got {self.port}")
@@ -175,7 +179,12 @@ def _import_redis() -> Any:
     return redis
 
 
-@register_backend(L3Backend.REDIS, RedisBackendConfig, framed=True)
+@register_backend(
+    L3Backend.REDIS,
+    RedisBackendConfig,
+    framed=True,
+    fix_keys="l3.redis.host/l3.redis.port (or l3.redis.unix_socket)",
+)
 class RedisBackend(StorageBackend):
     """Pages as framed string values in Redis/Valkey; see the module docstring."""
 

@@ -42,6 +42,7 @@ __all__ = [
     "build_config",
     "config_type",
     "create_backend",
+    "fix_keys",
     "open_backend",
     "register_backend",
     "takes_frames",
@@ -78,6 +79,8 @@ class BackendEntry:
     config_type: type[Any]
     # Stores frames (hicached.l3.framing), so it takes ``codec=`` at construction.
     framed: bool = False
+    # The keys an operator fixes when it cannot start ("" = its table, [l3.<name>]).
+    fix_keys: str = ""
 
 
 _ENTRIES: dict[str, BackendEntry] = {}
@@ -87,9 +90,12 @@ _LOADED = threading.Event()
 B = TypeVar("B", bound=type[StorageBackend])
 
 
-def register_backend(name: str, config_type: type[Any], *, framed: bool = False) -> Callable[[B], B]:
+def register_backend(
+    name: str, config_type: type[Any], *, framed: bool = False, fix_keys: str = ""
+) -> Callable[[B], B]:
     """Class decorator: register ``cls`` (constructed as ``cls(config)``, and with ``framed``
-    as ``cls(config, codec=codec)`` too) under ``name``."""
+    as ``cls(config, codec=codec)`` too) under ``name``. ``fix_keys``: what the start-up
+    error tells an operator to fix when the backend cannot start (default: its table)."""
     if not dataclasses.is_dataclass(config_type):
         raise InvalidArgument(f"config type {config_type!r} of backend {name!r} is not a dataclass")
 
@@ -99,7 +105,7 @@ def register_backend(name: str, config_type: type[Any], *, framed: bool = False)
             factory = cast(BackendFactory, cls)
             if existing is not None and existing.factory is not factory:
                 raise AlreadyExists(f"storage backend {name!r} is already registered")
-            _ENTRIES[name] = BackendEntry(name, factory, config_type, framed)
+            _ENTRIES[name] = BackendEntry(name, factory, config_type, framed, fix_keys)
         return cls
 
     return decorate
@@ -140,6 +146,14 @@ def config_type(name: str) -> type[Any]:
 def takes_frames(name: str) -> bool:
     """Whether backend ``name`` stores frames, so authenticates them with a keyed codec."""
     return _entry(name).framed
+
+
+def fix_keys(name: str) -> str:
+    """The keys to fix when backend ``name`` cannot start (its table ``[l3.<name>]`` unless it
+    registered more precise ones); never raises, as it is called while reporting an error."""
+    _load_builtin()
+    entry = _ENTRIES.get(name)
+    return (entry.fix_keys if entry is not None else "") or f"[l3.{name}]"
 
 
 def build_config(name: str, options: Mapping[str, object], *, text: bool = False) -> Any:

@@ -104,7 +104,12 @@ def _error_code(exc: BaseException) -> str | None:
     return None if code is None else str(code)
 
 
-@register_backend(L3Backend.S3, S3BackendConfig, framed=True)
+@register_backend(
+    L3Backend.S3,
+    S3BackendConfig,
+    framed=True,
+    fix_keys="l3.s3.endpoint_url, l3.s3.bucket and the credentials (l3.s3.access_key_id)",
+)
 class S3Backend(StorageBackend):
     """Pages as framed objects in an S3 bucket; see the module docstring."""
 

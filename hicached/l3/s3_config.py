@@ -59,6 +59,10 @@ class S3BackendConfig:
         parse=parse_size,
     )
 
+    def target(self) -> str:
+        """Where the pages are, for the startup line and errors."""
+        return f"{self.endpoint_url or 'aws:' + self.region}/{self.bucket}/{self.prefix}"
+
     def __post_init__(self) -> None:
         if not self.bucket:
             raise InvalidArgument("s3 backend option 'bucket' must be a non-empty bucket name")

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from hicached.config import Config
 from hicached.errors import InvalidArgument
 from hicached.l3 import backend_names, create_backend
 from hicached.l3.file import FileBackend, FileBackendConfig
 from hicached.l3.redis import RedisBackendConfig
-from hicached.l3.registry import BACKEND_MODULES, L3Backend, build_config
+from hicached.l3.registry import BACKEND_MODULES, L3Backend, build_config, fix_keys
 
 
 def test_builtin_backends_registered() -> None:
@@ -65,3 +66,12 @@ def test_every_backend_value_but_none_is_a_registered_backend() -> None:
     """``l3.backend``'s vocabulary (:class:`L3Backend`) is the registry's names, and ``none``."""
     assert set(backend_names()) == {b.value for b in L3Backend} - {L3Backend.NONE.value}
     assert set(BACKEND_MODULES) == set(L3Backend) - {L3Backend.NONE}
+
+
+def test_every_backend_says_where_its_pages_are_and_what_to_fix() -> None:
+    """The start-up line and error take both from the backend (no list of backends beside the registry)."""
+    defaults = Config().l3
+    for name in backend_names():
+        assert getattr(defaults, name).target(), name
+        assert fix_keys(name).startswith(f"l3.{name}."), name
+    assert fix_keys("nfs") == "[l3.nfs]"

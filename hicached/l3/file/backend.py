@@ -111,7 +111,7 @@ def claim_directory(root: Path) -> None:
         os.chmod(root, 0o700)  # narrow one an earlier version made under the umask (0755)
 
 
-@register_backend(L3Backend.FILE, FileBackendConfig)
+@register_backend(L3Backend.FILE, FileBackendConfig, fix_keys="l3.file.path")
 class FileBackend(StorageBackend):
     """Pages in slot files under one directory; see the module docstring."""
 

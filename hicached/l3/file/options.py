@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicached.coerce import option, parse_size
+from hicached.coerce import format_size, option, parse_size
 from hicached.errors import InvalidArgument
 from hicached.l3.file.layout import SLOT_ALIGN
 
@@ -34,6 +34,10 @@ class FileBackendConfig:
     direct_io: bool = option(
         True, help="Move pages with O_DIRECT, past the page cache (where the filesystem allows it)."
     )
+
+    def target(self) -> str:
+        """Where the pages are, for the startup line and errors."""
+        return f"{self.path} (capacity {format_size(self.capacity_bytes)})"
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
