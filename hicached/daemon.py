@@ -41,7 +41,7 @@ from hicached.server.handoff import HandoffRegistry, HandoffServer, handoff_path
 from hicached.server.lanes import Lanes
 from hicached.server.peers import PeerSessions, UnreadAnswers
 from hicached.server.roles import Access
-from hicached.server.servicer import AdminServicer, CacheServicer
+from hicached.server.servicer import AdminServicer, CacheServicer, ServicerOptions
 from hicached.shutdown import flush_within, rpc_grace_s
 from hicached.startup import banner, open_l3
 from hicached.tasks import supervise
@@ -116,6 +116,12 @@ class Daemon:
         self.l3_stats = (
             StatsCache(config.l3.backend.value, self.backend) if self.backend is not None else None
         )
+        self.servicer_options = ServicerOptions(
+            limits=config.limits,
+            max_message_bytes=config.server.max_message_bytes,
+            has_l3=self.backend is not None,
+            l3_stats_wait_s=config.l3.stats_wait_s,
+        )
         srv = config.server
         self.handoff = HandoffRegistry(
             ttl_s=srv.handoff_ticket_ttl_s,
@@ -137,6 +143,7 @@ class Daemon:
                 max_lanes=srv.fast_lane_max,
                 max_per_session=srv.fast_lane_max_per_session,
                 max_per_uid=srv.fast_lane_max_per_uid,
+                limits=config.limits,
                 observe=self._observe_rpc,
                 on_failure=self._task_failed,
             )
@@ -153,7 +160,13 @@ class Daemon:
 
     def _registrations(self, access: Access) -> list[Callable[[grpc.aio.Server], None]]:
         """The services of one listener, their servicers bound to its role."""
-        shared = {"access": access, "peers": self.peers, "answers": self.answers, "l3_stats": self.l3_stats}
+        shared = {
+            "options": self.servicer_options,
+            "access": access,
+            "peers": self.peers,
+            "answers": self.answers,
+            "l3_stats": self.l3_stats,
+        }
         cache = CacheServicer(self.core, self.lanes, keyed=self.keyed, handoff=self.handoff, **shared)
         admin = AdminServicer(
             self.core,

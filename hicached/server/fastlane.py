@@ -35,6 +35,7 @@ from pathlib import Path
 from hicached_client.lane_wire import SUFFIX
 
 from hicached.accept import ACCEPT_PAUSE_S, AcceptPauses, UidSlots, refuse
+from hicached.config import LimitsConfig
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.server.lane import Lane, Refused
@@ -69,11 +70,13 @@ class LaneServer:
         max_lanes: int,
         max_per_session: int,
         max_per_uid: int,
+        limits: LimitsConfig,
         observe: RpcObserver | None = None,
         on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self._core = core
         self._keyed = keyed
+        self._limits = limits
         self._path = path
         self._mode = mode
         self._max_lanes = max_lanes
@@ -179,6 +182,7 @@ class LaneServer:
                     admit=self._admit,
                     release=self._release,
                     observe=self._observe,
+                    limits=self._limits,
                 )
                 thread = threading.Thread(target=self._run, args=(lane,), name="hicached-lane", daemon=True)
                 self._threads[lane] = thread

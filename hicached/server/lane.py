@@ -40,6 +40,7 @@ import grpc
 import numpy as np
 from hicached_client import lane_wire as w
 
+from hicached.config import LimitsConfig
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
@@ -113,9 +114,11 @@ class Lane:
         admit: Callable[[Lane, str], None],
         release: Callable[[Lane, bool], None],
         observe: RpcObserver,
+        limits: LimitsConfig,
     ) -> None:
         self._core = core
         self._keyed = keyed
+        self._limits = limits
         self._conn = conn
         self._stop_fd = stop_fd
         self._admit = admit
@@ -333,9 +336,7 @@ class Lane:
         start = time.perf_counter()
         opcode = 0
         try:
-            req = w.read_request(
-                view, w.request_offset(seq), max_keys=self._core.config.limits.max_keys_per_request
-            )
+            req = w.read_request(view, w.request_offset(seq), max_keys=self._limits.max_keys_per_request)
             opcode = int(req.opcode)
             if req.seq != seq:
                 raise w.RecordError(f"record seq {req.seq} does not match its slot's sequence number {seq}")
@@ -370,7 +371,7 @@ class Lane:
         transfers = _transfers_in(req.transfers)
         ok = grpc.StatusCode.OK.value[0]
         # The servicer's pre-core check of identifiers (its unary wrapper), mirrored.
-        check_id_values((("session_id", sid), ("op_id", op)), self._core.config.limits)
+        check_id_values((("session_id", sid), ("op_id", op)), self._limits)
         if req.opcode in (w.Opcode.WRITE, w.Opcode.RESOLVE):
             self._check_answer_fits(req)
         if req.opcode is w.Opcode.WRITE:
@@ -397,7 +398,7 @@ class Lane:
         """GetPages / PutPages / Lookup with given keys, as the servicer runs them (its key checks
         first)."""
         sid, op, seq, ok = self.session_id, req.op_id, req.seq, grpc.StatusCode.OK.value[0]
-        check_keys(req.keys, self._core.config.limits)
+        check_keys(req.keys, self._limits)
         if req.opcode is w.Opcode.LOOKUP:  # read_request refused any transfers
             found = self._keyed.lookup(sid, req.keys)
             value = w.lookup_value(found.l2_hit_pages, found.total_hit_pages)

@@ -6,6 +6,9 @@ error -> status and the RPC metrics are not here but in the interceptors around 
 call (:mod:`hicached.server.interceptors`); where each RPC's core call runs (the event
 loop or which lane) is the one table :data:`hicached.server.lanes.RPC_LANES`.
 
+The settings a servicer reads are given at construction (:class:`ServicerOptions`, built
+by the composition root, ``hicached/daemon.py``), not looked up on the core.
+
 Thread-safety: servicer methods run on the event loop; what they offload runs on a
 lane's thread and touches only the (thread-safe) core.
 """
@@ -13,6 +16,7 @@ lane's thread and touches only the (thread-safe) core.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -25,7 +29,6 @@ from hicached.config import LimitsConfig
 from hicached.core.service import HiCacheCore
 from hicached.core.types import Ack, PoolTransfer
 from hicached.errors import PermissionDenied, Unimplemented, clip
-from hicached.l3.registry import L3Backend
 from hicached.l3.stats_cache import StatsCache
 from hicached.server import convert
 from hicached.server.handoff import HandoffRegistry
@@ -40,6 +43,16 @@ Ctx = grpc.aio.ServicerContext[Any, Any]
 LayerCall = Callable[[Callable[[int], None] | None], tuple[Ack, ...]]
 
 
+@dataclasses.dataclass(frozen=True)
+class ServicerOptions:
+    """The settings the servicers read (from the configuration; immutable)."""
+
+    limits: LimitsConfig
+    max_message_bytes: int  # server.max_message_bytes: bounds every answer
+    has_l3: bool  # an L3 backend is configured (l3.backend is not none)
+    l3_stats_wait_s: float  # l3.stats_wait_s: GetStats's wait for fresh L3 stats
+
+
 class ServicerBase:
     """The collaborators of one listener's servicers (bound to its role, ``access``)."""
 
@@ -48,6 +61,7 @@ class ServicerBase:
         core: HiCacheCore,
         lanes: Lanes,
         *,
+        options: ServicerOptions,
         access: Access,
         handoff: HandoffRegistry | None = None,
         peers: PeerSessions | None = None,
@@ -56,7 +70,8 @@ class ServicerBase:
     ) -> None:
         self.core = core
         self.lanes = lanes
-        self.limits: LimitsConfig = core.config.limits
+        self.options = options
+        self.limits: LimitsConfig = options.limits
         self.access = access
         self._handoff = handoff
         self._peers = peers
@@ -103,7 +118,7 @@ class ServicerBase:
         context.add_done_callback(cast("grpc.aio.DoneCallback[Any, Any]", release))
 
     def has_l3(self) -> bool:
-        return self.core.config.l3.backend is not L3Backend.NONE
+        return self.options.has_l3
 
     async def offload(
         self, rpc: str, fn: Callable[..., T], *args: Any, l3: bool = False, session: str = "", **kwargs: Any

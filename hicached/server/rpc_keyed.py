@@ -238,7 +238,7 @@ class KeyedRpcs(ServicerBase):
         # The answer's size, before building it: every key may hit, each with its pages of every pool.
         what = f"GetBytes of {len(keys)} keys"
         nbytes = len(keys) * self.keyed.page_bytes(request.session_id)
-        check_response(what, nbytes, self.limits, self.core.config.server.max_message_bytes)
+        check_response(what, nbytes, self.limits, self.options.max_message_bytes)
         self.hold_answer(context, request.session_id, nbytes, what)
         pages = await self.offload(
             "GetBytes",

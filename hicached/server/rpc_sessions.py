@@ -122,7 +122,7 @@ class SessionRpcs(ServicerBase):
         (a hung backend cannot hold GetStats; see :mod:`hicached.l3.stats_cache`)."""
         if self._l3_stats is None:
             return []
-        name, s, _age = await self._l3_stats.current(self.core.config.l3.stats_wait_s)
+        name, s, _age = await self._l3_stats.current(self.options.l3_stats_wait_s)
         if s is None:
             return [pb.BackendInfo(name=name)]  # not refreshed yet
         return [

@@ -22,11 +22,12 @@ from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.server.lanes import Lanes
 from hicached.server.rpc_admin import AdminServicer
+from hicached.server.rpc_base import ServicerOptions
 from hicached.server.rpc_keyed import KeyedRpcs
 from hicached.server.rpc_pages import PageRpcs
 from hicached.server.rpc_sessions import SessionRpcs
 
-__all__ = ["AdminServicer", "CacheServicer"]
+__all__ = ["AdminServicer", "CacheServicer", "ServicerOptions"]
 
 
 class CacheServicer(KeyedRpcs, PageRpcs, SessionRpcs, pb_grpc.HiCacheServiceServicer):
