@@ -63,7 +63,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
+def config_from_args(args: argparse.Namespace, *, pipe: bool = False) -> Config:
+    """The configuration of the command line; ``pipe``: ``--config`` may name a pipe
+    (:func:`hicached.config.resolve`)."""
     cli: dict[str, Any] = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -74,4 +76,4 @@ def config_from_args(args: argparse.Namespace) -> Config:
         value = getattr(args, dest)
         if value is not None:
             cli[key] = value
-    return resolve(cli=cli, file=args.config)
+    return resolve(cli=cli, file=args.config, pipe=pipe)

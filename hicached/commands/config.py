@@ -40,7 +40,7 @@ def run_show(args: argparse.Namespace) -> int:
     for warning in unknown_env():
         print(f"hicached: warning: {warning}", file=sys.stderr)
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, pipe=True)  # read once: a pipe given is the admin's choice
     except ConfigError as exc:
         print(f"hicached: configuration error: {exc}", file=sys.stderr)
         return 2

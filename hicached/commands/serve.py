@@ -6,10 +6,11 @@ import argparse
 import logging
 import resource
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from hicached.commands._common import add_config_flags, config_from_args
-from hicached.config import ConfigError, unknown_env
+from hicached.config import Config, ConfigError, is_pipe, unknown_env
 
 logger = logging.getLogger("hicached.serve")
 
@@ -44,9 +45,26 @@ def raise_fd_limit() -> None:
     logger.info("descriptor limit raised from %d to %d", soft, hard, extra={"event": "rlimit"})
 
 
+def _reloader(args: argparse.Namespace) -> Callable[[], Config]:
+    """What SIGHUP reads: the command line's configuration again, its file a regular file only
+    (a FIFO swapped in later must not block the event loop). A ``--config`` that was a pipe
+    has nothing left to read: each SIGHUP is refused with one line, the configuration kept."""
+    if args.config is not None and is_pipe(args.config):
+        where = str(args.config)
+
+        def refuse() -> Config:
+            raise ConfigError(
+                f"the configuration came from the pipe {where} and cannot be re-read; keeping the "
+                "current one (restart the daemon to change it)"
+            )
+
+        return refuse
+    return lambda: config_from_args(args)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, pipe=True)
     except ConfigError as exc:
         print(f"hicached: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -59,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         logger.warning(warning, extra={"event": "config"})
     raise_fd_limit()
     try:
-        return run_daemon(config, reload=lambda: config_from_args(args))
+        return run_daemon(config, reload=_reloader(args))
     except ConfigError as exc:  # a credential file (token, PEM) read at startup
         print(f"hicached: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from hicached.coerce import parse_size
 from hicached.config.render import as_dict, describe, to_toml, toml_value, unknown_env
-from hicached.config.resolver import ALIASES, OTHER_ENV, env_var, resolve
+from hicached.config.resolver import ALIASES, OTHER_ENV, env_var, is_pipe, resolve
 from hicached.config.sections import (
     Config,
     ConfigError,
@@ -59,6 +59,7 @@ __all__ = [
     "default_cache_dir",
     "describe",
     "env_var",
+    "is_pipe",
     "parse_size",
     "resolve",
     "to_toml",

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import select
 import stat
+import time
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -269,42 +271,88 @@ def _check_mode_literals(text: str, file: Path) -> None:
 
 # A configuration is a few KiB; its bytes are read whole (SIGHUP reads them on the event loop).
 MAX_CONFIG_BYTES = 1 << 20
+# How long a start waits for a pipe given as --config (``<(...)``) to be written and closed: a
+# FIFO nobody writes must not hang the start.
+PIPE_READ_S = 30.0
 
 
-def _read_config(file: Path) -> bytes:
+def _read_config(file: Path, *, pipe: bool = False) -> bytes:
     """The config file's bytes: a regular file (symlinks followed, as a ConfigMap's are) of at
-    most MAX_CONFIG_BYTES, opened without blocking. ConfigError otherwise: a FIFO swapped in
+    most MAX_CONFIG_BYTES, opened without blocking, or with ``pipe`` a pipe or FIFO
+    (:func:`_read_pipe`). ConfigError otherwise: a FIFO swapped in
     for it blocked the event loop for good at the next SIGHUP (health checks timed out, SIGTERM
     went unhandled), and ``/dev/zero`` grew the daemon's memory without end."""
     fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"config file {file} is not a regular file")
-        data = f.read(MAX_CONFIG_BYTES + 1)
+        if pipe and stat.S_ISFIFO(st.st_mode):
+            data = _read_pipe(fd, file)
+        elif stat.S_ISREG(st.st_mode):
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        else:
+            kinds = "a regular file or a pipe" if pipe else "a regular file"
+            raise ConfigError(f"config file {file} is not {kinds}")
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(f"config file {file} is larger than {MAX_CONFIG_BYTES} bytes")
     return data
+
+
+def _read_pipe(fd: int, file: Path) -> bytes:
+    """At most MAX_CONFIG_BYTES + 1 bytes of the pipe ``fd`` (non-blocking), until its writers
+    close it; ConfigError past PIPE_READ_S. The kernel reports no hang-up on a FIFO opened
+    before any writer until one has come and gone, so a FIFO nobody writes waits out the
+    deadline rather than reading as an empty configuration."""
+    deadline = time.monotonic() + PIPE_READ_S
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    chunks: list[bytes] = []
+    size = 0
+    while size <= MAX_CONFIG_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            raise ConfigError(f"config pipe {file}: not written and closed within {PIPE_READ_S:g} s")
+        try:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            break  # every writer closed it
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def is_pipe(file: Path) -> bool:
+    """Whether ``file`` names a pipe or FIFO now (False when it cannot be looked at)."""
+    try:
+        return stat.S_ISFIFO(os.stat(file).st_mode)
+    except OSError:
+        return False
 
 
 def resolve(
     cli: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     file: Path | None = None,
+    *,
+    pipe: bool = False,
 ) -> Config:
     """Build the configuration: ``cli`` (dotted keys) > ``env`` > ``file`` > defaults.
 
     ``env`` defaults to ``os.environ``; ``file`` defaults to ``$HICACHED_CONFIG`` if set.
+    ``pipe``: ``file`` may be a pipe or FIFO (``--config <(...)`` at a start: the admin's own
+    choice; never ``$HICACHED_CONFIG``, nor a re-read: a pipe read once has nothing left).
     Backend tables (``[l3.redis]``, ``HICACHED_L3_REDIS_HOST``, ``--set l3.redis.host=...``)
     go through the same coercer and end as that backend's own config dataclass.
     """
     env = os.environ if env is None else env
     if file is None and env.get("HICACHED_CONFIG"):
         file = Path(env["HICACHED_CONFIG"])
+        pipe = False
     layered: dict[str, dict[str, Any]] = {name: {} for name in SECTION_TYPES}
     if file is not None:
         try:
-            text = _read_config(file).decode("utf-8")
+            text = _read_config(file, pipe=pipe).decode("utf-8")
             data = tomllib.loads(text)
         except OSError as exc:
             raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from exc

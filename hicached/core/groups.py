@@ -183,7 +183,7 @@ class GroupRegistry:
         self._journals: JournalStore | None = None
         self._warm: WarmGroups | None = None
         if host.warm_restart:
-            self._journals = JournalStore(host.journal_dir, host.shm_prefix)
+            self._journals = JournalStore(host.journal_dir, host.shm_prefix, max_key_bytes=max_key_bytes)
             self._warm = WarmGroups(self._journals, prefault=host.prefault)
             self._warm.start(budget=self._budget, max_groups=host.max_groups)
         # Cold-mode segments carry their daemon's id; its locked record proves it alive, and

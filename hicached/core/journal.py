@@ -19,7 +19,10 @@ Journals list tenants and their keys, and the next daemon maps what they name: a
 created 0600 and the directory 0700, as the lock file and the file L3's slabs are; a
 ``journal_dir`` another user owns, or one on a path through another user's directory or symlink
 is refused (FailedPrecondition), and journals are read only as regular files of the daemon's
-uid. What bounds the journals a prefix keeps is :mod:`hicached.core.warm`.
+uid. What bounds the journals a prefix keeps is :mod:`hicached.core.warm`; what bounds one
+journal's bytes is :meth:`JournalStore.bound`: what a group of its pools' pages can hold (one
+entry per page at most, each key and tenant at their longest, escaped). A larger journal is
+refused unread (its group starts cold) and never written (its group is dropped).
 
 Thread-safety: the methods are independent file operations; the caller
 serialises work on one group (the group registry's lock does), and calls
@@ -38,6 +41,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,10 +51,25 @@ from hicached.index.entries import EntryRecord
 from hicached.l2.prefix_lock import ShmPrefixLock
 from hicached.paths import foreign_on_path
 
-__all__ = ["JOURNAL_FORMAT", "JOURNAL_VERSION", "GroupJournal", "JournalStore", "PoolRecord"]
+__all__ = ["JOURNAL_FORMAT", "JOURNAL_VERSION", "TENANT_BYTES", "GroupJournal", "JournalStore", "PoolRecord"]
 
 JOURNAL_FORMAT = "hicached-l2-journal"
 JOURNAL_VERSION = 1
+
+# The longest tenant name (hicached.server.rpc_sessions.MAX_TENANT_BYTES; core does not import
+# the server, a test checks they agree).
+TENANT_BYTES = 256
+# What an index key adds to a client's: "~" and the tenant's 32-hex tag (hicached.core.keyed).
+_KEY_SCOPE_BYTES = 33
+# json.dump escapes a control character as \uXXXX: 6 bytes for one byte of UTF-8, the most
+# any character takes (a 4-byte one is a surrogate pair, 12).
+_ESCAPE = 6
+# The format, version, group id and brackets; then per pool its record (name and segment,
+# each within a segment name's 200 bytes, escaped) and its name again as a page column's.
+_HEADER_BYTES = 1024
+_POOL_BYTES = 4096
+# Per entry besides its key, tenant and page numbers: quotes, commas and "false".
+_ENTRY_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -140,15 +159,31 @@ def _bool(value: Any) -> bool:
 class JournalStore:
     """The journals of one ``shm_prefix`` in one directory (see the module docstring)."""
 
-    def __init__(self, directory: str | os.PathLike[str], prefix: str) -> None:
+    def __init__(self, directory: str | os.PathLike[str], prefix: str, *, max_key_bytes: int) -> None:
+        """``max_key_bytes`` (``limits.max_key_bytes``) sizes :meth:`bound`."""
         self.directory = Path(directory)
         self.prefix = prefix
+        self._max_key_bytes = max_key_bytes
         self._lock_fd: int | None = None
         self._shm_lock = ShmPrefixLock(prefix)
         self._last_stamp_ns = 0
 
     def path(self, group_id: str) -> Path:
         return self.directory / f"{self.prefix}-{group_id}.json"
+
+    def bound(self, page_counts: Sequence[int]) -> int:
+        """The most bytes a journal of a group whose pools have ``page_counts`` pages can
+        legitimately take: every page of its largest pool an entry (an entry holds one page of
+        each pool) with a key of ``max_key_bytes`` scoped to a tenant, and a tenant name, both
+        escaped at worst, one page number per pool; plus the header and the pool records."""
+        pools = len(page_counts)
+        pages = max(page_counts, default=0)
+        per_entry = (
+            _ESCAPE * (self._max_key_bytes + _KEY_SCOPE_BYTES + TENANT_BYTES)
+            + _ENTRY_BYTES
+            + pools * (len(str(pages)) + 1)
+        )
+        return _HEADER_BYTES + pools * _POOL_BYTES + pages * per_entry
 
     def lock(self) -> None:
         """Claim the prefix for this process (creates the directory, mode 0700).
@@ -230,14 +265,22 @@ class JournalStore:
         times tick only every few ms, so one shutdown's journals could share one).
         """
         final = self.path(journal.group_id)
+        data = json.dumps(journal.to_json(), separators=(",", ":")).encode("utf-8")
+        limit = self.bound([p.num_pages for p in journal.pools])
+        if len(data) > limit:
+            # The next daemon would refuse it (read); keys longer than limits.max_key_bytes, say.
+            raise FailedPrecondition(
+                f"warm-restart journal {final} would take {len(data)} bytes, over its bound of {limit} "
+                "bytes (docs/limits.md)"
+            )
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()  # a killed earlier write with this pid (pid 1 in a container, say)
         try:
             # 0600, not the umask's 0644: a journal lists tenants and their keys.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(journal.to_json(), f, separators=(",", ":"))
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
                 f.flush()
                 stamp = self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
                 os.utime(f.fileno(), ns=(stamp, stamp))
@@ -265,18 +308,26 @@ class JournalStore:
                     found[m.group(1)] = entry.stat(follow_symlinks=False).st_mtime_ns
         return found
 
-    def read(self, group_id: str) -> GroupJournal | None:
-        """The group's journal, or None when there is none.
+    def read(self, group_id: str, page_counts: Sequence[int]) -> GroupJournal | None:
+        """The group's journal, or None when there is none. ``page_counts``: the pages of the
+        group's pools as the attach asks them, which give the journal's :meth:`bound`.
 
-        FailedPrecondition when it is unreadable, not UTF-8, not JSON, nested too
+        FailedPrecondition when it is over its bound (nothing of it read: parsing takes several
+        times a file's bytes in memory, and it is another's to plant only where the directory
+        checks failed), unreadable, not UTF-8, not JSON, nested too
         deeply, of the wrong types, of another format version or of another group
         (the caller then starts the group cold and removes the journal).
         """
         path = self.path(group_id)
+        limit = self.bound(page_counts)
         try:
-            raw = _read_own_file(path)
+            raw = _read_own_file(path, limit)
         except FileNotFoundError:
             return None
+        except _TooLarge:
+            raise FailedPrecondition(
+                f"warm-restart journal {path} is larger than its bound of {limit} bytes (docs/limits.md)"
+            ) from None
         except OSError as exc:
             raise FailedPrecondition(f"warm-restart journal {path} is unreadable: {exc}") from None
         try:
@@ -315,12 +366,22 @@ def _check_ancestors(directory: Path) -> None:
         )
 
 
-def _read_own_file(path: Path) -> bytes:
+class _TooLarge(Exception):
+    """A journal over its bound."""
+
+
+def _read_own_file(path: Path, limit: int) -> bytes:
     """The bytes of ``path``, a regular file of this daemon's uid: not through a symlink, and
-    never blocking on a FIFO (OSError otherwise; FileNotFoundError when there is none)."""
+    never blocking on a FIFO (OSError otherwise; FileNotFoundError when there is none).
+    _TooLarge when it holds more than ``limit`` bytes, read no further than that."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             raise OSError(f"not a regular file owned by uid {os.geteuid()}")
-        return f.read()
+        if st.st_size > limit:
+            raise _TooLarge
+        data = f.read(limit + 1)  # the size may have grown since the fstat
+        if len(data) > limit:
+            raise _TooLarge
+        return data

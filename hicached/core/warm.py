@@ -147,7 +147,7 @@ class WarmGroups:
         held = self._journaled.pop(gid, None)  # a live group's now, whatever follows
         names = [self.segment_name(gid, p.name) for p, _, _ in plan]
         try:
-            journal = self._store.read(gid)
+            journal = self._store.read(gid, [n for _, n, _ in plan])
         except FailedPrecondition as exc:
             logger.warning("pool group %s: %s; starting it cold", gid, exc)
             journal = None

@@ -13,9 +13,11 @@ import os
 import ssl
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 from hicached.config import ConfigError, L3Config, ServerConfig
 from hicached.l3.framing import KEY_MIN_BYTES, L3Key
+from hicached.paths import foreign_on_path
 
 __all__ = ["TcpCredentials", "load", "load_l3_key", "warn_readable"]
 
@@ -40,8 +42,10 @@ MAX_CREDENTIAL_BYTES = 1 << 20
 def _read(key: str, path: str) -> bytes:
     """The file's bytes. ConfigError naming ``key`` for a file that cannot be read, is not a
     regular file (opened without blocking: a FIFO hung the start), is over
-    MAX_CREDENTIAL_BYTES, or that its group or others can write (they would choose the token
-    or key: the admin token gives every admin call; workers may share the daemon's group)."""
+    MAX_CREDENTIAL_BYTES, that its group or others can write (they would choose the token
+    or key: the admin token gives every admin call; workers may share the daemon's group),
+    that a uid other than root and the daemon's owns, or that someone else could replace
+    (:func:`_check_where`)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
@@ -60,7 +64,48 @@ def _read(key: str, path: str) -> bytes:
             f"{key} = {path!r}: the file is writable by {who} (mode {mode:04o}): they could choose "
             "its contents; chmod go-w (0400 or 0440 is enough)"
         )
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        # Its owner may chmod it and write a token of its choice whatever its mode is now.
+        raise ConfigError(
+            f"{key} = {path!r}: the file is owned by uid {st.st_uid}, who could choose its contents; "
+            f"chown it to root or uid {me}"
+        )
+    _check_where(key, path)
     return data
+
+
+def _check_where(key: str, path: str) -> None:
+    """ConfigError naming ``key`` when a uid other than root and the daemon's could put another
+    file at ``path``: it owns a directory or symlink on the way, given or resolved
+    (:func:`hicached.paths.foreign_on_path`, as for the socket and journal directories), or
+    the directory holding the name, or the one holding the file it resolves to, is writable
+    by its group or others without the sticky bit. Sticky directories (``/tmp``, a Kubernetes
+    Secret volume's 1777 mount) are accepted: there only a file's owner, checked above, can
+    rename or remove it. The directories above are judged by owner only, as the socket
+    directory's are (a pod's emptyDir is root's and 0777)."""
+    me = os.geteuid()
+    found = foreign_on_path(Path(path), (me, 0), itself=False)
+    if found is not None:
+        raise ConfigError(
+            f"{key} = {path!r}: {found.path} on its path is {found.kind} owned by uid {found.uid}, "
+            f"who could replace the file; use a path owned by root or uid {me}"
+        )
+    given = os.path.abspath(path)
+    # The directory holding the name as given, and the one holding the file it resolves to.
+    holders = (os.path.realpath(os.path.dirname(given)), os.path.dirname(os.path.realpath(given)))
+    for directory in dict.fromkeys(holders):
+        try:
+            mode = os.stat(directory).st_mode
+        except OSError:
+            continue  # the file was just read through it; nothing to judge now
+        if mode & (stat.S_IWOTH | stat.S_IWGRP) and not mode & stat.S_ISVTX:
+            who = "others" if mode & stat.S_IWOTH else "its group"
+            raise ConfigError(
+                f"{key} = {path!r}: its directory {directory} is writable by {who} (mode "
+                f"{stat.S_IMODE(mode):04o}) without the sticky bit: they could replace the file; "
+                "chmod go-w the directory or move the file"
+            )
 
 
 def _warn_if_readable(key: str, path: str) -> None:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +134,7 @@ def launch(
     owns_workdir: bool | None = None,
     log_name: str = "daemon.log",
     timeout_s: float = 60.0,
+    pass_fds: Sequence[int] = (),
 ) -> Daemon:
     """``python -m hicached serve --socket SOCKET --set host.shm_prefix=PREFIX ARGS``, waited
     for until SERVING.
@@ -142,7 +143,7 @@ def launch(
     its log (``log_name``) and, unless ``socket`` says otherwise, ``d.sock``. ``shm_prefix``
     defaults to a unique one. The child's environment is ``env`` (default this process's)
     without ``HICACHED_*`` when ``clean_env``, importing this very hicached (:func:`child_env`);
-    it runs in ``cwd`` (default ``workdir``). ``owns_workdir`` (default: whether the launcher
+    it runs in ``cwd`` (default ``workdir``) and inherits ``pass_fds`` (a ``--config /dev/fd/N``). ``owns_workdir`` (default: whether the launcher
     made it) says whether :meth:`Daemon.stop` removes ``workdir``. If it exits or is not
     SERVING within ``timeout_s``, it is stopped and :class:`DaemonDied` raised with the end of
     its log.
@@ -162,6 +163,7 @@ def launch(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=child_env(env, clean=clean_env),
+            pass_fds=tuple(pass_fds),
         )
     daemon = Daemon(f"unix://{sock}", process, workdir, prefix, log_path, owns_workdir=owns)
     try:

@@ -20,11 +20,12 @@ import pytest
 import torch
 from hicached_client import HiCacheClient, TokenChain, WorkerIdentity
 
-from hicached.core.journal import GroupJournal, JournalStore, PoolRecord
+from hicached.core.journal import TENANT_BYTES, GroupJournal, JournalStore, PoolRecord
 from hicached.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hicached.index import ContentIndex
 from hicached.index.entries import EntryRecord
 from hicached.l2 import HostLayout, HostPoolGroup, KVSpec, PoolEntry, PoolKind, create_host_pool
+from hicached.server.rpc_sessions import MAX_TENANT_BYTES
 from hicached.testing.servers import redis_server
 from tests.daemon.conftest import stop_with
 from tests.support.daemon import Daemon
@@ -265,7 +266,7 @@ def mode(path: Path) -> int:
 
 def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
     prefix = f"hcwr-unit{uuid.uuid4().hex[:8]}"  # its lock in /dev/shm is host-wide
-    store = JournalStore(tmp_path / "j", prefix)
+    store = JournalStore(tmp_path / "j", prefix, max_key_bytes=512)
     old = os.umask(0o002)  # the most a umask usually allows: 0664 files, 0775 directories
     try:
         store.lock()
@@ -274,39 +275,39 @@ def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
     try:
         assert mode(tmp_path / "j") == 0o700
         with pytest.raises(FailedPrecondition, match="another daemon"):
-            JournalStore(tmp_path / "j", prefix).lock()
+            JournalStore(tmp_path / "j", prefix, max_key_bytes=512).lock()
         journal = GroupJournal(
             "g1",
             (PoolRecord("kv", 16, "seg-kv"),),
             (EntryRecord("a", {"kv": 3}, "t", True), EntryRecord("b", {"kv": 0})),
         )
-        assert store.read("g1") is None
+        assert store.read("g1", [16]) is None
         path = store.write(journal)
         assert mode(path) == 0o600, "a journal lists tenants and keys: the daemon's user only"
-        assert store.read("g1") == journal
+        assert store.read("g1", [16]) == journal
         assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
         data = json.loads(path.read_text())
         data["version"] = 99
         path.write_text(json.dumps(data))
         with pytest.raises(FailedPrecondition, match="v99"):
-            store.read("g1")
+            store.read("g1", [16])
         path.write_text("{not json")
         with pytest.raises(FailedPrecondition, match="not JSON"):
-            store.read("g1")
+            store.read("g1", [16])
         store.write(journal)
         path.rename(store.path("g2"))
         with pytest.raises(FailedPrecondition, match="belongs to group"):
-            store.read("g2")
+            store.read("g2", [16])
         store.remove("g2")
         store.remove("g2")  # idempotent
-        assert store.read("g2") is None
+        assert store.read("g2", [16]) is None
     finally:
         store.unlock()
-    again = JournalStore(tmp_path / "j", prefix)
+    again = JournalStore(tmp_path / "j", prefix, max_key_bytes=512)
     again.lock()  # released: the next daemon may take it
     again.unlock()  # (and must give it back: the prefix's lock in /dev/shm is one for every journal_dir)
     (tmp_path / "old").mkdir(mode=0o755)  # made by an earlier version
-    older = JournalStore(tmp_path / "old", prefix)
+    older = JournalStore(tmp_path / "old", prefix, max_key_bytes=512)
     older.lock()
     older.unlock()
     assert mode(tmp_path / "old") == 0o700
@@ -358,3 +359,32 @@ def test_every_journal_is_written_before_a_stalled_l3_holds_the_shutdown(
             daemon.stop()
     assert code == 0, daemon.log
     assert len(warm.journals()) == 2
+
+
+def test_a_journal_is_never_written_past_its_bound(tmp_path: Path) -> None:
+    """A journal whose entries are longer than its group can legitimately hold (keys over
+    limits.max_key_bytes, here 8) is not written: the next daemon would refuse it. Before, any
+    journal was written, however large."""
+    prefix = f"hcwr-unit{uuid.uuid4().hex[:8]}"
+    store = JournalStore(tmp_path / "j", prefix, max_key_bytes=8)
+    store.lock()
+    try:
+        pools = (PoolRecord("kv", 2, "seg-kv"),)
+        fits = GroupJournal("g1", pools, (EntryRecord("k" * 8, {"kv": 0}, "t" * TENANT_BYTES),))
+        assert store.read("g1", [2]) is None
+        store.write(fits)
+        assert store.read("g1", [2]) == fits
+        store.remove("g1")
+        over = GroupJournal(
+            "g1", pools, tuple(EntryRecord("\0" * 4096 + str(i), {"kv": i}) for i in range(2))
+        )
+        with pytest.raises(FailedPrecondition, match="over its bound of"):
+            store.write(over)
+        assert list((tmp_path / "j").glob("*.json")) == []
+        assert [p.name for p in (tmp_path / "j").iterdir() if p.name.endswith(".tmp")] == []
+    finally:
+        store.unlock()
+
+
+def test_the_bound_counts_the_longest_tenant() -> None:
+    assert TENANT_BYTES == MAX_TENANT_BYTES

@@ -104,3 +104,27 @@ def test_at_startup_the_oldest_journaled_groups_are_dropped(warm: Warm, bound: s
         assert attach(second, "m-new") == (gids[2], True)
     finally:
         second.stop()
+
+
+def test_a_journal_over_its_bound_starts_its_group_cold_unread(warm: Warm) -> None:
+    """A journal larger than what its group's pages can hold (docs/limits.md) is refused before
+    any of it is parsed: the group starts cold, with one line naming the file and the bound.
+    Before, a journal of any size was read whole and replayed (here: the worker joined its
+    journaled group)."""
+    first = warm.start()
+    try:
+        gid, _ = attach(first, "m-padded")
+        assert stop_with(first, signal.SIGTERM) == 0, first.log
+    finally:
+        first.stop()
+    (journal,) = warm.journals()
+    # Still valid JSON (whitespace), 8 MiB: over the bound of 64 pages (~0.3 MB).
+    journal.write_bytes(journal.read_bytes() + b" " * (8 << 20))
+    second = warm.start()
+    try:
+        assert attach(second, "m-padded") == (gid, False), second.log[-3000:]
+        lines = [line for line in second.log.splitlines() if "larger than its bound" in line]
+        assert len(lines) == 1 and str(journal) in lines[0], second.log[-3000:]
+        assert not journal.exists(), "consumed (refused) like any unusable journal"
+    finally:
+        second.stop()

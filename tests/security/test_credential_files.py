@@ -1,7 +1,10 @@
 """Credential files (TCP tokens, TLS key, the L3 secret) that other local users can write or read
 (review: config and token files). Writable by its group or others: they choose the token (the
 admin token gives every admin call), so the start is refused (exit 2, one line naming the key).
-Readable by others: a warning in the log. A FIFO is refused instead of hanging the start."""
+Readable by others: a warning in the log. A FIFO is refused instead of hanging the start.
+Owned by a uid other than root and the daemon's, or where such a uid could replace it (its
+directory or a symlink on its path is theirs, or its directory is writable by others without
+the sticky bit): refused too, whatever the file's mode."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon.conftest import free_port
+from tests.security.users import other_user
 from tests.support.daemon import ROOT, start_daemon
 
 
@@ -61,3 +65,71 @@ def test_a_token_file_others_can_read_is_warned_about(tmp_path: Path) -> None:
         ]
     finally:
         daemon.stop()
+
+
+def _one_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return lines[0]
+
+
+def _secret(path: Path, mode: int = 0o400) -> Path:
+    path.write_text("a-secret-of-the-test-" + "x" * 32 + "\n")
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("key", ["server.auth_token_file", "l3.auth_key_file"])
+def test_a_credential_file_another_user_owns_is_refused(tmp_path: Path, key: str) -> None:
+    """Fails before the fix: a 0600 file of another non-root uid was accepted (its owner may
+    chmod it and write the token or secret of its choice)."""
+    uid = other_user()
+    secret = _secret(tmp_path / "secret", 0o600)
+    os.chown(secret, uid, uid)
+    token = _secret(tmp_path / "token")  # the TCP listener needs one
+    args = ["--set", f"{key}={secret}"]
+    if key != "server.auth_token_file":
+        args += ["--set", f"server.auth_token_file={token}"]
+    line = _one_line(_serve(tmp_path, *args))
+    assert key in line and f"owned by uid {uid}" in line, line
+
+
+def test_a_credential_file_in_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    """Fails before the fix: a 0400 token in a 0777 directory was accepted (anyone could
+    rename it away and put their own token in its place)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    token = _secret(shared / "token")
+    line = _one_line(_serve(tmp_path, "--set", f"server.auth_token_file={token}"))
+    assert "server.auth_token_file" in line and "writable by others" in line and "sticky" in line, line
+
+
+@pytest.mark.parametrize("via", ["directory", "symlink"])
+def test_a_credential_file_another_user_could_repoint_is_refused(tmp_path: Path, via: str) -> None:
+    """Fails before the fix: a root-owned 0400 token reached through another user's directory
+    (or symlink) was accepted; its owner could swap in a file of its choice."""
+    uid = other_user()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    if via == "directory":
+        os.chown(theirs, uid, uid)
+        token = _secret(theirs / "token")
+    else:
+        token = theirs / "token"
+        os.symlink(_secret(tmp_path / "real-token"), token)
+        os.lchown(token, uid, uid)
+    line = _one_line(_serve(tmp_path, "--set", f"server.auth_token_file={token}"))
+    assert "server.auth_token_file" in line and f"owned by uid {uid}" in line and "on its path" in line, line
+
+
+def test_a_credential_file_in_a_sticky_directory_is_accepted(tmp_path: Path) -> None:
+    """A 1777 directory, as /tmp or a Kubernetes Secret volume's mount: only a file's owner (here
+    root) may rename or remove it there, so the daemon starts."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    token = _secret(sticky / "token")
+    daemon = start_daemon("--listen", f"127.0.0.1:{free_port()}", "--set", f"server.auth_token_file={token}")
+    daemon.stop()
