@@ -134,7 +134,7 @@ class HostileLane:
 
 
 # Byte offsets of COMPLETION fields (``<IHHQIIiIIIQI256s``).
-OFFSET = {"seq": 8, "nacks": 32, "nlayers": 36, "message length": 48}
+OFFSET = {"seq": 8, "nacks": 32, "nlayers": 36, "value": 40, "message length": 48}
 
 
 @pytest.mark.parametrize(
@@ -179,3 +179,21 @@ def test_a_ring_of_another_layout_is_no_lane(run_dir: Path) -> None:
         hostile.close()
     assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
     assert _eventfds() == before, "the lane's doorbells were left open"
+
+
+def test_a_lane_lookup_counting_more_hits_than_keys_is_an_error(run_dir: Path) -> None:
+    """A LOOKUP completion of 5 leading hits for one key was taken as sent (the adapter's
+    ``batch_exists`` answered SGLang more pages than it asked about); it is INTERNAL now."""
+    path = run_dir / "hicached.sock.lane"
+    five = (5 << w.LOOKUP_SHIFT) | 5
+    hostile = HostileLane(path, lambda view, at: struct.pack_into("<Q", view, at + OFFSET["value"], five))
+    try:
+        lane = FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
+        with pytest.raises(HiCacheError) as info:
+            lane.lookup(["k0"], timeout_s=5)
+        assert not lane.closed  # a well-formed record: the lane goes on
+    finally:
+        hostile.close()
+    lane.close()
+    assert info.value.code == grpc.StatusCode.INTERNAL, info.value
+    assert "a hit run of 5 pages for 1 keys" in info.value.message

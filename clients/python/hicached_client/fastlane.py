@@ -37,6 +37,7 @@ import grpc
 import numpy as np
 
 from hicached_client import lane_wire as w
+from hicached_client._convert import check_hit_run
 from hicached_client._handoff import check_daemon, handoff_path
 from hicached_client.errors import HiCacheError
 from hicached_client.types import (
@@ -102,6 +103,7 @@ def get_pages_result(c: w.Completion) -> GetPagesResult:
 
 def lookup_result(c: w.Completion, keys: Sequence[str]) -> LookupResult:
     l2, total = w.lookup_counts(c.value)
+    check_hit_run("Lookup", max(l2, total), len(keys))
     return LookupResult(keys=tuple(keys), l2_hit_pages=l2, total_hit_pages=total)
 
 
