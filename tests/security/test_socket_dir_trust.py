@@ -134,3 +134,38 @@ def test_a_socket_path_that_cannot_be_read_is_unavailable(base: Path) -> None:
         client.ping()
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert "cannot check the daemon's socket directory" in info.value.message
+
+
+def test_a_trusted_symlink_into_a_strangers_directory_gets_nothing(base: Path) -> None:
+    """Fails before: the path was judged as written only. ``link`` (root's) resolves to
+    ``evil/run`` (root's, 0755) inside ``evil``, which a stranger owns and can rename ``run``
+    out of and put its own socket directory in place of; the call went ahead."""
+    uid = other_user()
+    evil = base / "evil"
+    (evil / "run").mkdir(parents=True)
+    os.chown(evil, uid, -1)
+    (base / "link").symlink_to(evil / "run")
+    with (
+        HiCacheClient(f"unix://{base / 'link' / 'hicached.sock'}", timeout_s=3) as client,
+        pytest.raises(HiCacheError) as info,
+    ):
+        client.ping()
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, info.value
+    assert f"{evil}, on the way" in info.value.message and f"owned by uid {uid}" in info.value.message
+
+
+@pytest.mark.parametrize("wait_ready", [False, True])
+def test_a_missing_socket_directory_is_refused_by_name(base: Path, wait_ready: bool) -> None:
+    """Fails before: a directory missing at check time passed as nothing to judge and the call
+    went ahead to connect (whoever made the directory in between got the connection); it is
+    UNAVAILABLE now, naming the directory, and nothing connects."""
+    missing = base / "not-yet"
+    with (
+        HiCacheClient(f"unix://{missing / 'hicached.sock'}", timeout_s=3) as client,
+        pytest.raises(HiCacheError) as info,
+    ):
+        if wait_ready:
+            client.wait_ready(3)
+        client.ping()
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+    assert f"socket directory {missing} does not exist" in info.value.message

@@ -87,7 +87,7 @@ class HiCacheClient:
         }
         self._metadata = self.config.metadata()
         self._closed = False
-        self._dir_checked = False  # _handoff.check_socket_dir passed (before the first call)
+        self._dir_checked = False  # _handoff.check_socket_dir passed (see _check_dir)
         self.fast_lane = fast_lane
         # Sessions of this client: their heartbeats and fast lanes end before the channel closes.
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -119,12 +119,19 @@ class HiCacheClient:
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the channel connects; ``HiCacheError(UNAVAILABLE)`` after ``timeout_s``.
         The socket's directory is checked first, as before a call: connecting is what hands a
-        stranger the channel."""
-        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
+        stranger the channel (a directory that does not exist yet is UNAVAILABLE at once)."""
+        self._check_dir()
         if not backend.channel_ready(self._channel, timeout_s):
             raise HiCacheError(
                 grpc.StatusCode.UNAVAILABLE, f"daemon at {self.target} not reachable within {timeout_s} s"
             )
+
+    def _check_dir(self) -> None:
+        """Before anything may connect: the socket's directory (:func:`_handoff.check_socket_dir`),
+        until it passed once (its failures, a missing directory included, raise and send nothing)."""
+        if not self._dir_checked:
+            _handoff.check_socket_dir(self.target)
+            self._dir_checked = True
 
     def _timeout(self, timeout_s: float | None) -> float | None:
         return self.config.timeout_s if timeout_s is None else timeout_s
@@ -137,7 +144,7 @@ class HiCacheClient:
         """Send a unary call (the channel retries transient failures with the same request)."""
         if self._closed:
             raise ClientClosedError(call.method)
-        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
+        self._check_dir()
         method = getattr(self._stubs[call.service], call.method)
         try:
             reply = method(
@@ -153,7 +160,7 @@ class HiCacheClient:
         """Start a server-streaming call; see :class:`LoadStream`."""
         if self._closed:
             raise ClientClosedError(call.method)
-        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
+        self._check_dir()
         method = getattr(self._stubs[call.service], call.method)
         try:
             rpc = method(
