@@ -267,3 +267,25 @@ def test_flags_nobody_asked_for_and_hit_runs_past_the_keys_are_an_error(fake: Fa
             session.lookup(["k0", "k1"])
     assert unasked.value.code == long_run.value.code == grpc.StatusCode.INTERNAL
     assert "a hit run of 1099511627776 pages for 2 keys" in long_run.value.message
+
+
+def test_an_answer_past_the_receive_limit_is_refused_before_it_is_parsed(fake: Fake) -> None:
+    """Fails before: the client accepted answers up to its 256 MiB message limit, parsed and
+    converted whole, so one GetBytes answer could make the worker allocate that much per call.
+    The default is now 64 MiB (the most a daemon at its defaults sends); ``max_receive_bytes``
+    sets it."""
+    fake.answers.get_bytes = lambda req: pb.GetBytesResponse(
+        hit_pages=1, pages=[tpb.PageBytes(key="k", pool="kv", data=bytes(65 << 20))]
+    )
+    with HiCacheClient(fake.target) as client:
+        session = client.attach(WorkerIdentity("w"), [], heartbeat=False)
+        with pytest.raises(HiCacheError) as big:
+            session.get_bytes(["k"])
+    fake.answers.get_bytes = lambda req: pb.GetBytesResponse(
+        hit_pages=1, pages=[tpb.PageBytes(key="k", pool="kv", data=bytes(2 << 20))]
+    )
+    with HiCacheClient(fake.target, max_receive_bytes=1 << 20) as client:
+        session = client.attach(WorkerIdentity("w"), [], heartbeat=False)
+        with pytest.raises(HiCacheError) as small:
+            session.get_bytes(["k"])
+    assert big.value.code == small.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (big.value, small.value)

@@ -27,7 +27,12 @@ from hicached_client import _aio_backend as backend
 from hicached_client import _calls, _handoff
 from hicached_client._aio_session import AsyncSession
 from hicached_client._calls import Call, Service, new_op_id
-from hicached_client._channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelConfig, RetryPolicy
+from hicached_client._channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_RECEIVE_BYTES,
+    ChannelConfig,
+    RetryPolicy,
+)
 from hicached_client.errors import ClientClosedError, HiCacheError, from_rpc_error, start_failure
 from hicached_client.types import (
     AttachResult,
@@ -53,8 +58,10 @@ class AsyncHiCacheClient:
     retries included. ``fast_lane``: sessions send their hot operations over the daemon's
     fast lane where it has one (see the session's docstring and docs/fastlane.md).
     ``max_message_bytes``: the largest message the channel sends or accepts (256 MiB, room for
-    large GetBytes/PutBytes batches); a tool that asks a daemon it may not trust only small
-    calls keeps it smaller, since an answer is parsed and converted whole.
+    large PutBytes batches). ``max_receive_bytes``: the largest answer it accepts (64 MiB, the
+    most a daemon at its default ``server.max_message_bytes`` sends; raise it with the daemon's
+    limits); an answer is parsed and converted whole, so this is what one call may make the
+    worker allocate, whatever the daemon (or an impostor) answers.
     """
 
     def __init__(
@@ -68,6 +75,7 @@ class AsyncHiCacheClient:
         options: Sequence[tuple[str, Any]] = (),
         fast_lane: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
     ) -> None:
         kwargs: dict[str, Any] = {"target": target} if target is not None else {}
         self.config = ChannelConfig(
@@ -76,6 +84,7 @@ class AsyncHiCacheClient:
             timeout_s=timeout_s,
             retry=retry or RetryPolicy(),
             max_message_bytes=max_message_bytes,
+            max_receive_bytes=max_receive_bytes,
             options=options,
             **kwargs,
         )
