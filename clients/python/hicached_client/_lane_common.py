@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -33,6 +34,9 @@ from hicached_client.types import (
 )
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_EVENTFD = "anon_inode:[eventfd]"
+# A memfd's /proc link: "/memfd:<name> (deleted)".
+_MEMFD = "/memfd:"
 
 # A request record's writer, as FastLane.submit_raw takes it: fill(view, offset, seq).
 Fill = Callable[[memoryview, int, int], None]
@@ -54,13 +58,29 @@ def timed_out() -> HiCacheError:
 # ------------------------------------------------------------ what a lane is made of
 
 
-def check_ring(memfd: int) -> None:
-    """UNAVAILABLE unless ``memfd`` is sealed against resizing and of :data:`lane_wire.RING_BYTES`.
-    Closes nothing: the caller closes every received fd on failure."""
+def _link(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
+def check_received(memfd: int, doorbells: Sequence[int]) -> None:
+    """UNAVAILABLE unless ``memfd`` is a sealed memfd of :data:`lane_wire.RING_BYTES` and every
+    doorbell an eventfd. What the other side sent at negotiation is used as such: the client
+    writes, polls and reads the doorbells and maps the ring, so a pipe, a socket or a file in
+    their place (a broken or hostile daemon's, or an impostor's) is no lane. Closes nothing:
+    the caller closes every received fd on failure."""
+    st = os.fstat(memfd)
+    link = _link(memfd)
+    if not stat.S_ISREG(st.st_mode) or not link.startswith(_MEMFD):
+        raise unavailable(f"the daemon's lane ring is not a memfd ({link[:40]!r})")
     seals = fcntl.fcntl(memfd, fcntl.F_GET_SEALS)
-    size = os.fstat(memfd).st_size
-    if seals & _SEALS != _SEALS or size != w.RING_BYTES:
-        raise unavailable(f"the daemon's lane ring is not sealed or has size {size}")
+    if seals & _SEALS != _SEALS or st.st_size != w.RING_BYTES:
+        raise unavailable(f"the daemon's lane ring is not sealed or has size {st.st_size}")
+    for fd in doorbells:
+        if (link := _link(fd)) != _EVENTFD:
+            raise unavailable(f"a doorbell the daemon sent is not an eventfd ({link[:40]!r})")
 
 
 def drain(doorbell: int) -> None:

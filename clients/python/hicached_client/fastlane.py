@@ -66,7 +66,7 @@ class FastLane:
         self.session_id = session_id
         memfd, self._submit, self._done, self._layer = fds
         try:
-            lc.check_ring(memfd)
+            lc.check_received(memfd, fds[1:])
             self._ring = mmap.mmap(memfd, w.RING_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             try:
                 with memoryview(self._ring) as header:
