@@ -49,6 +49,8 @@ from hicached_client.v1 import types_pb2 as tpb
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# How often wait_ready looks again for a socket directory that does not exist yet.
+_DIR_POLL_S = 0.05
 
 
 class HiCacheClient:
@@ -128,9 +130,19 @@ class HiCacheClient:
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the channel connects; ``HiCacheError(UNAVAILABLE)`` after ``timeout_s``.
         The socket's directory is checked first, as before a call: connecting is what hands a
-        stranger the channel (a directory that does not exist yet is UNAVAILABLE at once)."""
-        self._check_dir()
-        if not backend.channel_ready(self._channel, timeout_s):
+        stranger the channel. A directory that does not exist yet (a daemon starting makes it)
+        is looked for again every 50 ms; still missing at ``timeout_s``, its UNAVAILABLE names it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._check_dir()
+                break
+            except HiCacheError as exc:
+                left = deadline - time.monotonic()
+                if exc.code != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                    raise
+                backend.pause(min(_DIR_POLL_S, left))
+        if not backend.channel_ready(self._channel, max(0.0, deadline - time.monotonic())):
             raise HiCacheError(
                 grpc.StatusCode.UNAVAILABLE, f"daemon at {self.target} not reachable within {timeout_s} s"
             )
