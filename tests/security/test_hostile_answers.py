@@ -229,3 +229,63 @@ async def _attach_and_beat_async(fake: Fake) -> None:
         session = await client.attach(WorkerIdentity("w"), [])
         assert await asyncio.to_thread(fake.answers.five_beats.wait, 30), "five heartbeats"
         await session.stop_heartbeat()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pb.LookupResponse(in_l2=[True], cached=[True]),  # short: the missing flags read as hits
+        pb.LookupResponse(in_l2=[True] * 6, cached=[True] * 6),  # long
+        pb.LookupResponse(in_l2=[True] * 4, cached=[True] * 3),  # the two lists disagree
+    ],
+    ids=["short", "long", "uneven"],
+)
+def test_per_key_flags_that_do_not_match_the_keys_are_an_error(fake: Fake, answer: pb.LookupResponse) -> None:
+    """A per-key Lookup answered with one flag for four keys was taken as sent: the SGLang
+    adapter's ``batch_exists_v2`` (TRAILING_PAGES) reads every page past the list as a hit
+    (``all([])``), so a hostile daemon made SGLang restore pages nothing held. Each is now
+    INTERNAL, which the adapter reads as a miss."""
+    fake.answers.lookup = answer
+    with HiCacheClient(fake.target) as client:
+        session = client.attach(WorkerIdentity("w"), [], heartbeat=False)
+        with pytest.raises(HiCacheError) as info:
+            session.lookup(["k0", "k1", "k2", "k3"], per_key=True)
+    assert info.value.code == grpc.StatusCode.INTERNAL, info.value
+    assert info.value.method == "Lookup" and "flags for 4 keys" in info.value.message
+
+
+def test_flags_nobody_asked_for_and_hit_runs_past_the_keys_are_an_error(fake: Fake) -> None:
+    """A plain Lookup of given keys counting more hits than keys made ``batch_exists`` answer
+    more pages than SGLang asked about."""
+    fake.answers.lookup = pb.LookupResponse(in_l2=[True], cached=[True])
+    with HiCacheClient(fake.target) as client:
+        session = client.attach(WorkerIdentity("w"), [], heartbeat=False)
+        with pytest.raises(HiCacheError) as unasked:
+            session.lookup(["k0"])
+        fake.answers.lookup = pb.LookupResponse(l2_hit_pages=1, total_hit_pages=2**40)
+        with pytest.raises(HiCacheError) as long_run:
+            session.lookup(["k0", "k1"])
+    assert unasked.value.code == long_run.value.code == grpc.StatusCode.INTERNAL
+    assert "a hit run of 1099511627776 pages for 2 keys" in long_run.value.message
+
+
+def test_an_answer_past_the_receive_limit_is_refused_before_it_is_parsed(fake: Fake) -> None:
+    """Fails before: the client accepted answers up to its 256 MiB message limit, parsed and
+    converted whole, so one GetBytes answer could make the worker allocate that much per call.
+    The default is now 64 MiB (the most a daemon at its defaults sends); ``max_receive_bytes``
+    sets it."""
+    fake.answers.get_bytes = lambda req: pb.GetBytesResponse(
+        hit_pages=1, pages=[tpb.PageBytes(key="k", pool="kv", data=bytes(65 << 20))]
+    )
+    with HiCacheClient(fake.target) as client:
+        session = client.attach(WorkerIdentity("w"), [], heartbeat=False)
+        with pytest.raises(HiCacheError) as big:
+            session.get_bytes(["k"])
+    fake.answers.get_bytes = lambda req: pb.GetBytesResponse(
+        hit_pages=1, pages=[tpb.PageBytes(key="k", pool="kv", data=bytes(2 << 20))]
+    )
+    with HiCacheClient(fake.target, max_receive_bytes=1 << 20) as client:
+        session = client.attach(WorkerIdentity("w"), [], heartbeat=False)
+        with pytest.raises(HiCacheError) as small:
+            session.get_bytes(["k"])
+    assert big.value.code == small.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (big.value, small.value)

@@ -9,6 +9,8 @@
   gRPC and SGLang's threads saw it), and the lane stayed wedged: every later op re-read the
   same record and raised again. A malformed completion (or one of another seq) now closes the
   lane with UNAVAILABLE, which sends the session's ops over gRPC.
+* What negotiation hands over: doorbells that are not eventfds (a pipe, a memfd) were used as
+  such; the lane is now UNAVAILABLE and every received descriptor closed.
 """
 
 from __future__ import annotations
@@ -85,9 +87,18 @@ class HostileLane:
     """A lane listener (this process's uid) handing a real sealed ring; ``patch(view, offset)``
     spoils each completion after it is written."""
 
-    def __init__(self, path: Path, patch: Callable[[memoryview, int], None], *, v1_ring: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path,
+        patch: Callable[[memoryview, int], None],
+        *,
+        v1_ring: bool = True,
+        doorbell: str = "eventfd",
+    ) -> None:
         self.patch = patch
         self.v1_ring = v1_ring
+        self.doorbell = doorbell  # "eventfd", or what a hostile daemon sends in its place
+        self.others: list[int] = []  # the ends of those doorbells the hostile side keeps
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(1)
@@ -105,10 +116,12 @@ class HostileLane:
         view = memoryview(ring)
         if self.v1_ring:
             w.init_ring(view)
-        efds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(3)]
+        efds = [self._bell() for _ in range(3)]
         socket.send_fds(conn, [b"ok lane\n"], [fd, *efds])
         os.close(fd)
         seq = 0
+        if self.doorbell != "eventfd":  # nothing to serve: the worker must refuse the lane
+            self.stop.wait()
         while not self.stop.is_set():
             if not select.select([efds[0]], [], [], 0.1)[0]:
                 continue
@@ -124,8 +137,17 @@ class HostileLane:
         conn.close()
         view.release()
         ring.close()
-        for e in efds:
+        for e in (*efds, *self.others):
             os.close(e)
+
+    def _bell(self) -> int:
+        if self.doorbell == "pipe":
+            read, write = os.pipe()
+            self.others.append(write)
+            return read
+        if self.doorbell == "memfd":  # always readable: the worker's poll would spin
+            return os.memfd_create("bell")
+        return os.eventfd(0, os.EFD_NONBLOCK)
 
     def close(self) -> None:
         self.stop.set()
@@ -134,7 +156,7 @@ class HostileLane:
 
 
 # Byte offsets of COMPLETION fields (``<IHHQIIiIIIQI256s``).
-OFFSET = {"seq": 8, "nacks": 32, "nlayers": 36, "message length": 48}
+OFFSET = {"seq": 8, "nacks": 32, "nlayers": 36, "value": 40, "message length": 48}
 
 
 @pytest.mark.parametrize(
@@ -179,3 +201,50 @@ def test_a_ring_of_another_layout_is_no_lane(run_dir: Path) -> None:
         hostile.close()
     assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
     assert _eventfds() == before, "the lane's doorbells were left open"
+
+
+def test_a_lane_lookup_counting_more_hits_than_keys_is_an_error(run_dir: Path) -> None:
+    """A LOOKUP completion of 5 leading hits for one key was taken as sent (the adapter's
+    ``batch_exists`` answered SGLang more pages than it asked about); it is INTERNAL now."""
+    path = run_dir / "hicached.sock.lane"
+    five = (5 << w.LOOKUP_SHIFT) | 5
+    hostile = HostileLane(path, lambda view, at: struct.pack_into("<Q", view, at + OFFSET["value"], five))
+    try:
+        lane = FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
+        with pytest.raises(HiCacheError) as info:
+            lane.lookup(["k0"], timeout_s=5)
+        assert not lane.closed  # a well-formed record: the lane goes on
+    finally:
+        hostile.close()
+    lane.close()
+    assert info.value.code == grpc.StatusCode.INTERNAL, info.value
+    assert "a hit run of 5 pages for 1 keys" in info.value.message
+
+
+def _open_fds() -> dict[str, str]:
+    """Open fds of this process and what each is (the listing's own fd, gone when read: skipped)."""
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    return fds
+
+
+@pytest.mark.parametrize("doorbell", ["pipe", "memfd"])
+def test_doorbells_that_are_not_eventfds_are_no_lane(run_dir: Path, doorbell: str) -> None:
+    """Fails before: any three descriptors were taken as the lane's doorbells. A memfd in their
+    place is always readable (the worker's wait spins on a core), a pipe never rings (every op
+    waits out its deadline). Now the lane is UNAVAILABLE (the session stays on gRPC) and every
+    descriptor received is closed."""
+    before = _open_fds()
+    path = run_dir / "hicached.sock.lane"
+    hostile = HostileLane(path, lambda view, at: None, doorbell=doorbell)
+    try:
+        with pytest.raises(HiCacheError) as info:
+            FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
+    finally:
+        hostile.close()
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+    assert "not an eventfd" in info.value.message
+    leaked = {fd: link for fd, link in _open_fds().items() if before.get(fd) != link}
+    assert not leaked, f"received descriptors left open: {leaked}"

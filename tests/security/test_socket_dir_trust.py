@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, WorkerIdentity
 
-from tests.security.roles_helpers import scratch_dir
+from tests.security.roles_helpers import launch, scratch_dir
 from tests.security.users import other_user, popen_as_other
 
 # A stranger's listener at the gRPC path: prints how many bytes it received before the test's END.
@@ -134,3 +135,65 @@ def test_a_socket_path_that_cannot_be_read_is_unavailable(base: Path) -> None:
         client.ping()
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert "cannot check the daemon's socket directory" in info.value.message
+
+
+def test_a_trusted_symlink_into_a_strangers_directory_gets_nothing(base: Path) -> None:
+    """Fails before: the path was judged as written only. ``link`` (root's) resolves to
+    ``evil/run`` (root's, 0755) inside ``evil``, which a stranger owns and can rename ``run``
+    out of and put its own socket directory in place of; the call went ahead."""
+    uid = other_user()
+    evil = base / "evil"
+    (evil / "run").mkdir(parents=True)
+    os.chown(evil, uid, -1)
+    (base / "link").symlink_to(evil / "run")
+    with (
+        HiCacheClient(f"unix://{base / 'link' / 'hicached.sock'}", timeout_s=3) as client,
+        pytest.raises(HiCacheError) as info,
+    ):
+        client.ping()
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, info.value
+    assert f"{evil}, on the way" in info.value.message and f"owned by uid {uid}" in info.value.message
+
+
+@pytest.mark.parametrize("wait_ready", [False, True])
+def test_a_missing_socket_directory_is_refused_by_name(base: Path, wait_ready: bool) -> None:
+    """Fails before: a directory missing at check time passed as nothing to judge and the call
+    went ahead to connect (whoever made the directory in between got the connection); it is
+    UNAVAILABLE now, naming the directory, and nothing connects (``wait_ready`` says so once
+    its time is up)."""
+    missing = base / "not-yet"
+    with (
+        HiCacheClient(f"unix://{missing / 'hicached.sock'}", timeout_s=3) as client,
+        pytest.raises(HiCacheError) as info,
+    ):
+        if wait_ready:
+            client.wait_ready(0.2)
+        client.ping()
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+    assert f"socket directory {missing} does not exist" in info.value.message
+
+
+def test_wait_ready_waits_for_the_directory_a_starting_daemon_makes(base: Path) -> None:
+    """A worker may wait for a daemon that has not made its socket directory yet: ``wait_ready``
+    looks for the directory again until its time is up, then connects (after the first fix it
+    failed at once, the directory being missing when it was called)."""
+    sock = base / "later" / "d.sock"
+    errors: list[BaseException] = []
+    with HiCacheClient(f"unix://{sock}", timeout_s=60) as client:
+
+        def wait() -> None:
+            try:
+                client.wait_ready(60)
+            except BaseException as exc:  # handed to the test's thread
+                errors.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()  # the daemon's interpreter takes far longer to start than this thread
+        (base / "later-work").mkdir()
+        daemon = launch(base / "later-work", sock=sock)
+        try:
+            waiter.join(60)
+            assert not waiter.is_alive() and errors == [], errors
+            assert client.ping(b"x") == b"x"
+        finally:
+            daemon.stop()

@@ -35,6 +35,11 @@ async def close_channel(channel: grpc.aio.Channel) -> None:
     await channel.close(grace=None)
 
 
+async def pause(seconds: float) -> None:
+    """Let ``seconds`` pass (the loop runs other tasks meanwhile)."""
+    await asyncio.sleep(seconds)
+
+
 async def channel_ready(channel: grpc.aio.Channel, timeout_s: float) -> bool:
     """True once the channel connects, False after ``timeout_s``."""
     try:

@@ -22,6 +22,11 @@ SYSTEM_SOCKET = Path("/run/hicached") / SOCKET_NAME
 
 # Large enough for GetBytes/PutBytes batches of many pages; the daemon enforces its own limit.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# The largest answer accepted: the daemon's default server.max_message_bytes, the most a daemon
+# at its defaults can send (its limits.max_response_bytes, 32 MiB, is capped by it). An answer
+# is received, parsed and converted whole, so up to 256 MiB per call was what a hostile daemon
+# or impostor could make the worker allocate; raise it with the daemon's limits.
+DEFAULT_MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 
 
 def default_target() -> str:
@@ -191,7 +196,9 @@ class ChannelConfig:
     targets. ``timeout_s`` is the default overall deadline of a call,
     retries included (``None`` = no deadline). A Unix-socket channel reconnects
     quickly after a daemon restart (:data:`UNIX_RECONNECT_BACKOFF_MS`); ``options``
-    override any channel option, these included.
+    override any channel option, these included. ``max_message_bytes`` bounds what the channel
+    sends and accepts, ``max_receive_bytes`` (:data:`DEFAULT_MAX_RECEIVE_BYTES`) what it
+    accepts: an answer over the smaller is RESOURCE_EXHAUSTED before it is parsed.
     """
 
     target: str = field(default_factory=default_target)
@@ -200,6 +207,7 @@ class ChannelConfig:
     timeout_s: float | None = 30.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES
     options: Sequence[tuple[str, Any]] = ()
 
     def __post_init__(self) -> None:
@@ -216,7 +224,7 @@ class ChannelConfig:
     def channel_options(self) -> list[tuple[str, Any]]:
         opts: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", min(self.max_message_bytes, self.max_receive_bytes)),
             ("grpc.enable_retries", 1),
             ("grpc.service_config", json.dumps(self.retry.service_config())),
             # A request larger than the retry buffer (256 KiB by default) is never retried.

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from hicached_client import vocab
+from hicached_client.errors import malformed_answer
 from hicached_client.types import (
     AllocResult,
     AttachResult,
@@ -260,9 +261,20 @@ def retract_backup_result(msg: pb.RetractBackupResponse) -> RetractBackupResult:
     )
 
 
-def lookup_result(msg: pb.LookupResponse, asked: Keys) -> LookupResult:
-    """The daemon sends back only the keys it derived from tokens; given keys are the caller's."""
+def lookup_result(msg: pb.LookupResponse, asked: Keys, per_key: bool = False) -> LookupResult:
+    """The daemon sends back only the keys it derived from tokens; given keys are the caller's.
+
+    ``HiCacheError(INTERNAL)`` for an answer that does not fit the question: per-key flags
+    other than one per key (none without ``per_key``: the SGLang adapter read a short list's
+    missing flags as hits), or, for given keys, a hit run longer than the keys."""
     keys = tuple(msg.keys) if isinstance(asked, TokenChain) else tuple(asked)
+    flags = len(keys) if per_key else 0
+    if len(msg.in_l2) != flags or len(msg.cached) != flags:
+        raise malformed_answer(
+            "Lookup", f"{len(msg.in_l2)} in_l2 and {len(msg.cached)} cached flags for {flags} keys"
+        )
+    if not isinstance(asked, TokenChain):
+        check_hit_run("Lookup", max(msg.l2_hit_pages, msg.total_hit_pages), len(keys))
     return LookupResult(
         keys=keys,
         l2_hit_pages=msg.l2_hit_pages,
@@ -270,6 +282,12 @@ def lookup_result(msg: pb.LookupResponse, asked: Keys) -> LookupResult:
         in_l2=tuple(msg.in_l2),
         cached=tuple(msg.cached),
     )
+
+
+def check_hit_run(method: str, hits: int, keys: int) -> None:
+    """``HiCacheError(INTERNAL)`` when an answer counts more leading hits than the keys asked."""
+    if hits > keys:
+        raise malformed_answer(method, f"a hit run of {hits} pages for {keys} keys")
 
 
 def publish_result(msg: pb.PublishResponse) -> PublishResult:

@@ -126,25 +126,32 @@ def check_daemon(
         )
 
 
-def check_socket_dir(target: str) -> bool:
+def check_socket_dir(target: str) -> None:
     """PERMISSION_DENIED unless only :func:`trusted_uids` can put a socket at a ``unix:`` target's
     path: its directory owned by one of them and not writable by its group or others (the
-    daemon's own rule for it), every directory and symlink above owned by one of them. Whoever
-    could put a socket there would receive the worker's token and Attach and answer its calls
-    (the gRPC channel cannot ask the kernel who listens, as :func:`check_daemon` does; a sound
-    directory keeps every reconnect of the channel in trusted hands too). False (nothing to
-    judge yet) when the directory does not exist; True once it passed; True for TCP.
-    UNAVAILABLE when the path cannot be read (a parent that is a file or not searchable).
-    The check judges the path, not a connection the channel already holds: every entry point
-    that may connect (calls, :meth:`wait_ready`) runs it first."""
+    daemon's own rule for it), every directory and symlink above owned by one of them, on the
+    path as written and as resolved (``os.path.realpath``: a trusted symlink may point into a
+    stranger's directory, whose owner can swap what it holds). Whoever could put a socket there
+    would receive the worker's token and Attach and answer its calls (the gRPC channel cannot ask
+    the kernel who listens, as :func:`check_daemon` does; a sound directory keeps every reconnect
+    of the channel in trusted hands too). Returns for TCP and once the directory passed.
+    UNAVAILABLE, naming the directory, when it does not exist (nothing to judge: the call must
+    not go ahead, or whoever creates it first gets the connection) or cannot be read (a parent
+    that is a file or not searchable). The check judges the path, not a connection the channel
+    already holds: every entry point that may connect (calls, :meth:`wait_ready`) runs it first.
+    Thread-safe (reads the file system only)."""
     path = handoff_path(target)
     if path is None:
-        return True
+        return
     directory = os.path.dirname(os.path.abspath(path))
     try:
-        return _judge_socket_dir(path, directory, trusted_uids())
+        _judge_socket_dir(path, directory, trusted_uids())
     except FileNotFoundError:
-        return False
+        raise HiCacheError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the daemon's socket directory {directory} does not exist (is the daemon running?); "
+            "not connecting until it does",
+        ) from None
     except OSError as exc:  # a parent that is a file, or that this uid cannot search
         raise HiCacheError(
             grpc.StatusCode.UNAVAILABLE,
@@ -152,7 +159,7 @@ def check_socket_dir(target: str) -> bool:
         ) from None
 
 
-def _judge_socket_dir(path: str, directory: str, trusted: frozenset[int]) -> bool:
+def _judge_socket_dir(path: str, directory: str, trusted: frozenset[int]) -> None:
     st = os.stat(directory)
     whom = (st.st_uid, directory) if st.st_uid not in trusted else None
     if whom is None and st.st_mode & 0o022:
@@ -162,12 +169,15 @@ def _judge_socket_dir(path: str, directory: str, trusted: frozenset[int]) -> boo
             f"(mode {st.st_mode & 0o777:o}): anyone who can write it can answer as the daemon; "
             "refusing to connect",
         )
-    at = directory
-    while whom is None and at != os.path.dirname(at):
-        for owner in (os.lstat(at).st_uid, os.stat(at).st_uid):
-            if owner not in trusted:
-                whom = (owner, at)
-        at = os.path.dirname(at)
+    # As written, then as resolved: the daemon's rule (hicached/paths.py, foreign_on_path),
+    # kept here in small because the client cannot import the daemon's package.
+    for start in (directory, os.path.realpath(directory)):
+        at = start
+        while whom is None and at != os.path.dirname(at):
+            for owner in (os.lstat(at).st_uid, os.stat(at).st_uid):
+                if owner not in trusted:
+                    whom = (owner, at)
+            at = os.path.dirname(at)
     if whom is not None:
         uid, where = whom
         raise HiCacheError(
@@ -176,7 +186,6 @@ def _judge_socket_dir(path: str, directory: str, trusted: frozenset[int]) -> boo
             f"not by root or this process's uid {os.geteuid()}: refusing to connect (if uid {uid} "
             f"runs your daemon, set {DAEMON_UID_ENV}={uid})",
         )
-    return True
 
 
 def hand_over(path: str, fds: Sequence[int], timeout_s: float | None) -> str | None:

@@ -9,6 +9,7 @@ Thread-safety: every function and :class:`Beat` may be used from any thread.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,11 @@ CLOSED_ERRORS: tuple[type[Exception], ...] = (ValueError,)
 
 def close_channel(channel: grpc.Channel) -> None:
     channel.close()
+
+
+def pause(seconds: float) -> None:
+    """Let ``seconds`` pass (the twin of ``_aio_backend.pause``)."""
+    time.sleep(seconds)
 
 
 def channel_ready(channel: grpc.Channel, timeout_s: float) -> bool:

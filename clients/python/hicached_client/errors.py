@@ -103,6 +103,13 @@ def from_rpc_error(error: grpc.RpcError, method: str = "") -> HiCacheError:
     )
 
 
+def malformed_answer(method: str, what: str) -> HiCacheError:
+    """An answer no daemon of ours sends (``what`` is wrong with it), as ``INTERNAL``, the code of
+    the other answers the client cannot take (a stream without its final message): a result built
+    from it would overstate hits or index past the keys asked."""
+    return HiCacheError(grpc.StatusCode.INTERNAL, f"malformed {method} answer: {what}", method=method)
+
+
 class ClientClosedError(HiCacheError):
     """A call on a client whose channel is closed (``client.close()``): ``CANCELLED``, nothing sent."""
 

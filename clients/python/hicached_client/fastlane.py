@@ -22,7 +22,6 @@ Buffers: the ring is owned by the lane and unmapped by :meth:`close` (idempotent
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
 import select
@@ -36,6 +35,7 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
+from hicached_client import _lane_common as lc
 from hicached_client import lane_wire as w
 from hicached_client._handoff import check_daemon, handoff_path
 from hicached_client.errors import HiCacheError
@@ -43,14 +43,12 @@ from hicached_client.types import (
     GetPagesResult,
     LoadResult,
     LookupResult,
-    PoolAck,
     PutPagesResult,
     ResolveResult,
     Transfer,
     WriteResult,
 )
 
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -58,59 +56,6 @@ def lane_path(target: str) -> str | None:
     """The lane socket next to a ``unix:`` target's socket; None for TCP targets."""
     fds = handoff_path(target)
     return None if fds is None else fds[: -len(".fds")] + w.SUFFIX
-
-
-def _unavailable(message: str) -> HiCacheError:
-    return HiCacheError(grpc.StatusCode.UNAVAILABLE, message, method="FastLane")
-
-
-def _new_op_id() -> str:
-    return os.urandom(16).hex()
-
-
-def _wire(transfers: Sequence[Transfer]) -> tuple[w.WireTransfer, ...]:
-    return tuple(
-        w.WireTransfer(
-            t.pool,
-            np.asarray(t.device_pages, dtype=np.int64),
-            None if t.host_pages is None else np.asarray(t.host_pages, dtype=np.int64),
-            t.host_allocated,
-        )
-        for t in transfers
-    )
-
-
-def _transfers(ts: tuple[w.WireTransfer, ...]) -> tuple[Transfer, ...]:
-    return tuple(
-        Transfer(
-            t.pool,
-            tuple(int(x) for x in (t.device if t.device is not None else ())),
-            tuple(int(x) for x in (t.host if t.host is not None else ())),
-            t.host_allocated,
-        )
-        for t in ts
-    )
-
-
-def _acks(c: w.Completion) -> tuple[PoolAck, ...]:
-    return tuple(PoolAck(a.pool, a.pages, a.tokens, a.bytes) for a in c.acks)
-
-
-def get_pages_result(c: w.Completion) -> GetPagesResult:
-    return GetPagesResult(hit_pages=c.value, acks=_acks(c))
-
-
-def lookup_result(c: w.Completion, keys: Sequence[str]) -> LookupResult:
-    l2, total = w.lookup_counts(c.value)
-    return LookupResult(keys=tuple(keys), l2_hit_pages=l2, total_hit_pages=total)
-
-
-def put_pages_result(c: w.Completion, nkeys: int) -> PutPagesResult:
-    # The core counts every key it did not store as existing when ok, none when refused.
-    existing = nkeys - c.value if c.ok else 0
-    return PutPagesResult(
-        ok=c.ok, stored_pages=c.value, existing_pages=existing, acks=_acks(c), reason=c.message
-    )
 
 
 class FastLane:
@@ -121,17 +66,14 @@ class FastLane:
         self.session_id = session_id
         memfd, self._submit, self._done, self._layer = fds
         try:
-            seals = fcntl.fcntl(memfd, fcntl.F_GET_SEALS)
-            size = os.fstat(memfd).st_size
-            if seals & _SEALS != _SEALS or size != w.RING_BYTES:
-                raise _unavailable(f"the daemon's lane ring is not sealed or has size {size}")
+            lc.check_received(memfd, fds[1:])
             self._ring = mmap.mmap(memfd, w.RING_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             try:
                 with memoryview(self._ring) as header:
                     w.check_ring(header)
             except w.RecordError as exc:
                 self._ring.close()
-                raise _unavailable(f"the daemon's lane ring: {exc}") from None
+                raise lc.unavailable(f"the daemon's lane ring: {exc}") from None
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -160,7 +102,7 @@ class FastLane:
         """A lane for ``session`` (a ``Session`` or ``AsyncSession``: its target, id and secret)."""
         path = lane_path(session.client.target)
         if path is None:
-            raise _unavailable(
+            raise lc.unavailable(
                 f"no fast lane over TCP ({session.client.target}); use the session's gRPC calls"
             )
         return cls.connect(path, session.session_id, session.info.session_secret, timeout_s=timeout_s)
@@ -174,7 +116,7 @@ class FastLane:
             try:
                 conn.connect(path)
             except (FileNotFoundError, ConnectionRefusedError) as exc:
-                raise _unavailable(f"no fast lane socket at {path} ({exc}); use gRPC") from None
+                raise lc.unavailable(f"no fast lane socket at {path} ({exc}); use gRPC") from None
             # The session's secret goes only to a daemon this process trusts (as its buffers do).
             check_daemon(conn, path, what="fast lane", refusing="send the session's secret")
             # Refused at accept (all lanes taken), the daemon has answered and closed: the
@@ -203,7 +145,7 @@ class FastLane:
             ) from None
         except OSError as exc:
             conn.close()
-            raise _unavailable(f"fast lane negotiation at {path} failed: {exc}") from None
+            raise lc.unavailable(f"fast lane negotiation at {path} failed: {exc}") from None
         except BaseException:
             conn.close()
             raise
@@ -234,6 +176,14 @@ class FastLane:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def wake_fds(self) -> tuple[int, int]:
+        """(completion doorbell, connection to the daemon), for a caller that waits on an event
+        loop instead of :meth:`completion`: the first is readable when a completion may have been
+        published (reset it with :func:`_lane_common.drain`), the second when the daemon closed
+        the lane. The lane owns both; they are closed by :meth:`close`."""
+        return self._done, self._conn.fileno()
+
     def __enter__(self) -> Self:
         return self
 
@@ -254,8 +204,7 @@ class FastLane:
     ) -> WriteResult:
         """Device -> host copy, as :meth:`Session.write` (no primary pages: name the anchor pool)."""
         flags = w.FLAG_ALLOCATE if allocate else 0
-        c = self._call(w.Opcode.WRITE, flags, transfers, op_id, timeout_s)
-        return WriteResult(ok=c.ok, transfers=_transfers(c.transfers), acks=_acks(c))
+        return lc.write_result(self._call(w.Opcode.WRITE, flags, transfers, op_id, timeout_s))
 
     def load(
         self,
@@ -273,14 +222,12 @@ class FastLane:
     ) -> PendingLoad:
         """Submit a Load and return at once; wait for layers or the end on the result."""
         flags = w.FLAG_LAYER_PROGRESS if layer_progress else 0
-        seq = self._submit_op(w.Opcode.LOAD, flags, transfers, op_id)
-        return PendingLoad(self, seq)
+        return PendingLoad(self, self.submit_raw(lc.request(w.Opcode.LOAD, flags, transfers, op_id)))
 
     def resolve_transfers(
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> ResolveResult:
-        c = self._call(w.Opcode.RESOLVE, 0, transfers, op_id, timeout_s)
-        return ResolveResult(ok=c.ok, transfers=_transfers(c.transfers))
+        return lc.resolve_result(self._call(w.Opcode.RESOLVE, 0, transfers, op_id, timeout_s))
 
     def release_transfers(
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
@@ -299,7 +246,7 @@ class FastLane:
         """As :meth:`Session.get_pages` with a list of keys (no token chain, no primary pages)."""
         flags = w.FLAG_INCLUDE_L3 if include_l3 else 0
         c = self._call(w.Opcode.GET_PAGES, flags, transfers, op_id, timeout_s, keys)
-        return get_pages_result(c)
+        return lc.get_pages_result(c)
 
     def put_pages(
         self,
@@ -311,11 +258,11 @@ class FastLane:
     ) -> PutPagesResult:
         """As :meth:`Session.put_pages` with a list of keys (no token chain, primary pages or fence)."""
         c = self._call(w.Opcode.PUT_PAGES, 0, transfers, op_id, timeout_s, keys)
-        return put_pages_result(c, len(keys))
+        return lc.put_pages_result(c, len(keys))
 
     def lookup(self, keys: Sequence[str], *, timeout_s: float | None = None) -> LookupResult:
         """As :meth:`Session.lookup` with a list of keys (the session's tenant)."""
-        return lookup_result(self._call(w.Opcode.LOOKUP, 0, (), None, timeout_s, keys), keys)
+        return lc.lookup_result(self._call(w.Opcode.LOOKUP, 0, (), None, timeout_s, keys), keys)
 
     def ping(self, *, timeout_s: float | None = None) -> None:
         """One round trip that does no work in the daemon (the lane's own latency)."""
@@ -333,32 +280,18 @@ class FastLane:
         keys: Sequence[str] = (),
     ) -> w.Completion:
         with self._lock:
-            seq = self._submit_op(opcode, flags, transfers, op_id, keys)
+            seq = self.submit_raw(lc.request(opcode, flags, transfers, op_id, keys))
             return self.completion(seq, timeout_s)
 
-    def _submit_op(
-        self,
-        opcode: w.Opcode,
-        flags: int,
-        transfers: Sequence[Transfer],
-        op_id: str | None,
-        keys: Sequence[str] = (),
-    ) -> int:
-        op, wire, given = op_id or _new_op_id(), _wire(transfers), tuple(keys)
-        return self.submit_raw(
-            lambda view, offset, seq: w.encode_request(
-                view, offset, w.Request(opcode, flags, seq, op, wire, given)
-            )
-        )
-
-    def submit_raw(self, fill: Any) -> int:
-        """Publish one request written by ``fill(view, offset, seq)``; returns its seq.
-
-        The record-level entry point (tests use it to send hostile records).
+    def submit_raw(self, fill: lc.Fill) -> int:
+        """Publish one request written by ``fill(view, offset, seq)`` (:func:`_lane_common.request`
+        writes an op's); returns its seq. Thread-safe (under the lane's lock); the caller then
+        collects the completion (:meth:`completion`) before :data:`lane_wire.SLOTS` more are
+        in flight. Tests use it to send hostile records.
         """
         with self._lock:
             if self._closed:
-                raise _unavailable("the fast lane is closed")
+                raise lc.unavailable("the fast lane is closed")
             seq = self._tail
             if seq - self._collected >= w.SLOTS:
                 raise RuntimeError(f"{w.SLOTS} ops are already in flight on this lane: collect one first")
@@ -372,7 +305,7 @@ class FastLane:
         """True once the completion of ``seq`` is in the ring (never blocks)."""
         with self._lock:
             if self._closed:
-                raise _unavailable("the fast lane is closed")
+                raise lc.unavailable("the fast lane is closed")
             return self._collected > seq or int(self._counters[w.CQ_TAIL // 8]) > seq
 
     def completion(self, seq: int, timeout_s: float | None = None) -> w.Completion:
@@ -389,7 +322,7 @@ class FastLane:
         with self._lock:
             while self._collected <= seq:
                 if self._closed:
-                    raise _unavailable("the fast lane is closed")
+                    raise lc.unavailable("the fast lane is closed")
                 if int(self._counters[w.CQ_TAIL // 8]) > self._collected or self._spin():
                     s = self._collected
                     self._results[s] = self._read(s)
@@ -407,7 +340,7 @@ class FastLane:
                 raise w.RecordError(f"completion of seq {c.seq} in the slot of seq {seq}")
         except w.RecordError as exc:
             self.close(timeout_s=0)
-            raise _unavailable(
+            raise lc.unavailable(
                 f"the daemon wrote a malformed fast lane completion ({exc}); lane closed"
             ) from None
         return c
@@ -426,21 +359,19 @@ class FastLane:
     def _sleep(self, deadline: float | None) -> None:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            raise HiCacheError(grpc.StatusCode.DEADLINE_EXCEEDED, "fast lane op timed out", method="FastLane")
+            raise lc.timed_out()
         for fd, _ in self._poller.poll(None if left is None else max(1, int(left * 1000))):
             if fd == self._done:
-                with contextlib.suppress(BlockingIOError):
-                    os.eventfd_read(self._done)
+                lc.drain(self._done)
             else:
                 self.close()
-                raise _unavailable("the daemon closed the fast lane (session ended or daemon stopped)")
+                raise lc.closed_by_daemon()
 
     def wait_layer_event(self, timeout_s: float) -> bool:
         """Block until the layer doorbell rings (or ``timeout_s``); for waiters that do not spin."""
         ready = select.select([self._layer], [], [], timeout_s)[0]
         if ready:
-            with contextlib.suppress(BlockingIOError):
-                os.eventfd_read(self._layer)
+            lc.drain(self._layer)
         return bool(ready)
 
 
@@ -470,8 +401,7 @@ class PendingLoad:
         return int(self.lane.layer_ns[layer])
 
     def result(self, timeout_s: float | None = None) -> LoadResult:
-        c = self.lane.completion(self.seq, timeout_s)
-        return LoadResult(layers=c.layers, acks=_acks(c))
+        return lc.load_result(self.lane.completion(self.seq, timeout_s))
 
 
 __all__ = ["FastLane", "PendingLoad", "lane_path"]

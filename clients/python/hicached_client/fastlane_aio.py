@@ -4,7 +4,9 @@
 thread (one blocking round trip), then every op submits its record and awaits the
 completion doorbell on the event loop: nothing blocks the loop. Results and errors are the
 session's (``WriteResult``, ``LoadResult``, ``ResolveResult``, ``GetPagesResult``,
-``PutPagesResult``, ``HiCacheError``).
+``PutPagesResult``, ``HiCacheError``). What it shares with the blocking lane (the request
+record, the doorbell, errors, results) is in ``_lane_common.py``; it uses the blocking lane
+only through its public methods (``submit_raw``, ``published``, ``completion``, ``wake_fds``).
 
 Thread-safety: use one AsyncFastLane from one event loop; its ops are serialised by an
 ``asyncio.Lock``. :meth:`close` is idempotent.
@@ -13,23 +15,12 @@ Thread-safety: use one AsyncFastLane from one event loop; its ops are serialised
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 from collections.abc import Sequence
 from typing import Any, Self
 
-import grpc
-
+from hicached_client import _lane_common as lc
 from hicached_client import lane_wire as w
-from hicached_client.errors import HiCacheError
-from hicached_client.fastlane import (
-    FastLane,
-    _acks,
-    _transfers,
-    get_pages_result,
-    lookup_result,
-    put_pages_result,
-)
+from hicached_client.fastlane import FastLane
 from hicached_client.types import (
     GetPagesResult,
     LoadResult,
@@ -70,8 +61,8 @@ class AsyncFastLane:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> WriteResult:
-        c = await self._call(w.Opcode.WRITE, w.FLAG_ALLOCATE if allocate else 0, transfers, op_id, timeout_s)
-        return WriteResult(ok=c.ok, transfers=_transfers(c.transfers), acks=_acks(c))
+        flags = w.FLAG_ALLOCATE if allocate else 0
+        return lc.write_result(await self._call(w.Opcode.WRITE, flags, transfers, op_id, timeout_s))
 
     async def load(
         self,
@@ -82,14 +73,12 @@ class AsyncFastLane:
         timeout_s: float | None = None,
     ) -> LoadResult:
         flags = w.FLAG_LAYER_PROGRESS if layer_progress else 0
-        c = await self._call(w.Opcode.LOAD, flags, transfers, op_id, timeout_s)
-        return LoadResult(layers=c.layers, acks=_acks(c))
+        return lc.load_result(await self._call(w.Opcode.LOAD, flags, transfers, op_id, timeout_s))
 
     async def resolve_transfers(
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> ResolveResult:
-        c = await self._call(w.Opcode.RESOLVE, 0, transfers, op_id, timeout_s)
-        return ResolveResult(ok=c.ok, transfers=_transfers(c.transfers))
+        return lc.resolve_result(await self._call(w.Opcode.RESOLVE, 0, transfers, op_id, timeout_s))
 
     async def release_transfers(
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
@@ -97,7 +86,7 @@ class AsyncFastLane:
         return (await self._call(w.Opcode.RELEASE, 0, transfers, op_id, timeout_s)).value
 
     async def lookup(self, keys: Sequence[str], *, timeout_s: float | None = None) -> LookupResult:
-        return lookup_result(await self._call(w.Opcode.LOOKUP, 0, (), None, timeout_s, keys), keys)
+        return lc.lookup_result(await self._call(w.Opcode.LOOKUP, 0, (), None, timeout_s, keys), keys)
 
     async def get_pages(
         self,
@@ -109,7 +98,7 @@ class AsyncFastLane:
         timeout_s: float | None = None,
     ) -> GetPagesResult:
         flags = w.FLAG_INCLUDE_L3 if include_l3 else 0
-        return get_pages_result(
+        return lc.get_pages_result(
             await self._call(w.Opcode.GET_PAGES, flags, transfers, op_id, timeout_s, keys)
         )
 
@@ -122,7 +111,7 @@ class AsyncFastLane:
         timeout_s: float | None = None,
     ) -> PutPagesResult:
         c = await self._call(w.Opcode.PUT_PAGES, 0, transfers, op_id, timeout_s, keys)
-        return put_pages_result(c, len(keys))
+        return lc.put_pages_result(c, len(keys))
 
     async def ping(self, *, timeout_s: float | None = None) -> None:
         await self._call(w.Opcode.PING, 0, (), None, timeout_s)
@@ -137,20 +126,18 @@ class AsyncFastLane:
         keys: Sequence[str] = (),
     ) -> w.Completion:
         async with self._lock:
-            seq = self.lane._submit_op(opcode, flags, transfers, op_id, keys)
+            seq = self.lane.submit_raw(lc.request(opcode, flags, transfers, op_id, keys))
             try:
                 await asyncio.wait_for(self._ready(seq), timeout_s)
             except TimeoutError:
-                raise HiCacheError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "fast lane op timed out", method="FastLane"
-                ) from None
+                raise lc.timed_out() from None
             return self.lane.completion(seq)  # published: reads without waiting
 
     async def _ready(self, seq: int) -> None:
         """Until the completion of ``seq`` is published (UNAVAILABLE if the daemon closes the lane)."""
         lane = self.lane
         loop = asyncio.get_running_loop()
-        done_fd, conn_fd = lane._done, lane._conn.fileno()
+        done_fd, conn_fd = lane.wake_fds
         while not lane.published(seq):
             woke: asyncio.Future[int] = loop.create_future()
 
@@ -166,15 +153,10 @@ class AsyncFastLane:
                 loop.remove_reader(done_fd)
                 loop.remove_reader(conn_fd)
             if fd == done_fd:
-                with contextlib.suppress(BlockingIOError):
-                    os.eventfd_read(done_fd)
+                lc.drain(done_fd)
             elif not lane.published(seq):
                 lane.close()
-                raise HiCacheError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "the daemon closed the fast lane (session ended or daemon stopped)",
-                    method="FastLane",
-                )
+                raise lc.closed_by_daemon()
 
 
 __all__ = ["AsyncFastLane"]

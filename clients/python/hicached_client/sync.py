@@ -27,7 +27,12 @@ import grpc
 from hicached_client import _calls, _handoff
 from hicached_client import _sync_backend as backend
 from hicached_client._calls import Call, Service, new_op_id
-from hicached_client._channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelConfig, RetryPolicy
+from hicached_client._channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_RECEIVE_BYTES,
+    ChannelConfig,
+    RetryPolicy,
+)
 from hicached_client._sync_session import Session
 from hicached_client.errors import ClientClosedError, HiCacheError, from_rpc_error, start_failure
 from hicached_client.types import (
@@ -44,6 +49,8 @@ from hicached_client.v1 import types_pb2 as tpb
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# How often wait_ready looks again for a socket directory that does not exist yet.
+_DIR_POLL_S = 0.05
 
 
 class HiCacheClient:
@@ -54,8 +61,10 @@ class HiCacheClient:
     retries included. ``fast_lane``: sessions send their hot operations over the daemon's
     fast lane where it has one (see the session's docstring and docs/fastlane.md).
     ``max_message_bytes``: the largest message the channel sends or accepts (256 MiB, room for
-    large GetBytes/PutBytes batches); a tool that asks a daemon it may not trust only small
-    calls keeps it smaller, since an answer is parsed and converted whole.
+    large PutBytes batches). ``max_receive_bytes``: the largest answer it accepts (64 MiB, the
+    most a daemon at its default ``server.max_message_bytes`` sends; raise it with the daemon's
+    limits); an answer is parsed and converted whole, so this is what one call may make the
+    worker allocate, whatever the daemon (or an impostor) answers.
     """
 
     def __init__(
@@ -69,6 +78,7 @@ class HiCacheClient:
         options: Sequence[tuple[str, Any]] = (),
         fast_lane: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
     ) -> None:
         kwargs: dict[str, Any] = {"target": target} if target is not None else {}
         self.config = ChannelConfig(
@@ -77,6 +87,7 @@ class HiCacheClient:
             timeout_s=timeout_s,
             retry=retry or RetryPolicy(),
             max_message_bytes=max_message_bytes,
+            max_receive_bytes=max_receive_bytes,
             options=options,
             **kwargs,
         )
@@ -87,7 +98,7 @@ class HiCacheClient:
         }
         self._metadata = self.config.metadata()
         self._closed = False
-        self._dir_checked = False  # _handoff.check_socket_dir passed (before the first call)
+        self._dir_checked = False  # _handoff.check_socket_dir passed (see _check_dir)
         self.fast_lane = fast_lane
         # Sessions of this client: their heartbeats and fast lanes end before the channel closes.
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -119,12 +130,29 @@ class HiCacheClient:
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the channel connects; ``HiCacheError(UNAVAILABLE)`` after ``timeout_s``.
         The socket's directory is checked first, as before a call: connecting is what hands a
-        stranger the channel."""
-        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
-        if not backend.channel_ready(self._channel, timeout_s):
+        stranger the channel. A directory that does not exist yet (a daemon starting makes it)
+        is looked for again every 50 ms; still missing at ``timeout_s``, its UNAVAILABLE names it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._check_dir()
+                break
+            except HiCacheError as exc:
+                left = deadline - time.monotonic()
+                if exc.code != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                    raise
+                backend.pause(min(_DIR_POLL_S, left))
+        if not backend.channel_ready(self._channel, max(0.0, deadline - time.monotonic())):
             raise HiCacheError(
                 grpc.StatusCode.UNAVAILABLE, f"daemon at {self.target} not reachable within {timeout_s} s"
             )
+
+    def _check_dir(self) -> None:
+        """Before anything may connect: the socket's directory (:func:`_handoff.check_socket_dir`),
+        until it passed once (its failures, a missing directory included, raise and send nothing)."""
+        if not self._dir_checked:
+            _handoff.check_socket_dir(self.target)
+            self._dir_checked = True
 
     def _timeout(self, timeout_s: float | None) -> float | None:
         return self.config.timeout_s if timeout_s is None else timeout_s
@@ -137,7 +165,7 @@ class HiCacheClient:
         """Send a unary call (the channel retries transient failures with the same request)."""
         if self._closed:
             raise ClientClosedError(call.method)
-        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
+        self._check_dir()
         method = getattr(self._stubs[call.service], call.method)
         try:
             reply = method(
@@ -153,7 +181,7 @@ class HiCacheClient:
         """Start a server-streaming call; see :class:`LoadStream`."""
         if self._closed:
             raise ClientClosedError(call.method)
-        self._dir_checked = self._dir_checked or _handoff.check_socket_dir(self.target)
+        self._check_dir()
         method = getattr(self._stubs[call.service], call.method)
         try:
             rpc = method(

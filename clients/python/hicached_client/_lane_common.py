@@ -1,0 +1,169 @@
+"""What the blocking fast lane (``fastlane.py``) and its asyncio face (``fastlane_aio.py``)
+share: the descriptors a lane is made of, the request record of an op, the doorbell, the
+errors and the results of completions.
+
+Both lanes call these functions instead of each other's private methods: the asyncio lane
+waits on the event loop where the blocking one sleeps in ``poll``, and the rest is here once.
+Pure functions over their arguments (no state of their own): thread-safe; the fds passed in
+stay owned by the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+from collections.abc import Callable, Sequence
+
+import grpc
+import numpy as np
+
+from hicached_client import lane_wire as w
+from hicached_client._convert import check_hit_run
+from hicached_client.errors import HiCacheError
+from hicached_client.types import (
+    GetPagesResult,
+    LoadResult,
+    LookupResult,
+    PoolAck,
+    PutPagesResult,
+    ResolveResult,
+    Transfer,
+    WriteResult,
+)
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_EVENTFD = "anon_inode:[eventfd]"
+# A memfd's /proc link: "/memfd:<name> (deleted)".
+_MEMFD = "/memfd:"
+
+# A request record's writer, as FastLane.submit_raw takes it: fill(view, offset, seq).
+Fill = Callable[[memoryview, int, int], None]
+
+
+def unavailable(message: str) -> HiCacheError:
+    """The lane is gone or is no lane: the session's op goes over gRPC."""
+    return HiCacheError(grpc.StatusCode.UNAVAILABLE, message, method="FastLane")
+
+
+def closed_by_daemon() -> HiCacheError:
+    return unavailable("the daemon closed the fast lane (session ended or daemon stopped)")
+
+
+def timed_out() -> HiCacheError:
+    return HiCacheError(grpc.StatusCode.DEADLINE_EXCEEDED, "fast lane op timed out", method="FastLane")
+
+
+# ------------------------------------------------------------ what a lane is made of
+
+
+def _link(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
+def check_received(memfd: int, doorbells: Sequence[int]) -> None:
+    """UNAVAILABLE unless ``memfd`` is a sealed memfd of :data:`lane_wire.RING_BYTES` and every
+    doorbell an eventfd. What the other side sent at negotiation is used as such: the client
+    writes, polls and reads the doorbells and maps the ring, so a pipe, a socket or a file in
+    their place (a broken or hostile daemon's, or an impostor's) is no lane. Closes nothing:
+    the caller closes every received fd on failure."""
+    st = os.fstat(memfd)
+    link = _link(memfd)
+    if not stat.S_ISREG(st.st_mode) or not link.startswith(_MEMFD):
+        raise unavailable(f"the daemon's lane ring is not a memfd ({link[:40]!r})")
+    seals = fcntl.fcntl(memfd, fcntl.F_GET_SEALS)
+    if seals & _SEALS != _SEALS or st.st_size != w.RING_BYTES:
+        raise unavailable(f"the daemon's lane ring is not sealed or has size {st.st_size}")
+    for fd in doorbells:
+        if (link := _link(fd)) != _EVENTFD:
+            raise unavailable(f"a doorbell the daemon sent is not an eventfd ({link[:40]!r})")
+
+
+def drain(doorbell: int) -> None:
+    """Reset a doorbell that rang (an eventfd in non-blocking mode: nothing to read is fine)."""
+    with contextlib.suppress(BlockingIOError):
+        os.eventfd_read(doorbell)
+
+
+# ------------------------------------------------------------ requests
+
+
+def new_op_id() -> str:
+    return os.urandom(16).hex()
+
+
+def _wire(transfers: Sequence[Transfer]) -> tuple[w.WireTransfer, ...]:
+    return tuple(
+        w.WireTransfer(
+            t.pool,
+            np.asarray(t.device_pages, dtype=np.int64),
+            None if t.host_pages is None else np.asarray(t.host_pages, dtype=np.int64),
+            t.host_allocated,
+        )
+        for t in transfers
+    )
+
+
+def request(
+    opcode: w.Opcode, flags: int, transfers: Sequence[Transfer], op_id: str | None, keys: Sequence[str] = ()
+) -> Fill:
+    """The writer of one op's request record (a fresh op id when ``op_id`` is None)."""
+    op, wire, given = op_id or new_op_id(), _wire(transfers), tuple(keys)
+
+    def fill(view: memoryview, offset: int, seq: int) -> None:
+        w.encode_request(view, offset, w.Request(opcode, flags, seq, op, wire, given))
+
+    return fill
+
+
+# ------------------------------------------------------------ results
+
+
+def transfers_of(ts: tuple[w.WireTransfer, ...]) -> tuple[Transfer, ...]:
+    return tuple(
+        Transfer(
+            t.pool,
+            tuple(int(x) for x in (t.device if t.device is not None else ())),
+            tuple(int(x) for x in (t.host if t.host is not None else ())),
+            t.host_allocated,
+        )
+        for t in ts
+    )
+
+
+def acks(c: w.Completion) -> tuple[PoolAck, ...]:
+    return tuple(PoolAck(a.pool, a.pages, a.tokens, a.bytes) for a in c.acks)
+
+
+def write_result(c: w.Completion) -> WriteResult:
+    return WriteResult(ok=c.ok, transfers=transfers_of(c.transfers), acks=acks(c))
+
+
+def load_result(c: w.Completion) -> LoadResult:
+    return LoadResult(layers=c.layers, acks=acks(c))
+
+
+def resolve_result(c: w.Completion) -> ResolveResult:
+    return ResolveResult(ok=c.ok, transfers=transfers_of(c.transfers))
+
+
+def get_pages_result(c: w.Completion) -> GetPagesResult:
+    return GetPagesResult(hit_pages=c.value, acks=acks(c))
+
+
+def lookup_result(c: w.Completion, keys: Sequence[str]) -> LookupResult:
+    l2, total = w.lookup_counts(c.value)
+    check_hit_run("Lookup", max(l2, total), len(keys))
+    return LookupResult(keys=tuple(keys), l2_hit_pages=l2, total_hit_pages=total)
+
+
+def put_pages_result(c: w.Completion, nkeys: int) -> PutPagesResult:
+    # The core counts every key it did not store as existing when ok, none when refused.
+    existing = nkeys - c.value if c.ok else 0
+    return PutPagesResult(
+        ok=c.ok, stored_pages=c.value, existing_pages=existing, acks=acks(c), reason=c.message
+    )
