@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hicached.coerce import one_of
-from hicached.config import Config, describe, resolve
+from hicached.config import Config, LogFormat, LogLevel, describe, resolve
 from hicached.l3.registry import L3Backend
 from hicached.logs import escape_controls
 
@@ -38,8 +38,8 @@ CONFIG_FLAGS: dict[str, tuple[str, str]] = {
     "l3": ("l3.backend", f"L3 backend: {one_of(L3Backend)}"),
     "l3_path": ("l3.file.path", "directory of the file backend"),
     "lease_ms": ("sessions.lease_ms", "default session lease in milliseconds"),
-    "log_level": ("log.level", "debug, info, warning or error"),
-    "log_format": ("log.format", "text or json"),
+    "log_level": ("log.level", f"log level: {one_of(LogLevel)}"),
+    "log_format": ("log.format", f"log format: {one_of(LogFormat)}"),
 }
 
 

@@ -26,11 +26,6 @@ from hicached.errors import InvalidArgument
 __all__ = ["ALIASES", "KEYS", "OTHER_ENV", "all_keys", "env_var", "resolve"]
 
 
-# Plain-text keys with a closed vocabulary (a key typed with a StrEnum is checked by the coercer).
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "log.level": ("debug", "info", "warning", "error"),
-    "log.format": ("text", "json"),
-}
 _POSITIVE = {
     "server.handoff_max_fds",
     "server.handoff_ticket_ttl_s",
@@ -89,8 +84,6 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any, tp: Any = None, *, 
     if tp is None:
         section, _, name = key.partition(".")
         tp = type_hints(SECTION_TYPES[section])[name]
-    if key in _CHOICES and not (isinstance(value, str) and value in _CHOICES[key]):
-        raise ConfigError(f"invalid {key} = {value!r}: expected one of {', '.join(_CHOICES[key])}")
     try:
         out = coerce(value, tp, label=key, metadata=f.metadata, text=text)
     except InvalidArgument as exc:

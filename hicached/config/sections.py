@@ -8,6 +8,7 @@ thread-safe.
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ __all__ = [
     "L3Config",
     "LimitsConfig",
     "LogConfig",
+    "LogFormat",
+    "LogLevel",
     "ServerConfig",
     "SessionConfig",
     "available_memory_bytes",
@@ -397,11 +400,27 @@ class LimitsConfig:
     )
 
 
+class LogLevel(enum.StrEnum):
+    """``log.level``: the least severe records written."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class LogFormat(enum.StrEnum):
+    """``log.format``: how each record is written (hicached.logs)."""
+
+    TEXT = "text"
+    JSON = "json"
+
+
 @dataclass(frozen=True)
 class LogConfig:
-    level: str = _f("info", "debug, info, warning or error.")
-    format: str = _f(
-        "text",
+    level: LogLevel = _f(LogLevel.INFO, f"{one_of(LogLevel)}.")
+    format: LogFormat = _f(
+        LogFormat.TEXT,
         (
             'text (one line per record: message, then key=value; a value with a space, =, ", \\ or a '
             "non-printable character is a JSON string, any value is cut at 200 characters; a traceback "
