@@ -15,6 +15,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from hicached_client.pathwalk import walk
+
 from hicached.config import ConfigError, L3Config, ServerConfig
 from hicached.l3.framing import KEY_MIN_BYTES, L3Key
 from hicached.paths import foreign_on_path
@@ -40,12 +42,13 @@ MAX_CREDENTIAL_BYTES = 1 << 20
 
 
 def _read(key: str, path: str) -> bytes:
-    """The file's bytes. ConfigError naming ``key`` for a file that cannot be read, is not a
-    regular file (opened without blocking: a FIFO hung the start), is over
-    MAX_CREDENTIAL_BYTES, that its group or others can write (they would choose the token
-    or key: the admin token gives every admin call; workers may share the daemon's group),
-    that a uid other than root and the daemon's owns, or that someone else could replace
-    (:func:`_check_where`)."""
+    """The file's bytes. ConfigError naming ``key`` for a file that someone else could replace
+    (:func:`_check_where`, judged before it is opened, and the file opened checked to be the
+    one judged), that cannot be read, is not a regular file (opened without blocking: a FIFO
+    hung the start), is over MAX_CREDENTIAL_BYTES, that its group or others can write (they
+    would choose the token or key: the admin token gives every admin call; workers may share
+    the daemon's group), or that a uid other than root and the daemon's owns."""
+    judged = _check_where(key, path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
@@ -53,6 +56,8 @@ def _read(key: str, path: str) -> bytes:
             data = f.read(MAX_CREDENTIAL_BYTES + 1) if stat.S_ISREG(st.st_mode) else b""
     except OSError as exc:
         raise ConfigError(f"{key} = {path!r}: cannot read it: {exc.strerror}") from None
+    if (st.st_dev, st.st_ino) != judged:
+        raise ConfigError(f"{key} = {path!r}: the file changed while it was checked; try again")
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"{key} = {path!r}: not a regular file")
     if len(data) > MAX_CREDENTIAL_BYTES:
@@ -71,41 +76,41 @@ def _read(key: str, path: str) -> bytes:
             f"{key} = {path!r}: the file is owned by uid {st.st_uid}, who could choose its contents; "
             f"chown it to root or uid {me}"
         )
-    _check_where(key, path)
     return data
 
 
-def _check_where(key: str, path: str) -> None:
-    """ConfigError naming ``key`` when a uid other than root and the daemon's could put another
-    file at ``path``: it owns a directory or symlink on the way, given or resolved
-    (:func:`hicached.paths.foreign_on_path`, as for the socket and journal directories), or
-    the directory holding the name, or the one holding the file it resolves to, is writable
-    by its group or others without the sticky bit. Sticky directories (``/tmp``, a Kubernetes
-    Secret volume's 1777 mount) are accepted: there only a file's owner, checked above, can
-    rename or remove it. The directories above are judged by owner only, as the socket
-    directory's are (a pod's emptyDir is root's and 0777)."""
+def _check_where(key: str, path: str) -> tuple[int, int]:
+    """The ``(st_dev, st_ino)`` of the file ``path`` resolves to; ConfigError naming ``key``
+    when it does not exist or a uid other than root and the daemon's could put another file
+    there: it owns a directory or symlink the way to the file passes through (the kernel's way,
+    symlinks met half-way and ``..`` included: :func:`hicached.paths.foreign_on_path`, as for
+    the socket and journal directories), or one of those directories is writable by its group
+    or others without the sticky bit (they could swap what it holds, between this check and
+    the read too). Sticky directories (``/tmp``, a Kubernetes Secret volume's 1777 mount) are
+    accepted: there only an entry's owner, checked here, can rename or remove it."""
     me = os.geteuid()
-    found = foreign_on_path(Path(path), (me, 0), itself=False)
+    try:
+        found = foreign_on_path(Path(path), (me, 0), itself=False)
+        way = walk(path)
+    except OSError as exc:  # a loop, a file on the way, a directory this uid cannot search
+        raise ConfigError(f"{key} = {path!r}: cannot check its path: {exc.strerror}") from None
     if found is not None:
         raise ConfigError(
             f"{key} = {path!r}: {found.path} on its path is {found.kind} owned by uid {found.uid}, "
             f"who could replace the file; use a path owned by root or uid {me}"
         )
-    given = os.path.abspath(path)
-    # The directory holding the name as given, and the one holding the file it resolves to.
-    holders = (os.path.realpath(os.path.dirname(given)), os.path.dirname(os.path.realpath(given)))
-    for directory in dict.fromkeys(holders):
-        try:
-            mode = os.stat(directory).st_mode
-        except OSError:
-            continue  # the file was just read through it; nothing to judge now
-        if mode & (stat.S_IWOTH | stat.S_IWGRP) and not mode & stat.S_ISVTX:
+    if way.final is None:
+        raise ConfigError(f"{key} = {path!r}: cannot read it: {way.missing} does not exist")
+    for step in way.steps:
+        mode = step.st.st_mode
+        if step.directory and mode & (stat.S_IWOTH | stat.S_IWGRP) and not mode & stat.S_ISVTX:
             who = "others" if mode & stat.S_IWOTH else "its group"
             raise ConfigError(
-                f"{key} = {path!r}: its directory {directory} is writable by {who} (mode "
+                f"{key} = {path!r}: {step.path} on its path is writable by {who} (mode "
                 f"{stat.S_IMODE(mode):04o}) without the sticky bit: they could replace the file; "
                 "chmod go-w the directory or move the file"
             )
+    return way.final.st.st_dev, way.final.st.st_ino
 
 
 def _warn_if_readable(key: str, path: str) -> None:

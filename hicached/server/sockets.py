@@ -110,7 +110,10 @@ def _check_path(directory: Path) -> None:
     sockets, or its workers, elsewhere. The socket directory's own owner and mode are
     ``prepare_dir``'s to check."""
     me = os.geteuid()
-    found = foreign_on_path(directory, (me, 0), itself=False)
+    try:
+        found = foreign_on_path(directory, (me, 0), itself=False)
+    except OSError as exc:  # a loop, a file on the way, a directory this uid cannot search
+        raise StartupError(f"socket directory {directory}: cannot check its path: {exc.strerror}") from None
     if found is not None:
         raise StartupError(
             f"socket directory {directory}: {found.path} on its path is {found.kind} owned by uid "

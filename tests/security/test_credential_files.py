@@ -9,6 +9,7 @@ the sticky bit): refused too, whatever the file's mode."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,46 @@ def test_a_credential_file_in_a_sticky_directory_is_accepted(tmp_path: Path) -> 
     token = _secret(sticky / "token")
     daemon = start_daemon("--listen", f"127.0.0.1:{free_port()}", "--set", f"server.auth_token_file={token}")
     daemon.stop()
+
+
+@pytest.mark.parametrize("form", ["link/..", "a symlink half-way"])
+def test_a_credential_path_the_kernel_resolves_through_another_users_entries_is_refused(
+    tmp_path: Path, form: str
+) -> None:
+    """Fails before: the check judged the path as text and as ``realpath``, not as the kernel
+    walks it. ``etc/link/..`` is the parent of what ``link`` points to (another user's ``evil``),
+    and a root-owned ``etc/token`` -> ``evil/hop`` -> a root-owned file passes through
+    ``evil`` and its symlink ``hop`` on neither path: the review's repro read a token of the
+    other user's choice ("Linux", from a root-owned /proc file its symlink pointed to)."""
+    uid = other_user()
+    etc, evil = tmp_path / "etc", tmp_path / "evil"
+    etc.mkdir()
+    (evil / "sub").mkdir(parents=True)
+    for path in (evil, evil / "sub"):
+        os.chown(path, uid, uid)
+    real = _secret(tmp_path / "real-token")
+    if form == "link/..":
+        os.symlink(evil / "sub", etc / "link")
+        shutil.copy(real, evil / "token")  # root's and 0400: only its directory is theirs
+        token = f"{etc}/link/../token"
+    else:
+        os.symlink(real, evil / "hop")
+        os.lchown(evil / "hop", uid, uid)
+        os.symlink(evil / "hop", etc / "token")
+        token = str(etc / "token")
+    line = _one_line(_serve(tmp_path, "--set", f"server.auth_token_file={token}"))
+    assert "server.auth_token_file" in line and f"{evil} on its path" in line and f"uid {uid}" in line, line
+
+
+def test_a_credential_file_below_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    """Fails before: only the directory holding the file was judged by its write bits, those
+    above by owner only. Anyone who can write ``shared`` (root's, 0777, not sticky) can swap
+    ``sec`` for a directory of theirs and back (``renameat2(RENAME_EXCHANGE)``): the review's
+    race read a token of its choice in about 2 % of starts. Now every directory on the way is
+    judged, before the file is read."""
+    sec = tmp_path / "shared" / "sec"
+    sec.mkdir(parents=True)
+    sec.parent.chmod(0o777)
+    token = _secret(sec / "token")
+    line = _one_line(_serve(tmp_path, "--set", f"server.auth_token_file={token}"))
+    assert f"{sec.parent} on its path is writable by others" in line and "sticky" in line, line

@@ -31,6 +31,7 @@ import grpc
 import pytest
 from hicached_client import HiCacheError
 from hicached_client import lane_wire as w
+from hicached_client._lane_common import drain
 from hicached_client.fastlane import FastLane
 
 from tests.security.roles_helpers import scratch_dir
@@ -120,7 +121,7 @@ class HostileLane:
         socket.send_fds(conn, [b"ok lane\n"], [fd, *efds])
         os.close(fd)
         seq = 0
-        if self.doorbell != "eventfd":  # nothing to serve: the worker must refuse the lane
+        if self.doorbell not in ("eventfd", "blocking eventfd"):  # the worker must refuse the lane
             self.stop.wait()
         while not self.stop.is_set():
             if not select.select([efds[0]], [], [], 0.1)[0]:
@@ -147,6 +148,8 @@ class HostileLane:
             return read
         if self.doorbell == "memfd":  # always readable: the worker's poll would spin
             return os.memfd_create("bell")
+        if self.doorbell == "blocking eventfd":
+            return os.eventfd(0)
         return os.eventfd(0, os.EFD_NONBLOCK)
 
     def close(self) -> None:
@@ -248,3 +251,22 @@ def test_doorbells_that_are_not_eventfds_are_no_lane(run_dir: Path, doorbell: st
     assert "not an eventfd" in info.value.message
     leaked = {fd: link for fd, link in _open_fds().items() if before.get(fd) != link}
     assert not leaked, f"received descriptors left open: {leaked}"
+
+
+def test_a_blocking_doorbell_does_not_block_the_worker(run_dir: Path) -> None:
+    """Fails before: an eventfd without O_NONBLOCK passed the checks, and resetting it with
+    nothing to read (the asyncio lane does so on its event loop) blocked for good (the review's
+    repro: still blocked after 2 s). Now the worker makes every doorbell non-blocking."""
+    path = run_dir / "hicached.sock.lane"
+    hostile = HostileLane(path, lambda view, at: None, doorbell="blocking eventfd")
+    try:
+        lane = FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
+        lane.ping(timeout_s=5)
+        done, _ = lane.wake_fds
+        reset = threading.Thread(target=drain, args=(done,), daemon=True)
+        reset.start()
+        reset.join(5)
+        assert not reset.is_alive(), "resetting a doorbell with nothing to read blocked"
+        lane.close()
+    finally:
+        hostile.close()

@@ -15,7 +15,7 @@ import os
 import shutil
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -61,16 +61,25 @@ def base() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _call_stranger(run: Path, *, wait_ready: bool = False) -> tuple[HiCacheError, int]:
-    """A byte-only attach with a token against a stranger listening at ``run/hicached.sock``,
-    after ``client.wait_ready`` when ``wait_ready``: (the error, bytes the stranger received)."""
+def _call_stranger(
+    run: Path,
+    *,
+    wait_ready: bool = False,
+    target: str | None = None,
+    before: Callable[[], None] = lambda: None,
+) -> tuple[HiCacheError, int]:
+    """A byte-only attach with a token against a stranger listening at ``run/hicached.sock``
+    (the client's target that socket unless ``target`` names it otherwise; ``before`` runs once
+    the stranger listens), after ``client.wait_ready`` when ``wait_ready``: (the error, bytes
+    the stranger received)."""
     sock = run / "hicached.sock"
     stranger = popen_as_other(STRANGER, str(sock))
     try:
         assert stranger.stdout is not None
         assert stranger.stdout.readline().strip() == "ready"
+        before()
         with (
-            HiCacheClient(f"unix://{sock}", token="worker-token", timeout_s=3) as client,
+            HiCacheClient(target or f"unix://{sock}", token="worker-token", timeout_s=3) as client,
             pytest.raises(HiCacheError) as info,
         ):
             if wait_ready:
@@ -99,6 +108,35 @@ def test_a_strangers_socket_directory_gets_nothing(base: Path, wait_ready: bool)
     err, received = _call_stranger(run, wait_ready=wait_ready)
     assert err.code == grpc.StatusCode.PERMISSION_DENIED, err
     assert f"owned by uid {uid}" in err.message and "HICACHED_DAEMON_UID" in err.message
+    assert received == 0, f"the stranger got {received} bytes of the worker's calls"
+
+
+@pytest.mark.parametrize("form", ["link/..", "socket symlink"])
+def test_a_trusted_path_the_kernel_resolves_into_a_strangers_directory_gets_nothing(
+    base: Path, form: str
+) -> None:
+    """Fails before: the check judged ``link/..`` as text (``trusted``, root's) where the kernel
+    goes to the parent of what ``link`` points to (the stranger's ``evil``), and it never looked
+    at the socket's own name, a root-owned symlink into ``evil``: the stranger received the
+    worker's token and Attach (459 bytes in the review's repro). Now the walk is the kernel's."""
+    uid = other_user()
+    evil, trusted = base / "evil", base / "trusted"
+    (evil / "sub").mkdir(parents=True)
+    for path in (evil, evil / "sub"):
+        os.chown(path, uid, -1)
+    trusted.mkdir()
+    (trusted / "link").symlink_to(evil / "sub")
+    if form == "link/..":
+        target, before = f"unix://{trusted}/link/../hicached.sock", lambda: None
+    else:
+        target = f"unix://{trusted}/hicached.sock"
+
+        def before() -> None:
+            (trusted / "hicached.sock").symlink_to(evil / "hicached.sock")
+
+    err, received = _call_stranger(evil, target=target, before=before)
+    assert err.code == grpc.StatusCode.PERMISSION_DENIED, err
+    assert f"{evil}, on the way" in err.message and f"owned by uid {uid}" in err.message
     assert received == 0, f"the stranger got {received} bytes of the worker's calls"
 
 

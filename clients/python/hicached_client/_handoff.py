@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from hicached_client import pathwalk
 from hicached_client.errors import HiCacheError
 from hicached_client.v1 import types_pb2 as tpb
 
@@ -128,64 +129,59 @@ def check_daemon(
 
 def check_socket_dir(target: str) -> None:
     """PERMISSION_DENIED unless only :func:`trusted_uids` can put a socket at a ``unix:`` target's
-    path: its directory owned by one of them and not writable by its group or others (the
-    daemon's own rule for it), every directory and symlink above owned by one of them, on the
-    path as written and as resolved (``os.path.realpath``: a trusted symlink may point into a
-    stranger's directory, whose owner can swap what it holds). Whoever could put a socket there
-    would receive the worker's token and Attach and answer its calls (the gRPC channel cannot ask
-    the kernel who listens, as :func:`check_daemon` does; a sound directory keeps every reconnect
-    of the channel in trusted hands too). Returns for TCP and once the directory passed.
+    path: every directory the way to the socket passes through and every symlink it follows
+    (the kernel's way, :func:`hicached_client.pathwalk.walk`: ``link/..`` and symlinks met
+    half-way included, the socket's own name when it is a symlink) owned by one of them, and the
+    directory that holds the socket not writable by its group or others (the daemon's own rule
+    for it). Whoever could put a socket there would receive the worker's token and Attach and
+    answer its calls (the gRPC channel cannot ask the kernel who listens, as
+    :func:`check_daemon` does; a sound directory keeps every reconnect of the channel in
+    trusted hands too). Returns for TCP targets.
     UNAVAILABLE, naming the directory, when it does not exist (nothing to judge: the call must
-    not go ahead, or whoever creates it first gets the connection) or cannot be read (a parent
-    that is a file or not searchable). The check judges the path, not a connection the channel
-    already holds: every entry point that may connect (calls, :meth:`wait_ready`) runs it first.
-    Thread-safe (reads the file system only)."""
+    not go ahead, or whoever creates it first gets the connection) or cannot be walked (a
+    parent that is a file or not searchable, a symlink loop). The check judges the path, not a
+    connection the channel already holds: every entry point that may connect (calls,
+    :meth:`wait_ready`) runs it first. Thread-safe (reads the file system only)."""
     path = handoff_path(target)
     if path is None:
         return
-    directory = os.path.dirname(os.path.abspath(path))
+    sock = path[: -len(SUFFIX)]  # as written: abspath would undo a `link/..` as text
     try:
-        _judge_socket_dir(path, directory, trusted_uids())
-    except FileNotFoundError:
+        way = pathwalk.walk(sock)
+    except OSError as exc:
         raise HiCacheError(
             grpc.StatusCode.UNAVAILABLE,
-            f"the daemon's socket directory {directory} does not exist (is the daemon running?); "
+            f"cannot check the daemon's socket directory {os.path.dirname(sock)}: {exc.strerror}",
+        ) from None
+    if len(way.remaining) > 1:
+        raise HiCacheError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the daemon's socket directory {way.missing} does not exist (is the daemon running?); "
             "not connecting until it does",
-        ) from None
-    except OSError as exc:  # a parent that is a file, or that this uid cannot search
-        raise HiCacheError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"cannot check the daemon's socket directory {directory}: {exc.strerror}",
-        ) from None
+        )
+    _judge_socket_dir(sock, way, trusted_uids())
 
 
-def _judge_socket_dir(path: str, directory: str, trusted: frozenset[int]) -> None:
-    st = os.stat(directory)
-    whom = (st.st_uid, directory) if st.st_uid not in trusted else None
-    if whom is None and st.st_mode & 0o022:
-        raise HiCacheError(
-            grpc.StatusCode.PERMISSION_DENIED,
-            f"the daemon's socket directory {directory} is writable by its group or others "
-            f"(mode {st.st_mode & 0o777:o}): anyone who can write it can answer as the daemon; "
-            "refusing to connect",
-        )
-    # As written, then as resolved: the daemon's rule (hicached/paths.py, foreign_on_path),
-    # kept here in small because the client cannot import the daemon's package.
-    for start in (directory, os.path.realpath(directory)):
-        at = start
-        while whom is None and at != os.path.dirname(at):
-            for owner in (os.lstat(at).st_uid, os.stat(at).st_uid):
-                if owner not in trusted:
-                    whom = (owner, at)
-            at = os.path.dirname(at)
-    if whom is not None:
-        uid, where = whom
-        raise HiCacheError(
-            grpc.StatusCode.PERMISSION_DENIED,
-            f"{where}, on the way to the daemon's socket {path[: -len(SUFFIX)]}, is owned by uid {uid}, "
-            f"not by root or this process's uid {os.geteuid()}: refusing to connect (if uid {uid} "
-            f"runs your daemon, set {DAEMON_UID_ENV}={uid})",
-        )
+def _judge_socket_dir(sock: str, way: pathwalk.Walk, trusted: frozenset[int]) -> None:
+    # The directory holding the socket (or where the socket would be): the last one reached.
+    holder = way.reached if way.remaining else os.path.dirname(way.reached)
+    for step in way.steps:
+        if step is way.final:
+            continue  # the socket itself: whoever listens there is the daemon's directory's choice
+        if step.st.st_uid not in trusted:
+            raise HiCacheError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{step.path}, on the way to the daemon's socket {sock}, is owned by uid {step.st.st_uid}, "
+                f"not by root or this process's uid {os.geteuid()}: refusing to connect (if uid "
+                f"{step.st.st_uid} runs your daemon, set {DAEMON_UID_ENV}={step.st.st_uid})",
+            )
+        if step.path == holder and step.directory and step.st.st_mode & 0o022:
+            raise HiCacheError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the daemon's socket directory {holder} is writable by its group or others "
+                f"(mode {step.st.st_mode & 0o777:o}): anyone who can write it can answer as the "
+                "daemon; refusing to connect",
+            )
 
 
 def hand_over(path: str, fds: Sequence[int], timeout_s: float | None) -> str | None:

@@ -69,8 +69,10 @@ def check_received(memfd: int, doorbells: Sequence[int]) -> None:
     """UNAVAILABLE unless ``memfd`` is a sealed memfd of :data:`lane_wire.RING_BYTES` and every
     doorbell an eventfd. What the other side sent at negotiation is used as such: the client
     writes, polls and reads the doorbells and maps the ring, so a pipe, a socket or a file in
-    their place (a broken or hostile daemon's, or an impostor's) is no lane. Closes nothing:
-    the caller closes every received fd on failure."""
+    their place (a broken or hostile daemon's, or an impostor's) is no lane. Each doorbell is
+    then made non-blocking (:func:`drain` reads it on an event loop too: a blocking one with
+    nothing to read would hold the loop). Closes nothing: the caller closes every received fd
+    on failure."""
     st = os.fstat(memfd)
     link = _link(memfd)
     if not stat.S_ISREG(st.st_mode) or not link.startswith(_MEMFD):
@@ -81,6 +83,7 @@ def check_received(memfd: int, doorbells: Sequence[int]) -> None:
     for fd in doorbells:
         if (link := _link(fd)) != _EVENTFD:
             raise unavailable(f"a doorbell the daemon sent is not an eventfd ({link[:40]!r})")
+        os.set_blocking(fd, False)
 
 
 def drain(doorbell: int) -> None:
