@@ -366,6 +366,32 @@ def test_uids_filling_every_handoff_slot_do_not_keep_another_uid_waiting(served:
             s.close()
 
 
+def test_a_newcomer_that_would_hold_as_many_as_the_top_waits_for_a_slot(served: Served) -> None:
+    """All taken (32 + 31 + one of root's), one more of the uid holding 31 displaces nobody (it
+    would then hold as many as the top): it is answered once a slot frees, as before."""
+    first, second = other_user(), unused_uid()
+    idle: list[socket.socket] = []
+    try:
+        idle += connections_as(first, served.path, MAX_CONNECTIONS_PER_UID)
+        idle += connections_as(second, served.path, MAX_CONNECTIONS_PER_UID - 1)
+        ours = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        idle.append(ours)
+        ours.connect(str(served.path))
+        newcomer = connections_as(second, served.path, 1)[0]
+        idle.append(newcomer)
+        newcomer.sendall(MAGIC)
+        ours.settimeout(CONNECTION_TIMEOUT_S / 2)
+        ours.sendall(MAGIC)  # its answer frees a slot
+        assert ours.recv(200).startswith(b"ok ")
+        newcomer.settimeout(CONNECTION_TIMEOUT_S / 2)  # a slot freed: not its timer's drop
+        assert newcomer.recv(200).startswith(b"ok ")
+        readable, _, _ = select.select(idle[: 2 * MAX_CONNECTIONS_PER_UID - 1], [], [], 0)
+        assert not [s for s in readable if s.recv(200).startswith(b"error")], "nobody was displaced"
+    finally:
+        for s in idle:
+            s.close()
+
+
 def test_uids_filling_every_ticket_do_not_lock_another_uid_out() -> None:
     """A reviewer's 8 uids, 32 tickets each, held all 256: an honest uid's attaches failed
     ("too many pending handoffs") 38 times in 38. Now a full registry drops the oldest ticket of
