@@ -239,7 +239,17 @@ class HandoffServer:
     :data:`CONNECTION_TIMEOUT_S`). At most :data:`MAX_CONNECTIONS` are open at once, at most
     :data:`MAX_CONNECTIONS_PER_UID` of one uid (``SO_PEERCRED`` at accept: :class:`UidSlots`,
     taken and released on the loop).
-    ``start``/``close`` must be called on the loop's thread.
+
+    All taken, the listener still accepts one connection more to learn its uid: if the uid
+    holding the most would then still hold more than the newcomer's, the oldest of its
+    connections is answered ``error RESOURCE_EXHAUSTED`` and closed, and the newcomer is
+    admitted at once (:meth:`_make_room`: the registry's rule for tickets), so uids filling
+    every slot with idle connections cannot keep another uid's handoff waiting out their
+    timers. Else the newcomer waits, accepted but not read, for the next slot to free and
+    the listener stops accepting until then (the kernel's backlog holds the rest).
+
+    Thread-safety: none needed; ``start``/``close`` and every callback run on the loop's
+    thread (the connections, the parked newcomer and the listener's reader are loop-only).
     """
 
     def __init__(self, registry: HandoffRegistry, path: Path, *, mode: int, max_fds: int) -> None:
@@ -251,6 +261,8 @@ class HandoffServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conns: dict[socket.socket, asyncio.TimerHandle] = {}
         self._uid_of: dict[socket.socket, int] = {}
+        # All taken and its uid could displace none: admitted when a slot frees (its uid slot held).
+        self._parked: tuple[socket.socket, int] | None = None
         self._uids = UidSlots(MAX_CONNECTIONS_PER_UID, "fd handoffs under way", "finish one and retry")
         self._bound: BoundSocket | None = None
         self._pauses = AcceptPauses("fd handoff", "handoff")
@@ -281,7 +293,7 @@ class HandoffServer:
 
     def _accept(self) -> None:
         assert self._listener is not None and self._loop is not None
-        while len(self._conns) < MAX_CONNECTIONS:
+        while self._parked is None:
             try:
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -293,13 +305,48 @@ class HandoffServer:
             if refusal is not None:
                 refuse(conn, refusal)
                 continue
-            conn.setblocking(False)
-            timer = self._loop.call_later(CONNECTION_TIMEOUT_S, self._drop, conn)
-            self._conns[conn] = timer
-            self._uid_of[conn] = uid
-            self._loop.add_reader(conn.fileno(), self._serve, conn)
-        # Full: stop accepting until a connection finishes (the kernel backlog holds the rest).
-        self._loop.remove_reader(self._listener.fileno())
+            if len(self._conns) >= MAX_CONNECTIONS and not self._make_room(uid):
+                self._parked = (conn, uid)
+                # Stop accepting until a slot frees (the kernel backlog holds the rest).
+                self._loop.remove_reader(self._listener.fileno())
+                return
+            self._admit(conn, uid)
+
+    def _admit(self, conn: socket.socket, uid: int) -> None:
+        """``conn`` (its uid slot taken) gets a slot: read when it sends, dropped on its timer."""
+        assert self._loop is not None
+        conn.setblocking(False)
+        self._conns[conn] = self._loop.call_later(CONNECTION_TIMEOUT_S, self._drop, conn)
+        self._uid_of[conn] = uid
+        self._loop.add_reader(conn.fileno(), self._serve, conn)
+
+    def _make_room(self, uid: int) -> bool:
+        """All slots taken and ``uid`` wants one: free the slot of the oldest connection of the
+        uid holding the most if that uid would still hold more than ``uid`` then will (True),
+        else False. That connection is served if it has sent its message (its answer is ready
+        at once), else answered ``error RESOURCE_EXHAUSTED`` and closed.
+        O(:data:`MAX_CONNECTIONS`), on the loop."""
+        held = Counter(self._uid_of.values())
+        top, most = held.most_common(1)[0]
+        if most <= held[uid] + 1:
+            return False
+        oldest = next(c for c, u in self._uid_of.items() if u == top)  # dicts keep admission order
+        self._serve(oldest)  # dropped once answered; still here when it has sent nothing
+        if oldest not in self._conns:
+            return True
+        logger.info(
+            "fd handoff connection of uid %d dropped for uid %d (all %d taken)",
+            top,
+            uid,
+            MAX_CONNECTIONS,
+            extra={"event": "handoff", "uid": top},
+        )
+        with contextlib.suppress(OSError):
+            oldest.send(
+                b"error RESOURCE_EXHAUSTED all fd handoff slots are taken and your uid holds the most; retry\n"
+            )
+        self._drop(oldest)
+        return True
 
     def _accept_failed(self, exc: OSError) -> None:
         """Out of descriptors the listener pauses (:mod:`hicached.accept`)."""
@@ -310,7 +357,7 @@ class HandoffServer:
         self._loop.remove_reader(listener.fileno())
 
         def resume() -> None:
-            if self._listener is listener and len(self._conns) < MAX_CONNECTIONS:
+            if self._listener is listener and self._parked is None:
                 self._loop.add_reader(listener.fileno(), self._accept)  # type: ignore[union-attr]
 
         self._loop.call_later(ACCEPT_PAUSE_S, resume)
@@ -324,8 +371,11 @@ class HandoffServer:
         assert self._loop is not None
         self._loop.remove_reader(conn.fileno())
         conn.close()
-        if self._listener is not None and len(self._conns) == MAX_CONNECTIONS - 1:
-            self._loop.add_reader(self._listener.fileno(), self._accept)
+        if self._parked is not None:
+            parked, self._parked = self._parked, None
+            self._admit(*parked)
+            if self._listener is not None:
+                self._loop.add_reader(self._listener.fileno(), self._accept)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -373,6 +423,11 @@ class HandoffServer:
 
     def close(self) -> None:
         """Stop accepting, drop open connections, unlink our socket (only if it is still ours)."""
+        if self._parked is not None:
+            parked, uid = self._parked
+            self._parked = None
+            self._uids.release(uid)
+            parked.close()
         if self._loop is not None:
             for conn in list(self._conns):
                 self._drop(conn)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import resource
+import select
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -25,6 +28,8 @@ from hicached_client._handoff import MAGIC, hand_over
 from hicached_client.export import sealed_memfd
 
 from hicached.server.handoff import (
+    CONNECTION_TIMEOUT_S,
+    MAX_CONNECTIONS,
     MAX_CONNECTIONS_PER_UID,
     HandoffRegistry,
     HandoffServer,
@@ -286,6 +291,102 @@ def test_one_uids_idle_connections_do_not_lock_another_uid_out(served: Served) -
         assert last.recv(200).startswith(b"error RESOURCE_EXHAUSTED uid ")
         _, fds = hand_over_as_other(served, timeout_s=3)
         os.close(fds[0])
+    finally:
+        for s in idle:
+            s.close()
+
+
+def unused_uid() -> int:
+    """A uid no account has (a third uid besides root and :func:`other_user`'s)."""
+    return next(uid for uid in range(61000, 62000) if not any(e.pw_uid == uid for e in pwd.getpwall()))
+
+
+def connections_as(uid: int, path: Path, n: int) -> list[socket.socket]:
+    """``n`` connections to ``path`` made by a child running as ``uid`` (their ``SO_PEERCRED``),
+    handed back here: this process holds them idle. The child is forked (the interpreter under
+    /root is not executable by another user) and only connects before ``_exit``."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            ours.close()
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            conns = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n)]
+            for c in conns:
+                c.connect(str(path))
+            socket.send_fds(theirs, [b"x"], [c.fileno() for c in conns])
+        except BaseException:
+            code = 1
+        os._exit(code)
+    theirs.close()
+    try:
+        _, fds, _, _ = socket.recv_fds(ours, 1, n)
+    finally:
+        ours.close()
+        _, status = os.waitpid(pid, 0)
+    conns = [socket.socket(fileno=fd) for fd in fds]
+    if os.waitstatus_to_exitcode(status) != 0 or len(conns) != n:
+        for c in conns:
+            c.close()
+        raise AssertionError(f"uid {uid} could not open {n} connections to {path}")
+    return conns
+
+
+def test_uids_filling_every_handoff_slot_do_not_keep_another_uid_waiting(served: Served) -> None:
+    """A reviewer's 2 uids x 32 idle connections held all 64 slots: an honest worker's handoff
+    (a third uid) waited in the backlog for their 2 s timers, and again for every round of
+    theirs. Now a full listener drops the oldest connection of the uid holding the most and
+    admits the newcomer at once."""
+    assert MAX_CONNECTIONS == 2 * MAX_CONNECTIONS_PER_UID
+    first, second = other_user(), unused_uid()
+    idle: list[socket.socket] = []
+    fd = sealed_memfd("honest", 4096)
+    try:
+        idle += connections_as(first, served.path, MAX_CONNECTIONS_PER_UID)
+        idle += connections_as(second, served.path, MAX_CONNECTIONS_PER_UID)
+        start = time.monotonic()
+        ticket = hand_over(str(served.path), [fd], timeout_s=10)
+        elapsed = time.monotonic() - start
+        assert elapsed < CONNECTION_TIMEOUT_S / 2, f"the handoff waited {elapsed:.2f} s for a slot"
+        assert ticket is not None
+        taken = served.registry.take(ticket)
+        assert taken is not None and taken[0].uid == os.getuid()
+        os.close(taken[1][0])
+        # Dropped before the newcomer was admitted: readable now. Timers send nothing.
+        readable, _, _ = select.select(idle, [], [], 0)
+        dropped = [s for s in readable if s.recv(200).startswith(b"error RESOURCE_EXHAUSTED all fd handoff")]
+        assert len(dropped) == 1, readable
+        assert dropped[0] in (idle[0], idle[MAX_CONNECTIONS_PER_UID]), "the oldest of a top holder"
+    finally:
+        os.close(fd)
+        for s in idle:
+            s.close()
+
+
+def test_a_newcomer_that_would_hold_as_many_as_the_top_waits_for_a_slot(served: Served) -> None:
+    """All taken (32 + 31 + one of root's), one more of the uid holding 31 displaces nobody (it
+    would then hold as many as the top): it is answered once a slot frees, as before."""
+    first, second = other_user(), unused_uid()
+    idle: list[socket.socket] = []
+    try:
+        idle += connections_as(first, served.path, MAX_CONNECTIONS_PER_UID)
+        idle += connections_as(second, served.path, MAX_CONNECTIONS_PER_UID - 1)
+        ours = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        idle.append(ours)
+        ours.connect(str(served.path))
+        newcomer = connections_as(second, served.path, 1)[0]
+        idle.append(newcomer)
+        newcomer.sendall(MAGIC)
+        ours.settimeout(CONNECTION_TIMEOUT_S / 2)
+        ours.sendall(MAGIC)  # its answer frees a slot
+        assert ours.recv(200).startswith(b"ok ")
+        newcomer.settimeout(CONNECTION_TIMEOUT_S / 2)  # a slot freed: not its timer's drop
+        assert newcomer.recv(200).startswith(b"ok ")
+        readable, _, _ = select.select(idle[: 2 * MAX_CONNECTIONS_PER_UID - 1], [], [], 0)
+        assert not [s for s in readable if s.recv(200).startswith(b"error")], "nobody was displaced"
     finally:
         for s in idle:
             s.close()
