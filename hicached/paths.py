@@ -15,9 +15,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from hicached_client.pathwalk import walk
+from hicached_client.pathwalk import Walk, walk
 
-__all__ = ["Foreign", "foreign_on_path"]
+__all__ = ["Foreign", "foreign_in", "foreign_on_path"]
 
 
 @dataclass(frozen=True)
@@ -34,16 +34,21 @@ class Foreign:
 
 
 def foreign_on_path(directory: Path, trusted: Collection[int], *, itself: bool) -> Foreign | None:
-    """The first directory or symlink on the way to ``directory`` owned by a uid not in
-    ``trusted``; None when there is none. The way is the kernel's
-    (:func:`hicached_client.pathwalk.walk`): every directory passed through and every symlink
-    followed, ``..`` and symlinks met half-way included. Parts that do not exist yet end the
-    walk (the caller makes them). ``directory`` itself is checked when ``itself``, and always
-    when it is a symlink. OSError when the path cannot be walked (a loop, a file passed
-    through, a directory this uid cannot search)."""
-    found = walk(str(directory))
-    for step in found.steps:
-        if step is found.final and not itself:
+    """:func:`foreign_in` the kernel's walk of ``directory`` (:func:`hicached_client.pathwalk.walk`).
+    OSError when the path cannot be walked (a loop, a file passed through, a directory this uid
+    cannot search)."""
+    return foreign_in(walk(str(directory)), trusted, itself=itself)
+
+
+def foreign_in(way: Walk, trusted: Collection[int], *, itself: bool) -> Foreign | None:
+    """The first directory or symlink of ``way`` owned by a uid not in ``trusted``; None when
+    there is none. ``way`` holds every directory the path passes through and every symlink it
+    follows, ``..`` and symlinks met half-way included; parts that did not exist ended it (the
+    caller makes them). Its final entry is checked when ``itself`` (a symlink always is). A
+    caller that goes on to use what it judged judges this one walk for everything it checks:
+    two walks may see two layouts."""
+    for step in way.steps:
+        if step is way.final and not itself:
             continue
         if step.st.st_uid not in trusted:
             return Foreign(Path(step.path), step.st.st_uid, step.symlink)

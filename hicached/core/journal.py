@@ -46,10 +46,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hicached_client.pathwalk import Walk, walk
+
 from hicached.errors import FailedPrecondition
 from hicached.index.entries import EntryRecord
 from hicached.l2.prefix_lock import ShmPrefixLock
-from hicached.paths import foreign_on_path
+from hicached.paths import foreign_in
 
 __all__ = ["JOURNAL_FORMAT", "JOURNAL_VERSION", "TENANT_BYTES", "GroupJournal", "JournalStore", "PoolRecord"]
 
@@ -233,12 +235,19 @@ class JournalStore:
         _check_ancestors(self.directory)  # again, now that the parents exist
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.directory, 0o700)
-        # A symlink on the way is root's or ours (checked above): open what it resolves to, as
-        # a directory, and check that directory's owner.
-        target = os.path.realpath(self.directory)
-        fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Once more now that it exists (a name another user made in a sticky parent between
+        # the check and the mkdir is theirs), then open the very directory this walk judged:
+        # every symlink on the way is root's or ours, and nobody else can swap what they hold.
+        way = _check_ancestors(self.directory)
+        if way.final is None or not way.final.directory:
+            raise FailedPrecondition(f"host.journal_dir {str(self.directory)!r} is not a directory")
+        fd = os.open(way.reached, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (way.final.st.st_dev, way.final.st.st_ino):
+                raise FailedPrecondition(
+                    f"host.journal_dir {str(self.directory)!r} changed while it was checked; try again"
+                )
             if st.st_uid != os.geteuid():
                 raise FailedPrecondition(
                     f"host.journal_dir {str(self.directory)!r} is owned by uid {st.st_uid}, not by this "
@@ -353,17 +362,19 @@ class JournalStore:
             self.path(group_id).unlink()
 
 
-def _check_ancestors(directory: Path) -> None:
-    """FailedPrecondition unless every directory and symlink on the way to ``directory`` is
-    root's or this daemon's (:func:`hicached.paths.foreign_on_path`): their owner could plant
+def _check_ancestors(directory: Path) -> Walk:
+    """The kernel's walk of ``directory``; FailedPrecondition unless every directory and symlink
+    on it is root's or this daemon's (:func:`hicached.paths.foreign_in`): their owner could plant
     journals. The journal directory's own mode is checked in ``_make_private_directory``."""
     me = os.geteuid()
-    found = foreign_on_path(directory, (me, 0), itself=True)
+    way = walk(str(directory))
+    found = foreign_in(way, (me, 0), itself=True)
     if found is not None:
         raise FailedPrecondition(
             f"host.journal_dir {str(directory)!r}: {found.path} on its path is {found.kind} owned by uid "
             f"{found.uid}, who could plant journals or re-point it; use a path owned by root or uid {me}"
         )
+    return way
 
 
 class _TooLarge(Exception):

@@ -13,13 +13,12 @@ import os
 import ssl
 import stat
 from dataclasses import dataclass
-from pathlib import Path
 
 from hicached_client.pathwalk import walk
 
 from hicached.config import ConfigError, L3Config, ServerConfig
 from hicached.l3.framing import KEY_MIN_BYTES, L3Key
-from hicached.paths import foreign_on_path
+from hicached.paths import foreign_in
 
 __all__ = ["TcpCredentials", "load", "load_l3_key", "warn_readable"]
 
@@ -90,17 +89,17 @@ def _check_where(key: str, path: str) -> tuple[int, int]:
     accepted: there only an entry's owner, checked here, can rename or remove it."""
     me = os.geteuid()
     try:
-        found = foreign_on_path(Path(path), (me, 0), itself=False)
-        way = walk(path)
+        way = walk(path)  # one walk, judged for everything: two could see two layouts
     except OSError as exc:  # a loop, a file on the way, a directory this uid cannot search
         raise ConfigError(f"{key} = {path!r}: cannot check its path: {exc.strerror}") from None
+    if way.final is None:
+        raise ConfigError(f"{key} = {path!r}: cannot read it: {way.missing} does not exist")
+    found = foreign_in(way, (me, 0), itself=False)
     if found is not None:
         raise ConfigError(
             f"{key} = {path!r}: {found.path} on its path is {found.kind} owned by uid {found.uid}, "
             f"who could replace the file; use a path owned by root or uid {me}"
         )
-    if way.final is None:
-        raise ConfigError(f"{key} = {path!r}: cannot read it: {way.missing} does not exist")
     for step in way.steps:
         mode = step.st.st_mode
         if step.directory and mode & (stat.S_IWOTH | stat.S_IWGRP) and not mode & stat.S_ISVTX:

@@ -15,7 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hicached_client.pathwalk import Walk
 
+from hicached.config import ConfigError, L3Config
+from hicached.server import credentials
 from tests.daemon.conftest import free_port
 from tests.security.users import other_user
 from tests.support.daemon import ROOT, start_daemon
@@ -177,3 +180,32 @@ def test_a_credential_file_below_a_directory_others_can_write_is_refused(tmp_pat
     token = _secret(sec / "token")
     line = _one_line(_serve(tmp_path, "--set", f"server.auth_token_file={token}"))
     assert f"{sec.parent} on its path is writable by others" in line and "sticky" in line, line
+
+
+def test_the_path_is_judged_by_the_walk_that_finds_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails before: owners were judged by one walk and the file found by a second. A path
+    missing at the first (its parts were skipped, nothing to judge) and present at the second
+    (a stranger renaming its directory into place, in a loop) was never judged by owner: the
+    review's race took /etc/machine-id, readable by every local user, as the admin token (79
+    of 30,640 tries). Here the stranger's rename lands just before the credentials' walk."""
+    uid = other_user()
+    known = _secret(tmp_path / "known", 0o444)  # root's, readable by all: like /etc/machine-id
+    ready = tmp_path / "cred.x"
+    ready.mkdir()
+    (ready / "key").symlink_to(known)
+    os.lchown(ready / "key", uid, uid)
+    os.chown(ready, uid, uid)
+    path = tmp_path / "cred" / "key"
+    real_walk = credentials.walk
+
+    def walk_after_the_rename(at: str) -> Walk:
+        if not (tmp_path / "cred").exists():
+            ready.rename(tmp_path / "cred")
+        return real_walk(at)
+
+    monkeypatch.setattr(credentials, "walk", walk_after_the_rename)
+    with pytest.raises(ConfigError) as info:
+        credentials.load_l3_key(L3Config(auth_key_file=str(path)))
+    assert f"{tmp_path / 'cred'} on its path is a directory owned by uid {uid}" in str(info.value), info.value

@@ -9,15 +9,20 @@ through another user's directory or symlink; a symlink is never followed by the 
 
 from __future__ import annotations
 
+import os
+import shutil
 import stat
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from hicached.core.journal import JournalStore
+from hicached.errors import FailedPrecondition
 from hicached.testing.daemon import scratch_dir
 from hicached.testing.procs import child_env
 from tests.security.users import other_user, run_as_other
@@ -78,3 +83,43 @@ def test_journal_dir_symlink_of_another_user_is_refused_and_not_followed(shared_
     assert "host.journal_dir" in result.stderr.strip().splitlines()[-1], result.stderr[-3000:]
     assert stat.S_IMODE(target.stat().st_mode) == 0o755
     assert not list(target.iterdir())
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    root = scratch_dir("hcjd")
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_name_made_at_journal_dir_between_its_check_and_its_use_is_refused(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails before: after its last check the directory was made (an existing name was taken
+    as made) and opened through ``realpath``: another user's symlink dropped at the name in
+    that moment (a sticky parent such as /tmp lets anyone make a name) was followed, and a
+    root daemon narrowed the root-owned directory it pointed to to 0700 and kept its lock and
+    journals there (the review's race hit in 5 tries). Here the stranger's symlink lands in the
+    daemon's mkdir; the directory is judged again once it exists and opened as judged."""
+    uid = other_user()
+    victim = base / "victim"
+    victim.mkdir(mode=0o755)
+    journal_dir = base / "journals"
+    real_mkdir = os.mkdir
+
+    def mkdir_after_the_stranger(path: Any, mode: int = 0o777, **kwargs: Any) -> None:
+        if Path(path) == journal_dir and not os.path.lexists(journal_dir):
+            os.symlink(victim, journal_dir)
+            os.lchown(journal_dir, uid, uid)
+        real_mkdir(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_after_the_stranger)
+    store = JournalStore(journal_dir, f"hcjd{uuid.uuid4().hex[:8]}", max_key_bytes=1024)
+    with pytest.raises(FailedPrecondition) as info:
+        store.lock()
+    store.unlock()
+    assert f"{journal_dir} on its path is a symlink owned by uid {uid}" in str(info.value), info.value
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o755, "the stranger's target was narrowed"
+    assert not (victim / f"{store.prefix}.lock").exists()

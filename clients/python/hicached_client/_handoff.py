@@ -135,8 +135,11 @@ def check_socket_dir(target: str) -> None:
     directory that holds the socket not writable by its group or others (the daemon's own rule
     for it). Whoever could put a socket there would receive the worker's token and Attach and
     answer its calls (the gRPC channel cannot ask the kernel who listens, as
-    :func:`check_daemon` does; a sound directory keeps every reconnect of the channel in
-    trusted hands too). Returns for TCP targets.
+    :func:`check_daemon` does). A pass is kept for the client's life: every reconnect of the
+    channel stays in trusted hands while no directory above the socket's is writable by others
+    without the sticky bit (whoever can write one can rename the socket's directory away; the
+    daemon accepts such a layout, a pod's emptyDir holding the daemon's ``sock/``, where the
+    others are the pod's own containers). Returns for TCP targets.
     UNAVAILABLE, naming the directory, when it does not exist (nothing to judge: the call must
     not go ahead, or whoever creates it first gets the connection) or cannot be walked (a
     parent that is a file or not searchable, a symlink loop). The check judges the path, not a
