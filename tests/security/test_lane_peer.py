@@ -26,6 +26,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -195,15 +196,21 @@ def test_a_ring_of_another_layout_is_no_lane(run_dir: Path) -> None:
     HiCacheError: the session did not fall back to gRPC, SGLang's thread saw it) and left the
     three doorbells and the ring's mapping open."""
     before = _eventfds()
+    err = _lane_refused(run_dir, v1_ring=False)
+    assert err.code == grpc.StatusCode.UNAVAILABLE, err
+    assert _eventfds() == before, "the lane's doorbells were left open"
+
+
+def _lane_refused(run_dir: Path, **hostile: Any) -> HiCacheError:
+    """The error of a lane connect to a :class:`HostileLane` made with ``hostile`` that serves nothing."""
     path = run_dir / "hicached.sock.lane"
-    hostile = HostileLane(path, lambda view, at: None, v1_ring=False)
+    lane = HostileLane(path, lambda view, at: None, **hostile)
     try:
         with pytest.raises(HiCacheError) as info:
             FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
     finally:
-        hostile.close()
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
-    assert _eventfds() == before, "the lane's doorbells were left open"
+        lane.close()
+    return info.value
 
 
 def test_a_lane_lookup_counting_more_hits_than_keys_is_an_error(run_dir: Path) -> None:
@@ -240,15 +247,9 @@ def test_doorbells_that_are_not_eventfds_are_no_lane(run_dir: Path, doorbell: st
     waits out its deadline). Now the lane is UNAVAILABLE (the session stays on gRPC) and every
     descriptor received is closed."""
     before = _open_fds()
-    path = run_dir / "hicached.sock.lane"
-    hostile = HostileLane(path, lambda view, at: None, doorbell=doorbell)
-    try:
-        with pytest.raises(HiCacheError) as info:
-            FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
-    finally:
-        hostile.close()
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
-    assert "not an eventfd" in info.value.message
+    err = _lane_refused(run_dir, doorbell=doorbell)
+    assert err.code == grpc.StatusCode.UNAVAILABLE, err
+    assert "not an eventfd" in err.message
     leaked = {fd: link for fd, link in _open_fds().items() if before.get(fd) != link}
     assert not leaked, f"received descriptors left open: {leaked}"
 
