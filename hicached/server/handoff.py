@@ -245,8 +245,10 @@ class HandoffServer:
     connections is answered ``error RESOURCE_EXHAUSTED`` and closed, and the newcomer is
     admitted at once (:meth:`_make_room`: the registry's rule for tickets), so uids filling
     every slot with idle connections cannot keep another uid's handoff waiting out their
-    timers. Else the newcomer waits, accepted but not read, for the next slot to free and
-    the listener stops accepting until then (the kernel's backlog holds the rest).
+    timers. Else the newcomer waits, accepted but not read, for the next slot to free; one
+    waits at most, a further one that cannot displace anyone is refused (``error
+    RESOURCE_EXHAUSTED``), and the listener goes on accepting (a listener that stopped while
+    one waited let uids that got themselves parked hold every other uid in the kernel's backlog).
 
     Thread-safety: none needed; ``start``/``close`` and every callback run on the loop's
     thread (the connections, the parked newcomer and the listener's reader are loop-only).
@@ -293,7 +295,7 @@ class HandoffServer:
 
     def _accept(self) -> None:
         assert self._listener is not None and self._loop is not None
-        while self._parked is None:
+        while True:
             try:
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -305,11 +307,16 @@ class HandoffServer:
             if refusal is not None:
                 refuse(conn, refusal)
                 continue
-            if len(self._conns) >= MAX_CONNECTIONS and not self._make_room(uid):
-                self._parked = (conn, uid)
-                # Stop accepting until a slot frees (the kernel backlog holds the rest).
-                self._loop.remove_reader(self._listener.fileno())
-                return
+            if len(self._conns) >= MAX_CONNECTIONS and not self._room_for(uid):
+                if self._parked is None:
+                    self._parked = (conn, uid)  # admitted when the next slot frees
+                else:
+                    # One waits at most: the listener goes on accepting, so uids that fill
+                    # every slot and get themselves parked cannot hold a newcomer of a uid
+                    # holding fewer in the kernel's backlog until a timer frees a slot.
+                    self._uids.release(uid)
+                    refuse(conn, "error RESOURCE_EXHAUSTED all fd handoff slots are taken; retry\n")
+                continue
             self._admit(conn, uid)
 
     def _admit(self, conn: socket.socket, uid: int) -> None:
@@ -319,6 +326,15 @@ class HandoffServer:
         self._conns[conn] = self._loop.call_later(CONNECTION_TIMEOUT_S, self._drop, conn)
         self._uid_of[conn] = uid
         self._loop.add_reader(conn.fileno(), self._serve, conn)
+
+    def _room_for(self, uid: int) -> bool:
+        """:meth:`_make_room` for a newcomer of ``uid``: the slot it frees is the newcomer's, not
+        the waiting one's (``_drop`` admits that one into a slot freed any other way)."""
+        waiting, self._parked = self._parked, None
+        try:
+            return self._make_room(uid)
+        finally:
+            self._parked = waiting
 
     def _make_room(self, uid: int) -> bool:
         """All slots taken and ``uid`` wants one: free the slot of the oldest connection of the
@@ -357,7 +373,7 @@ class HandoffServer:
         self._loop.remove_reader(listener.fileno())
 
         def resume() -> None:
-            if self._listener is listener and self._parked is None:
+            if self._listener is listener:
                 self._loop.add_reader(listener.fileno(), self._accept)  # type: ignore[union-attr]
 
         self._loop.call_later(ACCEPT_PAUSE_S, resume)
@@ -374,8 +390,6 @@ class HandoffServer:
         if self._parked is not None:
             parked, self._parked = self._parked, None
             self._admit(*parked)
-            if self._listener is not None:
-                self._loop.add_reader(self._listener.fileno(), self._accept)
 
     def _serve(self, conn: socket.socket) -> None:
         try:

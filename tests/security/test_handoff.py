@@ -392,6 +392,42 @@ def test_a_newcomer_that_would_hold_as_many_as_the_top_waits_for_a_slot(served: 
             s.close()
 
 
+def test_a_parked_newcomer_does_not_stop_the_listener(served: Served) -> None:
+    """Fails before: while one newcomer that could displace nobody waited for a slot, the
+    listener accepted nobody, so three uids splitting the slots evenly (22/21/21) and getting
+    one of their own parked held an honest handoff in the kernel's backlog until a timer freed a
+    slot (~2 s, again every round). Now the listener goes on accepting: the honest handoff
+    displaces as usual, and a second newcomer that can displace nobody is refused at once."""
+    first = other_user()
+    second, third = [u for u in range(61000, 62000) if not any(e.pw_uid == u for e in pwd.getpwall())][:2]
+    idle: list[socket.socket] = []
+    fd = sealed_memfd("honest", 4096)
+    try:
+        idle += connections_as(first, served.path, 22)
+        idle += connections_as(second, served.path, 21)
+        idle += connections_as(third, served.path, 21)
+        idle += connections_as(third, served.path, 1)  # would hold 22, as the top: waits
+        start = time.monotonic()
+        ticket = hand_over(str(served.path), [fd], timeout_s=10)
+        elapsed = time.monotonic() - start
+        assert elapsed < CONNECTION_TIMEOUT_S / 2, f"the handoff waited {elapsed:.2f} s in the backlog"
+        assert ticket is not None
+        taken = served.registry.take(ticket)
+        assert taken is not None and taken[0].uid == os.getuid()
+        os.close(taken[1][0])
+        # The honest one served, the waiting one took its slot (22/21/21 again): one more of a
+        # uid holding 21 waits, and another one behind it is refused at once.
+        idle += connections_as(second, served.path, 1)
+        extra = connections_as(first, served.path, 1)[0]
+        idle.append(extra)
+        extra.settimeout(CONNECTION_TIMEOUT_S / 2)
+        assert extra.recv(200).startswith(b"error RESOURCE_EXHAUSTED all fd handoff slots are taken; retry")
+    finally:
+        os.close(fd)
+        for s in idle:
+            s.close()
+
+
 def test_uids_filling_every_ticket_do_not_lock_another_uid_out() -> None:
     """A reviewer's 8 uids, 32 tickets each, held all 256: an honest uid's attaches failed
     ("too many pending handoffs") 38 times in 38. Now a full registry drops the oldest ticket of
