@@ -295,7 +295,9 @@ class HandoffServer:
 
     def _accept(self) -> None:
         assert self._listener is not None and self._loop is not None
-        while True:
+        # At most a backlog's worth per wake-up: the reader stays registered, so a connect flood
+        # (each one refused or displacing) takes turns with the rest of the event loop.
+        for _ in range(MAX_CONNECTIONS):
             try:
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
