@@ -263,7 +263,9 @@ def test_one_sessions_l3_calls_leave_l3_threads_for_the_others() -> None:
             HiCacheClient(d.target, timeout_s=10.0) as client,
             HiCacheClient(d.admin_target, timeout_s=10.0) as admin,
         ):
-            hog, bystander = attach_bytes(client, "m-l3share"), attach_bytes(client, "m-l3share")
+            # No heartbeats here: a lease longer than the test, whatever the machine's load (a
+            # CI run's bystander outlived the default 10 s and its detach was NOT_FOUND).
+            hog, bystander = (attach_bytes(client, "m-l3share", lease_ms=120_000) for _ in range(2))
             fake.hang()
 
             def read(session: Session) -> None:
