@@ -3,6 +3,7 @@ reach it), an admin client for GetStats, and a worker with real pools, a session
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,14 +42,13 @@ class Worker:
     lane: FastLane
 
 
-@pytest.fixture
-def worker(daemon: Daemon) -> Iterator[Worker]:
+@contextlib.contextmanager
+def open_worker(daemon: Daemon, model: str = "m-fastlane") -> Iterator[Worker]:
+    """Real pools, a client, an attached session of ``model`` and its lane; all closed after."""
     pools = WorkerPools.create(unique_tag("fl"))
     try:
         with HiCacheClient(daemon.target, timeout_s=30.0) as client:
-            session = client.attach(
-                WorkerIdentity(f"w-{uuid.uuid4().hex[:8]}", 1, "m-fastlane"), pools.specs()
-            )
+            session = client.attach(WorkerIdentity(f"w-{uuid.uuid4().hex[:8]}", 1, model), pools.specs())
             lane = FastLane.open(session)
             try:
                 yield Worker(pools, client, session, lane)
@@ -59,6 +59,12 @@ def worker(daemon: Daemon) -> Iterator[Worker]:
         for p in (pools.kv, pools.draft):
             p.close()
             p.unlink()
+
+
+@pytest.fixture
+def worker(daemon: Daemon) -> Iterator[Worker]:
+    with open_worker(daemon) as w:
+        yield w
 
 
 def free_pages(session: Session) -> dict[str, int]:

@@ -8,19 +8,17 @@ The errors come from inside the core, where no request can reach them on demand:
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, HiCacheError, Transfer, WorkerIdentity
+from hicached_client import HiCacheError, Transfer
 from hicached_client import lane_wire as w
-from hicached_client.fastlane import FastLane
 
 from hicached.server.interceptors import MAX_MESSAGE_CHARS
+from tests.fastlane.conftest import open_worker
 from tests.support.daemon import Daemon
 from tests.support.faults import log_lines, serve_patched
-from tests.support.kv import WorkerPools, unique_tag
 
 # The first device page of a Write picks the error the core raises.
 FAULTY_WRITE = """
@@ -54,24 +52,12 @@ def daemon() -> Iterator[Daemon]:
 
 def _answers(daemon: Daemon, page: int) -> tuple[HiCacheError, HiCacheError]:
     """The error of a Write of ``page``: over the lane, then over gRPC (same session)."""
-    pools = WorkerPools.create(unique_tag("fl-err"))
-    try:
-        with HiCacheClient(daemon.target, timeout_s=30.0) as client:
-            session = client.attach(WorkerIdentity(f"w-{uuid.uuid4().hex[:8]}", 1, "m-err"), pools.specs())
-            lane = FastLane.open(session)
-            try:
-                with pytest.raises(HiCacheError) as on_lane:
-                    lane.write([Transfer("kv", [page])], allocate=True)
-                with pytest.raises(HiCacheError) as on_grpc:
-                    session.write([Transfer("kv", [page])], allocate=True)
-                return on_lane.value, on_grpc.value
-            finally:
-                lane.close()
-                session.close()
-    finally:
-        for p in (pools.kv, pools.draft):
-            p.close()
-            p.unlink()
+    with open_worker(daemon, "m-err") as worker:
+        with pytest.raises(HiCacheError) as on_lane:
+            worker.lane.write([Transfer("kv", [page])], allocate=True)
+        with pytest.raises(HiCacheError) as on_grpc:
+            worker.session.write([Transfer("kv", [page])], allocate=True)
+        return on_lane.value, on_grpc.value
 
 
 def _same(on_lane: HiCacheError, on_grpc: HiCacheError) -> None:

@@ -296,9 +296,27 @@ def test_one_uids_idle_connections_do_not_lock_another_uid_out(served: Served) -
             s.close()
 
 
-def unused_uid() -> int:
-    """A uid no account has (a third uid besides root and :func:`other_user`'s)."""
-    return next(uid for uid in range(61000, 62000) if not any(e.pw_uid == uid for e in pwd.getpwall()))
+def unused_uids(n: int) -> list[int]:
+    """``n`` uids no account has (more uids besides root and :func:`other_user`'s)."""
+    taken = {e.pw_uid for e in pwd.getpwall()}
+    return [uid for uid in range(61000, 62000) if uid not in taken][:n]
+
+
+def honest_handoff_is_prompt(served: Served) -> None:
+    """Root hands one memfd over while others hold the slots: answered well within the 2 s
+    timer that would free one, its ticket carrying root's uid."""
+    fd = sealed_memfd("honest", 4096)
+    try:
+        start = time.monotonic()
+        ticket = hand_over(str(served.path), [fd], timeout_s=10)
+        elapsed = time.monotonic() - start
+        assert elapsed < CONNECTION_TIMEOUT_S / 2, f"the handoff waited {elapsed:.2f} s for a slot"
+        assert ticket is not None
+        taken = served.registry.take(ticket)
+        assert taken is not None and taken[0].uid == os.getuid()
+        os.close(taken[1][0])
+    finally:
+        os.close(fd)
 
 
 def connections_as(uid: int, path: Path, n: int) -> list[socket.socket]:
@@ -341,27 +359,18 @@ def test_uids_filling_every_handoff_slot_do_not_keep_another_uid_waiting(served:
     theirs. Now a full listener drops the oldest connection of the uid holding the most and
     admits the newcomer at once."""
     assert MAX_CONNECTIONS == 2 * MAX_CONNECTIONS_PER_UID
-    first, second = other_user(), unused_uid()
+    first, (second,) = other_user(), unused_uids(1)
     idle: list[socket.socket] = []
-    fd = sealed_memfd("honest", 4096)
     try:
         idle += connections_as(first, served.path, MAX_CONNECTIONS_PER_UID)
         idle += connections_as(second, served.path, MAX_CONNECTIONS_PER_UID)
-        start = time.monotonic()
-        ticket = hand_over(str(served.path), [fd], timeout_s=10)
-        elapsed = time.monotonic() - start
-        assert elapsed < CONNECTION_TIMEOUT_S / 2, f"the handoff waited {elapsed:.2f} s for a slot"
-        assert ticket is not None
-        taken = served.registry.take(ticket)
-        assert taken is not None and taken[0].uid == os.getuid()
-        os.close(taken[1][0])
+        honest_handoff_is_prompt(served)
         # Dropped before the newcomer was admitted: readable now. Timers send nothing.
         readable, _, _ = select.select(idle, [], [], 0)
         dropped = [s for s in readable if s.recv(200).startswith(b"error RESOURCE_EXHAUSTED all fd handoff")]
         assert len(dropped) == 1, readable
         assert dropped[0] in (idle[0], idle[MAX_CONNECTIONS_PER_UID]), "the oldest of a top holder"
     finally:
-        os.close(fd)
         for s in idle:
             s.close()
 
@@ -369,7 +378,7 @@ def test_uids_filling_every_handoff_slot_do_not_keep_another_uid_waiting(served:
 def test_a_newcomer_that_would_hold_as_many_as_the_top_waits_for_a_slot(served: Served) -> None:
     """All taken (32 + 31 + one of root's), one more of the uid holding 31 displaces nobody (it
     would then hold as many as the top): it is answered once a slot frees, as before."""
-    first, second = other_user(), unused_uid()
+    first, (second,) = other_user(), unused_uids(1)
     idle: list[socket.socket] = []
     try:
         idle += connections_as(first, served.path, MAX_CONNECTIONS_PER_UID)
@@ -399,22 +408,14 @@ def test_a_parked_newcomer_does_not_stop_the_listener(served: Served) -> None:
     slot (~2 s, again every round). Now the listener goes on accepting: the honest handoff
     displaces as usual, and a second newcomer that can displace nobody is refused at once."""
     first = other_user()
-    second, third = [u for u in range(61000, 62000) if not any(e.pw_uid == u for e in pwd.getpwall())][:2]
+    second, third = unused_uids(2)
     idle: list[socket.socket] = []
-    fd = sealed_memfd("honest", 4096)
     try:
         idle += connections_as(first, served.path, 22)
         idle += connections_as(second, served.path, 21)
         idle += connections_as(third, served.path, 21)
         idle += connections_as(third, served.path, 1)  # would hold 22, as the top: waits
-        start = time.monotonic()
-        ticket = hand_over(str(served.path), [fd], timeout_s=10)
-        elapsed = time.monotonic() - start
-        assert elapsed < CONNECTION_TIMEOUT_S / 2, f"the handoff waited {elapsed:.2f} s in the backlog"
-        assert ticket is not None
-        taken = served.registry.take(ticket)
-        assert taken is not None and taken[0].uid == os.getuid()
-        os.close(taken[1][0])
+        honest_handoff_is_prompt(served)
         # The honest one served, the waiting one took its slot (22/21/21 again): one more of a
         # uid holding 21 waits, and another one behind it is refused at once.
         idle += connections_as(second, served.path, 1)
@@ -423,7 +424,6 @@ def test_a_parked_newcomer_does_not_stop_the_listener(served: Served) -> None:
         extra.settimeout(CONNECTION_TIMEOUT_S / 2)
         assert extra.recv(200).startswith(b"error RESOURCE_EXHAUSTED all fd handoff slots are taken; retry")
     finally:
-        os.close(fd)
         for s in idle:
             s.close()
 
