@@ -26,7 +26,14 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from hicached_client import AsyncHiCacheClient, HiCacheClient, HiCacheError, Transfer, WorkerIdentity
+from hicached_client import (
+    AsyncHiCacheClient,
+    HiCacheClient,
+    HiCacheError,
+    TokenChain,
+    Transfer,
+    WorkerIdentity,
+)
 from hicached_client.errors import MIN_BEAT_S
 from hicached_client.hf import HFKVCache, KVShape
 from hicached_client.sglang.config import AdapterConfig
@@ -267,6 +274,28 @@ def test_flags_nobody_asked_for_and_hit_runs_past_the_keys_are_an_error(fake: Fa
             session.lookup(["k0", "k1"])
     assert unasked.value.code == long_run.value.code == grpc.StatusCode.INTERNAL
     assert "a hit run of 1099511627776 pages for 2 keys" in long_run.value.message
+
+
+def test_a_token_chains_hit_run_past_its_derived_keys_is_an_error(fake: Fake) -> None:
+    """Fails before: only a Lookup of given keys had its hit run checked, so a chain of 32
+    tokens answered with two derived keys and 2**40 hits was returned as a 2**40-page hit
+    (the adapters clamp it; any other caller indexed past the keys). More derived keys than
+    the chain has tokens cannot be an answer either."""
+    chain = TokenChain(token_ids=list(range(32)))
+    fake.answers.lookup = pb.LookupResponse(keys=["a", "b"], l2_hit_pages=2, total_hit_pages=2**40)
+    with HiCacheClient(fake.target) as client:
+        session = client.attach(WorkerIdentity("w"), [], heartbeat=False)
+        with pytest.raises(HiCacheError) as long_run:
+            session.lookup(chain)
+        fake.answers.lookup = pb.LookupResponse(keys=["k"] * 33, l2_hit_pages=1, total_hit_pages=1)
+        with pytest.raises(HiCacheError) as many_keys:
+            session.lookup(chain)
+        fake.answers.lookup = pb.LookupResponse(keys=["a", "b"], l2_hit_pages=1, total_hit_pages=2)
+        honest = session.lookup(chain)
+    assert long_run.value.code == many_keys.value.code == grpc.StatusCode.INTERNAL
+    assert "a hit run of 1099511627776 pages for 2 keys" in long_run.value.message
+    assert "33 keys for 32 tokens" in many_keys.value.message
+    assert (honest.keys, honest.l2_hit_pages, honest.total_hit_pages) == (("a", "b"), 1, 2)
 
 
 def test_an_answer_past_the_receive_limit_is_refused_before_it_is_parsed(fake: Fake) -> None:

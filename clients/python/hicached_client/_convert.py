@@ -266,15 +266,18 @@ def lookup_result(msg: pb.LookupResponse, asked: Keys, per_key: bool = False) ->
 
     ``HiCacheError(INTERNAL)`` for an answer that does not fit the question: per-key flags
     other than one per key (none without ``per_key``: the SGLang adapter read a short list's
-    missing flags as hits), or, for given keys, a hit run longer than the keys."""
+    missing flags as hits), a hit run longer than the keys (given or derived), or more derived
+    keys than the chain has tokens."""
     keys = tuple(msg.keys) if isinstance(asked, TokenChain) else tuple(asked)
     flags = len(keys) if per_key else 0
     if len(msg.in_l2) != flags or len(msg.cached) != flags:
         raise malformed_answer(
             "Lookup", f"{len(msg.in_l2)} in_l2 and {len(msg.cached)} cached flags for {flags} keys"
         )
-    if not isinstance(asked, TokenChain):
-        check_hit_run("Lookup", max(msg.l2_hit_pages, msg.total_hit_pages), len(keys))
+    if isinstance(asked, TokenChain) and len(keys) > len(asked.token_ids):
+        # Each derived key covers at least one token: more keys than tokens is not an answer.
+        raise malformed_answer("Lookup", f"{len(keys)} keys for {len(asked.token_ids)} tokens")
+    check_hit_run("Lookup", max(msg.l2_hit_pages, msg.total_hit_pages), len(keys))
     return LookupResult(
         keys=keys,
         l2_hit_pages=msg.l2_hit_pages,
