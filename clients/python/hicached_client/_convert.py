@@ -6,8 +6,8 @@ Pure functions, no I/O; thread-safe. Inputs are copied into fresh messages
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Mapping, Sequence, Sized
+from typing import Any, TypeVar, cast
 
 from hicached_client import vocab
 from hicached_client.errors import malformed_answer
@@ -274,9 +274,10 @@ def lookup_result(msg: pb.LookupResponse, asked: Keys, per_key: bool = False) ->
         raise malformed_answer(
             "Lookup", f"{len(msg.in_l2)} in_l2 and {len(msg.cached)} cached flags for {flags} keys"
         )
-    if isinstance(asked, TokenChain) and len(keys) > len(asked.token_ids):
-        # Each derived key covers at least one token: more keys than tokens is not an answer.
-        raise malformed_answer("Lookup", f"{len(keys)} keys for {len(asked.token_ids)} tokens")
+    if isinstance(asked, TokenChain):
+        tokens = len(cast(Sized, asked.token_ids))  # 1-D: the request's conversion checked it
+        if len(keys) > tokens:  # each derived key covers at least one token
+            raise malformed_answer("Lookup", f"{len(keys)} keys for {tokens} tokens")
     check_hit_run("Lookup", max(msg.l2_hit_pages, msg.total_hit_pages), len(keys))
     return LookupResult(
         keys=keys,
