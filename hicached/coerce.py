@@ -15,6 +15,10 @@ parsed. Two field kinds are marked in the dataclass field's metadata:
 A field typed with a string enum (``enum.StrEnum``) takes one of its values, spelled
 exactly (typed or text alike), and holds the member; :func:`one_of` lists them.
 
+A config dataclass built in Python runs its fields through the same coercer on construction
+(:func:`typed_fields`, from its ``__post_init__``): ``L3Config(backend="none")`` holds the
+member, ``HostConfig(budget="4GiB")`` the bytes, ``L3Config(backend="nfs")`` is refused.
+
 Errors are :class:`~hicached.errors.InvalidArgument` whose message names the
 key (the caller's ``label``), quotes the value and says what is allowed. Pure
 functions; thread-safe.
@@ -28,7 +32,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -85,28 +89,44 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def parse_tenant_uids(text: str) -> Mapping[str, frozenset[int]]:
+def parse_tenant_uids(text: str | Mapping[str, Any]) -> Mapping[str, frozenset[int]]:
     """``"team-a=1000,1001; team-b=1002"`` -> ``{"team-a": {1000, 1001}, "team-b": {1002}}``
-    (read-only).
+    (read-only). A mapping (a config built in Python) is checked the same way.
 
     ValueError naming what is wrong: not text; a tenant not of ``[A-Za-z0-9._-]{1,64}``, listed
     twice, or without uids; a uid that is not a non-negative integer.
     """
+    if isinstance(text, Mapping):
+        return _checked_tenants(text.items())
     if not isinstance(text, str):
-        raise ValueError(f"not text: {text!r}")
-    out: dict[str, frozenset[int]] = {}
+        raise ValueError(f"not text: {text!r:.40}")
+    entries = []
     for entry in filter(None, (part.strip() for part in text.split(";"))):
         tenant, sep, uids = (s.strip() for s in entry.partition("="))
         if not sep or not _TENANT_NAME.fullmatch(tenant):
             raise ValueError(
                 f"{entry[:40]!r} is not TENANT=UID[,UID...] with a tenant of [A-Za-z0-9._-]{{1,64}}"
             )
+        numbers = [u.strip() for u in uids.split(",") if u.strip()]
+        if not all(u.isdigit() for u in numbers):
+            raise ValueError(f"tenant {tenant[:40]!r}: uids must be non-negative integers, got {uids[:40]!r}")
+        entries.append((tenant, [int(u) for u in numbers]))
+    return _checked_tenants(entries)
+
+
+def _checked_tenants(entries: Iterable[tuple[object, object]]) -> Mapping[str, frozenset[int]]:
+    out: dict[str, frozenset[int]] = {}
+    for tenant, uids in entries:
+        if not isinstance(tenant, str) or not _TENANT_NAME.fullmatch(tenant):
+            raise ValueError(f"{tenant!r:.40} is not a tenant of [A-Za-z0-9._-]{{1,64}}")
         if tenant in out:
             raise ValueError(f"tenant {tenant!r} is listed twice")
-        numbers = [u.strip() for u in uids.split(",") if u.strip()]
-        if not numbers or not all(u.isdigit() for u in numbers):
-            raise ValueError(f"tenant {tenant!r}: uids must be non-negative integers, got {uids[:40]!r}")
-        out[tenant] = frozenset(int(u) for u in numbers)
+        if isinstance(uids, str | bytes) or not isinstance(uids, Iterable):
+            raise ValueError(f"tenant {tenant!r}: uids must be a collection of integers, got {uids!r:.40}")
+        numbers = list(uids)
+        if not numbers or not all(type(u) is int and u >= 0 for u in numbers):
+            raise ValueError(f"tenant {tenant!r}: uids must be non-negative integers, got {numbers!r:.40}")
+        out[tenant] = frozenset(numbers)
     return types.MappingProxyType(out)
 
 
@@ -142,6 +162,24 @@ def one_of(choices: type[enum.StrEnum]) -> str:
 def type_hints(cls: type[Any]) -> dict[str, Any]:
     """The resolved annotations of a dataclass's fields (string annotations evaluated)."""
     return typing.get_type_hints(cls)
+
+
+def typed_fields(obj: Any, label: str) -> None:
+    """Coerce each field of the frozen dataclass ``obj`` in place, as a TOML file's values are
+    (typed, not text); a field holding another dataclass (a backend's table) must hold that
+    type, which checked itself when built. For ``__post_init__``: nothing else sees ``obj``
+    yet. InvalidArgument naming ``label.field``."""
+    hints = type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, tp = getattr(obj, f.name), hints[f.name]
+        key = f"{label}.{f.name}" if label else f.name
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            if not isinstance(value, tp):
+                raise InvalidArgument(f"invalid {key} = {value!r:.60}: expected a {tp.__name__}")
+            continue
+        out = coerce(value, tp, label=key, metadata=f.metadata)
+        if out is not value:
+            object.__setattr__(obj, f.name, out)  # frozen: only while it is being built
 
 
 def _describe(tp: Any, meta: typing.Mapping[str, Any]) -> str:

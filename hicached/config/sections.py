@@ -13,9 +13,9 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from hicached.coerce import format_tenant_uids, one_of, parse_size, parse_tenant_uids
+from hicached.coerce import format_tenant_uids, one_of, parse_size, parse_tenant_uids, typed_fields
 from hicached.errors import InvalidArgument
 from hicached.index.types import PrefetchPolicy, WritePolicy
 from hicached.l3.file import FileBackendConfig
@@ -116,8 +116,22 @@ def _f(
     return field(default=default, metadata=meta, **kw)
 
 
+class _Section:
+    """A config dataclass whose fields go through the one coercer when built: a config made in
+    Python (``L3Config(backend="none")``) is checked and typed as a file's values are."""
+
+    _key: ClassVar[str]  # the section's name in the file ("" for the whole Config)
+
+    def __post_init__(self) -> None:
+        try:
+            typed_fields(self, self._key)
+        except InvalidArgument as exc:
+            raise ConfigError(str(exc)) from None
+
+
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(_Section):
+    _key: ClassVar[str] = "server"
     socket: Path = _f(lambda: _runtime_dir() / "hicached.sock", "Unix socket path the daemon listens on.")
     socket_mode: int = _f(
         0o660, "Permission bits of the socket file (octal: 0o660 in TOML, 660 in env/--set).", mode=True
@@ -205,7 +219,8 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
-class HostConfig:
+class HostConfig(_Section):
+    _key: ClassVar[str] = "host"
     budget: int = _f(
         0,
         "Node-wide host (L2) memory budget in bytes: the pools' segments plus the daemon's "
@@ -240,7 +255,8 @@ class HostConfig:
 
 
 @dataclass(frozen=True)
-class SessionConfig:
+class SessionConfig(_Section):
+    _key: ClassVar[str] = "sessions"
     lease_ms: int = _f(10_000, "Default session lease; a session missing heartbeats this long is ended.")
     min_lease_ms: int = _f(500, "Smallest lease a worker may ask for.")
     max_lease_ms: int = _f(300_000, "Largest lease a worker may ask for.")
@@ -261,7 +277,8 @@ class SessionConfig:
 
 
 @dataclass(frozen=True)
-class CopyConfig:
+class CopyConfig(_Section):
+    _key: ClassVar[str] = "copy"
     workers: int = _f(2, "Copy engine worker threads (node-wide).")
     max_queued: int = _f(
         1 << 30, "Bytes of copies that may wait before RESOURCE_EXHAUSTED.", parse=parse_size
@@ -278,7 +295,8 @@ _BACKEND_HELP = "Options of the {} backend (table [l3.{}]; see the l3.{}.* keys)
 
 
 @dataclass(frozen=True)
-class L3Config:
+class L3Config(_Section):
+    _key: ClassVar[str] = "l3"
     backend: L3Backend = _f(L3Backend.FILE, f"Storage backend: {one_of(L3Backend)}.")
     write_policy: WritePolicy = _f(
         WritePolicy.WRITE_THROUGH, f"When an L2 page is backed up to L3: {one_of(WritePolicy)}."
@@ -322,7 +340,8 @@ class L3Config:
 
 
 @dataclass(frozen=True)
-class LimitsConfig:
+class LimitsConfig(_Section):
+    _key: ClassVar[str] = "limits"
     """Per-request and per-peer limits, checked before any work starts (see docs/limits.md)."""
 
     max_tokens_per_request: int = _f(1 << 20, "Most token ids one KeySource.tokens chain may carry.")
@@ -417,7 +436,8 @@ class LogFormat(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class LogConfig:
+class LogConfig(_Section):
+    _key: ClassVar[str] = "log"
     level: LogLevel = _f(LogLevel.INFO, f"{one_of(LogLevel)}.")
     format: LogFormat = _f(
         LogFormat.TEXT,
@@ -436,7 +456,8 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(_Section):
+    _key: ClassVar[str] = ""
     server: ServerConfig = field(default_factory=ServerConfig)
     host: HostConfig = field(default_factory=HostConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)

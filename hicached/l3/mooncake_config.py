@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicached.coerce import option, parse_size
+from hicached.coerce import option, parse_size, typed_fields
 from hicached.errors import InvalidArgument
 
 __all__ = ["MooncakeBackendConfig"]
@@ -54,6 +54,7 @@ class MooncakeBackendConfig:
         return f"master {self.master_addr}"
 
     def __post_init__(self) -> None:
+        typed_fields(self, "l3.mooncake")  # a config built in Python is checked as a file's
         host, sep, port = self.master_addr.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgument(

@@ -46,7 +46,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hicached.coerce import option, parse_size
+from hicached.coerce import option, parse_size, typed_fields
 from hicached.errors import InvalidArgument, Unavailable
 from hicached.l3.base import (
     BackendStats,
@@ -148,6 +148,7 @@ class RedisBackendConfig:
         return f"unix:{self.unix_socket}" if self.unix_socket else f"{self.host}:{self.port}/{self.db}"
 
     def __post_init__(self) -> None:
+        typed_fields(self, "l3.redis")  # a config built in Python is checked as a file's
         if not 0 < self.port < 65536:
             raise InvalidArgument(f"redis backend option 'port' must be in 1..65535, got {self.port}")
         if self.db < 0:

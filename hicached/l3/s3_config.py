@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicached.coerce import option, parse_size
+from hicached.coerce import option, parse_size, typed_fields
 from hicached.errors import InvalidArgument
 
 __all__ = ["MAX_OBJECT_BYTES", "MAX_OBJECT_KEY_BYTES", "S3BackendConfig"]
@@ -64,6 +64,7 @@ class S3BackendConfig:
         return f"{self.endpoint_url or 'aws:' + self.region}/{self.bucket}/{self.prefix}"
 
     def __post_init__(self) -> None:
+        typed_fields(self, "l3.s3")  # a config built in Python is checked as a file's
         if not self.bucket:
             raise InvalidArgument("s3 backend option 'bucket' must be a non-empty bucket name")
         if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicached.coerce import format_size, option, parse_size
+from hicached.coerce import format_size, option, parse_size, typed_fields
 from hicached.errors import InvalidArgument
 from hicached.l3.file.layout import SLOT_ALIGN
 
@@ -40,6 +40,7 @@ class FileBackendConfig:
         return f"{self.path} (capacity {format_size(self.capacity_bytes)})"
 
     def __post_init__(self) -> None:
+        typed_fields(self, "l3.file")  # a config built in Python is checked as a file's
         if self.io_threads < 1:
             raise InvalidArgument(f"file backend option 'io_threads' must be >= 1, got {self.io_threads}")
         if not self.path:
