@@ -9,7 +9,12 @@ layout: :mod:`hicached_client.lane_wire`; prose: docs/fastlane.md.
 Bounds: at most ``max_lanes`` connections (negotiating or open) in total,
 ``max_per_session`` open lanes per session and ``max_per_uid`` per client uid; a connection beyond them is answered
 ``error RESOURCE_EXHAUSTED ...`` and closed, as is one whose thread cannot start (out of
-threads: RLIMIT_NPROC, pids.max). The acceptor never dies while the server is open: out of
+threads: RLIMIT_NPROC, pids.max). All ``max_lanes`` taken, a newcomer of a uid holding fewer
+displaces the oldest still-negotiating connection of the uid holding the most, if that uid
+would still hold more than the newcomer's (the fd handoff's rule): uids filling every slot with
+connections that never negotiate cannot keep another uid off the lane. An open lane is never
+displaced (it is another thread's working lane); a newcomer that can displace none is refused
+and uses gRPC. The acceptor never dies while the server is open: out of
 descriptors it pauses (:mod:`hicached.accept`), any other failure is
 logged, counted by ``on_failure("lane_accept")`` and accepting goes on.
 
@@ -94,6 +99,11 @@ class LaneServer:
             max_per_uid, "fast lanes open or opening (server.fast_lane_max_per_uid)", "close one or use gRPC"
         )
         self._uid_of: dict[Lane, int] = {}
+        # Lanes not yet admitted, oldest first (dicts keep insertion order): the only ones a
+        # newcomer may displace. A displaced lane's slots are given back at once; its release()
+        # then gives back nothing.
+        self._negotiating: dict[Lane, None] = {}
+        self._displaced: set[Lane] = set()
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
@@ -170,7 +180,10 @@ class LaneServer:
         if refusal is not None:
             refuse(conn, refusal)
             return
+        victim = None
         with self._lock:
+            if self._open >= self._max_lanes:
+                victim = self._make_room_locked(uid)
             if self._open >= self._max_lanes:
                 lane = None
             else:
@@ -187,7 +200,13 @@ class LaneServer:
                 thread = threading.Thread(target=self._run, args=(lane,), name="hicached-lane", daemon=True)
                 self._threads[lane] = thread
                 self._uid_of[lane] = uid
+                self._negotiating[lane] = None
                 self._open += 1
+        if victim is not None:
+            victim.displace(
+                "error RESOURCE_EXHAUSTED all fast lane slots are taken and your uid holds the most; "
+                "use gRPC or retry\n"
+            )
         if lane is None:
             self._uids.release(uid)
             _refuse(
@@ -202,6 +221,7 @@ class LaneServer:
             # joining the never-started thread).
             with self._lock:
                 self._threads.pop(lane, None)
+                self._negotiating.pop(lane, None)
                 self._open -= 1  # its run() never started, so never releases
                 self._drop_uid(lane)
             logger.warning("fast lane refused: cannot start its thread: %s", exc, extra={"event": "lane"})
@@ -214,10 +234,41 @@ class LaneServer:
             with self._lock:
                 self._threads.pop(lane, None)
 
+    def _make_room_locked(self, uid: int) -> Lane | None:
+        """All ``max_lanes`` taken and a newcomer of ``uid`` (its uid slot taken, not yet counted
+        here) wants one: the oldest negotiating lane of the uid holding the most, if that uid
+        holds more than ``uid`` then will, gives its slots back now and is returned (the caller
+        tells it, outside the lock); else None. O(``max_lanes``), under the lock."""
+        held = Counter(self._uid_of.values())
+        mine = held[uid] + 1
+        candidates = [lane for lane in self._negotiating if held[self._uid_of[lane]] > mine]
+        if not candidates:
+            return None
+        most = max(held[self._uid_of[lane]] for lane in candidates)
+        victim = next(lane for lane in candidates if held[self._uid_of[lane]] == most)
+        logger.info(
+            "fast lane connection of uid %d dropped for uid %d (all %d taken)",
+            self._uid_of[victim],
+            uid,
+            self._max_lanes,
+            extra={"event": "lane", "uid": self._uid_of[victim]},
+        )
+        del self._negotiating[victim]
+        self._displaced.add(victim)
+        self._open -= 1
+        self._drop_uid(victim)
+        return victim
+
     def _admit(self, lane: Lane, session_id: str) -> None:
-        """Count ``lane`` against its session's limit (Refused when reached); its uid was
-        counted at accept (the same ``SO_PEERCRED``)."""
+        """Count ``lane`` against its session's limit (Refused when reached, or when a newcomer
+        displaced it); its uid was counted at accept (the same ``SO_PEERCRED``)."""
         with self._lock:
+            if lane in self._displaced:
+                raise Refused(
+                    "RESOURCE_EXHAUSTED",
+                    "all fast lane slots are taken and your uid holds the most; use gRPC or retry",
+                )
+            del self._negotiating[lane]
             if self._per_session[session_id] >= self._max_per_session:
                 raise Refused(
                     "RESOURCE_EXHAUSTED",
@@ -230,6 +281,10 @@ class LaneServer:
         """``lane`` is ending: its slot of ``max_lanes`` and its uid's, and its session's where
         ``admitted`` (called once per started lane, from its thread)."""
         with self._lock:
+            if lane in self._displaced:  # its slots were given back when it was displaced
+                self._displaced.discard(lane)
+                return
+            self._negotiating.pop(lane, None)
             self._open -= 1
             self._drop_uid(lane)
             if not admitted:

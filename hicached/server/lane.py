@@ -33,6 +33,7 @@ import mmap
 import os
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -134,6 +135,9 @@ class Lane:
         self._efds: list[int] = []  # submit, complete, layer
         self._head = 0
         self._admitted = False
+        # displace() (the acceptor's thread) and the close in _teardown: a close between its
+        # fd lookup and its syscall could make it shut down a descriptor reused by then.
+        self._conn_lock = threading.Lock()
 
     # ------------------------------------------------------------ lifetime
 
@@ -179,7 +183,16 @@ class Lane:
         # without this one.
         admitted, self._admitted = self._admitted, False
         self._release(self, admitted)
-        self._conn.close()
+        with self._conn_lock:
+            self._conn.close()
+
+    def displace(self, line: str) -> None:
+        """From the acceptor's thread: a newcomer took this negotiating lane's slot. The client
+        reads ``line``; the connection is shut down, so this lane's thread ends its negotiation
+        at once (its admit is refused where it got past the read)."""
+        with self._conn_lock, contextlib.suppress(OSError):  # closed or gone: nothing to tell
+            self._conn.send(line.encode())
+            self._conn.shutdown(socket.SHUT_RDWR)
 
     # ------------------------------------------------------------ negotiation
 

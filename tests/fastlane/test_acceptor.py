@@ -7,7 +7,8 @@ uid other than root (root is exempt from RLIMIT_NPROC): the daemon runs as ``nob
 these tests run as root, as CI does.
 
 At the limit of lanes in all (``server.fast_lane_max``), a closed lane's slot is free when
-close() returns, and a refusal at accept reaches a client whose send met a broken pipe.
+close() returns, a refusal at accept reaches a client whose send met a broken pipe, and a
+newcomer displaces a negotiating connection of the uid holding the most, never an open lane.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, Session, WorkerIdentity
 from hicached_client.fastlane import FastLane
 
-from tests.security.users import NOBODY, as_nobody
+from hicached.server.lane import NEGOTIATE_TIMEOUT_S
+from tests.security.users import NOBODY, as_nobody, connections_as, other_user, unused_uids
 from tests.support.daemon import start_daemon
 from tests.support.faults import log_lines, serve_patched, socket_files
 from tests.support.kv import WorkerPools, unique_tag
@@ -246,3 +250,83 @@ def test_a_ring_the_daemon_cannot_create_is_refused_with_the_reason() -> None:
         pools.kv.close()
         pools.draft.close()
         d.stop()
+
+
+@pytest.fixture
+def four_lanes() -> Iterator[tuple[Session, str]]:
+    """A session (root's) of a daemon allowing four lanes in all, four per uid, its sockets open
+    to every uid; and its lane socket."""
+    d = start_daemon(
+        "--set", "server.socket_mode=0o666",
+        "--set", "server.fast_lane_max=4", "--set", "server.fast_lane_max_per_uid=4",
+    )  # fmt: skip
+    pools = WorkerPools.create(unique_tag("fl-four"))
+    try:
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            session = client.attach(WorkerIdentity("w-four", 1, "m-four"), pools.specs())
+            yield session, f"{d.socket}.lane"
+            session.close()
+    finally:
+        pools.kv.close()
+        pools.draft.close()
+        d.stop()
+
+
+def test_uids_filling_every_lane_slot_with_idle_connections_do_not_keep_another_uid_off(
+    four_lanes: tuple[Session, str],
+) -> None:
+    """Fails before the fix: two uids' connections that never negotiate held every slot of
+    ``server.fast_lane_max`` (each until its negotiation deadline, then again), and a third
+    uid's lane was refused. Now the newcomer displaces the oldest negotiating connection of the
+    uid holding the most, which reads why; the lane opens at once."""
+    session, lane_socket = four_lanes
+    first, (second,) = other_user(), unused_uids(1)
+    idle: list[socket.socket] = []
+    try:
+        idle += connections_as(first, Path(lane_socket), 2)
+        idle += connections_as(second, Path(lane_socket), 2)
+        start = time.monotonic()
+        with FastLane.open(session) as lane:
+            lane.ping()
+            elapsed = time.monotonic() - start
+        assert elapsed < NEGOTIATE_TIMEOUT_S / 2, f"the lane waited {elapsed:.2f} s for a slot"
+        readable, _, _ = select.select(idle, [], [], 0)
+        answers = [s.recv(200) for s in readable]
+        assert answers == [
+            b"error RESOURCE_EXHAUSTED all fast lane slots are taken and your uid holds the most; use gRPC or retry\n"
+        ], answers
+        assert readable[0] is idle[0]  # the oldest of the first uid holding the most
+    finally:
+        for conn in idle:
+            conn.close()
+    # The displaced connection's slot was given back once, not again when its thread ended.
+    _four_open_lanes_and_a_newcomer_refused(session, lane_socket)
+
+
+def _four_open_lanes_and_a_newcomer_refused(session: Session, lane_socket: str) -> None:
+    """Root opens four lanes (as soon as the slots are free: a lane's thread gives its slot
+    back when it sees the client gone), then another uid's newcomer, holding none, is refused
+    at accept (it uses gRPC), and every open lane still answers: an open lane is never
+    displaced, and four lanes are all the daemon counts."""
+    lanes: list[FastLane] = []
+
+    def open_one() -> int:
+        with contextlib.suppress(HiCacheError):
+            lanes.append(FastLane.open(session))
+        return len(lanes)
+
+    try:
+        poll(open_one, lambda n: n == 4, 30.0, "four open lanes")
+        (newcomer,) = connections_as(NOBODY, Path(lane_socket), 1)
+        with newcomer:
+            answer = _answer(newcomer)
+        assert answer.startswith(b"error RESOURCE_EXHAUSTED 4 fast lanes are open"), answer
+        for lane in lanes:
+            lane.ping()
+    finally:
+        for lane in lanes:
+            lane.close()
+
+
+def test_an_open_lane_is_never_displaced(four_lanes: tuple[Session, str]) -> None:
+    _four_open_lanes_and_a_newcomer_refused(*four_lanes)

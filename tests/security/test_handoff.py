@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pwd
 import resource
 import select
 import socket
@@ -39,7 +38,7 @@ from hicached.server.handoff import (
 )
 from tests.support.daemon import start_daemon
 
-from .users import other_user, run_as_other
+from .users import connections_as, other_user, run_as_other, unused_uids
 
 
 def fd_is_open(fd: int) -> bool:
@@ -296,12 +295,6 @@ def test_one_uids_idle_connections_do_not_lock_another_uid_out(served: Served) -
             s.close()
 
 
-def unused_uids(n: int) -> list[int]:
-    """``n`` uids no account has (more uids besides root and :func:`other_user`'s)."""
-    taken = {e.pw_uid for e in pwd.getpwall()}
-    return [uid for uid in range(61000, 62000) if uid not in taken][:n]
-
-
 def honest_handoff_is_prompt(served: Served) -> None:
     """Root hands one memfd over while others hold the slots: answered well within the 2 s
     timer that would free one, its ticket carrying root's uid."""
@@ -317,40 +310,6 @@ def honest_handoff_is_prompt(served: Served) -> None:
         os.close(taken[1][0])
     finally:
         os.close(fd)
-
-
-def connections_as(uid: int, path: Path, n: int) -> list[socket.socket]:
-    """``n`` connections to ``path`` made by a child running as ``uid`` (their ``SO_PEERCRED``),
-    handed back here: this process holds them idle. The child is forked (the interpreter under
-    /root is not executable by another user) and only connects before ``_exit``."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 0
-        try:
-            ours.close()
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            conns = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n)]
-            for c in conns:
-                c.connect(str(path))
-            socket.send_fds(theirs, [b"x"], [c.fileno() for c in conns])
-        except BaseException:
-            code = 1
-        os._exit(code)
-    theirs.close()
-    try:
-        _, fds, _, _ = socket.recv_fds(ours, 1, n)
-    finally:
-        ours.close()
-        _, status = os.waitpid(pid, 0)
-    conns = [socket.socket(fileno=fd) for fd in fds]
-    if os.waitstatus_to_exitcode(status) != 0 or len(conns) != n:
-        for c in conns:
-            c.close()
-        raise AssertionError(f"uid {uid} could not open {n} connections to {path}")
-    return conns
 
 
 def test_uids_filling_every_handoff_slot_do_not_keep_another_uid_waiting(served: Served) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +108,43 @@ def as_nobody() -> list[str]:
     # CAP_DAC_READ_SEARCH only to read an interpreter under a 0700 home; it grants no write.
     return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
             "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]  # fmt: skip
+
+
+def unused_uids(n: int) -> list[int]:
+    """``n`` uids no account has (more uids besides root and :func:`other_user`'s)."""
+    taken = {e.pw_uid for e in pwd.getpwall()}
+    return [uid for uid in range(61000, 62000) if uid not in taken][:n]
+
+
+def connections_as(uid: int, path: Path, n: int) -> list[socket.socket]:
+    """``n`` connections to ``path`` made by a child running as ``uid`` (their ``SO_PEERCRED``),
+    handed back here: this process holds them idle. The child is forked (the interpreter under
+    /root is not executable by another user) and only connects before ``_exit``."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            ours.close()
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            conns = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n)]
+            for c in conns:
+                c.connect(str(path))
+            socket.send_fds(theirs, [b"x"], [c.fileno() for c in conns])
+        except BaseException:
+            code = 1
+        os._exit(code)
+    theirs.close()
+    try:
+        _, fds, _, _ = socket.recv_fds(ours, 1, n)
+    finally:
+        ours.close()
+        _, status = os.waitpid(pid, 0)
+    conns = [socket.socket(fileno=fd) for fd in fds]
+    if os.waitstatus_to_exitcode(status) != 0 or len(conns) != n:
+        for c in conns:
+            c.close()
+        raise AssertionError(f"uid {uid} could not open {n} connections to {path}")
+    return conns
