@@ -23,7 +23,7 @@ from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 from hicached.config import Config, ConfigError, as_dict
 from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry
-from hicached.core.keyed import KeyedCache
+from hicached.core.keyed import KeyedCache, KeyedOptions
 from hicached.core.service import HiCacheCore
 from hicached.errors import FailedPrecondition, StartupError
 from hicached.index.index import ContentIndex
@@ -105,7 +105,11 @@ class Daemon:
             attach_index=self._attach_index,
             observer=self._core_metrics,
         )
-        self.keyed = KeyedCache(core=self.core, tag_key=l3_key.tenant_key if l3_key is not None else None)
+        self.keyed = KeyedCache(
+            core=self.core,
+            options=KeyedOptions.from_config(config),
+            tag_key=l3_key.tenant_key if l3_key is not None else None,
+        )
         self.lanes = Lanes.from_config(config)
         self.peers = PeerSessions(
             config.limits.max_sessions_per_peer,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hicached.config import Config
 from hicached.core.checks import check_indices
 from hicached.core.group_state import GroupState
 from hicached.core.service import HiCacheCore
@@ -49,6 +50,19 @@ from hicached.transfer.engine import Priority
 from hicached.transfer.plan import Direction
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KeyedOptions:
+    """The settings the keyed path reads (from the configuration, by ``daemon.py``; immutable)."""
+
+    max_batch_pages: int  # server.max_batch_pages: keys of one PutPages
+    prefetch_policy: PrefetchPolicy  # l3.prefetch_policy: a prefetch that names none
+    max_prefetches_per_session: int  # limits.max_prefetches_per_session
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> KeyedOptions:
+        return cls(cfg.server.max_batch_pages, cfg.l3.prefetch_policy, cfg.limits.max_prefetches_per_session)
 
 
 @dataclass(frozen=True)
@@ -105,14 +119,14 @@ class KeyedCache:
     """Thread-safe (the index and the core lock their own state; ``tag_key`` is immutable).
 
     Owns nothing that needs closing: the indexes are closed with their groups
-    (``GroupState.close``, run by the core's close). Its limits and the default prefetch
-    policy are the core's config (``core.config``). ``tag_key``: the key of tenant tags
-    (from ``l3.auth_key_file``), None for public tags.
+    (``GroupState.close``, run by the core's close). ``options``: its limits and default
+    prefetch policy. ``tag_key``: the key of tenant tags (from ``l3.auth_key_file``), None
+    for public tags.
     """
 
-    def __init__(self, *, core: HiCacheCore, tag_key: bytes | None = None) -> None:
+    def __init__(self, *, core: HiCacheCore, options: KeyedOptions, tag_key: bytes | None = None) -> None:
         self._core = core
-        self._cfg = core.config
+        self._options = options
         self._tag_key = tag_key
 
     @property
@@ -325,9 +339,9 @@ class KeyedCache:
             for pool in pools:
                 if (key, pool) not in data:
                     raise InvalidArgument(f"key {clip(key)} lacks pool {clip(pool)}")
-        if len(keys) > self._cfg.server.max_batch_pages:
+        if len(keys) > self._options.max_batch_pages:
             raise InvalidArgument(
-                f"{len(keys)} keys exceed server.max_batch_pages={self._cfg.server.max_batch_pages}"
+                f"{len(keys)} keys exceed server.max_batch_pages={self._options.max_batch_pages}"
             )
         index.check_storable(keys)  # before any allocation or eviction
 
@@ -390,8 +404,8 @@ class KeyedCache:
         ``policy`` None: ``l3.prefetch_policy``."""
         session, _, index, keys = self._scoped(session_id, keys)
         tenant = session.worker.tenant
-        chosen = policy or self._cfg.l3.prefetch_policy  # None: the configured default
-        limit = self._cfg.limits.max_prefetches_per_session
+        chosen = policy or self._options.prefetch_policy  # None: the configured default
+        limit = self._options.max_prefetches_per_session
         with session.lock:
             held = index.running_prefetches(session.prefetches) + session.prefetches_starting
             if held >= limit:

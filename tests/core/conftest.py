@@ -23,7 +23,7 @@ from hicached_client.v1 import types_pb2 as tpb
 
 from hicached.config import Config
 from hicached.core.groups import GroupRegistry
-from hicached.core.keyed import KeyedCache
+from hicached.core.keyed import KeyedCache, KeyedOptions
 from hicached.core.service import HiCacheCore
 from hicached.core.types import PoolRequest, WorkerId
 from hicached.daemon import attach_content_index
@@ -129,7 +129,7 @@ def make_core() -> Iterator[Callable[..., Core]]:
             engine=engine,
             attach_index=lambda state: attach_content_index(cfg, state, backend=l3, metrics=None),
         )
-        keyed = KeyedCache(core=core)
+        keyed = KeyedCache(core=core, options=KeyedOptions.from_config(cfg))
         c = Core(core, keyed, device)
         made.append((c, engine))
         return c
