@@ -130,6 +130,11 @@ class UidSlots:
             self._counts[uid] = held + 1
         return uid, None
 
+    def restore(self, uid: int) -> None:
+        """Count again a slot of ``uid`` given back by mistake (within the limit when taken)."""
+        with self._lock:
+            self._counts[uid] = self._counts.get(uid, 0) + 1
+
     def release(self, uid: int) -> None:
         """Give back one slot of ``uid`` (taken by :meth:`take`); zero counts are dropped."""
         with self._lock:

@@ -11,7 +11,7 @@ Bounds: at most ``max_lanes`` connections (negotiating or open) in total,
 ``error RESOURCE_EXHAUSTED ...`` and closed, as is one whose thread cannot start (out of
 threads: RLIMIT_NPROC, pids.max). All ``max_lanes`` taken, a newcomer of a uid holding fewer
 displaces the oldest still-negotiating connection of the uid holding the most, if that uid
-would still hold more than the newcomer's (the fd handoff's rule): uids filling every slot with
+holds more than the newcomer's uid then will (the fd handoff's rule): uids filling every slot with
 connections that never negotiate cannot keep another uid off the lane. An open lane is never
 displaced (it is another thread's working lane); a newcomer that can displace none is refused
 and uses gRPC. The acceptor never dies while the server is open: out of
@@ -180,7 +180,7 @@ class LaneServer:
         if refusal is not None:
             refuse(conn, refusal)
             return
-        victim = None
+        victim: tuple[Lane, int] | None = None
         with self._lock:
             if self._open >= self._max_lanes:
                 victim = self._make_room_locked(uid)
@@ -202,11 +202,6 @@ class LaneServer:
                 self._uid_of[lane] = uid
                 self._negotiating[lane] = None
                 self._open += 1
-        if victim is not None:
-            victim.displace(
-                "error RESOURCE_EXHAUSTED all fast lane slots are taken and your uid holds the most; "
-                "use gRPC or retry\n"
-            )
         if lane is None:
             self._uids.release(uid)
             _refuse(
@@ -224,8 +219,18 @@ class LaneServer:
                 self._negotiating.pop(lane, None)
                 self._open -= 1  # its run() never started, so never releases
                 self._drop_uid(lane)
+                if victim is not None:  # not told yet: it keeps its slot
+                    self._restore_locked(*victim)
             logger.warning("fast lane refused: cannot start its thread: %s", exc, extra={"event": "lane"})
             _refuse(conn, f"the daemon cannot start a thread for this lane ({exc}); use gRPC or retry later")
+            return
+        # Told only once the newcomer runs: a newcomer refused for want of a thread (likeliest
+        # when the slots are full) ends nobody's negotiation.
+        if victim is not None:
+            victim[0].displace(
+                "error RESOURCE_EXHAUSTED all fast lane slots are taken and your uid holds the most; "
+                "use gRPC or retry\n"
+            )
 
     def _run(self, lane: Lane) -> None:
         try:
@@ -234,11 +239,12 @@ class LaneServer:
             with self._lock:
                 self._threads.pop(lane, None)
 
-    def _make_room_locked(self, uid: int) -> Lane | None:
+    def _make_room_locked(self, uid: int) -> tuple[Lane, int] | None:
         """All ``max_lanes`` taken and a newcomer of ``uid`` (its uid slot taken, not yet counted
         here) wants one: the oldest negotiating lane of the uid holding the most, if that uid
-        holds more than ``uid`` then will, gives its slots back now and is returned (the caller
-        tells it, outside the lock); else None. O(``max_lanes``), under the lock."""
+        holds more than ``uid`` then will, gives its slots back now and is returned with its uid
+        (the caller tells it, outside the lock, or restores it); else None. O(``max_lanes``),
+        under the lock."""
         held = Counter(self._uid_of.values())
         mine = held[uid] + 1
         candidates = [lane for lane in self._negotiating if held[self._uid_of[lane]] > mine]
@@ -253,11 +259,23 @@ class LaneServer:
             self._max_lanes,
             extra={"event": "lane", "uid": self._uid_of[victim]},
         )
+        victim_uid = self._uid_of[victim]
         del self._negotiating[victim]
         self._displaced.add(victim)
         self._open -= 1
         self._drop_uid(victim)
-        return victim
+        return victim, victim_uid
+
+    def _restore_locked(self, lane: Lane, uid: int) -> None:
+        """Under the lock: ``lane``, displaced for a newcomer that could not start after all,
+        holds its slots again, unless its thread has ended meanwhile (it released nothing)."""
+        if lane not in self._displaced:
+            return
+        self._displaced.discard(lane)
+        self._negotiating[lane] = None
+        self._uid_of[lane] = uid
+        self._open += 1
+        self._uids.restore(uid)
 
     def _admit(self, lane: Lane, session_id: str) -> None:
         """Count ``lane`` against its session's limit (Refused when reached, or when a newcomer

@@ -94,6 +94,39 @@ def test_out_of_threads_refuses_the_lane_and_keeps_accepting() -> None:
         d.stop()
 
 
+def test_a_newcomer_out_of_threads_displaces_nobody() -> None:
+    """Fails before the fix: all slots held by two uids' idle connections, a newcomer displaced
+    the oldest of them and only then found no thread to start (likeliest exactly when the slots
+    are full): both were refused. Now the displaced one is told only once the newcomer runs."""
+    d = serve_patched(
+        NPROC_SWITCH,
+        "--set", "server.socket_mode=0o666",
+        "--set", "server.fast_lane_max=4", "--set", "server.fast_lane_max_per_uid=4",
+        runner=as_nobody(), owner=NOBODY,
+    )  # fmt: skip
+    lane = Path(f"{d.socket}.lane")
+    idle: list[socket.socket] = []
+    try:
+        os.chmod(d.workdir, 0o711)  # nobody's 0700 scratch directory: the other uids may reach the socket
+        first, (second,) = other_user(), unused_uids(1)
+        idle += connections_as(first, lane, 2)
+        idle += connections_as(second, lane, 2)
+        d.process.send_signal(signal.SIGUSR1)
+        poll(lambda: log_lines(d, "NPROC LIMITED"), bool, 30.0, "the thread limit lowered")
+        refused = _probe(str(lane))
+        d.process.send_signal(signal.SIGUSR2)
+        poll(lambda: log_lines(d, "NPROC RESTORED"), bool, 30.0, "the thread limit restored")
+        assert refused.startswith(b"error RESOURCE_EXHAUSTED the daemon cannot start a thread"), refused
+        # Told before the newcomer's refusal was sent, had it been displaced: readable by now.
+        readable, _, _ = select.select(idle, [], [], 0)
+        told = [s.recv(200) for s in readable]
+        assert not [t for t in told if b"holds the most" in t], told
+    finally:
+        for conn in idle:
+            conn.close()
+        d.stop()
+
+
 @pytest.fixture(scope="module")
 def one_lane() -> Iterator[Session]:
     """A session of a real daemon that allows one fast lane in all (``server.fast_lane_max=1``)."""
