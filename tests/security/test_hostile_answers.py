@@ -57,7 +57,9 @@ class Answers:
     lease_ms: int = 30_000
     put_pages: pb.PutPagesResponse = field(default_factory=lambda: pb.PutPagesResponse(ok=True))
     get_pages: pb.GetPagesResponse = field(default_factory=pb.GetPagesResponse)
-    lookup: pb.LookupResponse = field(default_factory=pb.LookupResponse)
+    lookup: pb.LookupResponse | Callable[[pb.LookupRequest], pb.LookupResponse] = field(
+        default_factory=pb.LookupResponse
+    )
     get_bytes: Callable[[pb.GetBytesRequest], pb.GetBytesResponse] = lambda _: pb.GetBytesResponse()
     fail: tuple[grpc.StatusCode, str] | None = None
     heartbeats: list[float] = field(default_factory=list)
@@ -94,7 +96,8 @@ class _Service(pb_grpc.HiCacheServiceServicer):
 
     def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
         self._check(context)
-        return self.a.lookup
+        answer = self.a.lookup
+        return answer(request) if callable(answer) else answer
 
     def GetBytes(self, request: Any, context: Any) -> pb.GetBytesResponse:
         self._check(context)
@@ -292,8 +295,14 @@ def test_a_token_chains_hit_run_past_its_derived_keys_is_an_error(fake: Fake) ->
         fake.answers.lookup = pb.LookupResponse(keys=["k"] * 33, l2_hit_pages=1, total_hit_pages=1)
         with pytest.raises(HiCacheError) as many_keys:
             session.lookup(chain)
-        fake.answers.lookup = pb.LookupResponse(keys=["a", "b"], l2_hit_pages=1, total_hit_pages=2)
-        honest = session.lookup(chain)
+        ids = list(range(32))
+
+        def honest_answer_then_the_caller_clears_its_list(req: pb.LookupRequest) -> pb.LookupResponse:
+            ids.clear()  # the caller's list changes while the call waits: the answer is to what was sent
+            return pb.LookupResponse(keys=["a", "b"], l2_hit_pages=1, total_hit_pages=2)
+
+        fake.answers.lookup = honest_answer_then_the_caller_clears_its_list
+        honest = session.lookup(TokenChain(token_ids=ids))
     assert long_run.value.code == many_keys.value.code == grpc.StatusCode.INTERNAL
     assert "a hit run of 1099511627776 pages for 2 keys" in long_run.value.message
     assert "33 keys for 32 tokens" in many_keys.value.message

@@ -243,7 +243,7 @@ def retract_discard(session_id: str, op_id: str, backup_id: str) -> Call[int]:
 
 def lookup(session_id: str, keys: Keys, tenant: str, per_key: bool = False) -> Call[LookupResult]:
     req = pb.LookupRequest(session_id=session_id, keys=cv.keys_to_wire(keys, tenant), per_key=per_key)
-    return Call("Lookup", req, lambda msg: cv.lookup_result(msg, keys, per_key))
+    return Call("Lookup", req, lambda msg: cv.lookup_result(msg, req.keys, per_key))
 
 
 def publish(

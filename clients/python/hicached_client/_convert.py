@@ -6,8 +6,8 @@ Pure functions, no I/O; thread-safe. Inputs are copied into fresh messages
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence, Sized
-from typing import Any, TypeVar, cast
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from hicached_client import vocab
 from hicached_client.errors import malformed_answer
@@ -261,23 +261,24 @@ def retract_backup_result(msg: pb.RetractBackupResponse) -> RetractBackupResult:
     )
 
 
-def lookup_result(msg: pb.LookupResponse, asked: Keys, per_key: bool = False) -> LookupResult:
-    """The daemon sends back only the keys it derived from tokens; given keys are the caller's.
+def lookup_result(msg: pb.LookupResponse, sent: tpb.KeySource, per_key: bool = False) -> LookupResult:
+    """The answer to the request that carried ``sent`` (its keys as sent, not the caller's
+    objects, which may have changed since). The daemon sends back only the keys it derived
+    from tokens; given keys are the ones sent.
 
     ``HiCacheError(INTERNAL)`` for an answer that does not fit the question: per-key flags
     other than one per key (none without ``per_key``: the SGLang adapter read a short list's
     missing flags as hits), a hit run longer than the keys (given or derived), or more derived
     keys than the chain has tokens."""
-    keys = tuple(msg.keys) if isinstance(asked, TokenChain) else tuple(asked)
+    chain = sent.WhichOneof("source") == "tokens"
+    keys = tuple(msg.keys) if chain else tuple(sent.keys.keys)
     flags = len(keys) if per_key else 0
     if len(msg.in_l2) != flags or len(msg.cached) != flags:
         raise malformed_answer(
             "Lookup", f"{len(msg.in_l2)} in_l2 and {len(msg.cached)} cached flags for {flags} keys"
         )
-    if isinstance(asked, TokenChain):
-        tokens = len(cast(Sized, asked.token_ids))  # 1-D: the request's conversion checked it
-        if len(keys) > tokens:  # each derived key covers at least one token
-            raise malformed_answer("Lookup", f"{len(keys)} keys for {tokens} tokens")
+    if chain and len(keys) > len(sent.tokens.token_ids):  # a derived key covers a token at least
+        raise malformed_answer("Lookup", f"{len(keys)} keys for {len(sent.tokens.token_ids)} tokens")
     check_hit_run("Lookup", max(msg.l2_hit_pages, msg.total_hit_pages), len(keys))
     return LookupResult(
         keys=keys,
