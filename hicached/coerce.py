@@ -37,7 +37,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from hicached.errors import InvalidArgument
+from hicached.errors import CLIP_CHARS, InvalidArgument
 
 __all__ = [
     "coerce",
@@ -276,10 +276,22 @@ def coerce(
         if parse is not None:
             return parse(value)
         return _convert(value, tp, text)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: float(10**400)
         # A custom parser's own message says what is wrong (a tenant listed twice, ...).
         reason = f" ({exc})" if "expect" in meta and str(exc) else ""
-        raise InvalidArgument(f"invalid {label} = {value!r}: expected {_describe(tp, meta)}{reason}") from exc
+        raise InvalidArgument(
+            f"invalid {label} = {_quoted(value)}: expected {_describe(tp, meta)}{reason}"
+        ) from exc
+
+
+def _quoted(value: Any) -> str:
+    """``repr(value)`` as an error quotes it: at most :data:`CLIP_CHARS` characters, the full
+    length named when cut (a Python-built config may hold anything, of any size)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        text = f"<an {type(value).__name__} too long to print>"
+    return text if len(text) <= CLIP_CHARS else f"{text[:CLIP_CHARS]}... ({len(text)} chars)"
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, **meta: Any) -> Any:

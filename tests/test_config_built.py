@@ -58,6 +58,8 @@ def test_values_a_file_could_give_are_typed_as_a_files_are() -> None:
         (lambda: SessionConfig(tenant_uids={"a": [-1]}), ["sessions.tenant_uids", "non-negative integers"]),
         (lambda: SessionConfig(tenant_uids={"a": []}), ["sessions.tenant_uids", "non-negative integers"]),
         (lambda: Config(l3="file"), ["l3", "'file'", "L3Config"]),
+        (lambda: L3Config(backend="x" * 100_000), ["l3.backend", "... (100002 chars)"]),
+        (lambda: HostConfig(budget_fraction=10**400), ["host.budget_fraction", "(401 chars)", "a number"]),
     ],
     ids=[
         "enum",
@@ -72,6 +74,8 @@ def test_values_a_file_could_give_are_typed_as_a_files_are() -> None:
         "uid negative",
         "no uids",
         "section",
+        "long value",
+        "huge int",
     ],
 )
 def test_a_wrong_value_is_a_config_error_naming_the_key(build: Any, words: list[str]) -> None:
@@ -79,6 +83,7 @@ def test_a_wrong_value_is_a_config_error_naming_the_key(build: Any, words: list[
         build()
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+    assert len(str(info.value)) < 300, "a value is quoted by a short prefix"
 
 
 def test_a_backends_table_is_checked_by_the_same_coercer(tmp_path: Path) -> None:

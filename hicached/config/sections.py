@@ -271,7 +271,7 @@ class SessionConfig(_Section):
         "tenant must come from one of its uids (or root; the fd handoff's SO_PEERCRED), else "
         "PERMISSION_DENIED. Tenants not listed are open to every worker.",
         parse=parse_tenant_uids,
-        expect="TENANT=UID[,UID...] entries separated by ;",
+        expect="TENANT=UID[,UID...] entries separated by ; (in Python: a mapping of tenant to uids)",
         show=format_tenant_uids,
     )
 
@@ -341,8 +341,9 @@ class L3Config(_Section):
 
 @dataclass(frozen=True)
 class LimitsConfig(_Section):
-    _key: ClassVar[str] = "limits"
     """Per-request and per-peer limits, checked before any work starts (see docs/limits.md)."""
+
+    _key: ClassVar[str] = "limits"
 
     max_tokens_per_request: int = _f(1 << 20, "Most token ids one KeySource.tokens chain may carry.")
     max_keys_per_request: int = _f(1 << 16, "Most keys one request may carry (given or hashed from tokens).")
