@@ -56,6 +56,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECAS
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _MODE_RE = re.compile(r"^(?:0o|0)?([0-7]{1,3})$", re.IGNORECASE)
 _TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a tenant of sessions.tenant_uids
+_UID_TEXT = re.compile(r"[0-9]{1,10}")  # a uid of sessions.tenant_uids: ASCII digits, 32 bits at most
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -108,8 +109,10 @@ def parse_tenant_uids(text: str | Mapping[str, Any]) -> Mapping[str, frozenset[i
                 f"{entry[:40]!r} is not TENANT=UID[,UID...] with a tenant of [A-Za-z0-9._-]{{1,64}}"
             )
         numbers = [u.strip() for u in uids.split(",") if u.strip()]
-        if not all(u.isdigit() for u in numbers):
-            raise ValueError(f"tenant {tenant[:40]!r}: uids must be non-negative integers, got {uids[:40]!r}")
+        if not all(_UID_TEXT.fullmatch(u) for u in numbers):  # isdigit() took Arabic-Indic digits
+            raise ValueError(
+                f"tenant {tenant[:40]!r}: uids must be non-negative integers (32-bit), got {uids[:40]!r}"
+            )
         entries.append((tenant, [int(u) for u in numbers]))
     return _checked_tenants(entries)
 
@@ -124,8 +127,10 @@ def _checked_tenants(entries: Iterable[tuple[object, object]]) -> Mapping[str, f
         if isinstance(uids, str | bytes) or not isinstance(uids, Iterable):
             raise ValueError(f"tenant {tenant!r}: uids must be a collection of integers, got {uids!r:.40}")
         numbers = list(uids)
-        if not numbers or not all(type(u) is int and u >= 0 for u in numbers):
-            raise ValueError(f"tenant {tenant!r}: uids must be non-negative integers, got {numbers!r:.40}")
+        if not numbers or not all(type(u) is int and 0 <= u < 1 << 32 for u in numbers):
+            raise ValueError(
+                f"tenant {tenant!r}: uids must be non-negative integers (32-bit), got {numbers!r:.40}"
+            )
         out[tenant] = frozenset(numbers)
     return types.MappingProxyType(out)
 
