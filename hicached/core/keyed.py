@@ -6,22 +6,11 @@ moves ownership between the two (publish), and runs the keyed copies
 pin keeps the index from evicting the pages being read.
 
 Tenants: a session's tenant is fixed at attach (``WorkerId.tenant``) and every
-keyed call works in it. The index sees tenant-scoped keys (:func:`scoped_keys`):
-a client key ``k`` of tenant ``t`` is ``k~<tag(t)>`` inside the daemon (``k`` itself
-for the default tenant ``""``), and client keys may not contain ``~``, so two
-tenants' keys never meet in L2 or L3 even when a client names another tenant's
-raw key, and a page fetched back from L3 can only land in its own tenant.
-
-The tag is public (a SHA-256 of the name) unless the daemon has
-``l3.auth_key_file``: then it is an HMAC of the name under a key derived from
-that secret (:class:`~hicached.l3.framing.L3Key`), so another writer of a shared
-L3 cannot compute a tenant's object names (and pre-seed them).
+keyed call works in it, on tenant-scoped keys (:func:`hicached.core.tenants.scoped_keys`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +22,7 @@ from hicached.core.checks import check_indices
 from hicached.core.group_state import GroupState
 from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
+from hicached.core.tenants import client_key, scoped_keys
 from hicached.core.types import Ack
 from hicached.errors import (
     FailedPrecondition,
@@ -75,46 +65,6 @@ class PutResult:
     reason: str = ""
 
 
-TENANT_SEP = "~"
-
-
-def tenant_tag(tenant: str, key: bytes | None = None) -> str:
-    """A fixed-length, collision-resistant tag of a tenant name (no '/' nor '~'): keyed by
-    ``key`` (:attr:`L3Key.tenant_key <hicached.l3.framing.L3Key>`), or public without one."""
-    name = b"hicached-tenant\0" + tenant.encode("utf-8")
-    if key is None:
-        return hashlib.sha256(name).hexdigest()[:32]
-    return hmac.new(key, name, "sha256").hexdigest()[:32]
-
-
-def scoped_keys(tenant: str, keys: Sequence[str], *, tag_key: bytes | None = None) -> list[str]:
-    """Client keys -> the index's keys of ``tenant`` (unchanged for the default tenant), its
-    tag keyed by ``tag_key`` (see :func:`tenant_tag`).
-
-    InvalidArgument for a key holding the reserved separator ``~``, so no client
-    key of one tenant can spell another tenant's scoped key.
-    """
-    if isinstance(keys, str):
-        raise InvalidArgument(f"keys must be a sequence of str, got the single str {keys[:64]!r}")
-    out = list(keys)
-    try:  # all at once first; one by one to name the key (or when some are not str)
-        suspect = TENANT_SEP in "".join(out)
-    except TypeError:
-        suspect = True
-    for key in out if suspect else ():
-        if isinstance(key, str) and TENANT_SEP in key:
-            raise InvalidArgument(f"content key {key[:64]!r} contains {TENANT_SEP!r}, which is reserved")
-    if not tenant:
-        return out
-    suffix = TENANT_SEP + tenant_tag(tenant, tag_key)
-    return [k + suffix if isinstance(k, str) else k for k in out]
-
-
-def client_key(key: str) -> str:
-    """The client's key of an index key (drops the tenant scope)."""
-    return key.partition(TENANT_SEP)[0]
-
-
 class KeyedCache:
     """Thread-safe (the index and the core lock their own state; ``tag_key`` is immutable).
 
@@ -147,6 +97,9 @@ class KeyedCache:
     def _scoped(
         self, session_id: str, keys: Sequence[str]
     ) -> tuple[Session, GroupState, ContentIndex, list[str]]:
+        # The client's keys are checked before scoping, so errors quote them (not the tenant's
+        # tag) and "" is refused for every tenant alike (scoped, it read "~<tag>").
+        keys = check_keys(keys)
         session, state, index = self._ctx(session_id)
         return session, state, index, scoped_keys(session.worker.tenant, keys, tag_key=self._tag_key)
 
@@ -163,6 +116,7 @@ class KeyedCache:
     def publish(
         self, session_id: str, op_id: str, keys: Sequence[str], transfers: Sequence[PoolTransfer]
     ) -> tuple[int, int]:
+        check_keys(keys, unique=True)  # the client's keys in the error (the index checks again)
         session, state, index, keys = self._scoped(session_id, keys)
         tenant = session.worker.tenant
         pages = self._columns(state, keys, transfers, side="host")
@@ -187,7 +141,14 @@ class KeyedCache:
         """One page per key for every allocating pool, from the transfers' ``side`` indices; a
         derived pool's pages, when given, one per key too (else they default to its source's)."""
         wanted = state.owning_pools()
-        given = {t.name: t for t in transfers}
+        names = [e.name for e in state.group.entries]
+        given: dict[str, PoolTransfer] = {}
+        for t in transfers:  # as every other call: a pool named twice or unknown is refused
+            if t.name in given:
+                raise InvalidArgument(f"pool {clip(t.name)} appears twice in one batch")
+            if t.name not in names:
+                raise NotFound(f"unknown pool {clip(t.name)} (pools: {names})")
+            given[t.name] = t
         for t in transfers:
             arr = t.host_indices if side == "host" else t.device_indices
             if t.name not in wanted and arr is not None and 0 < len(arr) != len(keys):
@@ -308,19 +269,18 @@ class KeyedCache:
     def put_bytes(
         self, session_id: str, op_id: str, pages: Sequence[tuple[str, str, bytes]]
     ) -> tuple[int, int]:
-        """Byte fallback: (key, pool, data) for every allocating pool of each key."""
+        """Byte fallback: (key, pool, data) for every allocating pool of each key; keys already
+        cached are skipped. Every check runs on the client's keys before any allocation or
+        eviction (as in put_pages), the count first: per-page work is bounded by the batch."""
         session, state, index = self._ctx(session_id)
         tenant = session.worker.tenant
-        scoped = dict(
-            zip(
-                (k for k, _, _ in pages),
-                scoped_keys(tenant, [k for k, _, _ in pages], tag_key=self._tag_key),
-                strict=True,
-            )
-        )
-        pages = [(scoped[k], pool, blob) for k, pool, blob in pages]
         pools = state.owning_pools()
-        keys: list[str] = []
+        most = self._options.max_batch_pages
+        if len(pages) > most * len(pools):
+            raise InvalidArgument(
+                f"{len(pages)} pages exceed server.max_batch_pages={most} keys of {len(pools)} pool(s) each"
+            )
+        check_keys([k for k, _, _ in pages])
         data: dict[tuple[str, str], bytes] = {}
         for key, pool, blob in pages:
             if pool not in pools:
@@ -332,32 +292,35 @@ class KeyedCache:
                 raise InvalidArgument(
                     f"key {clip(key)} pool {clip(pool)}: {len(blob)} bytes, a page is {want}"
                 )
-            if key not in keys:
-                keys.append(key)
             data[(key, pool)] = blob
+        keys = list(dict.fromkeys(key for key, _ in data))  # in order, once each
         for key in keys:
             for pool in pools:
                 if (key, pool) not in data:
                     raise InvalidArgument(f"key {clip(key)} lacks pool {clip(pool)}")
-        if len(keys) > self._options.max_batch_pages:
-            raise InvalidArgument(
-                f"{len(keys)} keys exceed server.max_batch_pages={self._options.max_batch_pages}"
-            )
-        index.check_storable(keys)  # before any allocation or eviction
+        if len(keys) > most:
+            raise InvalidArgument(f"{len(keys)} keys exceed server.max_batch_pages={most}")
+        scoped = scoped_keys(tenant, keys, tag_key=self._tag_key)
+        index.check_storable(scoped)  # before any allocation or eviction
 
         def run() -> tuple[int, int]:
+            # Keys L2 holds are skipped (as put_pages does): allocating for them would evict
+            # other entries (any tenant's) from a full pool, only for publish to refuse them.
+            new = [i for i, held in enumerate(index.l2_resident(scoped)) if not held]
+            if not new:
+                return 0, len(keys)
             # One allocation for every pool: it evicts only when all of them will then fit,
             # so a PutBytes without room leaves the pools and the index as they were.
-            got = state.group.allocate(dict.fromkeys(pools, len(keys)), fills=pools)
+            got = state.group.allocate(dict.fromkeys(pools, len(new)), fills=pools)
             if not got.ok:
-                raise ResourceExhausted(f"no host room for {len(keys)} keys: {got.reason}")
+                raise ResourceExhausted(f"no host room for {len(new)} keys: {got.reason}")
             allocated = got.pages
             try:
                 for pool, arr in allocated.items():
                     host_pool = state.pool(pool)
-                    for key, page in zip(keys, arr.tolist(), strict=True):
-                        host_pool.set_page_flat(page, data[(key, pool)])
-                mask = index.publish(keys, allocated, tenant=tenant)
+                    for i, page in zip(new, arr.tolist(), strict=True):
+                        host_pool.set_page_flat(page, data[(keys[i], pool)])
+                mask = index.publish([scoped[i] for i in new], allocated, tenant=tenant)
             except BaseException:
                 for pool, arr in allocated.items():
                     state.free(pool, arr)
@@ -365,14 +328,16 @@ class KeyedCache:
             for pool, arr in allocated.items():
                 if (~mask).any():
                     state.free(pool, arr[~mask])
-            return int(mask.sum()), int((~mask).sum())
+            stored = int(mask.sum())
+            return stored, len(keys) - stored
 
         return session.run("PutBytes", op_id, (list(pages), tenant), run)
 
     def get_bytes(
         self, session_id: str, keys: Sequence[str], *, include_l3: bool
-    ) -> list[tuple[str, str, bytes]]:
-        """(client key, pool, bytes) of the keys' leading cached run, every pool of each key."""
+    ) -> tuple[int, list[tuple[str, str, bytes]]]:
+        """(pages of the keys' leading cached run, as GetPages counts it; (client key, pool,
+        bytes) of each, every pool of each key)."""
         session, state, index, keys = self._scoped(session_id, keys)
         tenant = session.worker.tenant
         if include_l3:
@@ -384,7 +349,7 @@ class KeyedCache:
                 for pool, arr in pin.pages.items():
                     data = state.pool(pool).get_page_flat(int(arr[i])).numpy().tobytes()
                     out.append((client_key(key), pool, data))
-            return out
+            return len(pin.keys), out
         finally:
             index.unpin(pin)
 

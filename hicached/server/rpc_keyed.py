@@ -240,7 +240,7 @@ class KeyedRpcs(ServicerBase):
         nbytes = len(keys) * self.keyed.page_bytes(request.session_id)
         check_response(what, nbytes, self.limits, self.options.max_message_bytes)
         self.hold_answer(context, request.session_id, nbytes, what)
-        pages = await self.offload(
+        hit, pages = await self.offload(
             "GetBytes",
             self.keyed.get_bytes,
             request.session_id,
@@ -249,7 +249,6 @@ class KeyedRpcs(ServicerBase):
             l3=request.include_l3,
             session=request.session_id,
         )
-        hit = len({k for k, _, _ in pages})
         return pb.GetBytesResponse(
             pages=[tpb.PageBytes(key=k, pool=p, data=d) for k, p, d in pages], hit_pages=hit
         )

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from hicached.core.keyed import scoped_keys
+from hicached.core.tenants import scoped_keys
 from hicached.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from hicached.index import ContentIndex, IndexOptions, LookupResult, WritePolicy
 from hicached.index.entries import check_keys

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from hicached.core.keyed import scoped_keys
+from hicached.core.tenants import scoped_keys
 from hicached.index.tenant_keys import entry_bytes
 from hicached.l3 import create_backend
 from tests.core.conftest import Core

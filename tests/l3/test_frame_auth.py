@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from hicached.core.keyed import scoped_keys, tenant_tag
+from hicached.core.tenants import scoped_keys, tenant_tag
 from hicached.l3 import StorageBackend
 from hicached.l3.framing import (
     AUTH_HEADER,

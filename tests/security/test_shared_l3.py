@@ -22,7 +22,7 @@ import pytest
 import redis
 from hicached_client import HiCacheClient, Session, WorkerIdentity
 
-from hicached.core.keyed import tenant_tag
+from hicached.core.tenants import tenant_tag
 from hicached.l3.framing import FRAME_HEADER, FrameCodec, L3Key, frame
 from hicached.testing.servers import RedisServer, redis_server
 from tests.security.roles_helpers import one_line_error, serve
