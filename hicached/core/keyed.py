@@ -438,10 +438,8 @@ class KeyedCache:
             if s.index is not None and (model is None or s.model_name == model)
         ]
 
-    def drain(self, *, wait: bool, timeout_s: float | None = None) -> int:
+    def flush(self, timeout_s: float | None = None) -> int:
         """Flush queued L3 backups of every group (and, under write_back, every unwritten page)."""
-        if not wait:
-            return 0
         return sum(index.flush(timeout_s) for index in self.indexes())
 
     def clear(self, model: str, tenant: str | None) -> tuple[int, int]:

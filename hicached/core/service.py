@@ -1,15 +1,14 @@
 """HiCacheCore: every daemon operation, on plain Python types.
 
-The gRPC servicer converts messages to these calls and exceptions to status
-codes; nothing here knows about gRPC. Calls block (they wait for the copy
-engine), so the servicer runs them on a thread pool.
+The gRPC servicer converts messages to these calls and exceptions to status codes; nothing here
+knows about gRPC. Calls block (they wait for the copy engine), so the servicer runs them on a lane.
 
-Atomicity: each mutating call validates everything first, then allocates,
-then copies; when a later step fails, what the call allocated is freed before
-the error propagates. ``Session.run`` makes a retried (rpc, op_id) return
-the first remembered outcome (see :mod:`hicached.core.opcache`). Ownership: a host page is owned by exactly one holder at a time — a
-session's ledger, a retraction backup, or the content index — and is freed by
-that holder exactly once (``GroupState.free`` defers frees that race a copy).
+Atomicity: each mutating call validates everything first, then allocates, then copies; when a
+later step fails, what the call allocated is freed before the error propagates. ``Session.run``
+makes a retried (rpc, op_id) return the first remembered outcome (:mod:`hicached.core.opcache`).
+Ownership: a host page is owned by exactly one holder at a time — a session's ledger, a
+retraction backup, or the content index — and is freed by that holder exactly once
+(``GroupState.free`` defers frees that race a copy).
 """
 
 from __future__ import annotations
@@ -396,16 +395,17 @@ class HiCacheCore:
     # ------------------------------------------------------------------- admin
 
     def stats(self, session_id: str = "", *, own: bool = False) -> DaemonStats:
-        """Everything, or one session, its group and its backups. ``own`` (a worker's view of its
-        session): the group's indexed pages and sessions count the session's tenant only."""
-        sessions = self._sessions.all()
-        if session_id:
-            sessions = [self._sessions.get(session_id)]
+        """Everything, or one session, its group and its backups. ``own`` (a worker's view): of
+        its session, the group's indexed pages and sessions count the session's tenant only;
+        without one, the aggregates only (the rest is not the worker's to see, nor to build)."""
+        sessions = [self._sessions.get(session_id)] if session_id else self._sessions.all()
         groups = self._groups.all()
         if session_id:
             groups = [g for g in groups if g.group_id == sessions[0].group_id]
         tenant = sessions[0].worker.tenant if own and session_id else None
         backups = self._backups.snapshot(session_id)
+        if own and not session_id:  # before the per-session and per-group stats are built
+            sessions, groups, backups = [], [], []
         return DaemonStats(
             sessions=tuple(s.stats() for s in sessions),
             groups=tuple(

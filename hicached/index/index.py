@@ -377,7 +377,9 @@ class ContentIndex:
         if tenant is not None and not isinstance(tenant, str):
             raise InvalidArgument(f"tenant must be a str or None, got {tenant!r}")
         self._prefetcher.cancel(tenant)
-        dropped, l3_keys = self._table.detach(tenant)
+        dropped, l3_keys, began = self._table.detach(tenant)
+        if not began:
+            return 0, 0  # nothing of the tenant's here: no epoch moved, no delete to run
         if dropped:
             self._obs.evicted("l2", "clear", dropped)
         deleted = 0
@@ -393,7 +395,7 @@ class ContentIndex:
                 if deleted:
                     self._obs.evicted("l3", "clear", deleted)
         finally:
-            self._table.end_clear()
+            self._table.end_clear([tenant])
         return dropped, deleted
 
     def stats(self, tenant: str | None = None) -> IndexStats:

@@ -17,13 +17,18 @@ so a prefix is shortened from its tail.
 Clears: :meth:`EntryTable.detach` reaches the entries an eviction still holds
 for their L3 write (so the write's copy is deleted, not kept), and moves the
 clear epoch (so an L3 read that began before it publishes nothing); until
-:meth:`EntryTable.end_clear` (L3 deleted) no L3 read publishes anything.
+:meth:`EntryTable.end_clear` (L3 deleted) no L3 read publishes anything. A tenant's
+clear moves its tenant's epoch only (one of :data:`EPOCH_BUCKETS`, by a keyed hash of the
+name, so a tenant cannot choose to share another's), and one that finds nothing moves none:
+a worker clearing its own tenant in a loop cannot stop other tenants' L3 reads from publishing.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
@@ -42,6 +47,12 @@ __all__ = ["EntryTable"]
 # Process-wide, so a pin handed to the wrong index is refused rather than
 # releasing someone else's pages.
 _PIN_IDS = itertools.count(1)
+
+# Tenants' clear epochs share this many counters (a clear of one moves the counter of every
+# tenant hashed with it: its reads then publish nothing, a safe miss); one more is the group's.
+EPOCH_BUCKETS = 64
+_GROUP = EPOCH_BUCKETS
+Epoch = tuple[int, ...]  # a clear_epoch(): every counter, the group's last
 
 
 class EntryTable:
@@ -63,8 +74,11 @@ class EntryTable:
         self._tenant_keys = tenant_keys if tenant_keys is not None else TenantL3Keys()
         self._owner = self._tenant_keys.new_owner()
         self._held: dict[int, Entry] = {}  # evicted, held until their L3 write ends (by id)
-        self._clears = 0  # the clear epoch: detach() and end_clear() move it
-        self._clearing = 0  # clears between detach() and end_clear(): their L3 delete is to come
+        # The clear epochs, one per tenant bucket and the group's last: detach() and end_clear()
+        # move them; _clearing counts clears between the two (their L3 delete is to come).
+        self._clears = [0] * (EPOCH_BUCKETS + 1)
+        self._clearing = [0] * (EPOCH_BUCKETS + 1)
+        self._salt = os.urandom(16)  # the buckets' hash key: no client can aim at a bucket
         self.closed = False  # written under the lock; a stale read only delays a refusal
         self._frozen = False  # freeze() took the final snapshot: no more changes
         self._counts = collections.Counter[str]()
@@ -116,10 +130,25 @@ class EntryTable:
 
     # ------------------------------------------------------------- insert / pin
 
-    def clear_epoch(self) -> int:
-        """The clear epoch now: take it before reading what :meth:`insert` will publish."""
+    def clear_epoch(self) -> Epoch:
+        """The clear epochs now: take them before reading what :meth:`insert` will publish or
+        writing what :meth:`mark_stored` will record."""
         with self._lock:
-            return self._clears
+            return tuple(self._clears)
+
+    def _bucket(self, tenant: str) -> int:
+        digest = hashlib.blake2b(tenant.encode("utf-8"), digest_size=8, key=self._salt).digest()
+        return int.from_bytes(digest, "little") % EPOCH_BUCKETS
+
+    def _unsure_locked(self, epoch: Epoch, tenant: str) -> bool:
+        """A clear of the group or of ``tenant``'s bucket ran since ``epoch`` or is running."""
+        b = self._bucket(tenant)
+        return (
+            epoch[_GROUP] != self._clears[_GROUP]
+            or epoch[b] != self._clears[b]
+            or self._clearing[_GROUP] > 0
+            or self._clearing[b] > 0
+        )
 
     def insert(
         self,
@@ -129,7 +158,7 @@ class EntryTable:
         *,
         in_l3: bool,
         strict: bool,
-        epoch: int | None = None,
+        epoch: Epoch | None = None,
     ) -> tuple[npt.NDArray[np.bool_], list[Entry], list[Entry]]:
         """Add entries for new keys, touch existing ones; (mask of keys taken, new entries, entries now hot).
 
@@ -146,7 +175,7 @@ class EntryTable:
         with self._lock:
             if self.closed or self._frozen:
                 raise Unavailable("the content index is closed")
-            if epoch is not None and (epoch != self._clears or self._clearing):
+            if epoch is not None and self._unsure_locked(epoch, tenant):
                 return np.zeros(0, dtype=bool), new, hot  # taken: none (not even touched)
             if strict:
                 for col, (owned, column) in enumerate(zip(self._owned, columns, strict=True)):
@@ -265,8 +294,11 @@ class EntryTable:
                 entry.backup_queued = False
             self._drop_refs_locked(entries, pinned=False)
 
-    def mark_stored(self, entries: Sequence[Entry], ok: Sequence[bool], epoch: int) -> list[str]:
-        """Record the entries L3 now holds; the keys cleared meanwhile (their L3 copies must go).
+    def mark_stored(
+        self, entries: Sequence[Entry], ok: Sequence[bool], epoch: Epoch
+    ) -> tuple[list[str], set[str]]:
+        """Record the entries L3 now holds; the keys cleared meanwhile (their L3 copies must go)
+        and their tenants (for :meth:`end_clear`).
 
         ``epoch``: the :meth:`clear_epoch` taken before the write. When a clear ran since or is
         running, its L3 delete may have removed (or may yet remove) what was written: the
@@ -280,24 +312,25 @@ class EntryTable:
         and written to L3 may lose that copy to the delete, so no write finishing in that
         window counts as in L3, and no L3 read publishes."""
         orphans: list[str] = []
+        tenants: set[str] = set()
         with self._lock:
-            unsure = epoch != self._clears or self._clearing > 0
             for entry, good in zip(entries, ok, strict=True):
                 if not good:
                     continue
                 if entry.cleared:  # clear() ran while we wrote: it must not come back
                     if entry.key not in self._entries:
                         orphans.append(entry.key)
+                        tenants.add(entry.tenant)
                     continue
-                if unsure:
+                if self._unsure_locked(epoch, entry.tenant):
                     continue
                 entry.in_l3 = True
                 if entry.tenant and not self.closed:  # close() forgot this table's keys for good
                     self._tenant_keys.remember(self._owner, entry.key, entry.tenant)
-            if orphans:
-                self._clears += 1
-                self._clearing += 1
-        return orphans
+            for b in {self._bucket(t) for t in tenants}:
+                self._clears[b] += 1
+                self._clearing[b] += 1
+        return orphans, tenants
 
     # ------------------------------------------------------------- eviction
 
@@ -354,34 +387,40 @@ class EntryTable:
                 queue_dirty(len(dirty))
             return len(victims), dirty
 
-    def detach(self, tenant: str | None) -> tuple[int, set[str] | None]:
+    def detach(self, tenant: str | None) -> tuple[int, set[str] | None, bool]:
         """clear(): every entry (or one tenant's) leaves now; pinned ones are freed at their last
-        unpin. (Entries dropped, the tenant's keys known to be in L3; None without a tenant.)
-        The keys stay remembered until :meth:`forget_l3`; call :meth:`end_clear` after the L3 delete."""
+        unpin. (Entries dropped, the tenant's keys known to be in L3 (None without a tenant),
+        whether a clear began: call :meth:`end_clear` after the L3 delete then.) A tenant with
+        no entry, none held for a write and no key known in L3 has nothing to clear: no epoch
+        moves. The keys stay remembered until :meth:`forget_l3`."""
         with self._lock:
-            self._clears += 1
-            self._clearing += 1
             targets = [e for e in self._entries.values() if tenant is None or e.tenant == tenant]
+            held = [e for e in self._held.values() if tenant is None or e.tenant == tenant]
+            l3_keys = None if tenant is None else self._tenant_keys.of(self._owner, tenant)
+            if tenant is not None and not (targets or held or l3_keys):
+                return 0, l3_keys, False
+            slot = _GROUP if tenant is None else self._bucket(tenant)
+            self._clears[slot] += 1
+            self._clearing[slot] += 1
             for entry in targets:
                 del self._entries[entry.key]
                 entry.detached = entry.cleared = True
-            for entry in self._held.values():  # evicted, their L3 write still to come or running
-                if tenant is None or entry.tenant == tenant:
-                    entry.cleared = True
+            for entry in held:  # evicted, their L3 write still to come or running
+                entry.cleared = True
             self._free_locked([e for e in targets if e.refs == 0])
-            if tenant is None:
-                return len(targets), None
-            l3_keys = self._tenant_keys.of(self._owner, tenant)
-            l3_keys.update(e.key for e in targets if e.in_l3)
-            return len(targets), l3_keys
+            if l3_keys is not None:
+                l3_keys.update(e.key for e in targets if e.in_l3)
+            return len(targets), l3_keys, True
 
-    def end_clear(self) -> None:
-        """A :meth:`detach`'s (or :meth:`mark_stored`'s orphans') L3 delete is over (done or
-        failed): L3 reads publish again, but not one whose epoch was taken before (it may have
-        read what the delete removed)."""
+    def end_clear(self, tenants: Iterable[str | None]) -> None:
+        """The L3 delete of a :meth:`detach` of each of ``tenants`` (None: the group's), or of
+        :meth:`mark_stored`'s orphans of them, is over (done or failed): their L3 reads publish
+        again, but not one whose epoch was taken before (it may have read what the delete
+        removed)."""
         with self._lock:
-            self._clearing -= 1
-            self._clears += 1
+            for slot in {_GROUP if t is None else self._bucket(t) for t in tenants}:
+                self._clearing[slot] -= 1
+                self._clears[slot] += 1
 
     def forget_l3(self, keys: Iterable[str] | None) -> None:
         """The L3 copies of ``keys`` (None: of every tenant) are deleted: stop remembering them.

@@ -155,12 +155,12 @@ class Writer:
         )
         seconds = time.perf_counter() - started
         ok = self._view.whole_keys(results)
-        orphans = self._table.mark_stored(live, ok, epoch)
+        orphans, tenants = self._table.mark_stored(live, ok, epoch)
         if orphans:
             try:
                 self._backend.delete(self._view.l3_keys(self._namespace, orphans))
             finally:
-                self._table.end_clear()
+                self._table.end_clear(tenants)
         stored = sum(ok)
         if stored:
             self._obs.backed_up(stored, stored * self._view.key_bytes, seconds)

@@ -42,9 +42,12 @@ class AdminServicer(ServicerBase, pb_grpc.AdminServiceServicer):
         self.core.set_draining()
         if self._on_drain is not None:
             await self._on_drain()
-        flushed = await self.offload(
-            "Drain", self.keyed.drain, wait=request.wait_flush, timeout_s=self.limits.max_wait_s
-        )
+        if not request.wait_flush:
+            # Drained now: nothing to wait for, so no place on the L3 lane either (behind a hung
+            # L3, the queue refused the call and the operator read a drain that had happened as
+            # failed).
+            return pb.DrainResponse(flushed_pages=0)
+        flushed = await self.offload("Drain", self.keyed.flush, self.limits.max_wait_s)
         return pb.DrainResponse(flushed_pages=flushed)
 
     async def Resume(self, request: pb.ResumeRequest, context: Ctx) -> pb.ResumeResponse:
@@ -58,6 +61,7 @@ class AdminServicer(ServicerBase, pb_grpc.AdminServiceServicer):
         self, request: pb.ClearNamespaceRequest, context: Ctx
     ) -> pb.ClearNamespaceResponse:
         model, tenant = request.model_name, request.tenant or None
+        session = ""  # an admin's clear is not counted against a session's L3 calls
         if not self.is_admin(context):
             if not request.session_id:
                 self.require_admin(context, "ClearNamespace without session_id (any tenant)")
@@ -68,6 +72,6 @@ class AdminServicer(ServicerBase, pb_grpc.AdminServiceServicer):
                     f"model_name {clip(model)} is not this session's model {clip(own.model_name)}: "
                     "a worker clears only its own model and tenant"
                 )
-            model, tenant = own.model_name, own.tenant
-        l2, l3 = await self.offload("ClearNamespace", self.keyed.clear, model, tenant)
+            model, tenant, session = own.model_name, own.tenant, request.session_id
+        l2, l3 = await self.offload("ClearNamespace", self.keyed.clear, model, tenant, session=session)
         return pb.ClearNamespaceResponse(l2_pages=l2, l3_pages=l3)

@@ -201,7 +201,8 @@ def test_l3_calls_beyond_the_lane_and_its_queue_are_refused_naming_the_key() -> 
     """Fails on main: L3 calls took threads of the one shared RPC pool and then queued without
     bound (run on main without the two keys: the calls only waited). Here one L3 thread and
     one queued call are allowed; while they hang on L3, a further one is RESOURCE_EXHAUSTED
-    naming limits.max_l3_calls_queued, and GetStats is unchanged by it."""
+    naming limits.max_l3_calls_queued, and GetStats is unchanged by it; an operator's drain
+    without a flush is answered at once."""
     fake = FakeRedis()
     d = start_daemon(
         *fake.daemon_args(),
@@ -235,6 +236,12 @@ def test_l3_calls_beyond_the_lane_and_its_queue_are_refused_naming_the_key() -> 
             assert codes and codes[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED, codes
             assert (client.get_stats().host_used_bytes, len(client.get_stats().sessions)) == before
             session.heartbeat(timeout_s=2.0)  # the loop and the other lanes are free
+            # A drain without a flush waits for nothing: it takes no place on the full L3 lane
+            # (fails before: RESOURCE_EXHAUSTED, though the drain had taken effect).
+            with HiCacheClient(d.admin_target, timeout_s=10.0) as admin:
+                assert admin.drain(wait_flush=False).flushed_pages == 0
+                assert client.get_stats().draining
+                assert admin.resume() is True
             fake.close()
             first.join(timeout=30)
             second.join(timeout=30)
