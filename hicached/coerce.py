@@ -203,8 +203,8 @@ def _describe(tp: Any, meta: typing.Mapping[str, Any]) -> str:
         int: "an integer",
         float: "a number",
         bool: "true or false",
-        str: "a string",
-        Path: "a path",
+        str: "a string (without NUL)",
+        Path: "a path (not empty, without NUL)",
     }.get(tp, getattr(tp, "__name__", str(tp)))
 
 
@@ -250,11 +250,11 @@ def _convert(value: Any, tp: Any, text: bool) -> Any:
             return tp(value)  # ValueError unless one of its values, exactly (a member is one)
         raise ValueError(value)
     if tp is str:
-        if isinstance(value, str):
+        if isinstance(value, str) and "\0" not in value:  # no path, host or name holds a NUL
             return value
         raise ValueError(value)  # a TOML number or boolean where text is expected
     if tp is Path:
-        if isinstance(value, str | Path):
+        if isinstance(value, str | Path) and "\0" not in str(value) and str(value):  # "" read "."
             return Path(value)
         raise ValueError(value)
     raise TypeError(f"unsupported configuration type {tp!r}")

@@ -377,6 +377,10 @@ class Daemon:
             self.reload(reload())
         except ConfigError as exc:
             logger.error("config reload rejected: %s", exc, extra={"event": "reload"})
+        except Exception:  # a bug: said as such, and the daemon goes on with the config it has
+            logger.exception(
+                "config reload failed; the running configuration stays", extra={"event": "reload"}
+            )
 
 
 def _leaves(values: dict[str, object], prefix: str = "") -> list[tuple[str, object]]:

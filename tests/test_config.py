@@ -277,6 +277,10 @@ SILENTLY_COERCED = {
     "bool for string key": ("[server]\nmetrics_host = true\n", ["server.metrics_host", "True"]),
     "number for tenant uids": ("[sessions]\ntenant_uids = 1000\n", ["sessions.tenant_uids", "1000"]),
     "number for a policy": ("[l3]\nwrite_policy = 1\n", ["l3.write_policy", "write_back"]),
+    "integer past 4,300 digits": (
+        "[limits]\nmax_wait_s = " + "9" * 5000 + "\n",
+        ["not a configuration", "4300"],
+    ),
 }
 
 
@@ -329,6 +333,14 @@ BAD_CLI = {
     "tenant uid not a number": ({"sessions.tenant_uids": "team-a=root"}, ["sessions.tenant_uids", "'root'"]),
     "tenant listed twice": ({"sessions.tenant_uids": "a=1;a=2"}, ["sessions.tenant_uids", "listed twice"]),
     "tenant name": ({"sessions.tenant_uids": "a b=1"}, ["sessions.tenant_uids", "'a b=1'"]),
+    # A review (stop 41): these started and failed later, as a traceback or a misleading error.
+    "NUL in a path": ({"server.socket": "/x/a\0b"}, ["server.socket", "without NUL"]),
+    "NUL in a string": ({"l3.file.path": "/x/a\0b"}, ["l3.file.path", "without NUL"]),
+    "empty socket path": ({"server.socket": ""}, ["server.socket", "not empty"]),
+    "socket where the admin socket goes": (
+        {"server.socket": "/x/admin.sock"},
+        ["'/x/admin.sock'", "must differ from server.socket"],
+    ),
 }
 
 

@@ -183,8 +183,15 @@ def _check_tcp(server: ServerConfig) -> None:
             f"server.listen = {server.listen!r} needs server.auth_token_file or server.tls_client_ca "
             "(mTLS); set server.insecure_tcp = true to serve TCP without authentication"
         )
-    if server.admin_socket and Path(server.admin_socket) == Path(server.socket):
-        raise ConfigError(f"server.admin_socket = {server.admin_socket!r} must differ from server.socket")
+    if server.admin_socket_path() == Path(server.socket):
+        raise ConfigError(
+            f"server.admin_socket = {str(server.admin_socket_path())!r} must differ from server.socket"
+            + (
+                ""
+                if server.admin_socket
+                else " (admin.sock next to it when unset: name the worker socket otherwise)"
+            )
+        )
 
 
 def env_var(key: str) -> str:
@@ -358,6 +365,8 @@ def resolve(
         except RecursionError:
             # tomllib recurses per nesting level; a deep file is a config error, not a crash.
             raise ConfigError(f"config file {file} is nested too deeply to be a configuration") from None
+        except ValueError as exc:  # tomllib's own int(): an integer of more than 4,300 digits
+            raise ConfigError(f"config file {file} is not a configuration: {str(exc)[:200]}") from None
         _check_mode_literals(text, file)
         for section, values in data.items():
             if section not in SECTION_TYPES or not isinstance(values, dict):
