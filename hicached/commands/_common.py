@@ -1,5 +1,5 @@
 """What the commands share: the flags of those that build a configuration (serve, config
-show), and :func:`shown`, how every command prints text a daemon sent.
+show), :func:`shown`, how every command prints text a daemon sent, and the integer flags' types.
 
 Thread-safety: pure functions (argument parsing happens once, on the main thread).
 """
@@ -14,6 +14,25 @@ from hicached.coerce import one_of
 from hicached.config import Config, LogFormat, LogLevel, describe, resolve
 from hicached.l3.registry import L3Backend
 from hicached.logs import escape_controls
+
+
+def _int_flag(least: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:32]!r} is not an integer") from None
+        if not least <= value < 1 << 31:  # the wire's fields are 32-bit
+            raise argparse.ArgumentTypeError(f"{text[:32]!r} is not an integer in [{least}, 2**31)")
+        return value
+
+    return parse
+
+
+# argparse types of integer flags: out of range is a usage error naming the flag (exit 2), not
+# a traceback from the wire's conversion (``--tp-rank -1``) nor a bare "Value out of range".
+positive = _int_flag(1)
+count = _int_flag(0)
 
 
 def shown(text: str) -> str:

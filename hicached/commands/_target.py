@@ -72,14 +72,28 @@ def target_of(args: argparse.Namespace, default: Callable[[], str] = default_tar
     return default()
 
 
+# How gRPC's transport words a call that reached no daemon (a refused, missing or forbidden
+# socket is "failed to connect to all addresses; last error: ..."); any other UNAVAILABLE is
+# the daemon's own answer ("daemon is draining ...", an L3 backend's refusal), which "start
+# one there" would misread.
+_UNREACHED = ("failed to connect to all addresses", "DNS resolution failed", "Socket closed")
+
+
 def failure_message(target: str, code: grpc.StatusCode, details: str) -> str:
-    """One line for a failed call; for an unreachable daemon, how to start one there.
-    ``details`` (the server's, or gRPC's) is escaped with :func:`shown`."""
+    """One line for a failed call; for an unreachable daemon, how to start one there, and for
+    a socket this user may not open, whose it is. ``details`` (the server's, or gRPC's) is
+    escaped with :func:`shown`."""
     details = shown(details)
-    if code is not grpc.StatusCode.UNAVAILABLE:
+    if code is not grpc.StatusCode.UNAVAILABLE or not any(m in details for m in _UNREACHED):
         return f"hicached: {target}: {code.name}: {details}"
     where = target.removeprefix("unix://")
     reason = details.rsplit("error: ", 1)[-1] if "error: " in details else details
+    if "Permission denied" in details:
+        return (
+            f"hicached: {where}: this user may not open it ({reason}). The admin socket is for the "
+            "daemon's uid and server.admin_group; a worker's uid asks the worker socket "
+            f"(--socket <the worker socket> or ${SOCKET_ENV})."
+        )
     start = (
         f"hicached serve --socket {where}"
         if target.startswith("unix:")

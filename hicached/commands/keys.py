@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Any
 
+from hicached.commands._common import positive
 from hicached.errors import InvalidArgument
 
 
@@ -37,7 +38,7 @@ def register(subparsers: Any) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--page-size", type=int, required=True, help="tokens per page")
+    parser.add_argument("--page-size", type=positive, required=True, help="tokens per page")
     parser.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
     parser.add_argument("--extra-key", default=None, help="request extra_key (namespaces the chain)")
     parser.add_argument("--cache-salt", default=None, help="request cache_salt (namespaces the chain)")

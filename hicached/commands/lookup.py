@@ -19,7 +19,7 @@ from typing import Any
 
 from hicached_client import HiCacheClient, HiCacheError, TokenChain, WorkerIdentity, pool_spec
 
-from hicached.commands._common import shown
+from hicached.commands._common import count, positive, shown
 from hicached.commands._target import add_target_flags, client_of, failure_message, target_of
 from hicached.commands.keys import parse_tokens
 from hicached.errors import InvalidArgument
@@ -50,10 +50,10 @@ def register(subparsers: Any) -> None:
     add_target_flags(parser)
     layout = parser.add_argument_group("the worker's pool group (as it attached)")
     layout.add_argument("--model", required=True, help="model_name of the worker identity")
-    layout.add_argument("--page-size", type=int, required=True, help="tokens per page")
-    layout.add_argument("--layers", type=int, required=True, help="num_layers of the pool")
-    layout.add_argument("--heads", type=int, required=True, help="KV heads per rank (1 for MLA)")
-    layout.add_argument("--head-dim", type=int, required=True, help="head dim (MLA: latent dim)")
+    layout.add_argument("--page-size", type=positive, required=True, help="tokens per page")
+    layout.add_argument("--layers", type=positive, required=True, help="num_layers of the pool")
+    layout.add_argument("--heads", type=positive, required=True, help="KV heads per rank (1 for MLA)")
+    layout.add_argument("--head-dim", type=positive, required=True, help="head dim (MLA: latent dim)")
     layout.add_argument("--dtype", default="bfloat16", help="KV dtype (default: %(default)s)")
     layout.add_argument(
         "--kind", default="mha", choices=("mha", "mla"), help="pool kind (default: %(default)s)"
@@ -63,7 +63,8 @@ def register(subparsers: Any) -> None:
         "--host-layout", default="layer_first", help="host layout of the pool (default: %(default)s)"
     )
     for name in ("tp-rank", "tp-size", "pp-rank", "pp-size"):
-        layout.add_argument(f"--{name}", type=int, default=1 if name.endswith("size") else 0)
+        size = name.endswith("size")
+        layout.add_argument(f"--{name}", type=positive if size else count, default=1 if size else 0)
     prefix = parser.add_argument_group("the prefix (one of)")
     which = prefix.add_mutually_exclusive_group(required=True)
     which.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")

@@ -14,6 +14,7 @@ import pytest
 from hicached_client import HiCacheClient, Session, WorkerIdentity
 
 from tests.daemon.conftest import new_pools, start_file_daemon
+from tests.security.users import run_as_other
 from tests.support.daemon import ROOT, Daemon, start_daemon
 from tests.support.kv import WorkerPools, transfers
 
@@ -119,8 +120,27 @@ def test_ready_goes_not_serving_while_draining_and_liveness_stays_serving() -> N
         assert (alive.returncode, alive.stdout.strip()) == (0, "SERVING"), alive.stderr
         alone = hicached("status", "--socket", sock, "--ready")
         assert alone.returncode == 2 and "--ready goes with --health-only" in alone.stderr
+        # The daemon's own UNAVAILABLE is said as it is, not as "no daemon is answering ...
+        # start one" (a review, stop 41).
+        layout = ("--model", "m", "--page-size", "4", "--layers", "1", "--heads", "1", "--head-dim", "8")
+        refused = hicached("lookup", "--socket", sock, *layout, "--tokens", "1,2,3,4")
+        assert refused.returncode == 1, refused.stderr
+        assert "UNAVAILABLE" in refused.stderr and "draining" in refused.stderr, refused.stderr
+        assert "no daemon is answering" not in refused.stderr, refused.stderr
     finally:
         fresh.stop()
+
+
+def test_a_socket_this_user_may_not_open_is_said_so(daemon: Daemon) -> None:
+    """Another uid's ``hicached status`` on the admin socket (0600, the daemon's uid) was told
+    no daemon was answering there and to start one; it is now told the socket is not its to
+    open and which one a worker asks."""
+    admin = str(Path(socket_of(daemon)).parent / "admin.sock")
+    code = "import sys; from hicached.cli import main; sys.exit(main(sys.argv[1:]))"
+    shown = run_as_other(code, "status", "--socket", admin, "--timeout", "5")
+    assert shown.returncode == 1, shown.stderr
+    assert "this user may not open it" in shown.stderr and "worker socket" in shown.stderr, shown.stderr
+    assert "no daemon is answering" not in shown.stderr, shown.stderr
 
 
 def test_socket_help_names_the_admin_socket_status_defaults_to() -> None:
@@ -130,3 +150,20 @@ def test_socket_help_names_the_admin_socket_status_defaults_to() -> None:
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     assert "default: $HICACHED_ADMIN_SOCKET, else admin.sock next to $HICACHED_SOCKET" in text, text
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--tp-rank", "-1"), ("--tp-size", "99999999999"), ("--page-size", "-1"), ("--layers", "0")],
+)
+def test_an_integer_flag_out_of_range_is_a_usage_error_naming_it(flag: str, value: str) -> None:
+    """Before: ``--tp-rank -1`` ended in a ValueError traceback from the wire's conversion and
+    ``--page-size -1`` in "Value out of range: -1", naming no flag."""
+    layout = {"--page-size": "4", "--layers": "1", "--heads": "1", "--head-dim": "8", flag: value}
+    args = [a for pair in layout.items() for a in pair]
+    shown = hicached(
+        "lookup", "--socket", "/nonexistent/s.sock", "--model", "m", *args, "--tokens", "1,2,3,4"
+    )
+    assert shown.returncode == 2, shown.stderr
+    assert f"argument {flag}: '{value}' is not an integer in" in shown.stderr, shown.stderr
+    assert "Traceback" not in shown.stderr
