@@ -43,6 +43,6 @@ def test_bad_input_exits_2_naming_the_value() -> None:
     assert out.returncode == 2
     assert "'x2'" in out.stderr and out.stdout == ""
     out = hicached("--page-size", "0", "--tokens", "1")
-    assert out.returncode == 2 and "page_size" in out.stderr
+    assert out.returncode == 2 and "argument --page-size: '0'" in out.stderr
     out = hicached("--page-size", "2", "--tokens", "-1")
     assert out.returncode == 2 and "-1" in out.stderr
