@@ -313,6 +313,7 @@ class EntryTable:
         window counts as in L3, and no L3 read publishes."""
         orphans: list[str] = []
         tenants: set[str] = set()
+        unsure: dict[str, bool] = {}  # per tenant of the batch (one hash each, not one per entry)
         with self._lock:
             for entry, good in zip(entries, ok, strict=True):
                 if not good:
@@ -322,7 +323,9 @@ class EntryTable:
                         orphans.append(entry.key)
                         tenants.add(entry.tenant)
                     continue
-                if self._unsure_locked(epoch, entry.tenant):
+                if entry.tenant not in unsure:
+                    unsure[entry.tenant] = self._unsure_locked(epoch, entry.tenant)
+                if unsure[entry.tenant]:
                     continue
                 entry.in_l3 = True
                 if entry.tenant and not self.closed:  # close() forgot this table's keys for good
