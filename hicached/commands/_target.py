@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from hicached_client import HiCacheClient
-from hicached_client._channel import SOCKET_ENV, default_target, normalize_target
+from hicached_client._channel import SOCKET_ENV, default_target, is_unix_target, normalize_target
 
 from hicached.commands._common import shown
 
@@ -37,6 +39,51 @@ def add_target_flags(
         default=5.0,
         help=f"seconds to wait for the daemon (more than 0, at most {MAX_TIMEOUT_S:.0f}; default: %(default)s)",
     )
+    tcp = parser.add_argument_group("a TCP target (--target host:port)")
+    tcp.add_argument(
+        "--token-file", type=Path, help="file holding the bearer token (the daemon's worker or admin token)"
+    )
+    tcp.add_argument("--tls-ca", type=Path, help="CA the daemon's certificate is checked against (TLS on)")
+    tcp.add_argument("--tls-cert", type=Path, help="client certificate, where the daemon asks for one (mTLS)")
+    tcp.add_argument("--tls-key", type=Path, help="the client certificate's private key")
+
+
+def _flag_file(flag: str, path: Path) -> bytes:
+    """The bytes of a flag's file; unreadable, a one-line usage error (exit 2)."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        print(f"hicached: {flag} {shown(str(path))}: {exc.strerror}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def tcp_credentials(
+    args: argparse.Namespace, target: str
+) -> tuple[str | None, grpc.ChannelCredentials | None]:
+    """(bearer token, TLS credentials) of the TCP flags; a usage error (exit 2) when one is
+    unreadable, or TLS is asked for a Unix socket."""
+    token = (
+        _flag_file("--token-file", args.token_file).decode("utf-8", "replace").strip()
+        if args.token_file
+        else None
+    )
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return token, None
+    if is_unix_target(target):
+        print(
+            "hicached: --tls-ca/--tls-cert/--tls-key are for a TCP target (--target host:port)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("hicached: --tls-cert and --tls-key go together", file=sys.stderr)
+        raise SystemExit(2)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_flag_file("--tls-ca", args.tls_ca) if args.tls_ca else None,
+        private_key=_flag_file("--tls-key", args.tls_key) if args.tls_key else None,
+        certificate_chain=_flag_file("--tls-cert", args.tls_cert) if args.tls_cert else None,
+    )
+    return token, credentials
 
 
 # The longest --timeout: gRPC turned a deadline of 1e10 s or more into DEADLINE_EXCEEDED at once.
@@ -61,7 +108,14 @@ def seconds(text: str) -> float:
 def client_of(args: argparse.Namespace, target: str) -> HiCacheClient:
     """The client these commands ask ``target`` with: ``--timeout``, answers up to
     :data:`MAX_ANSWER_BYTES` (a larger one fails RESOURCE_EXHAUSTED)."""
-    return HiCacheClient(target, timeout_s=args.timeout, max_message_bytes=MAX_ANSWER_BYTES)
+    token, credentials = tcp_credentials(args, target)
+    return HiCacheClient(
+        target,
+        token=token,
+        credentials=credentials,
+        timeout_s=args.timeout,
+        max_message_bytes=MAX_ANSWER_BYTES,
+    )
 
 
 def target_of(args: argparse.Namespace, default: Callable[[], str] = default_target) -> str:
@@ -84,6 +138,8 @@ def failure_message(target: str, code: grpc.StatusCode, details: str) -> str:
     a socket this user may not open, whose it is. ``details`` (the server's, or gRPC's) is
     escaped with :func:`shown`."""
     details = shown(details)
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return f"hicached: {target}: {code.name}: {details} (the CLI sends a token with --token-file)"
     if code is not grpc.StatusCode.UNAVAILABLE or not any(m in details for m in _UNREACHED):
         return f"hicached: {target}: {code.name}: {details}"
     where = target.removeprefix("unix://")

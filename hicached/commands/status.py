@@ -25,6 +25,7 @@ from hicached.commands._target import (
     client_of,
     failure_message,
     target_of,
+    tcp_credentials,
 )
 
 
@@ -62,8 +63,11 @@ def register(subparsers: Any) -> None:
 _READY_SERVICE = pb.DESCRIPTOR.services_by_name["HiCacheService"].full_name
 
 
-def _health(target: str, timeout: float, service: str) -> int:
-    with grpc.insecure_channel(target) as channel:
+def _health(target: str, timeout: float, service: str, credentials: grpc.ChannelCredentials | None) -> int:
+    channel = (
+        grpc.secure_channel(target, credentials) if credentials is not None else grpc.insecure_channel(target)
+    )
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -86,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         print("hicached status: --ready goes with --health-only", file=sys.stderr)
         return 2
     if args.health_only:
-        return _health(target, args.timeout, _READY_SERVICE if args.ready else "")
+        _, credentials = tcp_credentials(args, target)  # health answers without a token
+        return _health(target, args.timeout, _READY_SERVICE if args.ready else "", credentials)
     try:
         with client_of(args, target) as client:
             stats = client.get_stats()

@@ -3,8 +3,11 @@ the Unix socket needs no token, and the health service answers probes without on
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,5 +106,31 @@ def test_tls_listener_serves_clients_that_trust_its_certificate(tmp_path: Path) 
                 while stranger.recv(4096):  # until the daemon closes it, after its handshake failed
                     pass
         assert "Handshake failed" not in daemon.log, daemon.log[-2000:]
+        # The CLI asks the same TLS listener with the same credentials (before: it had no flag
+        # for either, and every TCP call was UNAUTHENTICATED).
+        tcp = ("--target", f"localhost:{port}", "--tls-ca", str(cert))
+        status = _cli("status", *tcp, "--token-file", str(token_file), "--json")
+        assert status.returncode == 0 and json.loads(status.stdout)["draining"] is False, status.stderr
+        health = _cli("status", *tcp, "--health-only")
+        assert (health.returncode, health.stdout.strip()) == (0, "SERVING"), health.stderr
+        tokenless = _cli("status", *tcp)
+        assert tokenless.returncode == 1 and "UNAUTHENTICATED" in tokenless.stderr, tokenless.stderr
+        assert "--token-file" in tokenless.stderr, tokenless.stderr
+        missing = _cli("status", *tcp, "--token-file", str(tmp_path / "nowhere"))
+        assert (
+            missing.returncode == 2 and "--token-file" in missing.stderr and "Traceback" not in missing.stderr
+        )
     finally:
         daemon.stop()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    return subprocess.run(
+        [sys.executable, "-m", "hicached", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
