@@ -99,13 +99,26 @@ def _specs(args: argparse.Namespace) -> tuple[WorkerIdentity, Any]:
             head_dim=args.head_dim,
             host_layout=args.host_layout,
             k_buffers=(),
-            # A few pages' worth: the daemon refuses a pool of no page, and joins a group at
-            # least this big (join_only: it never creates one of this size).
-            host_bytes=4 * args.page_size * args.layers * args.heads * args.head_dim * 2 * 8,
+            # One page: the daemon refuses a pool of no page, and joins only a group at least
+            # this big (join_only: it never creates one). Four pages of 8-byte elements missed
+            # every group of fewer than 16 bf16 pages ("no pool group for this layout").
+            host_bytes=_page_bytes(args),
         )
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, AttributeError, TypeError) as exc:
         raise InvalidArgument(str(exc)) from None
     return identity, spec
+
+
+def _page_bytes(args: argparse.Namespace) -> int:
+    """Bytes of one host page of the layout: K and V (MHA) or the latent (MLA) of every layer."""
+    import torch  # only when the command runs: `hicached --help` stays quick
+
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype {args.dtype[:32]!r} is not a torch dtype (bfloat16, float16, ...)")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_token = int(args.layers) * int(args.heads) * int(args.head_dim) * (2 if args.kind == "mha" else 1)
+    return int(args.page_size) * per_token * itemsize
 
 
 def _group_id(identity: WorkerIdentity, spec: Any) -> str:

@@ -177,8 +177,13 @@ def test_lookup_bad_arguments_exit_2_without_traceback(tmp_path: Path) -> None:
 
 def test_lookup_with_a_tenant_finds_that_tenants_prefix(daemon: Served, tmp_path: Path) -> None:
     """Before: `--tenant` always failed with PERMISSION_DENIED (the command attached without the
-    tenant and then asked with it), so no tenant's prefix could be looked up."""
+    tenant and then asked with it), so no tenant's prefix could be looked up. Its own model, so
+    its group is the 8-page one made here: the command asked to join with 16 pages' worth and
+    found "no pool group for this layout" (it passed only after the file's earlier tests had
+    made a larger group of the shared model)."""
     tenant, tokens = f"team-{uuid.uuid4().hex[:6]}", list(range(9000, 9000 + 48))
+    model = f"example-model-{tenant}"
+    layout = [model if arg == "example-model" else arg for arg in LAYOUT]
     with (
         ShmKVPool(f"hct-cli-{uuid.uuid4().hex[:8]}", num_layers=2, tokens=4 * 16, heads=4, head_dim=64,
                   dtype=torch.bfloat16) as kv,
@@ -188,17 +193,17 @@ def test_lookup_with_a_tenant_finds_that_tenants_prefix(daemon: Served, tmp_path
             "kv", role="anchor", kind="mha", dtype="bfloat16", page_size=16, num_layers=2, num_heads=4,
             head_dim=64, k_buffers=kv.k_buffers(), v_buffers=kv.v_buffers(),
         )  # fmt: skip
-        ident = WorkerIdentity(f"w-{tenant}", generation=1, model_name="example-model", tenant=tenant)
+        ident = WorkerIdentity(f"w-{tenant}", generation=1, model_name=model, tenant=tenant)
         with client.attach(ident, [spec]) as session:
             written = session.write([Transfer("kv", [0, 1, 2])], allocate=True)
             assert session.publish(TokenChain(tokens), written.transfers).published_pages == 3
     prefix = ",".join(map(str, tokens))
     result = cli(
-        "lookup", *LAYOUT, "--tokens", prefix, "--tenant", tenant, "--json", cwd=tmp_path, env=daemon.env()
+        "lookup", *layout, "--tokens", prefix, "--tenant", tenant, "--json", cwd=tmp_path, env=daemon.env()
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["tiers"] == ["L2", "L2", "L2"]
     # Another tenant (here: none) does not see it.
-    result = cli("lookup", *LAYOUT, "--tokens", prefix, "--json", cwd=tmp_path, env=daemon.env())
+    result = cli("lookup", *layout, "--tokens", prefix, "--json", cwd=tmp_path, env=daemon.env())
     assert result.returncode == 1, result.stderr
     assert json.loads(result.stdout)["total_hit_pages"] == 0
