@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,17 @@ class Core:
         worker = WorkerId(instance_id=instance, generation=1, model_name=kw.pop("model", "m"))
         worker = dataclasses.replace(worker, **{k: kw.pop(k) for k in list(kw) if hasattr(worker, k)})
         return self.core.attach(worker, self.specs(**kw)).session_id
+
+    def put(self, session_id: str, keys: Sequence[str]) -> None:
+        """``keys`` published through PutBytes, every allocating pool, page ``i`` filled with
+        byte ``i % 251``; all of them new."""
+        _, state = self.core.session_group(session_id)
+        body = [
+            (key, pool, bytes([i % 251]) * state.pool(pool).page_bytes)
+            for i, key in enumerate(keys)
+            for pool in state.owning_pools()
+        ]
+        assert self.keyed.put_bytes(session_id, "", body) == (len(keys), 0)
 
     def pools(self, session_id: str) -> dict[str, tuple[int, int]]:
         """(free, total) pages of every host pool of the session's group."""

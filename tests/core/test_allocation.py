@@ -13,13 +13,7 @@ from tests.core.conftest import Core, pages
 
 
 def _fill_index(c: Core, sid: str, n: int, prefix: str = "k") -> None:
-    _, state = c.core.session_group(sid)
-    body = [
-        (f"{prefix}{i}", p, bytes([i % 251]) * state.pool(p).page_bytes)
-        for i in range(n)
-        for p in ("kv", "swa")
-    ]
-    assert c.keyed.put_bytes(sid, "", body) == (n, 0)
+    c.put(sid, [f"{prefix}{i}" for i in range(n)])
 
 
 def test_a_put_bytes_that_cannot_fit_evicts_nothing(make_core: Callable[..., Core]) -> None:

@@ -22,13 +22,7 @@ from tests.core.conftest import Core
 def _full(c: Core, sid: str, prefix: str = "k") -> int:
     """Every page of the session's group published under ``prefix<i>``; how many."""
     total = c.pools(sid)["kv"][1]
-    _, state = c.core.session_group(sid)
-    body = [
-        (f"{prefix}{i}", p, bytes([i % 251]) * state.pool(p).page_bytes)
-        for i in range(total)
-        for p in ("kv", "swa")
-    ]
-    assert c.keyed.put_bytes(sid, "", body) == (total, 0)
+    c.put(sid, [f"{prefix}{i}" for i in range(total)])
     assert c.indexed(sid) == total and c.pools(sid)["kv"][0] == 0
     return total
 

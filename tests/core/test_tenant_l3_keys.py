@@ -23,13 +23,8 @@ def _store_tenant_pages(c: Core, sid: str, tag: str) -> None:
     """``KEYS`` pages of ``TENANT`` put, backed up to L3, then evicted from L2 (so a tenant
     clear finds their L3 copies only through the keys the daemon remembers)."""
     _, state = c.core.session_group(sid)
-    body = [
-        (f"{tag}{i:04d}", p, bytes([i % 251]) * state.pool(p).page_bytes)
-        for i in range(KEYS)
-        for p in ("kv", "swa")
-    ]
-    assert c.keyed.put_bytes(sid, "", body) == (KEYS, 0)
     keys = [f"{tag}{i:04d}" for i in range(KEYS)]
+    c.put(sid, keys)
     assert state.index is not None
     state.index.flush(timeout_s=30)  # write_through: every page is in L3 now
     assert c.keyed.lookup(sid, keys).total_hit_pages == KEYS
