@@ -31,7 +31,7 @@ from hicached_client import (
     WorkerIdentity,
     pool_spec,
 )
-from hicached_client._calls import Service
+from hicached_client._calls import Line, Service
 from hicached_client.export import ShmKVPool, export_fd_tensor, sealed_memfd
 from hicached_client.v1 import types_pb2 as tpb
 
@@ -177,7 +177,9 @@ def test_a_heartbeat_on_a_closed_channel_is_logged_and_loses_the_lease(
     spec = spec_of(pool)
     client = HiCacheClient(daemon.target)
     session = client.attach(identity(), [spec])
-    client._channel.close()  # closed under the session (e.g. by other code holding the channel)
+    # Closed under the session (e.g. by other code holding them): heartbeats have their own.
+    client._beat_channel.close()
+    client._channel.close()
     poll(lambda: session.heartbeat_running, lambda running: not running, 10.0, "the heartbeat stopped")
     assert isinstance(session.lease_lost, ClientClosedError)
     with pytest.raises(ClientClosedError):
@@ -187,6 +189,7 @@ def test_a_heartbeat_on_a_closed_channel_is_logged_and_loses_the_lease(
     async def main() -> tuple[Any, list[str]]:
         aclient = AsyncHiCacheClient(daemon.target)
         asession = await aclient.attach(identity(), [spec])
+        await aclient._beat_channel.close()
         await aclient._channel.close()
         deadline = time.monotonic() + 10.0
         while asession.heartbeat_running and time.monotonic() < deadline:
@@ -222,7 +225,7 @@ def test_a_close_after_a_failed_detach_sends_it_again(
     """
     client = HiCacheClient(daemon.target, timeout_s=0.5, retry=NO_RETRY)
     sent: list[str] = []
-    stub = client._stubs[Service.HICACHE]
+    stub = client._stubs[Service.HICACHE, Line.DATA]
     detach = stub.Detach
 
     def counted(request: Any, **kwargs: Any) -> Any:

@@ -4,6 +4,7 @@ Redis that stops answering."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import statistics
 import subprocess
@@ -12,14 +13,22 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session
+from hicached_client import (
+    AsyncHiCacheClient,
+    HiCacheClient,
+    HiCacheError,
+    PageBytes,
+    Session,
+    WorkerIdentity,
+)
 
-from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes
+from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, byte_spec
 from tests.support.daemon import ROOT, Daemon, start_daemon
-from tests.support.state import state
+from tests.support.state import poll, state
 
 LEASE_MS = 1500
 TOKENS = 1 << 22  # 4 M tokens: 262,144 keys of 16 tokens (limits raised to allow them)
@@ -300,3 +309,92 @@ def test_one_sessions_l3_calls_leave_l3_threads_for_the_others() -> None:
     finally:
         fake.close()
         d.stop()
+
+
+@pytest.fixture
+def narrow_hung_l3() -> Iterator[tuple[Daemon, FakeRedis]]:
+    """A daemon whose connections carry at most 4 calls at once, its L3 a fake Redis."""
+    fake = FakeRedis()
+    d = start_daemon(
+        *fake.daemon_args(),
+        "--set", "server.max_streams_per_connection=4",
+        "--set", "limits.max_l3_calls_per_session=8",
+    )  # fmt: skip
+    try:
+        yield d, fake
+    finally:
+        fake.close()  # the daemon's blocked L3 calls fail now, so it stops promptly
+        d.stop()
+
+
+def test_heartbeats_keep_the_lease_while_data_calls_fill_the_connection(
+    narrow_hung_l3: tuple[Daemon, FakeRedis],
+) -> None:
+    """Fails before heartbeats had a connection of their own: with a hung L3, a worker's data
+    calls held every stream the daemon allows a connection (64 by default, 4 here), its heartbeats
+    queued behind them in the client, and the session expired. Now the data connection is full
+    (a Ping there waits out its deadline) while the heartbeats go on."""
+    daemon, fake = narrow_hung_l3
+    with HiCacheClient(daemon.target, timeout_s=10.0) as client:
+        busy = attach_bytes(client, "m-beat", lease_ms=120_000)
+        identity = WorkerIdentity(f"beat-{uuid.uuid4().hex[:8]}", 1, "m-beat")
+        beating = client.attach(identity, [byte_spec()], lease_ms=LEASE_MS)  # heartbeats on
+        fake.hang()
+
+        def read() -> None:
+            with contextlib.suppress(HiCacheError):  # fails once the fake closes
+                busy.get_bytes([uuid.uuid4().hex], include_l3=True, timeout_s=30.0)
+
+        readers = [threading.Thread(target=read, daemon=True) for _ in range(6)]
+        for t in readers:
+            t.start()
+        fake.wait_unanswered(4, timeout_s=30)  # the connection's 4 streams wait on L3
+        with pytest.raises(HiCacheError) as err:
+            client.ping(timeout_s=0.5)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        start = beating.heartbeats
+        poll(lambda: beating.heartbeats, lambda n: n >= start + 3, 10.0, "three more heartbeats")
+        assert beating.lease_lost is None
+        beating.heartbeat(timeout_s=2.0)
+        fake.close()
+        for t in readers:
+            t.join(timeout=30)
+        beating.detach()
+        busy.detach()
+
+
+def test_asyncio_heartbeats_keep_the_lease_while_data_calls_fill_the_connection(
+    narrow_hung_l3: tuple[Daemon, FakeRedis],
+) -> None:
+    """The same for the asyncio client (its heartbeat is a task of the loop): fails before too."""
+    daemon, fake = narrow_hung_l3
+
+    async def main() -> None:
+        async with AsyncHiCacheClient(daemon.target, timeout_s=10.0) as client:
+            identity = WorkerIdentity(f"beat-{uuid.uuid4().hex[:8]}", 1, "m-beat")
+            busy = await client.attach(identity, [byte_spec()], lease_ms=120_000, heartbeat=False)
+            beating = await client.attach(
+                replace(identity, instance_id="beat-2"), [byte_spec()], lease_ms=LEASE_MS
+            )
+            fake.hang()
+
+            async def read() -> None:
+                with contextlib.suppress(HiCacheError):  # fails once the fake closes
+                    await busy.get_bytes([uuid.uuid4().hex], include_l3=True, timeout_s=30.0)
+
+            readers = [asyncio.create_task(read()) for _ in range(6)]
+            await asyncio.to_thread(fake.wait_unanswered, 4, 30)  # the connection's 4 streams
+            with pytest.raises(HiCacheError) as err:
+                await client.ping(timeout_s=0.5)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+            start, deadline = beating.heartbeats, time.monotonic() + 10.0
+            while beating.heartbeats < start + 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # poll interval of a deadline-bounded wait
+            assert beating.heartbeats >= start + 3 and beating.lease_lost is None
+            await beating.heartbeat(timeout_s=2.0)
+            fake.close()
+            await asyncio.gather(*readers)
+            await beating.detach()
+            await busy.detach()
+
+    asyncio.run(main())

@@ -61,6 +61,18 @@ class Service(Enum):
     ADMIN = "AdminService"
 
 
+class Line(Enum):
+    """Which of the client's connections a call takes.
+
+    A connection carries at most the daemon's ``server.max_streams_per_connection`` calls at
+    once (64) and queues the rest in the client, so a heartbeat sent beside many slow data calls
+    (a hung L3) would wait behind them until its lease ran out; heartbeats have their own.
+    """
+
+    DATA = "data"
+    HEARTBEAT = "heartbeat"
+
+
 @dataclass(frozen=True)
 class Call(Generic[T]):
     """One RPC ready to send: ``method`` of ``service`` with ``request``; ``convert`` maps the reply."""
@@ -69,6 +81,7 @@ class Call(Generic[T]):
     request: Message
     convert: Callable[[Any], T]
     service: Service = Service.HICACHE
+    line: Line = Line.DATA
     # Call-specific metadata (the session secret), sent after the channel's own.
     metadata: tuple[tuple[str, str], ...] = ()
 
@@ -111,7 +124,7 @@ def _lease_expiry(msg: pb.HeartbeatResponse) -> int:
 
 
 def heartbeat(session_id: str) -> Call[int]:
-    return Call("Heartbeat", pb.HeartbeatRequest(session_id=session_id), _lease_expiry)
+    return Call("Heartbeat", pb.HeartbeatRequest(session_id=session_id), _lease_expiry, line=Line.HEARTBEAT)
 
 
 # -------------------------------------------------------------- host pages

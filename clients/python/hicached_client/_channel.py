@@ -221,7 +221,9 @@ class ChannelConfig:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
-    def channel_options(self) -> list[tuple[str, Any]]:
+    def channel_options(self, *, own_connection: bool = False) -> list[tuple[str, Any]]:
+        """The channel's options; ``own_connection``: a connection no other channel shares (gRPC
+        otherwise shares one among a process's channels of equal options, and its stream limit)."""
         opts: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", min(self.max_message_bytes, self.max_receive_bytes)),
@@ -235,15 +237,19 @@ class ChannelConfig:
             # :authority for HTTP/2 proxies or TLS; a fixed name keeps servers happy.
             opts.append(("grpc.default_authority", "localhost"))
             opts.extend(UNIX_RECONNECT_BACKOFF_MS.items())
+        if own_connection:
+            opts.append(("grpc.use_local_subchannel_pool", 1))
         opts.extend(self.options)
         return opts
 
-    def sync_channel(self) -> grpc.Channel:
+    def sync_channel(self, *, own_connection: bool = False) -> grpc.Channel:
+        options = self.channel_options(own_connection=own_connection)
         if self.credentials is not None:
-            return grpc.secure_channel(self.target, self.credentials, options=self.channel_options())
-        return grpc.insecure_channel(self.target, options=self.channel_options())
+            return grpc.secure_channel(self.target, self.credentials, options=options)
+        return grpc.insecure_channel(self.target, options=options)
 
-    def aio_channel(self) -> grpc.aio.Channel:
+    def aio_channel(self, *, own_connection: bool = False) -> grpc.aio.Channel:
+        options = self.channel_options(own_connection=own_connection)
         if self.credentials is not None:
-            return grpc.aio.secure_channel(self.target, self.credentials, options=self.channel_options())
-        return grpc.aio.insecure_channel(self.target, options=self.channel_options())
+            return grpc.aio.secure_channel(self.target, self.credentials, options=options)
+        return grpc.aio.insecure_channel(self.target, options=options)

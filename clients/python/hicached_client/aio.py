@@ -26,7 +26,7 @@ import grpc
 from hicached_client import _aio_backend as backend
 from hicached_client import _calls, _handoff
 from hicached_client._aio_session import AsyncSession
-from hicached_client._calls import Call, Service, new_op_id
+from hicached_client._calls import Call, Line, Service, new_op_id
 from hicached_client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_RECEIVE_BYTES,
@@ -53,7 +53,8 @@ _DIR_POLL_S = 0.05
 
 
 class AsyncHiCacheClient:
-    """Client of one daemon; close it (or use it as a context manager) to release the channel.
+    """Client of one daemon; close it (or use it as a context manager) to release its channels:
+    one for every call, one of its own for the heartbeats (:class:`~hicached_client._calls.Line`).
 
     ``target``: ``unix:///path.sock``, a socket path, or ``host:port`` (default:
     :func:`hicached_client.default_target`). ``timeout_s`` is each call's overall deadline,
@@ -91,9 +92,12 @@ class AsyncHiCacheClient:
             **kwargs,
         )
         self._channel = self.config.aio_channel()
-        self._stubs: dict[Service, Any] = {
-            Service.HICACHE: pb_grpc.HiCacheServiceStub(self._channel),  # type: ignore[no-untyped-call]
-            Service.ADMIN: pb_grpc.AdminServiceStub(self._channel),  # type: ignore[no-untyped-call]
+        # Heartbeats' own connection (see Line): gRPC connects it at the first heartbeat.
+        self._beat_channel = self.config.aio_channel(own_connection=True)
+        self._stubs: dict[tuple[Service, Line], Any] = {
+            (Service.HICACHE, Line.DATA): pb_grpc.HiCacheServiceStub(self._channel),  # type: ignore[no-untyped-call]
+            (Service.ADMIN, Line.DATA): pb_grpc.AdminServiceStub(self._channel),  # type: ignore[no-untyped-call]
+            (Service.HICACHE, Line.HEARTBEAT): pb_grpc.HiCacheServiceStub(self._beat_channel),  # type: ignore[no-untyped-call]
         }
         self._metadata = self.config.metadata()
         self._closed = False
@@ -110,7 +114,7 @@ class AsyncHiCacheClient:
 
     async def close(self) -> None:
         """Stop the heartbeats and close the fast lanes of this client's sessions, then close the
-        channel (always; idempotent). The sessions stay attached (until their lease runs out);
+        channels (always; idempotent). The sessions stay attached (until their lease runs out);
         any later call raises :class:`~hicached_client.ClientClosedError`."""
         self._closed = True
         try:
@@ -118,7 +122,10 @@ class AsyncHiCacheClient:
                 await session.stop_heartbeat()
                 await session._slot.close()
         finally:
-            await backend.close_channel(self._channel)
+            try:
+                await backend.close_channel(self._beat_channel)
+            finally:
+                await backend.close_channel(self._channel)
 
     async def __aenter__(self) -> Self:
         return self
@@ -165,7 +172,7 @@ class AsyncHiCacheClient:
         if self._closed:
             raise ClientClosedError(call.method)
         self._check_dir()
-        method = getattr(self._stubs[call.service], call.method)
+        method = getattr(self._stubs[call.service, call.line], call.method)
         try:
             reply = await method(
                 call.request, timeout=self._timeout(timeout_s), metadata=self._metadata + call.metadata
@@ -181,7 +188,7 @@ class AsyncHiCacheClient:
         if self._closed:
             raise ClientClosedError(call.method)
         self._check_dir()
-        method = getattr(self._stubs[call.service], call.method)
+        method = getattr(self._stubs[call.service, call.line], call.method)
         try:
             rpc = method(
                 call.request, timeout=self._timeout(timeout_s), metadata=self._metadata + call.metadata

@@ -26,7 +26,7 @@ import grpc
 
 from hicached_client import _calls, _handoff
 from hicached_client import _sync_backend as backend
-from hicached_client._calls import Call, Service, new_op_id
+from hicached_client._calls import Call, Line, Service, new_op_id
 from hicached_client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_RECEIVE_BYTES,
@@ -54,7 +54,8 @@ _DIR_POLL_S = 0.05
 
 
 class HiCacheClient:
-    """Client of one daemon; close it (or use it as a context manager) to release the channel.
+    """Client of one daemon; close it (or use it as a context manager) to release its channels:
+    one for every call, one of its own for the heartbeats (:class:`~hicached_client._calls.Line`).
 
     ``target``: ``unix:///path.sock``, a socket path, or ``host:port`` (default:
     :func:`hicached_client.default_target`). ``timeout_s`` is each call's overall deadline,
@@ -92,9 +93,12 @@ class HiCacheClient:
             **kwargs,
         )
         self._channel = self.config.sync_channel()
-        self._stubs: dict[Service, Any] = {
-            Service.HICACHE: pb_grpc.HiCacheServiceStub(self._channel),  # type: ignore[no-untyped-call]
-            Service.ADMIN: pb_grpc.AdminServiceStub(self._channel),  # type: ignore[no-untyped-call]
+        # Heartbeats' own connection (see Line): gRPC connects it at the first heartbeat.
+        self._beat_channel = self.config.sync_channel(own_connection=True)
+        self._stubs: dict[tuple[Service, Line], Any] = {
+            (Service.HICACHE, Line.DATA): pb_grpc.HiCacheServiceStub(self._channel),  # type: ignore[no-untyped-call]
+            (Service.ADMIN, Line.DATA): pb_grpc.AdminServiceStub(self._channel),  # type: ignore[no-untyped-call]
+            (Service.HICACHE, Line.HEARTBEAT): pb_grpc.HiCacheServiceStub(self._beat_channel),  # type: ignore[no-untyped-call]
         }
         self._metadata = self.config.metadata()
         self._closed = False
@@ -111,7 +115,7 @@ class HiCacheClient:
 
     def close(self) -> None:
         """Stop the heartbeats and close the fast lanes of this client's sessions, then close the
-        channel (always; idempotent). The sessions stay attached (until their lease runs out);
+        channels (always; idempotent). The sessions stay attached (until their lease runs out);
         any later call raises :class:`~hicached_client.ClientClosedError`."""
         self._closed = True
         try:
@@ -119,7 +123,10 @@ class HiCacheClient:
                 session.stop_heartbeat()
                 session._slot.close()
         finally:
-            backend.close_channel(self._channel)
+            try:
+                backend.close_channel(self._beat_channel)
+            finally:
+                backend.close_channel(self._channel)
 
     def __enter__(self) -> Self:
         return self
@@ -166,7 +173,7 @@ class HiCacheClient:
         if self._closed:
             raise ClientClosedError(call.method)
         self._check_dir()
-        method = getattr(self._stubs[call.service], call.method)
+        method = getattr(self._stubs[call.service, call.line], call.method)
         try:
             reply = method(
                 call.request, timeout=self._timeout(timeout_s), metadata=self._metadata + call.metadata
@@ -182,7 +189,7 @@ class HiCacheClient:
         if self._closed:
             raise ClientClosedError(call.method)
         self._check_dir()
-        method = getattr(self._stubs[call.service], call.method)
+        method = getattr(self._stubs[call.service, call.line], call.method)
         try:
             rpc = method(
                 call.request, timeout=self._timeout(timeout_s), metadata=self._metadata + call.metadata
