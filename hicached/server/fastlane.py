@@ -227,6 +227,13 @@ class LaneServer:
         # Told only once the newcomer runs: a newcomer refused for want of a thread (likeliest
         # when the slots are full) ends nobody's negotiation.
         if victim is not None:
+            logger.info(
+                "fast lane connection of uid %d dropped for uid %d (all %d taken)",
+                victim[1],
+                uid,
+                self._max_lanes,
+                extra={"event": "lane", "uid": victim[1]},
+            )
             victim[0].displace(
                 "error RESOURCE_EXHAUSTED all fast lane slots are taken and your uid holds the most; "
                 "use gRPC or retry\n"
@@ -252,13 +259,6 @@ class LaneServer:
             return None
         most = max(held[self._uid_of[lane]] for lane in candidates)
         victim = next(lane for lane in candidates if held[self._uid_of[lane]] == most)
-        logger.info(
-            "fast lane connection of uid %d dropped for uid %d (all %d taken)",
-            self._uid_of[victim],
-            uid,
-            self._max_lanes,
-            extra={"event": "lane", "uid": self._uid_of[victim]},
-        )
         victim_uid = self._uid_of[victim]
         del self._negotiating[victim]
         self._displaced.add(victim)

@@ -121,6 +121,7 @@ def test_a_newcomer_out_of_threads_displaces_nobody() -> None:
         readable, _, _ = select.select(idle, [], [], 0)
         told = [s.recv(200) for s in readable]
         assert not [t for t in told if b"holds the most" in t], told
+        assert not log_lines(d, "dropped for uid")  # nor logged as dropped (it was, before)
     finally:
         for conn in idle:
             conn.close()
