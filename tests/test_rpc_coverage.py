@@ -94,19 +94,18 @@ def test_the_servicer_runs_where_the_table_says(service: str, method: str) -> No
 
 def test_the_table_picks_the_lane() -> None:
     """A placement resolves to the lane the table means: page bookkeeping stays on the loop
-    unless an allocation may wait for L3; COPY_OR_L3 follows the call."""
+    (an allocation never waits for L3); COPY_OR_L3 follows the call."""
     from hicached.config import Config
     from hicached.server.lanes import Lanes
 
     lanes = Lanes.from_config(Config())
     try:
-        assert lanes.lane_for(Where.LOOP, l3=True, pages_block=True) is None
-        assert lanes.lane_for(Where.PAGES, l3=False, pages_block=False) is None
-        assert lanes.lane_for(Where.PAGES, l3=False, pages_block=True) is lanes.l3
-        assert lanes.lane_for(Where.COPY_OR_L3, l3=False, pages_block=False) is lanes.copy
-        assert lanes.lane_for(Where.COPY_OR_L3, l3=True, pages_block=False) is lanes.l3
-        assert lanes.lane_for(Where.COPY, l3=True, pages_block=True) is lanes.copy
-        assert lanes.lane_for(Where.L3, l3=False, pages_block=False) is lanes.l3
-        assert lanes.lane_for(Where.BOOKKEEPING, l3=False, pages_block=False) is lanes.bookkeeping
+        assert lanes.lane_for(Where.LOOP, l3=True) is None
+        assert lanes.lane_for(Where.PAGES, l3=True) is None
+        assert lanes.lane_for(Where.COPY_OR_L3, l3=False) is lanes.copy
+        assert lanes.lane_for(Where.COPY_OR_L3, l3=True) is lanes.l3
+        assert lanes.lane_for(Where.COPY, l3=True) is lanes.copy
+        assert lanes.lane_for(Where.L3, l3=False) is lanes.l3
+        assert lanes.lane_for(Where.BOOKKEEPING, l3=False) is lanes.bookkeeping
     finally:
         lanes.shutdown()

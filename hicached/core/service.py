@@ -46,7 +46,6 @@ from hicached.errors import (
     NotFound,
     Unavailable,
 )
-from hicached.index.types import WritePolicy
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine
 from hicached.transfer.handles import medium_of
@@ -450,12 +449,6 @@ class HiCacheCore:
     def session_group(self, session_id: str) -> tuple[Session, GroupState]:
         """For the content-cache operations (``hicached.core.keyed``)."""
         return self._data.session(session_id)
-
-    @property
-    def allocation_may_block(self) -> bool:
-        """True when an allocation can wait on L3 I/O (write_back eviction writes before freeing)."""
-        l3 = self._cfg.l3
-        return l3.write_policy is WritePolicy.WRITE_BACK and l3.backend_config() is not None
 
     @property
     def config(self) -> Config:

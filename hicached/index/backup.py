@@ -18,7 +18,6 @@ never the reverse).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
@@ -28,8 +27,6 @@ from hicached.index.entries import batches
 from hicached.index.jobs import BackupJob
 
 __all__ = ["BackupCounts", "BackupQueue"]
-
-logger = logging.getLogger(__name__)
 
 E = TypeVar("E")
 
@@ -152,36 +149,12 @@ class BackupQueue(Generic[E]):
         self._submit(job)
         return job
 
-    def write_now(self, items: Sequence[E]) -> int:
-        """Write ``items`` on this thread, batch by batch, stopping at the first failed batch.
-
-        They are not admitted (nor released): the caller holds them. Returns the
-        items lost (those of the failed batch L3 did not take, and every later one).
-        """
-        chunks = batches(items, self.batch_pages)
-        for i, batch in enumerate(chunks):
-            try:
-                stored, failed = self._store_counted(batch)
-            except Exception:
-                logger.exception("%s: write-back of an evicted batch failed", self.name)
-                stored, failed = 0, len(batch)
-            if failed:
-                lost = len(batch) - stored + sum(len(b) for b in chunks[i + 1 :])
-                with self._cond:
-                    self._dropped += lost
-                return lost
-        return 0
-
     def _store_batch(self, batch: Sequence[E]) -> tuple[int, bool]:
-        stored, failed = self._store_counted(batch)
-        return stored, failed == 0
-
-    def _store_counted(self, batch: Sequence[E]) -> tuple[int, int]:
         stored, failed = self._store(batch)
         with self._cond:
             self._backed_up += stored
             self._failed += failed
-        return stored, failed
+        return stored, failed == 0
 
     def _release_items(self, items: Sequence[E], reached: bool, *, evicted: bool = False) -> None:
         self._release(items, reached)

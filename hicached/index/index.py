@@ -22,10 +22,12 @@ L3 keys are ``f"{namespace}/{pool}/{key}"`` (one object per pool per key,
 derived pools included). Backups and prefetches run on the index's I/O
 threads in batches (128 pages by default), prefetches first; neither ever
 blocks the caller unless asked to. Under ``write_back`` a page goes to L3
-only when it is evicted; to keep that write off a worker's allocation path,
-the index evicts ahead of need in the background whenever a pool's free
-share drops below ``write_back_free_fraction`` (a reclaim that still finds
-only unwritten victims writes them synchronously, as the reference does).
+only when it is evicted, and that write is never on a worker's allocation
+path: the index evicts ahead of need in the background whenever a pool's
+free share drops below ``write_back_free_fraction``, a reclaim evicts only
+entries L3 already holds, and a reclaim short of those starts the others'
+eviction in the background (the allocation fails meanwhile). The reference
+writes them synchronously; here a hung L3 would then hold the group's lock.
 
 Rooms: :class:`ContentIndex` is a facade over the :class:`EntryTable`
 (entries, pins, owned pages: the state and its lock), the :class:`Writer`
@@ -251,19 +253,22 @@ class ContentIndex:
         """How many of ``wanted`` pages of ``pool`` :meth:`reclaim` could free now (evicts nothing).
 
         Counts unreferenced entries from the LRU end, stopping at ``wanted``
-        (each entry holds one page of every independent pool).
+        (each entry holds one page of every independent pool); under ``write_back``
+        only those L3 holds, and a shortfall starts the others' way to L3 in the
+        background (see :meth:`reclaim`).
         """
         self._view.column(pool)
-        return self._table.evictable(wanted)
+        return self._writer.reclaimable(wanted)
 
     def reclaim(self, pool: str, pages_needed: int) -> int:
         """Evict least recently used unreferenced entries until ``pages_needed`` pages of
         ``pool`` are free again; returns the pages of ``pool`` freed (0 when
         everything is pinned). All pools of an entry are freed together.
 
-        Under ``write_back`` an evicted entry not yet in L3 is written there
-        first, synchronously (that is the policy: the only copy is about to
-        go); a failed batch drops the rest.
+        Under ``write_back`` only entries L3 already holds are evicted here: an entry
+        whose only copy is in L2 is written to L3 first, in the background (the
+        eviction ahead of need), and its pages are freed once it is; an allocation
+        never waits for L3.
         """
         self._view.column(pool)  # NotFound for a pool outside the group
         if isinstance(pages_needed, bool) or not isinstance(pages_needed, int) or pages_needed < 0:

@@ -337,8 +337,9 @@ class EntryTable:
 
     # ------------------------------------------------------------- eviction
 
-    def evictable(self, wanted: int) -> int:
-        """Unreferenced entries from the LRU end, counted up to ``wanted`` (0 once closed or frozen)."""
+    def evictable(self, wanted: int, *, in_l3_only: bool = False) -> int:
+        """Unreferenced entries from the LRU end (only those L3 holds with ``in_l3_only``),
+        counted up to ``wanted`` (0 once closed or frozen)."""
         with self._lock:
             if self.closed or self._frozen:
                 return 0
@@ -346,14 +347,20 @@ class EntryTable:
             for entry in self._entries.values():
                 if able >= wanted:
                     break
-                if entry.refs == 0:
+                if entry.refs == 0 and (entry.in_l3 or not in_l3_only):
                     able += 1
             return able
 
     def evict(
-        self, wanted: int, *, hold_dirty: bool, queue_dirty: Callable[[int], None] | None = None
+        self,
+        wanted: int,
+        *,
+        hold_dirty: bool,
+        in_l3_only: bool = False,
+        queue_dirty: Callable[[int], None] | None = None,
     ) -> tuple[int, list[Entry]]:
-        """Detach up to ``wanted`` least recently used unreferenced entries; (evicted, dirty ones held).
+        """Detach up to ``wanted`` least recently used unreferenced entries (only those L3
+        holds with ``in_l3_only``); (evicted, dirty ones held).
 
         The pages of evicted entries already in L3 are freed now. With
         ``hold_dirty`` the others stay held for the caller to write and then
@@ -371,7 +378,7 @@ class EntryTable:
             for entry in self._entries.values():
                 if len(victims) >= wanted:
                     break
-                if entry.refs == 0:
+                if entry.refs == 0 and (entry.in_l3 or not in_l3_only):
                     victims.append(entry)
             for entry in victims:
                 del self._entries[entry.key]

@@ -87,39 +87,48 @@ class Writer:
         if self._policy is WritePolicy.WRITE_THROUGH:
             self._queue([e for e in entries if not e.in_l3], explicit=False)
 
+    @property
+    def _write_back(self) -> bool:
+        return self._policy is WritePolicy.WRITE_BACK and self._backend is not None
+
+    def reclaimable(self, wanted: int) -> int:
+        """How many of ``wanted`` entries :meth:`reclaim` could evict now. Under ``write_back``
+        only entries L3 holds count: the others must be written first, which an allocation
+        never waits for (a hung L3 would hold it, and the group's lock, for the backend's
+        timeout). When those fall short, the rest start their way to L3 in the background
+        (:meth:`evict_ahead`), so a later allocation finds room."""
+        able = self._table.evictable(wanted, in_l3_only=self._write_back)
+        if self._write_back and able < wanted:
+            self.evict_ahead(need=wanted - able)
+        return able
+
     def reclaim(self, wanted: int) -> int:
-        """Evict ``wanted`` LRU entries now; under ``write_back`` those not yet in L3 are
-        written first, on this thread (the only copy is about to go; a failed batch
-        drops the rest). Returns the entries evicted."""
-        write_back = self._policy is WritePolicy.WRITE_BACK and self._backend is not None
-        evicted, dirty = self._table.evict(wanted, hold_dirty=write_back)
-        if dirty:
-            lost = self.queue.write_now(dirty)
-            self._table.release(dirty)
-            if lost:
-                self._obs.dropped("backup_failed", lost)
+        """Evict up to ``wanted`` LRU entries now (under ``write_back`` only those L3 holds, as
+        :meth:`reclaimable` counts); returns the entries evicted. Writes nothing, waits for nothing."""
+        evicted, _ = self._table.evict(wanted, hold_dirty=False, in_l3_only=self._write_back)
         if evicted:
             self._obs.evicted("l2", "lru", evicted)
-            if write_back:
+            if self._write_back:
                 self.evict_ahead()
         return evicted
 
-    def evict_ahead(self) -> None:
+    def evict_ahead(self, need: int = 0) -> None:
         """write_back: when a pool's free share drops below ``write_back_free_fraction``,
         evict least recently used entries in the background until twice that share
-        is free; each is written to L3 first and its pages are freed once written.
+        is free (at least ``need`` entries); each is written to L3 first and its pages are
+        freed once written. One eviction at a time: while one runs, this does nothing.
 
-        This keeps a worker's allocation from waiting on L3 in :meth:`reclaim`
-        (which still writes synchronously if the background falls behind).
+        This is what makes room for allocations under ``write_back``: :meth:`reclaim`
+        evicts only entries L3 already holds.
         """
+        if not self._write_back or self._table.closed:
+            return
         fraction = self._free_fraction
-        if self._backend is None or fraction <= 0 or self._table.closed:
-            return
         allocators = self._view.allocators
-        if all(a.available() >= a.capacity * fraction for a in allocators):
-            return
-        want = max(int(a.capacity * 2 * fraction) - a.available() for a in allocators)
-        if not self.queue.begin_eviction():
+        want = need
+        if fraction > 0 and any(a.available() < a.capacity * fraction for a in allocators):
+            want = max(want, *(int(a.capacity * 2 * fraction) - a.available() for a in allocators))
+        if want <= 0 or not self.queue.begin_eviction():
             return
         try:
             evicted, dirty = self._table.evict(want, hold_dirty=True, queue_dirty=self.queue.reserve_eviction)

@@ -136,8 +136,8 @@ class Where(Enum):
     L3 = "l3"  # may wait for the L3 backend
     BOOKKEEPING = "bookkeeping"  # attach and stats: never behind copies or L3
     # Page bookkeeping (alloc/free/resolve/release): microseconds of work, so the event
-    # loop (the thread hop would cost more, ~200 us here); the L3 lane when an allocation
-    # may evict synchronously to L3 (a write_back backend writes before it frees).
+    # loop (the thread hop would cost more, ~200 us here). An allocation never waits for L3:
+    # under write_back it evicts only pages L3 holds (hicached.index.writer.Writer.reclaim).
     PAGES = "pages"
     COPY_OR_L3 = "copy_or_l3"  # the copy lane; the L3 lane when the call reaches L3
 
@@ -217,13 +217,11 @@ class Lanes:
             bookkeeping=Lane("bookkeeping", s.bookkeeping_threads),
         )
 
-    def lane_for(self, where: Where, *, l3: bool, pages_block: bool) -> Lane | None:
+    def lane_for(self, where: Where, *, l3: bool) -> Lane | None:
         """The lane of a placement (None: the event loop). ``l3``: this call reaches L3
-        (COPY_OR_L3); ``pages_block``: an allocation may wait for L3 (PAGES)."""
+        (COPY_OR_L3)."""
         if where is Where.COPY_OR_L3:
             return self.l3 if l3 else self.copy
-        if where is Where.PAGES:
-            return self.l3 if pages_block else None
         return {Where.COPY: self.copy, Where.L3: self.l3, Where.BOOKKEEPING: self.bookkeeping}.get(where)
 
     def shutdown(self) -> None:

@@ -127,7 +127,7 @@ class ServicerBase:
         or on a lane (awaited). ``l3``: this call reaches L3 (a COPY_OR_L3 placement).
         ``session``: the request's session id (the interceptor checked its secret), counted
         against the lane's per-session limit."""
-        lane = self.lanes.lane_for(RPC_LANES[rpc], l3=l3, pages_block=self.core.allocation_may_block)
+        lane = self.lanes.lane_for(RPC_LANES[rpc], l3=l3)
         if lane is None:
             return fn(*args, **kwargs)
         return await lane.run(fn, *args, session=session, **kwargs)

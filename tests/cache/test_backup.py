@@ -14,6 +14,7 @@ from hicached.index import BackupResult, ContentIndex, LookupResult, WritePolicy
 from hicached.index.entries import Entry
 from hicached.l2 import HostPoolGroup
 from hicached.l3 import StorageBackend, create_backend
+from tests.support.state import poll
 
 from .conftest import FailOnNthSet, GatedSets, Wrapped, keys_of, page_pattern, pin_bytes, write_pages
 
@@ -63,12 +64,17 @@ def test_write_back_writes_only_when_evicted(
 ) -> None:
     backend = Wrapped(create_backend("file", {"path": str(tmp_path / "l3")}))
     group = make_group(8)
-    # No eviction ahead of need: the only L3 writes are those of reclaim itself.
+    # No eviction ahead of a free share: the only L3 writes are those a reclaim asks for.
     index = make_index(group, backend, write_policy=WritePolicy.WRITE_BACK, write_back_free_fraction=0)
     keys = keys_of("b", 8)
     index.publish(keys, write_pages(group, 8, seed=3))
     assert backend.set_calls == 0
-    assert index.reclaim("kv", 3) == 3
+    # Only L2 holds them: nothing is evictable now (an allocation never waits for L3), and
+    # the three least recently used start their way to L3 in the background.
+    assert index.reclaimable("kv", 3) == 0
+    assert index.reclaim("kv", 3) == 0
+    allocator = group.get_pool("kv").allocator
+    poll(allocator.available, lambda n: n == 3, 30.0, "three pages freed once written")
     assert backend.set_calls == 1
     assert index.lookup(keys) == LookupResult(l2_hit_pages=5, total_hit_pages=8)
     # A drain under write_back persists what is only in L2.
@@ -403,9 +409,9 @@ def test_a_failed_eviction_ahead_leaves_the_next_one_free_to_run(
         index.publish(keys, write_pages(group, 14, seed=17))
     assert not armed[0]
     assert index.lookup(keys).l2_hit_pages == 8  # 6 detached by the failed eviction
-    # The next eviction ahead (after a reclaim of 1, still under 25% free) runs: 3 of 16
-    # free, it evicts 8 - 3 = 5 more in the background.
-    assert index.reclaim("kv", 1) == 1
+    # The next eviction ahead runs: a reclaim of 1 finds no entry L3 holds and starts it;
+    # 2 of 16 free, it evicts 8 - 2 = 6 more in the background.
+    assert index.reclaimable("kv", 1) == 0
     index.flush(timeout_s=30)
     assert index.lookup(keys).l2_hit_pages == 2
     # The failed eviction's 6 victims stay held (the injected fault lost them, as a bug

@@ -123,13 +123,3 @@ def test_one_eviction_at_a_time_and_it_bypasses_the_bound(io: IoScheduler) -> No
     assert h.queue.wait_for(h.queue.begin_eviction, 30)  # the slot is free once all are released
     h.queue.reserve_eviction(0)  # an eviction that found nothing to write frees the slot at once
     assert h.queue.begin_eviction()
-
-
-def test_write_now_runs_on_the_caller_and_reports_what_was_lost(io: IoScheduler) -> None:
-    h = Harness(io, batch_pages=2)
-    h.refuse = {3}
-    assert h.queue.write_now([0, 1, 2, 3, 4]) == 2  # 3 refused, then 4 never tried
-    assert sorted(h.stored) == [0, 1, 2] and h.released == []  # the caller keeps its items
-    h.explode = {7}
-    assert h.queue.write_now([6, 7, 8]) == 3
-    assert h.queue.counts() == BackupCounts(queued=0, backed_up=3, failed=1, dropped=5)

@@ -398,3 +398,45 @@ def test_asyncio_heartbeats_keep_the_lease_while_data_calls_fill_the_connection(
             await busy.detach()
 
     asyncio.run(main())
+
+
+def test_an_allocation_under_write_back_never_waits_for_a_hung_l3() -> None:
+    """Fails before: under write_back an allocation short of room wrote the evicted pages to L3
+    itself, holding its pool group's lock, and the gauges' refresh on the event loop waited on
+    that lock: with L3 hung the allocation took the backend's timeout and a Ping 18.5 s (a
+    review's run). Now an allocation evicts only pages L3 holds; the others go to L3 in the
+    background, and meanwhile an allocation that finds no room is refused at once."""
+    fake = FakeRedis()
+    d = start_daemon(*fake.daemon_args(), "--set", "l3.write_policy=write_back")
+    try:
+        with HiCacheClient(d.target, timeout_s=10.0) as client:
+            session = attach_bytes(client, "m-wb", lease_ms=120_000)
+            bystander = attach_bytes(client, "m-wb-other", lease_ms=120_000)
+            fake.hang()
+            page = bytes(PAGE_BYTES)
+            for _ in range(4):  # 64 pages: the pool is full of pages only L2 holds
+                fill = [PageBytes(uuid.uuid4().hex, "kv", page) for _ in range(16)]
+                assert session.put_bytes(fill).stored_pages == 16
+            fake.wait_unanswered(1, timeout_s=30)  # the eviction ahead waits on L3
+            start = time.monotonic()
+            with pytest.raises(HiCacheError) as err:
+                session.put_bytes([PageBytes(uuid.uuid4().hex, "kv", page)], timeout_s=10.0)
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert "no room" in err.value.message
+            client.ping(timeout_s=2.0)
+            assert bystander.put_bytes([PageBytes(uuid.uuid4().hex, "kv", page)]).stored_pages == 1
+            assert time.monotonic() - start < 5.0
+            fake.close()  # the background write fails: its pages are freed, the refusal ends
+
+            def put_one() -> str:
+                try:
+                    return str(session.put_bytes([PageBytes(uuid.uuid4().hex, "kv", page)]).stored_pages)
+                except HiCacheError as exc:
+                    return exc.code.name
+
+            poll(put_one, lambda got: got == "1", 30.0, "room again once the background write ended")
+            session.detach()
+            bystander.detach()
+    finally:
+        fake.close()
+        d.stop()
