@@ -25,6 +25,7 @@ from hicached.core.sessions import Session
 from hicached.core.tenants import client_key, scoped_keys
 from hicached.core.types import Ack
 from hicached.errors import (
+    Cancelled,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -396,6 +397,12 @@ class KeyedCache:
                 # Keep only the ids the index still keeps: a session calling Prefetch forever
                 # must not grow this set (the index forgets all but its last finished ones).
                 session.prefetches = index.kept_prefetches(session.prefetches | started)
+                ended = session.cancel.is_set()
+        if ended:
+            # The session ended while the plan was made (L3 asked which keys it holds): its
+            # teardown may have cancelled its prefetches before this one was among them.
+            task.cancel(wait=False)
+            raise Cancelled(f"session {clip(session_id)} ended while its prefetch was planned")
         return task.id, task.planned_pages
 
     def _task(self, session_id: str, prefetch_id: str) -> object:
@@ -412,9 +419,11 @@ class KeyedCache:
         task = self._task(session_id, prefetch_id)
         return task.wait(timeout_s) if wait else task.status()  # type: ignore[attr-defined, no-any-return]
 
-    def cancel_prefetch(self, session_id: str, prefetch_id: str) -> int:
+    def cancel_prefetch(self, session_id: str, prefetch_id: str, *, timeout_s: float | None = None) -> int:
+        """Waits at most ``timeout_s`` for a batch in flight (its L3 read), then answers the
+        pages published before the cancel."""
         task = self._task(session_id, prefetch_id)
-        return int(task.cancel())  # type: ignore[attr-defined]
+        return int(task.cancel(timeout_s=timeout_s))  # type: ignore[attr-defined]
 
     def backup(
         self, session_id: str, keys: Sequence[str], *, wait: bool, timeout_s: float | None = None

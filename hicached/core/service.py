@@ -378,7 +378,9 @@ class HiCacheCore:
         for pid in list(session.prefetches):
             if index is not None:
                 with contextlib.suppress(NotFound):
-                    index.get_prefetch(pid).cancel()
+                    # Not waited for: a batch in flight frees its own pages when its L3 read
+                    # returns, and a hung read would hold the lease reaper (every session's).
+                    index.get_prefetch(pid).cancel(wait=False)
         session.plan_layers.clear()  # it references the device views unmapped now
         session.mappings.close()
         self._observer.on_session(reason, session)

@@ -241,17 +241,19 @@ class PrefetchTask:
                     self._finish(PrefetchState.TIMED_OUT)
             return PrefetchStatus(self._state, self._completed, self.planned_pages)
 
-    def cancel(self, wait: bool = True) -> int:
+    def cancel(self, wait: bool = True, timeout_s: float | None = None) -> int:
         """Stop the prefetch; pages fetched but not yet published are freed.
 
         Returns the pages completed (published) before the cancel. Cancelling
-        a finished prefetch changes nothing. ``wait=False`` returns at once: a
-        batch in flight then frees its pages itself when its L3 read returns.
+        a finished prefetch changes nothing. With ``wait``, waits at most
+        ``timeout_s`` for a batch in flight; ``wait=False`` (or past the
+        deadline) returns at once: a batch in flight then frees its pages
+        itself when its L3 read returns.
         """
         with self._cond:
             self._finish(PrefetchState.CANCELLED)
             if wait:
-                self._cond.wait_for(lambda: not self._in_flight)
+                self._cond.wait_for(lambda: not self._in_flight, timeout_s)
             return self._completed
 
 

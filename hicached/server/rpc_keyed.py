@@ -201,6 +201,7 @@ class KeyedRpcs(ServicerBase):
             self.keyed.cancel_prefetch,
             request.session_id,
             request.prefetch_id,
+            timeout_s=self.limits.max_wait_s,
             session=request.session_id,
         )
         return pb.CancelPrefetchResponse(completed_pages=done)

@@ -45,7 +45,8 @@ def raw_unary(target: str, method: str, payload: bytes, timeout_s: float = 10.0)
 class FakeRedis:
     """A RESP server on loopback: answers the handshake, PING, INFO, DBSIZE and EXISTS (an
     empty store, or with ``present`` one that holds every key) until :meth:`hang`; from then
-    on it accepts and reads but never answers (the ``only`` commands, or all).
+    on it accepts and reads but does not answer (the ``only`` commands, or all) until
+    :meth:`resume`.
     :meth:`close` drops every connection (so the daemon's blocked calls fail at once)."""
 
     def __init__(self, *, present: bool = False) -> None:
@@ -59,6 +60,7 @@ class FakeRedis:
         self._lock = threading.Lock()
         self._unanswered = threading.Condition(self._lock)
         self.unanswered = 0  # commands read while hung
+        self._held: list[tuple[socket.socket, list[bytes]]] = []  # answered by resume()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def daemon_args(self) -> tuple[str, ...]:
@@ -75,6 +77,15 @@ class FakeRedis:
         """Stop answering: the commands named in ``only`` (upper case), or every one."""
         self._hung_commands = only
         self._hung.set()
+
+    def resume(self) -> None:
+        """Answer again: the commands held since :meth:`hang` first, in order."""
+        with self._lock:
+            self._hung.clear()
+            for conn, words in self._held:
+                with contextlib.suppress(OSError):
+                    conn.sendall(_reply(words, present=self._present))
+            self._held = []
 
     def wait_unanswered(self, n: int, timeout_s: float) -> None:
         """Block until ``n`` commands wait for an answer (AssertionError after ``timeout_s``)."""
@@ -114,15 +125,17 @@ class FakeRedis:
                 buf += data
                 while (command := _parse(buf)) is not None:
                     words, buf = command
-                    if self._hung.is_set() and (  # read, never answer
-                        self._hung_commands is None
-                        or (words[0].upper() if words else b"") in self._hung_commands
-                    ):
-                        with self._unanswered:
+                    with self._unanswered:
+                        if self._hung.is_set() and (  # read, answered only by resume()
+                            self._hung_commands is None
+                            or (words[0].upper() if words else b"") in self._hung_commands
+                        ):
                             self.unanswered += 1
+                            self._held.append((conn, words))
                             self._unanswered.notify_all()
-                        continue
-                    conn.sendall(_reply(words, present=self._present))
+                            continue
+                        # Under the lock: a resume() sends the held answers first, in order.
+                        conn.sendall(_reply(words, present=self._present))
 
 
 def _parse(buf: bytes) -> tuple[list[bytes], bytes] | None:

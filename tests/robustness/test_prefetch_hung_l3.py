@@ -1,0 +1,113 @@
+"""Prefetches while L3 hangs: no wait on a prefetch's L3 read outlasts ``limits.max_wait_s``,
+holds the lease reaper, or outlives its session. Real daemons over real sockets; a fake Redis
+that stops answering (the RESP commands named) until told to resume."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from hicached_client import HiCacheClient, HiCacheError, PrefetchTicket
+
+from tests.robustness.loop_support import FakeRedis, attach_bytes
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.state import poll
+
+
+@pytest.fixture
+def present_l3() -> Iterator[tuple[Daemon, FakeRedis]]:
+    """A daemon whose L3 holds every key it is asked about (until its reads hang)."""
+    fake = FakeRedis(present=True)
+    d = start_daemon(*fake.daemon_args(), "--set", "limits.max_wait_s=1")
+    try:
+        yield d, fake
+    finally:
+        fake.close()  # the daemon's blocked L3 calls fail now, so it stops promptly
+        d.stop()
+
+
+def _keys(n: int) -> list[str]:
+    return [uuid.uuid4().hex for _ in range(n)]
+
+
+def _live(daemon: Daemon) -> set[str]:
+    with HiCacheClient(daemon.admin_target, timeout_s=5.0) as admin:
+        return {s.session_id for s in admin.get_stats().sessions}
+
+
+def test_an_expired_sessions_prefetch_in_flight_holds_no_other_expiry(
+    present_l3: tuple[Daemon, FakeRedis],
+) -> None:
+    """Fails before: the lease reaper's teardown of a session waited for its prefetch's L3
+    read, and the reaper runs one pass at a time: with the read hung, no other session
+    expired (a review's session of a 1.5 s lease was alive 20 s on)."""
+    daemon, fake = present_l3
+    with HiCacheClient(daemon.target, timeout_s=10.0) as client:
+        fake.hang(only=frozenset({b"GETRANGE"}))  # L3 reads hang; its hit queries answer
+        first = attach_bytes(client, "m-reap", lease_ms=1500)  # no heartbeats: both expire
+        first.prefetch(_keys(4))
+        fake.wait_unanswered(1, timeout_s=30)  # its first batch waits on L3
+        second = attach_bytes(client, "m-reap", lease_ms=1500)
+        ids = {first.session_id, second.session_id}
+        poll(lambda: _live(daemon) & ids, lambda left: not left, 20.0, "both sessions expired")
+
+
+def test_cancel_prefetch_and_detach_end_at_max_wait_while_a_read_hangs(
+    present_l3: tuple[Daemon, FakeRedis],
+) -> None:
+    """Fails before: CancelPrefetch and a Detach waited for the prefetch's batch in flight,
+    so until L3's socket timeout (60 s here), past every client's deadline, each holding a
+    lane thread. Now a cancel waits at most limits.max_wait_s (1 s) and a Detach not at all;
+    the batch frees its own pages when its read returns."""
+    daemon, fake = present_l3
+    with HiCacheClient(daemon.target, timeout_s=10.0) as client:
+        fake.hang(only=frozenset({b"GETRANGE"}))
+        session = attach_bytes(client, "m-cancel", lease_ms=60_000)
+        ticket = session.prefetch(_keys(4))
+        fake.wait_unanswered(1, timeout_s=30)
+        start = time.monotonic()
+        assert session.cancel_prefetch(ticket.prefetch_id) == 0  # nothing was published
+        assert time.monotonic() - start < 5.0
+        other = attach_bytes(client, "m-cancel", lease_ms=60_000)
+        other.prefetch(_keys(4))
+        fake.wait_unanswered(2, timeout_s=30)
+        start = time.monotonic()
+        other.detach()
+        assert time.monotonic() - start < 5.0
+        assert other.session_id not in _live(daemon)
+        session.detach()
+
+
+def test_a_prefetch_planned_across_its_sessions_detach_is_cancelled(
+    present_l3: tuple[Daemon, FakeRedis],
+) -> None:
+    """Fails before: a Prefetch still asking L3 which keys it holds when its session detached
+    started its task all the same and answered a ticket: the teardown had cancelled the
+    session's prefetches already, so the task ran on, counted against no session's
+    limits.max_prefetches_per_session. Now the call is CANCELLED and its task stopped."""
+    daemon, fake = present_l3
+    with HiCacheClient(daemon.target, timeout_s=10.0) as client:
+        fake.hang(only=frozenset({b"EXISTS"}))  # the plan's hit query waits
+        session = attach_bytes(client, "m-race", lease_ms=60_000)
+        answers: list[PrefetchTicket | HiCacheError] = []
+
+        def prefetch() -> None:
+            try:
+                answers.append(session.prefetch(_keys(4)))
+            except HiCacheError as exc:
+                answers.append(exc)
+
+        planning = threading.Thread(target=prefetch)
+        planning.start()
+        fake.wait_unanswered(1, timeout_s=30)
+        session.detach()  # a Prefetch is not waited for: its plan is still out
+        fake.resume()
+        planning.join(timeout=30)
+        (answer,) = answers
+        assert isinstance(answer, HiCacheError), answer
+        assert answer.code == grpc.StatusCode.CANCELLED, answer
+        assert "ended while its prefetch was planned" in answer.message
