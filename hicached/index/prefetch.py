@@ -74,12 +74,25 @@ class Prefetcher:
         )
         with self._lock:
             self._tasks[task.id] = (task, tenant)
-            finished = [tid for tid, (t, _) in self._tasks.items() if t.finished]
-            for tid in finished[: max(0, len(finished) - self._max_finished)]:
-                del self._tasks[tid]
+            self._forget_finished_locked()
         if plan:
             self._submit(task)
         return task
+
+    def _forget_finished_locked(self) -> None:
+        """Keep ``max_finished`` finished tasks: past that, forget the oldest of the tenant
+        holding the most, so one tenant's flood of prefetches (an empty one finishes at once)
+        forgets its own tickets, not another's still to be asked about. O(tasks)."""
+        finished = [(tid, owner) for tid, (t, owner) in self._tasks.items() if t.finished]
+        excess = len(finished) - self._max_finished
+        if excess <= 0:
+            return
+        held = collections.Counter(owner for _, owner in finished)
+        for _ in range(excess):  # one, unless max_finished was lowered
+            most = max(held, key=held.__getitem__)
+            oldest = next(tid for tid, owner in finished if owner == most and tid in self._tasks)
+            del self._tasks[oldest]
+            held[most] -= 1
 
     def get(self, prefetch_id: str) -> PrefetchTask:
         with self._lock:

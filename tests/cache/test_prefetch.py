@@ -248,3 +248,19 @@ def test_bad_prefetch_arguments(
         index.get_prefetch("nope")
     task = index.prefetch(["a"], policy="wait_complete")
     assert task.wait() == PrefetchStatus(PrefetchState.DONE, 0, 0)
+
+
+def test_one_tenants_flood_of_finished_prefetches_forgets_its_own_tickets(
+    make_group: MakeGroup, make_index: MakeIndex, l3_backend: StorageBackend
+) -> None:
+    """Fails before: the index kept its last max_finished_prefetches finished tasks whoever
+    started them, so a stranger's 1,030 empty prefetches (each finishes at once) made another
+    tenant's ticket, finished a moment before, NOT_FOUND. Now the tenant holding the most
+    finished tickets loses its oldest."""
+    index = make_index(make_group(4), l3_backend, max_finished_prefetches=4)
+    mine = index.prefetch(["a"], policy="best_effort", tenant="alice")
+    assert mine.wait() == PrefetchStatus(PrefetchState.DONE, 0, 0)
+    flood = [index.prefetch([f"k{i}"], policy="best_effort", tenant="bob") for i in range(10)]
+    assert index.get_prefetch(mine.id) is mine
+    kept = [t for t in flood if index.kept_prefetches({t.id})]
+    assert kept == flood[-3:]  # four kept in all: alice's one and bob's newest three
