@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from hicached.errors import ResourceExhausted
+from hicached.errors import ResourceExhausted, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,6 @@ def flush_within(
             break
         try:
             flushed += index.flush(remaining)
-        except ResourceExhausted as exc:
+        except (ResourceExhausted, Unavailable) as exc:
             logger.warning("shutdown flush incomplete: %s", exc, extra={"event": "shutdown"})
     return flushed

@@ -31,6 +31,7 @@ from hicached.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    Unavailable,
     clip,
 )
 from hicached.index.entries import check_keys
@@ -448,8 +449,18 @@ class KeyedCache:
         ]
 
     def flush(self, timeout_s: float | None = None) -> int:
-        """Flush queued L3 backups of every group (and, under write_back, every unwritten page)."""
-        return sum(index.flush(timeout_s) for index in self.indexes())
+        """Flush queued L3 backups of every group (and, under write_back or write_through,
+        every unwritten page); a group whose backups failed meanwhile (Unavailable) does not
+        keep the others from their flush: its error is raised after them."""
+        flushed, failed = 0, None
+        for index in self.indexes():
+            try:
+                flushed += index.flush(timeout_s)
+            except Unavailable as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+        return flushed
 
     def clear(self, model: str, tenant: str | None) -> tuple[int, int]:
         if not model:

@@ -80,19 +80,22 @@ class BackupQueue(Generic[E]):
         self._backed_up = 0
         self._failed = 0
         self._dropped = 0
+        self._lost = 0  # see lost()
         self._eviction: int | None = None  # pages of the write-back eviction in flight
 
     # ------------------------------------------------------------ admission
 
-    def admit(self, n: int, *, explicit: bool) -> int:
+    def admit(self, n: int, *, explicit: bool, limit: int | None = None) -> int:
         """Reserve room for ``n`` items; returns how many fit (the rest count as dropped).
         Pass them to :meth:`run`.
 
         ``explicit`` (a caller asked for these backups): ResourceExhausted
-        when they do not all fit, and nothing is reserved.
+        when they do not all fit, and nothing is reserved. Otherwise ``limit``
+        (if smaller) takes the place of ``max_pages`` as the bound of what is queued.
         """
         with self._cond:
-            room = max(0, self.max_pages - self._queued)
+            bound = self.max_pages if explicit or limit is None else min(self.max_pages, limit)
+            room = max(0, bound - self._queued)
             if n > room and explicit:
                 raise ResourceExhausted(
                     f"{n} pages would exceed the backup queue ({self._queued}/{self.max_pages} pages queued)",
@@ -154,6 +157,7 @@ class BackupQueue(Generic[E]):
         with self._cond:
             self._backed_up += stored
             self._failed += failed
+            self._lost += failed
         return stored, failed == 0
 
     def _release_items(self, items: Sequence[E], reached: bool, *, evicted: bool = False) -> None:
@@ -162,6 +166,7 @@ class BackupQueue(Generic[E]):
             self._queued -= len(items)
             if not reached:
                 self._dropped += len(items)
+                self._lost += len(items)
             if evicted:
                 assert self._eviction is not None
                 self._eviction -= len(items)
@@ -192,3 +197,10 @@ class BackupQueue(Generic[E]):
     def counts(self) -> BackupCounts:
         with self._cond:
             return BackupCounts(self._queued, self._backed_up, self._failed, self._dropped)
+
+    def lost(self) -> int:
+        """Pages admitted and not written so far: L3 refused them, or their job stopped before
+        them (a failed batch, a backend error, the index closing). Pages refused admission for
+        want of room are not counted: no write was tried."""
+        with self._cond:
+            return self._lost

@@ -295,10 +295,11 @@ class ContentIndex:
     def flush(self, timeout_s: float | None = None) -> int:
         """Wait until no backup is queued; returns pages stored meanwhile.
 
-        Under ``write_back`` every entry not yet in L3 is queued first, in
-        chunks that fit the queue (a drain before shutdown must not lose the
-        only copy). Raises ResourceExhausted if the queue is still busy at
-        ``timeout_s``.
+        Under ``write_back`` and ``write_through`` every entry not yet in L3 is
+        queued first, in chunks that fit the queue (a drain before shutdown must
+        not lose the only copy, nor leave out what an L3 outage failed to write).
+        Raises ResourceExhausted if the queue is still busy at ``timeout_s``, and
+        Unavailable if a backup failed meanwhile (L3 lacks pages it should hold).
         """
         return self._writer.flush(timeout_s)
 

@@ -89,6 +89,12 @@ class IoScheduler:
             job, priority = item
             try:
                 more = job.step()
+            except Unavailable as exc:
+                # The backend's word for "unusable now" (an outage): expected, so one line per
+                # job under the log's rate limit, not an ERROR and a traceback per batch.
+                logger.warning("content-index I/O job failed: %s", exc)
+                job.abandon(exc)
+                continue
             except Exception as exc:  # a backend bug must not kill the I/O thread
                 logger.exception("content-index I/O job failed")
                 job.abandon(exc)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from hicached.errors import FailedPrecondition, ResourceExhausted
+from hicached.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from hicached.index.backup import BackupCounts, BackupQueue
 from hicached.index.entries import Entry
 from hicached.index.jobs import BackupJob
@@ -145,7 +145,11 @@ class Writer:
         if self._backend is None or not entries:
             return None
         admit = self.queue.admit
-        todo, dropped = self._table.claim(entries, lambda n: admit(n, explicit=explicit))
+        # A queued entry cannot be evicted (L3 reads its pages), so the policy's own backups
+        # hold at most half the smallest pool: with L3 slow or down, the other half stays
+        # evictable for allocations (it held every page, and every allocation failed).
+        limit = max(1, min(a.capacity for a in self._view.allocators) // 2)
+        todo, dropped = self._table.claim(entries, lambda n: admit(n, explicit=explicit, limit=limit))
         if dropped:
             self._obs.dropped("backpressure", dropped)
         return self.queue.run(todo)
@@ -173,7 +177,9 @@ class Writer:
         stored = sum(ok)
         if stored:
             self._obs.backed_up(stored, stored * self._view.key_bytes, seconds)
-        return stored, len(live) - stored
+        if refused := len(live) - stored:  # L3 answered and took them not (full, refusing)
+            self._obs.dropped("backup_failed", refused)
+        return stored, refused
 
     def _release(self, entries: Sequence[Entry], reached: bool) -> None:
         self._table.unclaim(entries)
@@ -204,7 +210,7 @@ class Writer:
     def flush(self, timeout_s: float | None) -> int:
         """See :meth:`hicached.index.index.ContentIndex.flush`."""
         queue = self.queue
-        before = queue.counts().backed_up
+        stored, lost = queue.counts().backed_up, queue.lost()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
         def remaining() -> float | None:
@@ -215,9 +221,11 @@ class Writer:
                 f"{queue.counts().queued} backup pages still queued after {timeout_s} s", retry_after_ms=100
             )
 
-        if self._policy is WritePolicy.WRITE_BACK and self._backend is not None:
-            # The only copies: each chunk is queued whole, never partly dropped. Another caller
-            # may take the room between the wait and the claim; then wait for room again.
+        if self._policy in (WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH) and self._backend is not None:
+            # Every page the policy means L3 to hold and it lacks: under write_back the only
+            # copies, under write_through those a failed write (an L3 outage) left behind.
+            # Each chunk is queued whole, never partly dropped. Another caller may take the
+            # room between the wait and the claim; then wait for room again.
             pending = self._table.dirty()
             while pending:
                 chunk = pending[: queue.max_pages]
@@ -230,7 +238,14 @@ class Writer:
                 pending = pending[len(chunk) :]
         if not queue.wait_queued_at_most(0, remaining()):
             raise busy()
-        return queue.counts().backed_up - before
+        stored, lost = queue.counts().backed_up - stored, queue.lost() - lost
+        if lost:
+            raise Unavailable(
+                f"{lost} backup pages could not be written to L3 meanwhile ({stored} were): the "
+                "backend failed (the daemon's log says how); a later flush tries again those L2 "
+                "still holds"
+            )
+        return stored
 
     def counts(self) -> BackupCounts:
         return self.queue.counts()

@@ -148,6 +148,14 @@ class FailOnNthSet(Wrapped):
         return self.inner.set_from(keys, srcs)
 
 
+class FailingSets(Wrapped):
+    """Every ``set_from`` stores nothing and reports failure (an L3 that refuses writes)."""
+
+    def set_from(self, keys: Sequence[str], srcs: Sequence[Sequence[memoryview]]) -> list[bool]:
+        self.set_calls += 1
+        return [False] * len(keys)
+
+
 class GatedGets(Wrapped):
     """Each ``get_into`` announces itself and then waits until the test opens the gate."""
 

@@ -9,14 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from hicached.errors import FailedPrecondition, ResourceExhausted
+from hicached.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from hicached.index import BackupResult, ContentIndex, LookupResult, WritePolicy
 from hicached.index.entries import Entry
 from hicached.l2 import HostPoolGroup
 from hicached.l3 import StorageBackend, create_backend
 from tests.support.state import poll
 
-from .conftest import FailOnNthSet, GatedSets, Wrapped, keys_of, page_pattern, pin_bytes, write_pages
+from .conftest import (
+    FailingSets,
+    FailOnNthSet,
+    GatedSets,
+    Wrapped,
+    keys_of,
+    page_pattern,
+    pin_bytes,
+    write_pages,
+)
 
 MakeGroup = Callable[..., HostPoolGroup]
 MakeIndex = Callable[..., ContentIndex]
@@ -136,7 +145,7 @@ def test_automatic_backups_drop_on_backpressure(
     index.publish(keys_of("d", 5), write_pages(group, 5, seed=6))
     assert index.stats().dropped_backup_pages == 2
     backend.gate.set()
-    assert index.flush(timeout_s=30) == 3
+    assert index.flush(timeout_s=30) == 5  # the flush queues the two dropped ones again
     backend.inner.close()
 
 
@@ -193,7 +202,7 @@ def test_backup_wait_also_waits_for_keys_a_policy_already_queued(
     make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
 ) -> None:
     backend = GatedSets(create_backend("file", {"path": str(tmp_path / "l3")}))
-    group = make_group(8)
+    group = make_group(16)  # the policy's backups may hold half of it: all five
     index = make_index(group, backend)  # write_through: publish queues the keys
     keys = keys_of("q", 5)
     index.publish(keys, write_pages(group, 5, seed=10))
@@ -372,7 +381,8 @@ def test_a_key_published_again_during_its_orphan_delete_is_not_counted_in_l3(
     finally:
         backend.gate.set()
         backend.delete_gate.set()
-    index.flush(timeout_s=30)
+    # No backup queued any more (a flush would write the two again: L3 lacks them).
+    assert index._writer.queue.wait_queued_at_most(0, 30)
     assert l3_run(backend, index, keys) == 0  # the delete removed the new copy too
     assert index.stats().l3_resident_entries == 0  # ... and the index knows it
     assert index.backup(keys, wait=True, timeout_s=30) == BackupResult(2, 2)  # so it writes them again
@@ -420,3 +430,60 @@ def test_a_failed_eviction_ahead_leaves_the_next_one_free_to_run(
     assert len(lost) == 6
     table.release(lost)
     backend.close()
+
+
+def test_a_write_through_flush_writes_what_an_outage_left_out(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    """Fails before: a page whose write-through backup failed (L3 down) was never tried again,
+    and a flush (Drain, shutdown) answered 0 and success; now a flush queues it again."""
+    backend = FailOnNthSet(create_backend("file", {"path": str(tmp_path / "l3")}), n=1)
+    group = make_group(8)
+    index = make_index(group, backend)  # write_through
+    keys = keys_of("o", 4)
+    index.publish(keys, write_pages(group, 4, seed=21))
+    poll(lambda: index.stats().backup_failed_pages, lambda n: n == 4, 30.0, "the failed backup")
+    assert l3_run(backend, index, keys) == 0
+    assert index.flush(timeout_s=30) == 4
+    assert l3_run(backend, index, keys) == 4
+    backend.inner.close()
+
+
+def test_a_flush_whose_writes_fail_says_so(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    """Fails before: with L3 refusing every write, a flush answered 0 pages and success."""
+    backend = FailingSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    keys = keys_of("n", 3)
+    index.publish(keys, write_pages(group, 3, seed=22))
+    assert index.backup(keys) == BackupResult(queued=3, stored=0)
+    with pytest.raises(Unavailable, match="3 backup pages could not be written to L3"):
+        index.flush(timeout_s=30)
+    assert index.lookup(keys).l2_hit_pages == 3  # still cached
+    backend.inner.close()
+
+
+def test_automatic_backups_leave_half_the_pool_to_allocations_while_l3_stalls(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    """Fails before: every page queued for a write-through backup is held until written, so
+    with L3 slow or down the queue took the whole pool and every allocation failed ("0
+    reclaimable"). Now the policy's backups hold at most half of it."""
+    backend = GatedSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend)  # write_through
+    try:
+        keys = keys_of("h", 8)
+        index.publish(keys, write_pages(group, 8, seed=23))
+        assert backend.entered.acquire(timeout=30)  # the first batch waits on L3
+        stats = index.stats()
+        assert (stats.queued_backup_pages, stats.dropped_backup_pages) == (4, 4)
+        got = group.allocate({"kv": 4})
+        assert got.ok, got.reason
+        group.free(got.pages["kv"], pool="kv")
+    finally:
+        backend.gate.set()
+    assert index.flush(timeout_s=30) == 4  # the four written; none of them evicted
+    backend.inner.close()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import tracemalloc
 from collections.abc import Callable, Sequence
 
 import pytest
 
-from hicached.errors import InvalidArgument
+from hicached.errors import InvalidArgument, Unavailable
 from hicached.index import PrefetchPolicy, PrefetchState, PrefetchStatus, PrefetchTask
 from hicached.index.jobs import BackupJob, IoPriority, IoScheduler
 
@@ -102,6 +103,33 @@ def test_a_raising_step_abandons_its_job_and_the_thread_survives() -> None:
         after = Recorder("after", [])
         scheduler.submit(after, IoPriority.BACKUP)
         assert after.done.wait(30)
+    finally:
+        scheduler.close()
+
+
+def test_an_outage_is_one_warning_per_job_without_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """Fails before: every failed batch of an unreachable backend was an ERROR with its
+    traceback (130 KB of log a second in a review, past log.max_rate, which spares ERRORs)."""
+    scheduler = IoScheduler(1, "test")
+    try:
+
+        def store(batch: Sequence[int]) -> tuple[int, bool]:
+            raise Unavailable("redis server at 127.0.0.1:1 is unreachable")
+
+        job: BackupJob[int] = BackupJob([[1], [2]], store=store, release=lambda e, ok: None)
+        with caplog.at_level(logging.WARNING, logger="hicached.index.jobs"):
+            scheduler.submit(job, IoPriority.BACKUP)
+            after = Recorder("after", [])  # the one thread runs it once the failure is logged
+            scheduler.submit(after, IoPriority.BACKUP)
+            assert after.done.wait(30)
+        lines = [(r.levelno, r.getMessage(), r.exc_info) for r in caplog.records]
+        assert lines == [
+            (
+                logging.WARNING,
+                "content-index I/O job failed: redis server at 127.0.0.1:1 is unreachable",
+                None,
+            )
+        ]
     finally:
         scheduler.close()
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
+
+from hicached.errors import Unavailable
 from hicached.index import ContentIndex, PrefetchPolicy, PrefetchState
 from hicached.l2 import HostPoolGroup
-from hicached.l3 import StorageBackend
+from hicached.l3 import StorageBackend, create_backend
 from hicached.metrics import Metrics
 from hicached.observability import IndexMetrics
+from tests.support.state import poll
 
-from .conftest import PAGE_SIZE, keys_of, write_pages
+from .conftest import PAGE_SIZE, FailingSets, keys_of, write_pages
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:
@@ -47,3 +52,21 @@ def test_lookup_backup_eviction_and_prefetch_are_counted(
     assert task.wait().state is PrefetchState.DONE
     assert sample(metrics, "hicached_prefetch_pages_total", backend="file") == 4
     assert sample(metrics, "hicached_prefetch_batch_pages_count", backend="file") == 1
+
+
+def test_pages_l3_refuses_count_as_dropped(
+    make_group: Callable[..., HostPoolGroup], make_index: Callable[..., ContentIndex], tmp_path: Path
+) -> None:
+    """Fails before: a batch L3 answered without taking its pages (a full Redis) moved no
+    metric; only batches that raised counted."""
+    metrics = Metrics()
+    backend = FailingSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend, observer=IndexMetrics(metrics, backend="file", page_size=PAGE_SIZE))
+    index.publish(keys_of("r", 3), write_pages(group, 3, seed=2))
+    poll(lambda: index.stats().backup_failed_pages, lambda n: n == 3, 30.0, "the refused batch")
+    assert sample(metrics, "hicached_dropped_tokens_total", reason="backup_failed") == 3 * PAGE_SIZE
+    with pytest.raises(Unavailable):  # a flush tries them again, and says L3 refused them
+        index.flush(timeout_s=30)
+    assert sample(metrics, "hicached_dropped_tokens_total", reason="backup_failed") == 6 * PAGE_SIZE
+    backend.inner.close()
