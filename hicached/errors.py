@@ -23,6 +23,10 @@ class HiCacheError(Exception):
     code: ClassVar[str | None] = None
 
 
+# A retry hint that tells a gRPC client not to retry (``grpc-retry-pushback-ms`` below zero).
+NO_RETRY = -1
+
+
 class InvalidArgument(HiCacheError, ValueError):
     """Malformed input: shapes, lengths, alignment, duplicate indices, bad handles."""
 
@@ -83,9 +87,15 @@ class Unauthenticated(HiCacheError):
 
 
 class Unavailable(HiCacheError):
-    """The daemon is draining or shutting down."""
+    """The daemon is draining or shutting down, or its L3 backend failed. ``retry_after_ms``
+    (optional) is the hint gRPC clients' retries follow; :data:`NO_RETRY` for a failure that
+    the channel re-sending the call at once would only repeat (a hung backend's timeout)."""
 
     code = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class Unimplemented(HiCacheError):

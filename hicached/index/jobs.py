@@ -131,8 +131,9 @@ class PrefetchTask:
     """One L3 -> L2 prefetch: its planned keys, progress, and stop policy.
 
     Thread-safety: every method may be called from any thread. ``cancel``
-    returns only once no batch of this task is in flight, so the pages of
-    an interrupted batch have been freed when it returns.
+    (waiting, without a deadline) returns only once no batch of this task is
+    in flight, so the pages of an interrupted batch have been freed when it
+    returns; without the wait, that batch frees them when its read returns.
     """
 
     def __init__(

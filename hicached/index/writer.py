@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from hicached.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from hicached.errors import NO_RETRY, FailedPrecondition, ResourceExhausted, Unavailable
 from hicached.index.backup import BackupCounts, BackupQueue
 from hicached.index.entries import Entry
 from hicached.index.jobs import BackupJob
@@ -95,11 +95,14 @@ class Writer:
         """How many of ``wanted`` entries :meth:`reclaim` could evict now. Under ``write_back``
         only entries L3 holds count: the others must be written first, which an allocation
         never waits for (a hung L3 would hold it, and the group's lock, for the backend's
-        timeout). When those fall short, the rest start their way to L3 in the background
-        (:meth:`evict_ahead`), so a later allocation finds room."""
-        able = self._table.evictable(wanted, in_l3_only=self._write_back)
-        if self._write_back and able < wanted:
-            self.evict_ahead(need=wanted - able)
+        timeout). When those fall short but the ``wanted`` least recently used entries are
+        free to go, those start their way out in the background (:meth:`evict_ahead`), so a
+        retry finds room; a request that could not fit anyway changes nothing."""
+        if not self._write_back:
+            return self._table.evictable(wanted)
+        able = self._table.evictable(wanted, in_l3_only=True)
+        if able < wanted and self._table.evictable(wanted) == wanted:
+            self.evict_ahead(need=wanted)
         return able
 
     def reclaim(self, wanted: int) -> int:
@@ -145,14 +148,18 @@ class Writer:
         if self._backend is None or not entries:
             return None
         admit = self.queue.admit
-        # A queued entry cannot be evicted (L3 reads its pages), so the policy's own backups
-        # hold at most half the smallest pool: with L3 slow or down, the other half stays
-        # evictable for allocations (it held every page, and every allocation failed).
-        limit = max(1, min(a.capacity for a in self._view.allocators) // 2)
+        limit = self._policy_limit()
         todo, dropped = self._table.claim(entries, lambda n: admit(n, explicit=explicit, limit=limit))
         if dropped:
             self._obs.dropped("backpressure", dropped)
         return self.queue.run(todo)
+
+    def _policy_limit(self) -> int:
+        """Pages the write policy's own backups may hold queued. A queued entry cannot be
+        evicted (L3 reads its pages), so half the smallest pool: with L3 slow or down, the
+        other half stays evictable for allocations (the queue held every page, and every
+        allocation failed)."""
+        return max(1, min(a.capacity for a in self._view.allocators) // 2)
 
     def _store(self, batch: Sequence[Entry]) -> tuple[int, int]:
         """Write one batch to L3 (on an I/O thread); (keys now stored, keys refused)."""
@@ -223,13 +230,18 @@ class Writer:
 
         if self._policy in (WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH) and self._backend is not None:
             # Every page the policy means L3 to hold and it lacks: under write_back the only
-            # copies, under write_through those a failed write (an L3 outage) left behind.
-            # Each chunk is queued whole, never partly dropped. Another caller may take the
-            # room between the wait and the claim; then wait for room again.
+            # copies (held until written in any case), under write_through those a failed
+            # write (an L3 outage) left behind, queued within the policy's limit so that a
+            # stalled flush leaves allocations their half of the pool. Each chunk is queued
+            # whole, never partly dropped. Another caller may take the room between the wait
+            # and the claim; then wait for room again.
+            room = queue.max_pages
+            if self._policy is WritePolicy.WRITE_THROUGH:
+                room = min(room, self._policy_limit())
             pending = self._table.dirty()
             while pending:
-                chunk = pending[: queue.max_pages]
-                if not queue.wait_queued_at_most(queue.max_pages - len(chunk), remaining()):
+                chunk = pending[:room]
+                if not queue.wait_queued_at_most(room - len(chunk), remaining()):
                     raise busy()
                 try:
                     self._queue(chunk, explicit=True)
@@ -243,7 +255,8 @@ class Writer:
             raise Unavailable(
                 f"{lost} backup pages could not be written to L3 meanwhile ({stored} were): the "
                 "backend failed (the daemon's log says how); a later flush tries again those L2 "
-                "still holds"
+                "still holds",
+                retry_after_ms=NO_RETRY,  # not at once, by the channel: it would fail alike
             )
         return stored
 

@@ -47,7 +47,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hicached.coerce import option, parse_size, typed_fields
-from hicached.errors import InvalidArgument, Unavailable
+from hicached.errors import NO_RETRY, InvalidArgument, Unavailable
 from hicached.l3.base import (
     BackendStats,
     ReadCounters,
@@ -226,7 +226,10 @@ class RedisBackend(StorageBackend):
         try:
             return fn(*args, **kwargs)
         except (self._redis.ConnectionError, self._redis.TimeoutError) as exc:
-            raise Unavailable(f"redis server at {self._where()} is unreachable: {exc}") from exc
+            # Not retried by the client's channel: each retry would wait the socket timeout again.
+            raise Unavailable(
+                f"redis server at {self._where()} is unreachable: {exc}", retry_after_ms=NO_RETRY
+            ) from exc
         except self._redis.RedisError as exc:  # e.g. a replica read-only during a failover
             raise Unavailable(
                 f"redis server at {self._where()} refused: {type(exc).__name__}: {exc}"

@@ -487,3 +487,63 @@ def test_automatic_backups_leave_half_the_pool_to_allocations_while_l3_stalls(
         backend.gate.set()
     assert index.flush(timeout_s=30) == 4  # the four written; none of them evicted
     backend.inner.close()
+
+
+def test_a_write_back_allocation_that_cannot_fit_changes_nothing(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    """Fails on the first cut of the background write-back: a request larger than what could
+    ever be evicted still sent every unwritten entry to L3 and out of L2."""
+    backend = Wrapped(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(16)
+    index = make_index(group, backend, write_policy=WritePolicy.WRITE_BACK, write_back_free_fraction=0)
+    keys = keys_of("i", 12)
+    index.publish(keys, write_pages(group, 12, seed=24))
+    assert not group.allocate({"kv": 100}).ok
+    assert index.flush(timeout_s=30) == 12  # (what a drain writes; nothing was evicted)
+    assert index.lookup(keys) == LookupResult(12, 12)
+    backend.inner.close()
+
+
+def test_a_write_back_allocation_finds_room_on_its_first_retry(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    """Fails on the first cut: its shortfall was counted past the entries already in L3, but the
+    eviction took the least recently used ones whatever they were, so the oldest, already in
+    L3, used it up and the retry found no room (it took three attempts)."""
+    backend = Wrapped(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(16)
+    index = make_index(group, backend, write_policy=WritePolicy.WRITE_BACK, write_back_free_fraction=0)
+    old, new = keys_of("a", 4), keys_of("b", 12)
+    index.publish(old, write_pages(group, 4, seed=25))
+    assert index.backup(old, wait=True, timeout_s=30) == BackupResult(4, 4)  # in L3 and L2
+    index.publish(new, write_pages(group, 12, seed=26))
+    assert not group.allocate({"kv": 8}).ok  # four could go now, eight are needed
+    allocator = group.get_pool("kv").allocator
+    poll(allocator.available, lambda n: n == 8, 30.0, "eight pages freed in the background")
+    got = group.allocate({"kv": 8})
+    assert got.ok, got.reason
+    group.free(got.pages["kv"], pool="kv")
+    backend.inner.close()
+
+
+def test_a_stalled_write_through_flush_leaves_allocations_their_half(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    """Fails on the first cut: the flush queued every unwritten page past the policy's limit, so
+    once it gave up on a stalled L3 the queue held the whole pool and allocations failed."""
+    backend = GatedSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend)  # write_through
+    try:
+        index.publish(keys_of("s", 8), write_pages(group, 8, seed=27))
+        assert backend.entered.acquire(timeout=30)  # four queued, their write waits on L3
+        with pytest.raises(ResourceExhausted, match="still queued"):
+            index.flush(timeout_s=0.5)
+        got = group.allocate({"kv": 4})
+        assert got.ok, got.reason
+        group.free(got.pages["kv"], pool="kv")
+    finally:
+        backend.gate.set()
+    assert index.flush(timeout_s=30) == 4  # the four the allocation left
+    backend.inner.close()

@@ -4,6 +4,7 @@ that answers until told to hang (then accepts, reads and never answers)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import socket
 import threading
@@ -61,6 +62,7 @@ class FakeRedis:
         self._unanswered = threading.Condition(self._lock)
         self.unanswered = 0  # commands read while hung
         self._held: list[tuple[socket.socket, list[bytes]]] = []  # answered by resume()
+        self.seen: collections.Counter[bytes] = collections.Counter()  # commands read, by name
         threading.Thread(target=self._accept, daemon=True).start()
 
     def daemon_args(self) -> tuple[str, ...]:
@@ -92,6 +94,12 @@ class FakeRedis:
         with self._unanswered:
             if not self._unanswered.wait_for(lambda: self.unanswered >= n, timeout=timeout_s):
                 raise AssertionError(f"only {self.unanswered} of {n} L3 calls reached the fake Redis")
+
+    def wait_seen(self, command: bytes, n: int, timeout_s: float) -> None:
+        """Block until ``n`` ``command`` commands were read (AssertionError after ``timeout_s``)."""
+        with self._unanswered:
+            if not self._unanswered.wait_for(lambda: self.seen[command] >= n, timeout=timeout_s):
+                raise AssertionError(f"only {self.seen[command]} of {n} {command!r} reached the fake Redis")
 
     def close(self) -> None:
         self._closed.set()
@@ -126,6 +134,8 @@ class FakeRedis:
                 while (command := _parse(buf)) is not None:
                     words, buf = command
                     with self._unanswered:
+                        self.seen[words[0].upper() if words else b""] += 1
+                        self._unanswered.notify_all()
                         if self._hung.is_set() and (  # read, answered only by resume()
                             self._hung_commands is None
                             or (words[0].upper() if words else b"") in self._hung_commands

@@ -185,6 +185,8 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
+# The channel option that sets the heartbeats' connection apart (see channel_options).
+HEARTBEAT_OPTION = "hicached.heartbeats"
 
 
 @dataclass(frozen=True)
@@ -221,9 +223,11 @@ class ChannelConfig:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
-    def channel_options(self, *, own_connection: bool = False) -> list[tuple[str, Any]]:
-        """The channel's options; ``own_connection``: a connection no other channel shares (gRPC
-        otherwise shares one among a process's channels of equal options, and its stream limit)."""
+    def channel_options(self, *, heartbeats: bool = False) -> list[tuple[str, Any]]:
+        """The channel's options; ``heartbeats``: for the heartbeats' channel. gRPC shares one
+        connection (and its stream limit) among a process's channels of equal options, so
+        the heartbeats of every client of the process share one connection of their own,
+        apart from the data calls'."""
         opts: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", min(self.max_message_bytes, self.max_receive_bytes)),
@@ -237,19 +241,19 @@ class ChannelConfig:
             # :authority for HTTP/2 proxies or TLS; a fixed name keeps servers happy.
             opts.append(("grpc.default_authority", "localhost"))
             opts.extend(UNIX_RECONNECT_BACKOFF_MS.items())
-        if own_connection:
-            opts.append(("grpc.use_local_subchannel_pool", 1))
+        if heartbeats:
+            opts.append((HEARTBEAT_OPTION, 1))  # unknown to gRPC: it only tells the two apart
         opts.extend(self.options)
         return opts
 
-    def sync_channel(self, *, own_connection: bool = False) -> grpc.Channel:
-        options = self.channel_options(own_connection=own_connection)
+    def sync_channel(self, *, heartbeats: bool = False) -> grpc.Channel:
+        options = self.channel_options(heartbeats=heartbeats)
         if self.credentials is not None:
             return grpc.secure_channel(self.target, self.credentials, options=options)
         return grpc.insecure_channel(self.target, options=options)
 
-    def aio_channel(self, *, own_connection: bool = False) -> grpc.aio.Channel:
-        options = self.channel_options(own_connection=own_connection)
+    def aio_channel(self, *, heartbeats: bool = False) -> grpc.aio.Channel:
+        options = self.channel_options(heartbeats=heartbeats)
         if self.credentials is not None:
             return grpc.aio.secure_channel(self.target, self.credentials, options=options)
         return grpc.aio.insecure_channel(self.target, options=options)

@@ -43,7 +43,8 @@ class HiCacheError(Exception):
     """A failed call: ``code`` (``grpc.StatusCode``), ``message`` (the daemon's details).
 
     ``retry_after_ms`` is the daemon's hint of when a retry may succeed (sent
-    with ``RESOURCE_EXHAUSTED``), else ``None``. ``method`` names the RPC. ``message``
+    with ``RESOURCE_EXHAUSTED``; below zero: do not retry, e.g. an UNAVAILABLE whose L3
+    backend timed out), else ``None``. ``method`` names the RPC. ``message``
     is the daemon's text as sent; ``str()`` writes its controls escaped
     (:func:`escape_controls`), so a log line that formats the error stays one line.
     """
@@ -64,7 +65,8 @@ class HiCacheError(Exception):
 
     def __str__(self) -> str:
         where = f"{self.method}: " if self.method else ""
-        hint = f" (retry after {self.retry_after_ms} ms)" if self.retry_after_ms is not None else ""
+        retry = self.retry_after_ms
+        hint = "" if retry is None else " (not to be retried)" if retry < 0 else f" (retry after {retry} ms)"
         return f"{where}{self.code.name}: {escape_controls(self.message)}{hint}"
 
     def __repr__(self) -> str:

@@ -20,6 +20,7 @@ import logging
 import time
 import weakref
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any, Self, TypeVar
 
 import grpc
@@ -93,8 +94,8 @@ class HiCacheClient:
             **kwargs,
         )
         self._channel = self.config.sync_channel()
-        # Heartbeats' own connection (see Line): gRPC connects it at the first heartbeat.
-        self._beat_channel = self.config.sync_channel(own_connection=True)
+        # The heartbeats' connection (see Line), one per process: gRPC connects it at the first.
+        self._beat_channel = self.config.sync_channel(heartbeats=True)
         self._stubs: dict[tuple[Service, Line], Any] = {
             (Service.HICACHE, Line.DATA): pb_grpc.HiCacheServiceStub(self._channel),  # type: ignore[no-untyped-call]
             (Service.ADMIN, Line.DATA): pb_grpc.AdminServiceStub(self._channel),  # type: ignore[no-untyped-call]
@@ -169,7 +170,10 @@ class HiCacheClient:
         return start_failure(exc, method, self._closed or isinstance(exc, backend.CLOSED_ERRORS))
 
     def invoke(self, call: Call[T], timeout_s: float | None = None) -> T:
-        """Send a unary call (the channel retries transient failures with the same request)."""
+        """Send a unary call (the channel retries transient failures with the same request).
+        A heartbeat whose connection is UNAVAILABLE (e.g. the daemon, at
+        ``server.max_connections``, refused it) goes once more on the data calls' connection,
+        with a warning: a lease must not end while data calls still get through."""
         if self._closed:
             raise ClientClosedError(call.method)
         self._check_dir()
@@ -179,7 +183,11 @@ class HiCacheClient:
                 call.request, timeout=self._timeout(timeout_s), metadata=self._metadata + call.metadata
             )
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, call.method) from None
+            error = from_rpc_error(exc, call.method)
+            if call.line is Line.HEARTBEAT and error.code == grpc.StatusCode.UNAVAILABLE:
+                log.warning("heartbeat connection failed (%s): beating on the data connection", error)
+                return self.invoke(replace(call, line=Line.DATA), timeout_s)
+            raise error from None
         except backend.START_ERRORS as exc:
             raise self._start_failure(exc, call.method) from None
         return call.convert(reply)
