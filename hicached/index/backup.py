@@ -118,6 +118,11 @@ class BackupQueue(Generic[E]):
             self._eviction = 0
             return True
 
+    def evicting(self) -> int:
+        """Items of the write-back eviction in flight not yet released (0 when none runs)."""
+        with self._cond:
+            return self._eviction or 0
+
     def cancel_eviction(self) -> None:
         """Give the claimed slot back when :meth:`reserve_eviction` was never called (the
         claimer failed first); a no-op once it was."""

@@ -260,6 +260,11 @@ class ContentIndex:
         self._view.column(pool)
         return self._writer.reclaimable(wanted)
 
+    def leaving(self, pool: str) -> int:
+        """Pages of ``pool`` the write-back eviction in flight frees once written (one per entry)."""
+        self._view.column(pool)
+        return self._writer.queue.evicting()
+
     def reclaim(self, pool: str, pages_needed: int) -> int:
         """Evict least recently used unreferenced entries until ``pages_needed`` pages of
         ``pool`` are free again; returns the pages of ``pool`` freed (0 when

@@ -252,10 +252,12 @@ class HostPoolGroup:
                 0 if reclaimer is None else min(allocator.allocated_count(), reclaimer.reclaimable(name, gap))
             )
             if able < gap:
+                leaving = 0 if reclaimer is None else reclaimer.leaving(name)
+                soon = f", {leaving} being freed: retry shortly" if leaving else ""
                 return Allocation(
                     False,
                     reason=f"pool {clip(name)}: no room for {wanted[name]} pages "
-                    f"({free[name]} free, {able} reclaimable)",
+                    f"({free[name]} free, {able} reclaimable{soon})",
                 )
         for name in short:  # in name order; one eviction may free pages of several pools
             gap = wanted[name] - self._entries[name].host_pool.allocator.available()

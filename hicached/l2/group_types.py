@@ -72,11 +72,20 @@ class Reclaimer(Protocol):
     """
 
     def reclaimable(self, pool: str, wanted: int) -> int:
-        """How many of ``wanted`` pages of ``pool`` :meth:`reclaim` could free now; frees nothing."""
+        """How many of ``wanted`` pages of ``pool`` :meth:`reclaim` could free now. It frees
+        nothing a request that cannot fit needs; a reclaimer whose pages must be written
+        elsewhere before they go may start that for a request that would then fit (the
+        content index under write_back: what L3 holds is freed at once, the rest once
+        written), so that a retry finds room."""
         ...
 
     def reclaim(self, pool: str, pages_needed: int) -> int:
         """Evict until ``pages_needed`` pages of ``pool`` are free again; the pages of ``pool`` freed."""
+        ...
+
+    def leaving(self, pool: str) -> int:
+        """Pages of ``pool`` on their way out (being written elsewhere, freed after): what a
+        refused allocation may soon find free."""
         ...
 
 

@@ -518,7 +518,9 @@ def test_a_write_back_allocation_finds_room_on_its_first_retry(
     index.publish(old, write_pages(group, 4, seed=25))
     assert index.backup(old, wait=True, timeout_s=30) == BackupResult(4, 4)  # in L3 and L2
     index.publish(new, write_pages(group, 12, seed=26))
-    assert not group.allocate({"kv": 8}).ok  # four could go now, eight are needed
+    refused = group.allocate({"kv": 8})  # four could go now, eight are needed
+    assert not refused.ok
+    assert "(0 free, 4 reclaimable, 4 being freed: retry shortly)" in str(refused.reason)
     allocator = group.get_pool("kv").allocator
     poll(allocator.available, lambda n: n == 8, 30.0, "eight pages freed in the background")
     got = group.allocate({"kv": 8})

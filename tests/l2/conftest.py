@@ -71,3 +71,6 @@ class PoolReclaimer:
 
     def reclaim(self, pool: str, pages_needed: int) -> int:
         return self.reclaims[pool](pages_needed)
+
+    def leaving(self, pool: str) -> int:
+        return 0
