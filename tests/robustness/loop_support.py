@@ -9,10 +9,13 @@ import contextlib
 import socket
 import threading
 import uuid
+from collections.abc import Iterator
 
 import grpc
 from hicached_client import HiCacheClient, Session, WorkerIdentity, pool_spec
 from hicached_client.v1 import types_pb2 as tpb
+
+from tests.support.daemon import Daemon, start_daemon
 
 PAGE, LAYERS, HEADS, DIM = 16, 2, 8, 64
 PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * DIM * 2  # K and V, bf16: 64 KiB
@@ -182,3 +185,17 @@ def _reply(words: list[bytes], *, present: bool) -> bytes:
     if name == b"SCAN":  # an empty database: cursor 0, no keys
         return b"*2\r\n$1\r\n0\r\n*0\r\n"
     return b"-ERR unknown command\r\n"
+
+
+@contextlib.contextmanager
+def fake_l3_daemon(*args: str, present: bool = False) -> Iterator[tuple[Daemon, FakeRedis]]:
+    """A daemon (``hicached serve`` arguments ``args`` added) whose L3 is a :class:`FakeRedis`;
+    the fake is closed first at the end, so the daemon's blocked L3 calls fail and it stops
+    promptly."""
+    fake = FakeRedis(present=present)
+    d = start_daemon(*fake.daemon_args(), *args)
+    try:
+        yield d, fake
+    finally:
+        fake.close()
+        d.stop()

@@ -14,21 +14,16 @@ import grpc
 import pytest
 from hicached_client import HiCacheClient, HiCacheError, PageBytes, PrefetchTicket
 
-from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes
-from tests.support.daemon import Daemon, start_daemon
+from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, fake_l3_daemon
+from tests.support.daemon import Daemon
 from tests.support.state import poll
 
 
 @pytest.fixture
 def present_l3() -> Iterator[tuple[Daemon, FakeRedis]]:
     """A daemon whose L3 holds every key it is asked about (until its reads hang)."""
-    fake = FakeRedis(present=True)
-    d = start_daemon(*fake.daemon_args(), "--set", "limits.max_wait_s=1")
-    try:
+    with fake_l3_daemon("--set", "limits.max_wait_s=1", present=True) as (d, fake):
         yield d, fake
-    finally:
-        fake.close()  # the daemon's blocked L3 calls fail now, so it stops promptly
-        d.stop()
 
 
 def _keys(n: int) -> list[str]:
@@ -119,53 +114,42 @@ def test_a_drain_whose_l3_writes_fail_says_so_once() -> None:
     (and under write_through never tried them again). Now the flush writes them again and
     answers UNAVAILABLE naming them, with a hint the client's channel follows: not retried
     (each retry would write them all again; it sent 4 attempts when retried)."""
-    fake = FakeRedis()  # it answers SET with an error: L3 refuses every write
-    d = start_daemon(*fake.daemon_args())
-    try:
-        with (
-            HiCacheClient(d.target, timeout_s=10.0) as client,
-            HiCacheClient(d.admin_target, timeout_s=10.0) as admin,
-        ):
-            session = attach_bytes(client, "m-drain", lease_ms=60_000)
-            page = bytes(PAGE_BYTES)
-            assert session.put_bytes([PageBytes(k, "kv", page) for k in _keys(2)]).stored_pages == 2
-            fake.wait_seen(b"SET", 2, timeout_s=30)  # write_through tried them (refused)
-            with pytest.raises(HiCacheError) as err:
-                admin.drain(wait_flush=True)
-            assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
-            assert "2 backup pages could not be written to L3" in err.value.message
-            assert err.value.retry_after_ms is not None and err.value.retry_after_ms < 0
-            # One flush wrote the two again, once (or, if it began while the policy's refused
-            # write was still being counted, reported that one): never once per retry.
-            assert fake.seen[b"SET"] <= 4, fake.seen
-            assert admin.resume() is True
-            session.detach()
-    finally:
-        fake.close()
-        d.stop()
+    # The fake answers SET with an error: L3 refuses every write.
+    with (
+        fake_l3_daemon() as (d, fake),
+        HiCacheClient(d.target, timeout_s=10.0) as client,
+        HiCacheClient(d.admin_target, timeout_s=10.0) as admin,
+    ):
+        session = attach_bytes(client, "m-drain", lease_ms=60_000)
+        page = bytes(PAGE_BYTES)
+        assert session.put_bytes([PageBytes(k, "kv", page) for k in _keys(2)]).stored_pages == 2
+        fake.wait_seen(b"SET", 2, timeout_s=30)  # write_through tried them (refused)
+        with pytest.raises(HiCacheError) as err:
+            admin.drain(wait_flush=True)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "2 backup pages could not be written to L3" in err.value.message
+        assert err.value.retry_after_ms is not None and err.value.retry_after_ms < 0
+        # One flush wrote the two again, once (or, if it began while the policy's refused
+        # write was still being counted, reported that one): never once per retry.
+        assert fake.seen[b"SET"] <= 4, fake.seen
+        assert admin.resume() is True
+        session.detach()
 
 
 def test_a_read_behind_a_hung_redis_is_answered_once_not_retried() -> None:
     """Fails before: the daemon's UNAVAILABLE for an unreachable Redis carried no hint, so the
     client's channel sent the call again and again (4 attempts, each waiting the backend's
     socket timeout: 24.6 s for a 2 s timeout in a review). Now it says not to retry."""
-    fake = FakeRedis()
-    d = start_daemon(
-        *fake.daemon_args(),
-        "--set", "l3.redis.socket_timeout_s=1",
-        "--set", "l3.redis.retries=0",
-    )  # fmt: skip
-    try:
-        with HiCacheClient(d.target, timeout_s=30.0) as client:
-            session = attach_bytes(client, "m-hung-read", lease_ms=60_000)
-            fake.hang(only=frozenset({b"EXISTS"}))
-            with pytest.raises(HiCacheError) as err:
-                session.get_bytes(_keys(1), include_l3=True)
-            assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
-            assert "is unreachable" in err.value.message
-            assert err.value.retry_after_ms is not None and err.value.retry_after_ms < 0
-            assert fake.seen[b"EXISTS"] == 1, fake.seen  # one attempt reached L3
-            session.detach()
-    finally:
-        fake.close()
-        d.stop()
+    with (
+        fake_l3_daemon("--set", "l3.redis.socket_timeout_s=1", "--set", "l3.redis.retries=0") as (d, fake),
+        HiCacheClient(d.target, timeout_s=30.0) as client,
+    ):
+        session = attach_bytes(client, "m-hung-read", lease_ms=60_000)
+        fake.hang(only=frozenset({b"EXISTS"}))
+        with pytest.raises(HiCacheError) as err:
+            session.get_bytes(_keys(1), include_l3=True)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "is unreachable" in err.value.message
+        assert err.value.retry_after_ms is not None and err.value.retry_after_ms < 0
+        assert fake.seen[b"EXISTS"] == 1, fake.seen  # one attempt reached L3
+        session.detach()

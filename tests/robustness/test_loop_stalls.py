@@ -26,7 +26,7 @@ from hicached_client import (
     WorkerIdentity,
 )
 
-from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, byte_spec
+from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, byte_spec, fake_l3_daemon
 from tests.support.daemon import ROOT, Daemon, start_daemon
 from tests.support.state import poll, state
 
@@ -316,17 +316,9 @@ def test_one_sessions_l3_calls_leave_l3_threads_for_the_others() -> None:
 @pytest.fixture
 def narrow_hung_l3() -> Iterator[tuple[Daemon, FakeRedis]]:
     """A daemon whose connections carry at most 4 calls at once, its L3 a fake Redis."""
-    fake = FakeRedis()
-    d = start_daemon(
-        *fake.daemon_args(),
-        "--set", "server.max_streams_per_connection=4",
-        "--set", "limits.max_l3_calls_per_session=8",
-    )  # fmt: skip
-    try:
+    sets = ("--set", "server.max_streams_per_connection=4", "--set", "limits.max_l3_calls_per_session=8")
+    with fake_l3_daemon(*sets) as (d, fake):
         yield d, fake
-    finally:
-        fake.close()  # the daemon's blocked L3 calls fail now, so it stops promptly
-        d.stop()
 
 
 def test_heartbeats_keep_the_lease_while_data_calls_fill_the_connection(
@@ -408,37 +400,34 @@ def test_an_allocation_under_write_back_never_waits_for_a_hung_l3() -> None:
     that lock: with L3 hung the allocation took the backend's timeout and a Ping 18.5 s (a
     review's run). Now an allocation evicts only pages L3 holds; the others go to L3 in the
     background, and meanwhile an allocation that finds no room is refused at once."""
-    fake = FakeRedis()
-    d = start_daemon(*fake.daemon_args(), "--set", "l3.write_policy=write_back")
-    try:
-        with HiCacheClient(d.target, timeout_s=10.0) as client:
-            session = attach_bytes(client, "m-wb", lease_ms=120_000)
-            bystander = attach_bytes(client, "m-wb-other", lease_ms=120_000)
-            fake.hang()
-            page = bytes(PAGE_BYTES)
-            for _ in range(4):  # 64 pages: the pool is full of pages only L2 holds
-                fill = [PageBytes(uuid.uuid4().hex, "kv", page) for _ in range(16)]
-                assert session.put_bytes(fill).stored_pages == 16
-            fake.wait_unanswered(1, timeout_s=30)  # the eviction ahead waits on L3
-            start = time.monotonic()
-            with pytest.raises(HiCacheError) as err:
-                session.put_bytes([PageBytes(uuid.uuid4().hex, "kv", page)], timeout_s=10.0)
-            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
-            assert "no room" in err.value.message
-            client.ping(timeout_s=2.0)
-            assert bystander.put_bytes([PageBytes(uuid.uuid4().hex, "kv", page)]).stored_pages == 1
-            assert time.monotonic() - start < 5.0
-            fake.close()  # the background write fails: its pages are freed, the refusal ends
+    with (
+        fake_l3_daemon("--set", "l3.write_policy=write_back") as (d, fake),
+        HiCacheClient(d.target, timeout_s=10.0) as client,
+    ):
+        session = attach_bytes(client, "m-wb", lease_ms=120_000)
+        bystander = attach_bytes(client, "m-wb-other", lease_ms=120_000)
+        fake.hang()
+        page = bytes(PAGE_BYTES)
+        for _ in range(4):  # 64 pages: the pool is full of pages only L2 holds
+            fill = [PageBytes(uuid.uuid4().hex, "kv", page) for _ in range(16)]
+            assert session.put_bytes(fill).stored_pages == 16
+        fake.wait_unanswered(1, timeout_s=30)  # the eviction ahead waits on L3
+        start = time.monotonic()
+        with pytest.raises(HiCacheError) as err:
+            session.put_bytes([PageBytes(uuid.uuid4().hex, "kv", page)], timeout_s=10.0)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert "no room" in err.value.message
+        client.ping(timeout_s=2.0)
+        assert bystander.put_bytes([PageBytes(uuid.uuid4().hex, "kv", page)]).stored_pages == 1
+        assert time.monotonic() - start < 5.0
+        fake.close()  # the background write fails: its pages are freed, the refusal ends
 
-            def put_one() -> str:
-                try:
-                    return str(session.put_bytes([PageBytes(uuid.uuid4().hex, "kv", page)]).stored_pages)
-                except HiCacheError as exc:
-                    return exc.code.name
+        def put_one() -> str:
+            try:
+                return str(session.put_bytes([PageBytes(uuid.uuid4().hex, "kv", page)]).stored_pages)
+            except HiCacheError as exc:
+                return exc.code.name
 
-            poll(put_one, lambda got: got == "1", 30.0, "room again once the background write ended")
-            session.detach()
-            bystander.detach()
-    finally:
-        fake.close()
-        d.stop()
+        poll(put_one, lambda got: got == "1", 30.0, "room again once the background write ended")
+        session.detach()
+        bystander.detach()
