@@ -110,15 +110,16 @@ def _specs(args: argparse.Namespace) -> tuple[WorkerIdentity, Any]:
 
 
 def _page_bytes(args: argparse.Namespace) -> int:
-    """Bytes of one host page of the layout: K and V (MHA) or the latent (MLA) of every layer."""
+    """Bytes of one host page of the layout, as the daemon sizes its pools (``KVSpec``)."""
     import torch  # only when the command runs: `hicached --help` stays quick
+
+    from hicached.l2.layout import KVSpec
 
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"--dtype {args.dtype[:32]!r} is not a torch dtype (bfloat16, float16, ...)")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_token = int(args.layers) * int(args.heads) * int(args.head_dim) * (2 if args.kind == "mha" else 1)
-    return int(args.page_size) * per_token * itemsize
+    spec = KVSpec(args.kind, dtype, args.layers, args.heads, args.head_dim, args.page_size)
+    return spec.page_bytes
 
 
 def _group_id(identity: WorkerIdentity, spec: Any) -> str:
