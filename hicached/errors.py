@@ -64,14 +64,19 @@ class DoubleFree(FailedPrecondition):
     """Freeing a page that is not allocated."""
 
 
-class ResourceExhausted(HiCacheError):
-    """Backpressure or budget; ``retry_after_ms`` says when a retry may succeed."""
-
-    code = "RESOURCE_EXHAUSTED"
+class RetryHinted(Exception):
+    """Mixed into an error class that may carry ``retry_after_ms``: the hint gRPC clients'
+    retries follow (sent as ``grpc-retry-pushback-ms``; :data:`NO_RETRY`: do not retry)."""
 
     def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
+
+
+class ResourceExhausted(RetryHinted, HiCacheError):
+    """Backpressure or budget; ``retry_after_ms`` says when a retry may succeed."""
+
+    code = "RESOURCE_EXHAUSTED"
 
 
 class PermissionDenied(HiCacheError):
@@ -86,16 +91,12 @@ class Unauthenticated(HiCacheError):
     code = "UNAUTHENTICATED"
 
 
-class Unavailable(HiCacheError):
-    """The daemon is draining or shutting down, or its L3 backend failed. ``retry_after_ms``
-    (optional) is the hint gRPC clients' retries follow; :data:`NO_RETRY` for a failure that
-    the channel re-sending the call at once would only repeat (a hung backend's timeout)."""
+class Unavailable(RetryHinted, HiCacheError):
+    """The daemon is draining or shutting down, or its L3 backend failed; :data:`NO_RETRY`
+    for a failure that the channel re-sending the call at once would only repeat (a hung
+    backend's timeout)."""
 
     code = "UNAVAILABLE"
-
-    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
 
 
 class Unimplemented(HiCacheError):

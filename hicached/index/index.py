@@ -250,7 +250,7 @@ class ContentIndex:
     # ------------------------------------------------------------- eviction (the group's Reclaimer)
 
     def reclaimable(self, pool: str, wanted: int) -> int:
-        """How many of ``wanted`` pages of ``pool`` :meth:`reclaim` could free now (evicts nothing).
+        """How many of ``wanted`` pages of ``pool`` :meth:`reclaim` could free now.
 
         Counts unreferenced entries from the LRU end, stopping at ``wanted``
         (each entry holds one page of every independent pool); under ``write_back``

@@ -50,7 +50,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode | None:
 
 
 def retry_after_ms_of(exc: BaseException) -> int | None:
-    """The retry hint ``exc`` carries (a ``ResourceExhausted``'s), in milliseconds; None if none."""
+    """The retry hint ``exc`` carries (a :class:`~hicached.errors.RetryHinted`), in milliseconds; None if none."""
     retry = getattr(exc, "retry_after_ms", None)
     return None if retry is None else int(retry)
 
