@@ -117,10 +117,12 @@ class Pin:
 @dataclasses.dataclass(frozen=True)
 class BackupResult:
     """``queued``: pages handed to the L3 writer (cached in L2, not yet in L3).
-    ``stored``: with ``wait``, pages acknowledged by L3 (0 without ``wait``)."""
+    ``stored``: with ``wait``, pages acknowledged by L3 (0 without ``wait``).
+    ``shortfall``: with ``wait``, why ``stored < queued``, for a person ("" otherwise)."""
 
     queued: int
     stored: int
+    shortfall: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

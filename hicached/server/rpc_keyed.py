@@ -217,7 +217,7 @@ class KeyedRpcs(ServicerBase):
             timeout_s=self.limits.max_wait_s,
             session=request.session_id,
         )
-        return pb.BackupResponse(queued_pages=r.queued, stored_pages=r.stored)
+        return pb.BackupResponse(queued_pages=r.queued, stored_pages=r.stored, shortfall=r.shortfall)
 
     async def PutBytes(self, request: pb.PutBytesRequest, context: Ctx) -> pb.PutBytesResponse:
         same_tenant(self.keyed.tenant(request.session_id), request.tenant, "tenant")

@@ -100,7 +100,9 @@ def test_backup_stops_at_the_first_failed_batch(
     index = make_index(group, backend, write_policy=WritePolicy.WRITE_BACK, batch_pages=4, io_workers=2)
     keys = keys_of("f", 12)
     index.publish(keys, write_pages(group, 12, seed=4))
-    assert index.backup(keys, wait=True) == BackupResult(queued=12, stored=4)
+    failed = index.backup(keys, wait=True)
+    assert (failed.queued, failed.stored) == (12, 4)
+    assert failed.shortfall.startswith("8 not written: L3 failed or refused their batch or an earlier one")
     assert backend.set_calls == 2  # batch 3 was never tried
     assert l3_run(backend, index, keys) == 4
     stats = index.stats()
@@ -108,6 +110,29 @@ def test_backup_stops_at_the_first_failed_batch(
     # The pages stay cached in L2 and can be backed up again later.
     assert index.backup(keys, wait=True) == BackupResult(queued=8, stored=8)
     assert l3_run(backend, index, keys) == 12
+    backend.inner.close()
+
+
+def test_a_waited_backup_names_pages_cleared_while_it_wrote(
+    make_group: MakeGroup, make_index: MakeIndex, tmp_path: Path
+) -> None:
+    backend = GatedSets(create_backend("file", {"path": str(tmp_path / "l3")}))
+    group = make_group(8)
+    index = make_index(group, backend, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    keys = keys_of("c", 4)
+    index.publish(keys, write_pages(group, 4, seed=6))
+    results: list[BackupResult] = []
+    waiter = threading.Thread(target=lambda: results.append(index.backup(keys, wait=True, timeout_s=30)))
+    waiter.start()
+    try:
+        assert backend.entered.acquire(timeout=30)  # its batch is being written
+        assert index.clear() == (4, 0)
+    finally:
+        backend.gate.set()
+        waiter.join(timeout=30)
+    [result] = results
+    assert (result.queued, result.stored) == (4, 0)
+    assert result.shortfall == "4 no longer cached (cleared or evicted meanwhile)"
     backend.inner.close()
 
 

@@ -153,3 +153,27 @@ def test_a_read_behind_a_hung_redis_is_answered_once_not_retried() -> None:
         assert err.value.retry_after_ms is not None and err.value.retry_after_ms < 0
         assert fake.seen[b"EXISTS"] == 1, fake.seen  # one attempt reached L3
         session.detach()
+
+
+def test_a_waited_backup_says_why_it_stored_less() -> None:
+    """Fails before: a Backup(wait) that L3 refused answered ``stored_pages=0`` with no
+    reason, and one whose wait ran out looked the same. Now ``shortfall`` names each reason
+    with its count (write_through_selective: only the explicit backup writes)."""
+    args = ("--set", "l3.write_policy=write_through_selective", "--set", "limits.max_wait_s=1")
+    with fake_l3_daemon(*args) as (d, fake), HiCacheClient(d.target, timeout_s=10.0) as client:
+        session = attach_bytes(client, "m-shortfall", lease_ms=60_000)
+        page = bytes(PAGE_BYTES)
+        refused = _keys(2)
+        assert session.put_bytes([PageBytes(k, "kv", page) for k in refused]).stored_pages == 2
+        result = session.backup(refused, wait=True)  # the fake answers SET with an error
+        assert (result.queued_pages, result.stored_pages) == (2, 0), result
+        assert result.shortfall.startswith("2 not written: L3 failed or refused their batch"), result
+
+        fake.hang(only=frozenset({b"SET"}))
+        hung = _keys(3)
+        assert session.put_bytes([PageBytes(k, "kv", page) for k in hung]).stored_pages == 3
+        result = session.backup(hung, wait=True)
+        assert (result.queued_pages, result.stored_pages) == (3, 0), result
+        expected = "3 still being written when the wait ended after 1.0 s (they go on)"
+        assert result.shortfall == expected, result
+        assert session.backup(hung, wait=False).shortfall == ""

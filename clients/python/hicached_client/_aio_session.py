@@ -477,7 +477,7 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> BackupResult:
-        """Queue an L2 -> L3 backup of cached keys; with ``wait``, return once they are stored."""
+        """Queue an L2 -> L3 backup of cached keys; with ``wait``, return once stored (``shortfall``: why not all)."""
         return await self._invoke(
             _calls.backup(self.session_id, self._op(op_id), keys, tenant, wait), timeout_s
         )

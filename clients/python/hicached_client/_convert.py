@@ -323,7 +323,7 @@ def prefetch_status(msg: pb.PrefetchStatusResponse) -> PrefetchStatus:
 
 
 def backup_result(msg: pb.BackupResponse) -> BackupResult:
-    return BackupResult(queued_pages=msg.queued_pages, stored_pages=msg.stored_pages)
+    return BackupResult(queued_pages=msg.queued_pages, stored_pages=msg.stored_pages, shortfall=msg.shortfall)
 
 
 def put_bytes_result(msg: pb.PutBytesResponse) -> PutBytesResult:

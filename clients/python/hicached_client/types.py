@@ -255,10 +255,12 @@ class PrefetchStatus:
 
 @dataclass(frozen=True)
 class BackupResult:
-    """``queued_pages``: cached in L2, not yet in L3; ``stored_pages``: stored (only with ``wait``)."""
+    """``queued_pages``: cached in L2, not yet in L3; ``stored_pages``: stored (only with ``wait``);
+    ``shortfall``: with ``wait``, why fewer were stored than queued, for a person ("" otherwise)."""
 
     queued_pages: int
     stored_pages: int
+    shortfall: str = ""
 
 
 @dataclass(frozen=True)

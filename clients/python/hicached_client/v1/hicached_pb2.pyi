@@ -447,12 +447,14 @@ class BackupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., op_id: _Optional[str] = ..., keys: _Optional[_Union[_types_pb2.KeySource, _Mapping]] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class BackupResponse(_message.Message):
-    __slots__ = ("queued_pages", "stored_pages")
+    __slots__ = ("queued_pages", "stored_pages", "shortfall")
     QUEUED_PAGES_FIELD_NUMBER: _ClassVar[int]
     STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHORTFALL_FIELD_NUMBER: _ClassVar[int]
     queued_pages: int
     stored_pages: int
-    def __init__(self, queued_pages: _Optional[int] = ..., stored_pages: _Optional[int] = ...) -> None: ...
+    shortfall: str
+    def __init__(self, queued_pages: _Optional[int] = ..., stored_pages: _Optional[int] = ..., shortfall: _Optional[str] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
     __slots__ = ("session_id", "op_id", "pages", "tenant")
