@@ -1,7 +1,8 @@
-"""Checks of a request against a session and its group: names, ranges, duplicates, ownership.
+"""Checks of a request against a session and its group: names, ranges, duplicates, ownership;
+and of an attach's buffers against its pool specs (:func:`open_views`, which opens them).
 
-Pure functions that raise the precise error (InvalidArgument, OutOfRange, NotFound,
-FailedPrecondition, DoubleFree, PermissionDenied) and change nothing; they read the
+Functions that raise the precise error (InvalidArgument, OutOfRange, NotFound,
+FailedPrecondition, DoubleFree, PermissionDenied) and change nothing else; they read the
 group's facts (entries, allocators, ledgers) and only go down, never back to the core.
 Thread-safety: as safe as the reads they make (allocators and ledgers lock their own state).
 """
@@ -15,6 +16,7 @@ import numpy as np
 
 from hicached.core.group_state import GroupState
 from hicached.core.sessions import Session
+from hicached.core.types import PoolRequest
 from hicached.errors import (
     DoubleFree,
     FailedPrecondition,
@@ -27,6 +29,8 @@ from hicached.errors import (
 from hicached.l2.allocator import as_page_array, first_repeat, first_repeat_of
 from hicached.l2.group import PoolTransfer
 from hicached.page_arrays import SMALL_BATCH, ascending
+from hicached.transfer.handles import medium_of
+from hicached.transfer.mappings import DeviceMappings
 from hicached.transfer.plan import DevicePoolView
 
 
@@ -156,3 +160,30 @@ def check_indices(pool: str, side: str, pages: np.ndarray, limit: int, *, unique
     repeated = first_repeat(pages) if listed is None else first_repeat_of(listed)
     if repeated is not None:
         raise InvalidArgument(f"pool {clip(pool)}: duplicate {side} page {repeated}")
+
+
+def open_views(mappings: DeviceMappings, pools: Sequence[PoolRequest]) -> dict[str, DevicePoolView]:
+    """Open the buffers of ``pools`` in ``mappings`` (all at once) as checked device views;
+    InvalidArgument when a buffer's shape or dtype does not match its pool's spec (the caller
+    closes the mappings)."""
+    views = {}
+    tensor_pools = [p for p in pools if not p.byte_only]
+    # All buffers at once: the mappings then map each fd over the span its buffers use.
+    opened = iter(mappings.open_all([b for p in tensor_pools for b in (*p.k_buffers, *p.v_buffers)]))
+    for p in tensor_pools:
+        k = [next(opened) for _ in p.k_buffers]
+        v = [next(opened) for _ in p.v_buffers]
+        for i, t in enumerate((*k, *v)):
+            want = (p.spec.num_heads, p.spec.head_dim)
+            if tuple(t.shape[1:]) != want or t.dtype != p.spec.dtype:
+                raise InvalidArgument(
+                    f"pool {p.name!r} buffer {i}: shape {list(t.shape)} / dtype {t.dtype} does not match "
+                    f"the pool spec (tokens, {want[0]}, {want[1]}) / {p.spec.dtype}"
+                )
+        if len({t.shape[0] for t in (*k, *v)}) != 1:
+            raise InvalidArgument(f"pool {p.name!r}: all buffers must have the same number of tokens")
+        layer_ids = list(p.layer_ids) if p.layer_ids else list(range(p.spec.num_layers))
+        views[p.name] = DevicePoolView(
+            name=p.name, k=k, v=v, page_size=p.spec.page_size, layer_ids=layer_ids, medium=medium_of(k[0])
+        )
+    return views

@@ -159,9 +159,9 @@ def _check_join(state: GroupState, plan: Sequence[tuple[PoolRequest, int, int]])
         if pages > have:
             raise FailedPrecondition(
                 f"pool {p.name!r} asks for {pages} host pages but pool group {state.group_id} already exists "
-                f"with {have} and sessions attached; attach with at most {have} pages, or end every "
-                "session of the group (detach, or let the leases expire): the next attach then "
-                "recreates it at the new size"
+                f"with {have} and in use (sessions attached, or ending once their calls in flight "
+                f"return); attach with at most {have} pages, or end every session of the group "
+                "(detach, or let the leases expire): the next attach then recreates it at the new size"
             )
 
 
@@ -235,15 +235,19 @@ class GroupRegistry:
         pools: Sequence[PoolRequest],
         *,
         idle: Callable[[str], bool],
+        claim: Callable[[str], None],
         on_create: Callable[[GroupState], None],
         join_only: bool = False,
     ) -> tuple[GroupState, bool]:
         """The group for these pools and whether it already existed.
 
-        ``idle(group_id)`` tells whether a group has no sessions (it may then be
-        retired to make room); ``on_create`` attaches the content index. With
-        ``join_only`` a group that does not exist (or could only be joined by
-        recreating it larger) is NotFound, and nothing changes.
+        ``idle(group_id)`` tells whether nobody uses a group (it may then be
+        retired to make room); ``claim(group_id)`` is called with the group
+        returned, under the lock that every ``idle`` judgement here takes, so
+        that the caller's use of it counts before another attach can judge it
+        idle. ``on_create`` attaches the content index. With ``join_only`` a
+        group that does not exist (or could only be joined by recreating it
+        larger) is NotFound, and nothing changes.
         """
         validate_worker(worker)
         validate_pool_requests(pools)
@@ -263,6 +267,7 @@ class GroupRegistry:
                         raise
                 else:
                     existing.last_used = time.monotonic()
+                    claim(gid)
                     return existing, True
             if join_only:
                 raise NotFound(
@@ -296,6 +301,7 @@ class GroupRegistry:
                 assert self._warm is not None
                 self._warm.drop(j.group_id, f"to make room for pool group {gid}")
             self._groups[gid] = state
+            claim(gid)
         for old in retired:
             old.close()  # outside the lock: an index close waits for its L3 writes
         logger.info(

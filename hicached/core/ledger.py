@@ -93,6 +93,10 @@ class PageLedger:
         if self._closed:
             raise FailedPrecondition("this page ledger was closed (its session ended)")
 
+    def of(self, owners: PageOwners) -> bool:
+        """Whether this ledger is a holder of ``owners`` (and not of another group's table)."""
+        return self._owners is owners
+
     def add(self, pool: str, pages: np.ndarray) -> None:
         """Own ``pages`` (just allocated to this holder)."""
         table = self._table(pool)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hicached.config import Config
+from hicached.core.checks import open_views
 from hicached.core.dataplane import DataPlane, LayerCallback
 from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry, validate_pool_requests, validate_worker
@@ -42,15 +43,14 @@ from hicached.core.types import (
     WorkerId,
 )
 from hicached.errors import (
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     Unavailable,
 )
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine
-from hicached.transfer.handles import medium_of
 from hicached.transfer.mappings import DeviceMappings
-from hicached.transfer.plan import DevicePoolView
 
 logger = logging.getLogger(__name__)
 
@@ -192,33 +192,39 @@ class HiCacheCore:
         replaced = self._sessions.check_generation(worker, origin)
         mappings = DeviceMappings()
         try:
-            views = self._open_views(mappings, pools)
+            views = open_views(mappings, pools)
             state, joined = self._groups.get_or_create(
                 worker,
                 pools,
-                idle=lambda gid: self._sessions.in_group(gid) == 0,
+                idle=self._sessions.unused,
+                claim=self._sessions.hold,  # until add(): no other attach retires it meanwhile
                 on_create=self._attach_index,
                 join_only=join_only,
             )
         except BaseException:
             mappings.close()
             raise
-        if replaced is not None:
-            self._end(replaced, "replaced", wait_s=self._cfg.limits.max_wait_s)
-        session = Session(
-            session_id=SessionTable.new_id(),
-            worker=worker,
-            group_id=state.group_id,
-            lease_ms=lease,
-            mappings=mappings,
-            views=views,
-            ledger=state.owners.ledger(),
-            op_cache_size=self._cfg.sessions.op_cache_size,
-            peer=peer,
-            origin=origin,
-            op_cache_bytes=self._cfg.sessions.op_cache_bytes,
-            pools=session_pools(pools),
-        )
+        try:
+            if replaced is not None:
+                self._end(replaced, "replaced", wait_s=self._cfg.limits.max_wait_s)
+            session = Session(
+                session_id=SessionTable.new_id(),
+                worker=worker,
+                group_id=state.group_id,
+                lease_ms=lease,
+                mappings=mappings,
+                views=views,
+                ledger=state.owners.ledger(),
+                op_cache_size=self._cfg.sessions.op_cache_size,
+                peer=peer,
+                origin=origin,
+                op_cache_bytes=self._cfg.sessions.op_cache_bytes,
+                pools=session_pools(pools),
+            )
+        except BaseException:
+            self._sessions.unhold(state.group_id)
+            mappings.close()
+            raise
         self._sessions.add(session)
         self._observer.on_session("attach", session)
         logger.info(
@@ -251,30 +257,6 @@ class HiCacheCore:
         if not s.min_lease_ms <= lease_ms <= s.max_lease_ms:
             raise InvalidArgument(f"lease_ms={lease_ms} outside [{s.min_lease_ms}, {s.max_lease_ms}]")
         return lease_ms
-
-    @staticmethod
-    def _open_views(mappings: DeviceMappings, pools: Sequence[PoolRequest]) -> dict[str, DevicePoolView]:
-        views = {}
-        tensor_pools = [p for p in pools if not p.byte_only]
-        # All buffers at once: the mappings then map each fd over the span its buffers use.
-        opened = iter(mappings.open_all([b for p in tensor_pools for b in (*p.k_buffers, *p.v_buffers)]))
-        for p in tensor_pools:
-            k = [next(opened) for _ in p.k_buffers]
-            v = [next(opened) for _ in p.v_buffers]
-            for i, t in enumerate((*k, *v)):
-                want = (p.spec.num_heads, p.spec.head_dim)
-                if tuple(t.shape[1:]) != want or t.dtype != p.spec.dtype:
-                    raise InvalidArgument(
-                        f"pool {p.name!r} buffer {i}: shape {list(t.shape)} / dtype {t.dtype} does not match "
-                        f"the pool spec (tokens, {want[0]}, {want[1]}) / {p.spec.dtype}"
-                    )
-            if len({t.shape[0] for t in (*k, *v)}) != 1:
-                raise InvalidArgument(f"pool {p.name!r}: all buffers must have the same number of tokens")
-            layer_ids = list(p.layer_ids) if p.layer_ids else list(range(p.spec.num_layers))
-            views[p.name] = DevicePoolView(
-                name=p.name, k=k, v=v, page_size=p.spec.page_size, layer_ids=layer_ids, medium=medium_of(k[0])
-            )
-        return views
 
     def detach(self, session_id: str, op_id: str = "") -> int:
         try:
@@ -342,8 +324,15 @@ class HiCacheCore:
             logger.exception("deferred teardown of session %s failed", session.session_id)
 
     def _teardown(self, session: Session, reason: str) -> int:
-        """Unmap and free what an ended, idle session held. Thread-safe: runs on the ending
-        thread or, deferred, on the thread of the session's last operation."""
+        """Unmap and free what an ended, idle session held, then let its group go (the
+        hold :meth:`SessionTable.remove` took). Thread-safe: runs on the ending thread or,
+        deferred, on the thread of the session's last operation."""
+        try:
+            return self._teardown_held(session, reason)
+        finally:
+            self._sessions.unhold(session.group_id)
+
+    def _teardown_held(self, session: Session, reason: str) -> int:
         with self._teardowns:
             closed = self._groups_closed
             self._tearing += 0 if closed else 1
@@ -368,21 +357,28 @@ class HiCacheCore:
                 self._teardowns.notify_all()
 
     def _teardown_open(self, session: Session, reason: str) -> int:
-        state = self._groups.get(session.group_id)
         freed = 0
-        for pool, pages in session.ledger.take_all().items():
-            freed += state.free(pool, pages)
-        for b in self._backups.take_session(session.session_id):
-            freed += self._free_backup(b)
-        index = state.index
-        for pid in list(session.prefetches):
-            if index is not None:
-                with contextlib.suppress(NotFound):
-                    # Not waited for: a batch in flight frees its own pages when its L3 read
-                    # returns, and a hung read would hold the lease reaper (every session's).
-                    index.get_prefetch(pid).cancel(wait=False)
-        session.plan_layers.clear()  # it references the device views unmapped now
-        session.mappings.close()
+        try:
+            state = self._groups.get(session.group_id)
+            if not session.ledger.of(state.owners):  # the hold makes this a bug, never a free
+                raise FailedPrecondition(
+                    f"pool group {session.group_id} was rebuilt while session {session.session_id} "
+                    "ended: its pages are not freed into the new group"
+                )
+            for pool, pages in session.ledger.take_all().items():
+                freed += state.free(pool, pages)
+            for b in self._backups.take_session(session.session_id):
+                freed += self._free_backup(b)
+            index = state.index
+            for pid in list(session.prefetches):
+                if index is not None:
+                    with contextlib.suppress(NotFound):
+                        # Not waited for: a batch in flight frees its own pages when its L3 read
+                        # returns, and a hung read would hold the lease reaper (every session's).
+                        index.get_prefetch(pid).cancel(wait=False)
+        finally:
+            session.plan_layers.clear()  # it references the device views unmapped now
+            session.mappings.close()
         self._observer.on_session(reason, session)
         logger.info(
             "session ended",

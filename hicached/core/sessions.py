@@ -13,6 +13,7 @@ remember their answers by ``(rpc, op_id)`` in the session's
 
 from __future__ import annotations
 
+import collections
 import hmac
 import secrets
 import threading
@@ -164,12 +165,20 @@ class SessionTable:
     """id -> Session and worker slot -> live session. While a slot's session lives, only a higher
     generation from the same origin and tenant replaces it; nothing is kept of ended sessions
     (so no client can reserve a slot it does not hold, and the table is as large as the live
-    sessions)."""
+    sessions).
+
+    It also counts who else still uses each pool group (:meth:`hold`): an attach between
+    choosing its group and adding its session, and an ended session until its teardown has
+    run (deferred while a call of it is in flight). A group is :meth:`unused` only without
+    either, so it is never retired or recreated under them: before, an ended session's late
+    teardown freed its page numbers into the group rebuilt under the same id, pages another
+    session held (two owners of a page; one tenant read another's bytes)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_id: dict[str, Session] = {}
         self._by_slot: dict[tuple[str, int, int], Session] = {}
+        self._holds: collections.Counter[str] = collections.Counter()
 
     @staticmethod
     def new_id() -> str:
@@ -207,16 +216,39 @@ class SessionTable:
                 )
             return current
 
+    def hold(self, group_id: str) -> None:
+        """Count one more user of the group besides its live sessions (see the class)."""
+        with self._lock:
+            self._holds[group_id] += 1
+
+    def unhold(self, group_id: str) -> None:
+        """Drop a :meth:`hold` (exactly once per hold)."""
+        with self._lock:
+            self._holds[group_id] -= 1
+            if self._holds[group_id] <= 0:
+                del self._holds[group_id]
+
+    def unused(self, group_id: str) -> bool:
+        """No live session of the group and no :meth:`hold` on it: it may be retired."""
+        with self._lock:
+            return not self._holds[group_id] and all(s.group_id != group_id for s in self._by_id.values())
+
     def add(self, session: Session) -> None:
+        """Add the attached session, turning its attach's :meth:`hold` into the session."""
         with self._lock:
             self._by_id[session.session_id] = session
             self._by_slot[session.worker.slot] = session
+        self.unhold(session.group_id)
 
     def remove(self, session_id: str) -> Session | None:
+        r"""End the session: it leaves the table and :meth:`hold`\ s its group until its
+        teardown calls :meth:`unhold`. None (and nothing held) if it had ended already."""
         with self._lock:
             session = self._by_id.pop(session_id, None)
-            if session is not None and self._by_slot.get(session.worker.slot) is session:
-                del self._by_slot[session.worker.slot]
+            if session is not None:
+                if self._by_slot.get(session.worker.slot) is session:
+                    del self._by_slot[session.worker.slot]
+                self._holds[session.group_id] += 1
             return session
 
     def get(self, session_id: str) -> Session:

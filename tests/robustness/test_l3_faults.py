@@ -5,6 +5,7 @@ answering (the RESP commands named) until told to resume."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -12,10 +13,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, HiCacheError, PageBytes, PrefetchTicket
+from hicached_client import HiCacheClient, HiCacheError, PageBytes, PrefetchTicket, Transfer, WorkerIdentity
 
 from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, fake_l3_daemon
 from tests.support.daemon import Daemon
+from tests.support.kv import POOLS, WorkerPools, unique_tag
 from tests.support.state import poll
 
 
@@ -24,6 +26,19 @@ def present_l3() -> Iterator[tuple[Daemon, FakeRedis]]:
     """A daemon whose L3 holds every key it is asked about (until its reads hang)."""
     with fake_l3_daemon("--set", "limits.max_wait_s=1", present=True) as (d, fake):
         yield d, fake
+
+
+@pytest.fixture
+def worker_pools() -> Iterator[list[WorkerPools]]:
+    """Three workers' device pools (shared-memory segments), unlinked at the end."""
+    made: list[WorkerPools] = []
+    try:
+        for _ in range(3):
+            made.append(WorkerPools.create(unique_tag("l3f")))
+        yield made
+    finally:
+        for pools in made:
+            pools.close()
 
 
 def _keys(n: int) -> list[str]:
@@ -177,3 +192,73 @@ def test_a_waited_backup_says_why_it_stored_less() -> None:
         expected = "3 still being written when the wait ended after 1.0 s (they go on)"
         assert result.shortfall == expected, result
         assert session.backup(hung, wait=False).shortfall == ""
+
+
+def _ending_with_a_call_in_flight(
+    fake: FakeRedis, client: HiCacheClient, pools: WorkerPools
+) -> threading.Thread:
+    """A session of model ``m-end`` that owns 4 host pages per pool and ends (Detach) while its
+    GetPages waits on L3: its teardown is deferred until that call returns."""
+    ended = client.attach(WorkerIdentity("ending", 1, "m-end", tenant="ta"), pools.specs(host_ratio=0.5))
+    assert ended.write([Transfer(n, list(range(4))) for n in POOLS], allocate=True).ok
+    fake.hang(only=frozenset({b"EXISTS"}))
+
+    def get() -> None:
+        with contextlib.suppress(HiCacheError):  # its daemon may stop first
+            ended.get_pages(_keys(2), [Transfer(n, [500, 501]) for n in POOLS], include_l3=True, timeout_s=60)
+
+    call = threading.Thread(target=get)
+    call.start()
+    fake.wait_unanswered(1, timeout_s=30)
+    assert ended.detach() == 0  # past limits.max_wait_s: its pages are freed when the call ends
+    return call
+
+
+def test_a_group_is_not_rebuilt_under_an_ended_sessions_call(worker_pools: list[WorkerPools]) -> None:
+    """Fails before: an ended session whose call was still in flight did not count, so the next
+    attach with larger pools rebuilt its group under the same id, and the session's late
+    teardown freed its page numbers into the new group: pages another session held went to
+    a third (a review read one tenant's bytes in another's GetPages). Now the group is in use
+    until that teardown has run."""
+    ending, mine, third = worker_pools
+    with (
+        fake_l3_daemon("--set", "limits.max_wait_s=0.5") as (d, fake),
+        HiCacheClient(d.target, timeout_s=30.0) as client,
+    ):
+        call = _ending_with_a_call_in_flight(fake, client, ending)
+        larger = WorkerIdentity("larger", 1, "m-end", tenant="tb")
+        with pytest.raises(HiCacheError) as err:
+            client.attach(larger, mine.specs(host_ratio=1.0))
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+        fake.resume()
+        call.join(timeout=30)
+        # The teardown ran when the call returned: now the group is rebuilt larger.
+        b = client.attach(larger, mine.specs(host_ratio=1.0))
+        c = client.attach(WorkerIdentity("third", 1, "m-end", tenant="tc"), third.specs(host_ratio=1.0))
+        held_b = b.write([Transfer(n, list(range(64))) for n in POOLS], allocate=True)
+        held_c = c.write([Transfer(n, list(range(64))) for n in POOLS], allocate=True)
+        for tb, tc in zip(held_b.transfers, held_c.transfers, strict=True):
+            assert not set(tb.host_pages) & set(tc.host_pages), (tb, tc)
+        [group] = b.stats().groups
+        assert {p.name: p.total_pages - p.free_pages for p in group.pools} == {"kv": 128, "draft": 128}
+
+
+def test_a_group_is_not_retired_under_an_ended_sessions_call(worker_pools: list[WorkerPools]) -> None:
+    """Fails before: the same ended session's group was retired to make room for another
+    model's, and its late teardown failed on the missing group (an ERROR with two tracebacks,
+    the session's mappings never closed). Now the other model waits for room."""
+    ending, other_pools, _ = worker_pools
+    with (
+        fake_l3_daemon("--set", "limits.max_wait_s=0.5", "--set", "host.max_groups=1") as (d, fake),
+        HiCacheClient(d.target, timeout_s=30.0) as client,
+    ):
+        call = _ending_with_a_call_in_flight(fake, client, ending)
+        other = WorkerIdentity("other", 1, "m-other")
+        with pytest.raises(HiCacheError) as err:
+            client.attach(other, other_pools.specs())
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        fake.resume()
+        call.join(timeout=30)
+        client.attach(other, other_pools.specs()).detach()
+        log = d.log
+    assert "Traceback" not in log, log[-3000:]
