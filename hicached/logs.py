@@ -117,7 +117,10 @@ class SiteRateLimit(logging.Filter):
     Why: clients cause log lines (each attach and detach writes one), and a client looping
     on them would otherwise fill the disk and drown everyone else's lines. Keyed by the
     call site (file and line), so the number of buckets is bounded by the code, not by what
-    clients send. ERROR and above always pass. Thread-safe (one lock; a few dict operations).
+    clients send. ERROR and above always pass, except gRPC's own (loggers ``grpc...``): gRPC
+    logs an ERROR with a traceback when a client is gone before its answer is sent
+    (``ExecuteBatchError``), so a client cancelling calls in a loop could write them without
+    bound. Thread-safe (one lock; a few dict operations).
     """
 
     BURST_SECONDS = 10.0
@@ -131,7 +134,7 @@ class SiteRateLimit(logging.Filter):
         self._sites: dict[tuple[str, int], list[float]] = {}  # site -> [tokens, last time, dropped]
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
+        if record.levelno >= logging.ERROR and not record.name.startswith("grpc"):
             return True
         now = self._clock()
         with self._lock:

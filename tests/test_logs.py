@@ -116,6 +116,19 @@ def test_each_call_site_is_rate_limited_and_says_what_it_dropped() -> None:
     assert [limit.filter(_record(10)) for _ in range(21)] == [True] * 20 + [False]
 
 
+def test_grpcs_own_errors_are_rate_limited_too() -> None:
+    """Fails before: every ERROR passed, and gRPC writes one with a traceback for each answer
+    whose client was gone (``ExecuteBatchError``): a client cancelling calls in a loop wrote
+    them without bound (15 in a review's storm)."""
+    limit = SiteRateLimit(2.0, clock=lambda: 0.0)  # a burst of 20
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    records = [
+        grpc_log.makeRecord(grpc_log.name, logging.ERROR, "cygrpc", 7, "ExecuteBatchError", (), None)
+    ] * 25
+    assert [limit.filter(r) for r in records] == [True] * 20 + [False] * 5
+    assert limit.filter(_record(10, logging.ERROR))  # the daemon's own errors always pass
+
+
 def test_a_rate_below_one_line_per_burst_still_lets_lines_through() -> None:
     now = [0.0]
     limit = SiteRateLimit(0.05, clock=lambda: now[0])  # a 10 s burst of 0.5 lines: rounded up to 1
