@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import stat
@@ -52,6 +53,8 @@ from hicached.errors import FailedPrecondition
 from hicached.index.entries import EntryRecord
 from hicached.l2.prefix_lock import ShmPrefixLock
 from hicached.paths import foreign_in
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["JOURNAL_FORMAT", "JOURNAL_VERSION", "TENANT_BYTES", "GroupJournal", "JournalStore", "PoolRecord"]
 
@@ -218,6 +221,20 @@ class JournalStore:
             os.close(fd)
             raise
         self._lock_fd = fd
+        self._remove_stale_writes()
+
+    def _remove_stale_writes(self) -> None:
+        """Remove the temporary files of journal writes a killed daemon of this prefix left
+        (SIGKILL at the end of a shutdown's grace period lands in the journal writes, the last
+        step): each as large as a journal, they piled up one per kill. Only this prefix's exact
+        names (``.<prefix>-<group id>.json.<pid>.tmp``; the lock says nobody writes them now),
+        never another prefix's that extends this one."""
+        pattern = re.compile(rf"\.{re.escape(self.prefix)}-[0-9a-f]{{16}}\.json\.[0-9]+\.tmp")
+        for entry in os.scandir(self.directory):
+            if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                logger.warning("removing %s, a journal write a killed daemon left", entry.path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
 
     def _make_private_directory(self) -> None:
         """The directory, mode 0700: journals name tenants and keys, and the next daemon maps

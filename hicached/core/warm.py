@@ -112,12 +112,13 @@ class WarmGroups:
         Before, one made a non-root daemon fail to start (its unlink raised EPERM), and a sparse
         one of 1 TiB under a journaled group's id made the daemon drop that group to fit the
         budget."""
-        pattern = re.compile(rf"{re.escape(self._store.prefix)}-([0-9a-f]{{16}})-[^/]+")
+        prefix = self._store.prefix
+        pattern = re.compile(rf"{re.escape(prefix)}-([0-9a-f]{{16}})-([^/]+)")
         found: dict[str, list[str]] = {}
         with contextlib.suppress(FileNotFoundError):
             for name in sorted(os.listdir(SHM_DIR)):
                 m = pattern.fullmatch(name)
-                if m and _ours(name):
+                if m and not _longer_prefix(prefix, m.group(1), m.group(2)) and _ours(name):
                     found.setdefault(m.group(1), []).append(name)
         return found
 
@@ -188,6 +189,21 @@ class WarmGroups:
 
     def unlock(self) -> None:
         self._store.unlock()
+
+
+def _longer_prefix(prefix: str, group_id: str, rest: str) -> bool:
+    """Whether ``<prefix>-<group_id>-<rest>`` may be a segment of the daemon of prefix
+    ``<prefix>-<group_id>`` (a prefix may hold ``-``): ``rest`` is ``<16 hex>-<pool>`` and that
+    prefix's lock file exists. Such a name is left alone, logged: before, the daemon of prefix
+    ``p`` removed a live ``p-0123456789abcdef`` daemon's segments at its start."""
+    if not re.fullmatch(r"[0-9a-f]{16}-.+", rest):
+        return False
+    if not os.path.lexists(os.path.join(SHM_DIR, f"{prefix}-{group_id}.warm.lock")):
+        return False
+    logger.info(
+        "ignoring %s/%s-%s-%s: the segment of prefix %s-%s", SHM_DIR, prefix, group_id, rest, prefix, group_id
+    )
+    return True
 
 
 def _ours(name: str) -> bool:

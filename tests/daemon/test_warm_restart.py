@@ -142,6 +142,29 @@ def test_crash_leaves_no_journal_and_restarts_cold(warm: Warm, pools: WorkerPool
         second.stop()
 
 
+def test_a_daemon_leaves_the_segments_of_a_prefix_that_extends_its_own(
+    warm: Warm, pools: WorkerPools, tmp_path: Path
+) -> None:
+    """Fails before: a daemon of prefix ``p`` took a live ``p-<16 hex>`` daemon's segments for
+    its own crashed ones (``p-<group id>-<pool>``) and removed them at its start; that daemon's
+    next restart was cold."""
+    longer = Warm(prefix=f"{warm.prefix}-0123456789abcdef", journal_dir=tmp_path / "longer")
+    other = longer.start()
+    try:
+        put_keys(other, pools, WorkerIdentity(unique_tag("w"), generation=1, model_name=MODEL), chain_of("x"))
+        theirs = longer.segments()
+        assert len(theirs) == len(POOLS)
+        mine = warm.start()
+        try:
+            assert longer.segments() == theirs, mine.log
+            assert "left without a journal" not in mine.log
+        finally:
+            assert stop_with(mine, signal.SIGTERM) == 0, mine.log
+    finally:
+        assert stop_with(other, signal.SIGTERM) == 0, other.log
+    assert len(longer.journals()) == 1
+
+
 def test_journal_of_another_pool_shape_starts_cold(warm: Warm, pools: WorkerPools) -> None:
     pools.fill_random(31)
     ident = WorkerIdentity(unique_tag("w"), generation=1, model_name=MODEL)
@@ -311,6 +334,32 @@ def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
     older.lock()
     older.unlock()
     assert mode(tmp_path / "old") == 0o700
+
+
+def test_the_lock_removes_the_journal_writes_a_killed_daemon_left(tmp_path: Path) -> None:
+    """Fails before: a daemon SIGKILLed while it wrote its journals (the end of a shutdown's
+    grace period) left each temporary file, as large as a journal, and the next daemons kept
+    them: one more per kill. Another prefix's, even one that extends this one, stay."""
+    prefix = f"hcwr-unit{uuid.uuid4().hex[:8]}"
+    directory = tmp_path / "j"
+    directory.mkdir(mode=0o700)
+    gid = "0123456789abcdef"
+    stale = [directory / f".{prefix}-{gid}.json.{pid}.tmp" for pid in (1, 4242)]
+    kept = [
+        directory / f".{prefix}-{gid}-fedcba9876543210.json.7.tmp",  # prefix "<prefix>-<gid>"
+        directory / f".other-{gid}.json.7.tmp",
+        directory / f"{prefix}-{gid}.json",  # a journal
+    ]
+    for path in (*stale, *kept):
+        path.write_bytes(b"x" * 1024)
+    store = JournalStore(directory, prefix, max_key_bytes=512)
+    store.lock()
+    try:
+        assert sorted(p.name for p in directory.iterdir()) == sorted(
+            [*(p.name for p in kept), f"{prefix}.lock"]
+        )
+    finally:
+        store.unlock()
 
 
 def test_every_journal_is_written_before_a_stalled_l3_holds_the_shutdown(
