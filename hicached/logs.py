@@ -124,6 +124,16 @@ class SiteRateLimit(logging.Filter):
     """
 
     BURST_SECONDS = 10.0
+    MAX_SITES = 4096  # buckets kept; grpc's sites include a prefix of their text (below)
+
+    @staticmethod
+    def _site(record: logging.LogRecord) -> tuple[str, int, str]:
+        """The call site of ``record``. gRPC's aio records all come from one line of asyncio's,
+        so theirs adds the first 24 characters of the message (the kind of error): a flood of
+        one kind (``ExecuteBatchError``) then does not silence another."""
+        if record.name.startswith("grpc"):
+            return record.pathname, record.lineno, str(record.msg)[:24]
+        return record.pathname, record.lineno, ""
 
     def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
@@ -131,16 +141,19 @@ class SiteRateLimit(logging.Filter):
         self._burst = max(1.0, rate * self.BURST_SECONDS)  # below 0.1/s a smaller burst passed nothing
         self._clock = clock
         self._lock = threading.Lock()
-        self._sites: dict[tuple[str, int], list[float]] = {}  # site -> [tokens, last time, dropped]
+        self._sites: dict[tuple[str, int, str], list[float]] = {}  # site -> [tokens, last time, dropped]
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR and not record.name.startswith("grpc"):
             return True
         now = self._clock()
+        key = self._site(record)
         with self._lock:
-            site = self._sites.get((record.pathname, record.lineno))
+            site = self._sites.get(key)
             if site is None:
-                site = self._sites[(record.pathname, record.lineno)] = [self._burst, now, 0]
+                if len(self._sites) >= self.MAX_SITES:
+                    key = ("", 0, "")  # one shared bucket past the bound
+                site = self._sites.setdefault(key, [self._burst, now, 0])
             tokens = min(self._burst, site[0] + (now - site[1]) * self._rate)
             site[1] = now
             if tokens < 1:

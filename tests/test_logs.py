@@ -127,6 +127,11 @@ def test_grpcs_own_errors_are_rate_limited_too() -> None:
     ] * 25
     assert [limit.filter(r) for r in records] == [True] * 20 + [False] * 5
     assert limit.filter(_record(10, logging.ERROR))  # the daemon's own errors always pass
+    # gRPC's aio records all come from one line of asyncio's: another kind has its own budget.
+    other = grpc_log.makeRecord(
+        grpc_log.name, logging.ERROR, "cygrpc", 7, "Unexpected [ValueError]", (), None
+    )
+    assert limit.filter(other)
 
 
 def test_a_rate_below_one_line_per_burst_still_lets_lines_through() -> None:

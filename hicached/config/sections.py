@@ -450,8 +450,9 @@ class LogConfig(_Section):
     )
     max_rate: float = _f(
         20.0,
-        "Most lines per second each logging call site writes below ERROR, after a burst of 10 s "
-        "worth (clients cause lines: each attach and detach writes one); the rest are dropped and "
+        "Most lines per second each logging call site writes below ERROR (and gRPC's own at "
+        "ERROR), after a burst of 10 s worth (clients cause lines: each attach and detach writes "
+        "one); the rest are dropped and "
         "the site's next line says how many (dropped=N). 0: no limit.",
     )
 

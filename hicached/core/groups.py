@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 # Per pool of an attach: its request, its usable pages, what it costs host.budget.
 _Plan = list[tuple[PoolRequest, int, int]]
+_SEGMENT_LIKE = re.compile(r"[0-9a-f]{16}-")
 
 
 def group_key(worker: WorkerId, pools: Sequence[PoolRequest]) -> tuple[object, ...]:
@@ -98,6 +100,13 @@ def validate_pool_requests(pools: Sequence[PoolRequest]) -> None:
     for name in names:
         if not name:
             raise InvalidArgument("pool name must not be empty")
+        if _SEGMENT_LIKE.match(name):
+            # A warm-restart segment is <prefix>-<group id>-<pool>: a pool named so would make
+            # its segments look like those of the shm prefix <prefix>-<16 hex> (docs/deploy.md).
+            raise InvalidArgument(
+                f"pool name {clip(name)} must not start with 16 hex digits and '-' (the form of a "
+                "group id in segment names)"
+            )
         if names.count(name) > 1:
             raise AlreadyExists(f"duplicate pool name {clip(name)} in attach")
     anchors = [p.name for p in pools if p.role is PoolRole.ANCHOR]
@@ -303,7 +312,10 @@ class GroupRegistry:
             self._groups[gid] = state
             claim(gid)
         for old in retired:
-            old.close()  # outside the lock: an index close waits for its L3 writes
+            try:
+                old.close()  # outside the lock: an index close waits for its L3 writes
+            except Exception:  # the new group is built and claimed: the attach goes on
+                logger.exception("closing retired pool group %s failed", old.group_id)
         logger.info(
             "%s pool group %s for model %r (%d bytes)",
             "re-mapped" if restored else "created",
@@ -392,8 +404,9 @@ class GroupRegistry:
             )
         if count > most:
             raise LimitExceeded(
-                f"{count - 1} pool groups are in use, the most host.max_groups={most} allows: "
-                "detach the sessions of a model no longer served, or raise host.max_groups",
+                f"{count - 1} pool groups are in use (sessions attached, or ending once their calls "
+                f"in flight return), the most host.max_groups={most} allows: detach the sessions "
+                "of a model no longer served, or raise host.max_groups",
                 "host.max_groups",
             )
         return retired, dropped

@@ -230,11 +230,14 @@ class JournalStore:
         names (``.<prefix>-<group id>.json.<pid>.tmp``; the lock says nobody writes them now),
         never another prefix's that extends this one."""
         pattern = re.compile(rf"\.{re.escape(self.prefix)}-[0-9a-f]{{16}}\.json\.[0-9]+\.tmp")
-        for entry in os.scandir(self.directory):
-            if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                logger.warning("removing %s, a journal write a killed daemon left", entry.path)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+        try:
+            for entry in os.scandir(self.directory):
+                if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                    logger.warning("removing %s, a journal write a killed daemon left", entry.path)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+        except OSError as exc:  # a read-only directory, say: the journal writes will say more
+            logger.warning("cannot remove stale journal writes in %s: %s", self.directory, exc)
 
     def _make_private_directory(self) -> None:
         """The directory, mode 0700: journals name tenants and keys, and the next daemon maps

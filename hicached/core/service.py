@@ -305,7 +305,10 @@ class HiCacheCore:
         if self._sessions.remove(session.session_id) is None:
             return 0
         session.cancel.set()
-        self._engine.cancel_owner(session.session_id)
+        try:
+            self._engine.cancel_owner(session.session_id)
+        except Exception:  # a bug there must not leave the session half ended (and its group held)
+            logger.exception("cancelling the copies of session %s failed", session.session_id)
         if not session.wait_idle(wait_s):
             logger.warning(
                 "session ended with operations in flight; its pages are freed when they finish",

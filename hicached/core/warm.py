@@ -118,7 +118,7 @@ class WarmGroups:
         with contextlib.suppress(FileNotFoundError):
             for name in sorted(os.listdir(SHM_DIR)):
                 m = pattern.fullmatch(name)
-                if m and not _longer_prefix(prefix, m.group(1), m.group(2)) and _ours(name):
+                if m and not _another_prefix(name, m.group(2)) and _ours(name):
                     found.setdefault(m.group(1), []).append(name)
         return found
 
@@ -191,18 +191,15 @@ class WarmGroups:
         self._store.unlock()
 
 
-def _longer_prefix(prefix: str, group_id: str, rest: str) -> bool:
-    """Whether ``<prefix>-<group_id>-<rest>`` may be a segment of the daemon of prefix
-    ``<prefix>-<group_id>`` (a prefix may hold ``-``): ``rest`` is ``<16 hex>-<pool>`` and that
-    prefix's lock file exists. Such a name is left alone, logged: before, the daemon of prefix
-    ``p`` removed a live ``p-0123456789abcdef`` daemon's segments at its start."""
+def _another_prefix(name: str, rest: str) -> bool:
+    """Whether ``<prefix>-<16 hex>-<rest>`` is no segment of this prefix: ``rest`` is itself
+    ``<16 hex>-<pool>``, a segment of the prefix ``<prefix>-<16 hex>`` (a prefix may hold
+    ``-``), since no pool name of ours starts so (:func:`hicached.core.groups.validate_pool_requests`).
+    Such a name is left alone, logged: before, the daemon of prefix ``p`` removed a
+    ``p-0123456789abcdef`` daemon's segments at its start (that daemon's next start was cold)."""
     if not re.fullmatch(r"[0-9a-f]{16}-.+", rest):
         return False
-    if not os.path.lexists(os.path.join(SHM_DIR, f"{prefix}-{group_id}.warm.lock")):
-        return False
-    logger.info(
-        "ignoring %s/%s-%s-%s: the segment of prefix %s-%s", SHM_DIR, prefix, group_id, rest, prefix, group_id
-    )
+    logger.info("ignoring %s/%s: a segment of another shm prefix", SHM_DIR, name)
     return True
 
 

@@ -212,8 +212,11 @@ class Writer:
             job.wait(remaining())
         # The flags are the table's; each release changes them before it wakes the queue's waiters.
         self.queue.wait_for(lambda: not any(e.backup_queued for e in pending), remaining())
-        stored = sum(e.in_l3 for e in pending)
-        return BackupResult(len(pending), stored, _shortfall(pending, stored, timeout_s))
+        # One read of each entry's flags (without the table's lock: they may change just
+        # after, but the counts and the reasons then describe one moment).
+        flags = [(e.in_l3, e.backup_queued, e.detached) for e in pending]
+        stored = sum(in_l3 for in_l3, _, _ in flags)
+        return BackupResult(len(pending), stored, _shortfall(flags, timeout_s))
 
     def flush(self, timeout_s: float | None) -> int:
         """See :meth:`hicached.index.index.ContentIndex.flush`."""
@@ -265,25 +268,21 @@ class Writer:
         return self.queue.counts()
 
 
-def _shortfall(entries: Sequence[Entry], stored: int, timeout_s: float | None) -> str:
-    """Why a waited backup of ``entries`` stored fewer than all: each reason with its count.
-
-    Read without the table's lock: a flag may change just after, so a count may be off by
-    what finished in that moment; the sum of what is named is what was missing here."""
-    if stored == len(entries):
-        return ""
-    writing = sum(e.backup_queued and not e.in_l3 for e in entries)
-    gone = sum(e.detached and not (e.in_l3 or e.backup_queued) for e in entries)
-    failed = len(entries) - stored - writing - gone
+def _shortfall(flags: Sequence[tuple[bool, bool, bool]], timeout_s: float | None) -> str:
+    """Why a waited backup stored fewer pages than it queued, each reason with its count, from
+    one read of each entry's (in L3, queued, detached) flags; "" when all are in L3."""
+    writing = sum(queued and not in_l3 for in_l3, queued, _ in flags)
+    gone = sum(detached and not (in_l3 or queued) for in_l3, queued, detached in flags)
+    other = sum(not (in_l3 or queued or detached) for in_l3, queued, detached in flags)
     parts = []
     if writing:
         parts.append(f"{writing} still being written when the wait ended after {timeout_s} s (they go on)")
     if gone:
         parts.append(f"{gone} no longer cached (cleared or evicted meanwhile)")
-    if failed > 0:
+    if other:
         parts.append(
-            f"{failed} not written: L3 failed or refused their batch or an earlier one (a backup "
-            "stops at its first failed batch; the daemon's log says how); a later backup tries "
-            "again those L2 still holds"
+            f"{other} not confirmed in L3: L3 failed or refused their batch or an earlier one (a "
+            "backup stops at its first failed batch; the daemon's log says how), or a clear ran "
+            "while they were written; a later backup tries again those L2 still holds"
         )
     return "; ".join(parts)

@@ -102,7 +102,9 @@ def test_backup_stops_at_the_first_failed_batch(
     index.publish(keys, write_pages(group, 12, seed=4))
     failed = index.backup(keys, wait=True)
     assert (failed.queued, failed.stored) == (12, 4)
-    assert failed.shortfall.startswith("8 not written: L3 failed or refused their batch or an earlier one")
+    assert failed.shortfall.startswith(
+        "8 not confirmed in L3: L3 failed or refused their batch or an earlier one"
+    )
     assert backend.set_calls == 2  # batch 3 was never tried
     assert l3_run(backend, index, keys) == 4
     stats = index.stats()

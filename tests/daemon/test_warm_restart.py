@@ -145,24 +145,35 @@ def test_crash_leaves_no_journal_and_restarts_cold(warm: Warm, pools: WorkerPool
 def test_a_daemon_leaves_the_segments_of_a_prefix_that_extends_its_own(
     warm: Warm, pools: WorkerPools, tmp_path: Path
 ) -> None:
-    """Fails before: a daemon of prefix ``p`` took a live ``p-<16 hex>`` daemon's segments for
-    its own crashed ones (``p-<group id>-<pool>``) and removed them at its start; that daemon's
-    next restart was cold."""
+    """Fails before: a daemon of prefix ``p`` took the segments a cleanly stopped
+    ``p-<16 hex>`` daemon kept for its warm restart (``p-<16 hex>-<group id>-<pool>``) for its
+    own crashed ones (``p-<group id>-<pool>``) and removed them at its start: that daemon's
+    next start was cold."""
     longer = Warm(prefix=f"{warm.prefix}-0123456789abcdef", journal_dir=tmp_path / "longer")
+    ident = WorkerIdentity(unique_tag("w"), generation=1, model_name=MODEL)
+    chain = chain_of("x")
     other = longer.start()
     try:
-        put_keys(other, pools, WorkerIdentity(unique_tag("w"), generation=1, model_name=MODEL), chain_of("x"))
-        theirs = longer.segments()
-        assert len(theirs) == len(POOLS)
-        mine = warm.start()
-        try:
-            assert longer.segments() == theirs, mine.log
-            assert "left without a journal" not in mine.log
-        finally:
-            assert stop_with(mine, signal.SIGTERM) == 0, mine.log
+        put_keys(other, pools, ident, chain)
     finally:
         assert stop_with(other, signal.SIGTERM) == 0, other.log
-    assert len(longer.journals()) == 1
+    kept = longer.segments()
+    assert len(kept) == len(POOLS) and len(longer.journals()) == 1
+    mine = warm.start()
+    try:
+        assert longer.segments() == kept, mine.log
+        assert "left without a journal" not in mine.log
+    finally:
+        assert stop_with(mine, signal.SIGTERM) == 0, mine.log
+    again = longer.start()
+    try:
+        with HiCacheClient(again.target, timeout_s=TIMEOUT_S) as client:
+            session = client.attach(ident, pools.specs(), heartbeat=False)
+            assert session.info.joined_existing_group  # warm: its pages were kept
+            assert session.lookup(chain).l2_hit_pages == N
+            session.detach()
+    finally:
+        again.stop()
 
 
 def test_journal_of_another_pool_shape_starts_cold(warm: Warm, pools: WorkerPools) -> None:

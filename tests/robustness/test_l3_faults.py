@@ -182,7 +182,7 @@ def test_a_waited_backup_says_why_it_stored_less() -> None:
         assert session.put_bytes([PageBytes(k, "kv", page) for k in refused]).stored_pages == 2
         result = session.backup(refused, wait=True)  # the fake answers SET with an error
         assert (result.queued_pages, result.stored_pages) == (2, 0), result
-        assert result.shortfall.startswith("2 not written: L3 failed or refused their batch"), result
+        assert result.shortfall.startswith("2 not confirmed in L3: L3 failed or refused their batch"), result
 
         fake.hang(only=frozenset({b"SET"}))
         hung = _keys(3)

@@ -96,3 +96,16 @@ def test_a_retraction_backup_with_a_request_id_that_is_not_printable_is_refused(
                 assert session.retract_backup("req-printable", transfers([10, 11]), 2 * PAGE_SIZE).ok
     finally:
         pools.close()
+
+
+def test_a_pool_named_like_a_group_id_in_a_segment_name_is_refused(daemon: Daemon) -> None:
+    """A warm-restart segment is ``<prefix>-<group id>-<pool>``: a pool named
+    ``<16 hex>-...`` would make its segments look like another shm prefix's, which a daemon
+    leaves alone at its start (so a crashed group's segments would stay)."""
+    identity = WorkerIdentity(unique_tag("w"), 1, "m-segment-like")
+    with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+        with pytest.raises(HiCacheError) as refused:
+            client.attach(identity, [_spec("0123456789abcdef-kv")], heartbeat=False)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+        assert "must not start with 16 hex digits" in refused.value.message
+        client.attach(identity, [_spec("0123456789abcdefkv")], heartbeat=False).detach()  # not the form
