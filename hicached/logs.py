@@ -116,8 +116,8 @@ class SiteRateLimit(logging.Filter):
 
     Why: clients cause log lines (each attach and detach writes one), and a client looping
     on them would otherwise fill the disk and drown everyone else's lines. Keyed by the
-    call site (file and line), so the number of buckets is bounded by the code, not by what
-    clients send. ERROR and above always pass, except gRPC's own (loggers ``grpc...``): gRPC
+    call site (file and line; for gRPC's own records also the start of the message, see
+    :meth:`_site`), at most ``MAX_SITES`` buckets whatever clients send. ERROR and above always pass, except gRPC's own (loggers ``grpc...``): gRPC
     logs an ERROR with a traceback when a client is gone before its answer is sent
     (``ExecuteBatchError``), so a client cancelling calls in a loop could write them without
     bound. Thread-safe (one lock; a few dict operations).

@@ -224,9 +224,12 @@ class SessionTable:
     def unhold(self, group_id: str) -> None:
         """Drop a :meth:`hold` (exactly once per hold)."""
         with self._lock:
-            self._holds[group_id] -= 1
-            if self._holds[group_id] <= 0:
-                del self._holds[group_id]
+            self._unhold_locked(group_id)
+
+    def _unhold_locked(self, group_id: str) -> None:
+        self._holds[group_id] -= 1
+        if self._holds[group_id] <= 0:
+            del self._holds[group_id]
 
     def unused(self, group_id: str) -> bool:
         """No live session of the group and no :meth:`hold` on it: it may be retired."""
@@ -238,7 +241,7 @@ class SessionTable:
         with self._lock:
             self._by_id[session.session_id] = session
             self._by_slot[session.worker.slot] = session
-        self.unhold(session.group_id)
+            self._unhold_locked(session.group_id)
 
     def remove(self, session_id: str) -> Session | None:
         r"""End the session: it leaves the table and :meth:`hold`\ s its group until its
