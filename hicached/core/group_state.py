@@ -191,7 +191,10 @@ class GroupState:
             return sum(self._free_locked(name, pages) for name, pages in batch.items())
 
     def journal(self) -> GroupJournal:
-        """Freeze the content index and describe the group for a warm restart (see export_entries)."""
+        """Freeze the content index and describe the group for a warm restart (see export_entries).
+        The group allocates nothing from then on: the index's close frees the pages the journal
+        lists, and a call still running at shutdown must not get one and write into it."""
+        self.group.seal()
         entries = self.index.export_entries() if self.index is not None else []
         pools = tuple(
             PoolRecord(e.name, e.host_pool.num_pages, e.host_pool.segment.name) for e in self.group.entries

@@ -106,10 +106,18 @@ class PageAllocator:
         self._allocated = np.zeros(num_pages, dtype=bool)
         # Pages whose bytes may be someone's data: set when freed, cleared by take_dirty.
         self._dirty = np.zeros(num_pages, dtype=bool)
+        self._sealed = False
+
+    def seal(self) -> None:
+        """Hand out no page from now on (``alloc`` None, ``available`` 0); frees are still
+        taken. For a pool whose pages a warm-restart journal has listed: a page freed after
+        the snapshot (the index's close frees them all) must not take a late call's bytes."""
+        with self._lock:
+            self._sealed = True
 
     def available(self) -> int:
         with self._lock:
-            return self._top
+            return 0 if self._sealed else self._top
 
     def allocated_count(self) -> int:
         with self._lock:
@@ -121,7 +129,7 @@ class PageAllocator:
             raise InvalidArgument(f"page count must be a non-negative integer, got {n!r}")
         n = int(n)
         with self._lock:
-            if n > self._top:
+            if n > self._top or self._sealed:
                 return None
             pages = self._stack[self._top - n : self._top][::-1].copy()
             self._top -= n

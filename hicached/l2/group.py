@@ -486,6 +486,11 @@ class HostPoolGroup:
             if draft_layer < e.packed_draft_layers
         ]
 
+    def seal(self) -> None:
+        """Allocate nothing more, ever (:meth:`PageAllocator.seal` of every pool)."""
+        for entry in self.entries:
+            entry.host_pool.allocator.seal()
+
     def close(self) -> None:
         """Close every pool (their segments' names survive for a warm restart)."""
         with self._lock:

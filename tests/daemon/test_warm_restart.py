@@ -20,6 +20,7 @@ import pytest
 import torch
 from hicached_client import HiCacheClient, TokenChain, WorkerIdentity
 
+from hicached.core.group_state import GroupState
 from hicached.core.journal import TENANT_BYTES, GroupJournal, JournalStore, PoolRecord
 from hicached.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hicached.index import ContentIndex
@@ -266,6 +267,20 @@ def test_export_and_restore_keep_pages_lru_order_and_flags(group: HostPoolGroup)
     finally:
         second.close()
     assert allocated(group) == {"kv": 0, "draft": 0}
+
+
+def test_a_journaled_group_hands_out_no_page_after_its_snapshot(group: HostPoolGroup) -> None:
+    """Fails before: the index's close (after the journal was taken) freed the pages the
+    journal lists, and the group still allocated them: a call still running at shutdown could
+    get one and write into it, and the next daemon would serve those bytes under the key."""
+    state = GroupState("g", "m", group, nbytes=0, index=ContentIndex(group, namespace="m", backend=None))
+    assert state.index is not None
+    publish(state.index, group, [f"k{i}" for i in range(4)], "t")
+    listed = {p.pages["kv"] for p in state.journal().entries}
+    state.index.close()  # frees every page the index held
+    assert group.allocate({"kv": 1, "draft": 1}).ok is False
+    assert group.alloc(1) is None, listed
+    assert allocated(group) == {"kv": 0, "draft": 0}  # frees are still taken
 
 
 @pytest.mark.parametrize(
