@@ -404,6 +404,11 @@ class EntryTable:
         no entry, none held for a write and no key known in L3 has nothing to clear: no epoch
         moves. The keys stay remembered until :meth:`forget_l3`."""
         with self._lock:
+            if self._frozen:  # journaled: the next daemon would bring the entries back
+                raise Unavailable(
+                    "the content index is closing and its entries are journaled for a warm restart: "
+                    "clear on the daemon that replaces this one"
+                )
             targets = [e for e in self._entries.values() if tenant is None or e.tenant == tenant]
             held = [e for e in self._held.values() if tenant is None or e.tenant == tenant]
             l3_keys = None if tenant is None else self._tenant_keys.of(self._owner, tenant)

@@ -109,15 +109,20 @@ class PageAllocator:
         self._sealed = False
 
     def seal(self) -> None:
-        """Hand out no page from now on (``alloc`` None, ``available`` 0); frees are still
-        taken. For a pool whose pages a warm-restart journal has listed: a page freed after
-        the snapshot (the index's close frees them all) must not take a late call's bytes."""
+        """Hand out no page from now on (``alloc`` of any page None; ``available`` still counts
+        the free ones, so nobody evicts to make room); frees are still taken. For a pool whose
+        pages a warm-restart journal has listed: a page freed after the snapshot (the index's
+        close frees them all) must not take a late call's bytes."""
         with self._lock:
             self._sealed = True
 
+    @property
+    def sealed(self) -> bool:
+        return self._sealed
+
     def available(self) -> int:
         with self._lock:
-            return 0 if self._sealed else self._top
+            return self._top
 
     def allocated_count(self) -> int:
         with self._lock:
@@ -129,7 +134,7 @@ class PageAllocator:
             raise InvalidArgument(f"page count must be a non-negative integer, got {n!r}")
         n = int(n)
         with self._lock:
-            if n > self._top or self._sealed:
+            if n > self._top or (self._sealed and n):
                 return None
             pages = self._stack[self._top - n : self._top][::-1].copy()
             self._top -= n

@@ -243,6 +243,8 @@ class HostPoolGroup:
                     f"pool {clip(name)} is derived from {clip(entry.indices_from_pool)}: it allocates nothing"
                 )
             wanted[name] = int(n)
+        if any(self._entries[name].host_pool.allocator.sealed for name in wanted):  # no eviction
+            return Allocation(False, reason="the pool group is closing (shutdown): it allocates no more")
         free = {name: self._entries[name].host_pool.allocator.available() for name in wanted}
         short = {name: n - free[name] for name, n in wanted.items() if n > free[name]}
         # Ask before evicting: a request that cannot fit must leave the cache untouched.

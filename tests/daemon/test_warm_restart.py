@@ -272,15 +272,36 @@ def test_export_and_restore_keep_pages_lru_order_and_flags(group: HostPoolGroup)
 def test_a_journaled_group_hands_out_no_page_after_its_snapshot(group: HostPoolGroup) -> None:
     """Fails before: the index's close (after the journal was taken) freed the pages the
     journal lists, and the group still allocated them: a call still running at shutdown could
-    get one and write into it, and the next daemon would serve those bytes under the key."""
+    get one and write into it, and the next daemon would serve those bytes under the key.
+    A clear after the snapshot was done, and the next daemon brought its entries back."""
     state = GroupState("g", "m", group, nbytes=0, index=ContentIndex(group, namespace="m", backend=None))
     assert state.index is not None
     publish(state.index, group, [f"k{i}" for i in range(4)], "t")
     listed = {p.pages["kv"] for p in state.journal().entries}
+    with pytest.raises(Unavailable, match="journaled"):
+        state.index.clear("t")
     state.index.close()  # frees every page the index held
-    assert group.allocate({"kv": 1, "draft": 1}).ok is False
+    refused = group.allocate({"kv": 1, "draft": 1})
+    assert (refused.ok, refused.reason) == (
+        False,
+        "the pool group is closing (shutdown): it allocates no more",
+    )
     assert group.alloc(1) is None, listed
     assert allocated(group) == {"kv": 0, "draft": 0}  # frees are still taken
+
+
+def test_a_sealed_group_evicts_nothing_for_an_allocation(group: HostPoolGroup) -> None:
+    """Fails on the first cut of the seal (``available`` 0 once sealed): an allocation between
+    the seal and the index's freeze asked the index to evict for it, and the entries it
+    evicted were missing from the journal."""
+    index = ContentIndex(group, namespace="m", backend=None)
+    try:
+        publish(index, group, [f"k{i}" for i in range(4)], "t")
+        group.seal()
+        assert group.allocate({"kv": 1, "draft": 1}).ok is False
+        assert index.lookup([f"k{i}" for i in range(4)]).l2_hit_pages == 4
+    finally:
+        index.close()
 
 
 @pytest.mark.parametrize(
