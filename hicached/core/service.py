@@ -204,6 +204,7 @@ class HiCacheCore:
         except BaseException:
             mappings.close()
             raise
+        session: Session | None = None
         try:
             if replaced is not None:
                 self._end(replaced, "replaced", wait_s=self._cfg.limits.max_wait_s)
@@ -221,11 +222,13 @@ class HiCacheCore:
                 op_cache_bytes=self._cfg.sessions.op_cache_bytes,
                 pools=session_pools(pools),
             )
+            self._sessions.add(session)
         except BaseException:
             self._sessions.unhold(state.group_id)
+            if session is not None:
+                session.ledger.take_all()  # owns nothing: gives its holder number back
             mappings.close()
             raise
-        self._sessions.add(session)
         self._observer.on_session("attach", session)
         logger.info(
             "session attached",

@@ -237,8 +237,15 @@ class SessionTable:
             return not self._holds[group_id] and all(s.group_id != group_id for s in self._by_id.values())
 
     def add(self, session: Session) -> None:
-        """Add the attached session, turning its attach's :meth:`hold` into the session."""
+        """Add the attached session, turning its attach's :meth:`hold` into the session.
+        FailedPrecondition, nothing changed, if another attach of its worker slot was added
+        since :meth:`check_generation` (both passed it; the slot holds one live session)."""
         with self._lock:
+            if self._by_slot.get(session.worker.slot) is not None:
+                raise FailedPrecondition(
+                    f"worker {clip(session.worker.instance_id)} (generation {session.worker.generation}) "
+                    "was attached by another call meanwhile; attach with a higher generation to replace it"
+                )
             self._by_id[session.session_id] = session
             self._by_slot[session.worker.slot] = session
             self._unhold_locked(session.group_id)

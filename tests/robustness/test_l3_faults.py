@@ -13,7 +13,15 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from hicached_client import HiCacheClient, HiCacheError, PageBytes, PrefetchTicket, Transfer, WorkerIdentity
+from hicached_client import (
+    HiCacheClient,
+    HiCacheError,
+    PageBytes,
+    PrefetchTicket,
+    Session,
+    Transfer,
+    WorkerIdentity,
+)
 
 from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, fake_l3_daemon
 from tests.support.daemon import Daemon
@@ -201,16 +209,24 @@ def _ending_with_a_call_in_flight(
     GetPages waits on L3: its teardown is deferred until that call returns."""
     ended = client.attach(WorkerIdentity("ending", 1, "m-end", tenant="ta"), pools.specs(host_ratio=0.5))
     assert ended.write([Transfer(n, list(range(4))) for n in POOLS], allocate=True).ok
+    call = _a_call_waiting_on_l3(fake, ended)
+    assert ended.detach() == 0  # past limits.max_wait_s: its pages are freed when the call ends
+    return call
+
+
+def _a_call_waiting_on_l3(fake: FakeRedis, session: Session) -> threading.Thread:
+    """A GetPages of ``session`` waiting on L3 (the fake's EXISTS hangs until resumed)."""
     fake.hang(only=frozenset({b"EXISTS"}))
 
     def get() -> None:
         with contextlib.suppress(HiCacheError):  # its daemon may stop first
-            ended.get_pages(_keys(2), [Transfer(n, [500, 501]) for n in POOLS], include_l3=True, timeout_s=60)
+            session.get_pages(
+                _keys(2), [Transfer(n, [500, 501]) for n in POOLS], include_l3=True, timeout_s=60
+            )
 
     call = threading.Thread(target=get)
     call.start()
     fake.wait_unanswered(1, timeout_s=30)
-    assert ended.detach() == 0  # past limits.max_wait_s: its pages are freed when the call ends
     return call
 
 
@@ -262,3 +278,38 @@ def test_a_group_is_not_retired_under_an_ended_sessions_call(worker_pools: list[
         client.attach(other, other_pools.specs()).detach()
         log = d.log
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_two_attaches_replacing_one_slot_leave_one_session(worker_pools: list[WorkerPools]) -> None:
+    """Fails before: both attaches of generation 2 passed the generation check while the first
+    waited (up to limits.max_wait_s) for generation 1's call in flight, and both were added:
+    two live sessions of one worker slot, the first no longer in the slot (it lived on until
+    its lease ran out). Now the later of the two is FAILED_PRECONDITION."""
+    first, second, _ = worker_pools
+    with (
+        fake_l3_daemon("--set", "limits.max_wait_s=0.5") as (d, fake),
+        HiCacheClient(d.target, timeout_s=30.0) as client,
+    ):
+        call = _a_call_waiting_on_l3(fake, client.attach(WorkerIdentity("slot", 1, "m-slot"), first.specs()))
+        barrier = threading.Barrier(2)
+        codes: list[grpc.StatusCode | None] = []
+
+        def attach(pools: WorkerPools) -> None:
+            barrier.wait(timeout=30)
+            try:
+                client.attach(WorkerIdentity("slot", 2, "m-slot"), pools.specs())
+                codes.append(None)
+            except HiCacheError as exc:
+                codes.append(exc.code)
+
+        both = [threading.Thread(target=attach, args=(p,)) for p in (first, second)]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join(timeout=30)
+        assert sorted(codes, key=str) == sorted([None, grpc.StatusCode.FAILED_PRECONDITION], key=str), codes
+        with HiCacheClient(d.admin_target, timeout_s=10.0) as admin:
+            live = [s for s in admin.get_stats().sessions if s.identity.instance_id == "slot"]
+        assert [s.identity.generation for s in live] == [2], live
+        fake.resume()
+        call.join(timeout=30)
