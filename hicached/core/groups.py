@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ from hicached.core.footprint import bookkeeping_bytes, entry_bytes
 from hicached.core.group_state import GroupState
 from hicached.core.journal import GroupJournal, JournalStore
 from hicached.core.types import PoolRequest, PoolRole, WorkerId
-from hicached.core.warm import Journaled, WarmGroups
+from hicached.core.warm import GROUP_ID_LIKE, Journaled, WarmGroups
 from hicached.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -59,7 +58,6 @@ logger = logging.getLogger(__name__)
 
 # Per pool of an attach: its request, its usable pages, what it costs host.budget.
 _Plan = list[tuple[PoolRequest, int, int]]
-_SEGMENT_LIKE = re.compile(r"[0-9a-f]{16}-")
 
 
 def group_key(worker: WorkerId, pools: Sequence[PoolRequest]) -> tuple[object, ...]:
@@ -100,7 +98,7 @@ def validate_pool_requests(pools: Sequence[PoolRequest]) -> None:
     for name in names:
         if not name:
             raise InvalidArgument("pool name must not be empty")
-        if _SEGMENT_LIKE.match(name):
+        if GROUP_ID_LIKE.match(name):
             # A warm-restart segment is <prefix>-<group id>-<pool>: a pool named so would make
             # its segments look like those of the shm prefix <prefix>-<16 hex> (docs/deploy.md).
             raise InvalidArgument(

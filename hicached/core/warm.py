@@ -35,7 +35,7 @@ from hicached.errors import FailedPrecondition, HiCacheError
 from hicached.l2.host_pool import HostKVPool, open_host_pool
 from hicached.shm import SHM_DIR, SharedSegment
 
-__all__ = ["Journaled", "WarmGroups"]
+__all__ = ["GROUP_ID_LIKE", "Journaled", "WarmGroups"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,12 @@ class Journaled:
     segments: tuple[str, ...]
     nbytes: int
     saved_ns: int
+
+
+# How a group id starts a segment's name after its prefix (``<prefix>-<group id>-<pool>``).
+# No pool name may start so (:func:`hicached.core.groups.validate_pool_requests`): then a name
+# whose pool part does belongs to the longer prefix ``<prefix>-<16 hex>``.
+GROUP_ID_LIKE = re.compile(r"[0-9a-f]{16}-")
 
 
 class WarmGroups:
@@ -197,7 +203,7 @@ def _another_prefix(name: str, rest: str) -> bool:
     ``-``), since no pool name of ours starts so (:func:`hicached.core.groups.validate_pool_requests`).
     Such a name is left alone, logged: before, the daemon of prefix ``p`` removed a
     ``p-0123456789abcdef`` daemon's segments at its start (that daemon's next start was cold)."""
-    if not re.fullmatch(r"[0-9a-f]{16}-.+", rest):
+    if not GROUP_ID_LIKE.match(rest):
         return False
     logger.info("ignoring %s/%s: a segment of another shm prefix", SHM_DIR, name)
     return True
