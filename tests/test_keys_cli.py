@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hicached.index.keys import page_keys
+from hicached.page_keys import page_keys
 
 
 def hicached(*args: str) -> subprocess.CompletedProcess[str]:

@@ -23,9 +23,9 @@ RANKS: dict[str, float] = {
     "server": 3, "metrics": 3, "metrics_http": 3.5,
     "core": 4,
     "index": 5,
-    "config": 4.5,  # above index and l3: it holds their option types (policies, backend tables)
+    "config": 4.5,  # above index and l3: it holds their option types (backend tables)
     "l2": 6, "l3": 6, "transfer": 6,
-    "page_arrays": 7, "shm": 7, "accept": 7, "paths": 7,
+    "page_arrays": 7, "shm": 7, "accept": 7, "paths": 7, "policies": 7, "page_keys": 7,
     "coerce": 8, "logs": 8, "tasks": 8, "errors": 8.5,
     "hicached": 9,  # the package itself: its version
 }  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Any
 
 from hicached.commands._common import positive
 from hicached.errors import InvalidArgument
+from hicached.page_keys import page_keys
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -49,8 +50,6 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicached.index.keys import page_keys  # torch and the index: only for this command
-
     try:
         keys = page_keys(
             parse_tokens(args.tokens),

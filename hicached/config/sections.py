@@ -17,12 +17,12 @@ from typing import Any, ClassVar
 
 from hicached.coerce import format_tenant_uids, one_of, parse_size, parse_tenant_uids, typed_fields
 from hicached.errors import InvalidArgument
-from hicached.index.types import PrefetchPolicy, WritePolicy
 from hicached.l3.file import FileBackendConfig
 from hicached.l3.mooncake import MooncakeBackendConfig
 from hicached.l3.redis import RedisBackendConfig
 from hicached.l3.registry import L3Backend
 from hicached.l3.s3 import S3BackendConfig
+from hicached.policies import PrefetchPolicy, WritePolicy
 
 __all__ = [
     "SECTION_TYPES",

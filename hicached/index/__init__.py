@@ -1,4 +1,4 @@
-"""The content index: key -> L2 pages, L3 prefetch and backup, content-key hashing (:mod:`.keys`).
+"""The content index: key -> L2 pages, L3 prefetch and backup.
 
 Pure Python over :mod:`hicached.l2` and :mod:`hicached.l3`; nothing here
 knows about gRPC. The daemon (``hicached.daemon.attach_content_index``) builds

@@ -4,7 +4,7 @@ One :class:`ContentIndex` serves one host pool group, i.e. one model/layout
 namespace shared by every worker attached to it: a page one worker published
 can be pinned and loaded by another (worker B reuses worker A's prefix).
 Tenants never match because their key chains are seeded differently
-(:func:`hicached.index.keys.page_keys`); each entry also keeps its tenant label
+(:func:`hicached.page_keys.page_keys`); each entry also keeps its tenant label
 so :meth:`ContentIndex.clear` can drop one tenant.
 
 Ownership: the index owns the pages of every key it holds (one page per

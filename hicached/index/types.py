@@ -8,7 +8,6 @@ Every result is a frozen dataclass, safe to hand to any thread.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -16,6 +15,7 @@ import numpy.typing as npt
 from hicached_client import vocab
 
 from hicached.errors import InvalidArgument
+from hicached.policies import PrefetchPolicy, WritePolicy
 
 __all__ = [
     "DEFAULT_BATCH_PAGES",
@@ -33,35 +33,6 @@ __all__ = [
 
 # The reference queries L3 and moves pages in batches of 128 pages.
 DEFAULT_BATCH_PAGES = 128
-
-
-class WritePolicy(enum.StrEnum):
-    """When an L2 page is backed up to L3 (SGLang's names).
-
-    * ``WRITE_THROUGH``: on first use, i.e. as soon as it is published.
-    * ``WRITE_THROUGH_SELECTIVE``: on its second hit (a pin or a duplicate publish).
-    * ``WRITE_BACK``: only when it is evicted from L2 (or when the index is flushed);
-      the index evicts ahead of need in the background so the write rarely
-      sits on an allocation's path.
-    """
-
-    WRITE_THROUGH = "write_through"
-    WRITE_THROUGH_SELECTIVE = "write_through_selective"
-    WRITE_BACK = "write_back"
-
-
-class PrefetchPolicy(enum.StrEnum):
-    """How long a worker waits for an L3 -> L2 prefetch (SGLang's names).
-
-    * ``BEST_EFFORT``: never waits; the prefetch carries on in the background.
-    * ``WAIT_COMPLETE``: waits until every planned page is in L2 (or it failed).
-    * ``TIMEOUT``: waits until done or the deadline of :func:`prefetch_deadline_s`;
-      at the deadline the prefetch stops starting new batches.
-    """
-
-    BEST_EFFORT = "best_effort"
-    WAIT_COMPLETE = "wait_complete"
-    TIMEOUT = "timeout"
 
 
 # One type with the client's (the wire vocabulary): a task is never UNSPECIFIED.

@@ -2,7 +2,7 @@
 
 Pure storage: nothing here knows about gRPC, sessions or devices. Backends are
 created by name through :func:`hicached.l3.registry.create_backend`.
-Content-key hashing lives in :mod:`hicached.index.keys` (a backend never parses keys).
+Content-key hashing lives in :mod:`hicached.page_keys` (a backend never parses keys).
 """
 
 from hicached.l3.base import BackendStats, StorageBackend

@@ -17,8 +17,8 @@ from hicached_client.v1 import types_pb2 as tpb
 
 from hicached.core.keyed import KeyedCache
 from hicached.errors import InvalidArgument
-from hicached.index.keys import page_keys
 from hicached.index.types import PrefetchPolicy, PrefetchState
+from hicached.page_keys import page_keys
 from hicached.server import convert
 from hicached.server.limits import check_count, check_keys, check_pool_names, check_response
 from hicached.server.rpc_base import Ctx, ServicerBase, no_fence, same_tenant

@@ -15,7 +15,7 @@ from hicached_client import HiCacheClient, Transfer, WorkerIdentity, pool_spec
 from hicached_client.export import ShmKVPool
 from hicached_client.v1 import types_pb2 as tpb
 
-from hicached.index.keys import page_keys
+from hicached.page_keys import page_keys
 from tests.support.daemon import Daemon, start_daemon
 from tests.support.kv import unique_tag
 

@@ -12,8 +12,8 @@ from hicached.core.tenants import scoped_keys
 from hicached.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from hicached.index import ContentIndex, IndexOptions, LookupResult, WritePolicy
 from hicached.index.entries import check_keys
-from hicached.index.keys import page_keys
 from hicached.l2 import HostPoolGroup, PoolTransfer
+from hicached.page_keys import page_keys
 
 from .conftest import PAGE_SIZE, keys_of, page_pattern, pin_bytes, write_pages
 

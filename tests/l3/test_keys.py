@@ -12,7 +12,7 @@ import struct
 import pytest
 
 from hicached.errors import InvalidArgument
-from hicached.index.keys import chain_seed, page_digest, page_keys
+from hicached.page_keys import chain_seed, page_digest, page_keys
 
 # sha256(01000000 02000000), then sha256(<first digest> 03000000)
 UNSEEDED_1_2_3 = [

@@ -15,7 +15,7 @@ from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
 
 from hicached.core.footprint import bookkeeping_bytes, entry_bytes
-from hicached.index.keys import page_keys
+from hicached.page_keys import page_keys
 from tests.robustness.loop_support import PAGE, attach_bytes
 from tests.support.daemon import MAX_BATCH_PAGES, Daemon, start_daemon
 from tests.support.state import poll, proc_bytes
