@@ -29,6 +29,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tests.support.daemon import ROOT
 
@@ -89,7 +90,7 @@ class Zygote:
                 stream.close()
 
 
-def _child(request: dict[str, object]) -> None:
+def _child(request: dict[str, Any]) -> None:
     """In the forked child: run the module as ``__main__`` with its output redirected; never returns."""
     code = 1
     try:
@@ -98,7 +99,7 @@ def _child(request: dict[str, object]) -> None:
             new = os.open(str(path), flags)
             os.dup2(new, fd)
             os.close(new)
-        sys.argv = [str(request["module"]), *(str(a) for a in request["argv"])]  # type: ignore[attr-defined]
+        sys.argv = [str(request["module"]), *(str(a) for a in request["argv"])]
         try:
             runpy.run_module(str(request["module"]), run_name="__main__", alter_sys=True)
             code = 0
