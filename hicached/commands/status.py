@@ -139,7 +139,8 @@ def _print_text(stats: Stats, target: str) -> None:
     for g in stats.groups[:MAX_ROWS]:
         print(
             f"  {shown(g.group)}  model '{shown(g.model_name)}'  sessions {g.sessions}"
-            f"  indexed pages {g.indexed_pages}"
+            + (f" (+{g.holds} attaching or ending)" if g.holds else "")
+            + f"  indexed pages {g.indexed_pages}"
         )
         for p in g.pools[:MAX_POOL_ROWS]:
             print(

@@ -167,8 +167,9 @@ def _check_join(state: GroupState, plan: Sequence[tuple[PoolRequest, int, int]])
             raise FailedPrecondition(
                 f"pool {p.name!r} asks for {pages} host pages but pool group {state.group_id} already exists "
                 f"with {have} and in use (sessions attached, or ending once their calls in flight "
-                f"return); attach with at most {have} pages, or end every session of the group "
-                "(detach, or let the leases expire): the next attach then recreates it at the new size"
+                f"return, as `hicached status` counts them); attach with at most {have} pages, or end every "
+                "session of the group (detach, or let the leases expire): the next attach then recreates "
+                "it at the new size"
             )
 
 

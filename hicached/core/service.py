@@ -418,6 +418,7 @@ class HiCacheCore:
                     g.states(),
                     0 if g.index is None else g.index.stats(tenant).entries,
                     self._sessions.in_group(g.group_id, tenant),
+                    0 if tenant is not None else self._sessions.holds(g.group_id),
                 )
                 for g in groups
             ),

@@ -231,6 +231,11 @@ class SessionTable:
         if self._holds[group_id] <= 0:
             del self._holds[group_id]
 
+    def holds(self, group_id: str) -> int:
+        r"""The group's :meth:`hold`\ s now: attaches in progress and ended sessions not yet torn down."""
+        with self._lock:
+            return self._holds[group_id]
+
     def unused(self, group_id: str) -> bool:
         """No live session of the group and no :meth:`hold` on it: it may be retired."""
         with self._lock:

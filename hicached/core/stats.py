@@ -50,6 +50,7 @@ class GroupStats:
     pools: tuple[PoolState, ...]
     indexed_pages: int
     sessions: int
+    holds: int  # attaches in progress and ended sessions still tearing down (SessionTable.hold)
 
 
 @dataclass(frozen=True)

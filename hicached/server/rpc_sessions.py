@@ -179,6 +179,7 @@ def stats_out(stats: DaemonStats, backends: list[pb.BackendInfo]) -> pb.GetStats
                 pools=[convert.pool_info(p) for p in g.pools],
                 indexed_pages=g.indexed_pages,
                 sessions=g.sessions,
+                holds=g.holds,
             )
             for g in stats.groups
         ],

@@ -99,7 +99,11 @@ def test_commands_that_need_no_pools_start_without_torch(command: list[str], tmp
     """Fails before: reading the configuration imported the content index, its host pools and
     torch, 1.3 of the 2.4 s every command took to start (`hicached --version` included)."""
     out = subprocess.run(
-        [sys.executable, "-c", TORCH_PROBE, *command], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", TORCH_PROBE, *command],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.stdout.rstrip().endswith("torch imported: False"), (out.stdout[-2000:], out.stderr[-2000:])
 

@@ -6,6 +6,8 @@ answering (the RESP commands named) until told to resume."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -257,6 +259,32 @@ def test_a_group_is_not_rebuilt_under_an_ended_sessions_call(worker_pools: list[
             assert not set(tb.host_pages) & set(tc.host_pages), (tb, tc)
         [group] = b.stats().groups
         assert {p.name: p.total_pages - p.free_pages for p in group.pools} == {"kv": 128, "draft": 128}
+
+
+def test_an_ended_sessions_call_in_flight_shows_as_a_hold_of_its_group(
+    worker_pools: list[WorkerPools],
+) -> None:
+    """Before: while an ended session's call kept its group in use, GetStats and ``hicached
+    status`` showed the group with 0 sessions and nothing else, so nothing said why a larger
+    attach of it was refused. Now the group's ``holds`` count it, until the call returns."""
+    ending, _, _ = worker_pools
+    with (
+        fake_l3_daemon("--set", "limits.max_wait_s=0.5") as (d, fake),
+        HiCacheClient(d.target, timeout_s=30.0) as client,
+        HiCacheClient(d.admin_target, timeout_s=30.0) as admin,
+    ):
+        call = _ending_with_a_call_in_flight(fake, client, ending)
+        [group] = admin.get_stats().groups
+        assert (group.sessions, group.holds) == (0, 1), group
+        shown = subprocess.run(
+            [sys.executable, "-m", "hicached", "status", "--socket", d.admin_target.removeprefix("unix://")],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert "sessions 0 (+1 attaching or ending)" in shown.stdout, shown.stdout
+        fake.resume()
+        call.join(timeout=30)
+        poll(lambda: admin.get_stats().groups[0].holds, lambda n: n == 0, 30.0, "the teardown after the call")
 
 
 def test_a_group_is_not_retired_under_an_ended_sessions_call(worker_pools: list[WorkerPools]) -> None:

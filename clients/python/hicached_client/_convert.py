@@ -355,6 +355,7 @@ def stats(msg: pb.GetStatsResponse) -> Stats:
                 pools=tuple(pool_info(p) for p in g.pools),
                 indexed_pages=g.indexed_pages,
                 sessions=g.sessions,
+                holds=g.holds,
             )
             for g in msg.groups
         ),

@@ -302,6 +302,9 @@ class GroupInfo:
     pools: tuple[PoolInfo, ...]
     indexed_pages: int
     sessions: int
+    # Attaches in progress and ended sessions whose calls still run: they keep the group in
+    # use (not rebuilt, not retired) until done. 0 in a worker's own view, and from an older daemon.
+    holds: int = 0
 
 
 @dataclass(frozen=True)

@@ -527,18 +527,20 @@ class SessionPool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., buffers: _Optional[str] = ..., data_path: _Optional[str] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
-    __slots__ = ("group", "model_name", "pools", "indexed_pages", "sessions")
+    __slots__ = ("group", "model_name", "pools", "indexed_pages", "sessions", "holds")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     INDEXED_PAGES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FIELD_NUMBER: _ClassVar[int]
     group: str
     model_name: str
     pools: _containers.RepeatedCompositeFieldContainer[_types_pb2.PoolInfo]
     indexed_pages: int
     sessions: int
-    def __init__(self, group: _Optional[str] = ..., model_name: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolInfo, _Mapping]]] = ..., indexed_pages: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    holds: int
+    def __init__(self, group: _Optional[str] = ..., model_name: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolInfo, _Mapping]]] = ..., indexed_pages: _Optional[int] = ..., sessions: _Optional[int] = ..., holds: _Optional[int] = ...) -> None: ...
 
 class RetractionInfo(_message.Message):
     __slots__ = ("backup_id", "session_id", "request_id", "pages", "lease_expires_unix_ms")
