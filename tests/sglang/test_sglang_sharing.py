@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from tests.sglang.pools import (
     unique_model,
 )
 from tests.support.daemon import Daemon, start_daemon
+from tests.support.zygote import Forked, Zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,41 +117,48 @@ def test_clear_of_one_tenant_keeps_the_other(storages: StorageFactory) -> None:
     assert (a.batch_exists(keys), b.batch_exists(keys)) == (0, 2)
 
 
-def _worker(daemon: Daemon, **args: Any) -> subprocess.Popen[str]:
-    payload = json.dumps({"target": daemon.target, **args})
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Zygote]:
+    """Forks each rank process from one that has imported SGLang (~10 s a process otherwise)."""
     # This checkout's daemon AND client (an installed hicached_client may be another checkout's).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")])}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.sglang.worker", payload],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    zygote = Zygote(["tests.sglang.worker"], env=env)
+    yield zygote
+    zygote.close()
 
 
-def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+def _worker(ranks: Zygote, daemon: Daemon, **args: Any) -> Forked:
+    return ranks.start("tests.sglang.worker", [json.dumps({"target": daemon.target, **args})])
+
+
+def _result(proc: Forked) -> dict[str, Any]:
+    done = proc.wait(timeout_s=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
 def test_rank_processes_agree_on_pages_written_by_another_process(
-    daemon: Daemon, storages: StorageFactory
+    ranks: Zygote, daemon: Daemon, storages: StorageFactory
 ) -> None:
     """One process writes; two MLA TP-rank processes read concurrently, and so does this one."""
     model = unique_model("proc")
     shape = {"mla": True, "layout": "layer_first"}
     keys = sglang_keys(6, 4)
     writer = _result(
-        _worker(daemon, op="write", seed=7, keys=keys, shape=shape, storage={"model": model, "tp_size": 2})
+        _worker(
+            ranks, daemon, op="write", seed=7, keys=keys, shape=shape, storage={"model": model, "tp_size": 2}
+        )
     )
     assert writer["results"] == [True] * 6
     readers = [
         _worker(
-            daemon, op="read", keys=keys, shape=shape, storage={"model": model, "tp_rank": r, "tp_size": 2}
+            ranks,
+            daemon,
+            op="read",
+            keys=keys,
+            shape=shape,
+            storage={"model": model, "tp_rank": r, "tp_size": 2},
         )
         for r in range(2)
     ]
