@@ -76,6 +76,7 @@ class Zygote:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            start_new_session=True,  # its workers share its process group: close() can end them all
         )
         self._buffer = b""
         self._exited: dict[int, int] = {}
@@ -131,7 +132,11 @@ class Zygote:
     def close(self) -> None:
         assert self._proc.stdin is not None
         self._proc.stdin.close()  # the zygote ends at end of input, once its workers have
-        self._proc.wait(timeout=60)
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a worker hangs: end it and the zygote
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=30)
         for stream in (self._proc.stdout, self._proc.stderr):
             if stream is not None:
                 stream.close()
