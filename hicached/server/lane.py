@@ -306,7 +306,8 @@ class Lane:
         conn_fd = self._conn.fileno()
         while True:
             try:
-                self._drain()
+                if not self._drain():
+                    return "client closed"
             except RingViolation as exc:
                 logger.warning(
                     "fast lane closed: %s", exc, extra={"event": "lane", "session": self.session_id}
@@ -325,23 +326,29 @@ class Lane:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(submit)
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
         """Serve the requests pending now (at most a ring's worth): a client that keeps moving
-        its tail must not keep this thread from seeing its session end or the daemon stop."""
+        its tail must not keep this thread from seeing its session end or the daemon stop.
+        False once the client has closed the connection, checked before each request: a client
+        closes when it gives up on an op (a timeout) and may reuse that op's pages at once, so
+        no request this thread had not taken may run after (say the daemon was stopped)."""
         counters = self._counters
         assert counters is not None
         tail = int(counters[w.SQ_TAIL // 8])
         pending = tail - self._head
         if pending == 0:
-            return
+            return True
         if not 0 < pending <= w.SLOTS:
             raise RingViolation(f"sq_tail {tail} with sq_head {self._head}: at most {w.SLOTS} may be pending")
         while self._head < tail:
+            if select.select([self._conn], [], [], 0)[0]:
+                return False  # EOF or stray bytes: the client is gone
             self._complete(self._head)
             self._head += 1
             counters[w.SQ_HEAD // 8] = self._head
             counters[w.CQ_TAIL // 8] = self._head
             _ring_doorbell(self._efds[1])
+        return True
 
     def _complete(self, seq: int) -> None:
         view = self._view
@@ -473,16 +480,8 @@ def _ring_doorbell(fd: int) -> None:
 
 _OP_NAMES = {int(o): "FastLane" + "".join(p.capitalize() for p in o.name.split("_")) for o in w.Opcode}
 # The gRPC method each opcode stands for: an error's message names it as gRPC's does.
-_RPC_NAMES = {
-    int(w.Opcode.WRITE): "Write",
-    int(w.Opcode.LOAD): "Load",
-    int(w.Opcode.RESOLVE): "ResolveTransfers",
-    int(w.Opcode.RELEASE): "ReleaseTransfers",
-    int(w.Opcode.PING): "FastLanePing",
-    int(w.Opcode.GET_PAGES): "GetPages",
-    int(w.Opcode.PUT_PAGES): "PutPages",
-    int(w.Opcode.LOOKUP): "Lookup",
-}
+_RPC_NAMES = {int(o): n for o, n in zip(w.Opcode, ("Write", "Load", "ResolveTransfers", "ReleaseTransfers",
+              "FastLanePing", "GetPages", "PutPages", "Lookup"), strict=True)}  # fmt: skip
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import signal
 import subprocess
 import sys
 import uuid
@@ -312,4 +313,35 @@ def test_keyed_pages_go_over_the_lane_and_a_lost_lane_resends_them_with_their_op
         again = session.put_pages(keys, _both([1, 2, 3]), op_id="keyed-put-1")
         assert session._slot._lane is None and lane.closed
         assert again == put and put.stored_pages == 3, "answered from the ledger, over gRPC"
+        session.close()
+
+
+def test_an_op_that_timed_out_on_the_lane_never_runs_later(daemon: Daemon, pools: WorkerPools) -> None:
+    """Fails before: a lane op past its timeout stayed in the ring, and the daemon ran it once it
+    could (here: once resumed), after the caller had been told it failed and had reused its
+    pages: a review's SGLang adapter stored another batch's bytes under the keys whose store
+    had failed, and wrote pages into host memory SGLang had handed out again. Now the client
+    closes the lane when it gives up on an op, the daemon runs no request it had not taken
+    once the lane's connection is closed, and the session's later ops go over gRPC."""
+    pools.fill_random(6)
+    keys = [uuid.uuid4().hex for _ in range(3)]
+    with HiCacheClient(daemon.target, timeout_s=30.0, fast_lane=True) as client:
+        session = _attach(client, pools)
+        assert session.lookup(keys).l2_hit_pages == 0  # the lane is open (its first record)
+        lane = session._slot._lane
+        assert lane is not None
+        poll(lambda: daemon_resources(daemon), lambda r: r == (1, 1, 1), 10, "only this session's lane")
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(HiCacheError) as err:
+                session.put_pages(keys, _both([1, 2, 3]), timeout_s=0.5)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+            assert lane.closed and session._slot._lane is None
+        finally:
+            os.kill(daemon.process.pid, signal.SIGCONT)
+        poll(lambda: daemon_resources(daemon), lambda r: r == (0, 0, 0), 10, "the daemon ending the lane")
+        # The lane's thread has ended: it saw the close before the PutPages, which never ran.
+        assert session.lookup(keys).l2_hit_pages == 0
+        assert session.get_pages(keys, _both([7, 8, 9])).hit_pages == 0
+        assert session.put_pages(keys, _both([1, 2, 3])).stored_pages == 3  # the session works on
         session.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from tests.sglang.pools import (
     digest,
     make_host_pool,
     page_bits,
+    randomize,
     sglang_keys,
     unique_model,
 )
@@ -170,6 +172,35 @@ def test_rank_processes_agree_on_pages_written_by_another_process(
     for r in results:
         assert r["results"] == [True] * 6
     assert {r["digest"] for r in results} == {writer["digest"]} == {digest(page_bits(pool, dst))}
+
+
+def test_stores_that_timed_out_while_the_daemon_stalled_never_land_later(daemon: Daemon) -> None:
+    """Fails before (a review's repro, the default path: staging and the fast lane): two stores
+    timed out while the daemon was stopped; each lane op stayed in the ring, the second store
+    refilled the staging half the first had used, and once resumed the daemon ran the first,
+    storing the second batch's bytes under the first batch's keys, read back as a hit. Now a
+    timed-out lane op closes the lane, the daemon never runs it, and both read as misses."""
+    factory = StorageFactory(daemon.target)
+    try:
+        pool = make_host_pool(PoolShape())
+        storage: HiCachedStorage = factory.make(pool, model=unique_model(), timeout_s=1.0)
+        first, second = sglang_keys(4, 4), sglang_keys(4, 4, first=1000)
+        src_a, src_b, dst = pool.alloc(16), pool.alloc(16), pool.alloc(16)
+        randomize(pool, seed=11)
+        assert storage.batch_exists(first) == 0  # the session and its lane are open
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        try:
+            assert storage.batch_set_v1(first, src_a) == [False] * 4
+            assert storage.batch_set_v1(second, src_b) == [False] * 4
+        finally:
+            os.kill(daemon.process.pid, signal.SIGCONT)
+        got = storage.batch_get_v1(first, dst)
+        assert got == [False] * 4 or page_bits(pool, dst) == page_bits(pool, src_a), got
+        assert storage.batch_get_v1(second, dst) == [False] * 4 or page_bits(pool, dst) == page_bits(
+            pool, src_b
+        )
+    finally:
+        factory.close_all()
 
 
 def test_a_daemon_outage_reads_as_misses_and_failed_writes() -> None:

@@ -64,9 +64,13 @@ class AsyncLaneSlot:
         op_id, so an op the daemon already ran is answered, not run again. Backpressure
         (RESOURCE_EXHAUSTED) that ``retry`` retries goes to gRPC too, whose channel retries
         it after the daemon's hint. Any other status is the op's own answer, raised as the
-        gRPC call raises it (named for its RPC).
+        gRPC call raises it (named for its RPC); a lane that timed out on the op closed
+        itself (see ``FastLane.abandon``), so the slot drops it and later ops go over gRPC.
         """
-        if error.code == grpc.StatusCode.UNAVAILABLE:
+        if error.code == grpc.StatusCode.DEADLINE_EXCEEDED and self._lane is not None and self._lane.closed:
+            log.warning("fast lane op timed out (%s); the lane is closed, later ops go over gRPC", rpc)
+            await self.close()
+        elif error.code == grpc.StatusCode.UNAVAILABLE:
             log.warning("fast lane lost (%s); %s goes over gRPC", error, rpc)
             await self.close()
             return

@@ -172,6 +172,15 @@ class FastLane:
                     self._conn.recv(1)
             self._conn.close()
 
+    def abandon(self) -> None:
+        """An op was given up before its completion came (a timeout, a cancelled wait): close
+        the lane at once, without waiting for the daemon. Its caller may reuse the op's pages
+        and staging as soon as it is told the op failed, so the daemon must never run that op
+        later: it checks the connection before each request it takes, and runs none after
+        this close (one it is already running still finishes, as a gRPC call past its
+        deadline does). Idempotent."""
+        self.close(timeout_s=0)
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -279,9 +288,16 @@ class FastLane:
         timeout_s: float | None,
         keys: Sequence[str] = (),
     ) -> w.Completion:
-        with self._lock:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        # Another thread's op may hold the lane: the wait for it counts against this op's
+        # timeout (nothing is sent if it runs out: the op can be sent again).
+        if not self._lock.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
+            raise lc.timed_out()
+        try:
             seq = self.submit_raw(lc.request(opcode, flags, transfers, op_id, keys))
-            return self.completion(seq, timeout_s)
+            return self.completion(seq, None if deadline is None else max(0.0, deadline - time.monotonic()))
+        finally:
+            self._lock.release()
 
     def submit_raw(self, fill: lc.Fill) -> int:
         """Publish one request written by ``fill(view, offset, seq)`` (:func:`_lane_common.request`
@@ -359,6 +375,7 @@ class FastLane:
     def _sleep(self, deadline: float | None) -> None:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
+            self.abandon()
             raise lc.timed_out()
         for fd, _ in self._poller.poll(None if left is None else max(1, int(left * 1000))):
             if fd == self._done:

@@ -47,6 +47,10 @@ class AsyncFastLane:
     async def close(self) -> None:
         await asyncio.to_thread(self.lane.close)
 
+    @property
+    def closed(self) -> bool:
+        return self.lane.closed
+
     async def __aenter__(self) -> Self:
         return self
 
@@ -125,13 +129,26 @@ class AsyncFastLane:
         timeout_s: float | None,
         keys: Sequence[str] = (),
     ) -> w.Completion:
-        async with self._lock:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        try:  # another task's op may hold the lane: that wait counts against this op's timeout
+            await asyncio.wait_for(self._lock.acquire(), timeout_s)
+        except TimeoutError:
+            raise lc.timed_out() from None  # nothing sent: the op can be sent again
+        try:
             seq = self.lane.submit_raw(lc.request(opcode, flags, transfers, op_id, keys))
             try:
-                await asyncio.wait_for(self._ready(seq), timeout_s)
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                await asyncio.wait_for(self._ready(seq), left)
             except TimeoutError:
+                self.lane.abandon()
                 raise lc.timed_out() from None
+            except asyncio.CancelledError:
+                self.lane.abandon()  # the caller gave up on the op: the daemon must not run it later
+                raise
             return self.lane.completion(seq)  # published: reads without waiting
+        finally:
+            self._lock.release()
 
     async def _ready(self, seq: int) -> None:
         """Until the completion of ``seq`` is published (UNAVAILABLE if the daemon closes the lane)."""

@@ -362,7 +362,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> bool:
         """Store tensors; True when every key is stored (or already was), False from the first failure.
         Fewer values than keys: the keys without one are not stored (as HiCacheFile's zip)."""
-        values = list(values or [])
+        values = [] if values is None else list(values)  # a stacked tensor has no truth value
         if len(values) != len(keys):
             log.warning(
                 "hicached: batch_set of %d keys with %d values: the extra are left out",
