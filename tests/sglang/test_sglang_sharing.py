@@ -203,6 +203,25 @@ def test_stores_that_timed_out_while_the_daemon_stalled_never_land_later(daemon:
         factory.close_all()
 
 
+def test_pages_of_a_mebibyte_read_back_over_the_byte_path(daemon: Daemon, storages: StorageFactory) -> None:
+    """Fails before: the byte path (GetBytes) asked for SGLang's whole batch in one answer, so
+    40 pages of 1 MiB (over the daemon's 32 MiB limits.max_response_bytes) were stored and
+    found but never read back. Now each byte-path call keeps to 16 MiB."""
+    n = 40
+    shape = PoolShape(layers=16, heads=8, head_dim=128, page_size=16, device_tokens=n * 16, ratio=2.0)
+    pool = make_host_pool(shape)
+    storage: HiCachedStorage = storages.make(
+        pool, model=unique_model(), transport="bytes", host_bytes=64 << 20
+    )
+    assert storage.links["kv"].binding.geometry.page_bytes == 1 << 20
+    keys = sglang_keys(n, 16)
+    src, dst = pool.alloc(n * 16), pool.alloc(n * 16)
+    randomize(pool, seed=12)
+    assert storage.batch_set_v1(keys, src) == [True] * n
+    assert storage.batch_get_v1(keys, dst) == [True] * n
+    assert page_bits(pool, dst) == page_bits(pool, src)
+
+
 def test_a_daemon_outage_reads_as_misses_and_failed_writes() -> None:
     d = start_daemon()
     factory = StorageFactory(d.target)

@@ -115,6 +115,12 @@ class ShmTransport(PageTransport):
         return hits
 
 
+# A GetBytes answer carries its pages' bytes, and the daemon refuses one past its
+# limits.max_response_bytes (32 MiB by default) however many it holds: a byte-path batch keeps
+# to half of that (128 pages of 1 MiB were refused whole, so such pages never read back).
+BYTES_PER_CALL = 16 << 20
+
+
 class BytesTransport(PageTransport):
     """Fallback: page bytes inside PutBytes / GetBytes messages (no shared memory)."""
 
@@ -123,7 +129,8 @@ class BytesTransport(PageTransport):
         self._geometry = binding.geometry
         self._tenant = config.tenant
         self._include_l3 = config.include_l3
-        self.capacity = config.staging_pages
+        page_bytes = binding.geometry.groups * binding.geometry.chunk_bytes
+        self.capacity = max(1, min(config.staging_pages, BYTES_PER_CALL // page_bytes))
 
     def put(self, keys: Sequence[str], fill: Fill) -> str | None:
         g = self._geometry
@@ -166,6 +173,11 @@ class ZeroCopyTransport(BytesTransport):
     ``put`` / ``get`` (flat pages of the generic API, which are not in the host
     pool) are the byte path inherited from :class:`BytesTransport`.
     """
+
+    def __init__(self, session: Session, binding: PoolBinding, config: AdapterConfig) -> None:
+        super().__init__(session, binding, config)
+        # Its batches carry page numbers, not bytes: up to staging_pages, as SGLang's batch.
+        self.host_capacity = config.staging_pages
 
     def put_host(self, keys: Sequence[str], host_pages: Sequence[int]) -> str | None:
         result = self._session.put_pages(
@@ -413,7 +425,7 @@ class PoolLink:
 
     def _put_host(self, keys: Sequence[str], pages: list[int]) -> list[bool]:
         results: list[bool] = []
-        cap = self.transport.capacity
+        cap = _zero_copy(self.transport).host_capacity
         for lo in range(0, len(keys), cap):
             hi = min(lo + cap, len(keys))
             batch, idx = keys[lo:hi], pages[lo:hi]
@@ -436,7 +448,7 @@ class PoolLink:
 
     def _get_host(self, keys: Sequence[str], pages: list[int]) -> int:
         loaded = 0
-        cap = self.transport.capacity
+        cap = _zero_copy(self.transport).host_capacity
         for lo in range(0, len(keys), cap):
             hi = min(lo + cap, len(keys))
             batch, idx = keys[lo:hi], pages[lo:hi]
