@@ -345,3 +345,33 @@ def test_an_op_that_timed_out_on_the_lane_never_runs_later(daemon: Daemon, pools
         assert session.get_pages(keys, _both([7, 8, 9])).hit_pages == 0
         assert session.put_pages(keys, _both([1, 2, 3])).stored_pages == 3  # the session works on
         session.close()
+
+
+def test_an_async_op_that_timed_out_on_the_lane_never_runs_later(daemon: Daemon, pools: WorkerPools) -> None:
+    """The asyncio lane as the blocking one above (fails before alike: the op stayed in the
+    ring, and the lane stayed open)."""
+    pools.fill_random(8)
+    keys = [uuid.uuid4().hex for _ in range(2)]
+
+    async def main() -> None:
+        async with AsyncHiCacheClient(daemon.target, timeout_s=30.0, fast_lane=True) as client:
+            session = await client.attach(
+                WorkerIdentity(f"s-{uuid.uuid4().hex[:8]}", 1, "m-fastlane"), pools.specs()
+            )
+            assert (await session.lookup(keys)).l2_hit_pages == 0  # opens the lane
+            lane = session._slot._lane
+            assert lane is not None
+            poll(lambda: daemon_resources(daemon), lambda r: r == (1, 1, 1), 10, "only this session's lane")
+            os.kill(daemon.process.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(HiCacheError) as err:
+                    await session.put_pages(keys, _both([1, 2]), timeout_s=0.5)
+                assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+                assert lane.closed and session._slot._lane is None
+            finally:
+                os.kill(daemon.process.pid, signal.SIGCONT)
+            poll(lambda: daemon_resources(daemon), lambda r: r == (0, 0, 0), 10, "the daemon ending the lane")
+            assert (await session.lookup(keys)).l2_hit_pages == 0
+            await session.close()
+
+    asyncio.run(main())
