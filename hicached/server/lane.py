@@ -304,6 +304,8 @@ class Lane:
         poller.register(self._conn.fileno(), select.POLLIN)
         poller.register(self._stop_fd, select.POLLIN)
         conn_fd = self._conn.fileno()
+        self._conn_poll = select.poll()  # not select(): a descriptor past 1,023 is out of its range
+        self._conn_poll.register(conn_fd, select.POLLIN)
         while True:
             try:
                 if not self._drain():
@@ -341,7 +343,7 @@ class Lane:
         if not 0 < pending <= w.SLOTS:
             raise RingViolation(f"sq_tail {tail} with sq_head {self._head}: at most {w.SLOTS} may be pending")
         while self._head < tail:
-            if select.select([self._conn], [], [], 0)[0]:
+            if self._conn_poll.poll(0):
                 return False  # EOF or stray bytes: the client is gone
             self._complete(self._head)
             self._head += 1

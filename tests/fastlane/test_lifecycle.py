@@ -19,7 +19,7 @@ from tests.fastlane.conftest import Worker
 from tests.security.users import other_user, run_as_other
 from tests.support.daemon import ROOT, Daemon, start_daemon
 from tests.support.kv import WorkerPools, unique_tag
-from tests.support.state import fd_links, poll, state
+from tests.support.state import fd_links, poll, state, stop_process
 
 
 def daemon_resources(daemon: Daemon) -> tuple[int, int, int]:
@@ -257,3 +257,99 @@ def test_lanes_per_uid_are_bounded_across_sessions(worker: Worker, daemon: Daemo
         for p in (pools.kv, pools.draft):
             p.close()
             p.unlink()
+
+
+def test_a_load_given_up_on_leaves_its_layer_waits_a_clean_error(daemon: Daemon) -> None:
+    """Fails before: once a load's result timed out (the lane closed: the daemon must not run
+    it later), waiting for one of its layers raised AttributeError (the ring's counters gone)
+    or OSError (a closed doorbell) instead of the lane's UNAVAILABLE."""
+    pools = WorkerPools.create(unique_tag("flw"))
+    try:
+        pools.fill_random(9)
+        with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+            session = client.attach(WorkerIdentity(f"w-{unique_tag('wl')}", 1, "m-fastlane"), pools.specs())
+            lane = FastLane.open(session)
+            written = lane.write([Transfer("kv", [3, 4])], allocate=True)
+            stop_process(daemon.process.pid)
+            try:
+                pending = lane.start_load([Transfer("kv", [10, 11], written.transfers[0].host_pages)])
+                with pytest.raises(HiCacheError) as timed_out:
+                    pending.result(timeout_s=0.3)
+                assert timed_out.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and lane.closed
+                for spin in (True, False):
+                    with pytest.raises(HiCacheError) as err:
+                        pending.wait_layer(0, timeout_s=1.0, spin=spin)
+                    assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+                with pytest.raises(HiCacheError):
+                    pending.layer_landed(0)
+            finally:
+                os.kill(daemon.process.pid, signal.SIGCONT)
+            session.close()
+    finally:
+        pools.close()
+
+
+HOLD_CONNECTIONS = """
+import socket, sys
+held = []
+for i, path in enumerate(sys.argv[1:] * 600):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    held.append(s)
+print(len(held), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_lane_past_descriptor_1023_on_both_sides_serves_and_gives_up_cleanly() -> None:
+    """Fails before: the daemon's check for a closed lane, and the client's close, used
+    select(), which refuses a descriptor past 1,023: a daemon holding that many connections
+    lost every lane on its first request (ValueError, back to gRPC), and a client holding
+    that many descriptors raised ValueError from a timed-out op instead of DEADLINE_EXCEEDED."""
+    import resource
+
+    d = start_daemon()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_CONNECTIONS, str(d.socket), str(d.socket.parent / "admin.sock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pools = WorkerPools.create(unique_tag("fdh"))
+    try:
+        assert holder.stdout is not None and int(holder.stdout.readline()) == 1200
+        poll(
+            lambda: len(fd_links(d.process.pid)),
+            lambda n: n > 1100,
+            30,
+            "the daemon holding 1,200 connections",
+        )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), hard))
+        filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # this side's next fds past 1,023
+        with HiCacheClient(d.target, timeout_s=30.0, fast_lane=True) as client:
+            session = client.attach(WorkerIdentity(f"w-{unique_tag('fd')}", 1, "m-fastlane"), pools.specs())
+            keys = [unique_tag("k"), unique_tag("k")]
+            assert session.lookup(keys).l2_hit_pages == 0
+            lane = session._slot._lane
+            assert lane is not None and lane._conn.fileno() > 1023
+            assert session.lookup(keys).l2_hit_pages == 0
+            assert session._slot._lane is lane and lane._tail == 2, "both lookups went over the lane"
+            stop_process(d.process.pid)
+            try:
+                with pytest.raises(HiCacheError) as err:
+                    session.put_pages(
+                        keys, [Transfer("kv", [1, 2]), Transfer("draft", [1, 2])], timeout_s=0.3
+                    )
+                assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+            finally:
+                os.kill(d.process.pid, signal.SIGCONT)
+            session.close()
+        assert "fast lane failed" not in d.log
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        holder.kill()
+        holder.wait(timeout=30)
+        pools.close()
+        d.stop()

@@ -36,7 +36,7 @@ from tests.fastlane.conftest import free_pages
 from tests.fastlane.test_lifecycle import daemon_resources
 from tests.support.daemon import ROOT, Daemon, start_daemon
 from tests.support.kv import PAGE_SIZE, WorkerPools, unique_tag
-from tests.support.state import poll
+from tests.support.state import poll, stop_process
 
 PAGES = 8
 
@@ -331,7 +331,7 @@ def test_an_op_that_timed_out_on_the_lane_never_runs_later(daemon: Daemon, pools
         lane = session._slot._lane
         assert lane is not None
         poll(lambda: daemon_resources(daemon), lambda r: r == (1, 1, 1), 10, "only this session's lane")
-        os.kill(daemon.process.pid, signal.SIGSTOP)
+        stop_process(daemon.process.pid)
         try:
             with pytest.raises(HiCacheError) as err:
                 session.put_pages(keys, _both([1, 2, 3]), timeout_s=0.5)
@@ -362,7 +362,7 @@ def test_an_async_op_that_timed_out_on_the_lane_never_runs_later(daemon: Daemon,
             lane = session._slot._lane
             assert lane is not None
             poll(lambda: daemon_resources(daemon), lambda r: r == (1, 1, 1), 10, "only this session's lane")
-            os.kill(daemon.process.pid, signal.SIGSTOP)
+            stop_process(daemon.process.pid)
             try:
                 with pytest.raises(HiCacheError) as err:
                     await session.put_pages(keys, _both([1, 2]), timeout_s=0.5)

@@ -29,6 +29,7 @@ from tests.sglang.pools import (
     unique_model,
 )
 from tests.support.daemon import Daemon, start_daemon
+from tests.support.state import stop_process
 from tests.support.zygote import Forked, Zygote
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,7 +189,7 @@ def test_stores_that_timed_out_while_the_daemon_stalled_never_land_later(daemon:
         src_a, src_b, dst = pool.alloc(16), pool.alloc(16), pool.alloc(16)
         randomize(pool, seed=11)
         assert storage.batch_exists(first) == 0  # the session and its lane are open
-        os.kill(daemon.process.pid, signal.SIGSTOP)
+        stop_process(daemon.process.pid)
         try:
             assert storage.batch_set_v1(first, src_a) == [False] * 4
             assert storage.batch_set_v1(second, src_b) == [False] * 4

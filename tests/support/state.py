@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -88,3 +89,18 @@ def memfd_mappings(pid: int, name: str = "") -> list[str]:
     (``/memfd:NAME (deleted)``): a worker's handed-over buffers while the daemon maps them."""
     lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
     return [line for line in lines if "/memfd:" in line and name in line.partition("/memfd:")[2]]
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped: the signal is delivered
+    asynchronously, and a thread still running could take a request the test means to stall."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def states() -> list[str]:
+        found = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):
+                found.append(Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()[0])
+        return found
+
+    poll(states, lambda s: bool(s) and all(x in ("T", "t") for x in s), 10.0, f"process {pid} stopped")

@@ -168,7 +168,9 @@ class FastLane:
                 os.close(fd)
             with contextlib.suppress(OSError):
                 self._conn.shutdown(socket.SHUT_WR)  # the daemon sees EOF, tears down, closes
-                if select.select([self._conn], [], [], timeout_s)[0]:
+                eof = select.poll()  # not select(): a descriptor past 1,023 is out of its range
+                eof.register(self._conn.fileno(), select.POLLIN)
+                if eof.poll(int(timeout_s * 1000)):
                     self._conn.recv(1)
             self._conn.close()
 
@@ -386,9 +388,15 @@ class FastLane:
 
     def wait_layer_event(self, timeout_s: float) -> bool:
         """Block until the layer doorbell rings (or ``timeout_s``); for waiters that do not spin."""
-        ready = select.select([self._layer], [], [], timeout_s)[0]
+        with self._lock:
+            if self._closed:
+                raise lc.unavailable("the fast lane is closed")
+            layer = select.poll()  # not select(): a descriptor past 1,023 is out of its range
+            layer.register(self._layer, select.POLLIN)
+        ready = layer.poll(int(timeout_s * 1000))
         if ready:
-            lc.drain(self._layer)
+            with contextlib.suppress(OSError):  # closed meanwhile: the next check says so
+                lc.drain(self._layer)
         return bool(ready)
 
 
@@ -401,7 +409,15 @@ class PendingLoad:
 
     def layer_landed(self, layer: int) -> bool:
         """True once ``layer`` of this load is on the device (one load of shared memory)."""
-        return int(self.lane.layer_seq[layer]) == self.seq + 1
+        return int(self._counters()[0][layer]) == self.seq + 1
+
+    def _counters(self) -> tuple[Any, Any]:
+        """The ring's layer counters; UNAVAILABLE once the lane is closed (an op was given up
+        on, or the daemon closed it): the load's result then says how it ended."""
+        seq, ns = getattr(self.lane, "layer_seq", None), getattr(self.lane, "layer_ns", None)
+        if seq is None or ns is None:
+            raise lc.unavailable("the fast lane is closed")
+        return seq, ns
 
     def wait_layer(self, layer: int, *, timeout_s: float = 10.0, spin: bool = True) -> int:
         """Wait until ``layer`` landed; returns the daemon's CLOCK_MONOTONIC ns of the landing.
@@ -410,12 +426,14 @@ class PendingLoad:
         layer doorbell between checks.
         """
         deadline = time.monotonic() + timeout_s
-        while int(self.lane.layer_seq[layer]) != self.seq + 1:
+        # The counters are looked up on each check, never kept: a close (another thread giving
+        # up on an op) cannot unmap a ring whose memory a view still exports.
+        while not self.layer_landed(layer):
             if time.monotonic() > deadline:
                 raise HiCacheError(grpc.StatusCode.DEADLINE_EXCEEDED, f"layer {layer} did not land in time")
             if not spin:
                 self.lane.wait_layer_event(0.01)
-        return int(self.lane.layer_ns[layer])
+        return int(self._counters()[1][layer])
 
     def result(self, timeout_s: float | None = None) -> LoadResult:
         return lc.load_result(self.lane.completion(self.seq, timeout_s))
