@@ -142,6 +142,19 @@ def check_keys(keys: Sequence[str], limits: LimitsConfig) -> None:
         _check_string(f"keys[{i}]", key, limit, "limits.max_key_bytes")
 
 
+def check_page_readable(page_bytes: int, limits: LimitsConfig, max_message_bytes: int) -> None:
+    """A page of ``page_bytes`` (every pool of one key) fits one GetBytes answer: else storing
+    it by PutBytes would keep a page that Lookup finds and no GetBytes may read back."""
+    bound, key = min((limits.max_response_bytes, "limits.max_response_bytes"),
+                     (max_message_bytes, "server.max_message_bytes"))  # fmt: skip
+    if page_bytes > bound:
+        raise LimitExceeded(
+            f"a page of this session is {page_bytes} bytes, over what one GetBytes may answer "
+            f"({key}={bound}): it could be stored but never read back; raise {key}, or use smaller pages",
+            key,
+        )
+
+
 def check_response(what: str, nbytes: int, limits: LimitsConfig, max_message_bytes: int) -> None:
     """A response of ``nbytes`` (computed before building it) fits ``limits.max_response_bytes``
     and the gRPC message limit ``server.max_message_bytes``."""

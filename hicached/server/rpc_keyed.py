@@ -20,7 +20,13 @@ from hicached.errors import InvalidArgument
 from hicached.index.types import PrefetchPolicy, PrefetchState
 from hicached.page_keys import page_keys
 from hicached.server import convert
-from hicached.server.limits import check_count, check_keys, check_pool_names, check_response
+from hicached.server.limits import (
+    check_count,
+    check_keys,
+    check_page_readable,
+    check_pool_names,
+    check_response,
+)
 from hicached.server.rpc_base import Ctx, ServicerBase, no_fence, same_tenant
 
 # Up to this many given keys are copied and checked on the event loop: ~40-70 us for 256
@@ -223,6 +229,10 @@ class KeyedRpcs(ServicerBase):
         same_tenant(self.keyed.tenant(request.session_id), request.tenant, "tenant")
         check_count("pages in this request", len(request.pages), self.limits.max_keys_per_request,
                     "limits.max_keys_per_request")  # fmt: skip
+        # A page no GetBytes could answer would be stored, found by Lookup, and never read back.
+        check_page_readable(
+            self.keyed.page_bytes(request.session_id), self.limits, self.options.max_message_bytes
+        )
         pages = await self.lanes.hash.run(self._given_pages, request.pages, session=request.session_id)
         stored, existing = await self.offload(
             "PutBytes",

@@ -223,6 +223,40 @@ def test_pages_of_a_mebibyte_read_back_over_the_byte_path(daemon: Daemon, storag
     assert page_bits(pool, dst) == page_bits(pool, src)
 
 
+def test_the_byte_path_keeps_to_a_daemons_lower_answer_limit_and_stores_only_readable_pages() -> None:
+    """Fails before: with the daemon's limits.max_response_bytes below the adapter's batch,
+    every byte-path read was refused whole (all misses), and a page larger than one answer
+    was stored and found but could never be read. Now the adapter halves its batches when an
+    answer is refused for its size, and PutBytes refuses a page no GetBytes could answer."""
+    d = start_daemon("--set", "limits.max_response_bytes=768KiB")
+    factory = StorageFactory(d.target)
+    try:
+        # 512 KiB pages: one per answer fits, 16 (the adapter's batch of 8 MiB) do not.
+        small = make_host_pool(PoolShape(layers=16, heads=8, head_dim=128, page_size=8, device_tokens=20 * 8))
+        storage: HiCachedStorage = factory.make(
+            small, model=unique_model(), transport="bytes", host_bytes=16 << 20
+        )
+        keys = sglang_keys(6, 8)
+        src, dst = small.alloc(6 * 8), small.alloc(6 * 8)
+        randomize(small, seed=13)
+        assert storage.batch_set_v1(keys, src) == [True] * 6
+        assert storage.batch_get_v1(keys, dst) == [True] * 6
+        assert page_bits(small, dst) == page_bits(small, src)
+        # 1 MiB pages: over one answer, so not stored at all (and not found).
+        large = make_host_pool(
+            PoolShape(layers=16, heads=8, head_dim=128, page_size=16, device_tokens=8 * 16)
+        )
+        refused: HiCachedStorage = factory.make(
+            large, model=unique_model(), transport="bytes", host_bytes=16 << 20
+        )
+        big = sglang_keys(2, 16)
+        assert refused.batch_set_v1(big, large.alloc(2 * 16)) == [False, False]
+        assert refused.batch_exists(big) == 0
+    finally:
+        factory.close_all()
+        d.stop()
+
+
 def test_a_daemon_outage_reads_as_misses_and_failed_writes() -> None:
     d = start_daemon()
     factory = StorageFactory(d.target)

@@ -459,15 +459,23 @@ class PoolLink:
         return loaded
 
     def _get(self, keys: Sequence[str], drainer: Callable[[int, int], Drain]) -> int:
-        loaded = 0
-        cap = self.transport.capacity
-        for lo in range(0, len(keys), cap):
-            hi = min(lo + cap, len(keys))
+        loaded = lo = 0
+        while lo < len(keys):
+            hi = min(lo + self.transport.capacity, len(keys))
             batch, drain = keys[lo:hi], drainer(lo, hi)
-            hits = self._call(lambda _, transport: transport.get(batch, drain))  # noqa: B023 - called at once
+            try:
+                hits = self._call(lambda _, transport: transport.get(batch, drain))  # noqa: B023 - called at once
+            except HiCacheError as exc:
+                if not _answer_too_large(exc) or hi - lo == 1:
+                    raise
+                # The daemon answers less per call than BYTES_PER_CALL (its limit is lower):
+                # this batch and the later ones go in halves.
+                self.transport.capacity = max(1, (hi - lo) // 2)
+                continue
             loaded += hits
             if hits < hi - lo:
                 break
+            lo = hi
         return loaded
 
     def close(self) -> None:
@@ -496,6 +504,12 @@ def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
             out.append((start, i))
             start = None
     return out
+
+
+def _answer_too_large(exc: HiCacheError) -> bool:
+    """The daemon refused an answer for its size (a configured limit), not its content."""
+    limits = ("limits.max_response_bytes", "server.max_message_bytes")
+    return exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(key in exc.message for key in limits)
 
 
 def _zero_copy(transport: PageTransport) -> ZeroCopyTransport:
