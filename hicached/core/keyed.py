@@ -12,7 +12,7 @@ keyed call works in it, on tenant-scoped keys (:func:`hicached.core.tenants.scop
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -237,8 +237,14 @@ class KeyedCache:
         transfers: Sequence[PoolTransfer],
         *,
         include_l3: bool,
+        waiting: Callable[[], bool] | None = None,
     ) -> tuple[int, tuple[Ack, ...]]:
-        """Host -> device copy of the keys' longest cached prefix."""
+        """Host -> device copy of the keys' longest cached prefix.
+
+        ``waiting`` (any thread may call it): whether the caller still waits for the answer,
+        asked once the L3 read is done and before any copy. A caller that stopped waiting
+        (its deadline, a closed fast lane) may already have reused its pages: Cancelled, and
+        nothing is written into them (the L3 read can outlast any client's timeout)."""
         session, state, index, keys = self._scoped(session_id, keys)
         tenant = session.worker.tenant
         data = self.core.data
@@ -248,6 +254,8 @@ class KeyedCache:
         def run() -> tuple[int, tuple[Ack, ...]]:
             if include_l3:
                 index.fetch_into_l2(keys, tenant=tenant)
+                if waiting is not None and not waiting():
+                    raise Cancelled("the caller stopped waiting while L3 was read: nothing was copied")
             pin = index.pin(keys)
             try:
                 hit = len(pin)

@@ -427,7 +427,14 @@ class Lane:
             return w.Completion(req.opcode, seq, ok, True, None, "", value=value)
         if req.opcode is w.Opcode.GET_PAGES:
             include_l3 = bool(req.flags & w.FLAG_INCLUDE_L3)
-            hit, got = self._keyed.get_pages(sid, op, req.keys, transfers, include_l3=include_l3)
+            hit, got = self._keyed.get_pages(
+                sid,
+                op,
+                req.keys,
+                transfers,
+                include_l3=include_l3,
+                waiting=lambda: not self._conn_poll.poll(0),
+            )
             return w.Completion(req.opcode, seq, ok, True, None, "", (), _acks(got), value=hit)
         put = self._keyed.put_pages(sid, op, req.keys, transfers)
         return w.Completion(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -116,6 +117,14 @@ class ServicerBase:
 
         # grpc-stubs declares the callback a class; gRPC calls any callable with the context.
         context.add_done_callback(cast("grpc.aio.DoneCallback[Any, Any]", release))
+
+    @staticmethod
+    def waiting(context: Ctx) -> Callable[[], bool]:
+        """Whether the call's client still waits (False once it is cancelled or past its
+        deadline); any thread may ask."""
+        ended = threading.Event()
+        context.add_done_callback(cast("grpc.aio.DoneCallback[Any, Any]", lambda _: ended.set()))
+        return lambda: not ended.is_set()
 
     def has_l3(self) -> bool:
         return self.options.has_l3

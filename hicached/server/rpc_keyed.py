@@ -161,6 +161,7 @@ class KeyedRpcs(ServicerBase):
             keys,
             transfers,
             include_l3=request.include_l3,
+            waiting=self.waiting(context),
             l3=request.include_l3,
             session=request.session_id,
         )

@@ -341,3 +341,40 @@ def test_two_attaches_replacing_one_slot_leave_one_session(worker_pools: list[Wo
         assert [s.identity.generation for s in live] == [2], live
         fake.resume()
         call.join(timeout=30)
+
+
+@pytest.mark.parametrize("fast_lane", [False, True], ids=["grpc", "lane"])
+def test_a_get_whose_caller_stopped_waiting_during_the_l3_read_copies_nothing(
+    fast_lane: bool, worker_pools: list[WorkerPools]
+) -> None:
+    """Fails before (a review's repro, over gRPC and over the fast lane alike): a GetPages with
+    include_l3 waited on a hung L3 past its caller's deadline; the caller, told it failed,
+    reused its device pages; once L3 answered, the daemon copied the cached prefix into them.
+    Now the daemon asks whether the caller still waits once the L3 read is done, before any
+    copy: it does not, so nothing is written."""
+    pools = worker_pools[0]
+    pools.fill_random(14)
+    with (
+        fake_l3_daemon() as (d, fake),
+        HiCacheClient(d.target, timeout_s=30.0, fast_lane=fast_lane) as client,
+    ):
+        session = client.attach(WorkerIdentity(f"late-{unique_tag('g')}", 1, "m-late"), pools.specs())
+        keys = _keys(4)
+        both = [Transfer(n, [1, 2]) for n in POOLS]
+        assert session.put_pages(keys[:2], both).stored_pages == 2  # the first two are in L2
+        assert session.lookup(keys).l2_hit_pages == 2  # (opens the lane when asked for)
+        fake.hang(only=frozenset({b"EXISTS"}))
+        dst = [Transfer(n, [40, 41, 42, 43]) for n in POOLS]
+        with pytest.raises(HiCacheError) as err:
+            session.get_pages(keys, dst, include_l3=True, op_id="late-get", timeout_s=1.0)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        fake.wait_unanswered(1, timeout_s=30)
+        pools.clobber()  # the caller reuses its pages (every page now 0xFF)
+        fake.resume()
+        # The same op id again: answered with the first call's outcome once that call ended.
+        with pytest.raises(HiCacheError) as again:
+            session.get_pages(keys, dst, include_l3=True, op_id="late-get", timeout_s=30.0)
+        assert again.value.code == grpc.StatusCode.CANCELLED, again.value
+        for name in POOLS:
+            assert pools.untouched(name, excluding=[]), f"pool {name} was written late"
+        session.close()
