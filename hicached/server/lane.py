@@ -301,9 +301,9 @@ class Lane:
         submit = self._efds[0]
         poller = select.poll()
         poller.register(submit, select.POLLIN)
-        poller.register(self._conn.fileno(), select.POLLIN)
-        poller.register(self._stop_fd, select.POLLIN)
         conn_fd = self._conn.fileno()
+        poller.register(conn_fd, select.POLLIN)
+        poller.register(self._stop_fd, select.POLLIN)
         self._conn_poll = select.poll()  # not select(): a descriptor past 1,023 is out of its range
         self._conn_poll.register(conn_fd, select.POLLIN)
         while True:
@@ -343,14 +343,18 @@ class Lane:
         if not 0 < pending <= w.SLOTS:
             raise RingViolation(f"sq_tail {tail} with sq_head {self._head}: at most {w.SLOTS} may be pending")
         while self._head < tail:
-            if self._conn_poll.poll(0):
-                return False  # EOF or stray bytes: the client is gone
+            if not self._client_waits():
+                return False
             self._complete(self._head)
             self._head += 1
             counters[w.SQ_HEAD // 8] = self._head
             counters[w.CQ_TAIL // 8] = self._head
             _ring_doorbell(self._efds[1])
         return True
+
+    def _client_waits(self) -> bool:
+        """No EOF (nor stray bytes) on the connection: the client has not closed the lane."""
+        return not self._conn_poll.poll(0)
 
     def _complete(self, seq: int) -> None:
         view = self._view
@@ -426,15 +430,8 @@ class Lane:
             value = w.lookup_value(found.l2_hit_pages, found.total_hit_pages)
             return w.Completion(req.opcode, seq, ok, True, None, "", value=value)
         if req.opcode is w.Opcode.GET_PAGES:
-            include_l3 = bool(req.flags & w.FLAG_INCLUDE_L3)
-            hit, got = self._keyed.get_pages(
-                sid,
-                op,
-                req.keys,
-                transfers,
-                include_l3=include_l3,
-                waiting=lambda: not self._conn_poll.poll(0),
-            )
+            l3, waiting = bool(req.flags & w.FLAG_INCLUDE_L3), self._client_waits
+            hit, got = self._keyed.get_pages(sid, op, req.keys, transfers, include_l3=l3, waiting=waiting)
             return w.Completion(req.opcode, seq, ok, True, None, "", (), _acks(got), value=hit)
         put = self._keyed.put_pages(sid, op, req.keys, transfers)
         return w.Completion(

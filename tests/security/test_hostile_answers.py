@@ -37,8 +37,8 @@ from hicached_client import (
 from hicached_client.errors import MIN_BEAT_S
 from hicached_client.hf import HFKVCache, KVShape
 from hicached_client.sglang.config import AdapterConfig
-from hicached_client.sglang.link import BytesTransport
 from hicached_client.sglang.refusals import RefusalLog
+from hicached_client.sglang.transports import BytesTransport
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 from hicached_client.v1 import types_pb2 as tpb
