@@ -161,7 +161,7 @@ class KeyedRpcs(ServicerBase):
             keys,
             transfers,
             include_l3=request.include_l3,
-            waiting=self.waiting(context),
+            waiting=self.waiting(context) if request.include_l3 else None,  # asked after an L3 read only
             l3=request.include_l3,
             session=request.session_id,
         )

@@ -9,6 +9,7 @@ and a Session never opened a lane.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import signal
@@ -316,6 +317,19 @@ def test_keyed_pages_go_over_the_lane_and_a_lost_lane_resends_them_with_their_op
         session.close()
 
 
+@contextlib.contextmanager
+def _daemon_stalled_with_one_lane(daemon: Daemon) -> Iterator[None]:
+    """The daemon stopped (every thread) while this session's lane is its only one; resumed
+    after, and then waited for until it has ended that lane (its thread saw the close)."""
+    poll(lambda: daemon_resources(daemon), lambda r: r == (1, 1, 1), 10, "only this session's lane")
+    stop_process(daemon.process.pid)
+    try:
+        yield
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+    poll(lambda: daemon_resources(daemon), lambda r: r == (0, 0, 0), 10, "the daemon ending the lane")
+
+
 def test_an_op_that_timed_out_on_the_lane_never_runs_later(daemon: Daemon, pools: WorkerPools) -> None:
     """Fails before: a lane op past its timeout stayed in the ring, and the daemon ran it once it
     could (here: once resumed), after the caller had been told it failed and had reused its
@@ -330,16 +344,10 @@ def test_an_op_that_timed_out_on_the_lane_never_runs_later(daemon: Daemon, pools
         assert session.lookup(keys).l2_hit_pages == 0  # the lane is open (its first record)
         lane = session._slot._lane
         assert lane is not None
-        poll(lambda: daemon_resources(daemon), lambda r: r == (1, 1, 1), 10, "only this session's lane")
-        stop_process(daemon.process.pid)
-        try:
-            with pytest.raises(HiCacheError) as err:
-                session.put_pages(keys, _both([1, 2, 3]), timeout_s=0.5)
-            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
-            assert lane.closed and session._slot._lane is None
-        finally:
-            os.kill(daemon.process.pid, signal.SIGCONT)
-        poll(lambda: daemon_resources(daemon), lambda r: r == (0, 0, 0), 10, "the daemon ending the lane")
+        with _daemon_stalled_with_one_lane(daemon), pytest.raises(HiCacheError) as err:
+            session.put_pages(keys, _both([1, 2, 3]), timeout_s=0.5)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        assert lane.closed and session._slot._lane is None
         # The lane's thread has ended: it saw the close before the PutPages, which never ran.
         assert session.lookup(keys).l2_hit_pages == 0
         assert session.get_pages(keys, _both([7, 8, 9])).hit_pages == 0
@@ -361,16 +369,10 @@ def test_an_async_op_that_timed_out_on_the_lane_never_runs_later(daemon: Daemon,
             assert (await session.lookup(keys)).l2_hit_pages == 0  # opens the lane
             lane = session._slot._lane
             assert lane is not None
-            poll(lambda: daemon_resources(daemon), lambda r: r == (1, 1, 1), 10, "only this session's lane")
-            stop_process(daemon.process.pid)
-            try:
-                with pytest.raises(HiCacheError) as err:
-                    await session.put_pages(keys, _both([1, 2]), timeout_s=0.5)
-                assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
-                assert lane.closed and session._slot._lane is None
-            finally:
-                os.kill(daemon.process.pid, signal.SIGCONT)
-            poll(lambda: daemon_resources(daemon), lambda r: r == (0, 0, 0), 10, "the daemon ending the lane")
+            with _daemon_stalled_with_one_lane(daemon), pytest.raises(HiCacheError) as err:
+                await session.put_pages(keys, _both([1, 2]), timeout_s=0.5)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+            assert lane.closed and session._slot._lane is None
             assert (await session.lookup(keys)).l2_hit_pages == 0
             await session.close()
 

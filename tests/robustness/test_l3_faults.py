@@ -276,6 +276,13 @@ def test_an_ended_sessions_call_in_flight_shows_as_a_hold_of_its_group(
         call = _ending_with_a_call_in_flight(fake, client, ending)
         [group] = admin.get_stats().groups
         assert (group.sessions, group.holds) == (0, 1), group
+        # A worker of another tenant in the same group sees its own sessions only, and no hold.
+        viewer = client.attach(
+            WorkerIdentity("viewer", 1, "m-end", tenant="tv"), ending.specs(host_ratio=0.5)
+        )
+        [seen] = viewer.stats().groups
+        assert (seen.sessions, seen.holds) == (1, 0), seen
+        viewer.detach()
         shown = subprocess.run(
             [sys.executable, "-m", "hicached", "status", "--socket", d.admin_target.removeprefix("unix://")],
             capture_output=True, text=True, timeout=60, check=False,
