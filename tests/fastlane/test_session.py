@@ -15,6 +15,8 @@ import select
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -377,3 +379,66 @@ def test_an_async_op_that_timed_out_on_the_lane_never_runs_later(daemon: Daemon,
             await session.close()
 
     asyncio.run(main())
+
+
+def test_an_op_that_waited_behind_a_timed_out_one_ends_within_its_own_timeout(
+    daemon: Daemon, pools: WorkerPools
+) -> None:
+    """Fails before: an op that waited for the lane behind one that timed out found the lane
+    closed and was re-sent over gRPC with a fresh timeout, so it ended after about twice its
+    own. Now its tries share one deadline: the gRPC re-send gets what is left."""
+    keys = [uuid.uuid4().hex for _ in range(2)]
+    with HiCacheClient(daemon.target, timeout_s=30.0, fast_lane=True) as client:
+        # A lease that outlives the stall (the daemon's clock runs on while it is stopped).
+        identity = WorkerIdentity(f"s-{uuid.uuid4().hex[:8]}", 1, "m-fastlane")
+        session = client.attach(identity, pools.specs(), lease_ms=60_000)
+        assert session.lookup(keys).l2_hit_pages == 0  # opens the lane
+        lane = session._slot._lane
+        assert lane is not None
+        first: list[BaseException] = []
+
+        def first_op() -> None:
+            try:
+                session.lookup(keys, timeout_s=1.0)
+            except HiCacheError as exc:
+                first.append(exc)
+
+        with _daemon_stalled_with_one_lane(daemon):
+            thread = threading.Thread(target=first_op)
+            thread.start()
+            poll(lambda: lane._tail, lambda tail: tail == 2, 10, "the first op sent on the lane")
+            started = time.monotonic()
+            with pytest.raises(HiCacheError) as err:
+                session.lookup(keys, timeout_s=2.0)  # waits for the lane until the first op times out
+            took = time.monotonic() - started
+            thread.join()
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        assert [e.code for e in first if isinstance(e, HiCacheError)] == [grpc.StatusCode.DEADLINE_EXCEEDED]
+        assert took < 2.5, f"the second op took {took:.2f} s for its 2 s timeout"
+        assert lane.closed and session.lookup(keys).l2_hit_pages == 0  # on over gRPC
+        session.close()
+
+
+def test_an_op_with_no_time_left_for_the_lane_is_not_sent_and_keeps_the_lane(
+    daemon: Daemon, pools: WorkerPools
+) -> None:
+    """Fails before: an op left with almost none of its timeout once it held the lane was sent,
+    timed out and closed the lane for good (the session on gRPC from then on). Now it is not
+    sent: DEADLINE_EXCEEDED, the lane still open and serving."""
+    keys = [uuid.uuid4().hex for _ in range(2)]
+    with HiCacheClient(daemon.target, timeout_s=30.0, fast_lane=True) as client:
+        session = _attach(client, pools)
+        assert session.lookup(keys).l2_hit_pages == 0  # opens the lane
+        lane = session._slot._lane
+        assert lane is not None
+        stop_process(daemon.process.pid)  # were it sent, nothing would answer it
+        try:
+            with pytest.raises(HiCacheError) as err:
+                session.lookup(keys, timeout_s=0.0002)
+        finally:
+            os.kill(daemon.process.pid, signal.SIGCONT)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        assert lane._tail == 1 and not lane.closed and session._slot._lane is lane
+        assert session.lookup(keys).l2_hit_pages == 0
+        assert lane._tail == 2, "the next op went over the lane"
+        session.close()

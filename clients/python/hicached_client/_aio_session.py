@@ -4,7 +4,7 @@ Every method carries the session id, the session's secret and an op_id (fresh, o
 ``op_id=``: e.g. the same id on every TP rank's retry path), so a retried call is answered once.
 With ``fast_lane=True`` on the client, the hot calls go over the daemon's fast lane when they can
 (docs/fastlane.md says which; a lost lane re-sends the op over gRPC with the same op_id, so it
-runs once). Results and errors are the same.
+runs once, within what is left of its timeout). Results and errors are the same.
 
 Thread-safety: a blocking session may be used from many threads (its mutable state -- the Detach
 op_id, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an asyncio
@@ -25,6 +25,7 @@ from hicached_client._aio_backend import AsyncBeat, AsyncLock
 from hicached_client._aio_lane import AsyncLaneSlot, lane_keys
 from hicached_client._calls import Call, new_op_id
 from hicached_client._channel import check_metadata
+from hicached_client._lane_common import Budget
 from hicached_client.errors import HiCacheError, beat_interval, heartbeat_failure
 from hicached_client.types import (
     AllocResult,
@@ -120,8 +121,8 @@ class AsyncSession:
         await self._slot.close()
         return op
 
-    def _timeout(self, timeout_s: float | None) -> float | None:
-        return self.client.config.timeout_s if timeout_s is None else timeout_s
+    def _budget(self, timeout_s: float | None) -> Budget:
+        return Budget(self.client.config.timeout_s if timeout_s is None else timeout_s)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -182,29 +183,29 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> ResolveResult:
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         lane = await self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
         if lane is not None:
             try:
-                return await lane.resolve_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+                return await lane.resolve_transfers(transfers, op_id=op, timeout_s=budget.left())
             except HiCacheError as exc:
                 await self._slot.failed(exc, "ResolveTransfers", self.client.config.retry)
         call = _calls.resolve_transfers(
             self.session_id, op, transfers, primary_device_pages, primary_host_pages
         )
-        return await self._invoke(call, timeout_s)
+        return await self._invoke(call, budget.left())
 
     async def release_transfers(
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         lane = await self._slot.get(self, True)
         if lane is not None:
             try:
-                return await lane.release_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+                return await lane.release_transfers(transfers, op_id=op, timeout_s=budget.left())
             except HiCacheError as exc:
                 await self._slot.failed(exc, "ReleaseTransfers", self.client.config.retry)
-        return await self._invoke(_calls.release_transfers(self.session_id, op, transfers), timeout_s)
+        return await self._invoke(_calls.release_transfers(self.session_id, op, transfers), budget.left())
 
     # ------------------------------------------------------------ data plane
 
@@ -220,15 +221,13 @@ class AsyncSession:
         timeout_s: float | None = None,
     ) -> WriteResult:
         """Device -> host copy; with ``allocate`` host pages are resolved first (atomically)."""
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         lane = await self._slot.get(
             self, primary_device_pages is None and primary_host_pages is None and ready is None
         )
         if lane is not None:
             try:
-                return await lane.write(
-                    transfers, allocate=allocate, op_id=op, timeout_s=self._timeout(timeout_s)
-                )
+                return await lane.write(transfers, allocate=allocate, op_id=op, timeout_s=budget.left())
             except HiCacheError as exc:
                 await self._slot.failed(exc, "Write", self.client.config.retry)
         call = _calls.write(
@@ -240,7 +239,7 @@ class AsyncSession:
             allocate=allocate,
             ready=ready,
         )
-        return await self._invoke(call, timeout_s)
+        return await self._invoke(call, budget.left())
 
     def load(
         self,
@@ -274,12 +273,12 @@ class AsyncSession:
         timeout_s: float | None = None,
     ) -> LoadResult:
         """:meth:`load` and wait for the end (over the fast lane when the session has one)."""
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         lane = await self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
         if lane is not None:
             try:
                 return await lane.load(
-                    transfers, layer_progress=layer_progress, op_id=op, timeout_s=self._timeout(timeout_s)
+                    transfers, layer_progress=layer_progress, op_id=op, timeout_s=budget.left()
                 )
             except HiCacheError as exc:
                 await self._slot.failed(exc, "Load", self.client.config.retry)
@@ -289,7 +288,7 @@ class AsyncSession:
             primary_device_pages=primary_device_pages,
             primary_host_pages=primary_host_pages,
             op_id=op,
-            timeout_s=timeout_s,
+            timeout_s=budget.left(),
         )
         return await stream.wait()
 
@@ -357,14 +356,14 @@ class AsyncSession:
         self, keys: Keys, *, tenant: str = "", per_key: bool = False, timeout_s: float | None = None
     ) -> LookupResult:
         """Leading cached runs of ``keys``; ``per_key``: each key's flags too (over gRPC)."""
-        given = None if per_key else lane_keys(keys, tenant)
+        given, budget = None if per_key else lane_keys(keys, tenant), self._budget(timeout_s)
         lane = await self._slot.get(self, given is not None)
         if lane is not None and given is not None:
             try:
-                return await lane.lookup(given, timeout_s=self._timeout(timeout_s))
+                return await lane.lookup(given, timeout_s=budget.left())
             except HiCacheError as exc:
                 await self._slot.failed(exc, "Lookup", self.client.config.retry)
-        return await self._invoke(_calls.lookup(self.session_id, keys, tenant, per_key), timeout_s)
+        return await self._invoke(_calls.lookup(self.session_id, keys, tenant, per_key), budget.left())
 
     async def publish(
         self,
@@ -389,13 +388,13 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> PutPagesResult:
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         given = lane_keys(keys, tenant)
         plain = primary_device_pages is None and ready is None  # the lane carries neither
         lane = await self._slot.get(self, given is not None and plain)
         if lane is not None and given is not None:
             try:
-                return await lane.put_pages(given, transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+                return await lane.put_pages(given, transfers, op_id=op, timeout_s=budget.left())
             except HiCacheError as exc:
                 await self._slot.failed(exc, "PutPages", self.client.config.retry)
         call = _calls.put_pages(
@@ -407,7 +406,7 @@ class AsyncSession:
             ready=ready,
             tenant=tenant,
         )
-        return await self._invoke(call, timeout_s)
+        return await self._invoke(call, budget.left())
 
     async def get_pages(
         self,
@@ -420,13 +419,13 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> GetPagesResult:
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         given = lane_keys(keys, tenant)
         lane = await self._slot.get(self, given is not None and primary_device_pages is None)
         if lane is not None and given is not None:
             try:
                 return await lane.get_pages(
-                    given, transfers, include_l3=include_l3, op_id=op, timeout_s=self._timeout(timeout_s)
+                    given, transfers, include_l3=include_l3, op_id=op, timeout_s=budget.left()
                 )
             except HiCacheError as exc:
                 await self._slot.failed(exc, "GetPages", self.client.config.retry)
@@ -439,7 +438,7 @@ class AsyncSession:
             include_l3=include_l3,
             tenant=tenant,
         )
-        return await self._invoke(call, timeout_s)
+        return await self._invoke(call, budget.left())
 
     async def prefetch(
         self,
@@ -464,9 +463,8 @@ class AsyncSession:
     async def cancel_prefetch(
         self, prefetch_id: str, *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
-        return await self._invoke(
-            _calls.cancel_prefetch(self.session_id, self._op(op_id), prefetch_id), timeout_s
-        )
+        call = _calls.cancel_prefetch(self.session_id, self._op(op_id), prefetch_id)
+        return await self._invoke(call, timeout_s)
 
     async def backup(
         self,

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import os
 import stat
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -38,6 +39,10 @@ _EVENTFD = "anon_inode:[eventfd]"
 # A memfd's /proc link: "/memfd:<name> (deleted)".
 _MEMFD = "/memfd:"
 
+# An op with less than this of its timeout left once it holds the lane is not sent: it could
+# only time out, and a timeout closes the lane (see FastLane.abandon).
+MIN_SEND_S = 0.001
+
 # A request record's writer, as FastLane.submit_raw takes it: fill(view, offset, seq).
 Fill = Callable[[memoryview, int, int], None]
 
@@ -53,6 +58,18 @@ def closed_by_daemon() -> HiCacheError:
 
 def timed_out() -> HiCacheError:
     return HiCacheError(grpc.StatusCode.DEADLINE_EXCEEDED, "fast lane op timed out", method="FastLane")
+
+
+class Budget:
+    """One op's timeout as a deadline, shared by its tries: the lane's, then gRPC's when the
+    lane is lost or refuses it (a re-send gets what is left, not a fresh timeout). None: no
+    deadline. Not thread-safe (one op's)."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self._end = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def left(self) -> float | None:
+        return None if self._end is None else max(0.0, self._end - time.monotonic())
 
 
 # ------------------------------------------------------------ what a lane is made of

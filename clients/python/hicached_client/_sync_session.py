@@ -5,7 +5,7 @@ Every method carries the session id, the session's secret and an op_id (fresh, o
 ``op_id=``: e.g. the same id on every TP rank's retry path), so a retried call is answered once.
 With ``fast_lane=True`` on the client, the hot calls go over the daemon's fast lane when they can
 (docs/fastlane.md says which; a lost lane re-sends the op over gRPC with the same op_id, so it
-runs once). Results and errors are the same.
+runs once, within what is left of its timeout). Results and errors are the same.
 
 Thread-safety: a blocking session may be used from many threads (its mutable state -- the Detach
 op_id, the heartbeat and the lane -- is guarded; ops on the lane are serialised); an asyncio
@@ -24,6 +24,7 @@ import grpc
 from hicached_client import _calls
 from hicached_client._calls import Call, new_op_id
 from hicached_client._channel import check_metadata
+from hicached_client._lane_common import Budget
 from hicached_client._sync_backend import Beat, Lock
 from hicached_client._sync_lane import LaneSlot, lane_keys
 from hicached_client.errors import HiCacheError, beat_interval, heartbeat_failure
@@ -121,8 +122,8 @@ class Session:
         self._slot.close()
         return op
 
-    def _timeout(self, timeout_s: float | None) -> float | None:
-        return self.client.config.timeout_s if timeout_s is None else timeout_s
+    def _budget(self, timeout_s: float | None) -> Budget:
+        return Budget(self.client.config.timeout_s if timeout_s is None else timeout_s)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -183,29 +184,29 @@ class Session:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> ResolveResult:
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         lane = self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
         if lane is not None:
             try:
-                return lane.resolve_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+                return lane.resolve_transfers(transfers, op_id=op, timeout_s=budget.left())
             except HiCacheError as exc:
                 self._slot.failed(exc, "ResolveTransfers", self.client.config.retry)
         call = _calls.resolve_transfers(
             self.session_id, op, transfers, primary_device_pages, primary_host_pages
         )
-        return self._invoke(call, timeout_s)
+        return self._invoke(call, budget.left())
 
     def release_transfers(
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         lane = self._slot.get(self, True)
         if lane is not None:
             try:
-                return lane.release_transfers(transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+                return lane.release_transfers(transfers, op_id=op, timeout_s=budget.left())
             except HiCacheError as exc:
                 self._slot.failed(exc, "ReleaseTransfers", self.client.config.retry)
-        return self._invoke(_calls.release_transfers(self.session_id, op, transfers), timeout_s)
+        return self._invoke(_calls.release_transfers(self.session_id, op, transfers), budget.left())
 
     # ------------------------------------------------------------ data plane
 
@@ -221,13 +222,13 @@ class Session:
         timeout_s: float | None = None,
     ) -> WriteResult:
         """Device -> host copy; with ``allocate`` host pages are resolved first (atomically)."""
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         lane = self._slot.get(
             self, primary_device_pages is None and primary_host_pages is None and ready is None
         )
         if lane is not None:
             try:
-                return lane.write(transfers, allocate=allocate, op_id=op, timeout_s=self._timeout(timeout_s))
+                return lane.write(transfers, allocate=allocate, op_id=op, timeout_s=budget.left())
             except HiCacheError as exc:
                 self._slot.failed(exc, "Write", self.client.config.retry)
         call = _calls.write(
@@ -239,7 +240,7 @@ class Session:
             allocate=allocate,
             ready=ready,
         )
-        return self._invoke(call, timeout_s)
+        return self._invoke(call, budget.left())
 
     def load(
         self,
@@ -273,13 +274,11 @@ class Session:
         timeout_s: float | None = None,
     ) -> LoadResult:
         """:meth:`load` and wait for the end (over the fast lane when the session has one)."""
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         lane = self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
         if lane is not None:
             try:
-                return lane.load(
-                    transfers, layer_progress=layer_progress, op_id=op, timeout_s=self._timeout(timeout_s)
-                )
+                return lane.load(transfers, layer_progress=layer_progress, op_id=op, timeout_s=budget.left())
             except HiCacheError as exc:
                 self._slot.failed(exc, "Load", self.client.config.retry)
         stream = self.load(
@@ -288,7 +287,7 @@ class Session:
             primary_device_pages=primary_device_pages,
             primary_host_pages=primary_host_pages,
             op_id=op,
-            timeout_s=timeout_s,
+            timeout_s=budget.left(),
         )
         return stream.wait()
 
@@ -354,14 +353,14 @@ class Session:
         self, keys: Keys, *, tenant: str = "", per_key: bool = False, timeout_s: float | None = None
     ) -> LookupResult:
         """Leading cached runs of ``keys``; ``per_key``: each key's flags too (over gRPC)."""
-        given = None if per_key else lane_keys(keys, tenant)
+        given, budget = None if per_key else lane_keys(keys, tenant), self._budget(timeout_s)
         lane = self._slot.get(self, given is not None)
         if lane is not None and given is not None:
             try:
-                return lane.lookup(given, timeout_s=self._timeout(timeout_s))
+                return lane.lookup(given, timeout_s=budget.left())
             except HiCacheError as exc:
                 self._slot.failed(exc, "Lookup", self.client.config.retry)
-        return self._invoke(_calls.lookup(self.session_id, keys, tenant, per_key), timeout_s)
+        return self._invoke(_calls.lookup(self.session_id, keys, tenant, per_key), budget.left())
 
     def publish(
         self,
@@ -386,13 +385,13 @@ class Session:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> PutPagesResult:
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         given = lane_keys(keys, tenant)
         plain = primary_device_pages is None and ready is None  # the lane carries neither
         lane = self._slot.get(self, given is not None and plain)
         if lane is not None and given is not None:
             try:
-                return lane.put_pages(given, transfers, op_id=op, timeout_s=self._timeout(timeout_s))
+                return lane.put_pages(given, transfers, op_id=op, timeout_s=budget.left())
             except HiCacheError as exc:
                 self._slot.failed(exc, "PutPages", self.client.config.retry)
         call = _calls.put_pages(
@@ -404,7 +403,7 @@ class Session:
             ready=ready,
             tenant=tenant,
         )
-        return self._invoke(call, timeout_s)
+        return self._invoke(call, budget.left())
 
     def get_pages(
         self,
@@ -417,13 +416,13 @@ class Session:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> GetPagesResult:
-        op = self._op(op_id)
+        op, budget = self._op(op_id), self._budget(timeout_s)
         given = lane_keys(keys, tenant)
         lane = self._slot.get(self, given is not None and primary_device_pages is None)
         if lane is not None and given is not None:
             try:
                 return lane.get_pages(
-                    given, transfers, include_l3=include_l3, op_id=op, timeout_s=self._timeout(timeout_s)
+                    given, transfers, include_l3=include_l3, op_id=op, timeout_s=budget.left()
                 )
             except HiCacheError as exc:
                 self._slot.failed(exc, "GetPages", self.client.config.retry)
@@ -436,7 +435,7 @@ class Session:
             include_l3=include_l3,
             tenant=tenant,
         )
-        return self._invoke(call, timeout_s)
+        return self._invoke(call, budget.left())
 
     def prefetch(
         self,
@@ -461,7 +460,8 @@ class Session:
     def cancel_prefetch(
         self, prefetch_id: str, *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
-        return self._invoke(_calls.cancel_prefetch(self.session_id, self._op(op_id), prefetch_id), timeout_s)
+        call = _calls.cancel_prefetch(self.session_id, self._op(op_id), prefetch_id)
+        return self._invoke(call, timeout_s)
 
     def backup(
         self,

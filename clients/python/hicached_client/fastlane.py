@@ -296,8 +296,11 @@ class FastLane:
         if not self._lock.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
             raise lc.timed_out()
         try:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left < lc.MIN_SEND_S:
+                raise lc.timed_out()  # nothing sent (the lane stays open): the op can be sent again
             seq = self.submit_raw(lc.request(opcode, flags, transfers, op_id, keys))
-            return self.completion(seq, None if deadline is None else max(0.0, deadline - time.monotonic()))
+            return self.completion(seq, left)
         finally:
             self._lock.release()
 

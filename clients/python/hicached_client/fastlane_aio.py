@@ -136,9 +136,11 @@ class AsyncFastLane:
         except TimeoutError:
             raise lc.timed_out() from None  # nothing sent: the op can be sent again
         try:
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left < lc.MIN_SEND_S:
+                raise lc.timed_out()  # nothing sent (the lane stays open): the op can be sent again
             seq = self.lane.submit_raw(lc.request(opcode, flags, transfers, op_id, keys))
             try:
-                left = None if deadline is None else max(0.0, deadline - loop.time())
                 await asyncio.wait_for(self._ready(seq), left)
             except TimeoutError:
                 self.lane.abandon()
