@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from hicached_client import HiCacheClient, HiCacheError, TokenChain, WorkerIdentity, pool_spec
+from hicached_client import HiCacheClient, HiCacheError, TokenChain, WorkerIdentity, pool_spec, vocab
 
 from hicached.commands._common import count, positive, shown
 from hicached.commands._target import add_target_flags, client_of, failure_message, target_of
@@ -110,40 +110,23 @@ def _specs(args: argparse.Namespace) -> tuple[WorkerIdentity, Any]:
 
 
 def _page_bytes(args: argparse.Namespace) -> int:
-    """Bytes of one host page of the layout, as the daemon sizes its pools (``KVSpec``)."""
-    import torch  # only when the command runs: `hicached --help` stays quick
-
-    from hicached.l2.layout import KVSpec
-
-    dtype = getattr(torch, args.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"--dtype {args.dtype[:32]!r} is not a torch dtype (bfloat16, float16, ...)")
-    spec = KVSpec(args.kind, dtype, args.layers, args.heads, args.head_dim, args.page_size)
-    return spec.page_bytes
-
-
-def _group_id(identity: WorkerIdentity, spec: Any) -> str:
-    # The core (and torch) only when the command runs: `hicached --help` stays quick.
-    from hicached.core.groups import group_id_for, group_key
-    from hicached.core.types import WorkerId
-    from hicached.server.convert import pool_request
-
-    worker = WorkerId(
-        identity.instance_id,
-        identity.generation,
-        identity.model_name,
-        identity.tp_rank,
-        identity.tp_size,
-        identity.pp_rank,
-        identity.pp_size,
-    )
-    return group_id_for(group_key(worker, [pool_request(spec, 0)]))
+    """Bytes of one host page of the layout, as the daemon sizes its pools (``KVSpec.page_bytes``;
+    tests/acceptance/test_cli.py holds the two equal), without importing torch (~1.5 s)."""
+    try:
+        itemsize = vocab.DATA_TYPE_BYTES[vocab.DataType(args.dtype)]
+        kv = 2 if vocab.PoolKind(args.kind) is vocab.PoolKind.MHA else 1
+    except ValueError:
+        raise ValueError(
+            f"--dtype {args.dtype[:32]!r} / --kind {args.kind[:32]!r}: dtype one of "
+            f"{', '.join(vocab.DataType)}; kind one of {', '.join(vocab.PoolKind)}"
+        ) from None
+    return kv * args.layers * args.heads * args.head_dim * args.page_size * itemsize
 
 
-def _no_group(client: HiCacheClient, gid: str, model: str) -> None:
+def _no_group(client: HiCacheClient, model: str) -> None:
     """Say the daemon has no group for the layout; list the model's groups where the caller
     may see them (an admin; a worker's GetStats shows no groups)."""
-    print(f"hicached lookup: the daemon has no pool group for this layout (group {gid}).", file=sys.stderr)
+    print("hicached lookup: the daemon has no pool group for this layout.", file=sys.stderr)
     groups = client.get_stats().groups
     if not groups:
         print("  (`hicached status` on the admin socket lists the groups it has)", file=sys.stderr)
@@ -168,7 +151,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             keys = TokenChain(parse_tokens(args.tokens), extra_key=args.extra_key, cache_salt=args.cache_salt)
         identity, spec = _specs(args)
-        gid = _group_id(identity, spec)
     except InvalidArgument as exc:
         print(f"hicached lookup: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -179,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
             except HiCacheError as exc:
                 if exc.code.name != "NOT_FOUND":
                     raise
-                _no_group(client, gid, args.model)
+                _no_group(client, args.model)
                 return EXIT_MISS
+            gid = session.info.group
             try:
                 result = session.lookup(keys)
             finally:

@@ -251,6 +251,7 @@ class HiCacheCore:
             joined_existing_group=joined,
             replaced_session_id=replaced.session_id if replaced else "",
             session_secret=session.secret,
+            group=state.group_id,
         )
 
     def _lease(self, lease_ms: int) -> int:

@@ -106,6 +106,7 @@ class AttachResult:
     replaced_session_id: str = ""
     # The session's capability: every later call naming session_id must present it.
     session_secret: str = ""
+    group: str = ""  # the pool group joined or created
 
 
 @dataclass(frozen=True)

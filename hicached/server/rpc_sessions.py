@@ -73,6 +73,7 @@ class SessionRpcs(ServicerBase):
             pools=[convert.pool_info(p) for p in result.pools],
             joined_existing_group=result.joined_existing_group,
             replaced_session_id=result.replaced_session_id,
+            group=result.group,
         )
 
     def _take_handoff(self, ticket: str, context: Ctx) -> tuple[PeerCred | None, list[int]]:

@@ -4,6 +4,7 @@ answering which tiers hold a prefix a worker published."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hicached_client import HiCacheClient, TokenChain, Transfer, WorkerIdentity, pool_spec
+from hicached_client import HiCacheClient, TokenChain, Transfer, WorkerIdentity, pool_spec, vocab
 from hicached_client.export import ShmKVPool
 
 from tests.acceptance.served import ROOT, Served, served
@@ -93,6 +94,7 @@ print("torch imported:", "torch" in sys.modules)
         ["config", "show"],
         ["keys", "--page-size", "2", "--tokens", "1,2,3,4"],
         ["status", "--socket", "nobody.sock", "--timeout", "1"],
+        ["lookup", *LAYOUT, "--tokens", "1,2", "--socket", "nobody.sock"],
     ],
 )
 def test_commands_that_need_no_pools_start_without_torch(command: list[str], tmp_path: Path) -> None:
@@ -180,6 +182,9 @@ def test_lookup_reports_the_tiers_of_a_published_prefix(daemon: Served, tmp_path
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout)
     assert (found["pages"], found["l2_hit_pages"], found["total_hit_pages"]) == (3, 3, 3)
+    with HiCacheClient(daemon.admin_target) as admin:  # the group the worker published into
+        groups = {g.group for g in admin.get_stats().groups if g.model_name == "example-model"}
+    assert found["group"] in groups, (found["group"], groups)
     assert found["tiers"] == ["L2", "L2", "L2"]
     # The same prefix by keys (from `hicached keys`), plus one page nobody wrote: exit 1.
     keys = cli("keys", "--page-size", "16", "--tokens", PREFIX + ",1,2", cwd=tmp_path).stdout.split()
@@ -188,6 +193,20 @@ def test_lookup_reports_the_tiers_of_a_published_prefix(daemon: Served, tmp_path
     assert result.returncode == 1, result.stderr
     assert "leading pages in L2 (host memory): 3" in result.stdout
     assert result.stdout.rstrip().endswith("-")
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("dtype", list(vocab.DataType))
+def test_lookup_sizes_a_page_as_the_daemon_does(kind: str, dtype: str) -> None:
+    """The command sizes a page without torch; the daemon's pools with it (``KVSpec``)."""
+    from hicached.commands.lookup import _page_bytes
+    from hicached.l2.layout import KVSpec
+
+    args = argparse.Namespace(
+        kind=kind, dtype=dtype, layers=3, heads=1 if kind == "mla" else 4, head_dim=64, page_size=16
+    )
+    spec = KVSpec(kind, getattr(torch, dtype), args.layers, args.heads, args.head_dim, args.page_size)
+    assert _page_bytes(args) == spec.page_bytes
 
 
 def test_lookup_of_an_unknown_layout_creates_nothing(daemon: Served, tmp_path: Path) -> None:

@@ -223,6 +223,7 @@ def attach_result(msg: pb.AttachResponse) -> AttachResult:
         joined_existing_group=msg.joined_existing_group,
         replaced_session_id=msg.replaced_session_id,
         session_secret=msg.session_secret,
+        group=msg.group,
     )
 
 

@@ -134,6 +134,9 @@ class AttachResult:
     replaced_session_id: str
     # The session's capability, sent as metadata on every call of the session (never logged).
     session_secret: str = field(default="", repr=False)
+    # The pool group the session joined or created (``GroupInfo.group``); "" from an older
+    # daemon, and in a handle made by ``client.session``.
+    group: str = ""
 
     def pool(self, name: str) -> PoolInfo:
         """The pool called ``name``; ``KeyError`` naming it when absent."""

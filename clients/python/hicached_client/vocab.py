@@ -84,3 +84,14 @@ DATA_TYPES: Mapping[DataType, int] = {
     DataType.UINT8: tpb.DATA_TYPE_UINT8,
     DataType.INT8: tpb.DATA_TYPE_INT8,
 }
+# Bytes per element, for code that sizes pages without importing torch (``hicached lookup``);
+# tests/test_vocab.py holds it equal to torch's ``itemsize``.
+DATA_TYPE_BYTES: Mapping[DataType, int] = {
+    DataType.FLOAT16: 2,
+    DataType.BFLOAT16: 2,
+    DataType.FLOAT32: 4,
+    DataType.FLOAT8_E4M3FN: 1,
+    DataType.FLOAT8_E5M2: 1,
+    DataType.UINT8: 1,
+    DataType.INT8: 1,
+}

@@ -63,20 +63,22 @@ class AttachRequest(_message.Message):
     def __init__(self, op_id: _Optional[str] = ..., identity: _Optional[_Union[_types_pb2.WorkerIdentity, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolSpec, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., handoff_ticket: _Optional[str] = ..., join_only: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session_id", "lease_ms", "pools", "joined_existing_group", "replaced_session_id", "session_secret")
+    __slots__ = ("session_id", "lease_ms", "pools", "joined_existing_group", "replaced_session_id", "session_secret", "group")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     JOINED_EXISTING_GROUP_FIELD_NUMBER: _ClassVar[int]
     REPLACED_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_ms: int
     pools: _containers.RepeatedCompositeFieldContainer[_types_pb2.PoolInfo]
     joined_existing_group: bool
     replaced_session_id: str
     session_secret: str
-    def __init__(self, session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolInfo, _Mapping]]] = ..., joined_existing_group: _Optional[bool] = ..., replaced_session_id: _Optional[str] = ..., session_secret: _Optional[str] = ...) -> None: ...
+    group: str
+    def __init__(self, session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[_types_pb2.PoolInfo, _Mapping]]] = ..., joined_existing_group: _Optional[bool] = ..., replaced_session_id: _Optional[str] = ..., session_secret: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("session_id", "op_id")
