@@ -120,7 +120,7 @@ def _page_bytes(args: argparse.Namespace) -> int:
             f"--dtype {args.dtype[:32]!r} / --kind {args.kind[:32]!r}: dtype one of "
             f"{', '.join(vocab.DataType)}; kind one of {', '.join(vocab.PoolKind)}"
         ) from None
-    return kv * args.layers * args.heads * args.head_dim * args.page_size * itemsize
+    return int(kv * args.layers * args.heads * args.head_dim * args.page_size * itemsize)
 
 
 def _no_group(client: HiCacheClient, model: str) -> None:
