@@ -6,7 +6,11 @@
 ``(slots, kv_heads, head_dim)`` K and V) and one
 daemon session over it. Pages are ``page_size`` tokens; their keys are the
 daemon's hash chain of the token ids (``TokenChain``), so any worker of the
-same model and KV layout that saw the same tokens finds them:
+same model and KV layout that saw the same tokens finds them. ``model_name``
+must name the weights (checkpoint and revision: a fine-tune is another model);
+a :class:`KVShape` made by :meth:`KVShape.of` also carries a digest of the
+model's config, in every key, so models whose configs differ (rope, attention
+heads, hidden size...) never restore each other's pages:
 
 * :meth:`save_prefix` copies the page-aligned prefix of a cache into the area
   and stores it (``PutPages``; keys already cached are skipped);
@@ -33,28 +37,67 @@ prompts are saved, looked up and loaded up to the area's size.
 Thread-safety: one request at a time (the area's slots are reused by every
 call); use one ``HFKVCache`` per thread. Ownership: the caller's caches are
 only read by the save calls; the load calls return new caches owning their
-tensors. :meth:`close` detaches the session and always unmaps the area (even
-when the Detach fails; a later ``close()`` retries the Detach); any other call
-after it is a ``ValueError``.
+tensors, on ``device`` (CPU by default). :meth:`close` detaches the session and
+always unmaps the area (even when the Detach fails; a later ``close()`` retries
+the Detach); any other call after it is a ``ValueError``.
+
+A session the daemon no longer knows (it restarted, or the lease ran out) is
+attached again once, with the same identity and area, and the call re-sent; a
+daemon that is down raises its ``UNAVAILABLE`` ``HiCacheError``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 import torch
 
+from hicached_client.errors import HiCacheError
 from hicached_client.export import ShmKVPool
 from hicached_client.specs import pool_spec
 from hicached_client.sync import HiCacheClient, Session
 from hicached_client.types import PoolRole, TokenChain, Transfer, WorkerIdentity
 
 POOL = "kv"
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+# Config entries that say how a model is loaded or run, not what it computes: left out of
+# the digest, so workers loading one model differently still share its pages.
+_NOT_THE_MODEL = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "dtype",  # the shape's own field
+        "torch_dtype",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "attn_implementation",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+
+
+def config_digest(config: Any) -> str:
+    """A digest of what a transformers config says about the model's computation (everything
+    but the loading and run-time entries above): two workers whose configs differ in any of it
+    never share pages. Weights are not in it: ``model_name`` names them."""
+    to_dict = getattr(config, "to_dict", None)
+    entries = to_dict() if callable(to_dict) else dict(vars(config))
+    kept = {k: v for k, v in entries.items() if k not in _NOT_THE_MODEL}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -65,6 +108,8 @@ class KVShape:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # :func:`config_digest` of the model's config (set by :meth:`of`); part of every page key.
+    config_digest: str = ""
 
     @classmethod
     def of(cls, config: Any, dtype: torch.dtype | str | None = None) -> KVShape:
@@ -83,16 +128,20 @@ class KVShape:
             raise ValueError(
                 "dtype: the config names no dtype; pass the model's (KVShape.of(model.config, model.dtype))"
             )
+        given = dtype
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype: not a torch dtype: {dtype!r}")
+            raise ValueError(
+                f"dtype: not a torch dtype: {str(given)[:40]!r} (e.g. torch.bfloat16 or 'bfloat16')"
+            )
         heads = config.num_attention_heads
         return cls(
             num_layers=config.num_hidden_layers,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             dtype=dtype,
+            config_digest=config_digest(config),
         )
 
 
@@ -115,9 +164,21 @@ def _token_ids(token_ids: Any) -> list[int]:
         ids = ids[0]
     if ids.ndim != 1:
         raise ValueError(f"token_ids must be 1-D ids of one sequence, got shape {tuple(ids.shape)}")
-    if ids.size and ids.dtype.kind not in "iu":
+    ints = ids.dtype.kind in "iu" or (ids.dtype.kind == "O" and all(type(t) is int for t in ids))
+    if ids.size and not ints:
         raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
-    return [int(t) for t in ids]
+    out = [int(t) for t in ids]
+    if out and not (min(out) >= 0 and max(out) < 2**64):
+        bad = next(t for t in out if not 0 <= t < 2**64)
+        raise ValueError(f"token_ids must lie in [0, 2**64), got {str(bad)[:40]}")
+    return out
+
+
+def _held(cache: Any) -> int:
+    """Tokens ``cache`` holds (a ValueError for what is no ``DynamicCache``)."""
+    if getattr(cache, "layers", None) is None or not callable(getattr(cache, "get_seq_length", None)):
+        raise ValueError(f"cache: expected a transformers DynamicCache, got {type(cache).__name__}")
+    return int(cache.get_seq_length())
 
 
 def _dynamic_cache() -> Any:
@@ -142,15 +203,19 @@ class HFKVCache:
         generation: int | None = None,
         tenant: str = "",
         cache_factory: Callable[[], Any] = _dynamic_cache,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """``tenant`` separates workers of one model: pages of different tenants never hit each other."""
-        if slots % page_size:
-            raise ValueError(f"slots={slots} must be a multiple of page_size={page_size}")
+        """``tenant`` separates workers of one model: pages of different tenants never hit each
+        other. ``device``: where the caches :meth:`load_prefix` and :meth:`resume` build live."""
+        if page_size <= 0 or slots <= 0 or slots % page_size:
+            raise ValueError(f"slots={slots} must be a positive multiple of page_size={page_size} (> 0)")
         self.shape = shape
         self.page_size = page_size
         self.num_pages = slots // page_size
+        self.device = torch.device(device)
         self._factory = cache_factory
         self._closed = False
+        self._client = client
         self.pool = ShmKVPool(
             f"hicached-hf-{os.getpid()}-{uuid.uuid4().hex[:10]}",
             num_layers=shape.num_layers,
@@ -160,7 +225,7 @@ class HFKVCache:
             dtype=shape.dtype,
         )
         try:
-            spec = pool_spec(
+            self._spec = pool_spec(
                 POOL,
                 role=PoolRole.ANCHOR,
                 kind="mha",
@@ -174,16 +239,46 @@ class HFKVCache:
                 host_layout="page_first",
                 host_bytes=host_bytes,
             )
-            identity = WorkerIdentity(
+            self._identity = WorkerIdentity(
                 instance_id=instance_id or f"hf-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                 generation=generation if generation is not None else 1,
                 model_name=model_name,
                 tenant=tenant,
             )
-            self.session: Session = client.attach(identity, [spec])
+            self.session: Session = client.attach(self._identity, [self._spec])
         except BaseException:
             self.pool.close()
             raise
+
+    def _call(self, op: Callable[[Session], T]) -> T:
+        """``op(session)``; once more on a new session if the daemon no longer knows this one.
+
+        NOT_FOUND is also some calls' own answer (an unknown retraction backup): the session
+        is attached again only when a heartbeat confirms the daemon lost it.
+        """
+        self._open()
+        lost = self.session
+        try:
+            return op(lost)
+        except HiCacheError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND or self._knows(lost):
+                raise
+            log.warning("hicached: the daemon lost session %s (%s); attaching again", lost.session_id, exc)
+        lost.stop_heartbeat()
+        self.session = self._client.attach(self._identity, [self._spec])
+        return op(self.session)
+
+    @staticmethod
+    def _knows(session: Session) -> bool:
+        try:
+            session.heartbeat()
+        except HiCacheError as exc:
+            return exc.code != grpc.StatusCode.NOT_FOUND
+        return True
+
+    def _chain(self, ids: list[int], pages: int) -> TokenChain:
+        """The page keys of the first ``pages`` pages of ``ids``, salted with the config's digest."""
+        return TokenChain(ids[: pages * self.page_size], extra_key=self.shape.config_digest or None)
 
     # ----------------------------------------------------------------- staging
 
@@ -225,7 +320,8 @@ class HFKVCache:
                     raise ValueError(f"layer {i} {name}: dtype {t.dtype} != session {shape.dtype}")
                 if held < num_tokens:
                     raise ValueError(
-                        f"layer {i} holds {held} tokens, {num_tokens} needed (sliding-window layers are not supported)"
+                        f"layer {i} holds {held} tokens, {num_tokens} needed: every layer must hold "
+                        "the whole prefix (a truncated or sliding-window layer cannot be saved)"
                     )
 
     def _stage(self, cache: Any, num_tokens: int, first_page: int) -> None:
@@ -236,7 +332,8 @@ class HFKVCache:
         lo = first_page * self.page_size
         if lo + num_tokens > self.num_pages * self.page_size:
             raise ValueError(
-                f"{num_tokens} tokens from page {first_page} exceed the area's {self.num_pages} pages"
+                f"{num_tokens} tokens from page {first_page} exceed the area's {self.num_pages} pages "
+                f"of {self.page_size} tokens (a larger slots= holds more)"
             )
         self._check(cache, num_tokens)
         for i, layer in enumerate(cache.layers[: self.shape.num_layers]):
@@ -249,14 +346,17 @@ class HFKVCache:
         lo = first_page * self.page_size
         cache = self._factory()
         for i in range(self.shape.num_layers):
-            k = self.pool.k[i][lo : lo + num_tokens].transpose(0, 1).unsqueeze(0).clone()
-            v = self.pool.v[i][lo : lo + num_tokens].transpose(0, 1).unsqueeze(0).clone()
+            k = self.pool.k[i][lo : lo + num_tokens].transpose(0, 1).unsqueeze(0).to(self.device, copy=True)
+            v = self.pool.v[i][lo : lo + num_tokens].transpose(0, 1).unsqueeze(0).to(self.device, copy=True)
             cache.update(k, v, i)
         return cache
 
     def _pages(self, count: int, first_page: int = 0) -> list[int]:
         if first_page + count > self.num_pages:
-            raise ValueError(f"{count} pages from page {first_page} exceed the area's {self.num_pages} pages")
+            raise ValueError(
+                f"{count} pages from page {first_page} exceed the area's {self.num_pages} pages "
+                "(a larger slots= holds more)"
+            )
         return list(range(first_page, first_page + count))
 
     # ------------------------------------------------------------------ prefix
@@ -269,23 +369,25 @@ class HFKVCache:
         """
         self._open()
         ids = _token_ids(token_ids)
-        pages = min(min(len(ids), cache.get_seq_length()) // self.page_size, self.num_pages)
+        pages = min(min(len(ids), _held(cache)) // self.page_size, self.num_pages)
         if pages == 0:
             return 0
         self._stage(cache, pages * self.page_size, 0)
-        chain = TokenChain(ids[: pages * self.page_size])
-        result = self.session.put_pages(chain, [Transfer(POOL, self._pages(pages))])
+        chain, to = self._chain(ids, pages), [Transfer(POOL, self._pages(pages))]
+        result = self._call(lambda session: session.put_pages(chain, to))
         return result.stored_pages + result.existing_pages if result.ok else 0
 
     def cached_tokens(self, token_ids: Sequence[int] | Any, *, include_l3: bool = True) -> int:
         """Tokens of the longest cached page-aligned prefix of ``token_ids`` (a lookup, no copy),
-        at most the area's ``slots`` (what :meth:`save_prefix` stores)."""
+        at most the area's ``slots`` (what :meth:`save_prefix` stores). A whole cached prompt
+        counts here; :meth:`load_prefix` restores a page less of it (a token left to compute)."""
         self._open()
         ids = _token_ids(token_ids)
         pages = min(len(ids) // self.page_size, self.num_pages)
         if pages == 0:
             return 0
-        found = self.session.lookup(TokenChain(ids[: pages * self.page_size]))
+        chain = self._chain(ids, pages)
+        found = self._call(lambda session: session.lookup(chain))
         # At most the pages asked about, whatever the daemon answers.
         return min(found.total_hit_pages if include_l3 else found.l2_hit_pages, pages) * self.page_size
 
@@ -300,8 +402,8 @@ class HFKVCache:
         pages = min((len(ids) - 1) // self.page_size, self.num_pages)
         if pages <= 0:
             return None, 0
-        chain = TokenChain(ids[: pages * self.page_size])
-        got = self.session.get_pages(chain, [Transfer(POOL, self._pages(pages))], include_l3=include_l3)
+        chain, to = self._chain(ids, pages), [Transfer(POOL, self._pages(pages))]
+        got = self._call(lambda session: session.get_pages(chain, to, include_l3=include_l3))
         hits = min(got.hit_pages, pages)  # a daemon's larger count would restore unloaded slots
         if hits == 0:
             return None, 0
@@ -316,27 +418,28 @@ class HFKVCache:
         pages = min(len(ids) // self.page_size, self.num_pages)
         if pages == 0:
             return 0
-        return self.session.backup(TokenChain(ids[: pages * self.page_size]), wait=True).stored_pages
+        chain = self._chain(ids, pages)
+        return self._call(lambda session: session.backup(chain, wait=True)).stored_pages
 
     # -------------------------------------------------------------- retraction
 
     def retract(self, request_id: str, cache: Any, *, first_page: int = 0) -> Retracted | None:
         """Back up every token of ``cache`` (last partial page included); None when declined (no room)."""
         self._open()
-        tokens = cache.get_seq_length()
+        tokens = _held(cache)
         pages = -(-tokens // self.page_size)
         self._stage(cache, tokens, first_page)
-        result = self.session.retract_backup(
-            request_id, [Transfer(POOL, self._pages(pages, first_page))], num_tokens=tokens
-        )
+        to = [Transfer(POOL, self._pages(pages, first_page))]
+        result = self._call(lambda session: session.retract_backup(request_id, to, num_tokens=tokens))
         return Retracted(result.backup_id, tokens) if result.ok else None
 
     def resume(self, retracted: Retracted, *, first_page: int = 0) -> Any:
         """Restore a retracted request into the pages from ``first_page``; a new cache."""
         self._open()
         pages = -(-retracted.num_tokens // self.page_size)
-        self.session.retract_restore_wait(
-            retracted.backup_id, [Transfer(POOL, self._pages(pages, first_page))], layer_progress=False
+        to = [Transfer(POOL, self._pages(pages, first_page))]
+        self._call(
+            lambda session: session.retract_restore_wait(retracted.backup_id, to, layer_progress=False)
         )
         return self._unstage(retracted.num_tokens, first_page)
 
