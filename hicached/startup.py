@@ -80,7 +80,7 @@ def open_l3(config: Config, key: L3Key | None = None) -> StorageBackend | None:
     except (HiCacheError, OSError) as exc:
         reason = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise StartupError(
-            f"L3 backend {name!r} at {l3_target(config)} [{l3_source(config)}] cannot start: "
+            f"L3 backend '{name.value}' at {l3_target(config)} ({l3_source(config)}) cannot start: "
             f"{reason.rstrip('.')}. "
             f'Fix {fix_keys(name)}, or run without L3 (l3.backend = "none").'
         ) from exc

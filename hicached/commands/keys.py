@@ -22,9 +22,12 @@ def parse_tokens(text: str) -> list[int]:
         if not part:
             continue
         try:
-            tokens.append(int(part, 10))
+            token = int(part, 10)
         except ValueError:
-            raise InvalidArgument(f"token id {part!r} is not a decimal integer") from None
+            raise InvalidArgument(f"token id {part[:32]!r} is not a decimal integer") from None
+        if not 0 <= token < 2**64:
+            raise InvalidArgument(f"token id {part[:32]} is outside [0, 2**64 - 1]")
+        tokens.append(token)
     return tokens
 
 

@@ -150,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
             keys: Any = [k.strip() for k in args.keys.split(",") if k.strip()]
         else:
             keys = TokenChain(parse_tokens(args.tokens), extra_key=args.extra_key, cache_salt=args.cache_salt)
+        if not (keys.token_ids if isinstance(keys, TokenChain) else keys):
+            raise InvalidArgument("no token ids or keys given (--tokens 1,2,3 or --keys K1,K2)")
         identity, spec = _specs(args)
     except InvalidArgument as exc:
         print(f"hicached lookup: {exc}", file=sys.stderr)

@@ -184,7 +184,7 @@ def _import_redis() -> Any:
     L3Backend.REDIS,
     RedisBackendConfig,
     framed=True,
-    fix_keys="l3.redis.host/l3.redis.port (or l3.redis.unix_socket)",
+    fix_keys="l3.redis.host/l3.redis.port (or l3.redis.unix_socket; l3.redis.password for a login)",
 )
 class RedisBackend(StorageBackend):
     """Pages as framed string values in Redis/Valkey; see the module docstring."""
@@ -225,6 +225,12 @@ class RedisBackend(StorageBackend):
             raise Unavailable(f"redis backend for {self._where()} is closed")
         try:
             return fn(*args, **kwargs)
+        except self._redis.AuthenticationError as exc:  # a ConnectionError to redis-py: not "unreachable"
+            raise Unavailable(
+                f"redis server at {self._where()} refused the login ({exc}): check l3.redis.password "
+                "(and l3.redis.username for an ACL user)",
+                retry_after_ms=NO_RETRY,
+            ) from exc
         except (self._redis.ConnectionError, self._redis.TimeoutError) as exc:
             # Not retried by the client's channel: each retry would wait the socket timeout again.
             raise Unavailable(

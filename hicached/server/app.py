@@ -74,7 +74,7 @@ def claim_sockets(config: Config) -> int | None:
     cfg = config.server
     gid = sockets.group_id(cfg.admin_group) if cfg.admin_group else None
     sockets.claim(Path(cfg.socket), gid=gid)
-    sockets.claim(cfg.admin_socket_path(), gid=gid)
+    sockets.claim(cfg.admin_socket_path(), gid=gid, key="server.admin_socket")
     sockets.probe(handoff_path(cfg.socket))
     if cfg.fast_lane:
         sockets.probe(lane_path(cfg.socket))

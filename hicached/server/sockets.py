@@ -149,9 +149,29 @@ def probe(path: Path) -> None:
         os.unlink(path)
 
 
-def claim(path: Path, *, gid: int | None) -> None:
-    """:func:`prepare_dir` of the socket's directory, then :func:`probe` of the socket."""
-    prepare_dir(path.parent, gid=gid)
+# sun_path holds 108 bytes with its NUL; the daemon also binds ``<socket>.lane`` and
+# ``<socket>.fds`` and, before publishing each, a private ``.hc-<pid>-<role>`` beside it.
+MAX_SOCKET_PATH = 107
+_LONGEST_SUFFIX = len(".lane")
+
+
+def claim(path: Path, *, gid: int | None, key: str = "server.socket") -> None:
+    """:func:`prepare_dir` of the socket's directory, then :func:`probe` of the socket. A path
+    no Unix socket can be bound at (too long, a directory that cannot be made) is a
+    StartupError naming ``key``, the setting that chose the path."""
+    longest = max(len(os.fsencode(path)) + _LONGEST_SUFFIX, len(os.fsencode(path.parent / ".hc-4194304-w")))
+    if longest > MAX_SOCKET_PATH:
+        raise StartupError(
+            f"socket path {str(path)[:48]!r}... is too long for a Unix socket ({len(os.fsencode(path))} "
+            f"bytes; with its side sockets it needs {longest}, at most {MAX_SOCKET_PATH}): choose a "
+            f"shorter {key}"
+        )
+    try:
+        prepare_dir(path.parent, gid=gid)
+    except OSError as exc:
+        raise StartupError(
+            f"cannot create the socket directory {path.parent}: {exc.strerror}; choose another {key}"
+        ) from None
     probe(path)
 
 

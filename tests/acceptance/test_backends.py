@@ -160,6 +160,20 @@ def test_unreachable_redis_is_one_line_naming_the_keys(tmp_path: Path) -> None:
     assert f"127.0.0.1:{port}" in line and "l3.redis.host" in line and "l3.redis.port" in line, line
 
 
+def test_a_redis_that_refuses_the_login_is_one_line_naming_the_password(tmp_path: Path) -> None:
+    """Fails before: a server that asks a password (none given, or a wrong one) was reported as
+    "unreachable", and the line named only the host and port to fix."""
+    import redis
+
+    with redis_server() as r:
+        redis.Redis(host=r.host, port=r.port).config_set("requirepass", "sekret")
+        table = BASE + f'[l3]\nbackend = "redis"\n[l3.redis]\nhost = "{r.host}"\nport = {r.port}\n'
+        for given in ("", 'password = "wrong"\n'):
+            line = _cannot_start(tmp_path, table + given)
+            assert "refused the login" in line and "l3.redis.password" in line, line
+            assert "unreachable" not in line and "<L3Backend" not in line and "[[" not in line, line
+
+
 def test_unreachable_s3_and_mooncake_name_their_keys(tmp_path: Path) -> None:
     s3_port, mc_port = free_ports(2)
     line = _cannot_start(

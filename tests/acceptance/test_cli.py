@@ -230,6 +230,28 @@ def test_lookup_bad_arguments_exit_2_without_traceback(tmp_path: Path) -> None:
     assert os.path.exists("/nonexistent.sock") is False
 
 
+def test_lookup_refuses_token_ids_out_of_range_and_an_empty_prefix(daemon: Served, tmp_path: Path) -> None:
+    """Fails before: an id below 0 or past 2**64 - 1 was protobuf's ValueError as a traceback
+    (exit 1; `hicached keys` refused the same ids), and no ids at all answered "0 pages asked"."""
+    for tokens, said in (
+        ("-1,2", "token id -1 is outside [0, 2**64 - 1]"),
+        (str(2**64), f"token id {str(2**64)[:32]} is outside"),
+        ("", "no token ids or keys given"),
+    ):
+        result = cli("lookup", *LAYOUT, f"--tokens={tokens}", cwd=tmp_path, env=daemon.env())
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_a_relative_socket_path_reaches_the_daemon(daemon: Served) -> None:
+    """Fails before: a socket path without a leading ``/`` (as `serve --socket run/d.sock`
+    binds it, from its working directory) was taken for host:port: "DNS resolution failed"."""
+    where = daemon.socket.parent
+    result = cli("status", "--socket", f"./{daemon.socket.name}", cwd=where, env=daemon.env())
+    assert result.returncode == 0, result.stderr
+    assert f"at unix://{daemon.socket}" in result.stdout
+
+
 def test_lookup_with_a_tenant_finds_that_tenants_prefix(daemon: Served, tmp_path: Path) -> None:
     """Before: `--tenant` always failed with PERMISSION_DENIED (the command attached without the
     tenant and then asked with it), so no tenant's prefix could be looked up. Its own model, so

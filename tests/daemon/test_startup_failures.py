@@ -104,3 +104,22 @@ def test_sighup_and_sigterm_during_a_long_start_are_handled() -> None:
     finally:
         os.close(write)
         d.stop()
+
+
+def test_a_socket_path_no_unix_socket_can_take_is_one_line_naming_the_key() -> None:
+    """Fails before: a path too long for sun_path was gRPC's bind RuntimeError as a traceback,
+    and a socket directory that cannot be made (under /proc) a FileNotFoundError traceback,
+    both exit 1."""
+    workdir = scratch_dir("hcds")
+    try:
+        deep = workdir / ("d" * 100) / "d.sock"
+        _refused(
+            workdir, _serve(workdir, "--socket", str(deep)), "too long for a Unix socket", "server.socket"
+        )
+        assert not deep.parent.exists(), "nothing made for a path that cannot serve"
+        result = _serve(workdir, "--socket", "/proc/hicached-nowhere/d.sock")
+        _refused(
+            workdir, result, "cannot create the socket directory /proc/hicached-nowhere", "server.socket"
+        )
+    finally:
+        subprocess.run(["rm", "-rf", str(workdir)], check=False)
