@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from hicached.coerce import one_of
-from hicached.config import Config, LogFormat, LogLevel, describe, resolve
+from hicached.config import Config, ConfigError, LogFormat, LogLevel, describe, resolve
+from hicached.errors import clip
 from hicached.l3.registry import L3Backend
 from hicached.logs import escape_controls
 
@@ -89,7 +90,7 @@ def config_from_args(args: argparse.Namespace, *, pipe: bool = False) -> Config:
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"hicached: --set expects SECTION.KEY=VALUE, got {item!r}")
+            raise ConfigError(f"--set expects SECTION.KEY=VALUE, got {clip(item)}")
         cli[key.strip()] = value
     for dest, (key, _) in CONFIG_FLAGS.items():
         value = getattr(args, dest)

@@ -31,8 +31,9 @@ def add_target_flags(
     parser: argparse.ArgumentParser,
     default_help: str = f"${SOCKET_ENV}, else the daemon's default path",
 ) -> None:
-    parser.add_argument("--socket", help=f"daemon Unix socket (default: {default_help})")
-    parser.add_argument("--target", help="gRPC target instead of --socket (host:port or unix:///path)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--socket", help=f"daemon Unix socket (default: {default_help})")
+    where.add_argument("--target", help="gRPC target instead of --socket (host:port or unix:///path)")
     parser.add_argument(
         "--timeout",
         type=seconds,

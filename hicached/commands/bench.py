@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicached.bench import OPTIONAL_PACKAGES, SuiteSkipped, missing_package
+from hicached.commands._common import positive
+from hicached.commands._target import seconds
 
 # suite name -> module under hicached.bench (each exposes run(quick) -> dict[str, float])
 SUITES: dict[str, str] = {
@@ -127,26 +129,30 @@ def register(subparsers: Any) -> None:
         choices=sorted(SUITES),
         help=f"suites to run (repeatable; default: {', '.join(DEFAULT_SUITES)})",
     )
-    parser.add_argument("--soak-workers", type=int, default=None, help="soak: worker processes (default 8)")
+    parser.add_argument(
+        "--soak-workers", type=positive, default=None, help="soak: worker processes (default 8)"
+    )
     parser.add_argument(
         "--soak-seconds",
-        type=float,
+        type=seconds,
         default=None,
         help="soak: seconds of mixed operations (default 600; 20 with --quick)",
     )
     parser.add_argument(
         "--sglang-pages",
-        type=int,
+        type=positive,
         default=None,
         help="sglang: 64 KiB pages per round (default 2048; 256 quick)",
     )
     parser.add_argument(
         "--sglang-pages-1m",
-        type=int,
+        type=positive,
         default=None,
         help="sglang: 1 MiB pages per round (default 512; 64 quick)",
     )
-    parser.add_argument("--sglang-rounds", type=int, default=None, help="sglang: rounds (default 3; 1 quick)")
+    parser.add_argument(
+        "--sglang-rounds", type=positive, default=None, help="sglang: rounds (default 3; 1 quick)"
+    )
     parser.set_defaults(func=run)
 
 

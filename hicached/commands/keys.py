@@ -40,7 +40,6 @@ def register(subparsers: Any) -> None:
             "keys SGLang's HiCache storage computes for the same tokens, page size and namespace "
             "(extra_key, cache_salt). Use them with `hicached lookup --keys` or to find a prefix in L3."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--page-size", type=positive, required=True, help="tokens per page")
     parser.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")

@@ -86,7 +86,9 @@ def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
             continue
         close = difflib.get_close_matches(name, sorted(known), n=1)
         hint = f"; did you mean {close[0]}?" if close else "; see `hicached config show --keys`"
-        warnings.append(f"environment variable {name} is not a hicached setting and is ignored{hint}")
+        # repr of a prefix: the name is anyone's, and a terminal would obey its escapes.
+        shown = repr(name[:60]) + (f"... ({len(name)} chars)" if len(name) > 60 else "")
+        warnings.append(f"environment variable {shown} is not a hicached setting and is ignored{hint}")
     return warnings
 
 

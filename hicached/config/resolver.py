@@ -21,7 +21,7 @@ from typing import Any
 
 from hicached.coerce import coerce, type_hints
 from hicached.config.sections import SECTION_TYPES, Config, ConfigError, ServerConfig
-from hicached.errors import InvalidArgument
+from hicached.errors import InvalidArgument, clip
 
 __all__ = ["ALIASES", "KEYS", "OTHER_ENV", "all_keys", "env_var", "resolve"]
 
@@ -356,6 +356,8 @@ def resolve(
             data = tomllib.loads(text)
         except OSError as exc:
             raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from exc
+        except ConfigError:  # _read_config's own (not a regular file, too large): already one line
+            raise
         except UnicodeDecodeError as exc:
             raise ConfigError(
                 f"config file {file} is not valid UTF-8 (byte {exc.start}: {exc.reason})"
@@ -369,9 +371,11 @@ def resolve(
             raise ConfigError(f"config file {file} is not a configuration: {str(exc)[:200]}") from None
         _check_mode_literals(text, file)
         for section, values in data.items():
-            if section not in SECTION_TYPES or not isinstance(values, dict):
+            if section in SECTION_TYPES and not isinstance(values, dict):
+                raise ConfigError(f"[{section}] in {file} must be a table of keys, got {clip(values)}")
+            if section not in SECTION_TYPES:
                 raise ConfigError(
-                    f"unknown section [{section}] in {file}: expected one of {', '.join(SECTION_TYPES)}"
+                    f"unknown section [{clip(section)}] in {file}: expected one of {', '.join(SECTION_TYPES)}"
                 )
             for dotted, value in _flatten(section, values):
                 _set(layered, dotted, value, origin=str(file), text=False)
@@ -412,6 +416,8 @@ def _set(
     dotted = ALIASES.get(dotted, dotted)
     if dotted in _REMOVED:
         raise ConfigError(f"configuration key {dotted!r} (from {origin}) was removed: use {_REMOVED[dotted]}")
+    if len(dotted) > 80:  # no key is half as long: quote a prefix, not a pasted blob
+        raise ConfigError(f"unknown configuration key {clip(dotted)} (from {origin})")
     entry = KEYS.get(dotted)
     if entry is None:
         section, _, rest = dotted.partition(".")

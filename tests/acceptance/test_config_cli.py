@@ -11,6 +11,7 @@ ignored, ``--keys`` printed ``PosixPath(...)`` and there was no ``--version``.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -154,3 +155,33 @@ def test_config_show_as_json_is_the_same_configuration(tmp_path: Path) -> None:
     data = json.loads(as_json.stdout)
     assert data["log"]["level"] == "debug" and data["l3"]["redis"]["key_prefix"] == "team-a/"
     assert data["l3"]["redis"] == tomllib.loads(as_toml.stdout)["l3"]["redis"]
+
+
+def test_hostile_or_mistaken_command_lines_are_usage_errors_quoting_a_prefix(tmp_path: Path) -> None:
+    """Fails before (a review of stop 45): ``--set`` without ``=`` exited 1 quoting the whole
+    argument; an unknown 5,000-character key came back whole; a variable's name reached the
+    terminal with its escape bytes; ``server = 3`` was "unknown section [server]" listing
+    server; a FIFO named by $HICACHED_CONFIG was reported twice over; the bench took 0 soak
+    workers and -1 seconds; ``--socket`` and ``--target`` together used one silently; and
+    `keys --help` said "(default: None)" of its required flags."""
+    blob = "k" * 5000
+    for args, said in (
+        (["serve", "--set", "x" * 3000], "--set expects SECTION.KEY=VALUE, got 'xxx"),
+        (["config", "show", "--set", f"{blob}=1"], "unknown configuration key 'kkk"),
+        (["bench", "--suite", "soak", "--soak-workers", "0"], "'0' is not an integer in [1, 2**31)"),
+        (["bench", "--suite", "soak", "--soak-seconds", "-1"], "'-1' is not a number of seconds above 0"),
+        (["status", "--socket", "/x/d.sock", "--target", "h:1"], "not allowed with argument"),
+    ):
+        out = run(*args, cwd=tmp_path)
+        assert out.returncode == 2 and said in out.stderr, (args[:2], out.stderr[-500:])
+        assert len(out.stderr) < 600, (args[:2], len(out.stderr))
+    shown = run("config", "show", cwd=tmp_path, env={"HICACHED_X\x1b[31m": "1"})
+    assert "\x1b" not in shown.stderr and "HICACHED_X\\x1b[31m" in shown.stderr, shown.stderr
+    (tmp_path / "bad.toml").write_text("server = 3\n")
+    out = run("config", "show", "--config", "bad.toml", cwd=tmp_path)
+    assert out.returncode == 2 and "[server] in bad.toml must be a table of keys, got '3'" in out.stderr
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    out = run("config", "show", cwd=tmp_path, env={"HICACHED_CONFIG": str(fifo)})
+    assert out.returncode == 2 and out.stderr.count(str(fifo)) == 1, out.stderr
+    assert "(default: None)" not in run("keys", "--help", cwd=tmp_path).stdout
