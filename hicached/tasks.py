@@ -1,7 +1,8 @@
 """Supervision of the daemon's periodic background tasks: none of them dies silently.
 
 :func:`supervise` runs a step every ``interval_s`` on the event loop. A step
-that raises is logged with its traceback, counted (``on_failure``), and
+that raises is logged (with its traceback, unless it is a :class:`HiCacheError`: an expected
+failure such as an L3 outage says what it is in its message), counted (``on_failure``), and
 retried after a backoff that doubles per consecutive failure up to
 ``max_backoff_s``; the first success resets it. A task where continuing would
 be wrong is marked ``fatal``: its first failure calls ``on_fatal`` (the daemon
@@ -16,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+
+from hicached.errors import HiCacheError
 
 __all__ = ["supervise"]
 
@@ -57,11 +60,12 @@ async def supervise(
                 return
             delay = min(interval_s * (2 ** min(failures, 16)), max_backoff_s)
             logger.error(
-                "background task %s failed (%d in a row); retrying in %.1fs",
+                "background task %s failed (%d in a row): %s; retrying in %.1fs",
                 name,
                 failures,
+                exc,
                 delay,
-                exc_info=True,
+                exc_info=not isinstance(exc, HiCacheError),
                 extra={"event": "task_failed", "task": name, "failures": failures, "retry_s": delay},
             )
             await asyncio.sleep(delay)

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from hicached.errors import Unavailable
 from hicached.tasks import supervise
 
 
@@ -39,6 +40,33 @@ def test_failing_step_is_logged_with_traceback_and_retried(caplog: pytest.LogCap
     assert len(errors) == 2 and all(r.exc_info is not None for r in errors)
     assert "boom 1" in caplog.text and "Traceback" in caplog.text
     assert any("recovered after 2 failures" in r.getMessage() for r in caplog.records)
+
+
+def test_an_expected_failure_is_one_line_naming_it(caplog: pytest.LogCaptureFixture) -> None:
+    """Fails before: an L3 outage (Unavailable) was logged with its chained traceback at every
+    retry of the L3 stats task (~90 lines each); it is a message, not a programming error."""
+    done: list[int] = []
+
+    async def main() -> None:
+        finished = asyncio.Event()
+
+        def step() -> None:
+            done.append(1)
+            if len(done) == 1:
+                raise Unavailable("redis server at 127.0.0.1:6379/0 is unreachable")
+            finished.set()
+
+        task = asyncio.create_task(supervise("l3_stats", step, interval_s=0.001, max_backoff_s=0.01))
+        await asyncio.wait_for(finished.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.INFO, logger="hicached.tasks"):
+        asyncio.run(main())
+    (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert not error.exc_info
+    assert "is unreachable" in error.getMessage() and "Traceback" not in caplog.text
 
 
 def test_fatal_task_calls_on_fatal_once_and_ends() -> None:

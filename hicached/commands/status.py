@@ -162,6 +162,9 @@ def _print_text(stats: Stats, target: str) -> None:
             f"  {shown(be.name)}: {be.pages} pages, {be.bytes / 2**20:.1f} MiB"
             f" hits {be.hits} misses {be.misses} corrupt {be.corrupt_pages}"
         )
+        if be.error:  # the figures above are the last the backend gave
+            age = f"figures {be.age_ms / 1000:.0f} s old" if be.age_ms else "no figures yet"
+            print(f"    UNAVAILABLE: {shown(be.error)} ({age})")
     _more(len(stats.backends), MAX_ROWS, "  ", "backends")
     if not stats.backends:
         print("  none")

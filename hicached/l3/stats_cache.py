@@ -22,12 +22,22 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 from hicached.l3.base import BackendStats, StorageBackend
 
-__all__ = ["StatsCache"]
+__all__ = ["L3Stats", "StatsCache"]
 
 logger = logging.getLogger(__name__)
+
+
+class L3Stats(NamedTuple):
+    """What GetStats answers of the backend."""
+
+    name: str
+    stats: BackendStats | None  # the last a refresh gave; None before the first did
+    age_s: float | None  # since then; None with no stats
+    error: str  # why the last refresh failed ("" when it succeeded)
 
 
 class StatsCache:
@@ -37,21 +47,27 @@ class StatsCache:
         self._lock = threading.Lock()
         self._stats: BackendStats | None = None
         self._refreshed_at = 0.0  # monotonic time of the last successful refresh
+        self._error = ""
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicached-l3-stats")
         self._running: Future[None] | None = None
         self._started_at = 0.0
 
-    def get(self) -> tuple[str, BackendStats | None, float | None]:
-        """(backend name, last stats or None before the first refresh, their age in seconds)."""
+    def get(self) -> L3Stats:
         with self._lock:
-            stats, at = self._stats, self._refreshed_at
-        return self.name, stats, (time.monotonic() - at) if stats is not None else None
+            stats, at, error = self._stats, self._refreshed_at, self._error
+        return L3Stats(self.name, stats, (time.monotonic() - at) if stats is not None else None, error)
 
     def refresh(self) -> None:
-        """Ask the backend (blocking I/O; never on the event loop)."""
-        stats = self._backend.stats()
+        """Ask the backend (blocking I/O; never on the event loop). A failure is kept for
+        GetStats to show (the backend is down) and raised for the caller to report."""
+        try:
+            stats = self._backend.stats()
+        except Exception as exc:
+            with self._lock:
+                self._error = (str(exc) or type(exc).__name__)[:200]
+            raise
         with self._lock:
-            self._stats, self._refreshed_at = stats, time.monotonic()
+            self._stats, self._refreshed_at, self._error = stats, time.monotonic(), ""
 
     def _start(self) -> Future[None]:
         self._started_at = time.monotonic()
@@ -75,7 +91,7 @@ class StatsCache:
             await asyncio.wait_for(finished.wait(), wait_s)
         return fut.done()
 
-    async def current(self, wait_s: float) -> tuple[str, BackendStats | None, float | None]:
+    async def current(self, wait_s: float) -> L3Stats:
         """The freshest stats GetStats may answer: a refresh (the running one, or a new one)
         gets at most ``wait_s``; past that, the last stats (a hung backend costs ``wait_s``)."""
         fut = self._running

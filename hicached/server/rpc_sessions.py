@@ -123,12 +123,14 @@ class SessionRpcs(ServicerBase):
         (a hung backend cannot hold GetStats; see :mod:`hicached.l3.stats_cache`)."""
         if self._l3_stats is None:
             return []
-        name, s, _age = await self._l3_stats.current(self.options.l3_stats_wait_s)
-        if s is None:
-            return [pb.BackendInfo(name=name)]  # not refreshed yet
+        name, s, age_s, error = await self._l3_stats.current(self.options.l3_stats_wait_s)
+        if s is None or age_s is None:
+            return [pb.BackendInfo(name=name, error=error)]  # no refresh succeeded yet
         return [
             pb.BackendInfo(
                 name=name,
+                age_ms=int(age_s * 1000),
+                error=error,
                 pages=s.pages,
                 bytes=s.bytes,
                 capacity_bytes=s.capacity_bytes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,10 +14,12 @@ from pathlib import Path
 import pytest
 from hicached_client import HiCacheClient, Session, WorkerIdentity
 
+from hicached.testing.servers import redis_server
 from tests.daemon.conftest import new_pools, start_file_daemon
 from tests.security.users import run_as_other
 from tests.support.daemon import ROOT, Daemon, start_daemon
 from tests.support.kv import WorkerPools, transfers
+from tests.support.state import poll
 
 MODEL = "m-status"
 
@@ -167,3 +170,29 @@ def test_an_integer_flag_out_of_range_is_a_usage_error_naming_it(flag: str, valu
     assert shown.returncode == 2, shown.stderr
     assert f"argument {flag}: '{value}' is not an integer in" in shown.stderr, shown.stderr
     assert "Traceback" not in shown.stderr
+
+
+def test_status_shows_an_l3_outage_beside_the_last_figures() -> None:
+    """Fails before (a review of stop 45): with its Redis gone, `hicached status` and its JSON
+    kept showing the last L3 figures as if current, with nothing saying the backend was down."""
+    with redis_server() as redis:
+        d = start_daemon(
+            "--l3", "redis", "--set", f"l3.redis.host={redis.host}", "--set", f"l3.redis.port={redis.port}",
+            "--set", "l3.redis.socket_timeout_s=1", "--set", "l3.redis.retries=0",
+        )  # fmt: skip
+        try:
+            shown = hicached("status", "--socket", socket_of(d), "--json")
+            assert shown.returncode == 0, shown.stderr
+            (backend,) = json.loads(shown.stdout)["backends"]
+            assert backend["name"] == "redis" and backend["error"] == "", backend
+            os.kill(redis.pid, signal.SIGKILL)  # the L3 goes away under the daemon
+
+            def status() -> tuple[dict[str, object], str]:
+                data = json.loads(hicached("status", "--socket", socket_of(d), "--json").stdout)
+                return data["backends"][0], hicached("status", "--socket", socket_of(d)).stdout
+
+            backend, text = poll(status, lambda s: bool(s[0]["error"]), 30, "status showing the outage")
+            assert "unreachable" in str(backend["error"]) and int(str(backend["age_ms"])) >= 0, backend
+            assert "UNAVAILABLE: redis server at" in text, text
+        finally:
+            d.stop()

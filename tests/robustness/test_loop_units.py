@@ -44,15 +44,15 @@ def test_stats_cache_answers_within_its_wait_while_the_backend_hangs() -> None:
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        assert await cache.current(0.1) == ("redis", None, None)  # nothing yet, and no hang
-        assert await cache.current(0.1) == ("redis", None, None)
+        assert await cache.current(0.1) == ("redis", None, None, "")  # nothing yet, and no hang
+        assert await cache.current(0.1) == ("redis", None, None, "")
         assert loop.time() - start < 5.0
         assert backend.calls == 1  # one refresh at a time: the hung one is not repeated
         await cache.step()  # still running: logged and skipped
         assert backend.calls == 1
         backend.release.set()
-        name, stats, age = await cache.current(5.0)
-        assert (name, stats) == ("redis", STATS) and age is not None and age >= 0
+        name, stats, age, error = await cache.current(5.0)
+        assert (name, stats, error) == ("redis", STATS, "") and age is not None and age >= 0
 
     try:
         asyncio.run(scenario())

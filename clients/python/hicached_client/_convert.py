@@ -379,6 +379,8 @@ def stats(msg: pb.GetStatsResponse) -> Stats:
                 hits=b.hits,
                 misses=b.misses,
                 corrupt_pages=b.corrupt_pages,
+                age_ms=b.age_ms,
+                error=b.error,
             )
             for b in msg.backends
         ),

@@ -328,6 +328,10 @@ class BackendInfo:
     hits: int
     misses: int
     corrupt_pages: int
+    # Since the backend gave these figures (0 before it ever did), and why the last refresh
+    # failed ("" when it succeeded: an outage shows here, beside the last figures).
+    age_ms: int = 0
+    error: str = ""
 
 
 @dataclass(frozen=True)

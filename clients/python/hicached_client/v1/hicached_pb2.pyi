@@ -559,7 +559,7 @@ class RetractionInfo(_message.Message):
     def __init__(self, backup_id: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., pages: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class BackendInfo(_message.Message):
-    __slots__ = ("name", "pages", "bytes", "capacity_bytes", "hits", "misses", "corrupt_pages")
+    __slots__ = ("name", "pages", "bytes", "capacity_bytes", "hits", "misses", "corrupt_pages", "age_ms", "error")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -567,6 +567,8 @@ class BackendInfo(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     pages: int
     bytes: int
@@ -574,7 +576,9 @@ class BackendInfo(_message.Message):
     hits: int
     misses: int
     corrupt_pages: int
-    def __init__(self, name: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., corrupt_pages: _Optional[int] = ...) -> None: ...
+    age_ms: int
+    error: str
+    def __init__(self, name: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., age_ms: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("sessions", "groups", "backups", "backends", "host_budget_bytes", "host_used_bytes", "draining", "version")
