@@ -56,10 +56,47 @@ def _path_for(name: str) -> str:
 
 def _madvise(mm: mmap.mmap, option: int) -> bool:
     """Best-effort madvise; False when the kernel or platform refuses the option."""
+    if option in (_MADV_POPULATE_READ, _MADV_POPULATE_WRITE):
+        return _populate(mm, option)
     try:
         mm.madvise(option)
     except (OSError, ValueError, AttributeError):
         return False
+    return True
+
+
+# Populated per call: the kernel holds the process's mmap lock while it populates, and any
+# thread that maps or unmaps memory meanwhile (malloc does, for large blocks) waits for it,
+# then every thread behind that one: one 2 GiB call held the event loop for seconds.
+_POPULATE_CHUNK = 32 << 20
+
+
+def _populate(mm: mmap.mmap, option: int) -> bool:
+    """A populating madvise through libc, a chunk per call: ``mmap.madvise`` holds the GIL
+    for the whole call, and populating GiBs takes seconds, in which no other thread of the
+    daemon (its event loop included) ran; a foreign call through ctypes releases it, and
+    chunks release the kernel's mmap lock (see :data:`_POPULATE_CHUNK`)."""
+    import ctypes  # only pools being built and memfds being attached need it
+
+    if len(mm) == 0:
+        return True
+    try:
+        view = (ctypes.c_char * len(mm)).from_buffer(mm)
+    except (TypeError, ValueError):  # a read-only mapping: mmap's own call
+        try:
+            mm.madvise(option)
+        except (OSError, ValueError, AttributeError):
+            return False
+        return True
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        base, size = ctypes.addressof(view), len(mm)
+        for at in range(0, size, _POPULATE_CHUNK):
+            n = min(_POPULATE_CHUNK, size - at)
+            if libc.madvise(ctypes.c_void_p(base + at), ctypes.c_size_t(n), option) != 0:
+                return False
+    finally:
+        del view  # the export would keep mm from closing
     return True
 
 

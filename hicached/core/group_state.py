@@ -72,8 +72,12 @@ class GroupState:
     _pending: dict[str, np.ndarray] = field(default_factory=dict)
     # Who owns each page of the allocating pools: one table for all the group's sessions.
     owners: PageOwners = field(init=False)
+    # The host bytes one page index stands for across the group's pools: what zeroing a
+    # page an earlier owner wrote may cost (hicached.l2.group.HostPoolGroup._scrub).
+    bytes_per_page: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self.bytes_per_page = sum(e.host_pool.page_bytes for e in self.group.entries)
         # Per page: host.budget charges these and the owner table (hicached/core/footprint.py).
         for entry in self.group.entries:
             total = entry.host_pool.total_pages

@@ -185,6 +185,10 @@ class GroupRegistry:
         self._daemon_id = daemon_id
         self._lock = threading.Lock()
         self._groups: dict[str, GroupState] = {}
+        # A copy of _groups made under the lock after each change, read without it: building
+        # a group holds the lock for seconds (its pools are reserved and populated), and the
+        # event loop looks groups up for every page call and gauge refresh.
+        self._view: dict[str, GroupState] = {}
         # The keys of named tenants that the groups' indexes wrote to L3 (for a tenant clear):
         # one store for all groups, so its bound is the daemon's, not one per group.
         self.tenant_keys = TenantL3Keys()
@@ -227,15 +231,19 @@ class GroupRegistry:
             return sum(g.nbytes for g in self._groups.values()) + (self._warm.nbytes() if self._warm else 0)
 
     def get(self, group_id: str) -> GroupState:
-        with self._lock:
-            state = self._groups.get(group_id)
+        """Never waits for the registry's lock (a group being built; see ``_view``)."""
+        state = self._view.get(group_id)
         if state is None:
             raise NotFound(f"unknown pool group {group_id!r}")
         return state
 
     def all(self) -> list[GroupState]:
-        with self._lock:
-            return list(self._groups.values())
+        """Never waits for the registry's lock (see :meth:`get`)."""
+        return list(self._view.values())
+
+    def _published(self) -> None:
+        """After a change of ``_groups`` (under the lock): the lock-free readers see it."""
+        self._view = dict(self._groups)
 
     def get_or_create(
         self,
@@ -292,6 +300,7 @@ class GroupRegistry:
                 # that fails now -- shared memory exhausted -- leaves neither group).
                 logger.info("pool group %s is recreated with larger host pools", gid)
                 del self._groups[gid]
+                self._published()
                 existing.close()
             state, journal = self._build(gid, worker.model_name, pools, plan)
             try:
@@ -309,6 +318,7 @@ class GroupRegistry:
                 assert self._warm is not None
                 self._warm.drop(j.group_id, f"to make room for pool group {gid}")
             self._groups[gid] = state
+            self._published()
             claim(gid)
         for old in retired:
             try:
@@ -476,6 +486,7 @@ class GroupRegistry:
             # Least recently used first: the next daemon drops the oldest journals first.
             states = sorted(self._groups.values(), key=lambda g: g.last_used)
             self._groups.clear()
+            self._published()
         # Every journal is written before any index closes: closing an index waits for
         # its L3 writes, which a stalled store can hold past the pod's grace period.
         journals = self._journals

@@ -138,6 +138,8 @@ class Where(Enum):
     # Page bookkeeping (alloc/free/resolve/release): microseconds of work, so the event
     # loop (the thread hop would cost more, ~200 us here). An allocation never waits for L3:
     # under write_back it evicts only pages L3 holds (hicached.index.writer.Writer.reclaim).
+    # One that may zero more than a MiB of reused pages runs on the copy lane instead
+    # (hicached.server.rpc_pages.INLINE_ALLOC_BYTES).
     PAGES = "pages"
     COPY_OR_L3 = "copy_or_l3"  # the copy lane; the L3 lane when the call reaches L3
 

@@ -33,7 +33,7 @@ from hicached.errors import PermissionDenied, Unimplemented, clip
 from hicached.l3.stats_cache import StatsCache
 from hicached.server import convert
 from hicached.server.handoff import HandoffRegistry
-from hicached.server.lanes import RPC_LANES, Lanes
+from hicached.server.lanes import RPC_LANES, Lanes, Where
 from hicached.server.limits import check_pool_names
 from hicached.server.peers import PeerSessions, UnreadAnswers
 from hicached.server.roles import Access
@@ -130,13 +130,20 @@ class ServicerBase:
         return self.options.has_l3
 
     async def offload(
-        self, rpc: str, fn: Callable[..., T], *args: Any, l3: bool = False, session: str = "", **kwargs: Any
+        self,
+        rpc: str,
+        fn: Callable[..., T],
+        *args: Any,
+        l3: bool = False,
+        session: str = "",
+        where: Where | None = None,
+        **kwargs: Any,
     ) -> T:
-        """Run ``rpc``'s core call where :data:`RPC_LANES` places it: inline on the event loop,
-        or on a lane (awaited). ``l3``: this call reaches L3 (a COPY_OR_L3 placement).
-        ``session``: the request's session id (the interceptor checked its secret), counted
-        against the lane's per-session limit."""
-        lane = self.lanes.lane_for(RPC_LANES[rpc], l3=l3)
+        """Run ``rpc``'s core call where :data:`RPC_LANES` places it (or ``where``, this call's
+        own placement): inline on the event loop, or on a lane (awaited). ``l3``: this call
+        reaches L3 (a COPY_OR_L3 placement). ``session``: the request's session id (the
+        interceptor checked its secret), counted against the lane's per-session limit."""
+        lane = self.lanes.lane_for(where or RPC_LANES[rpc], l3=l3)
         if lane is None:
             return fn(*args, **kwargs)
         return await lane.run(fn, *args, session=session, **kwargs)

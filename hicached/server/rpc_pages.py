@@ -14,15 +14,31 @@ from collections.abc import AsyncIterator, Callable
 from hicached_client.v1 import hicached_pb2 as pb
 
 from hicached.core.types import Ack
+from hicached.errors import HiCacheError
 from hicached.server import convert
+from hicached.server.lanes import Where
 from hicached.server.limits import check_printable
 from hicached.server.rpc_base import Ctx, ServicerBase, no_fence
+
+# An allocation zeroes the pages an earlier owner wrote before handing them out (another
+# tenant's KV). Up to this many bytes (~0.1 ms) that runs on the event loop, as the rest of
+# page bookkeeping does; a larger one runs on the copy lane: zeroing a GiB takes ~0.1 s,
+# which no other session's call may wait behind.
+INLINE_ALLOC_BYTES = 1 << 20
 
 
 class PageRpcs(ServicerBase):
     """Host pages, Write/Load and retraction."""
 
     # ---- host pages
+
+    def _allocating(self, session_id: str, pages: int) -> Where | None:
+        """Where a call that may allocate ``pages`` host pages runs (None: as placed)."""
+        try:
+            _, state = self.core.session_group(session_id)
+        except HiCacheError:
+            return None  # the core call answers why
+        return None if pages * state.bytes_per_page <= INLINE_ALLOC_BYTES else Where.COPY
 
     async def Alloc(self, request: pb.AllocRequest, context: Ctx) -> pb.AllocResponse:
         pages = await self.offload(
@@ -33,6 +49,7 @@ class PageRpcs(ServicerBase):
             request.pool,
             request.num_pages,
             session=request.session_id,
+            where=self._allocating(request.session_id, request.num_pages),
         )
         if pages is None:
             return pb.AllocResponse(ok=False)
@@ -54,6 +71,7 @@ class PageRpcs(ServicerBase):
         self, request: pb.ResolveTransfersRequest, context: Ctx
     ) -> pb.ResolveTransfersResponse:
         transfers = self.batch_in(request.batch, request.session_id)
+        pages = sum(0 if t.device_indices is None else len(t.device_indices) for t in transfers)
         result = await self.offload(
             "ResolveTransfers",
             self.core.resolve,
@@ -61,6 +79,7 @@ class PageRpcs(ServicerBase):
             request.op_id,
             transfers,
             session=request.session_id,
+            where=self._allocating(request.session_id, pages),
         )
         return pb.ResolveTransfersResponse(ok=result.ok, batch=convert.batch_out(result.transfers))
 

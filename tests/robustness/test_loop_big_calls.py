@@ -1,0 +1,157 @@
+"""A call whose work grows with its size never holds the event loop (a review of stop 45):
+an allocation that zeroes reused pages, and an attach that builds a pool group. Each daemon
+is patched (:mod:`tests.support.faults`) so that the big step waits for a line on its stdin:
+the other sessions' calls must be answered while it waits, which is what a large step does
+for seconds on a real node. And populating a mapping lets the other threads run."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from hicached_client import HiCacheClient, HiCacheError
+
+from hicached import shm
+from tests.robustness.loop_support import HOST_PAGES, PAGE_BYTES, attach_bytes
+from tests.support.daemon import Daemon
+from tests.support.faults import log_lines, serve_patched
+from tests.support.state import poll
+
+# Zeroing reused pages waits for a line on stdin; "ZEROING n" says it started.
+HELD_ZEROING = """
+import sys
+import hicached.l2.host_pool as hp
+_zero = hp.HostKVPool.zero_pages
+def zero_pages(self, pages):
+    print("ZEROING", len(pages), flush=True)
+    sys.stdin.readline()
+    return _zero(self, pages)
+hp.HostKVPool.zero_pages = zero_pages
+"""
+
+# Building the pool group of model m-slow waits for a line on stdin; "BUILDING" says it started.
+HELD_BUILD = """
+import sys
+import hicached.core.groups as g
+_build = g.GroupRegistry._build
+def _build_held(self, gid, model, pools, plan):
+    if model == "m-slow":
+        print("BUILDING", flush=True)
+        sys.stdin.readline()
+    return _build(self, gid, model, pools, plan)
+g.GroupRegistry._build = _build_held
+"""
+
+
+def _while_held(
+    d: Daemon, release: int, started: str, big: Callable[[], object], probe: Callable[[], None]
+) -> None:
+    """Run ``big`` in a thread until the daemon logs ``started``, then ``probe`` (which must
+    answer while ``big`` is held), then release ``big`` and check it succeeded."""
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(big()))
+    thread.start()
+    try:
+        poll(lambda: log_lines(d, started), bool, 30, f"the daemon logging {started}")
+        probe()
+    finally:
+        os.write(release, b"go\n")
+        thread.join(timeout=60)
+    assert outcome and not isinstance(outcome[0], BaseException), outcome
+
+
+def test_a_large_allocation_zeroes_its_pages_off_the_event_loop() -> None:
+    """Fails before: Alloc and ResolveTransfers ran on the event loop, zeroing the reused pages
+    there (a review measured 0.33 s per 4 GiB Alloc, and every other session's heartbeat
+    waited behind each: p50 1.2 -> 298 ms); here the held zeroing holds the loop, and the
+    bystander's heartbeat times out. Now an allocation of more than a MiB runs on the copy lane."""
+    read, release = os.pipe()
+    d = serve_patched(HELD_ZEROING, stdin=read)
+    os.close(read)
+    try:
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            hostile, bystander = attach_bytes(client, "m-big"), attach_bytes(client, "m-by")
+            pages = hostile.alloc("kv", HOST_PAGES).host_pages  # 4 MiB of fresh pages: nothing to zero
+            hostile.free("kv", pages)  # now written by an earlier owner, as far as the pool knows
+            assert HOST_PAGES * PAGE_BYTES > 1 << 20
+
+            def probe() -> None:
+                bystander.heartbeat(timeout_s=5.0)
+                small = bystander.alloc("kv", 4)  # fresh pages: no zeroing, on the loop
+                assert small.ok and bystander.free("kv", small.host_pages) == 4
+
+            _while_held(d, release, "ZEROING", lambda: hostile.alloc("kv", HOST_PAGES), probe)
+    finally:
+        os.close(release)
+        d.stop()
+
+
+def test_an_attach_building_a_pool_group_holds_no_other_sessions_call() -> None:
+    """Fails before: the registry looked a session's group up under the lock a build holds for
+    as long as it reserves and populates its pools (seconds for GiBs), on the event loop for
+    every page call and each gauge refresh: a review's bystander waited 5.86 s and lost its
+    lease. Now lookups read a copy of the registry made under the lock."""
+    read, release = os.pipe()
+    d = serve_patched(HELD_BUILD, stdin=read)
+    os.close(read)
+    try:
+        with (
+            HiCacheClient(d.target, timeout_s=30.0) as client,
+            HiCacheClient(d.target, timeout_s=30.0) as other,
+        ):
+            bystander = attach_bytes(client, "m-by")
+
+            def probe() -> None:
+                bystander.heartbeat(timeout_s=5.0)
+                got = bystander.alloc("kv", 4, timeout_s=5.0)
+                assert got.ok and bystander.free("kv", got.host_pages, timeout_s=5.0) == 4
+
+            def attach_slow() -> object:
+                try:
+                    return attach_bytes(other, "m-slow")
+                except HiCacheError as exc:
+                    return exc
+
+            _while_held(d, release, "BUILDING", attach_slow, probe)
+    finally:
+        os.close(release)
+        d.stop()
+
+
+def test_populating_a_mapping_lets_other_threads_run() -> None:
+    """Fails before: ``mmap.madvise`` held the GIL while the kernel populated the mapping (a
+    review measured 1.89 s for 2 GiB, and a worker's attach of a backed 4 GiB memfd held every
+    other session's call 1.28 s). Now the call goes through libc, a chunk at a time."""
+    size = 512 << 20
+    fd = os.memfd_create("hicached-test-populate")
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        gaps: list[float] = []
+        done = threading.Event()
+
+        def ticker() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                done.wait(0.002)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        thread = threading.Thread(target=ticker)
+        thread.start()
+        start = time.perf_counter()
+        try:
+            assert shm._madvise(mm, shm._MADV_POPULATE_WRITE)
+        finally:
+            took = time.perf_counter() - start
+            done.set()
+            thread.join()
+        assert took > 0.02, f"populating 512 MiB took {took:.3f} s: too quick to tell"
+        assert max(gaps) < took / 2, (max(gaps), took)
+        mm.close()  # no export of the mapping is left behind
+    finally:
+        os.close(fd)
