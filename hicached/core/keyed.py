@@ -372,47 +372,51 @@ class KeyedCache:
         *,
         policy: PrefetchPolicy | None,
         timeout_ms: int,
+        op_id: str = "",
     ) -> tuple[str, int]:
         """Start a prefetch of ``keys``: (its id, pages planned). ResourceExhausted, before
         any work, when the session already has ``limits.max_prefetches_per_session`` running
         or queued (each holds its plan, and the index's I/O threads take jobs in turn).
-        ``policy`` None: ``l3.prefetch_policy``."""
+        ``policy`` None: ``l3.prefetch_policy``. A repeated ``op_id`` is answered the first
+        one's prefetch (a retry starts no second one); not in flight: a detach does not wait
+        for the plan (its end is checked below)."""
         session, _, index, keys = self._scoped(session_id, keys)
         tenant = session.worker.tenant
         chosen = policy or self._options.prefetch_policy  # None: the configured default
         limit = self._options.max_prefetches_per_session
-        with session.lock:
-            held = index.running_prefetches(session.prefetches) + session.prefetches_starting
-            if held >= limit:
-                raise ResourceExhausted(
-                    f"this session has {held} prefetches running or queued, the most "
-                    f"limits.max_prefetches_per_session={limit} allows: wait for one "
-                    "(PrefetchStatus) or cancel one",
-                    retry_after_ms=100,
-                )
-            session.prefetches_starting += 1  # counted while its plan is made, unlocked
-        started: set[str] = set()
-        try:
-            task = index.prefetch(
-                keys,
-                policy=chosen,
-                timeout_s=timeout_ms / 1000 if timeout_ms else None,
-                tenant=tenant,
-            )
-            started.add(task.id)
-        finally:
+
+        def start() -> tuple[str, int]:
             with session.lock:
-                session.prefetches_starting -= 1
-                # Keep only the ids the index still keeps: a session calling Prefetch forever
-                # must not grow this set (the index forgets all but its last finished ones).
-                session.prefetches = index.kept_prefetches(session.prefetches | started)
-                ended = session.cancel.is_set()
-        if ended:
-            # The session ended while the plan was made (L3 asked which keys it holds): its
-            # teardown may have cancelled its prefetches before this one was among them.
-            task.cancel(wait=False)
-            raise Cancelled(f"session {clip(session_id)} ended while its prefetch was planned")
-        return task.id, task.planned_pages
+                held = index.running_prefetches(session.prefetches) + session.prefetches_starting
+                if held >= limit:
+                    raise ResourceExhausted(
+                        f"this session has {held} prefetches running or queued, the most "
+                        f"limits.max_prefetches_per_session={limit} allows: wait for one "
+                        "(PrefetchStatus) or cancel one",
+                        retry_after_ms=100,
+                    )
+                session.prefetches_starting += 1  # counted while its plan is made, unlocked
+            started: set[str] = set()
+            try:
+                timeout_s = timeout_ms / 1000 if timeout_ms else None
+                task = index.prefetch(keys, policy=chosen, timeout_s=timeout_s, tenant=tenant)
+                started.add(task.id)
+            finally:
+                with session.lock:
+                    session.prefetches_starting -= 1
+                    # Keep only the ids the index still keeps: a session calling Prefetch forever
+                    # must not grow this set (the index forgets all but its last finished ones).
+                    session.prefetches = index.kept_prefetches(session.prefetches | started)
+                    ended = session.cancel.is_set()
+            if ended:
+                # The session ended while the plan was made (L3 asked which keys it holds): its
+                # teardown may have cancelled its prefetches before this one was among them.
+                task.cancel(wait=False)
+                raise Cancelled(f"session {clip(session_id)} ended while its prefetch was planned")
+            return task.id, task.planned_pages
+
+        body = (list(keys), str(chosen), timeout_ms, tenant)
+        return session.run("Prefetch", op_id, body, start, in_flight=False)
 
     def _task(self, session_id: str, prefetch_id: str) -> object:
         session, _, index = self._ctx(session_id)

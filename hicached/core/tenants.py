@@ -83,7 +83,7 @@ def scoped_keys(tenant: str, keys: Sequence[str], *, tag_key: bytes | None = Non
         suspect = True
     for key in out if suspect else ():
         if isinstance(key, str) and TENANT_SEP in key:
-            raise InvalidArgument(f"content key {key[:64]!r} contains {TENANT_SEP!r}, which is reserved")
+            raise InvalidArgument(f"content key {clip(key)} contains {TENANT_SEP!r}, which is reserved")
     if not tenant:
         return out
     suffix = TENANT_SEP + tenant_tag(tenant, tag_key)

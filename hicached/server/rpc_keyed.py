@@ -178,6 +178,7 @@ class KeyedRpcs(ServicerBase):
             keys,
             policy=PREFETCH_POLICIES[request.policy],
             timeout_ms=request.timeout_ms,
+            op_id=request.op_id,
             session=request.session_id,
         )
         return pb.PrefetchResponse(prefetch_id=pid, planned_pages=planned)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from hicached_client import HiCacheClient, PrefetchState, TokenChain, WorkerIdentity
+from hicached_client import HiCacheClient, HiCacheError, PrefetchState, TokenChain, WorkerIdentity
 
 from tests.support.daemon import Daemon, start_daemon
 from tests.support.kv import PAGE_SIZE, POOLS, WorkerPools, transfers, unique_tag
@@ -171,3 +171,22 @@ def test_clear_namespace_of_one_tenant_drops_its_l2_and_l3_pages_only(
         assert (after.l2_hit_pages, after.total_hit_pages) == (0, 0)
         still = k.lookup(kept)
         assert (still.l2_hit_pages, still.total_hit_pages) == (16, 16)
+
+
+def test_a_prefetch_retried_with_its_op_id_starts_no_second_one(
+    client: HiCacheClient, worker_pools: list[WorkerPools]
+) -> None:
+    """Fails before (a review of stop 45): Prefetch ignored its op_id, so a retry of a call
+    whose answer was lost started a second prefetch, orphaning the first's id and taking
+    another of the session's ``limits.max_prefetches_per_session`` slots."""
+    tag, pools = new_worker(worker_pools, seed=23)
+    keys = chain(4, "tenant-retry", offset=3)
+    with client.attach(WorkerIdentity(tag, generation=1, model_name=f"{MODEL}-retry"), pools.specs()) as s:
+        first = s.prefetch(keys, policy="best_effort", op_id="prefetch-op-1")
+        again = s.prefetch(keys, policy="best_effort", op_id="prefetch-op-1")
+        assert again == first
+        other = s.prefetch(keys, policy="best_effort", op_id="prefetch-op-2")
+        assert other.prefetch_id != first.prefetch_id
+        with pytest.raises(HiCacheError) as err:  # the same op id for another call
+            s.prefetch(chain(4, "tenant-retry", offset=9), policy="best_effort", op_id="prefetch-op-1")
+        assert err.value.code.name == "INVALID_ARGUMENT" and "already used" in err.value.message, err.value
