@@ -95,5 +95,7 @@ def config_from_args(args: argparse.Namespace, *, pipe: bool = False) -> Config:
     for dest, (key, _) in CONFIG_FLAGS.items():
         value = getattr(args, dest)
         if value is not None:
+            if key in cli:  # which one wins would be a guess: say so
+                raise ConfigError(f"{key} is given twice: by --{dest.replace('_', '-')} and by --set")
             cli[key] = value
     return resolve(cli=cli, file=args.config, pipe=pipe)

@@ -162,7 +162,8 @@ def test_hostile_or_mistaken_command_lines_are_usage_errors_quoting_a_prefix(tmp
     argument; an unknown 5,000-character key came back whole; a variable's name reached the
     terminal with its escape bytes; ``server = 3`` was "unknown section [server]" listing
     server; a FIFO named by $HICACHED_CONFIG was reported twice over; the bench took 0 soak
-    workers and -1 seconds; ``--socket`` and ``--target`` together used one silently; and
+    workers and -1 seconds; ``--socket`` and ``--target`` together, or a key given by its flag
+    and by ``--set``, used one silently; and
     `keys --help` said "(default: None)" of its required flags."""
     blob = "k" * 5000
     for args, said in (
@@ -171,6 +172,10 @@ def test_hostile_or_mistaken_command_lines_are_usage_errors_quoting_a_prefix(tmp
         (["bench", "--suite", "soak", "--soak-workers", "0"], "'0' is not an integer in [1, 2**31)"),
         (["bench", "--suite", "soak", "--soak-seconds", "-1"], "'-1' is not a number of seconds above 0"),
         (["status", "--socket", "/x/d.sock", "--target", "h:1"], "not allowed with argument"),
+        (
+            ["config", "show", "--host-budget", "3GiB", "--set", "host.budget=4GiB"],
+            "host.budget is given twice",
+        ),
     ):
         out = run(*args, cwd=tmp_path)
         assert out.returncode == 2 and said in out.stderr, (args[:2], out.stderr[-500:])
