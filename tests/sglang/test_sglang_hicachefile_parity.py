@@ -371,3 +371,31 @@ def test_refusal_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
         "hicached: daemon refused to store 1 pages of pool kv: over budget (2 more since the last report)",
     ]
     assert refusals.total == 4
+
+
+def long_key_calls(pool: Any) -> Calls:
+    """A key no backend can store (600 bytes: past HiCacheFile's file name and the daemon's
+    ``limits.max_key_bytes``) among stored ones."""
+
+    def calls(backend: Backend) -> list[object]:
+        keys = sglang_keys(3, 4, first=9000)
+        src = pool.alloc(12)
+        out: list[object] = [backend.batch_set_v2([PoolTransfer(name="kv", keys=keys, host_indices=src)])]
+        long = "k" * 600
+        out.append(backend.batch_exists([*keys[:2], long, keys[2]]))
+        out.append(backend.batch_exists([long, *keys]))
+        out.append(backend.exists(long))
+        pool.free(src)
+        return out
+
+    return calls
+
+
+def test_a_key_too_long_to_store_ends_the_leading_run_as_in_hicachefile(
+    storages: StorageFactory, tmp_path: Path
+) -> None:
+    """Fails before (a review of stop 44): the daemon refused the whole lookup for one key over
+    its limit, so batch_exists answered 0 where HiCacheFile counts the run before that key."""
+    pool = make_host_pool(PoolShape())
+    got = run_both(reference(storages, tmp_path, pool), ours(storages, pool), long_key_calls(pool))
+    assert got[1:] == [2, 0, False]

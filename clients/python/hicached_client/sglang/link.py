@@ -187,7 +187,27 @@ class PoolLink:
     # ------------------------------------------------------------- queries
 
     def exists(self, keys: Sequence[str]) -> int:
-        """Leading run of ``keys`` cached (L2, and L3 when ``include_l3``)."""
+        """Leading run of ``keys`` cached (L2, and L3 when ``include_l3``). A batch the daemon
+        refuses for one of its keys (over ``limits.max_key_bytes``) is asked key by key up to
+        that one, as HiCacheFile's per-key files answer (no file can have such a key's name)."""
+        try:
+            return self._exists(keys)
+        except HiCacheError as exc:
+            if exc.code != grpc.StatusCode.INVALID_ARGUMENT or len(keys) == 1:
+                raise
+        run = 0
+        while run < len(keys):
+            try:
+                if not self._exists(keys[run : run + 1]):
+                    break
+            except HiCacheError as exc:
+                if exc.code != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                break
+            run += 1
+        return run
+
+    def _exists(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
         result = self._call(lambda session, _: session.lookup(list(keys), tenant=self._config.tenant))
