@@ -1,8 +1,8 @@
 """Supervision of the daemon's periodic background tasks: none of them dies silently.
 
 :func:`supervise` runs a step every ``interval_s`` on the event loop. A step
-that raises is logged (with its traceback, unless it is a :class:`HiCacheError`: an expected
-failure such as an L3 outage says what it is in its message), counted (``on_failure``), and
+that raises is logged (with its traceback, unless it is :class:`Unavailable`: an outage, such
+as an L3 backend's, says what it is in its message), counted (``on_failure``), and
 retried after a backoff that doubles per consecutive failure up to
 ``max_backoff_s``; the first success resets it. A task where continuing would
 be wrong is marked ``fatal``: its first failure calls ``on_fatal`` (the daemon
@@ -18,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from hicached.errors import HiCacheError
+from hicached.errors import Unavailable
 
 __all__ = ["supervise"]
 
@@ -65,7 +65,7 @@ async def supervise(
                 failures,
                 exc,
                 delay,
-                exc_info=not isinstance(exc, HiCacheError),
+                exc_info=not isinstance(exc, Unavailable),
                 extra={"event": "task_failed", "task": name, "failures": failures, "retry_s": delay},
             )
             await asyncio.sleep(delay)

@@ -226,9 +226,9 @@ class GroupRegistry:
         return self._budget
 
     def used_bytes(self) -> int:
-        """Bytes of the budget taken: live groups' and journaled groups' (warm restart)."""
-        with self._lock:
-            return sum(g.nbytes for g in self._groups.values()) + (self._warm.nbytes() if self._warm else 0)
+        """Bytes of the budget taken: live groups' and journaled groups' (warm restart). Never
+        waits for the registry's lock (GetStats must answer during a build; see :meth:`get`)."""
+        return sum(g.nbytes for g in self._view.values()) + (self._warm.nbytes() if self._warm else 0)
 
     def get(self, group_id: str) -> GroupState:
         """Never waits for the registry's lock (a group being built; see ``_view``)."""

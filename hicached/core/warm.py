@@ -132,7 +132,8 @@ class WarmGroups:
         return sorted(self._journaled.values(), key=lambda j: (j.saved_ns, j.group_id))
 
     def nbytes(self) -> int:
-        return sum(j.nbytes for j in self._journaled.values())
+        # A copy first: read without the registry's lock (GetStats), which changes the dict.
+        return sum(j.nbytes for j in list(self._journaled.values()))
 
     def drop(self, group_id: str, why: str, *, level: int = logging.INFO) -> None:
         """Unlink a journaled group's segments and remove its journal, logged with ``why``."""

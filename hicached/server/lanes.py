@@ -134,11 +134,11 @@ class Where(Enum):
     LOOP = "loop"  # O(1) work: the event loop itself
     COPY = "copy"  # waits for the copy engine
     L3 = "l3"  # may wait for the L3 backend
-    BOOKKEEPING = "bookkeeping"  # attach and stats: never behind copies or L3
+    BOOKKEEPING = "bookkeeping"  # attach, stats, large allocations: never behind copies or L3
     # Page bookkeeping (alloc/free/resolve/release): microseconds of work, so the event
     # loop (the thread hop would cost more, ~200 us here). An allocation never waits for L3:
     # under write_back it evicts only pages L3 holds (hicached.index.writer.Writer.reclaim).
-    # One that may zero more than a MiB of reused pages runs on the copy lane instead
+    # One that may zero more than a MiB of reused pages runs on the bookkeeping lane instead
     # (hicached.server.rpc_pages.INLINE_ALLOC_BYTES).
     PAGES = "pages"
     COPY_OR_L3 = "copy_or_l3"  # the copy lane; the L3 lane when the call reaches L3

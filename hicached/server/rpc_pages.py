@@ -22,8 +22,9 @@ from hicached.server.rpc_base import Ctx, ServicerBase, no_fence
 
 # An allocation zeroes the pages an earlier owner wrote before handing them out (another
 # tenant's KV). Up to this many bytes (~0.1 ms) that runs on the event loop, as the rest of
-# page bookkeeping does; a larger one runs on the copy lane: zeroing a GiB takes ~0.1 s,
-# which no other session's call may wait behind.
+# page bookkeeping does; a larger one runs on the bookkeeping lane: zeroing a GiB takes
+# ~0.1 s, which no other session's call may wait behind, and there it waits for no copy or
+# L3 call and counts against no per-session limit of theirs.
 INLINE_ALLOC_BYTES = 1 << 20
 
 
@@ -33,12 +34,13 @@ class PageRpcs(ServicerBase):
     # ---- host pages
 
     def _allocating(self, session_id: str, pages: int) -> Where | None:
-        """Where a call that may allocate ``pages`` host pages runs (None: as placed)."""
+        """Where a call that may allocate ``pages`` host pages in each pool runs (None: as
+        placed, on the loop)."""
         try:
             _, state = self.core.session_group(session_id)
         except HiCacheError:
             return None  # the core call answers why
-        return None if pages * state.bytes_per_page <= INLINE_ALLOC_BYTES else Where.COPY
+        return None if pages * state.bytes_per_page <= INLINE_ALLOC_BYTES else Where.BOOKKEEPING
 
     async def Alloc(self, request: pb.AllocRequest, context: Ctx) -> pb.AllocResponse:
         pages = await self.offload(
@@ -71,7 +73,7 @@ class PageRpcs(ServicerBase):
         self, request: pb.ResolveTransfersRequest, context: Ctx
     ) -> pb.ResolveTransfersResponse:
         transfers = self.batch_in(request.batch, request.session_id)
-        pages = sum(0 if t.device_indices is None else len(t.device_indices) for t in transfers)
+        pages = max((0 if t.device_indices is None else len(t.device_indices) for t in transfers), default=0)
         result = await self.offload(
             "ResolveTransfers",
             self.core.resolve,

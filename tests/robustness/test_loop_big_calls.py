@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from hicached_client import HiCacheClient, HiCacheError
+from hicached_client import HiCacheClient, HiCacheError, PageBytes
 
 from hicached import shm
 from tests.robustness.loop_support import HOST_PAGES, PAGE_BYTES, attach_bytes
@@ -67,7 +67,7 @@ def test_a_large_allocation_zeroes_its_pages_off_the_event_loop() -> None:
     """Fails before: Alloc and ResolveTransfers ran on the event loop, zeroing the reused pages
     there (a review measured 0.33 s per 4 GiB Alloc, and every other session's heartbeat
     waited behind each: p50 1.2 -> 298 ms); here the held zeroing holds the loop, and the
-    bystander's heartbeat times out. Now an allocation of more than a MiB runs on the copy lane."""
+    bystander's heartbeat times out. Now an allocation that may zero more than a MiB runs on the bookkeeping lane."""
     read, release = os.pipe()
     d = serve_patched(HELD_ZEROING, stdin=read)
     os.close(read)
@@ -84,6 +84,53 @@ def test_a_large_allocation_zeroes_its_pages_off_the_event_loop() -> None:
                 assert small.ok and bystander.free("kv", small.host_pages) == 4
 
             _while_held(d, release, "ZEROING", lambda: hostile.alloc("kv", HOST_PAGES), probe)
+    finally:
+        os.close(release)
+        d.stop()
+
+
+# Every PutBytes waits, once it runs, until stdin has a line; "PUTTING" says one started.
+HELD_PUTS = """
+import sys, threading
+import hicached.core.keyed as k
+_go = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), _go.set()), daemon=True).start()
+_put = k.KeyedCache.put_bytes
+def put_bytes(self, *args, **kwargs):
+    print("PUTTING", flush=True)
+    _go.wait()
+    return _put(self, *args, **kwargs)
+k.KeyedCache.put_bytes = put_bytes
+"""
+
+
+def test_a_large_allocation_waits_for_no_copy_and_no_copy_limit() -> None:
+    """A large allocation off the loop must not join the copy lane: behind its copies it waited
+    for them (a review's bystander Alloc took 4.99 s), and under its per-session limit a
+    worker with ``limits.max_copy_calls_per_session`` copies in flight was refused an Alloc it
+    always had (RESOURCE_EXHAUSTED, no retry hint)."""
+    read, release = os.pipe()
+    d = serve_patched(HELD_PUTS, "--set", "limits.max_copy_calls_per_session=2", stdin=read)
+    os.close(read)
+    try:
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            worker = attach_bytes(client, "m-busy")
+            puts = [
+                threading.Thread(
+                    target=worker.put_bytes, args=([PageBytes(f"k{i}", "kv", bytes(PAGE_BYTES))],)
+                )
+                for i in range(2)  # limits.max_copy_calls_per_session
+            ]
+            for t in puts:
+                t.start()
+            try:
+                poll(lambda: len(log_lines(d, "PUTTING")), lambda n: n == 2, 30, "2 PutBytes running")
+                got = worker.alloc("kv", HOST_PAGES // 2, timeout_s=5.0)  # 2 MiB: off the loop
+                assert got.ok and len(got.host_pages) == HOST_PAGES // 2
+            finally:
+                os.write(release, b"go\n")
+                for t in puts:
+                    t.join(timeout=60)
     finally:
         os.close(release)
         d.stop()
@@ -108,6 +155,7 @@ def test_an_attach_building_a_pool_group_holds_no_other_sessions_call() -> None:
                 bystander.heartbeat(timeout_s=5.0)
                 got = bystander.alloc("kv", 4, timeout_s=5.0)
                 assert got.ok and bystander.free("kv", got.host_pages, timeout_s=5.0) == 4
+                assert bystander.stats(timeout_s=5.0).host_used_bytes > 0  # GetStats too
 
             def attach_slow() -> object:
                 try:
