@@ -122,8 +122,9 @@ def client_of(args: argparse.Namespace, target: str) -> HiCacheClient:
 def target_of(args: argparse.Namespace, default: Callable[[], str] = default_target) -> str:
     if args.target:
         return normalize_target(str(args.target))
-    if args.socket:
-        return normalize_target(str(args.socket))
+    if args.socket:  # always a path, relative ones too (a name with ":" is no host:port here)
+        path = str(args.socket)
+        return normalize_target(path if path.startswith(("/", "~", "unix:", ".")) else f"./{path}")
     return default()
 
 

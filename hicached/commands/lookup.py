@@ -113,13 +113,10 @@ def _page_bytes(args: argparse.Namespace) -> int:
     """Bytes of one host page of the layout, as the daemon sizes its pools (``KVSpec.page_bytes``;
     tests/acceptance/test_cli.py holds the two equal), without importing torch (~1.5 s)."""
     try:
-        itemsize = vocab.DATA_TYPE_BYTES[vocab.DataType(args.dtype)]
-        kv = 2 if vocab.PoolKind(args.kind) is vocab.PoolKind.MHA else 1
+        itemsize = vocab.DATA_TYPE_BYTES[vocab.DataType(args.dtype.removeprefix("torch."))]
     except ValueError:
-        raise ValueError(
-            f"--dtype {args.dtype[:32]!r} / --kind {args.kind[:32]!r}: dtype one of "
-            f"{', '.join(vocab.DataType)}; kind one of {', '.join(vocab.PoolKind)}"
-        ) from None
+        raise ValueError(f"--dtype {args.dtype[:32]!r} is none of {', '.join(vocab.DataType)}") from None
+    kv = 2 if vocab.PoolKind(args.kind) is vocab.PoolKind.MHA else 1  # argparse took one of them
     return int(kv * args.layers * args.heads * args.head_dim * args.page_size * itemsize)
 
 

@@ -73,8 +73,10 @@ def claim_sockets(config: Config) -> int | None:
     is one line); the admin group's gid. StartupError."""
     cfg = config.server
     gid = sockets.group_id(cfg.admin_group) if cfg.admin_group else None
-    sockets.claim(Path(cfg.socket), gid=gid)
-    sockets.claim(cfg.admin_socket_path(), gid=gid, key="server.admin_socket")
+    sockets.claim(Path(cfg.socket), gid=gid, side=sockets.SIDE_SUFFIX)
+    # The default admin socket sits beside the worker socket: server.socket chose its path.
+    admin_key = "server.admin_socket" if cfg.admin_socket else "server.socket"
+    sockets.claim(cfg.admin_socket_path(), gid=gid, key=admin_key)
     sockets.probe(handoff_path(cfg.socket))
     if cfg.fast_lane:
         sockets.probe(lane_path(cfg.socket))

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hicached.errors import StartupError
+from hicached.errors import StartupError, clip
 from hicached.paths import foreign_on_path
 
 logger = logging.getLogger(__name__)
@@ -149,20 +149,21 @@ def probe(path: Path) -> None:
         os.unlink(path)
 
 
-# sun_path holds 108 bytes with its NUL; the daemon also binds ``<socket>.lane`` and
-# ``<socket>.fds`` and, before publishing each, a private ``.hc-<pid>-<role>`` beside it.
+# sun_path holds 108 bytes with its NUL. The daemon binds each socket at a private
+# ``.hc-<pid>-<role>`` beside it before publishing it, and the worker socket's side sockets
+# (``<socket>.lane``, ``<socket>.fds``) are reached by their full names.
 MAX_SOCKET_PATH = 107
-_LONGEST_SUFFIX = len(".lane")
+SIDE_SUFFIX = len(".lane")  # the longer of the worker socket's side sockets' suffixes
 
 
-def claim(path: Path, *, gid: int | None, key: str = "server.socket") -> None:
+def claim(path: Path, *, gid: int | None, key: str = "server.socket", side: int = 0) -> None:
     """:func:`prepare_dir` of the socket's directory, then :func:`probe` of the socket. A path
-    no Unix socket can be bound at (too long, a directory that cannot be made) is a
-    StartupError naming ``key``, the setting that chose the path."""
-    longest = max(len(os.fsencode(path)) + _LONGEST_SUFFIX, len(os.fsencode(path.parent / ".hc-4194304-w")))
+    no Unix socket can be bound at (too long with ``side`` more bytes, a directory that
+    cannot be made) is a StartupError naming ``key``, the setting that chose the path."""
+    longest = max(len(os.fsencode(path)) + side, len(os.fsencode(BoundSocket.private_path(path, "w"))))
     if longest > MAX_SOCKET_PATH:
         raise StartupError(
-            f"socket path {str(path)[:48]!r}... is too long for a Unix socket ({len(os.fsencode(path))} "
+            f"socket path {clip(str(path), 48)} is too long for a Unix socket ({len(os.fsencode(path))} "
             f"bytes; with its side sockets it needs {longest}, at most {MAX_SOCKET_PATH}): choose a "
             f"shorter {key}"
         )

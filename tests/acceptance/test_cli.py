@@ -247,9 +247,14 @@ def test_a_relative_socket_path_reaches_the_daemon(daemon: Served) -> None:
     """Fails before: a socket path without a leading ``/`` (as `serve --socket run/d.sock`
     binds it, from its working directory) was taken for host:port: "DNS resolution failed"."""
     where = daemon.socket.parent
-    result = cli("status", "--socket", f"./{daemon.socket.name}", cwd=where, env=daemon.env())
+    env = daemon.env()
+    for given in (f"./{daemon.socket.name}", daemon.socket.name):  # the bare name too
+        result = cli("status", "--socket", given, cwd=where, env=env)
+        assert result.returncode == 0, result.stderr
+        assert f"at unix://{daemon.socket}" in result.stdout
+    env["HICACHED_SOCKET"] = daemon.socket.name  # as `serve --socket d.sock` was started
+    result = cli("status", "--socket", daemon.socket.name, cwd=where, env=env)
     assert result.returncode == 0, result.stderr
-    assert f"at unix://{daemon.socket}" in result.stdout
 
 
 def test_lookup_with_a_tenant_finds_that_tenants_prefix(daemon: Served, tmp_path: Path) -> None:

@@ -11,7 +11,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from hicached.testing.daemon import scratch_dir
+from hicached_client import HiCacheClient
+
+from hicached.testing.daemon import launch, scratch_dir
 from hicached.testing.procs import child_env
 from tests.daemon.conftest import free_port
 from tests.support.faults import log_lines, serve_patched, socket_files
@@ -121,5 +123,33 @@ def test_a_socket_path_no_unix_socket_can_take_is_one_line_naming_the_key() -> N
         _refused(
             workdir, result, "cannot create the socket directory /proc/hicached-nowhere", "server.socket"
         )
+    finally:
+        subprocess.run(["rm", "-rf", str(workdir)], check=False)
+
+
+def test_a_socket_path_at_the_limit_serves_with_its_admin_socket_beside_it() -> None:
+    """Fails before: the length check added the worker socket's ``.lane`` to the admin
+    socket too and refused a worker socket that fits (its admin.sock fits as well), naming
+    ``server.admin_socket``, which nobody had set."""
+    workdir = scratch_dir("hcds")
+    try:
+        deep = workdir / ("d" * (92 - len(os.fsencode(str(workdir))) - 1))  # a 92-byte directory
+        deep.mkdir()
+        assert len(os.fsencode(str(deep))) == 92
+        # d.sock + ".lane": 104 bytes; admin.sock: 103 (its private name, 99 + the pid's digits)
+        d = launch(
+            "--l3",
+            "none",
+            "--host-budget",
+            "64MiB",
+            workdir=workdir,
+            socket=deep / "d.sock",
+            owns_workdir=False,
+        )
+        try:
+            with HiCacheClient(d.admin_target) as admin:
+                assert admin.get_stats().version
+        finally:
+            d.stop()
     finally:
         subprocess.run(["rm", "-rf", str(workdir)], check=False)

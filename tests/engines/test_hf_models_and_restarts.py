@@ -60,6 +60,7 @@ def test_models_whose_configs_differ_never_restore_each_others_pages(client: HiC
     # The same config built again (another process would) and loaded otherwise still hits.
     again = llama()
     again.use_cache, again._name_or_path = False, "/somewhere/else"
+    again.architectures, again.pad_token_id = ["LlamaForCausalLM"], 0  # save_pretrained, a pipeline
     same = KVShape.of(again, torch.float32)
     with HFKVCache(client, model_name=model, shape=same, page_size=PAGE, slots=SLOTS) as kv:
         restored, hit = kv.load_prefix(tokens)
@@ -81,10 +82,17 @@ def test_a_daemon_restart_is_survived_by_attaching_again() -> None:
             with HFKVCache(client, model_name=unique_model(), shape=shape, page_size=PAGE, slots=SLOTS) as kv:
                 assert kv.save_prefix(tokens, cache) == 2
                 kv.persist(tokens)  # in L3 once it returns (the policy may have written it already)
+                retracted = kv.retract("req", kv_cache(seq=20))
+                assert retracted is not None
                 lost = kv.session
                 assert first.stop() == 0
                 second = launch(*args, workdir=workdir, socket=socket, owns_workdir=False)
                 try:
+                    with pytest.raises(HiCacheError) as err:  # host memory of the lost session
+                        kv.resume(retracted)
+                    assert (
+                        err.value.code == grpc.StatusCode.NOT_FOUND and "retract again" in err.value.message
+                    )
                     restored, hit = kv.load_prefix(tokens)
                     assert kv.session is not lost, "attached again"
                     assert hit == 32 and torch.equal(

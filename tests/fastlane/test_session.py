@@ -435,10 +435,18 @@ def test_an_op_with_no_time_left_for_the_lane_is_not_sent_and_keeps_the_lane(
         try:
             with pytest.raises(HiCacheError) as err:
                 session.lookup(keys, timeout_s=0.0002)
+            with pytest.raises(HiCacheError) as load_err:  # the blocking Load took another way
+                session.load_wait(_both([1, 2]), timeout_s=0.0002)
         finally:
             os.kill(daemon.process.pid, signal.SIGCONT)
-        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        assert err.value.code == load_err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
         assert lane._tail == 1 and not lane.closed and session._slot._lane is lane
         assert session.lookup(keys).l2_hit_pages == 0
         assert lane._tail == 2, "the next op went over the lane"
+        session.close()
+    with HiCacheClient(daemon.target, timeout_s=30.0) as client:  # gRPC alone answers the same
+        session = _attach(client, pools)
+        with pytest.raises(HiCacheError) as err:
+            session.lookup(keys, timeout_s=0)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
         session.close()

@@ -70,15 +70,15 @@ def default_admin_target() -> str:
 
 
 def normalize_target(target: str) -> str:
-    """``/path/sock`` -> ``unix:///path/sock``; a relative path (``run/d.sock``: a ``/`` before
-    any ``:``) -> the absolute one, as the daemon bound it from its working directory;
-    ``unix:...``, ``dns:...`` and ``host:port`` unchanged."""
+    """``/path/sock`` -> ``unix:///path/sock``; a relative path (``d.sock``, ``run/d.sock``: no
+    ``:``, or a ``/`` before it) or one from ``~`` -> the absolute one, as the daemon bound it
+    from its working directory; ``unix:...``, ``dns:...`` and ``host:port`` unchanged."""
     if not target:
         raise ValueError("empty hicached target; give unix:///path/to.sock or host:port")
     if target.startswith("/"):
-        return f"unix://{target}"
-    if "/" in target and ":" not in target.split("/", 1)[0]:
-        return f"unix://{os.path.abspath(target)}"
+        return f"unix://{target}"  # as given: a lexical clean-up of ".." could change where it leads
+    if target.startswith("~") or ":" not in target.split("/", 1)[0]:
+        return f"unix://{os.path.abspath(os.path.expanduser(target))}"
     return target
 
 

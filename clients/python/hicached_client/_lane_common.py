@@ -69,7 +69,18 @@ class Budget:
         self._end = None if timeout_s is None else time.monotonic() + timeout_s
 
     def left(self) -> float | None:
-        return None if self._end is None else max(0.0, self._end - time.monotonic())
+        """The time left for the next try; DEADLINE_EXCEEDED, nothing sent, under
+        :data:`MIN_SEND_S` (a lane or gRPC call sent then could only time out, or run after
+        its caller was told it failed)."""
+        if self._end is None:
+            return None
+        left = self._end - time.monotonic()
+        if left < MIN_SEND_S:
+            raise HiCacheError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the op's timeout ran out before it was sent (nothing was sent)",
+            )
+        return left
 
 
 # ------------------------------------------------------------ what a lane is made of

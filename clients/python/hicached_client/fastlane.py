@@ -225,8 +225,11 @@ class FastLane:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> LoadResult:
-        """Host -> device copy, as :meth:`Session.load_wait`; ``layers`` in the order they landed."""
-        return self.start_load(transfers, layer_progress=layer_progress, op_id=op_id).result(timeout_s)
+        """Host -> device copy, as :meth:`Session.load_wait`; ``layers`` in the order they landed.
+        The wait for the lane counts against ``timeout_s``, as every op's (:meth:`start_load`
+        is the raw submit, for callers that wait on layers)."""
+        flags = w.FLAG_LAYER_PROGRESS if layer_progress else 0
+        return lc.load_result(self._call(w.Opcode.LOAD, flags, transfers, op_id, timeout_s))
 
     def start_load(
         self, transfers: Sequence[Transfer], *, layer_progress: bool = True, op_id: str | None = None

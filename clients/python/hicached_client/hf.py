@@ -70,8 +70,11 @@ from hicached_client.types import PoolRole, TokenChain, Transfer, WorkerIdentity
 POOL = "kv"
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-# Config entries that say how a model is loaded or run, not what it computes: left out of
-# the digest, so workers loading one model differently still share its pages.
+# Config entries that say how a model is loaded, run or labelled, not what its KV is: left
+# out of the digest, so workers loading one model differently still share its pages
+# (save_pretrained fills in architectures; pipelines set pad_token_id). The version of
+# transformers is left out too, but its spelling of an entry is not (v5's rope_parameters
+# for v4's rope_theta): workers on two major versions do not share.
 _NOT_THE_MODEL = frozenset(
     {
         "_name_or_path",
@@ -86,6 +89,20 @@ _NOT_THE_MODEL = frozenset(
         "output_attentions",
         "output_hidden_states",
         "return_dict",
+        "torchscript",
+        "architectures",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "tokenizer_class",
+        "initializer_range",
+        "chunk_size_feed_forward",
+        "tie_word_embeddings",
     }
 )
 
@@ -96,8 +113,12 @@ def config_digest(config: Any) -> str:
     never share pages. Weights are not in it: ``model_name`` names them."""
     to_dict = getattr(config, "to_dict", None)
     entries = to_dict() if callable(to_dict) else dict(vars(config))
-    kept = {k: v for k, v in entries.items() if k not in _NOT_THE_MODEL}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps(_kept(entries), sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _kept(entries: dict[str, Any]) -> dict[str, Any]:
+    """``entries`` less :data:`_NOT_THE_MODEL`, in nested configs too (a text_config's)."""
+    return {k: _kept(v) if isinstance(v, dict) else v for k, v in entries.items() if k not in _NOT_THE_MODEL}
 
 
 @dataclass(frozen=True)
@@ -266,7 +287,18 @@ class HFKVCache:
             log.warning("hicached: the daemon lost session %s (%s); attaching again", lost.session_id, exc)
         lost.stop_heartbeat()
         self.session = self._client.attach(self._identity, [self._spec])
-        return op(self.session)
+        try:
+            return op(self.session)
+        except HiCacheError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            # What the call names went with the lost session (a retraction backup): say so.
+            raise HiCacheError(
+                exc.code,
+                f"{exc.message} (the daemon had lost this worker's session {lost.session_id[:8]}..., "
+                "and what it held with it: retract again)",
+                method=exc.method,
+            ) from None
 
     @staticmethod
     def _knows(session: Session) -> bool:
