@@ -107,5 +107,6 @@ def test_the_table_picks_the_lane() -> None:
         assert lanes.lane_for(Where.COPY, l3=True) is lanes.copy
         assert lanes.lane_for(Where.L3, l3=False) is lanes.l3
         assert lanes.lane_for(Where.BOOKKEEPING, l3=False) is lanes.bookkeeping
+        assert lanes.lane_for(Where.ALLOC, l3=False) is lanes.alloc
     finally:
         lanes.shutdown()

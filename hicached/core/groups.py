@@ -226,8 +226,9 @@ class GroupRegistry:
         return self._budget
 
     def used_bytes(self) -> int:
-        """Bytes of the budget taken: live groups' and journaled groups' (warm restart). Never
-        waits for the registry's lock (GetStats must answer during a build; see :meth:`get`)."""
+        """Bytes of the budget taken: live groups' and journaled groups' (warm restart), read
+        without the registry's lock (GetStats answers during a build): a group being built or
+        re-mapped counts once it is published."""
         return sum(g.nbytes for g in self._view.values()) + (self._warm.nbytes() if self._warm else 0)
 
     def get(self, group_id: str) -> GroupState:

@@ -134,13 +134,14 @@ class Where(Enum):
     LOOP = "loop"  # O(1) work: the event loop itself
     COPY = "copy"  # waits for the copy engine
     L3 = "l3"  # may wait for the L3 backend
-    BOOKKEEPING = "bookkeeping"  # attach, stats, large allocations: never behind copies or L3
+    BOOKKEEPING = "bookkeeping"  # attach and stats: never behind copies or L3
     # Page bookkeeping (alloc/free/resolve/release): microseconds of work, so the event
     # loop (the thread hop would cost more, ~200 us here). An allocation never waits for L3:
     # under write_back it evicts only pages L3 holds (hicached.index.writer.Writer.reclaim).
-    # One that may zero more than a MiB of reused pages runs on the bookkeeping lane instead
+    # One that may zero more than a MiB of reused pages runs on the alloc lane instead
     # (hicached.server.rpc_pages.INLINE_ALLOC_BYTES).
     PAGES = "pages"
+    ALLOC = "alloc"  # a large allocation: zeroing reused pages, behind no other kind of work
     COPY_OR_L3 = "copy_or_l3"  # the copy lane; the L3 lane when the call reaches L3
 
 
@@ -183,12 +184,17 @@ RPC_LANES: Mapping[str, Where] = MappingProxyType(
 )
 
 
+# Zeroing is bound by memory bandwidth, which two threads on most nodes take whole.
+ALLOC_THREADS = 2
+
+
 @dataclass(frozen=True)
 class Lanes:
     copy: Lane
     l3: Lane
     hash: Lane
     bookkeeping: Lane
+    alloc: Lane
 
     @classmethod
     def from_config(cls, config: Config) -> Lanes:
@@ -217,6 +223,9 @@ class Lanes:
                 per_session_key="limits.max_hash_calls_per_session",
             ),
             bookkeeping=Lane("bookkeeping", s.bookkeeping_threads),
+            # No per-session limit: an honest worker's allocations must not be refused. Busy
+            # allocations of some sessions delay only other sessions' large allocations.
+            alloc=Lane("alloc", ALLOC_THREADS),
         )
 
     def lane_for(self, where: Where, *, l3: bool) -> Lane | None:
@@ -224,8 +233,14 @@ class Lanes:
         (COPY_OR_L3)."""
         if where is Where.COPY_OR_L3:
             return self.l3 if l3 else self.copy
-        return {Where.COPY: self.copy, Where.L3: self.l3, Where.BOOKKEEPING: self.bookkeeping}.get(where)
+        lanes = {
+            Where.COPY: self.copy,
+            Where.L3: self.l3,
+            Where.BOOKKEEPING: self.bookkeeping,
+            Where.ALLOC: self.alloc,
+        }
+        return lanes.get(where)
 
     def shutdown(self) -> None:
-        for lane in (self.copy, self.l3, self.hash, self.bookkeeping):
+        for lane in (self.copy, self.l3, self.hash, self.bookkeeping, self.alloc):
             lane.shutdown()

@@ -22,9 +22,9 @@ from hicached.server.rpc_base import Ctx, ServicerBase, no_fence
 
 # An allocation zeroes the pages an earlier owner wrote before handing them out (another
 # tenant's KV). Up to this many bytes (~0.1 ms) that runs on the event loop, as the rest of
-# page bookkeeping does; a larger one runs on the bookkeeping lane: zeroing a GiB takes
-# ~0.1 s, which no other session's call may wait behind, and there it waits for no copy or
-# L3 call and counts against no per-session limit of theirs.
+# page bookkeeping does; a larger one runs on the alloc lane: zeroing a GiB takes ~0.1 s,
+# which no other kind of call may wait behind, and there it waits for no copy, L3 call or
+# attach, under no per-session limit (an honest worker's allocation is never refused).
 INLINE_ALLOC_BYTES = 1 << 20
 
 
@@ -40,7 +40,7 @@ class PageRpcs(ServicerBase):
             _, state = self.core.session_group(session_id)
         except HiCacheError:
             return None  # the core call answers why
-        return None if pages * state.bytes_per_page <= INLINE_ALLOC_BYTES else Where.BOOKKEEPING
+        return None if pages * state.bytes_per_page <= INLINE_ALLOC_BYTES else Where.ALLOC
 
     async def Alloc(self, request: pb.AllocRequest, context: Ctx) -> pb.AllocResponse:
         pages = await self.offload(

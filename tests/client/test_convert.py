@@ -19,6 +19,7 @@ from hicached_client import (
     pool_spec,
 )
 from hicached_client import _convert as cv
+from hicached_client._channel import normalize_target
 from hicached_client.errors import from_rpc_error
 from hicached_client.v1 import types_pb2 as tpb
 
@@ -127,6 +128,19 @@ def test_default_target(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     expected = "/run/hicached" if os.geteuid() == 0 else f"/tmp/hicached-{os.geteuid()}"
     assert default_target() == f"unix://{expected}/hicached.sock"
+
+
+def test_relative_socket_paths_are_paths_and_host_names_stay_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relative paths (``serve --socket run/d.sock`` binds one from its working directory) were
+    taken for host:port; a bare host name (gRPC's default port) must stay a host name."""
+    here = os.getcwd()
+    for given, path in (("run/d.sock", "run/d.sock"), ("d.sock", "d.sock"), ("./d", "d")):
+        assert normalize_target(given) == f"unix://{here}/{path}"
+    assert normalize_target("~/d.sock") == f"unix://{os.path.expanduser('~')}/d.sock"
+    for target in ("localhost", "cache.example.com", "h:1", "[::1]:80", "dns:///h:1", "unix:rel"):
+        assert normalize_target(target) == target
+    monkeypatch.setenv("HICACHED_SOCKET", "mysock")  # a socket's variable: a path, whatever its name
+    assert default_target() == f"unix://{here}/mysock"
 
 
 def test_channel_config_validation() -> None:

@@ -449,4 +449,5 @@ def test_an_op_with_no_time_left_for_the_lane_is_not_sent_and_keeps_the_lane(
         with pytest.raises(HiCacheError) as err:
             session.lookup(keys, timeout_s=0)
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        assert str(err.value).startswith("Lookup: "), err.value
         session.close()

@@ -121,8 +121,8 @@ class AsyncSession:
         await self._slot.close()
         return op
 
-    def _budget(self, timeout_s: float | None) -> Budget:
-        return Budget(self.client.config.timeout_s if timeout_s is None else timeout_s)
+    def _budget(self, timeout_s: float | None, rpc: str) -> Budget:
+        return Budget(self.client.config.timeout_s if timeout_s is None else timeout_s, rpc)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -183,7 +183,7 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> ResolveResult:
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "ResolveTransfers")
         lane = await self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
         if lane is not None:
             try:
@@ -198,7 +198,7 @@ class AsyncSession:
     async def release_transfers(
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "ReleaseTransfers")
         lane = await self._slot.get(self, True)
         if lane is not None:
             try:
@@ -221,7 +221,7 @@ class AsyncSession:
         timeout_s: float | None = None,
     ) -> WriteResult:
         """Device -> host copy; with ``allocate`` host pages are resolved first (atomically)."""
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "Write")
         lane = await self._slot.get(
             self, primary_device_pages is None and primary_host_pages is None and ready is None
         )
@@ -273,7 +273,7 @@ class AsyncSession:
         timeout_s: float | None = None,
     ) -> LoadResult:
         """:meth:`load` and wait for the end (over the fast lane when the session has one)."""
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "Load")
         lane = await self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
         if lane is not None:
             try:
@@ -356,7 +356,7 @@ class AsyncSession:
         self, keys: Keys, *, tenant: str = "", per_key: bool = False, timeout_s: float | None = None
     ) -> LookupResult:
         """Leading cached runs of ``keys``; ``per_key``: each key's flags too (over gRPC)."""
-        given, budget = None if per_key else lane_keys(keys, tenant), self._budget(timeout_s)
+        given, budget = None if per_key else lane_keys(keys, tenant), self._budget(timeout_s, "Lookup")
         lane = await self._slot.get(self, given is not None)
         if lane is not None and given is not None:
             try:
@@ -388,7 +388,7 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> PutPagesResult:
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "PutPages")
         given = lane_keys(keys, tenant)
         plain = primary_device_pages is None and ready is None  # the lane carries neither
         lane = await self._slot.get(self, given is not None and plain)
@@ -419,7 +419,7 @@ class AsyncSession:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> GetPagesResult:
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "GetPages")
         given = lane_keys(keys, tenant)
         lane = await self._slot.get(self, given is not None and primary_device_pages is None)
         if lane is not None and given is not None:

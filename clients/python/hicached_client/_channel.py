@@ -39,7 +39,7 @@ def default_target() -> str:
     """
     env = os.environ.get(SOCKET_ENV)
     if env:
-        return normalize_target(env)
+        return socket_target(env)
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         path = Path(runtime) / "hicached" / SOCKET_NAME
@@ -62,7 +62,7 @@ def default_admin_target() -> str:
     """
     env = os.environ.get(ADMIN_SOCKET_ENV)
     if env:
-        return normalize_target(env)
+        return socket_target(env)
     worker = default_target()
     if not worker.startswith("unix://"):
         return worker  # a TCP target: the admin role is the admin token there
@@ -70,16 +70,30 @@ def default_admin_target() -> str:
 
 
 def normalize_target(target: str) -> str:
-    """``/path/sock`` -> ``unix:///path/sock``; a relative path (``d.sock``, ``run/d.sock``: no
-    ``:``, or a ``/`` before it) or one from ``~`` -> the absolute one, as the daemon bound it
-    from its working directory; ``unix:...``, ``dns:...`` and ``host:port`` unchanged."""
+    """``/path/sock`` -> ``unix:///path/sock``; a relative path (``run/d.sock``: a ``/`` before
+    any ``:``; ``d.sock``: a name ending in ``.sock``) or one from ``~`` -> the absolute one, as
+    the daemon bound it from its working directory; ``unix:...``, ``dns:...``, ``host:port``
+    and a bare host name unchanged."""
     if not target:
         raise ValueError("empty hicached target; give unix:///path/to.sock or host:port")
     if target.startswith("/"):
         return f"unix://{target}"  # as given: a lexical clean-up of ".." could change where it leads
-    if target.startswith("~") or ":" not in target.split("/", 1)[0]:
+    if target.startswith("~") or socket_path_like(target):
         return f"unix://{os.path.abspath(os.path.expanduser(target))}"
     return target
+
+
+def socket_target(value: str) -> str:
+    """A value that names a socket (``--socket``, ``$HICACHED_SOCKET``) as a gRPC target: a
+    path, relative ones too, whatever its name; a full target (``unix:``, ``host:port``) as is."""
+    bare = ":" not in value and not value.startswith(("/", "~", "."))
+    return normalize_target(f"./{value}" if bare else value)
+
+
+def socket_path_like(text: str) -> bool:
+    """A relative path, not a gRPC target: a ``/`` before any ``:``, or no ``:`` and ``.sock``."""
+    head = text.split("/", 1)[0]
+    return ("/" in text and ":" not in head) or (":" not in text and text.endswith(".sock"))
 
 
 def check_metadata(name: str, value: str | None) -> None:

@@ -65,8 +65,9 @@ class Budget:
     lane is lost or refuses it (a re-send gets what is left, not a fresh timeout). None: no
     deadline. Not thread-safe (one op's)."""
 
-    def __init__(self, timeout_s: float | None) -> None:
+    def __init__(self, timeout_s: float | None, rpc: str) -> None:
         self._end = None if timeout_s is None else time.monotonic() + timeout_s
+        self._rpc = rpc
 
     def left(self) -> float | None:
         """The time left for the next try; DEADLINE_EXCEEDED, nothing sent, under
@@ -79,6 +80,7 @@ class Budget:
             raise HiCacheError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 "the op's timeout ran out before it was sent (nothing was sent)",
+                method=self._rpc,
             )
         return left
 

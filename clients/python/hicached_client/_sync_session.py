@@ -122,8 +122,8 @@ class Session:
         self._slot.close()
         return op
 
-    def _budget(self, timeout_s: float | None) -> Budget:
-        return Budget(self.client.config.timeout_s if timeout_s is None else timeout_s)
+    def _budget(self, timeout_s: float | None, rpc: str) -> Budget:
+        return Budget(self.client.config.timeout_s if timeout_s is None else timeout_s, rpc)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -184,7 +184,7 @@ class Session:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> ResolveResult:
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "ResolveTransfers")
         lane = self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
         if lane is not None:
             try:
@@ -199,7 +199,7 @@ class Session:
     def release_transfers(
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "ReleaseTransfers")
         lane = self._slot.get(self, True)
         if lane is not None:
             try:
@@ -222,7 +222,7 @@ class Session:
         timeout_s: float | None = None,
     ) -> WriteResult:
         """Device -> host copy; with ``allocate`` host pages are resolved first (atomically)."""
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "Write")
         lane = self._slot.get(
             self, primary_device_pages is None and primary_host_pages is None and ready is None
         )
@@ -274,7 +274,7 @@ class Session:
         timeout_s: float | None = None,
     ) -> LoadResult:
         """:meth:`load` and wait for the end (over the fast lane when the session has one)."""
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "Load")
         lane = self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
         if lane is not None:
             try:
@@ -353,7 +353,7 @@ class Session:
         self, keys: Keys, *, tenant: str = "", per_key: bool = False, timeout_s: float | None = None
     ) -> LookupResult:
         """Leading cached runs of ``keys``; ``per_key``: each key's flags too (over gRPC)."""
-        given, budget = None if per_key else lane_keys(keys, tenant), self._budget(timeout_s)
+        given, budget = None if per_key else lane_keys(keys, tenant), self._budget(timeout_s, "Lookup")
         lane = self._slot.get(self, given is not None)
         if lane is not None and given is not None:
             try:
@@ -385,7 +385,7 @@ class Session:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> PutPagesResult:
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "PutPages")
         given = lane_keys(keys, tenant)
         plain = primary_device_pages is None and ready is None  # the lane carries neither
         lane = self._slot.get(self, given is not None and plain)
@@ -416,7 +416,7 @@ class Session:
         op_id: str | None = None,
         timeout_s: float | None = None,
     ) -> GetPagesResult:
-        op, budget = self._op(op_id), self._budget(timeout_s)
+        op, budget = self._op(op_id), self._budget(timeout_s, "GetPages")
         given = lane_keys(keys, tenant)
         lane = self._slot.get(self, given is not None and primary_device_pages is None)
         if lane is not None and given is not None:

@@ -271,11 +271,12 @@ class HFKVCache:
             self.pool.close()
             raise
 
-    def _call(self, op: Callable[[Session], T]) -> T:
+    def _call(self, op: Callable[[Session], T], *, held: str = "") -> T:
         """``op(session)``; once more on a new session if the daemon no longer knows this one.
 
         NOT_FOUND is also some calls' own answer (an unknown retraction backup): the session
-        is attached again only when a heartbeat confirms the daemon lost it.
+        is attached again only when a heartbeat confirms the daemon lost it. ``held``: what
+        the call names that the lost session held (its NOT_FOUND then says so).
         """
         self._open()
         lost = self.session
@@ -290,13 +291,13 @@ class HFKVCache:
         try:
             return op(self.session)
         except HiCacheError as exc:
-            if exc.code != grpc.StatusCode.NOT_FOUND:
+            if exc.code != grpc.StatusCode.NOT_FOUND or not held:
                 raise
-            # What the call names went with the lost session (a retraction backup): say so.
             raise HiCacheError(
                 exc.code,
                 f"{exc.message} (the daemon had lost this worker's session {lost.session_id[:8]}..., "
-                "and what it held with it: retract again)",
+                f"and the {held} it held with it)",
+                retry_after_ms=exc.retry_after_ms,
                 method=exc.method,
             ) from None
 
@@ -471,7 +472,8 @@ class HFKVCache:
         pages = -(-retracted.num_tokens // self.page_size)
         to = [Transfer(POOL, self._pages(pages, first_page))]
         self._call(
-            lambda session: session.retract_restore_wait(retracted.backup_id, to, layer_progress=False)
+            lambda session: session.retract_restore_wait(retracted.backup_id, to, layer_progress=False),
+            held="retraction backup: retract again",
         )
         return self._unstage(retracted.num_tokens, first_page)
 
