@@ -58,9 +58,10 @@ def test_models_whose_configs_differ_never_restore_each_others_pages(client: HiC
             assert kv.cached_tokens(tokens) == 0
             assert kv.load_prefix(tokens) == (None, 0)
     # The same config built again (another process would) and loaded otherwise still hits.
-    again = llama()
-    again.use_cache, again._name_or_path = False, "/somewhere/else"
-    again.architectures, again.pad_token_id = ["LlamaForCausalLM"], 0  # save_pretrained, a pipeline
+    again = llama(
+        use_cache=False, name_or_path="/somewhere/else", architectures=["LlamaForCausalLM"], pad_token_id=0
+    )
+    assert again._name_or_path == "/somewhere/else" and again.pad_token_id == 0
     same = KVShape.of(again, torch.float32)
     with HFKVCache(client, model_name=model, shape=same, page_size=PAGE, slots=SLOTS) as kv:
         restored, hit = kv.load_prefix(tokens)
