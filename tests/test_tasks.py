@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import pytest
 
@@ -12,30 +13,34 @@ from hicached.errors import Unavailable
 from hicached.tasks import supervise
 
 
-def test_failing_step_is_logged_with_traceback_and_retried(caplog: pytest.LogCaptureFixture) -> None:
+def _until_steady(name: str, errors: list[Exception], **options: Any) -> int:
+    """Supervise a step that raises ``errors`` in turn, then succeeds; the steps it took."""
     calls: list[int] = []
-    failures: list[str] = []
 
     async def main() -> None:
         done = asyncio.Event()
 
         def step() -> None:
             calls.append(1)
-            if len(calls) <= 2:
-                raise KeyError(f"boom {len(calls)}")
+            if len(calls) <= len(errors):
+                raise errors[len(calls) - 1]
             done.set()
 
-        task = asyncio.create_task(
-            supervise("gauges", step, interval_s=0.001, max_backoff_s=0.01, on_failure=failures.append)
-        )
+        task = asyncio.create_task(supervise(name, step, interval_s=0.001, max_backoff_s=0.01, **options))
         await asyncio.wait_for(done.wait(), 10)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
+    asyncio.run(main())
+    return len(calls)
+
+
+def test_failing_step_is_logged_with_traceback_and_retried(caplog: pytest.LogCaptureFixture) -> None:
+    failures: list[str] = []
     with caplog.at_level(logging.INFO, logger="hicached.tasks"):
-        asyncio.run(main())
-    assert len(calls) == 3 and failures == ["gauges", "gauges"]
+        steps = _until_steady("gauges", [KeyError("boom 1"), KeyError("boom 2")], on_failure=failures.append)
+    assert steps == 3 and failures == ["gauges", "gauges"]
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2 and all(r.exc_info is not None for r in errors)
     assert "boom 1" in caplog.text and "Traceback" in caplog.text
@@ -45,25 +50,9 @@ def test_failing_step_is_logged_with_traceback_and_retried(caplog: pytest.LogCap
 def test_an_expected_failure_is_one_line_naming_it(caplog: pytest.LogCaptureFixture) -> None:
     """Fails before: an L3 outage (Unavailable) was logged with its chained traceback at every
     retry of the L3 stats task (~90 lines each); it is a message, not a programming error."""
-    done: list[int] = []
-
-    async def main() -> None:
-        finished = asyncio.Event()
-
-        def step() -> None:
-            done.append(1)
-            if len(done) == 1:
-                raise Unavailable("redis server at 127.0.0.1:6379/0 is unreachable")
-            finished.set()
-
-        task = asyncio.create_task(supervise("l3_stats", step, interval_s=0.001, max_backoff_s=0.01))
-        await asyncio.wait_for(finished.wait(), 10)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
     with caplog.at_level(logging.INFO, logger="hicached.tasks"):
-        asyncio.run(main())
+        steps = _until_steady("l3_stats", [Unavailable("redis server at 127.0.0.1:6379/0 is unreachable")])
+    assert steps == 2
     (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert not error.exc_info
     assert "is unreachable" in error.getMessage() and "Traceback" not in caplog.text
