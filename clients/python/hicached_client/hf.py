@@ -109,8 +109,9 @@ _NOT_THE_MODEL = frozenset(
 
 def config_digest(config: Any) -> str:
     """A digest of what a transformers config says about the model's computation (everything
-    but the loading and run-time entries above): two workers whose configs differ in any of it
-    never share pages. Weights are not in it: ``model_name`` names them."""
+    but the loading, run-time and labelling entries of :data:`_NOT_THE_MODEL`): two workers
+    whose configs differ in any of it never share pages. Weights are not in it: ``model_name``
+    names them."""
     to_dict = getattr(config, "to_dict", None)
     entries = to_dict() if callable(to_dict) else dict(vars(config))
     return hashlib.sha256(json.dumps(_kept(entries), sort_keys=True, default=str).encode()).hexdigest()[:32]
