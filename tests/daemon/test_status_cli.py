@@ -106,6 +106,18 @@ def test_missing_socket_exits_1(tmp_path: Path, flags: tuple[str, ...]) -> None:
     assert shown.stdout == ""
 
 
+def test_a_mistyped_socket_in_a_shared_directory_says_nothing_is_there(tmp_path: Path) -> None:
+    """Fails before (a review of stop 45): a path in /tmp (mode 1777) that names no socket got
+    only the refusal of the directory, which reads as a daemon's misconfiguration."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    missing = shared / "hicached-typo.sock"
+    shown = hicached("status", "--socket", str(missing), "--timeout", "1")
+    assert shown.returncode == 1 and "PERMISSION_DENIED" in shown.stderr, shown.stderr
+    assert f"there is no socket {missing}: check the path" in shown.stderr, shown.stderr
+
+
 def test_ready_goes_not_serving_while_draining_and_liveness_stays_serving() -> None:
     """The exec probes docs/deploy.md gives for TLS: `--health-only` (liveness) and
     `--health-only --ready` (readiness). Before, only the overall state could be checked, and

@@ -147,6 +147,7 @@ def test_a_socket_directory_others_can_write_gets_nothing(base: Path) -> None:
     err, received = _call_stranger(run)
     assert err.code == grpc.StatusCode.PERMISSION_DENIED, err
     assert "writable by its group or others" in err.message
+    assert "there is no socket" not in err.message  # the stranger's is there
     assert received == 0, f"the stranger got {received} bytes of the worker's calls"
 
 

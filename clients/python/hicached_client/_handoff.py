@@ -179,11 +179,13 @@ def _judge_socket_dir(sock: str, way: pathwalk.Walk, trusted: frozenset[int]) ->
                 f"{step.st.st_uid} runs your daemon, set {DAEMON_UID_ENV}={step.st.st_uid})",
             )
         if step.path == holder and step.directory and step.st.st_mode & 0o022:
+            # A mistyped path in /tmp lands here too: say that nothing is there either.
+            missing = f" (and there is no socket {sock}: check the path)" if way.remaining else ""
             raise HiCacheError(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"the daemon's socket directory {holder} is writable by its group or others "
                 f"(mode {step.st.st_mode & 0o777:o}): anyone who can write it can answer as the "
-                "daemon; refusing to connect",
+                f"daemon; refusing to connect{missing}",
             )
 
 
