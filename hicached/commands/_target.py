@@ -15,7 +15,13 @@ from pathlib import Path
 
 import grpc
 from hicached_client import HiCacheClient
-from hicached_client._channel import SOCKET_ENV, default_target, is_unix_target, normalize_target
+from hicached_client._channel import (
+    SOCKET_ENV,
+    default_target,
+    is_unix_target,
+    normalize_target,
+    socket_target,
+)
 
 from hicached.commands._common import shown
 
@@ -122,9 +128,8 @@ def client_of(args: argparse.Namespace, target: str) -> HiCacheClient:
 def target_of(args: argparse.Namespace, default: Callable[[], str] = default_target) -> str:
     if args.target:
         return normalize_target(str(args.target))
-    if args.socket:  # always a path, relative ones too (a name with ":" is no host:port here)
-        path = str(args.socket)
-        return normalize_target(path if path.startswith(("/", "~", "unix:", ".")) else f"./{path}")
+    if args.socket:  # a Unix socket: a name with ":" is no host:port here
+        return socket_target(str(args.socket), full_targets=False)
     return default()
 
 

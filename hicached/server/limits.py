@@ -145,28 +145,26 @@ def check_keys(keys: Sequence[str], limits: LimitsConfig) -> None:
 def check_page_readable(page_bytes: int, limits: LimitsConfig, max_message_bytes: int) -> None:
     """A page of ``page_bytes`` (every pool of one key) fits one GetBytes answer: else storing
     it by PutBytes would keep a page that Lookup finds and no GetBytes may read back."""
+    check_response(
+        "a GetBytes of one page of this session",
+        page_bytes,
+        limits,
+        max_message_bytes,
+        fix="it could be stored but never read back; raise that limit, or use smaller pages",
+    )
+
+
+def check_response(
+    what: str,
+    nbytes: int,
+    limits: LimitsConfig,
+    max_message_bytes: int,
+    *,
+    fix: str = "ask for fewer keys per call",
+) -> None:
+    """A response of ``nbytes`` (computed before building it) fits ``limits.max_response_bytes``
+    and the gRPC message limit ``server.max_message_bytes`` (the smaller is named)."""
     bound, key = min((limits.max_response_bytes, "limits.max_response_bytes"),
                      (max_message_bytes, "server.max_message_bytes"))  # fmt: skip
-    if page_bytes > bound:
-        raise LimitExceeded(
-            f"a page of this session is {page_bytes} bytes, over what one GetBytes may answer "
-            f"({key}={bound}): it could be stored but never read back; raise {key}, or use smaller pages",
-            key,
-        )
-
-
-def check_response(what: str, nbytes: int, limits: LimitsConfig, max_message_bytes: int) -> None:
-    """A response of ``nbytes`` (computed before building it) fits ``limits.max_response_bytes``
-    and the gRPC message limit ``server.max_message_bytes``."""
-    if nbytes > limits.max_response_bytes:
-        raise LimitExceeded(
-            f"{what} would answer {nbytes} bytes, over limits.max_response_bytes={limits.max_response_bytes}: "
-            "ask for fewer keys per call",
-            "limits.max_response_bytes",
-        )
-    if nbytes > max_message_bytes:
-        raise LimitExceeded(
-            f"{what} would answer {nbytes} bytes, over server.max_message_bytes={max_message_bytes}: "
-            "ask for fewer keys per call",
-            "server.max_message_bytes",
-        )
+    if nbytes > bound:
+        raise LimitExceeded(f"{what} would answer {nbytes} bytes, over {key}={bound}: {fix}", key)

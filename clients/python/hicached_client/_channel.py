@@ -83,11 +83,13 @@ def normalize_target(target: str) -> str:
     return target
 
 
-def socket_target(value: str) -> str:
-    """A value that names a socket (``--socket``, ``$HICACHED_SOCKET``) as a gRPC target: a
-    path, relative ones too, whatever its name; a full target (``unix:``, ``host:port``) as is."""
-    bare = ":" not in value and not value.startswith(("/", "~", "."))
-    return normalize_target(f"./{value}" if bare else value)
+def socket_target(value: str, *, full_targets: bool = True) -> str:
+    """A value that names a socket (``$HICACHED_SOCKET``, ``--socket``) as a gRPC target: a
+    path, relative ones too, whatever its name; a ``unix:`` target as is, and with
+    ``full_targets`` any value with a ``:`` (``host:port``; without, ``a:b.sock`` is a path)."""
+    if value.startswith(("/", "~", ".", "unix:")) or (full_targets and ":" in value):
+        return normalize_target(value)
+    return normalize_target(f"./{value}")
 
 
 def socket_path_like(text: str) -> bool:
