@@ -29,7 +29,6 @@ from hicached.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
     ResourceExhausted,
     Unavailable,
     clip,
@@ -419,10 +418,11 @@ class KeyedCache:
         return session.run("Prefetch", op_id, body, start, in_flight=False)
 
     def _task(self, session_id: str, prefetch_id: str) -> object:
+        """The session's own prefetch. Another session's id is NotFound with the words of an
+        unknown one: telling them apart would confirm that an id (leaked or guessed) exists."""
         session, _, index = self._ctx(session_id)
         if prefetch_id not in session.prefetches:
-            task = index.get_prefetch(prefetch_id)  # NotFound when unknown anywhere
-            raise PermissionDenied(f"prefetch {task.id!r} belongs to another session")
+            raise NotFound(f"prefetch {clip(prefetch_id)} is unknown to this session (or finished long ago)")
         return index.get_prefetch(prefetch_id)
 
     def prefetch_status(

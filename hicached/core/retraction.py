@@ -20,7 +20,7 @@ from hicached.core.checks import bind_derived
 from hicached.core.dataplane import DataPlane, LayerCallback
 from hicached.core.sessions import Backup, now_ms
 from hicached.core.types import Ack, RetractResult
-from hicached.errors import InvalidArgument, NotFound, PermissionDenied, clip
+from hicached.errors import InvalidArgument, NotFound, clip
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import Priority
 from hicached.transfer.plan import Direction
@@ -39,13 +39,15 @@ class BackupStore:
             self._backups[backup.backup_id] = backup
 
     def owned(self, session_id: str, backup_id: str) -> Backup:
-        """The backup, if session ``session_id`` made it: NotFound or PermissionDenied otherwise."""
+        """The backup, if session ``session_id`` made it; NotFound otherwise, in the same words
+        for another session's backup as for an unknown one (no confirming that an id exists)."""
         with self._lock:
             backup = self._backups.get(backup_id)
-        if backup is None:
-            raise NotFound(f"unknown retraction backup {clip(backup_id)} (restored, discarded or expired)")
-        if backup.session_id != session_id:
-            raise PermissionDenied(f"retraction backup {clip(backup_id)} belongs to another session")
+        if backup is None or backup.session_id != session_id:
+            raise NotFound(
+                f"unknown retraction backup {clip(backup_id)} for this session "
+                "(restored, discarded, expired, or made by another session)"
+            )
         return backup
 
     def take(self, backup_id: str) -> Backup | None:

@@ -190,3 +190,29 @@ def test_a_prefetch_retried_with_its_op_id_starts_no_second_one(
         with pytest.raises(HiCacheError) as err:  # the same op id for another call
             s.prefetch(chain(4, "tenant-retry", offset=9), policy="best_effort", op_id="prefetch-op-1")
         assert err.value.code.name == "INVALID_ARGUMENT" and "already used" in err.value.message, err.value
+
+
+def test_another_sessions_prefetch_reads_as_unknown_and_is_untouched(
+    client: HiCacheClient, worker_pools: list[WorkerPools]
+) -> None:
+    """PrefetchStatus and CancelPrefetch of another session's prefetch answer NOT_FOUND in the
+    words of an unknown id (they were PERMISSION_DENIED: a stranger holding a leaked id
+    learned that it exists), and the owner's prefetch goes on as before."""
+    tag_a, pools_a = new_worker(worker_pools, seed=24)
+    tag_b, pools_b = new_worker(worker_pools, seed=None)
+    model = f"{MODEL}-strangers"
+    with (
+        client.attach(WorkerIdentity(tag_a, generation=1, model_name=model), pools_a.specs()) as a,
+        client.attach(WorkerIdentity(tag_b, generation=1, model_name=model), pools_b.specs()) as b,
+    ):
+        ticket = a.prefetch(chain(4, "tenant-strangers", offset=5), policy="best_effort")
+        no_such_id = "0" * len(ticket.prefetch_id)
+        for name, call in {"PrefetchStatus": b.prefetch_status, "CancelPrefetch": b.cancel_prefetch}.items():
+            with pytest.raises(HiCacheError) as theirs:
+                call(ticket.prefetch_id)
+            with pytest.raises(HiCacheError) as unknown:
+                call(no_such_id)
+            assert theirs.value.code.name == unknown.value.code.name == "NOT_FOUND", (name, theirs.value)
+            assert theirs.value.message.replace(ticket.prefetch_id, no_such_id) == unknown.value.message, name
+        status = a.prefetch_status(ticket.prefetch_id, wait=True)
+        assert status.state == PrefetchState.DONE, status
