@@ -23,10 +23,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hicached.config import Config
+from hicached.core.attach_checks import validate_pool_requests, validate_worker
 from hicached.core.checks import open_views
 from hicached.core.dataplane import DataPlane, LayerCallback
 from hicached.core.group_state import GroupState
-from hicached.core.groups import GroupRegistry, validate_pool_requests, validate_worker
+from hicached.core.groups import GroupRegistry
 from hicached.core.observer import CoreObserver, NullCoreObserver
 from hicached.core.retraction import BackupStore, Retraction
 from hicached.core.sessions import Backup, Session, SessionTable, now_ms

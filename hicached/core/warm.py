@@ -51,7 +51,7 @@ class Journaled:
 
 
 # How a group id starts a segment's name after its prefix (``<prefix>-<group id>-<pool>``).
-# No pool name may start so (:func:`hicached.core.groups.validate_pool_requests`): then a name
+# No pool name may start so (:func:`hicached.core.attach_checks.validate_pool_requests`): then a name
 # whose pool part does belongs to the longer prefix ``<prefix>-<16 hex>``.
 GROUP_ID_LIKE = re.compile(r"[0-9a-f]{16}-")
 
@@ -201,7 +201,7 @@ class WarmGroups:
 def _another_prefix(name: str, rest: str) -> bool:
     """Whether ``<prefix>-<16 hex>-<rest>`` is no segment of this prefix: ``rest`` is itself
     ``<16 hex>-<pool>``, a segment of the prefix ``<prefix>-<16 hex>`` (a prefix may hold
-    ``-``), since no pool name of ours starts so (:func:`hicached.core.groups.validate_pool_requests`).
+    ``-``), since no pool name of ours starts so (:func:`hicached.core.attach_checks.validate_pool_requests`).
     Such a name is left alone, logged: before, the daemon of prefix ``p`` removed a
     ``p-0123456789abcdef`` daemon's segments at its start (that daemon's next start was cold)."""
     if not GROUP_ID_LIKE.match(rest):

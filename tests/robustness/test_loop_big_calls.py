@@ -159,7 +159,8 @@ def test_an_attach_building_a_pool_group_holds_no_other_sessions_call() -> None:
     """Fails before: the registry looked a session's group up under the lock a build holds for
     as long as it reserves and populates its pools (seconds for GiBs), on the event loop for
     every page call and each gauge refresh: a review's bystander waited 5.86 s and lost its
-    lease. Now lookups read a copy of the registry made under the lock."""
+    lease. Now lookups read a copy of the registry made under the lock, and the bytes of the
+    group being built are counted while it is built."""
     read, release = os.pipe()
     d = serve_patched(HELD_BUILD, stdin=read)
     os.close(read)
@@ -169,12 +170,14 @@ def test_an_attach_building_a_pool_group_holds_no_other_sessions_call() -> None:
             HiCacheClient(d.target, timeout_s=30.0) as other,
         ):
             bystander = attach_bytes(client, "m-by")
+            before = bystander.stats(timeout_s=5.0).host_used_bytes
+            during: list[int] = []
 
             def probe() -> None:
                 bystander.heartbeat(timeout_s=5.0)
                 got = bystander.alloc("kv", 4, timeout_s=5.0)
                 assert got.ok and bystander.free("kv", got.host_pages, timeout_s=5.0) == 4
-                assert bystander.stats(timeout_s=5.0).host_used_bytes > 0  # GetStats too
+                during.append(bystander.stats(timeout_s=5.0).host_used_bytes)  # GetStats too
 
             def attach_slow() -> object:
                 try:
@@ -183,6 +186,10 @@ def test_an_attach_building_a_pool_group_holds_no_other_sessions_call() -> None:
                     return exc
 
             _while_held(d, release, "BUILDING", attach_slow, probe)
+            # The group being built counts from the start of its build (its memory is taken
+            # then; it counted only once published, so GetStats under-reported meanwhile).
+            after = bystander.stats(timeout_s=5.0).host_used_bytes
+            assert during == [after] and after > before, (before, during, after)
     finally:
         os.close(release)
         d.stop()
