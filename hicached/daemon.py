@@ -160,7 +160,14 @@ class Daemon:
             admin_gid=admin_gid,
         )
         self.metrics_server: MetricsServer | None = None
-        self._gauges = HostGauges(self.metrics, self.groups, self.engine, self._core_metrics)
+        self._gauges = HostGauges(
+            self.metrics,
+            self.groups,
+            self.engine,
+            self._core_metrics,
+            backups=self.core.retraction_backups,
+            l3_stats=self.l3_stats,
+        )
 
     def _registrations(self, access: Access) -> list[Callable[[grpc.aio.Server], None]]:
         """The services of one listener, their servicers bound to its role."""

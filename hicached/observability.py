@@ -23,11 +23,14 @@ from hicached.metrics import label_value
 from hicached.transfer.plan import CopyPlan, Direction
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import grpc
     from prometheus_client import Counter, Histogram
 
     from hicached.core.groups import GroupRegistry
     from hicached.core.sessions import Session
+    from hicached.l3.stats_cache import StatsCache
     from hicached.metrics import Metrics
     from hicached.transfer.engine import CopyEngine
 
@@ -171,23 +174,36 @@ class RpcMetrics:
 
 
 class HostGauges:
-    """Host pool usage and copy-queue depths, read from the live objects on each ``refresh``.
+    """Host pool usage, copy-queue depths, retraction backups held and the L3 backend's read
+    counters, read from the live objects on each ``refresh``.
 
     Series are per (model, pool) label pair: pool groups of one model in other layouts (the
     same pool names, another head_dim or page size) are summed into it, as its write/load
     counters are (each group set the gauge in turn before, and the last one won). A retired
     pool group's series are removed with it (its write/load counters too, through ``core``),
-    so a scrape never shows a group that is gone. Not thread-safe: one caller (the event
-    loop's supervised ``gauges`` task) refreshes.
+    so a scrape never shows a group that is gone. The L3 counters move by what the backend
+    counted since the last refresh, as the stats cache last read them (no I/O here: a hung
+    backend holds neither this nor a scrape). Not thread-safe: one caller (the event loop's
+    supervised ``gauges`` task) refreshes.
     """
 
     def __init__(
-        self, metrics: Metrics, groups: GroupRegistry, engine: CopyEngine, core: CoreMetrics | None = None
+        self,
+        metrics: Metrics,
+        groups: GroupRegistry,
+        engine: CopyEngine,
+        core: CoreMetrics | None = None,
+        *,
+        backups: Callable[[], int] | None = None,
+        l3_stats: StatsCache | None = None,
     ) -> None:
         self._m = metrics
         self._groups = groups
         self._engine = engine
         self._core = core  # its write/load series of retired groups go too
+        self._backups = backups
+        self._l3_stats = l3_stats
+        self._l3_seen = (0, 0, 0)  # hits, misses, corrupt pages already counted
         self._labels: set[tuple[str, str]] = set()
 
     def refresh(self) -> None:
@@ -217,3 +233,18 @@ class HostGauges:
             self._core.retain(seen)
         for priority, depth in self._engine.queue_depth().items():
             m.queue_depth.labels(priority=m.priority(priority)).set(depth)
+        if self._backups is not None:
+            m.retraction_backups.set(self._backups())
+        if self._l3_stats is not None:
+            self._count_l3_reads(self._l3_stats)
+
+    def _count_l3_reads(self, cache: StatsCache) -> None:
+        got = cache.get()
+        if got.stats is None:
+            return
+        now = (got.stats.hits, got.stats.misses, got.stats.corrupt_pages)
+        counters = (self._m.l3_hits, self._m.l3_misses, self._m.l3_corrupt_pages)
+        for counter, value, seen in zip(counters, now, self._l3_seen, strict=True):
+            # Each child exists from the first stats on (a zero is a sample, not an absence).
+            counter.labels(backend=got.name).inc(max(value - seen, 0))
+        self._l3_seen = now

@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(f"group {gid} (model {args.model!r}): {n} pages asked")
+        print(f"group {shown(gid)} (model {args.model!r}): {n} pages asked")
         print(f"  leading pages in L2 (host memory): {l2}")
         print(f"  leading pages in L2 or L3:         {total}")
         for i, (key, tier) in enumerate(zip(result.keys, tiers, strict=True)):

@@ -77,6 +77,11 @@ class BackupStore:
             self._backups.clear()
         return every
 
+    def __len__(self) -> int:
+        """The backups held now (the ``hicached_retraction_backups`` gauge)."""
+        with self._lock:
+            return len(self._backups)
+
     def snapshot(self, session_id: str = "") -> list[Backup]:
         """The backups (of one session when ``session_id`` is given), for stats."""
         with self._lock:

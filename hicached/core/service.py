@@ -43,12 +43,7 @@ from hicached.core.types import (
     TransferResult,
     WorkerId,
 )
-from hicached.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
+from hicached.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine
 from hicached.transfer.mappings import DeviceMappings
@@ -431,6 +426,10 @@ class HiCacheCore:
             host_used_bytes=self._groups.used_bytes(),
             draining=self._draining.is_set(),
         )
+
+    def retraction_backups(self) -> int:
+        """How many retraction backups are held now (cheap: a count under the store's lock)."""
+        return len(self._backups)
 
     def live_session_ids(self) -> frozenset[str]:
         """Ids of the sessions alive now (no lease is touched)."""

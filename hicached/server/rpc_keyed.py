@@ -22,6 +22,7 @@ from hicached.page_keys import page_keys
 from hicached.server import convert
 from hicached.server.limits import (
     check_count,
+    check_id_values,
     check_keys,
     check_page_readable,
     check_pool_names,
@@ -49,8 +50,9 @@ class KeyedRpcs(ServicerBase):
         """
         kind = source.WhichOneof("source")
         tenant = self.keyed.tenant(session_id)
-        same_tenant(tenant, source.tenant, "keys.tenant")
         lim = self.limits
+        check_id_values((("keys.tenant", source.tenant),), lim)  # as a top-level tenant is
+        same_tenant(tenant, source.tenant, "keys.tenant")
         if kind == "keys":
             check_count("keys in this request", len(source.keys.keys), lim.max_keys_per_request,
                         "limits.max_keys_per_request")  # fmt: skip

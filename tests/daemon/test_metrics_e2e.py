@@ -93,6 +93,30 @@ def test_metrics_after_a_bench_like_workload(l3_dir: Path, worker_pools: list[Wo
                 assert total(end, "hicached_rpcs_total", method="Attach", code="OK") == 1
                 assert total(end, "hicached_lookup_hit_pages_total", tier="l3") >= PAGES
                 assert total(end, "hicached_sessions") == 1
+
+                # Fails before (a review of stop 46): the L3 read counters and the retraction
+                # gauge were registered but never set, so they stayed absent or 0.
+                held = b.retract_backup("req-metrics", transfers(range(4)), 4 * PAGE_SIZE)
+                [backend] = b.stats().backends  # GetStats refreshes the daemon's L3 figures
+                assert backend.hits >= PAGES, backend
+
+                def l3_caught_up(s: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> bool:
+                    counted = (
+                        total(s, f"hicached_l3_{what}_total", backend="file")
+                        for what in ("hits", "misses", "corrupt_pages")
+                    )
+                    return tuple(counted) == (backend.hits, backend.misses, backend.corrupt_pages)
+
+                # The gauges move once a second: scrape until a render shows these figures.
+                caught = poll(lambda: fresh_scrape(port, client), l3_caught_up, 10.0, "the L3 counters")
+                assert total(caught, "hicached_retraction_backups") == 1
+                b.retract_discard(held.backup_id)
+                poll(
+                    lambda: fresh_scrape(port, client),
+                    lambda s: total(s, "hicached_retraction_backups") == 0,
+                    10.0,
+                    "the retraction gauge after the discard",
+                )
     finally:
         second.stop()
 

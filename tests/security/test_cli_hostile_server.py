@@ -66,7 +66,7 @@ class _Service(pb_grpc.HiCacheServiceServicer):
 
     def Attach(self, request: Any, context: Any) -> pb.AttachResponse:
         self._maybe_fail(context, self.answers.fail or self.answers.attach_fail)
-        return pb.AttachResponse(session_id="s-1", session_secret="secret", lease_ms=30_000)
+        return pb.AttachResponse(session_id="s-1", session_secret="secret", lease_ms=30_000, group=EVIL)
 
     def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
         return self.answers.lookup
@@ -186,7 +186,7 @@ def test_lookup_escapes_the_keys_a_hostile_server_answers(fake: Fake) -> None:
     fake.answers.lookup = pb.LookupResponse(keys=[EVIL, EVIL], l2_hit_pages=2, total_hit_pages=2)
     shown = fake.cli("lookup", *LAYOUT, "--tokens", "1,2,3,4,5,6,7,8")
     assert shown.returncode == 0, shown.stderr
-    assert_escaped(shown.stdout, 2)
+    assert_escaped(shown.stdout, 3)  # the group Attach named (a review of stop 46), the two keys
 
 
 def test_status_refuses_an_answer_over_16_mib(fake: Fake) -> None:

@@ -50,3 +50,23 @@ def test_refusals_quote_only_a_prefix_of_a_long_id(daemon: Daemon) -> None:
             assert not wrong, "\n".join(wrong)
         finally:
             session.detach()
+
+
+def test_an_over_long_tenant_inside_a_key_source_is_invalid_argument(daemon: Daemon) -> None:
+    """Fails before (a review of stop 46): ``KeySource.tenant`` escaped the identifier length
+    check of a top-level ``tenant`` and met the tenant check first, PERMISSION_DENIED; it is
+    INVALID_ARGUMENT naming ``limits.max_identity_bytes``, as docs/limits.md says."""
+    spec = pool_spec("kv", role="anchor", kind="mha", dtype="float16", page_size=4, num_layers=1,
+                     num_heads=2, head_dim=16, k_buffers=[], host_bytes=1 << 20)  # fmt: skip
+    with HiCacheClient(daemon.target, timeout_s=30.0) as client:
+        session = client.attach(WorkerIdentity(unique_tag("w"), 1, "m-clip"), [spec], heartbeat=False)
+        try:
+            call = _calls.lookup(session.session_id, ["k"], "Q" * 100_000)
+            with pytest.raises(HiCacheError) as refused:
+                client.invoke(call.signed(session.info.session_secret), None)
+            err = refused.value
+            assert err.code == grpc.StatusCode.INVALID_ARGUMENT, err
+            assert "keys.tenant" in err.message and "limits.max_identity_bytes" in err.message, err
+            assert "(100000 chars)" in err.message and len(err.message) < 300, err
+        finally:
+            session.detach()
