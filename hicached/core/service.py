@@ -203,7 +203,8 @@ class HiCacheCore:
         session: Session | None = None
         try:
             if replaced is not None:
-                self._end(replaced, "replaced", wait_s=self._cfg.limits.max_wait_s)
+                # Its calls in flight are not waited for: that held a bookkeeping thread each.
+                self._end(replaced, "replaced")
             session = Session(
                 session_id=SessionTable.new_id(),
                 worker=worker,

@@ -385,3 +385,37 @@ def test_a_get_whose_caller_stopped_waiting_during_the_l3_read_copies_nothing(
         for name in POOLS:
             assert pools.untouched(name, excluding=[]), f"pool {name} was written late"
         session.close()
+
+
+def test_replacing_a_session_whose_call_hangs_holds_no_bookkeeping_thread(
+    worker_pools: list[WorkerPools],
+) -> None:
+    """Fails before (a review of stop 46): an attach replacing a session waited on its
+    bookkeeping thread, up to limits.max_wait_s, for the old session's call in flight; with
+    L3 hung, eight such attaches (one thread here) held every bookkeeping thread, and other
+    clients' GetStats and Attach waited with them. Now the old session ends at once and its
+    teardown runs when its call returns, as after a lease expiry."""
+    pools = worker_pools[0]
+    with (
+        fake_l3_daemon("--set", "server.bookkeeping_threads=1", "--set", "limits.max_wait_s=60") as (d, fake),
+        HiCacheClient(d.target, timeout_s=30.0) as client,
+        HiCacheClient(d.admin_target, timeout_s=10.0) as admin,
+    ):
+        bystander = attach_bytes(client, "m-bystander")
+        old = client.attach(WorkerIdentity("slot-r", 1, "m-replace"), pools.specs(), heartbeat=False)
+        group = old.info.group
+        call = _a_call_waiting_on_l3(fake, old)
+        new = client.attach(WorkerIdentity("slot-r", 2, "m-replace"), pools.specs(), timeout_s=10.0)
+        assert new.info.replaced_session_id == old.session_id
+        assert bystander.stats(timeout_s=5.0).host_used_bytes > 0
+        attach_bytes(client, "m-newcomer").detach()
+        # The old session's pages go back when its call returns (its teardown, deferred).
+        fake.resume()
+        call.join(timeout=30)
+        new.detach()
+
+        def free_pages() -> list[tuple[int, int]]:
+            [g] = [g for g in admin.get_stats().groups if g.group == group]
+            return [(p.free_pages, p.total_pages) for p in g.pools]
+
+        poll(free_pages, lambda got: all(f == t for f, t in got), 10.0, "the group's pages back")
