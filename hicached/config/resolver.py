@@ -74,6 +74,7 @@ _POSITIVE = {
     "limits.max_hash_calls_queued",
     "host.max_groups",
     "limits.max_hash_calls_per_session",
+    "limits.max_alloc_calls_per_session",
     "limits.max_prefetches_per_session",
     "limits.max_wait_s",
 }

@@ -410,6 +410,11 @@ class LimitsConfig(_Section):
     max_hash_calls_per_session: int = _f(
         2, "RPCs of one session that may run or wait on the hash lane at once."
     )
+    max_alloc_calls_per_session: int = _f(
+        4,
+        "RPCs of one session that may run or wait on the alloc lane at once (Alloc and ResolveTransfers "
+        "of more than 1 MiB of host pages); each holds its request until it runs.",
+    )
     max_prefetches_per_session: int = _f(
         16, "Prefetches one session may have running or queued at once; one more is RESOURCE_EXHAUSTED."
     )

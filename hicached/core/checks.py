@@ -44,9 +44,9 @@ def check_transfers(
     host: str = "optional",  # "required", "optional", "forbidden"
 ) -> list[PoolTransfer]:
     """Validate names, lengths, ranges and duplicates; returns normalized copies."""
+    check_batch_pages(transfers, max_batch_pages)  # first: the rest is O(pages)
     out = []
     seen: set[str] = set()
-    total = 0
     for t in transfers:
         view = device_view(session, state, t.name)
         if t.name in seen:
@@ -60,7 +60,6 @@ def check_transfers(
             if t.host_indices is None or len(t.host_indices) == 0
             else as_page_array(t.host_indices, f"pool {t.name!r} host pages")
         )
-        total += len(dev)
         if need_device:
             check_indices(t.name, "device", dev, view.num_pages, unique=True)
         derived = state.group.get_entry(t.name).indices_from_pool
@@ -75,12 +74,18 @@ def check_transfers(
                 )
             check_indices(t.name, "host", hst, state.pool(t.name).num_pages)
         out.append(PoolTransfer(name=t.name, device_indices=dev, host_indices=hst))
+    return out
+
+
+def check_batch_pages(transfers: Sequence[PoolTransfer], max_batch_pages: int) -> None:
+    """InvalidArgument when the transfers' device pages together exceed ``max_batch_pages``:
+    O(transfers), so a servicer may refuse an oversized request before it queues anywhere."""
+    total = sum(0 if t.device_indices is None else len(t.device_indices) for t in transfers)
     if total > max_batch_pages:
         raise InvalidArgument(
             f"batch of {total} pages exceeds server.max_batch_pages={max_batch_pages}; "
             "split it into several calls"
         )
-    return out
 
 
 def known_pool(state: GroupState, name: str) -> None:

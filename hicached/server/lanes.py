@@ -15,7 +15,9 @@ lease reaper or GetStats (bookkeeping), nor a copy:
 * ``hash``: token-chain hashing and key checks (CPU-bound), bounded as the l3 lane
   (``limits.max_hash_calls_queued``, ``limits.max_hash_calls_per_session``): each call
   holds its request, up to ``server.max_message_bytes``;
-* ``bookkeeping``: attach, stats, the lease reaper.
+* ``bookkeeping``: attach, stats, the lease reaper;
+* ``alloc``: an Alloc or ResolveTransfers that may zero more than a MiB of reused host pages,
+  at most ``limits.max_alloc_calls_per_session`` of one session.
 
 :data:`RPC_LANES` is the one table of where each RPC's core call runs: on the event
 loop (O(1) work, or page bookkeeping, whose thread hop would cost more than the
@@ -223,9 +225,14 @@ class Lanes:
                 per_session_key="limits.max_hash_calls_per_session",
             ),
             bookkeeping=Lane("bookkeeping", s.bookkeeping_threads),
-            # No per-session limit: an honest worker's allocations must not be refused. Busy
-            # allocations of some sessions delay only other sessions' large allocations.
-            alloc=Lane("alloc", ALLOC_THREADS),
+            # Busy allocations of some sessions delay only other sessions' large allocations;
+            # the per-session limit bounds what one session's queued requests hold.
+            alloc=Lane(
+                "alloc",
+                ALLOC_THREADS,
+                per_session=lim.max_alloc_calls_per_session,
+                per_session_key="limits.max_alloc_calls_per_session",
+            ),
         )
 
     def lane_for(self, where: Where, *, l3: bool) -> Lane | None:

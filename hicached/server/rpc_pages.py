@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 from hicached_client.v1 import hicached_pb2 as pb
 
+from hicached.core.checks import check_batch_pages
 from hicached.core.types import Ack
 from hicached.errors import HiCacheError
 from hicached.server import convert
@@ -24,7 +25,7 @@ from hicached.server.rpc_base import Ctx, ServicerBase, no_fence
 # tenant's KV). Up to this many bytes (~0.1 ms) that runs on the event loop, as the rest of
 # page bookkeeping does; a larger one runs on the alloc lane: zeroing a GiB takes ~0.1 s,
 # which no other kind of call may wait behind, and there it waits for no copy, L3 call or
-# attach, under no per-session limit (an honest worker's allocation is never refused).
+# attach (at most limits.max_alloc_calls_per_session of one session: each holds its request).
 INLINE_ALLOC_BYTES = 1 << 20
 
 
@@ -35,11 +36,14 @@ class PageRpcs(ServicerBase):
 
     def _allocating(self, session_id: str, pages: int) -> Where | None:
         """Where a call that may allocate ``pages`` host pages in each pool runs (None: as
-        placed, on the loop)."""
+        placed, on the loop). One over ``server.max_batch_pages`` stays on the loop, where
+        the core refuses it at once: it neither waits for the lane nor holds a place there."""
         try:
             _, state = self.core.session_group(session_id)
         except HiCacheError:
             return None  # the core call answers why
+        if pages > self.core.config.server.max_batch_pages:
+            return None
         return None if pages * state.bytes_per_page <= INLINE_ALLOC_BYTES else Where.ALLOC
 
     async def Alloc(self, request: pb.AllocRequest, context: Ctx) -> pb.AllocResponse:
@@ -73,6 +77,7 @@ class PageRpcs(ServicerBase):
         self, request: pb.ResolveTransfersRequest, context: Ctx
     ) -> pb.ResolveTransfersResponse:
         transfers = self.batch_in(request.batch, request.session_id)
+        check_batch_pages(transfers, self.core.config.server.max_batch_pages)  # before any lane
         pages = max((0 if t.device_indices is None else len(t.device_indices) for t in transfers), default=0)
         result = await self.offload(
             "ResolveTransfers",

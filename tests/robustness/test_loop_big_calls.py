@@ -12,7 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from hicached_client import HiCacheClient, HiCacheError, PageBytes, WorkerIdentity
+import pytest
+from hicached_client import AllocResult, HiCacheClient, HiCacheError, PageBytes, Transfer, WorkerIdentity
 
 from hicached import shm
 from tests.robustness.loop_support import HOST_PAGES, PAGE_BYTES, attach_bytes, byte_spec
@@ -73,7 +74,8 @@ def test_large_allocations_zero_their_pages_behind_no_other_kind_of_call() -> No
     Allocs of one client took its eight threads: the bystander's GetStats and Attach timed
     out. Now an allocation that may zero more than a MiB runs on a lane of its own."""
     read, release = os.pipe()
-    d = serve_patched(HELD_ZEROING, stdin=read)
+    # Ten held Allocs of one session: its limit on the alloc lane raised to let them queue.
+    d = serve_patched(HELD_ZEROING, "--set", "limits.max_alloc_calls_per_session=16", stdin=read)
     os.close(read)
     try:
         with HiCacheClient(d.target, timeout_s=30.0) as client:
@@ -103,6 +105,56 @@ def test_large_allocations_zero_their_pages_behind_no_other_kind_of_call() -> No
             finally:
                 for t in allocs:
                     t.join(timeout=60)
+    finally:
+        os.close(release)
+        d.stop()
+
+
+def test_a_session_queues_a_bounded_number_of_large_allocations() -> None:
+    """Fails before (a review of stop 46): the alloc lane had no bound, and each call waiting
+    for it held its request: one session queueing ten ResolveTransfers of 2 M device pages
+    behind two held allocations grew the daemon by 489 MiB, though none could ever run (each
+    over server.max_batch_pages). Now a request over server.max_batch_pages is refused on the
+    event loop, before any lane, and a session has at most limits.max_alloc_calls_per_session
+    calls on the alloc lane; another session's large allocation still waits its turn."""
+    read, release = os.pipe()
+    d = serve_patched(HELD_ZEROING, "--set", "limits.max_alloc_calls_per_session=2", stdin=read)
+    os.close(read)
+    try:
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            hostile = client.attach(WorkerIdentity("hostile", 1, "m-big"), [byte_spec(256)], heartbeat=False)
+            other = attach_bytes(client, "m-other")
+            hostile.free("kv", hostile.alloc("kv", 256).host_pages)  # every page now reused
+            held = [threading.Thread(target=hostile.alloc, args=("kv", 20)) for _ in range(2)]
+            for t in held:
+                t.start()
+            outcome: list[object] = []
+            queued = threading.Thread(target=lambda: outcome.append(other.alloc("kv", HOST_PAGES // 2)))
+            try:
+                poll(lambda: len(log_lines(d, "ZEROING")), lambda n: n >= 2, 30, "the lane's threads zeroing")
+                with pytest.raises(HiCacheError) as third:
+                    hostile.alloc("kv", 20, timeout_s=5.0)
+                assert third.value.code.name == "RESOURCE_EXHAUSTED", third.value
+                assert "limits.max_alloc_calls_per_session=2" in third.value.message, third.value
+                over = 65_537  # server.max_batch_pages + 1
+                for name, call in {
+                    "Alloc": lambda: hostile.alloc("kv", over, timeout_s=5.0),
+                    "ResolveTransfers": lambda: other.resolve_transfers(
+                        [Transfer("kv", range(over))], timeout_s=5.0
+                    ),
+                }.items():
+                    with pytest.raises(HiCacheError) as refused:
+                        call()
+                    assert refused.value.code.name == "INVALID_ARGUMENT", (name, refused.value)
+                    assert "server.max_batch_pages=65536" in refused.value.message, (name, refused.value)
+                queued.start()  # another session: waits for the lane, not refused
+            finally:
+                os.write(release, b"go\n")
+                for t in (*held, queued):
+                    if t.ident is not None:
+                        t.join(timeout=60)
+            [got] = outcome
+            assert isinstance(got, AllocResult) and got.ok, got
     finally:
         os.close(release)
         d.stop()

@@ -121,6 +121,7 @@ def test_a_lane_limits_the_calls_of_one_session_and_counts_them_back() -> None:
         ("copy", "max_copy_calls_per_session"),
         ("l3", "max_l3_calls_per_session"),
         ("hash", "max_hash_calls_per_session"),
+        ("alloc", "max_alloc_calls_per_session"),
     ],
 )
 def test_the_lanes_take_their_per_session_limit_from_config(lane: str, key: str) -> None:
