@@ -201,7 +201,8 @@ class GroupState:
         self.group.seal()
         entries = self.index.export_entries() if self.index is not None else []
         pools = tuple(
-            PoolRecord(e.name, e.host_pool.num_pages, e.host_pool.segment.name) for e in self.group.entries
+            PoolRecord(e.name, e.host_pool.num_pages, e.host_pool.segment.name, e.host_pool.incarnation)
+            for e in self.group.entries
         )
         return GroupJournal(self.group_id, pools, tuple(entries))
 

@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["JOURNAL_FORMAT", "JOURNAL_VERSION", "TENANT_BYTES", "GroupJournal", "JournalStore", "PoolRecord"]
 
 JOURNAL_FORMAT = "hicached-l2-journal"
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: each pool names its segment's incarnation
 
 # The longest tenant name (hicached.server.rpc_sessions.MAX_TENANT_BYTES; core does not import
 # the server, a test checks they agree).
@@ -84,6 +84,7 @@ class PoolRecord:
     name: str
     num_pages: int
     segment: str
+    incarnation: str  # the segment's (:attr:`hicached.l2.host_pool.HostKVPool.incarnation`)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,10 @@ class GroupJournal:
             "format": JOURNAL_FORMAT,
             "version": JOURNAL_VERSION,
             "group_id": self.group_id,
-            "pools": [{"name": p.name, "num_pages": p.num_pages, "segment": p.segment} for p in self.pools],
+            "pools": [
+                {"name": p.name, "num_pages": p.num_pages, "segment": p.segment, "incarnation": p.incarnation}
+                for p in self.pools
+            ],
             "entries": {
                 "keys": [e.key for e in self.entries],
                 "tenants": [e.tenant for e in self.entries],
@@ -120,7 +124,8 @@ class GroupJournal:
                     f"expected {JOURNAL_FORMAT!r} v{JOURNAL_VERSION}"
                 )
             pools = tuple(
-                PoolRecord(_str(p["name"]), _int(p["num_pages"]), _str(p["segment"])) for p in data["pools"]
+                PoolRecord(_str(p["name"]), _int(p["num_pages"]), _str(p["segment"]), _str(p["incarnation"]))
+                for p in data["pools"]
             )
             cols = data["entries"]
             keys, tenants, in_l3 = list(cols["keys"]), list(cols["tenants"]), list(cols["in_l3"])

@@ -150,7 +150,9 @@ class WarmGroups:
         journal), or None and no stale segment of the group's names left.
 
         Whatever does not match the attach exactly (pool names, page counts,
-        segment names, segment headers) falls back to a fresh group, logged.
+        segment names, segment headers) or is not the segment the journal describes (its
+        incarnation: a daemon of this prefix with another ``host.journal_dir`` re-created it)
+        falls back to a fresh group, logged.
         """
         held = self._journaled.pop(gid, None)  # a live group's now, whatever follows
         names = [self.segment_name(gid, p.name) for p, _, _ in plan]
@@ -182,11 +184,23 @@ class WarmGroups:
                         )
                 except HiCacheError as exc:
                     logger.warning("pool group %s: cannot re-map its pools (%s); starting it cold", gid, exc)
-                    for pool in opened:
-                        pool.close()
-                    opened = []
                 else:
-                    return journal, opened
+                    kept = {r.segment: r.incarnation for r in journal.pools}
+                    if all(
+                        pool.incarnation and pool.incarnation == kept[seg]
+                        for pool, seg in zip(opened, names, strict=True)
+                    ):
+                        return journal, opened
+                    # Another daemon of this prefix (another host.journal_dir) made these
+                    # segments since the journal was written: its pages are not the journal's.
+                    logger.warning(
+                        "pool group %s: its segments were re-created since the warm-restart journal "
+                        "was written; starting it cold",
+                        gid,
+                    )
+                for pool in opened:
+                    pool.close()
+                opened = []
         for seg in sorted({*names, *(held.segments if held is not None else ())}):
             if SharedSegment.exists(seg):
                 # No usable journal: a crashed daemon's pages may be half written.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import secrets
 import struct
 from abc import ABC
 from collections.abc import Callable
@@ -67,6 +68,10 @@ class HostKVPool(ABC):
         self.page_size = spec.page_size
         self.page_bytes = spec.page_bytes
         self.segment = segment
+        # Which creation of the segment this is: a random id in its header, chosen when it is
+        # created and read back when it is re-opened. A journal names the one it describes, so a
+        # journal left behind is never replayed onto a later daemon's segment of the same name.
+        self.incarnation = ""
         self.allocator = PageAllocator(num_pages, spec.page_size)
         shape = self._geometry.shape(spec, self.total_pages)
         self.buffer = segment.tensor(spec.dtype, shape, offset=HEADER_BYTES)
@@ -237,7 +242,8 @@ class HostKVPool(ABC):
         }
 
     def _write_header(self) -> None:
-        meta = json.dumps(self.describe(), sort_keys=True).encode()
+        self.incarnation = secrets.token_hex(16)
+        meta = json.dumps({**self.describe(), "incarnation": self.incarnation}, sort_keys=True).encode()
         if _HEADER.size + len(meta) > HEADER_BYTES:
             raise InvalidArgument(f"pool metadata is {len(meta)} bytes; the header holds {HEADER_BYTES}")
         buf = self.segment.buf
@@ -251,6 +257,8 @@ class HostKVPool(ABC):
         if magic != _MAGIC or version != _VERSION or length > HEADER_BYTES - _HEADER.size:
             raise FailedPrecondition(f"segment {name!r} is not a complete hicached v{_VERSION} host pool")
         stored = json.loads(bytes(buf[_HEADER.size : _HEADER.size + length]))
+        incarnation = stored.get("incarnation") if isinstance(stored, dict) else None
+        self.incarnation = incarnation if isinstance(incarnation, str) else ""
         wanted = self.describe()
         diff = {k: (stored.get(k), v) for k, v in wanted.items() if stored.get(k) != v}
         if diff:

@@ -348,7 +348,7 @@ def test_journal_store_round_trip_and_refusals(tmp_path: Path) -> None:
             JournalStore(tmp_path / "j", prefix, max_key_bytes=512).lock()
         journal = GroupJournal(
             "g1",
-            (PoolRecord("kv", 16, "seg-kv"),),
+            (PoolRecord("kv", 16, "seg-kv", "0" * 32),),
             (EntryRecord("a", {"kv": 3}, "t", True), EntryRecord("b", {"kv": 0})),
         )
         assert store.read("g1", [16]) is None
@@ -465,7 +465,7 @@ def test_a_journal_is_never_written_past_its_bound(tmp_path: Path) -> None:
     store = JournalStore(tmp_path / "j", prefix, max_key_bytes=8)
     store.lock()
     try:
-        pools = (PoolRecord("kv", 2, "seg-kv"),)
+        pools = (PoolRecord("kv", 2, "seg-kv", "0" * 32),)
         fits = GroupJournal("g1", pools, (EntryRecord("k" * 8, {"kv": 0}, "t" * TENANT_BYTES),))
         assert store.read("g1", [2]) is None
         store.write(fits)
@@ -484,3 +484,43 @@ def test_a_journal_is_never_written_past_its_bound(tmp_path: Path) -> None:
 
 def test_the_bound_counts_the_longest_tenant() -> None:
     assert TENANT_BYTES == MAX_TENANT_BYTES
+
+
+def test_a_journal_left_in_another_journal_dir_is_not_replayed_onto_newer_segments(
+    warm: Warm, pools: WorkerPools, tmp_path: Path
+) -> None:
+    """Fails before (a review of stop 46): daemon 1 (journal dir J1) stops cleanly, keeping its
+    segments and J1's journal; daemon 2 of the same prefix with journal dir J2 finds the
+    segments without a journal, re-creates them under the same names and fills them with
+    other pages; daemon 3, on J1 again, replayed J1's journal onto daemon 2's segments and
+    served daemon 2's bytes under daemon 1's keys. A journal names the incarnation of each
+    segment it describes now; another one starts the group cold."""
+    other = Warm(warm.prefix, tmp_path / "journal-2")
+    ident = WorkerIdentity(unique_tag("w"), generation=1, model_name=MODEL)
+    first_chain, second_chain = chain_of("first"), chain_of("second")
+    pools.fill_random(31)
+    first = warm.start()
+    put_keys(first, pools, ident, first_chain)
+    assert stop_with(first, signal.SIGTERM) == 0, first.log
+    (left_behind,) = warm.journals()
+
+    pools.fill_random(32)  # daemon 2's pages hold other bytes
+    second = other.start()
+    put_keys(second, pools, ident, second_chain)
+    assert stop_with(second, signal.SIGTERM) == 0, second.log
+    assert warm.journals() == [left_behind]
+
+    third = warm.start()
+    try:
+        with HiCacheClient(third.target, timeout_s=TIMEOUT_S) as client:
+            pools.clobber()
+            session = client.attach(ident, pools.specs(), heartbeat=False)
+            assert not session.info.joined_existing_group, third.log
+            found = session.lookup(first_chain)
+            assert (found.l2_hit_pages, found.total_hit_pages) == (0, 0), "a cold group holds nothing"
+            for name in POOLS:
+                assert pools.untouched(name, excluding=[]), f"pool {name} was written"
+            session.detach()
+        assert "re-created since the warm-restart journal" in third.log
+    finally:
+        third.stop()
