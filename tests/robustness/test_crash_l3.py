@@ -21,6 +21,7 @@ from hicached_client import HiCacheClient, PageBytes, WorkerIdentity
 from hicached_client.errors import HiCacheError
 
 from hicached.l3.file import HEADER_BYTES, MAX_KEY_BYTES, FileBackend, FileBackendConfig, slot_bytes_for
+from hicached.l3.file import index as file_index
 from tests.support.daemon import start_daemon
 from tests.support.kv import POOLS, WorkerPools, transfers, unique_tag
 from tests.support.mounts import mount, unmount
@@ -71,6 +72,33 @@ def test_disk_full_before_capacity_evicts_and_keeps_backing_up(small_disk: Path)
         assert stats.capacity_bytes <= 2 << 20, "the effective capacity is lowered to what the disk holds"
         assert backend.get([f"k{total - 1}", f"k{total - 1}b"]) == [page(total - 1), page(total - 1 + 10_000)]
         assert backend.exists(["k0"]) == 0, "the oldest pages made room"
+    finally:
+        backend.close()
+
+
+def test_the_capacity_comes_back_once_the_disk_has_room_again(
+    small_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails before (a review of stop 46): a moment of full disk lowered the capacity for as
+    long as the daemon ran; with the other file gone, the backend still kept a few pages and
+    evicted the rest (a review's 24 MiB L3 kept 2 MiB). Now it looks at the filesystem's room
+    again (here at every page: the interval is a second) and raises the capacity back."""
+    monkeypatch.setattr(file_index, "REGROW_INTERVAL_S", 0.0)
+    filler = small_disk / "other-file"
+    filler.write_bytes(bytes(3 << 19))  # 1.5 MiB of the 2 MiB: another program's file
+    backend = FileBackend(FileBackendConfig(path=str(small_disk / "l3"), capacity_bytes=64 << 20))
+    try:
+        for i in range(16):
+            assert backend.set([f"k{i}"], [page(i)]) == [True], i
+        lowered = backend.stats().capacity_bytes
+        assert lowered <= (1 << 19) + slot_bytes_for(PAGE), "the disk filled: the capacity is lowered"
+        filler.unlink()
+        fresh = [f"n{i}" for i in range(20)]  # more pages than the lowered capacity holds
+        for i, key in enumerate(fresh):
+            assert backend.set([key], [page(100 + i)]) == [True], key
+        assert backend.stats().capacity_bytes > lowered + 12 * slot_bytes_for(PAGE)
+        assert backend.exists(fresh) == len(fresh), "none of them was evicted"
+        assert backend.get(fresh[:1]) == [page(100)]
     finally:
         backend.close()
 

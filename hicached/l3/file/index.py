@@ -15,13 +15,15 @@ pages of its size. Deleted, evicted and corrupt pages get their slot header
 zeroed so they do not come back at the next start.
 
 Not thread-safe: the backend calls every method with its lock held (the only
-I/O here is the start-up scan and the 4-byte header clears).
+I/O here is the start-up scan, the 4-byte header clears and, while the capacity is
+lowered after a full disk, a ``statvfs`` at most once a second).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +45,8 @@ __all__ = ["RENUMBER_ABOVE", "PageIndex"]
 
 log = logging.getLogger(__name__)
 
+# Seconds between looks at the filesystem's room while the capacity is lowered (a statvfs).
+REGROW_INTERVAL_S = 1.0
 # LRU pages one page may evict to keep the slab files within the capacity. Evicting a page in
 # the middle of a file frees a slot of its size but no disk, so after a switch to a new page
 # size the old size's pages go (oldest first) until the ones at the file's end do; a bound
@@ -69,8 +73,10 @@ class PageIndex:
         self.payload = 0
         self.seq = 0
         # The configured capacity, lowered when the disk fills up first (ENOSPC): from then
-        # on LRU eviction makes room instead of every write failing.
-        self.capacity = capacity
+        # on LRU eviction makes room instead of every write failing. Raised back towards the
+        # configured one once the filesystem has room again (another file deleted meanwhile).
+        self.capacity = self.configured = capacity
+        self._regrow_at = 0.0  # monotonic time of the next look at the filesystem's room
         self.hits = self.misses = self.corrupt = self.evicted = 0
         self.closed = False  # files closed: freeing a slot no longer touches them
 
@@ -228,6 +234,8 @@ class PageIndex:
         when they cannot."""
         if self.used + need <= self.capacity:
             return True
+        if self.capacity < self.configured and self.regrow() and self.used + need <= self.capacity:
+            return True
         victims: list[Entry] = []
         freed = 0
         excess = self.used + need - self.capacity
@@ -289,6 +297,8 @@ class PageIndex:
         """
         if slab.has_free() or self.disk_bytes() + slab.slot_bytes <= self.capacity:
             return True
+        if self.capacity < self.configured and self.regrow():
+            return self._disk_room(slab)
         for other in self.slabs.values():
             other.trim()
         for _ in range(RECLAIM_VICTIMS):
@@ -331,6 +341,32 @@ class PageIndex:
                 lowered,
             )
             self.capacity = lowered
+
+    def regrow(self) -> bool:
+        """After :meth:`lower_capacity_to_disk`: raise the capacity back towards the configured
+        one by nine tenths of the room the filesystem has now (a later ENOSPC lowers it again),
+        looking at most once a second; whether it rose."""
+        now = time.monotonic()
+        if now < self._regrow_at:
+            return False
+        self._regrow_at = now + REGROW_INTERVAL_S
+        try:
+            fs = os.statvfs(self.root)
+        except OSError:
+            return False
+        on_disk = sum(os.fstat(slab.fd).st_size for slab in self.slabs.values())
+        raised = min(self.configured, on_disk + fs.f_bavail * fs.f_frsize * 9 // 10)
+        if raised <= self.capacity:
+            return False
+        log.warning(
+            "file backend %s: the disk has room again; capacity raised from %d to %d bytes (configured: %d)",
+            self.root,
+            self.capacity,
+            raised,
+            self.configured,
+        )
+        self.capacity = raised
+        return True
 
     def commit(self, entry: Entry, written: bool) -> bool:
         """Index a fresh entry whose write ended; whether it is now indexed. One that lost a race
