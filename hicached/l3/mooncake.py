@@ -65,6 +65,8 @@ _INSTALL_HINT = (
     "(and the Debian package libibverbs1)"
 )
 _OBJECT_NOT_FOUND = -704
+# A key no page has (pages are content keys): its existence query tells whether the master answers.
+_PROBE_KEY = ".hicached-probe"
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
 _Buffer = bytes | bytearray | memoryview
 
@@ -420,9 +422,16 @@ class MooncakeBackend(StorageBackend):
             self._bytes = max(0, self._bytes - removed * mean)
 
     def stats(self) -> BackendStats:
+        """Our own counters, once the master answered a probe (an existence query of a key
+        nobody writes): Unavailable when it does not, so that GetStats shows the outage (the
+        counters alone looked healthy while every put failed)."""
         with self._lock:
             self._check_open()
             pages, payload = self._pages, self._bytes
+        with self._using() as store:
+            (probe,) = store.batch_is_exist([self.config.key_prefix + _PROBE_KEY])
+        if probe < 0:
+            raise Unavailable(f"mooncake master {self.config.master_addr} does not answer (code {probe})")
         reads = self._reads.snapshot()
         return BackendStats(
             pages=pages,

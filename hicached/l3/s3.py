@@ -434,25 +434,28 @@ class S3Backend(StorageBackend):
         return removed
 
     def stats(self) -> BackendStats:
+        """The pages and bytes of a listing at most ``stats_ttl_s`` old (a LIST of the whole
+        prefix costs a request per 1,000 objects), the read counters, once the store answered:
+        between listings a HEAD of the bucket asks. Unavailable when it does not, so that
+        GetStats shows the outage beside the last figures (these used to look healthy)."""
         if self._closed:
             raise Unavailable(f"s3 backend {self._where()} is closed")
         now = time.monotonic()
         with self._lock:
             listed = self._listed
-        if listed is None or now - listed[0] > self.config.stats_ttl_s:
-            pages = payload = 0
-            try:
+        try:
+            if listed is None or now - listed[0] > self.config.stats_ttl_s:
+                pages = payload = 0
                 for entries in self._list(self.config.prefix):
                     pages += len(entries)
                     payload += sum(max(0, int(e["Size"]) - self._codec.header_size) for e in entries)
                 listed = (now, pages, payload)
                 with self._lock:
                     self._listed = listed
-            except self._errors as exc:
-                # The counters stay readable while the store is down; the page
-                # and byte counts are the last listing's (zero before the first).
-                log.warning("s3 backend %s: listing for stats failed: %s", self._where(), exc)
-                listed = listed or (now, 0, 0)
+            else:
+                self._client.head_bucket(Bucket=self.config.bucket)
+        except self._errors as exc:
+            raise Unavailable(f"s3 backend {self._where()} does not answer: {exc}") from exc
         reads = self._reads.snapshot()
         return BackendStats(
             pages=listed[1],

@@ -31,8 +31,8 @@ class S3BackendConfig:
     ``addressing_style``: ``auto``, ``path`` or ``virtual``. Timeouts are per
     request; ``max_attempts`` counts the first attempt and boto3's retries.
     ``stats_ttl_s``: ``stats()`` lists the prefix (one request per 1000
-    objects); its page/byte counts are reused for this many seconds (and
-    while a listing fails). ``max_object_bytes``: the most of one object a
+    objects); its page/byte counts are reused for this many seconds (a HEAD
+    of the bucket checks the store meanwhile). ``max_object_bytes``: the most of one object a
     ``get`` reads (a ``get_into`` reads at most its destination's frame); a
     larger object is a miss, and its body is not read past that bound even
     when the store sends no ``Content-Length``.

@@ -8,6 +8,7 @@ Fixtures: ``test_mooncake_fixtures.py``.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -169,6 +170,22 @@ def test_unreachable_master_is_unavailable_at_start() -> None:
     (port,) = free_ports(1)
     with pytest.raises(Unavailable, match=f"127.0.0.1:{port}"):
         create_backend("mooncake", {"master_addr": f"127.0.0.1:{port}", "connect_timeout_s": 0.5})
+
+
+def test_stats_fail_while_the_master_is_down() -> None:
+    """Fails before (a review of stop 46): stats answered the backend's own counters without
+    asking the master, so `hicached status` showed a healthy L3 while every put failed. Now
+    the master must answer a probe."""
+    with mooncake_master() as srv:
+        backend = create_backend("mooncake", mc_options(srv))
+        try:
+            assert backend.set(["up"], [b"x"]) == [True]
+            assert backend.stats().pages == 1
+            os.kill(srv.pid, signal.SIGKILL)
+            with pytest.raises(Unavailable, match=f"mooncake master {srv.master_addr} does not answer"):
+                backend.stats()
+        finally:
+            backend.close()
 
 
 def test_closed_backend_is_unavailable(mooncake_srv: MooncakeMaster) -> None:
