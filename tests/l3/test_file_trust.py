@@ -15,6 +15,7 @@ import pytest
 
 from hicached.errors import FailedPrecondition
 from hicached.l3 import create_backend
+from hicached.l3.file import slot_bytes_for
 
 OPTIONS = {"capacity_bytes": 1 << 20}
 
@@ -56,3 +57,26 @@ def test_a_directory_of_another_user_is_refused(file_dir: Path) -> None:
     os.chown(file_dir, 65534, 65534)
     with pytest.raises(FailedPrecondition, match="owned by uid 65534"):
         create_backend("file", {"path": str(file_dir), **OPTIONS})
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_slab_name_that_is_no_regular_file_is_never_written_through(file_dir: Path, kind: str) -> None:
+    """The start-up scan ignored a slab file that is a symlink or a FIFO, but the first page of
+    that size opened it anyway (following the symlink: the page went to its target, and the
+    next start ignored it; a FIFO blocked the write). Now that size is not stored."""
+    backend = create_backend("file", {"path": str(file_dir), **OPTIONS})
+    try:
+        assert backend.set(["a"], [b"x" * 100]) == [True]  # makes the directory, one slab
+        size = slot_bytes_for(10_000)
+        outside = file_dir.parent / "outside"
+        outside.write_bytes(b"")
+        name = file_dir / f"slab-{size}.dat"
+        if kind == "symlink":
+            name.symlink_to(outside)
+        else:
+            os.mkfifo(name, 0o600)
+        assert backend.set(["b"], [b"y" * 10_000]) == [False]
+        assert outside.read_bytes() == b""
+        assert backend.get(["a", "b"]) == [b"x" * 100, None]
+    finally:
+        backend.close()

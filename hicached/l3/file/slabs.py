@@ -12,6 +12,7 @@ import errno
 import heapq
 import logging
 import os
+import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,7 +33,12 @@ class Slab:
     def __init__(self, path: Path, slot_bytes: int, *, direct_io: bool = False) -> None:
         self.path = path
         self.slot_bytes = slot_bytes
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # Never through a symlink, nor into a FIFO or device someone put under a slab's name
+        # (the start-up scan ignores those; a write of a new page size opened them).
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            os.close(self.fd)
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         # A second descriptor for runs moved past the page cache (see hicached.l3.file.io), or None.
         try:
             self.direct_fd = _open_direct(path) if direct_io else None
