@@ -63,6 +63,7 @@ _POSITIVE = {
     "limits.max_identity_bytes",
     "limits.max_response_bytes",
     "limits.max_unread_answer_bytes_per_peer",
+    "limits.max_request_bytes_held_per_peer",
     "limits.max_sessions_per_peer",
     "limits.max_buffer_bytes_per_peer",
     "limits.max_buffers_per_attach",

@@ -370,6 +370,13 @@ class LimitsConfig(_Section):
         "RESOURCE_EXHAUSTED, unless the peer holds none.",
         parse=parse_size,
     )
+    max_request_bytes_held_per_peer: int = _f(
+        1 << 30,
+        "Bytes of requests (their size on the wire) one peer's calls may hold at once, parsed and "
+        "not yet answered (calls waiting for a lane hold theirs); a call over it is "
+        "RESOURCE_EXHAUSTED with a retry hint, unless the peer holds none.",
+        parse=parse_size,
+    )
     max_sessions_per_peer: int = _f(
         256, "Most live sessions of one peer (the handoff's SO_PEERCRED uid, the TCP host, or the socket)."
     )

@@ -39,6 +39,7 @@ from hicached.server.fastlane import lane_path
 from hicached.server.handoff import handoff_path
 from hicached.server.health import SERVICE_NAME as HEALTH_SERVICE
 from hicached.server.health import HealthServicer, HealthStatus
+from hicached.server.held import HeldRequestsInterceptor
 from hicached.server.interceptors import (
     ErrorInterceptor,
     MetricsInterceptor,
@@ -46,6 +47,7 @@ from hicached.server.interceptors import (
     TokenInterceptor,
 )
 from hicached.server.observer import RpcObserver
+from hicached.server.peers import HeldRequests
 from hicached.server.roles import Access
 
 logger = logging.getLogger(__name__)
@@ -117,7 +119,8 @@ class Server:
         """Outermost first (docs: :mod:`hicached.server.interceptors`). The listener's token
         refuses before anything is decoded; undecodable bytes are INVALID_ARGUMENT before any
         per-call work; errors map to status around the metrics, which observe every answer of
-        the daemon's services, including the session checks' refusals."""
+        the daemon's services, including the session checks' refusals; a request is counted
+        against its peer last, once its session is known to be the caller's."""
         ours = SERVICE_NAMES
         token = (TokenInterceptor(access),) if access.tcp else ()
         return (
@@ -129,6 +132,10 @@ class Server:
             ErrorInterceptor(ours),
             MetricsInterceptor(self._observe, ours),
             SessionInterceptor(self._core, self._cfg.limits, ours),
+            # Each listener its own count, as for connections: the admin socket stays usable.
+            HeldRequestsInterceptor(
+                self._core, HeldRequests(self._cfg.limits.max_request_bytes_held_per_peer), ours
+            ),
         )
 
     def _new_server(self, access: Access) -> grpc.aio.Server:

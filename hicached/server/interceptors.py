@@ -12,7 +12,9 @@ order from the outside in (``app.Server`` builds the chain per listener):
    anything else is a bug, logged and answered INTERNAL;
 4. :class:`MetricsInterceptor`: the per-RPC observation (method, code, seconds);
 5. :class:`SessionInterceptor`: identifiers within ``limits.max_identity_bytes``, and
-   a request naming a ``session_id`` carries that session's secret.
+   a request naming a ``session_id`` carries that session's secret;
+6. ``held.HeldRequestsInterceptor``: the request counts against its peer until the call
+   ends (``limits.max_request_bytes_held_per_peer``).
 
 Every per-call concern is a :class:`CallInterceptor`: it wraps each unary-request
 method of its services once, so unary and server-streaming calls take one path

@@ -1,6 +1,7 @@
 """What one peer may hold: sessions and the device buffers they hand over
 (``limits.max_sessions_per_peer``, ``limits.max_buffer_bytes_per_peer``, checked before an
-attach starts) and answers its clients have not read (``limits.max_unread_answer_bytes_per_peer``).
+attach starts), requests its calls hold (``limits.max_request_bytes_held_per_peer``) and
+answers its clients have not read (``limits.max_unread_answer_bytes_per_peer``).
 
 A peer is what the kernel or the transport says, never what the client claims:
 the uid of an attach's fd handoff (``SO_PEERCRED``), else the host of a TCP
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from hicached.core.types import PeerCred
 from hicached.errors import LimitExceeded, ResourceExhausted
 
-__all__ = ["PeerSessions", "UnreadAnswers", "peer_key"]
+__all__ = ["HeldRequests", "PeerSessions", "UnreadAnswers", "peer_key"]
 
 
 def peer_key(cred: PeerCred | None, transport_peer: str) -> str:
@@ -89,41 +90,73 @@ class PeerSessions:
             self._sessions.setdefault(key, {})[session_id] = buffer_bytes
 
 
-class UnreadAnswers:
-    """Bytes of large answers each peer's calls hold until the peer has read them.
+class _PeerBytes:
+    """Bytes each peer holds of one kind, within ``limit`` per peer; one peer's bytes never
+    refuse another's, and a peer holding nothing is always admitted (what one call adds is
+    bounded elsewhere)."""
 
-    gRPC keeps an answer the peer does not read (its flow-control window closed) until the
-    peer reads it or the connection is dropped (``server.keepalive_s``); the call's done
-    callback runs only then, so bytes held from the answer's reservation to that callback
-    bound what a peer that stops reading can make the daemon hold. One peer's reservations
-    never refuse another's.
-    """
-
-    # When a refused client may ask again: held answers go as its clients read them.
-    RETRY_AFTER_MS = 1000
+    RETRY_AFTER_MS = 1000  # when a refused client may ask again
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._held: dict[str, int] = {}
 
     def hold(self, key: str, nbytes: int, what: str) -> None:
-        """Reserve ``nbytes`` of answer for peer ``key``; ResourceExhausted (with a retry hint)
-        when that would take it past the limit. A peer holding nothing is always admitted (the
-        answer's own size is bounded by ``limits.max_response_bytes``)."""
+        """Count ``nbytes`` for peer ``key``; ResourceExhausted (with a retry hint) when that
+        takes it past the limit."""
         held = self._held.get(key, 0)
         if held and held + nbytes > self._limit:
             raise ResourceExhausted(
-                f"{what}: peer {key} holds {held} bytes of answers it has not read yet; {nbytes} more "
-                f"exceed limits.max_unread_answer_bytes_per_peer={self._limit}: read the answers of "
-                "calls in flight (or cancel them) first",
-                retry_after_ms=self.RETRY_AFTER_MS,
+                self._refusal(key, held, nbytes, what), retry_after_ms=self.RETRY_AFTER_MS
             )
         self._held[key] = held + nbytes
 
     def release(self, key: str, nbytes: int) -> None:
-        """The answer of a reservation was read, or its call ended without one."""
+        """What :meth:`hold` counted for ``key`` is no longer held."""
         left = self._held.get(key, 0) - nbytes
         if left > 0:
             self._held[key] = left
         else:
             self._held.pop(key, None)
+
+    def _refusal(self, key: str, held: int, nbytes: int, what: str) -> str:
+        raise NotImplementedError
+
+
+class HeldRequests(_PeerBytes):
+    """Bytes of requests each peer's calls hold, parsed, until the call ends.
+
+    A call keeps its request while it waits for a lane (each lane bounds one session's calls,
+    and a peer may attach many sessions), so without a bound a peer's queued calls could
+    hold any amount (a PutBytes carries up to ``server.max_message_bytes``). Counted in wire
+    bytes (``ByteSize``); a request's own size is bounded by ``limits.max_request_bytes``.
+    """
+
+    RETRY_AFTER_MS = 100  # held requests go as the calls ahead end
+
+    def _refusal(self, key: str, held: int, nbytes: int, what: str) -> str:
+        return (
+            f"{what}: peer {key}'s calls in flight hold {held} bytes of requests; {nbytes} more "
+            f"exceed limits.max_request_bytes_held_per_peer={self._limit}: wait for calls in "
+            "flight to end"
+        )
+
+
+class UnreadAnswers(_PeerBytes):
+    """Bytes of large answers each peer's calls hold until the peer has read them.
+
+    gRPC keeps an answer the peer does not read (its flow-control window closed) until the
+    peer reads it or the connection is dropped (``server.keepalive_s``); the call's done
+    callback runs only then, so bytes held from the answer's reservation to that callback
+    bound what a peer that stops reading can make the daemon hold. The answer's own size is
+    bounded by ``limits.max_response_bytes``.
+    """
+
+    RETRY_AFTER_MS = 1000  # held answers go as the peer's clients read them
+
+    def _refusal(self, key: str, held: int, nbytes: int, what: str) -> str:
+        return (
+            f"{what}: peer {key} holds {held} bytes of answers it has not read yet; {nbytes} more "
+            f"exceed limits.max_unread_answer_bytes_per_peer={self._limit}: read the answers of "
+            "calls in flight (or cancel them) first"
+        )

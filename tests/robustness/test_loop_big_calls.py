@@ -281,3 +281,43 @@ def test_populating_a_mapping_lets_other_threads_run() -> None:
         mm.close()  # no export of the mapping is left behind
     finally:
         os.close(fd)
+
+
+def test_a_peers_calls_hold_a_bounded_number_of_request_bytes() -> None:
+    """Fails before (a review of stop 46): each call waiting for a lane held its request, and
+    the lanes bound one session's calls, not one peer's (which may attach hundreds of
+    sessions): nothing bounded what a peer's queued PutBytes held. Now a peer's calls hold at
+    most limits.max_request_bytes_held_per_peer of requests (on the wire); one more is
+    RESOURCE_EXHAUSTED with a retry hint, the peer's small calls still pass, and the same
+    call passes once the calls ahead have ended."""
+    read, release = os.pipe()
+    d = serve_patched(HELD_PUTS, "--set", "limits.max_request_bytes_held_per_peer=3MiB", stdin=read)
+    os.close(read)
+    try:
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            # Byte-only sessions hand over no fd: both are the socket's peer ("unix").
+            first, second = attach_bytes(client, "m-held"), attach_bytes(client, "m-held")
+
+            def pages(tag: str) -> list[PageBytes]:  # 2 MiB of 64 KiB pages
+                return [PageBytes(f"{tag}{i}", "kv", bytes([i]) * PAGE_BYTES) for i in range(32)]
+
+            outcome: list[object] = []
+            held = threading.Thread(target=lambda: outcome.append(first.put_bytes(pages("a"))))
+            held.start()
+            try:
+                poll(lambda: len(log_lines(d, "PUTTING")), lambda n: n == 1, 30, "the first PutBytes running")
+                with pytest.raises(HiCacheError) as refused:
+                    second.put_bytes(pages("b"), timeout_s=5.0)
+                err = refused.value
+                assert err.code.name == "RESOURCE_EXHAUSTED" and err.retry_after_ms == 100, err
+                assert "limits.max_request_bytes_held_per_peer=3145728" in err.message, err
+                second.heartbeat(timeout_s=5.0)  # a small call of the same peer fits
+            finally:
+                os.write(release, b"go\n")
+                held.join(timeout=60)
+            [stored] = outcome
+            assert getattr(stored, "stored_pages", None) == 32, stored
+            assert second.put_bytes(pages("b"), timeout_s=10.0).stored_pages == 32
+    finally:
+        os.close(release)
+        d.stop()
