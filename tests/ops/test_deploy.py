@@ -360,6 +360,31 @@ def test_daemonset_shares_only_the_socket_directory(rendered: dict[str, list[Man
     assert set(init["securityContext"]["capabilities"]["add"]) == {"CHOWN", "FOWNER"}
 
 
+@pytest.mark.parametrize(("layout", "kind"), [("base", "DaemonSet"), ("examples/sidecar", "Deployment")])
+def test_the_daemon_can_read_every_secret_it_mounts(
+    rendered: dict[str, list[Manifest]], layout: str, kind: str
+) -> None:
+    """Fails before (a review of stop 46): deploy/base mounted its token Secret 0440 with no
+    fsGroup; the kubelet writes Secret files as root:root, so uid 10001 could not read it and
+    the daemon exited 2. A Secret file the daemon's uid reads only through its group needs
+    the pod's fsGroup to be the daemon's group (or the daemon to run as root)."""
+    pod_spec = only(rendered[layout], kind)["spec"]["template"]["spec"]
+    pod = pod_spec.get("securityContext", {})
+    for container in pod_containers(pod_spec):
+        if container["name"] != "hicached":
+            continue
+        own = {**pod, **container.get("securityContext", {})}
+        mounted = {m["name"] for m in container.get("volumeMounts", [])}
+        for volume in pod_spec["volumes"]:
+            secret = volume.get("secret")
+            if secret is None or volume["name"] not in mounted:
+                continue
+            mode = secret.get("defaultMode", 0o644)
+            readable = own.get("runAsUser", 0) == 0 or bool(mode & 0o004)
+            readable = readable or (bool(mode & 0o040) and pod.get("fsGroup") == own.get("runAsGroup"))
+            assert readable, (layout, volume["name"], oct(mode), pod.get("fsGroup"), own.get("runAsGroup"))
+
+
 def test_network_policy_admits_only_metrics(rendered: dict[str, list[Manifest]]) -> None:
     docs = rendered["base"]
     policy = only(docs, "NetworkPolicy")
