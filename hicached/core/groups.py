@@ -116,9 +116,10 @@ class GroupRegistry:
         # a group holds the lock for seconds (its pools are reserved and populated), and the
         # event loop looks groups up for every page call and gauge refresh.
         self._view: dict[str, GroupState] = {}
-        # Bytes of the group being built (one at a time: builds hold the lock), which
-        # used_bytes counts before the group is published: its memory is taken from the start.
-        self._building_bytes = 0
+        # And the bytes of the group being built (one at a time: builds hold the lock), which
+        # used_bytes counts before the group is published (its memory is taken from the
+        # start): published with the view as one pair, so no reader counts a group twice.
+        self._counted: tuple[dict[str, GroupState], int] = ({}, 0)
         # The keys of named tenants that the groups' indexes wrote to L3 (for a tenant clear):
         # one store for all groups, so its bound is the daemon's, not one per group.
         self.tenant_keys = TenantL3Keys()
@@ -160,7 +161,8 @@ class GroupRegistry:
         without the registry's lock (GetStats answers during a build): a group being built or
         re-mapped counts from the start of its build."""
         warm = self._warm.nbytes() if self._warm else 0
-        return sum(g.nbytes for g in self._view.values()) + self._building_bytes + warm
+        groups, building = self._counted
+        return sum(g.nbytes for g in groups.values()) + building + warm
 
     def get(self, group_id: str) -> GroupState:
         """Never waits for the registry's lock (a group being built; see ``_view``)."""
@@ -173,9 +175,11 @@ class GroupRegistry:
         """Never waits for the registry's lock (see :meth:`get`)."""
         return list(self._view.values())
 
-    def _published(self) -> None:
-        """After a change of ``_groups`` (under the lock): the lock-free readers see it."""
+    def _published(self, building: int = 0) -> None:
+        """After a change of ``_groups`` or of what a build takes (under the lock): the
+        lock-free readers see it."""
         self._view = dict(self._groups)
+        self._counted = (self._view, building)
 
     def get_or_create(
         self,
@@ -234,17 +238,17 @@ class GroupRegistry:
                 del self._groups[gid]
                 self._published()
                 existing.close()
-            self._building_bytes = need
+            self._published(building=need)
             try:
                 state, journal = self._build(gid, worker.model_name, pools, plan)
             except BaseException:
-                self._building_bytes = 0
+                self._published()
                 raise
             try:
                 on_create(state)
                 restored = journal is not None and self._restore(state, journal)
             except BaseException:
-                self._building_bytes = 0
+                self._published()
                 state.close()  # its index (if made) and pools; nothing was retired yet
                 raise
             # Built: only now do the groups it replaces leave (nobody can join them meanwhile:
@@ -257,7 +261,6 @@ class GroupRegistry:
                 self._warm.drop(j.group_id, f"to make room for pool group {gid}")
             self._groups[gid] = state
             self._published()
-            self._building_bytes = 0
             claim(gid)
         for old in retired:
             try:

@@ -429,9 +429,11 @@ class MooncakeBackend(StorageBackend):
             self._check_open()
             pages, payload = self._pages, self._bytes
         with self._using() as store:
-            (probe,) = store.batch_is_exist([self.config.key_prefix + _PROBE_KEY])
-        if probe < 0:
-            raise Unavailable(f"mooncake master {self.config.master_addr} does not answer (code {probe})")
+            probe = list(store.batch_is_exist([self.config.key_prefix + _PROBE_KEY]))
+        if len(probe) != 1 or probe[0] < 0:
+            raise Unavailable(
+                f"mooncake master {self.config.master_addr} does not answer (codes {probe[:4]})"
+            )
         reads = self._reads.snapshot()
         return BackendStats(
             pages=pages,

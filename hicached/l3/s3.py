@@ -455,7 +455,9 @@ class S3Backend(StorageBackend):
             else:
                 self._client.head_bucket(Bucket=self.config.bucket)
         except self._errors as exc:
-            raise Unavailable(f"s3 backend {self._where()} does not answer: {exc}") from exc
+            raise Unavailable(
+                f"s3 store does not answer or refuses ({str(exc)[:120]}) at {self._where()}"
+            ) from exc
         reads = self._reads.snapshot()
         return BackendStats(
             pages=listed[1],

@@ -103,6 +103,27 @@ def test_the_capacity_comes_back_once_the_disk_has_room_again(
         backend.close()
 
 
+def test_a_disk_full_before_the_first_page_does_not_stop_that_page_size_for_good(
+    small_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails before (a review of stop 46): a disk full before any page lowered the capacity
+    to 512 bytes, and a page of a larger slot was refused before the capacity could be
+    raised back, also once the disk had room again."""
+    monkeypatch.setattr(file_index, "REGROW_INTERVAL_S", 0.0)
+    filler = small_disk / "other-file"
+    backend = FileBackend(FileBackendConfig(path=str(small_disk / "l3"), capacity_bytes=64 << 20))
+    try:
+        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+        filler.write_bytes(bytes(free - slot_bytes_for(PAGE) // 2))  # less than one slot left
+        assert backend.set(["k0"], [page(0)]) == [False]
+        assert backend.stats().capacity_bytes < slot_bytes_for(PAGE)
+        filler.unlink()
+        assert backend.set(["k1", "k2"], [page(1), page(2)]) == [True, True]
+        assert backend.get(["k1", "k2"]) == [page(1), page(2)]
+    finally:
+        backend.close()
+
+
 def test_daemon_keeps_backing_up_when_the_l3_disk_fills_before_its_capacity(small_disk: Path) -> None:
     """Fails before the fix: with ``l3.capacity`` (16 GiB) far above the 2 MiB disk, backups
     stopped for good once the disk was full (every later page a failed backup, LRU never ran)."""

@@ -21,8 +21,8 @@ only within it; past it a page size reuses its free slots, the free slots at the
 ends of the files are truncated, and LRU pages of any size are evicted (a bounded
 number per page) until the file may grow. A disk that fills up first (ENOSPC) is treated as the
 real capacity: it is lowered to the bytes stored, LRU pages are evicted and the
-failed pages written once more into slots that already have disk blocks (it is
-not raised again while the process runs). Keys of more than ``MAX_KEY_BYTES``
+failed pages written once more into slots that already have disk blocks; it is
+raised back once the filesystem has room again (:meth:`~hicached.l3.file.index.PageIndex.regrow`). Keys of more than ``MAX_KEY_BYTES``
 are refused (``max_key_bytes``; callers check up front).
 
 Thread-safety: one lock guards index, allocator and counters; file I/O runs

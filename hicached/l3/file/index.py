@@ -268,8 +268,8 @@ class PageIndex:
         """A fresh entry in a newly allocated slot for ``key`` (evicting for room), not yet
         indexed (its checksum is set by the write); None when the page cannot fit."""
         size = slot_bytes_for(length)
-        if size > self.capacity:
-            return None
+        if size > self.configured:
+            return None  # else evict_for finds room, or raises a lowered capacity back
         try:
             slab = self.slab(size)
         except OSError as exc:  # e.g. something else holds the slab's name: this size is not stored
