@@ -181,12 +181,17 @@ def transfers_in(transfers: Sequence[tpb.PoolTransfer], *, max_pools: int) -> li
     """A request's transfers, converted on the event loop (~4 us each): first refused when there
     are more than pools a group may have (a batch names each pool at most once), so that one
     request of a million empty transfers cannot hold the loop for seconds."""
-    if len(transfers) > max_pools:
+    check_transfer_count(len(transfers), max_pools)
+    return [transfer_in(t) for t in transfers]
+
+
+def check_transfer_count(count: int, max_pools: int) -> None:
+    """InvalidArgument for more transfers than pools a group may have (gRPC and the fast lane)."""
+    if count > max_pools:
         raise InvalidArgument(
-            f"{len(transfers)} transfers in one request: a request names each pool at most once, "
+            f"{count} transfers in one request: a request names each pool at most once, "
             f"and a group has at most limits.max_pools_per_attach={max_pools} pools"
         )
-    return [transfer_in(t) for t in transfers]
 
 
 def batch_in(batch: tpb.TransferBatch, anchor: str, *, max_pools: int) -> list[PoolTransfer]:

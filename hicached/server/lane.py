@@ -35,7 +35,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -45,10 +45,10 @@ from hicached.config import LimitsConfig
 from hicached.core.keyed import KeyedCache
 from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
-from hicached.core.types import Ack
 from hicached.errors import PermissionDenied
 from hicached.l2.group import PoolTransfer
 from hicached.server.handoff import peer_cred
+from hicached.server.lane_records import acks_out, transfers_in, transfers_out
 from hicached.server.limits import check_id_values, check_keys
 from hicached.server.observer import RpcObserver
 from hicached.server.status import Answer, answer_for
@@ -79,27 +79,6 @@ def _answer(exc: BaseException, method: str) -> Answer:
     if answer.log_it:
         logger.exception("internal error in %s", method, exc_info=exc)
     return answer
-
-
-def _transfers_in(ts: tuple[w.WireTransfer, ...]) -> list[PoolTransfer]:
-    """As ``convert.transfer_in``: an empty host list means "none given"."""
-    return [
-        PoolTransfer(
-            name=t.pool,
-            device_indices=t.device if t.device is not None else np.empty(0, np.int64),
-            host_indices=t.host if t.host is not None and len(t.host) else None,
-            host_allocated=t.host_allocated,
-        )
-        for t in ts
-    ]
-
-
-def _acks(acks: Sequence[Ack]) -> tuple[w.WireAck, ...]:
-    return tuple(w.WireAck(a.pool, a.pages, a.tokens, a.bytes) for a in acks)
-
-
-def _transfers_out(ts: tuple[PoolTransfer, ...] | list[PoolTransfer]) -> tuple[w.WireTransfer, ...]:
-    return tuple(w.WireTransfer(t.name, t.device_indices, t.host_indices, t.host_allocated) for t in ts)
 
 
 class Lane:
@@ -394,25 +373,33 @@ class Lane:
 
     def _execute(self, req: w.Request) -> w.Completion:
         sid, op, seq = self.session_id, req.op_id, req.seq
-        transfers = _transfers_in(req.transfers)
         ok = grpc.StatusCode.OK.value[0]
-        # The servicer's pre-core check of identifiers (its unary wrapper), mirrored.
+        # The servicer's pre-core checks (its unary wrapper's identifiers, then its
+        # conversion of the transfers), mirrored in the same order.
         check_id_values((("session_id", sid), ("op_id", op)), self._limits)
+        transfers = transfers_in(req.transfers, self._limits)
         if req.opcode in (w.Opcode.WRITE, w.Opcode.RESOLVE):
             self._check_answer_fits(req)
         if req.opcode is w.Opcode.WRITE:
             res = self._core.write(sid, op, transfers, allocate=bool(req.flags & w.FLAG_ALLOCATE))
             return w.Completion(
-                req.opcode, seq, ok, res.ok, None, res.reason, _transfers_out(res.transfers), _acks(res.acks)
+                req.opcode,
+                seq,
+                ok,
+                res.ok,
+                None,
+                res.reason,
+                transfers_out(res.transfers),
+                acks_out(res.acks),
             )
         if req.opcode is w.Opcode.LOAD:
             layers: list[int] = []
             on_layer = self._on_layer(seq, layers) if req.flags & w.FLAG_LAYER_PROGRESS else None
             got = self._core.load(sid, op, transfers, on_layer=on_layer)
-            return w.Completion(req.opcode, seq, ok, True, None, "", (), _acks(got), tuple(layers))
+            return w.Completion(req.opcode, seq, ok, True, None, "", (), acks_out(got), tuple(layers))
         if req.opcode is w.Opcode.RESOLVE:
             res = self._core.resolve(sid, op, transfers)
-            return w.Completion(req.opcode, seq, ok, res.ok, None, res.reason, _transfers_out(res.transfers))
+            return w.Completion(req.opcode, seq, ok, res.ok, None, res.reason, transfers_out(res.transfers))
         if req.opcode is w.Opcode.PING:
             return w.Completion(req.opcode, seq, ok, True, None, "")
         if req.opcode in w.KEYED:
@@ -432,10 +419,10 @@ class Lane:
         if req.opcode is w.Opcode.GET_PAGES:
             l3, waiting = bool(req.flags & w.FLAG_INCLUDE_L3), self._client_waits
             hit, got = self._keyed.get_pages(sid, op, req.keys, transfers, include_l3=l3, waiting=waiting)
-            return w.Completion(req.opcode, seq, ok, True, None, "", (), _acks(got), value=hit)
+            return w.Completion(req.opcode, seq, ok, True, None, "", (), acks_out(got), value=hit)
         put = self._keyed.put_pages(sid, op, req.keys, transfers)
         return w.Completion(
-            req.opcode, seq, ok, put.ok, None, put.reason, (), _acks(put.acks), value=put.stored_pages
+            req.opcode, seq, ok, put.ok, None, put.reason, (), acks_out(put.acks), value=put.stored_pages
         )
 
     def _check_answer_fits(self, req: w.Request) -> None:

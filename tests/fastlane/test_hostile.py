@@ -156,3 +156,24 @@ def test_a_write_whose_answer_might_not_fit_is_refused_before_it_allocates(
         worker.lane.write([Transfer("kv", list(range(40_000)))], allocate=True)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "split the batch" in err.value.message
     assert state(admin) == before
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[Transfer("k\x1b[2Jv", [1])], [Transfer(f"p{i}", [1]) for i in range(40)]],
+    ids=["control characters in a pool name", "more transfers than pools"],
+)
+def test_the_lane_checks_transfers_as_grpc_does(
+    worker: Worker, admin: HiCacheClient, bad: list[Transfer]
+) -> None:
+    """Fails before (a review of stop 46): gRPC refuses a pool name that is not printable and
+    more transfers than limits.max_pools_per_attach when it converts a request
+    (INVALID_ARGUMENT); the lane skipped both checks and answered NOT_FOUND."""
+    before = state(admin)
+    with pytest.raises(HiCacheError) as lane_err:
+        worker.lane.write(bad, allocate=True)
+    with pytest.raises(HiCacheError) as grpc_err:
+        worker.session.write(bad, allocate=True)
+    assert lane_err.value.code == grpc.StatusCode.INVALID_ARGUMENT, lane_err.value
+    assert (lane_err.value.code, lane_err.value.message) == (grpc_err.value.code, grpc_err.value.message)
+    assert state(admin) == before

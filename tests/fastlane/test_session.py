@@ -178,6 +178,29 @@ def test_calls_the_lane_cannot_carry_and_async_sessions_still_work(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("op_id", ["x" * 40, "a b", "é-op"], ids=["long", "space", "non-ascii"])
+def test_an_op_id_the_lane_cannot_carry_goes_over_grpc(
+    daemon: Daemon, pools: WorkerPools, op_id: str
+) -> None:
+    """Fails before (a review of stop 46): gRPC takes any op id within
+    limits.max_identity_bytes, a lane record at most 32 printable ASCII characters; with
+    ``fast_lane=True`` such an op raised ValueError, UnicodeEncodeError or INVALID_ARGUMENT
+    where gRPC answered it. Now it goes over gRPC, and a replay of its id still answers it."""
+    with HiCacheClient(daemon.target, timeout_s=30.0, fast_lane=True) as client:
+        session = _attach(client, pools)
+        written = session.write(_both([1, 2]), allocate=True, op_id=op_id)
+        assert written.ok, written
+        assert session.write(_both([1, 2]), allocate=True, op_id=op_id) == written  # the same op
+        assert session.release_transfers(list(written.transfers), op_id=f"{op_id}-release") == 4
+        keys = [uuid.uuid4().hex]
+        assert session.put_pages(keys, _both([3]), op_id=f"{op_id}-put").stored_pages == 1
+        assert session.get_pages(keys, _both([4]), op_id=f"{op_id}-get").hit_pages == 1
+        assert session._slot._lane is None, "none of them opened the lane"
+        resolved = session.resolve_transfers(_both([5]))  # a fresh id: over the lane
+        assert resolved.ok and session._slot._lane is not None
+        session.close()
+
+
 def test_a_daemon_without_the_lane_is_served_over_grpc(pools: WorkerPools) -> None:
     d = start_daemon("--set", "server.fast_lane=false")
     try:

@@ -18,6 +18,7 @@ import grpc
 
 from hicached_client._aio_backend import AsyncLock
 from hicached_client._channel import RetryPolicy
+from hicached_client._lane_common import lane_carries
 from hicached_client.errors import HiCacheError
 from hicached_client.fastlane_aio import AsyncFastLane
 from hicached_client.types import Keys, TokenChain
@@ -40,12 +41,13 @@ class AsyncLaneSlot:
         self._lane: AsyncFastLane | None = None
         self._off = not enabled  # not asked for, refused, lost or closed
 
-    async def get(self, session: Any, fits: bool) -> AsyncFastLane | None:
+    async def get(self, session: Any, fits: bool, op_id: str = "") -> AsyncFastLane | None:
         """The lane for a call of ``session``; None: send it over gRPC.
 
-        ``fits``: the call uses nothing the lane lacks (primary pages, a ready fence).
+        ``fits``: the call uses nothing the lane lacks (primary pages, a ready fence);
+        ``op_id``: the call's, which a lane record must carry (:func:`lane_carries`).
         """
-        if not fits or self._off:
+        if not fits or self._off or not lane_carries(op_id):
             return None
         async with self._lock:
             if self._lane is None and not self._off:

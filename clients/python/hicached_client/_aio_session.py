@@ -184,7 +184,7 @@ class AsyncSession:
         timeout_s: float | None = None,
     ) -> ResolveResult:
         op, budget = self._op(op_id), self._budget(timeout_s, "ResolveTransfers")
-        lane = await self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
+        lane = await self._slot.get(self, primary_device_pages is None and primary_host_pages is None, op)
         if lane is not None:
             try:
                 return await lane.resolve_transfers(transfers, op_id=op, timeout_s=budget.left())
@@ -199,7 +199,7 @@ class AsyncSession:
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
         op, budget = self._op(op_id), self._budget(timeout_s, "ReleaseTransfers")
-        lane = await self._slot.get(self, True)
+        lane = await self._slot.get(self, True, op)
         if lane is not None:
             try:
                 return await lane.release_transfers(transfers, op_id=op, timeout_s=budget.left())
@@ -223,7 +223,7 @@ class AsyncSession:
         """Device -> host copy; with ``allocate`` host pages are resolved first (atomically)."""
         op, budget = self._op(op_id), self._budget(timeout_s, "Write")
         lane = await self._slot.get(
-            self, primary_device_pages is None and primary_host_pages is None and ready is None
+            self, primary_device_pages is None and primary_host_pages is None and ready is None, op
         )
         if lane is not None:
             try:
@@ -274,7 +274,7 @@ class AsyncSession:
     ) -> LoadResult:
         """:meth:`load` and wait for the end (over the fast lane when the session has one)."""
         op, budget = self._op(op_id), self._budget(timeout_s, "Load")
-        lane = await self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
+        lane = await self._slot.get(self, primary_device_pages is None and primary_host_pages is None, op)
         if lane is not None:
             try:
                 return await lane.load(
@@ -391,7 +391,7 @@ class AsyncSession:
         op, budget = self._op(op_id), self._budget(timeout_s, "PutPages")
         given = lane_keys(keys, tenant)
         plain = primary_device_pages is None and ready is None  # the lane carries neither
-        lane = await self._slot.get(self, given is not None and plain)
+        lane = await self._slot.get(self, given is not None and plain, op)
         if lane is not None and given is not None:
             try:
                 return await lane.put_pages(given, transfers, op_id=op, timeout_s=budget.left())
@@ -421,7 +421,7 @@ class AsyncSession:
     ) -> GetPagesResult:
         op, budget = self._op(op_id), self._budget(timeout_s, "GetPages")
         given = lane_keys(keys, tenant)
-        lane = await self._slot.get(self, given is not None and primary_device_pages is None)
+        lane = await self._slot.get(self, given is not None and primary_device_pages is None, op)
         if lane is not None and given is not None:
             try:
                 return await lane.get_pages(

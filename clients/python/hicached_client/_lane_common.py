@@ -129,6 +129,12 @@ def new_op_id() -> str:
     return os.urandom(16).hex()
 
 
+def lane_carries(op_id: str) -> bool:
+    """Whether a lane record carries ``op_id`` (at most 32 printable ASCII characters): an op
+    with any other id goes over gRPC, which takes any within ``limits.max_identity_bytes``."""
+    return len(op_id) <= 32 and op_id.isascii() and w.PRINTABLE_OP_ID.fullmatch(op_id.encode()) is not None
+
+
 def _wire(transfers: Sequence[Transfer]) -> tuple[w.WireTransfer, ...]:
     return tuple(
         w.WireTransfer(

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from hicached_client._channel import RetryPolicy
+from hicached_client._lane_common import lane_carries
 from hicached_client._sync_backend import Lock
 from hicached_client.errors import HiCacheError
 from hicached_client.fastlane import FastLane
@@ -41,12 +42,13 @@ class LaneSlot:
         self._lane: FastLane | None = None
         self._off = not enabled  # not asked for, refused, lost or closed
 
-    def get(self, session: Any, fits: bool) -> FastLane | None:
+    def get(self, session: Any, fits: bool, op_id: str = "") -> FastLane | None:
         """The lane for a call of ``session``; None: send it over gRPC.
 
-        ``fits``: the call uses nothing the lane lacks (primary pages, a ready fence).
+        ``fits``: the call uses nothing the lane lacks (primary pages, a ready fence);
+        ``op_id``: the call's, which a lane record must carry (:func:`lane_carries`).
         """
-        if not fits or self._off:
+        if not fits or self._off or not lane_carries(op_id):
             return None
         with self._lock:
             if self._lane is None and not self._off:

@@ -185,7 +185,7 @@ class Session:
         timeout_s: float | None = None,
     ) -> ResolveResult:
         op, budget = self._op(op_id), self._budget(timeout_s, "ResolveTransfers")
-        lane = self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
+        lane = self._slot.get(self, primary_device_pages is None and primary_host_pages is None, op)
         if lane is not None:
             try:
                 return lane.resolve_transfers(transfers, op_id=op, timeout_s=budget.left())
@@ -200,7 +200,7 @@ class Session:
         self, transfers: Sequence[Transfer], *, op_id: str | None = None, timeout_s: float | None = None
     ) -> int:
         op, budget = self._op(op_id), self._budget(timeout_s, "ReleaseTransfers")
-        lane = self._slot.get(self, True)
+        lane = self._slot.get(self, True, op)
         if lane is not None:
             try:
                 return lane.release_transfers(transfers, op_id=op, timeout_s=budget.left())
@@ -224,7 +224,7 @@ class Session:
         """Device -> host copy; with ``allocate`` host pages are resolved first (atomically)."""
         op, budget = self._op(op_id), self._budget(timeout_s, "Write")
         lane = self._slot.get(
-            self, primary_device_pages is None and primary_host_pages is None and ready is None
+            self, primary_device_pages is None and primary_host_pages is None and ready is None, op
         )
         if lane is not None:
             try:
@@ -275,7 +275,7 @@ class Session:
     ) -> LoadResult:
         """:meth:`load` and wait for the end (over the fast lane when the session has one)."""
         op, budget = self._op(op_id), self._budget(timeout_s, "Load")
-        lane = self._slot.get(self, primary_device_pages is None and primary_host_pages is None)
+        lane = self._slot.get(self, primary_device_pages is None and primary_host_pages is None, op)
         if lane is not None:
             try:
                 return lane.load(transfers, layer_progress=layer_progress, op_id=op, timeout_s=budget.left())
@@ -388,7 +388,7 @@ class Session:
         op, budget = self._op(op_id), self._budget(timeout_s, "PutPages")
         given = lane_keys(keys, tenant)
         plain = primary_device_pages is None and ready is None  # the lane carries neither
-        lane = self._slot.get(self, given is not None and plain)
+        lane = self._slot.get(self, given is not None and plain, op)
         if lane is not None and given is not None:
             try:
                 return lane.put_pages(given, transfers, op_id=op, timeout_s=budget.left())
@@ -418,7 +418,7 @@ class Session:
     ) -> GetPagesResult:
         op, budget = self._op(op_id), self._budget(timeout_s, "GetPages")
         given = lane_keys(keys, tenant)
-        lane = self._slot.get(self, given is not None and primary_device_pages is None)
+        lane = self._slot.get(self, given is not None and primary_device_pages is None, op)
         if lane is not None and given is not None:
             try:
                 return lane.get_pages(

@@ -96,7 +96,7 @@ KNOWN_FLAGS = FLAG_ALLOCATE | FLAG_LAYER_PROGRESS | FLAG_INCLUDE_L3
 T_HAS_HOST = 1
 T_HOST_ALLOCATED = 2
 KNOWN_TFLAGS = T_HAS_HOST | T_HOST_ALLOCATED
-_PRINTABLE = re.compile(rb"[\x21-\x7e]*")
+PRINTABLE_OP_ID = re.compile(rb"[\x21-\x7e]*")  # what a record's op_id field may hold
 MAX_PAGES = (AREA - REQUEST.size - MAX_TRANSFERS * TRANSFER.size) // 8
 
 
@@ -387,7 +387,7 @@ def read_request(ring: memoryview, offset: int, *, max_keys: int | None = None) 
     if count and code is Opcode.LOOKUP:
         raise RecordError(_LOOKUP_TRANSFERS)
     op_text = op_raw.rstrip(b"\0")
-    if not _PRINTABLE.fullmatch(op_text):
+    if not PRINTABLE_OP_ID.fullmatch(op_text):
         raise RecordError(f"op_id must be printable ASCII (starts {op_text[:16]!r})")
     op_id = op_text.decode("ascii")
     if count == 0:
