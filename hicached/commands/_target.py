@@ -16,7 +16,9 @@ from pathlib import Path
 import grpc
 from hicached_client import HiCacheClient
 from hicached_client._channel import (
+    ADMIN_SOCKET_NAME,
     SOCKET_ENV,
+    SOCKET_NAME,
     default_target,
     is_unix_target,
     normalize_target,
@@ -157,8 +159,14 @@ def failure_message(target: str, code: grpc.StatusCode, details: str) -> str:
             "daemon's uid and server.admin_group; a worker's uid asks the worker socket "
             f"(--socket <the worker socket> or ${SOCKET_ENV})."
         )
+    served = where
+    if Path(where).name == ADMIN_SOCKET_NAME:  # a daemon serves it beside its worker socket
+        worker = default_target().removeprefix("unix://")
+        served = (
+            worker if Path(worker).parent == Path(where).parent else str(Path(where).with_name(SOCKET_NAME))
+        )
     start = (
-        f"hicached serve --socket {where}"
+        f"hicached serve --socket {served}"
         if target.startswith("unix:")
         else "hicached serve --listen HOST:PORT"
     )

@@ -123,7 +123,11 @@ def _page_bytes(args: argparse.Namespace) -> int:
 def _no_group(client: HiCacheClient, model: str) -> None:
     """Say the daemon has no group for the layout; list the model's groups where the caller
     may see them (an admin; a worker's GetStats shows no groups)."""
-    print("hicached lookup: the daemon has no pool group for this layout.", file=sys.stderr)
+    print(
+        "hicached lookup: the daemon has no pool group for this layout (after a warm restart, a "
+        "journaled group is mapped again only when a worker attaches with it).",
+        file=sys.stderr,
+    )
     groups = client.get_stats().groups
     if not groups:
         print("  (`hicached status` on the admin socket lists the groups it has)", file=sys.stderr)
@@ -146,7 +150,13 @@ def run(args: argparse.Namespace) -> int:
                 raise InvalidArgument("--extra-key/--cache-salt go with --tokens (keys already include them)")
             keys: Any = [k.strip() for k in args.keys.split(",") if k.strip()]
         else:
-            keys = TokenChain(parse_tokens(args.tokens), extra_key=args.extra_key, cache_salt=args.cache_salt)
+            tokens = parse_tokens(args.tokens)
+            if 0 < len(tokens) < args.page_size:
+                # A cache holds whole pages only: nothing to ask (it answered "0 pages asked").
+                raise InvalidArgument(
+                    f"{len(tokens)} token ids make no full page of --page-size {args.page_size}"
+                )
+            keys = TokenChain(tokens, extra_key=args.extra_key, cache_salt=args.cache_salt)
         if not (keys.token_ids if isinstance(keys, TokenChain) else keys):
             raise InvalidArgument("no token ids or keys given (--tokens 1,2,3 or --keys K1,K2)")
         identity, spec = _specs(args)

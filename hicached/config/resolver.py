@@ -213,6 +213,8 @@ OTHER_ENV: dict[str, str] = {
     "HICACHED_CONFIG": "the configuration file",
     "HICACHED_SOCKET": "the daemon address clients connect to",
     "HICACHED_ADMIN_SOCKET": "the admin socket `hicached status` connects to",
+    "HICACHED_DAEMON_UID": "the uid of a daemon that runs as another user, which clients trust",
+    "HICACHED_DEV_REINSTALL": "./dev installs again",
     "HICACHED_PYTHON": "the Python ./dev uses",
     "HICACHED_TORCH": "the torch wheel ./dev installs",
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -18,6 +19,7 @@ import torch
 from hicached_client import HiCacheClient, TokenChain, Transfer, WorkerIdentity, pool_spec, vocab
 from hicached_client.export import ShmKVPool
 
+from hicached.testing.daemon import launch, scratch_dir
 from tests.acceptance.served import ROOT, Served, served
 
 HICACHED = [sys.executable, "-m", "hicached"]
@@ -58,6 +60,27 @@ def test_status_against_a_dead_socket_says_how_to_start_the_daemon(tmp_path: Pat
         assert f"no daemon is answering at {sock}" in result.stderr
         assert f"hicached serve --socket {sock}" in result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_the_hint_for_a_missing_admin_socket_starts_a_daemon_that_serves_it(tmp_path: Path) -> None:
+    """Fails before (a review of stop 46): with no daemon, `hicached status` (whose default is
+    the admin socket) said to start one with `hicached serve --socket .../admin.sock`, which
+    refuses to start (the admin socket must differ from the worker socket). The hint names the
+    worker socket beside it; a daemon started so answers on that admin socket."""
+    sockdir = scratch_dir("hch")  # AF_UNIX paths are limited to ~107 bytes
+    worker, admin = sockdir / "hicached.sock", sockdir / "admin.sock"
+    try:
+        result = cli("status", "--socket", str(admin), "--timeout", "2", cwd=tmp_path)
+        assert result.returncode == 1 and f"no daemon is answering at {admin}" in result.stderr, result.stderr
+        assert f"hicached serve --socket {worker}`" in result.stderr, result.stderr
+        (tmp_path / "d").mkdir()
+        d = launch("--host-budget", "256MiB", "--l3", "none", workdir=tmp_path / "d", socket=worker)
+        try:
+            assert cli("status", "--socket", str(admin), "--timeout", "10", cwd=tmp_path).returncode == 0
+        finally:
+            d.stop()
+    finally:
+        shutil.rmtree(sockdir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "1e10"])
@@ -237,6 +260,8 @@ def test_lookup_refuses_token_ids_out_of_range_and_an_empty_prefix(daemon: Serve
         ("-1,2", "token id -1 is outside [0, 2**64 - 1]"),
         (str(2**64), f"token id {str(2**64)[:32]} is outside"),
         ("", "no token ids or keys given"),
+        # Fewer ids than one page (a review of stop 46: "0 pages asked", exit 0).
+        ("1,2", "2 token ids make no full page of --page-size"),
     ):
         result = cli("lookup", *LAYOUT, f"--tokens={tokens}", cwd=tmp_path, env=daemon.env())
         assert result.returncode == 2 and said in result.stderr, result.stderr

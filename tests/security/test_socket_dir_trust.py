@@ -236,3 +236,40 @@ def test_wait_ready_waits_for_the_directory_a_starting_daemon_makes(base: Path) 
             assert client.ping(b"x") == b"x"
         finally:
             daemon.stop()
+
+
+def test_a_socket_directory_this_user_may_not_enter_is_permission_denied(base: Path) -> None:
+    """Fails before (a review of stop 46): a user pointing at another user's daemon (its socket
+    directory 0700) got UNAVAILABLE with no hint. Now it is PERMISSION_DENIED saying whose way
+    in it is. The check runs in a child forked as the test user (no exec: the interpreter's
+    capabilities would let it search any directory)."""
+    uid = other_user()
+    run = base / "private"
+    run.mkdir(mode=0o700)
+    target = f"unix://{run}/hicached.sock"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            from hicached_client._handoff import check_socket_dir
+
+            try:
+                check_socket_dir(target)
+                os.write(write, b"passed")
+            except HiCacheError as exc:
+                os.write(write, f"{exc.code.name} {exc.message}".encode())
+        except BaseException:
+            code = 1
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, said
+    assert said.startswith("PERMISSION_DENIED this user may not enter the daemon's socket directory"), said
+    assert str(run) in said and "server.socket_mode" in said, said

@@ -142,7 +142,8 @@ def check_socket_dir(target: str) -> None:
     others are the pod's own containers). Returns for TCP targets.
     UNAVAILABLE, naming the directory, when it does not exist (nothing to judge: the call must
     not go ahead, or whoever creates it first gets the connection) or cannot be walked (a
-    parent that is a file or not searchable, a symlink loop). The check judges the path, not a
+    parent that is a file, a symlink loop); PERMISSION_DENIED when this user may not search
+    one of its directories (another user's daemon). The check judges the path, not a
     connection the channel already holds: every entry point that may connect (calls,
     :meth:`wait_ready`) runs it first. Thread-safe (reads the file system only)."""
     path = handoff_path(target)
@@ -151,6 +152,13 @@ def check_socket_dir(target: str) -> None:
     sock = path[: -len(SUFFIX)]  # as written: abspath would undo a `link/..` as text
     try:
         way = pathwalk.walk(sock)
+    except PermissionError as exc:  # not this user's to enter: the daemon's user, or its group
+        raise HiCacheError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"this user may not enter the daemon's socket directory {os.path.dirname(sock)} "
+            f"({exc.strerror}): a daemon of another user admits its group (server.socket_mode, "
+            f"server.admin_group); or start your own (`hicached serve`) and point $HICACHED_SOCKET at it",
+        ) from None
     except OSError as exc:
         raise HiCacheError(
             grpc.StatusCode.UNAVAILABLE,
