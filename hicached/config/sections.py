@@ -372,9 +372,9 @@ class LimitsConfig(_Section):
     )
     max_request_bytes_held_per_peer: int = _f(
         1 << 30,
-        "Bytes of requests (their size on the wire) one peer's calls may hold at once, parsed and "
-        "not yet answered (calls waiting for a lane hold theirs); a call over it is "
-        "RESOURCE_EXHAUSTED with a retry hint, unless the peer holds none.",
+        "Bytes of requests (their size on the wire; those of 64 KiB or more that name a session) one "
+        "peer's calls may hold at once, parsed and not yet answered (calls waiting for a lane hold "
+        "theirs); a call over it is RESOURCE_EXHAUSTED with a retry hint, unless the peer holds none.",
         parse=parse_size,
     )
     max_sessions_per_peer: int = _f(

@@ -374,9 +374,11 @@ class Lane:
     def _execute(self, req: w.Request) -> w.Completion:
         sid, op, seq = self.session_id, req.op_id, req.seq
         ok = grpc.StatusCode.OK.value[0]
-        # The servicer's pre-core checks (its unary wrapper's identifiers, then its
-        # conversion of the transfers), mirrored in the same order.
+        # The servicer's pre-core checks, mirrored in the same order: its unary wrapper's
+        # identifiers, a keyed call's keys, then its conversion of the transfers.
         check_id_values((("session_id", sid), ("op_id", op)), self._limits)
+        if req.opcode in w.KEYED:
+            check_keys(req.keys, self._limits)
         transfers = transfers_in(req.transfers, self._limits)
         if req.opcode in (w.Opcode.WRITE, w.Opcode.RESOLVE):
             self._check_answer_fits(req)
@@ -408,10 +410,9 @@ class Lane:
         return w.Completion(req.opcode, seq, ok, True, None, "", value=freed)
 
     def _keyed_op(self, req: w.Request, transfers: list[PoolTransfer]) -> w.Completion:
-        """GetPages / PutPages / Lookup with given keys, as the servicer runs them (its key checks
-        first)."""
+        """GetPages / PutPages / Lookup with given keys (checked by :meth:`_execute`), as the
+        servicer runs them."""
         sid, op, seq, ok = self.session_id, req.op_id, req.seq, grpc.StatusCode.OK.value[0]
-        check_keys(req.keys, self._limits)
         if req.opcode is w.Opcode.LOOKUP:  # read_request refused any transfers
             found = self._keyed.lookup(sid, req.keys)
             value = w.lookup_value(found.l2_hit_pages, found.total_hit_pages)

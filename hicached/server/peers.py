@@ -129,7 +129,7 @@ class HeldRequests(_PeerBytes):
     A call keeps its request while it waits for a lane (each lane bounds one session's calls,
     and a peer may attach many sessions), so without a bound a peer's queued calls could
     hold any amount (a PutBytes carries up to ``server.max_message_bytes``). Counted in wire
-    bytes (``ByteSize``); a request's own size is bounded by ``limits.max_request_bytes``.
+    bytes (:mod:`hicached.server.held` says which requests count).
     """
 
     RETRY_AFTER_MS = 100  # held requests go as the calls ahead end

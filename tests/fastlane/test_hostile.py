@@ -177,3 +177,16 @@ def test_the_lane_checks_transfers_as_grpc_does(
     assert lane_err.value.code == grpc.StatusCode.INVALID_ARGUMENT, lane_err.value
     assert (lane_err.value.code, lane_err.value.message) == (grpc_err.value.code, grpc_err.value.message)
     assert state(admin) == before
+
+
+def test_a_keyed_op_checks_its_keys_before_its_transfers_as_grpc_does(worker: Worker) -> None:
+    """Fails before (a review of the fix above): the lane checked the transfers first, so a
+    PutPages with an over-long key and a non-printable pool name got the pool's message over
+    the lane and the key's over gRPC."""
+    keys, bad = ["k" * 600], [Transfer("kv\x07", [1])]
+    with pytest.raises(HiCacheError) as lane_err:
+        worker.lane.put_pages(keys, bad)
+    with pytest.raises(HiCacheError) as grpc_err:
+        worker.session.put_pages(keys, bad)
+    assert "limits.max_key_bytes" in grpc_err.value.message, grpc_err.value
+    assert (lane_err.value.code, lane_err.value.message) == (grpc_err.value.code, grpc_err.value.message)

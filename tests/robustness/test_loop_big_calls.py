@@ -295,7 +295,7 @@ def test_a_peers_calls_hold_a_bounded_number_of_request_bytes() -> None:
     os.close(read)
     try:
         with HiCacheClient(d.target, timeout_s=30.0) as client:
-            # Byte-only sessions hand over no fd: both are the socket's peer ("unix").
+            # Both sessions are this process's: one peer (its uid, from the attach's handoff).
             first, second = attach_bytes(client, "m-held"), attach_bytes(client, "m-held")
 
             def pages(tag: str) -> list[PageBytes]:  # 2 MiB of 64 KiB pages
@@ -311,7 +311,11 @@ def test_a_peers_calls_hold_a_bounded_number_of_request_bytes() -> None:
                 err = refused.value
                 assert err.code.name == "RESOURCE_EXHAUSTED" and err.retry_after_ms == 100, err
                 assert "limits.max_request_bytes_held_per_peer=3145728" in err.message, err
-                second.heartbeat(timeout_s=5.0)  # a small call of the same peer fits
+                # Small calls and session-less ones are not counted (a review of the first cut:
+                # a peer at its bound lost its leases; one client's session-less calls, all
+                # the socket's, refused every other client's Attach).
+                second.heartbeat(timeout_s=5.0)
+                attach_bytes(client, "m-held").detach()
             finally:
                 os.write(release, b"go\n")
                 held.join(timeout=60)
