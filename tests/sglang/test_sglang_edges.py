@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from hicached_client import HiCacheClient
 from hicached_client.sglang import HiCachedStorage
+from hicached_client.sglang.refusals import DEFAULT_INTERVAL_S
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
 from tests.sglang.pools import PoolShape, StorageFactory, make_host_pool, sglang_keys, unique_model
@@ -84,6 +86,60 @@ def test_malformed_calls_answer_like_hicachefile(storages: StorageFactory, tmp_p
         ]
 
     run_both(reference(storages, tmp_path, pool), ours(storages, pool), calls)
+
+
+def test_more_targets_than_keys_and_keys_that_cannot_be_sent_answer_like_hicachefile(
+    storages: StorageFactory, tmp_path: Path
+) -> None:
+    """Fails before (a review of stop 46): a batch_get of one key into two page targets lost
+    the key (an IndexError read as a miss), and a key with a lone surrogate made batch_exists
+    answer 0 for the run before it (its UnicodeEncodeError escaped the per-key check)."""
+    pool = make_host_pool(PoolShape())
+    src = pool.alloc(8)
+    key = sglang_keys(1, 4, first=70_000)
+
+    def calls(backend: Backend) -> list[object]:
+        flat = pool.get_data_page(int(src[0]), flat=True).clone()
+        return [
+            backend.batch_set(key, [flat]),
+            backend.batch_get(key, [torch.empty_like(flat), torch.empty_like(flat)]),
+            backend.batch_exists([key[0], "\ud800", "x"]),
+        ]
+
+    got = run_both(reference(storages, tmp_path, pool), ours(storages, pool), calls)
+    assert got[0] is True and got[2] == 1, got
+
+
+def test_a_daemon_that_is_down_is_reported_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    """Fails before (a review of stop 46): with the daemon down, every call logged a warning
+    of its own (90 calls: 120 lines). Failures are reported as refusals are: the first, then
+    at most one line per interval with the count folded in."""
+    d = start_daemon("--l3", "none")
+    factory = StorageFactory(d.target)
+    try:
+        pool = make_host_pool(PoolShape())
+        storage = factory.make(pool, model=unique_model())
+        keys = sglang_keys(4, 4, first=80_000)
+        src, dst = pool.alloc(16), pool.alloc(16)
+        assert storage.batch_set_v1(keys, src) == [True] * 4
+        d.stop()
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="hicached_client.sglang"):
+            for _ in range(10):
+                assert storage.batch_exists(keys) == 0
+                assert storage.batch_get_v1(keys, dst) == [False] * 4
+                assert storage.batch_set_v1(keys, src) == [False] * 4
+        intervals = 1 + int((time.monotonic() - start) // DEFAULT_INTERVAL_S)
+        said = [
+            r
+            for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("hicached_client.sglang")
+        ]  # the adapter's (the client's heartbeat thread reports on its own)
+        # Three kinds of failure (lookup, load, store): at most one line each per interval.
+        assert 3 <= len(said) <= 3 * intervals < 30, "\n".join(r.getMessage()[:160] for r in said)
+    finally:
+        factory.close_all()
+        d.stop()
 
 
 def test_calls_after_close_are_misses(storages: StorageFactory, caplog: pytest.LogCaptureFixture) -> None:

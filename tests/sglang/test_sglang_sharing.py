@@ -55,6 +55,54 @@ def test_two_instances_of_one_model_share_pages(storages: StorageFactory) -> Non
     assert got == [True] * 5 and exact
 
 
+def _kv_at(pool: Any, slot: int, plane: int, layer: int) -> Any:
+    """The K (plane 0) or V (1) row of one token slot and layer, as SGLang's layout means it."""
+    b, ps = pool.kv_buffer, pool.page_size
+    if pool.layout == "layer_first":
+        return b[plane, layer, slot]
+    if pool.layout == "page_first":
+        return b[plane, slot, layer]
+    return b[plane, slot // ps, layer, slot % ps]  # page_first_direct
+
+
+@pytest.mark.parametrize(
+    ("writer", "reader", "shared"),
+    [
+        ("layer_first", "page_first", False),
+        ("page_first", "layer_first", False),
+        ("page_first", "page_first_direct", False),
+        ("layer_first", "page_first_direct", True),
+        ("page_first_direct", "layer_first", True),
+    ],
+)
+def test_pools_of_two_layouts_share_pages_only_where_they_mean_the_same_kv(
+    storages: StorageFactory, writer: str, reader: str, shared: bool
+) -> None:
+    """Fails before (a review of stop 46): a layer_first and a page_first pool of one model
+    (a second replica, or a restart with another --hicache-mem-layout) shared a pool group,
+    but their staged pages hold the rows in other orders (layer by layer, token by token):
+    the reader's get answered True with every token's KV scrambled. HiCacheFile has the same
+    flaw. Now those two orders never share a group (a miss); layouts of one order still share."""
+    model = unique_model()
+    pool_w = make_host_pool(PoolShape(layout=writer, device_tokens=64))
+    pool_r = make_host_pool(PoolShape(layout=reader, device_tokens=64))
+    src = pool_w.alloc(4)
+    for slot in src.tolist():
+        for plane in range(2):
+            for layer in range(pool_w.layer_num):
+                _kv_at(pool_w, slot, plane, layer).fill_(float(1000 * plane + 100 * layer + slot % 4))
+    keys = sglang_keys(1, 4, first=50_000)
+    assert storages.make(pool_w, model=model).batch_set_v1(keys, src) == [True]
+    dst = pool_r.alloc(4)
+    got = storages.make(pool_r, model=model).batch_get_v1(keys, dst)
+    assert got == [shared], (writer, reader, got)
+    if shared:
+        for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
+            for plane in range(2):
+                for layer in range(pool_r.layer_num):
+                    assert bool((_kv_at(pool_r, d_, plane, layer) == _kv_at(pool_w, s_, plane, layer)).all())
+
+
 def test_mha_tp_ranks_never_see_each_others_pages(storages: StorageFactory) -> None:
     model = unique_model()
     pools = [make_host_pool(PoolShape()) for _ in range(2)]

@@ -11,8 +11,8 @@ chunk was stored. The daemon may later evict a data chunk and keep the header:
 stores the chunks again unless all are there, and ``get`` of a key missing a
 chunk is a miss (never a wrong tensor: the byte count and chunk run are checked).
 
-The session is attached on first use (so a storage that never sees such a
-tensor costs the daemon nothing) and again when the daemon no longer knows it
+The session is attached on first use (a tensor stored by key, or the first key
+``batch_exists`` looks for here after a KV-pool miss) and again when the daemon no longer knows it
 (restart, lease lost). Its pool group is per model and shared by every process
 of that model, so a tensor stored by one worker is found by another.
 

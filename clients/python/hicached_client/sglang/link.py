@@ -187,21 +187,22 @@ class PoolLink:
     # ------------------------------------------------------------- queries
 
     def exists(self, keys: Sequence[str]) -> int:
-        """Leading run of ``keys`` cached (L2, and L3 when ``include_l3``). A batch the daemon
-        refuses for one of its keys (over ``limits.max_key_bytes``) is asked key by key up to
-        that one, as HiCacheFile's per-key files answer (no file can have such a key's name)."""
+        """Leading run of ``keys`` cached (L2, and L3 when ``include_l3``). A batch refused for
+        one of its keys (the daemon's INVALID_ARGUMENT for a key over ``limits.max_key_bytes``,
+        or a key that cannot be sent: a lone surrogate) is asked key by key up to that one, as
+        HiCacheFile's per-key files answer (no file can have such a key's name)."""
         try:
             return self._exists(keys)
-        except HiCacheError as exc:
-            if exc.code != grpc.StatusCode.INVALID_ARGUMENT or len(keys) == 1:
+        except (HiCacheError, UnicodeError) as exc:
+            if not _a_key_refused(exc) or len(keys) == 1:
                 raise
         run = 0
         while run < len(keys):
             try:
                 if not self._exists(keys[run : run + 1]):
                     break
-            except HiCacheError as exc:
-                if exc.code != grpc.StatusCode.INVALID_ARGUMENT:
+            except (HiCacheError, UnicodeError) as exc:
+                if not _a_key_refused(exc):
                     raise
                 break
             run += 1
@@ -383,3 +384,10 @@ def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
             out.append((start, i))
             start = None
     return out
+
+
+def _a_key_refused(exc: Exception) -> bool:
+    """Whether ``exc`` refused a batch for one of its keys (see :meth:`PoolLink.exists`)."""
+    return isinstance(exc, UnicodeError) or (
+        isinstance(exc, HiCacheError) and exc.code == grpc.StatusCode.INVALID_ARGUMENT
+    )

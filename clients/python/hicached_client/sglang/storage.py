@@ -92,6 +92,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         self._generation = time.time_ns()
         self.refusals = RefusalLog(log)
         self.failures = RefusalLog(log, template="hicached: %d keys of %s answered as misses: %s%s")
+        self._failed_calls = RefusalLog(log, template="hicached: %d %s failed, read as a miss: %s%s")
         self._unregistered = RefusalLog(log, template="hicached: %d keys for pool %s: %s%s")
         self._blobs = new_blob_store(
             self._client,
@@ -196,8 +197,8 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         start = time.perf_counter()
         try:
             results = _once_each(link.keys.daemon_keys(keys), pages, link.put_pages)
-        except HiCacheError as exc:
-            log.warning("hicached: storing %d pages of pool %s failed: %s", len(keys), pool, exc)
+        except HiCacheError as exc:  # rate-limited: a daemon that is down fails every call
+            self.refusals.refused(pool, len(keys), str(exc))
             return [False] * len(keys)
         self._record("backup", sum(results), link, start)
         return results
@@ -216,7 +217,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
                 daemon_keys, lambda lo, hi: link.get_pages(daemon_keys[lo:hi], pages[lo:hi])
             )
         except HiCacheError as exc:
-            log.warning("hicached: loading %d pages of pool %s failed: %s", len(keys), pool, exc)
+            self.failures.refused(f"pool {pool}", len(keys), str(exc))
             return [False] * len(keys)
         self._record("prefetch", sum(loaded), link, start)
         return loaded
@@ -326,7 +327,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         """Per key: its tensor (a flat KV page without a target), or None when it is not cached.
         Fewer targets than keys: the keys without one are not read (as HiCacheFile's zip)."""
         targets = list(target_locations or [None] * len(keys))
-        keys = keys[: len(targets)]
+        keys, targets = keys[: len(targets)], targets[: len(keys)]  # as HiCacheFile's zip
         if not keys:
             return []
         found: list[torch.Tensor | None] = [None] * len(keys)
@@ -340,7 +341,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
                     daemon_keys, lambda lo, hi: link.get_flat(daemon_keys[lo:hi], outs[lo:hi])
                 )
             except HiCacheError as exc:
-                log.warning("hicached: get of %d pages failed: %s", len(paged), exc)
+                self.failures.refused(f"pool {KV_POOL}", len(paged), str(exc))
                 loaded = []
             for j, hit in enumerate(loaded):
                 if hit:
@@ -475,12 +476,13 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         """The daemon key space of a registered pool (KeyError when it is not registered)."""
         return self._links[pool].keys
 
-    @staticmethod
-    def _safe(fn: Callable[[], T], default: T) -> T:
+    def _safe(self, fn: Callable[[], T], default: T) -> T:
+        """``fn()``, or ``default`` (logged, rate-limited) when the daemon fails it or a key
+        cannot be sent (a lone surrogate: ValueError), as a miss."""
         try:
             return fn()
-        except HiCacheError as exc:
-            log.warning("hicached: lookup failed, reading as a miss: %s", exc)
+        except (HiCacheError, ValueError) as exc:
+            self._failed_calls.refused("call", 1, str(exc))
             return default
 
 
