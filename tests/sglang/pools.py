@@ -47,6 +47,7 @@ class PoolShape:
     page_size: int = 4
     device_tokens: int = 64
     ratio: float = 2.0
+    v_head_dim: int | None = None  # MHA: V's width when it differs from K's
 
 
 def _ptrs(bufs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -85,7 +86,8 @@ def make_host_pool(shape: PoolShape, allocator_type: str = "default") -> Any:
         )
     else:
         k = tuple(torch.zeros(tokens, shape.heads, shape.head_dim, dtype=DTYPE) for _ in range(shape.layers))
-        v = tuple(torch.zeros(tokens, shape.heads, shape.head_dim, dtype=DTYPE) for _ in range(shape.layers))
+        v_dim = shape.v_head_dim or shape.head_dim
+        v = tuple(torch.zeros(tokens, shape.heads, v_dim, dtype=DTYPE) for _ in range(shape.layers))
         mha = MHABufferInfo(
             buffers=KVBuffers(
                 k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v), layout=KVBufferLayout.NHD
@@ -93,7 +95,7 @@ def make_host_pool(shape: PoolShape, allocator_type: str = "default") -> Any:
             page_size=shape.page_size,
             head_num=shape.heads,
             head_dim=shape.head_dim,
-            v_head_dim=shape.head_dim,
+            v_head_dim=v_dim,
             dtype=DTYPE,
             device=cpu,
         )

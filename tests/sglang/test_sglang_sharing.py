@@ -66,17 +66,19 @@ def _kv_at(pool: Any, slot: int, plane: int, layer: int) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("writer", "reader", "shared"),
+    ("writer", "reader", "shared", "v_head_dim"),
     [
-        ("layer_first", "page_first", False),
-        ("page_first", "layer_first", False),
-        ("page_first", "page_first_direct", False),
-        ("layer_first", "page_first_direct", True),
-        ("page_first_direct", "layer_first", True),
+        ("layer_first", "page_first", False, None),
+        ("page_first", "layer_first", False, None),
+        ("page_first", "page_first_direct", False, None),
+        ("layer_first", "page_first_direct", True, None),
+        ("page_first_direct", "layer_first", True, None),
+        # V narrower than K: the per-page (flat page) binding, kept apart the same way.
+        ("layer_first", "page_first", False, 4),
     ],
 )
 def test_pools_of_two_layouts_share_pages_only_where_they_mean_the_same_kv(
-    storages: StorageFactory, writer: str, reader: str, shared: bool
+    storages: StorageFactory, writer: str, reader: str, shared: bool, v_head_dim: int | None
 ) -> None:
     """Fails before (a review of stop 46): a layer_first and a page_first pool of one model
     (a second replica, or a restart with another --hicache-mem-layout) shared a pool group,
@@ -84,8 +86,8 @@ def test_pools_of_two_layouts_share_pages_only_where_they_mean_the_same_kv(
     the reader's get answered True with every token's KV scrambled. HiCacheFile has the same
     flaw. Now those two orders never share a group (a miss); layouts of one order still share."""
     model = unique_model()
-    pool_w = make_host_pool(PoolShape(layout=writer, device_tokens=64))
-    pool_r = make_host_pool(PoolShape(layout=reader, device_tokens=64))
+    pool_w = make_host_pool(PoolShape(layout=writer, device_tokens=64, v_head_dim=v_head_dim))
+    pool_r = make_host_pool(PoolShape(layout=reader, device_tokens=64, v_head_dim=v_head_dim))
     src = pool_w.alloc(4)
     for slot in src.tolist():
         for plane in range(2):

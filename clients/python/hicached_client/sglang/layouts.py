@@ -4,9 +4,9 @@ A staged page is stored *page-major*: for each of ``groups`` planes (K and V
 for MHA, the latent for MLA) one contiguous chunk holding the page's rows of
 every layer, in the byte order of SGLang's flat data page
 (``get_data_page(index, flat=True)``), which is the layout's own: token by token for
-page_first, layer by layer for layer_first and page_first_direct. Pools of the two orders
-never share a pool group (:class:`ChunkedLayout`): their pages would read back scrambled. The daemon is told about the staging
-area as a one-layer pool whose token row spans all layers (heads 1, head_dim
+page_first, layer by layer for layer_first and page_first_direct. Pools of two orders never
+share a pool group (:func:`staged_order`): their pages would read back scrambled. The daemon
+is told about the staging area as a one-layer pool whose token row spans all layers (heads 1, head_dim
 ``layers * heads * dim``), so it moves each page as ``groups`` contiguous
 chunks, and its flat page (PutBytes/GetBytes) equals SGLang's flat data page.
 
@@ -199,7 +199,7 @@ class FlatPageBinding(PoolBinding):
         geometry = PoolGeometry(
             kind=PoolKind.MLA,
             dtype=torch.uint8,
-            host_layout=HostLayout.PAGE_FIRST,
+            host_layout=staged_order(str(getattr(host_pool, "layout", ""))),  # its flat page's order
             groups=1,
             chunk_bytes=page_bytes,
             rows_per_page=1,
@@ -229,20 +229,27 @@ class FlatPageBinding(PoolBinding):
 # ------------------------------------------------------------------ registry
 
 
+def staged_order(layout: str) -> HostLayout:
+    """The daemon host layout that labels how a staged page of an SGLang pool of ``layout``
+    orders its rows: layer by layer (layer_first, page_first_direct: LAYER_FIRST), token by
+    token (page_first: PAGE_FIRST), or in any other way (page_head, a layout this adapter does
+    not know: PAGE_FIRST_DIRECT). Two orders are other bytes for the same KV, so they must
+    never meet in one pool group, and the host layout is part of the group's key; for the
+    daemon's one-layer pool every host layout places the bytes alike."""
+    if layout in ("layer_first", "page_first_direct"):
+        return HostLayout.LAYER_FIRST
+    return HostLayout.PAGE_FIRST if layout == "page_first" else HostLayout.PAGE_FIRST_DIRECT
+
+
 @dataclass(frozen=True)
 class ChunkedLayout:
     """How one (kind, layout) of SGLang host pool splits into planes and per-layer blocks.
 
     ``layer_major``: the pool keeps a layer's tokens together (its chunks are gathered a layer
-    block at a time). ``staged_layer_major``: a staged page holds its rows layer by layer
-    (layer_first and page_first_direct) rather than token by token (page_first). The two orders
-    are other bytes for the same KV, so they must never meet in one pool group: the daemon
-    pool's host layout says which (LAYER_FIRST or PAGE_FIRST; for its one-layer pool both
-    place the bytes alike), and it is part of the group's key.
+    block at a time).
     """
 
     layer_major: bool
-    staged_layer_major: bool
 
     def describe(self, pool: Any, kind: str) -> tuple[PoolGeometry, int]:
         """(geometry, blocks per chunk) of ``pool``."""
@@ -255,7 +262,7 @@ class ChunkedLayout:
         geometry = PoolGeometry(
             kind=PoolKind.MLA if kind == "mla" else PoolKind.MHA,
             dtype=dtype,
-            host_layout=HostLayout.LAYER_FIRST if self.staged_layer_major else HostLayout.PAGE_FIRST,
+            host_layout=staged_order(str(pool.layout)),
             groups=planes,
             chunk_bytes=ps * layers * row * dtype.itemsize,
             rows_per_page=ps,
@@ -269,9 +276,7 @@ class ChunkedLayout:
 
 # (pool kind, SGLang layout) -> how a ChunkedBinding views the pool.
 CHUNKED_LAYOUTS: dict[tuple[str, str], ChunkedLayout] = {
-    (kind, layout): ChunkedLayout(
-        layer_major=layout == "layer_first", staged_layer_major=layout != "page_first"
-    )
+    (kind, layout): ChunkedLayout(layer_major=layout == "layer_first")
     for kind in ("mha", "mla")
     for layout in ("layer_first", "page_first", "page_first_direct")
 }
