@@ -477,8 +477,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         return self._links[pool].keys
 
     def _safe(self, fn: Callable[[], T], default: T) -> T:
-        """``fn()``, or ``default`` (logged, rate-limited) when the daemon fails it or a key
-        cannot be sent (a lone surrogate: ValueError), as a miss."""
+        """``fn()``, or ``default`` (a miss, logged rate-limited) when it fails or a key cannot be sent."""
         try:
             return fn()
         except (HiCacheError, ValueError) as exc:
