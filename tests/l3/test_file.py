@@ -391,3 +391,24 @@ def test_slab_files_together_stay_within_the_capacity(file_dir: Path) -> None:
         assert backend.exists([f"d/{sizes[0]}/0"]) == 0
     with open_file(file_dir, capacity=capacity) as backend:  # what was stored survives a restart
         assert backend.exists(keys[-4:]) == 4
+
+
+def test_pages_beyond_max_pages_evict_the_oldest_whatever_their_size(file_dir: Path) -> None:
+    """Fails before (a review of stop 47): only bytes bounded the store, so a client's pages of a
+    few bytes (a 1 KiB slot each) grew the in-memory index by capacity / 1 KiB keys (16.8 M at
+    the defaults: GiBs of daemon memory, none of it in any budget)."""
+    keys = [f"tiny/{i}" for i in range(20)]
+    with open_file(file_dir, max_pages=8) as backend:
+        for lo in range(0, 20, 5):  # batches: the count holds across them and within one
+            assert backend.set(keys[lo : lo + 5], [k.encode() for k in keys[lo : lo + 5]]) == [True] * 5
+        stats = backend.stats()
+        assert (stats.pages, stats.evicted_pages) == (8, 12)
+        assert backend.exists(keys[12:]) == 8 and backend.exists(keys[:12]) == 0
+        assert backend.get(keys[12:]) == [k.encode() for k in keys[12:]]
+    with open_file(file_dir, max_pages=3) as backend:  # a lower bound: trimmed at start, oldest first
+        assert backend.stats().pages == 3
+        assert backend.exists(keys[17:]) == 3 and backend.exists(keys[12:17]) == 0
+    with open_file(file_dir, max_pages=3) as backend:  # the trimmed pages do not come back
+        assert backend.stats().pages == 3
+    with pytest.raises(InvalidArgument, match="max_pages"):
+        open_file(file_dir, max_pages=0)

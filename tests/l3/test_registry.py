@@ -25,7 +25,7 @@ def test_unknown_backend_lists_available() -> None:
 
 
 def test_unknown_option_lists_allowed(tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgument, match=r"'capacity'.*allowed: path, capacity_bytes, fsync"):
+    with pytest.raises(InvalidArgument, match=r"'capacity'.*allowed: path, capacity_bytes, max_pages, fsync"):
         create_backend("file", {"path": str(tmp_path), "capacity": 1})
     assert not any(tmp_path.iterdir())
 

@@ -122,7 +122,9 @@ class FileBackend(StorageBackend):
         self.config = config
         self.root = Path(config.path)
         self._lock = threading.Lock()
-        self._index = PageIndex(self.root, config.capacity_bytes, direct_io=config.direct_io)
+        self._index = PageIndex(
+            self.root, config.capacity_bytes, max_pages=config.max_pages, direct_io=config.direct_io
+        )
         self._closed = False
         self._ops = 0
         self._idle = threading.Condition(self._lock)

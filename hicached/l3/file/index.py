@@ -10,7 +10,10 @@ sequence counter goes on from the highest number found; where that is past
 renumbered on disk first (:meth:`PageIndex.renumber`).
 
 ``capacity`` bounds the bytes of occupied slots; a page that needs room evicts
-least-recently-used pages that no reader pins. A freed slot is reused by later
+least-recently-used pages that no reader pins. ``max_pages`` bounds the entries
+(each holds its key in memory: 350-750 bytes a page, measured; a stranger's pages
+of a few bytes would otherwise grow the daemon by capacity / 1 KiB entries); the
+page that goes over it evicts the least recently used one. A freed slot is reused by later
 pages of its size. Deleted, evicted and corrupt pages get their slot header
 zeroed so they do not come back at the next start.
 
@@ -64,8 +67,11 @@ RENUMBER_ABOVE = 1 << 62
 class PageIndex:
     """Entries of the stored pages, their slabs and the counters (guarded by the backend lock)."""
 
-    def __init__(self, root: Path, capacity: int, *, direct_io: bool = False) -> None:
+    def __init__(
+        self, root: Path, capacity: int, *, max_pages: int = 1 << 20, direct_io: bool = False
+    ) -> None:
         self.root = root
+        self.max_pages = max_pages
         self.direct_io = direct_io
         self.entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order: oldest first
         self.slabs: dict[int, Slab] = {}
@@ -163,6 +169,7 @@ class PageIndex:
             for slab, slot in corrupt:  # cleared: counted once, not again at every start
                 self.tombstone(Entry("", slab, slot, 0, 0, 0))
         self.evict_for(0)  # a smaller capacity than last time: trim the oldest
+        self._evict_over_count()
         if self.entries:
             log.info("file backend %s: rebuilt index of %d pages", self.root, len(self.entries))
 
@@ -253,6 +260,22 @@ class PageIndex:
             self.drop(entry, tombstone=True)
         self.evicted += len(victims)
         return True
+
+    def _evict_over_count(self) -> None:
+        """Evict LRU unpinned pages while more than ``max_pages`` are indexed (pinned ones stay:
+        at most the pages of the reads under way go over)."""
+        excess = len(self.entries) - self.max_pages
+        if excess <= 0:
+            return
+        victims: list[Entry] = []
+        for entry in self.entries.values():  # a read pins and moves its pages to the end
+            if len(victims) == excess:
+                break
+            if entry.pins == 0:
+                victims.append(entry)
+        for entry in victims:
+            self.drop(entry, tombstone=True)
+        self.evicted += len(victims)
 
     def evict_same_slab(self, slab: Slab) -> bool:
         """Evict the least recently used unpinned page of ``slab``: on a full disk only a slot
@@ -375,6 +398,7 @@ class PageIndex:
         if written and entry.key not in self.entries:
             self.entries[entry.key] = entry
             self.payload += entry.length
+            self._evict_over_count()
             return True
         entry.dead = True
         entry.tomb = True
