@@ -116,6 +116,8 @@ class IndexMetrics:
         # of the 9 us of this method).
         self._l2_hits = metrics.lookup_hit_pages.labels(tier="l2")
         self._l3_hits = metrics.lookup_hit_pages.labels(tier="l3")
+        self._l3_to_l2 = metrics.transfer_duration.labels(direction="l3_to_l2")
+        self._l2_to_l3 = metrics.transfer_duration.labels(direction="l2_to_l3")
 
     def lookup(self, query_pages: int, l2_hit_pages: int, l3_hit_pages: int) -> None:
         self._m.lookup_query_pages.inc(query_pages)
@@ -135,6 +137,7 @@ class IndexMetrics:
         self._m.prefetched_tokens.labels(backend=b).inc(pages * self._page_size)
         self._m.prefetch_batch_pages.labels(backend=b).observe(pages)
         self._m.prefetch_duration.labels(backend=b).observe(seconds)
+        self._l3_to_l2.observe(seconds)
         if seconds > 0:
             self._m.prefetch_bandwidth.labels(backend=b).observe(nbytes / seconds / 1e9)
 
@@ -145,6 +148,7 @@ class IndexMetrics:
         self._m.backuped_tokens.labels(backend=b).inc(pages * self._page_size)
         self._m.backup_batch_pages.labels(backend=b).observe(pages)
         self._m.backup_duration.labels(backend=b).observe(seconds)
+        self._l2_to_l3.observe(seconds)
         if seconds > 0:
             self._m.backup_bandwidth.labels(backend=b).observe(nbytes / seconds / 1e9)
 
