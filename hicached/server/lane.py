@@ -347,6 +347,7 @@ class Lane:
                 raise w.RecordError(f"record seq {req.seq} does not match its slot's sequence number {seq}")
             done = self._execute(req)
         except w.RecordError as exc:
+            opcode = opcode or _opcode_of(view, seq)  # a known opcode's record refused in its parse
             done = w.Completion(
                 opcode, seq, getattr(grpc.StatusCode, exc.code).value[0], False, None, str(exc)
             )
@@ -479,6 +480,12 @@ _RPC_NAMES = {int(o): n for o, n in zip(w.Opcode, ("Write", "Load", "ResolveTran
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _opcode_of(view: memoryview, seq: int) -> int:
+    """The opcode a refused request record names if it is a known one (its label), else 0."""
+    magic, _, opcode = w.REQUEST.unpack_from(view, w.request_offset(seq))[:3]
+    return int(opcode) if magic == w.REQUEST_MAGIC and opcode in _OP_NAMES else 0
 
 
 def _status(value: int) -> grpc.StatusCode:

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from hicached_client import HiCacheClient, PrefetchState, TokenChain, WorkerIdentity
+import grpc
+import pytest
+from hicached_client import HiCacheClient, HiCacheError, PrefetchState, TokenChain, WorkerIdentity
 
 from tests.daemon.conftest import free_port, fresh_scrape, new_pools, scrape, start_file_daemon, total
 from tests.robustness.loop_support import attach_bytes
@@ -93,6 +95,11 @@ def test_metrics_after_a_bench_like_workload(l3_dir: Path, worker_pools: list[Wo
                 assert total(end, "hicached_rpcs_total", method="Attach", code="OK") == 1
                 assert total(end, "hicached_lookup_hit_pages_total", tier="l3") >= PAGES
                 assert total(end, "hicached_sessions") == 1
+                # Fails before (a review of stop 47): the L3 directions of the transfer histogram
+                # were registered at start and never observed (each backup and prefetch batch is).
+                for direction in ("l2_to_l3", "l3_to_l2"):
+                    batches = total(end, "hicached_transfer_duration_seconds_count", direction=direction)
+                    assert batches >= 1, direction
 
                 # Fails before (a review of stop 46): the L3 read counters and the retraction
                 # gauge were registered but never set, so they stayed absent or 0.
@@ -143,5 +150,32 @@ def test_a_retired_groups_write_series_leave_the_scrape(worker_pools: list[Worke
             # Another model's group: with host.max_groups=1 the idle one of `gone` is retired.
             attach_bytes(client, f"m-next-{tag}", lease_ms=60_000).detach()
             poll(series, lambda n: n == 0, 15.0, "the retired group's write series to leave the scrape")
+    finally:
+        daemon.stop()
+
+
+def test_a_lane_record_refused_in_its_parse_is_counted_under_its_opcode(
+    worker_pools: list[WorkerPools],
+) -> None:
+    """Fails before (a review of stop 47): a fast-lane Lookup over ``limits.max_keys_per_request``
+    (refused while its record is read) was counted as ``FastLaneUnknown``, the label of an
+    unknown opcode, where gRPC counts the same refusal under ``Lookup``."""
+    port = free_port()
+    daemon = start_daemon("--metrics-port", str(port), "--set", "limits.max_keys_per_request=64")
+    tag, pools = new_pools(worker_pools, seed=53)
+    try:
+        ident = WorkerIdentity(tag, generation=1, model_name=MODEL)
+        with (
+            HiCacheClient(daemon.target, timeout_s=30.0, fast_lane=True) as client,
+            client.attach(ident, pools.specs()) as s,
+        ):
+            s.lookup(["k"])  # opens the session's lane
+            with pytest.raises(HiCacheError) as refused:
+                s.lookup([f"k{i}" for i in range(100)])
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            seen = fresh_scrape(port, client)
+        lookups = total(seen, "hicached_rpcs_total", method="FastLaneLookup")
+        assert total(seen, "hicached_rpcs_total", method="FastLaneLookup", code="RESOURCE_EXHAUSTED") == 1
+        assert lookups == 2 and total(seen, "hicached_rpcs_total", method="FastLaneUnknown") == 0
     finally:
         daemon.stop()
