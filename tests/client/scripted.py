@@ -50,6 +50,10 @@ class ScriptedServicer(pb_grpc.HiCacheServiceServicer, pb_grpc.AdminServiceServi
         self.heartbeats = 0
         self.heartbeat_event = threading.Event()
         self.heartbeat_target = 3
+        # Alloc of pool "hold" and Load of a transfer of pool "hold" enter (set ``entered``) and
+        # wait for ``released`` before answering: a call under way for as long as a test needs.
+        self.entered = threading.Event()
+        self.released = threading.Event()
 
     def _record(self, name: str, request: Any, context: grpc.ServicerContext) -> None:
         with self.lock:
@@ -102,6 +106,8 @@ class ScriptedServicer(pb_grpc.HiCacheServiceServicer, pb_grpc.AdminServiceServi
         if request.pool == "full":
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_AFTER_MS)),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "host budget exhausted: 0 of 64 pages free")
+        if request.pool == "hold":
+            self._hold()
         if request.num_pages > 64:
             return pb.AllocResponse(ok=False)
         return pb.AllocResponse(ok=True, host_pages=list(range(request.num_pages)))
@@ -147,9 +153,15 @@ class ScriptedServicer(pb_grpc.HiCacheServiceServicer, pb_grpc.AdminServiceServi
         self._record("RetractRestore", request, context)
         yield from self._progress(request.batch, request.layer_progress, context)
 
+    def _hold(self) -> None:
+        self.entered.set()
+        self.released.wait(timeout=30)
+
     def _progress(
         self, batch: tpb.TransferBatch, layer_progress: bool, context: grpc.ServicerContext
     ) -> Iterator[pb.LoadProgress]:
+        if any(t.pool == "hold" for t in batch.transfers):
+            self._hold()
         for layer in range(self.script.num_layers):
             if self.script.load_fail_after == layer:
                 context.abort(grpc.StatusCode.DATA_LOSS, f"layer {layer}: scripted failure")

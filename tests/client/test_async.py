@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -13,6 +14,7 @@ import pytest
 from hicached_client import (
     AsyncHiCacheClient,
     AsyncSession,
+    ClientClosedError,
     HiCacheClient,
     HiCacheError,
     RetryPolicy,
@@ -147,3 +149,57 @@ def test_async_client_close_stops_session_heartbeats(scripted_server: ScriptedSe
         assert not session.heartbeat_running
 
     asyncio.run(main())
+
+
+def test_closing_either_client_under_a_call_fails_the_call_as_closed(scripted_server: ScriptedServer) -> None:
+    """Fails before (a review of stop 47): closing the asyncio client while a call was under way
+    raised ``asyncio.CancelledError`` in the awaiting task, which no ``except HiCacheError``
+    catches (and the task read as cancelled though nobody cancelled it); the blocking client
+    raised a bare CANCELLED ``Channel closed!``. Both now raise ClientClosedError (CANCELLED),
+    for a unary call and a Load stream alike."""
+    servicer = scripted_server.servicer
+    ident = WorkerIdentity("w", 1, "m")
+
+    def blocking(start: Callable[[Session], object]) -> BaseException | None:
+        servicer.entered.clear()
+        client = HiCacheClient(scripted_server.target, timeout_s=10.0, retry=FAST_RETRY)
+        session = client.attach(ident, [], heartbeat=False)
+        outcome: list[BaseException | None] = []
+
+        def call() -> None:
+            try:
+                start(session)
+                outcome.append(None)
+            except BaseException as exc:  # what the caller sees, whatever it is
+                outcome.append(exc)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        assert servicer.entered.wait(10)
+        client.close()
+        caller.join(10)
+        return outcome[0]
+
+    async def asynchronous(
+        start: Callable[[AsyncSession], Awaitable[object]],
+    ) -> tuple[BaseException | None, bool]:
+        servicer.entered.clear()
+        client = AsyncHiCacheClient(scripted_server.target, timeout_s=10.0, retry=FAST_RETRY)
+        session = await client.attach(ident, [], heartbeat=False)
+        task = asyncio.create_task(start(session))
+        assert await asyncio.to_thread(servicer.entered.wait, 10)
+        await client.close()
+        done, _ = await asyncio.wait([task], timeout=10)
+        assert done, "the call ended"
+        return (None if task.cancelled() else task.exception()), task.cancelled()
+
+    held = [Transfer("hold", [1])]
+    try:
+        for start in (lambda s: s.alloc("hold", 1), lambda s: s.load(held).wait()):
+            error = blocking(start)
+            assert isinstance(error, ClientClosedError) and error.code == grpc.StatusCode.CANCELLED, error
+        for astart in (lambda s: s.alloc("hold", 1), lambda s: s.load(held).wait()):
+            error, cancelled = asyncio.run(asynchronous(astart))
+            assert not cancelled and isinstance(error, ClientClosedError), error
+    finally:
+        servicer.released.set()

@@ -29,6 +29,16 @@ AsyncLock = asyncio.Lock
 # closed channel, ExecuteBatchError (an InternalError) for metadata it cannot send.
 START_ERRORS: tuple[type[Exception], ...] = (grpc.aio.BaseError,)
 CLOSED_ERRORS: tuple[type[Exception], ...] = (grpc.aio.UsageError,)
+# What a call under way raises when the client's close() closes its channel: grpc.aio cancels
+# the call's await. Told from a cancel of the caller's own task by ``cancelled_by_close``.
+CANCELLED_ERRORS: tuple[type[BaseException], ...] = (asyncio.CancelledError,)
+
+
+def cancelled_by_close() -> bool:
+    """Whether the CancelledError being handled came from the channel closing under the call,
+    not from a cancel of the running task (which must go on as a cancel)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
 
 
 async def close_channel(channel: grpc.aio.Channel) -> None:

@@ -363,7 +363,9 @@ class AsyncSession:
                 return await lane.lookup(given, timeout_s=budget.left())
             except HiCacheError as exc:
                 await self._slot.failed(exc, "Lookup", self.client.config.retry)
-        return await self._invoke(_calls.lookup(self.session_id, keys, tenant, per_key), budget.left())
+        return await self._invoke(
+            _calls.lookup(self.session_id, given or keys, tenant, per_key), budget.left()
+        )
 
     async def publish(
         self,
@@ -400,7 +402,7 @@ class AsyncSession:
         call = _calls.put_pages(
             self.session_id,
             op,
-            keys=keys,
+            keys=given or keys,  # ``keys`` may be an iterator lane_keys has read
             transfers=transfers,
             primary_device_pages=primary_device_pages,
             ready=ready,
@@ -432,7 +434,7 @@ class AsyncSession:
         call = _calls.get_pages(
             self.session_id,
             op,
-            keys=keys,
+            keys=given or keys,  # ``keys`` may be an iterator lane_keys has read
             transfers=transfers,
             primary_device_pages=primary_device_pages,
             include_l3=include_l3,

@@ -21,12 +21,13 @@ import grpc
 import numpy as np
 
 from hicached_client import lane_wire as w
-from hicached_client._convert import check_hit_run
+from hicached_client._convert import check_hit_run, indices
 from hicached_client.errors import HiCacheError
 from hicached_client.types import (
     GetPagesResult,
     LoadResult,
     LookupResult,
+    PageIndices,
     PoolAck,
     PutPagesResult,
     ResolveResult,
@@ -136,15 +137,42 @@ def lane_carries(op_id: str) -> bool:
 
 
 def _wire(transfers: Sequence[Transfer]) -> tuple[w.WireTransfer, ...]:
+    if isinstance(transfers, Transfer):
+        raise TypeError("transfers must be a sequence of Transfer, got a single Transfer")
     return tuple(
         w.WireTransfer(
             t.pool,
-            np.asarray(t.device_pages, dtype=np.int64),
-            None if t.host_pages is None else np.asarray(t.host_pages, dtype=np.int64),
+            wire_indices(t.device_pages, f"device_pages of pool {t.pool!r}"),
+            None if t.host_pages is None else wire_indices(t.host_pages, f"host_pages of pool {t.pool!r}"),
             t.host_allocated,
         )
         for t in transfers
     )
+
+
+def wire_indices(values: PageIndices, what: str) -> np.ndarray:
+    """``values`` as a record's int64 page indices, refused where gRPC's conversion refuses them:
+    a float or bool is a TypeError, an integer past int64 a ValueError (a cast would copy other
+    pages than the caller named, or wrap to a negative index)."""
+    if isinstance(values, np.ndarray):
+        array = values
+    else:
+        listed = indices(values, what)
+        if any(type(v) is bool for v in listed):  # numpy would take True as 1; protobuf refuses it
+            raise TypeError(f"{what} must be integers, got a bool")
+        array = np.asarray(listed)
+    if array.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got an array with ndim={array.ndim}")
+    if array.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got {array.dtype} values")
+    if array.dtype.kind == "u" and int(array.max()) > _INT64_MAX:
+        raise ValueError(f"{what}: {int(array.max())} is past the largest page index ({_INT64_MAX})")
+    return array.astype(np.int64, copy=False)
+
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def request(

@@ -23,6 +23,13 @@ Lock = threading.Lock
 # on a closed channel); the twin of ``_aio_backend.START_ERRORS``.
 START_ERRORS: tuple[type[Exception], ...] = (ValueError,)
 CLOSED_ERRORS: tuple[type[Exception], ...] = (ValueError,)
+# A blocking call whose channel closes under it fails with CANCELLED (an RpcError): no
+# exception of its own (the twin of ``_aio_backend.CANCELLED_ERRORS``).
+CANCELLED_ERRORS: tuple[type[BaseException], ...] = ()
+
+
+def cancelled_by_close() -> bool:
+    return True
 
 
 def close_channel(channel: grpc.Channel) -> None:

@@ -360,7 +360,7 @@ class Session:
                 return lane.lookup(given, timeout_s=budget.left())
             except HiCacheError as exc:
                 self._slot.failed(exc, "Lookup", self.client.config.retry)
-        return self._invoke(_calls.lookup(self.session_id, keys, tenant, per_key), budget.left())
+        return self._invoke(_calls.lookup(self.session_id, given or keys, tenant, per_key), budget.left())
 
     def publish(
         self,
@@ -397,7 +397,7 @@ class Session:
         call = _calls.put_pages(
             self.session_id,
             op,
-            keys=keys,
+            keys=given or keys,  # ``keys`` may be an iterator lane_keys has read
             transfers=transfers,
             primary_device_pages=primary_device_pages,
             ready=ready,
@@ -429,7 +429,7 @@ class Session:
         call = _calls.get_pages(
             self.session_id,
             op,
-            keys=keys,
+            keys=given or keys,  # ``keys`` may be an iterator lane_keys has read
             transfers=transfers,
             primary_device_pages=primary_device_pages,
             include_l3=include_l3,

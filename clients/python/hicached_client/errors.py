@@ -113,7 +113,8 @@ def malformed_answer(method: str, what: str) -> HiCacheError:
 
 
 class ClientClosedError(HiCacheError):
-    """A call on a client whose channel is closed (``client.close()``): ``CANCELLED``, nothing sent."""
+    """A call on a client whose channel is closed (``client.close()``): ``CANCELLED``, nothing
+    sent; or one that ``close()`` ended under way (the daemon may have run it)."""
 
     def __init__(self, method: str = "") -> None:
         super().__init__(grpc.StatusCode.CANCELLED, "the client is closed", method=method)

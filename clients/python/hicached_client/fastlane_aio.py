@@ -31,6 +31,9 @@ from hicached_client.types import (
     WriteResult,
 )
 
+# What :meth:`AsyncFastLane.close` wakes an op's wait with (no descriptor's number).
+_CLOSING = -1
+
 
 class AsyncFastLane:
     """One open lane of one session, for asyncio callers."""
@@ -38,14 +41,21 @@ class AsyncFastLane:
     def __init__(self, lane: FastLane) -> None:
         self.lane = lane
         self._lock = asyncio.Lock()
+        self._woke: asyncio.Future[int] | None = None  # the wait of the op under way, if any
 
     @classmethod
     async def open(cls, session: Any, *, timeout_s: float = 5.0) -> AsyncFastLane:
         lane = await asyncio.to_thread(FastLane.open, session, timeout_s=timeout_s)
         return cls(lane)
 
-    async def close(self) -> None:
-        await asyncio.to_thread(self.lane.close)
+    async def close(self, *, timeout_s: float = 5.0) -> None:
+        """As :meth:`FastLane.close`. An op waiting for its completion is woken and fails UNAVAILABLE
+        first, so no op touches the lane's descriptors once they are closed (their numbers
+        may be another file's by then)."""
+        if self._woke is not None and not self._woke.done():
+            self._woke.set_result(_CLOSING)
+        async with self._lock:
+            await asyncio.to_thread(self.lane.close, timeout_s=timeout_s)
 
     @property
     def closed(self) -> bool:
@@ -166,11 +176,16 @@ class AsyncFastLane:
 
             loop.add_reader(done_fd, wake, done_fd)
             loop.add_reader(conn_fd, wake, conn_fd)
+            self._woke = woke
             try:
                 fd = await woke
             finally:
+                self._woke = None
                 loop.remove_reader(done_fd)
                 loop.remove_reader(conn_fd)
+            if fd == _CLOSING:
+                lane.abandon()  # the op's answer will not be read: the daemon must not run it later
+                raise lc.unavailable("the fast lane is closed")
             if fd == done_fd:
                 lc.drain(done_fd)
             elif not lane.published(seq):

@@ -183,14 +183,24 @@ class HiCacheClient:
                 call.request, timeout=self._timeout(timeout_s), metadata=self._metadata + call.metadata
             )
         except grpc.RpcError as exc:
-            error = from_rpc_error(exc, call.method)
+            error = self._closed_under(call.method) or from_rpc_error(exc, call.method)
             if call.line is Line.HEARTBEAT and error.code == grpc.StatusCode.UNAVAILABLE:
                 log.warning("heartbeat connection failed (%s): beating on the data connection", error)
                 return self.invoke(replace(call, line=Line.DATA), timeout_s)
             raise error from None
         except backend.START_ERRORS as exc:
             raise self._start_failure(exc, call.method) from None
+        except backend.CANCELLED_ERRORS:
+            closed = self._closed_under(call.method)
+            if closed is None:
+                raise
+            raise closed from None
         return call.convert(reply)
+
+    def _closed_under(self, method: str) -> ClientClosedError | None:
+        """The error of a call that :meth:`close` ended under way (CANCELLED either way: the
+        same class as a call after the close), else None."""
+        return ClientClosedError(method) if self._closed and backend.cancelled_by_close() else None
 
     def stream(self, call: Call[LoadProgress], timeout_s: float | None = None) -> LoadStream:
         """Start a server-streaming call; see :class:`LoadStream`."""
@@ -313,10 +323,18 @@ class LoadStream(Iterator[LoadProgress]):
             message = backend.next_message(self._rpc)
         except grpc.RpcError as exc:
             self._finished = True
-            raise from_rpc_error(exc, self._call.method) from None
+            raise self._client._closed_under(self._call.method) or from_rpc_error(
+                exc, self._call.method
+            ) from None
         except backend.START_ERRORS as exc:
             self._finished = True
             raise self._client._start_failure(exc, self._call.method) from None
+        except backend.CANCELLED_ERRORS:
+            self._finished = True
+            closed = self._client._closed_under(self._call.method)
+            if closed is None:
+                raise
+            raise closed from None
         if message is None:
             self._finished = True
             raise HiCacheError(
