@@ -77,6 +77,7 @@ _POSITIVE = {
     "limits.max_hash_calls_per_session",
     "limits.max_alloc_calls_per_session",
     "limits.max_prefetches_per_session",
+    "limits.max_prefetch_keys_per_peer",
     "limits.max_wait_s",
 }
 

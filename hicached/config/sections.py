@@ -425,6 +425,9 @@ class LimitsConfig(_Section):
     max_prefetches_per_session: int = _f(
         16, "Prefetches one session may have running or queued at once; one more is RESOURCE_EXHAUSTED."
     )
+    max_prefetch_keys_per_peer: int = _f(
+        1 << 20, "Keys the plans of one peer's running or queued prefetches hold together (each ~150 bytes)."
+    )
     max_wait_s: float = _f(
         30.0,
         "Deadline of a blocking wait (Backup wait, PrefetchStatus wait, the wait at session end): "

@@ -20,6 +20,7 @@ import numpy as np
 from hicached.config import Config
 from hicached.core.checks import check_indices
 from hicached.core.group_state import GroupState
+from hicached.core.prefetch_admission import PrefetchAdmission
 from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
 from hicached.core.tenants import client_key, scoped_keys
@@ -50,10 +51,13 @@ class KeyedOptions:
     max_batch_pages: int  # server.max_batch_pages: keys of one PutPages
     prefetch_policy: PrefetchPolicy  # l3.prefetch_policy: a prefetch that names none
     max_prefetches_per_session: int  # limits.max_prefetches_per_session
+    max_prefetch_keys_per_peer: int = 1 << 20  # limits.max_prefetch_keys_per_peer
 
     @classmethod
     def from_config(cls, cfg: Config) -> KeyedOptions:
-        return cls(cfg.server.max_batch_pages, cfg.l3.prefetch_policy, cfg.limits.max_prefetches_per_session)
+        lim, l3 = cfg.limits, cfg.l3
+        per_peer = lim.max_prefetch_keys_per_peer
+        return cls(cfg.server.max_batch_pages, l3.prefetch_policy, lim.max_prefetches_per_session, per_peer)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,9 @@ class KeyedCache:
         self._core = core
         self._options = options
         self._tag_key = tag_key
+        self._prefetches = PrefetchAdmission(
+            options.max_prefetches_per_session, options.max_prefetch_keys_per_peer
+        )
 
     @property
     def core(self) -> HiCacheCore:
@@ -375,32 +382,28 @@ class KeyedCache:
     ) -> tuple[str, int]:
         """Start a prefetch of ``keys``: (its id, pages planned). ResourceExhausted, before
         any work, when the session already has ``limits.max_prefetches_per_session`` running
-        or queued (each holds its plan, and the index's I/O threads take jobs in turn).
+        or queued (each holds its plan, and the index's I/O threads take jobs in turn), or
+        its peer's plans ``limits.max_prefetch_keys_per_peer`` keys (:mod:`.prefetch_admission`).
         ``policy`` None: ``l3.prefetch_policy``. A repeated ``op_id`` is answered the first
         one's prefetch (a retry starts no second one); not in flight: a detach does not wait
         for the plan (its end is checked below)."""
         session, _, index, keys = self._scoped(session_id, keys)
         tenant = session.worker.tenant
         chosen = policy or self._options.prefetch_policy  # None: the configured default
-        limit = self._options.max_prefetches_per_session
 
         def start() -> tuple[str, int]:
             with session.lock:
-                held = index.running_prefetches(session.prefetches) + session.prefetches_starting
-                if held >= limit:
-                    raise ResourceExhausted(
-                        f"this session has {held} prefetches running or queued, the most "
-                        f"limits.max_prefetches_per_session={limit} allows: wait for one "
-                        "(PrefetchStatus) or cancel one",
-                        retry_after_ms=100,
-                    )
+                running = index.running_prefetches(session.prefetches) + session.prefetches_starting
+                ticket = self._prefetches.admit(session.origin, running, len(keys))
                 session.prefetches_starting += 1  # counted while its plan is made, unlocked
             started: set[str] = set()
             try:
                 timeout_s = timeout_ms / 1000 if timeout_ms else None
                 task = index.prefetch(keys, policy=chosen, timeout_s=timeout_s, tenant=tenant)
                 started.add(task.id)
+                self._prefetches.started(session.origin, ticket, task)
             finally:
+                self._prefetches.release(session.origin, ticket)  # no-op once started
                 with session.lock:
                     session.prefetches_starting -= 1
                     # Keep only the ids the index still keeps: a session calling Prefetch forever

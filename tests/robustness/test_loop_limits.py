@@ -348,6 +348,47 @@ def test_prefetches_running_per_session_are_limited() -> None:
         d.stop()
 
 
+def test_the_keys_a_peers_running_prefetches_plan_are_bounded() -> None:
+    """Fails before limits.max_prefetch_keys_per_peer (a review of stop 47): each running
+    prefetch keeps its plan, every key it will read (~150 bytes a key), and only the count per
+    session was bounded, so one peer's 256 sessions could hold 4,096 plans of 65,536 keys (a
+    review: +505 MiB from 58, growing). Here one peer's two sessions plan 6 + 3 keys against a
+    bound of 10: a third plan of 2 is refused naming the key and changes nothing, one of 1
+    fits, and a cancelled plan gives its keys back. A peer holding none is always admitted."""
+    fake = FakeRedis(present=True)
+    d = start_daemon(
+        *fake.daemon_args(),
+        "--set", "l3.io_workers=1",
+        "--set", "limits.max_prefetch_keys_per_peer=10",
+    )  # fmt: skip
+    try:
+        with (
+            HiCacheClient(d.target, timeout_s=30.0) as client,
+            HiCacheClient(d.admin_target, timeout_s=30.0) as admin,
+        ):
+            one, two = attach_bytes(client, "m-pfk"), attach_bytes(client, "m-pfk")  # one peer
+            fake.hang(only=frozenset({b"GETRANGE"}))
+            first = one.prefetch([f"a{i}" for i in range(6)])
+            fake.wait_unanswered(1, timeout_s=30)  # the I/O thread is inside the first one
+            second = two.prefetch([f"b{i}" for i in range(3)])
+            assert (first.planned_pages, second.planned_pages) == (6, 3)
+            before = state(admin)
+            refused(
+                lambda: two.prefetch(["c0", "c1"]), C.RESOURCE_EXHAUSTED, "limits.max_prefetch_keys_per_peer"
+            )
+            assert state(admin) == before
+            assert one.prefetch(["d0"]).planned_pages == 1  # 10 of 10
+            refused(lambda: one.prefetch(["e0"]), C.RESOURCE_EXHAUSTED, "limits.max_prefetch_keys_per_peer")
+            assert two.cancel_prefetch(second.prefetch_id) == 0  # queued: cancelled at once
+            assert two.prefetch(["f0", "f1", "f2"]).planned_pages == 3  # its keys are back
+            fake.close()  # the blocked read fails, so the sessions can end
+            one.detach()
+            two.detach()
+    finally:
+        fake.close()
+        d.stop()
+
+
 # One request of a million empty transfers, as raw bytes signed with the attacker's own secret.
 SHORT_LEASE_MS = 1500
 TRANSFERS = 1_000_000
