@@ -77,6 +77,7 @@ def attach_content_index(
         ),
         observer=observer,
         tenant_keys=state.tenant_keys,
+        free_pages=state.free_from_index,
     )
 
 

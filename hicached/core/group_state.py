@@ -149,6 +149,13 @@ class GroupState:
             self._check_free_locked(name, pages)
             return self._free_locked(name, pages)
 
+    def free_from_index(self, name: str, pages: np.ndarray) -> None:
+        """Free pages the content index held (its own, allocated: no checks), when no copy
+        reads or writes them any more: a session may have queued a copy of a page before it
+        published it (the index's ``free_pages``, wired by ``daemon.attach_content_index``)."""
+        with self._lock:
+            self._free_locked(name, pages)
+
     def _check_free_locked(self, name: str, pages: np.ndarray) -> None:
         if first_repeat(pages) is not None:
             raise InvalidArgument(f"duplicate host pages in free of pool {clip(name)}")

@@ -53,7 +53,7 @@ from hicached.errors import InvalidArgument, Unavailable
 from hicached.index.entries import EntryRecord, check_keys, check_records, check_rows
 from hicached.index.jobs import IoPriority, IoScheduler, PrefetchTask
 from hicached.index.observer import IndexObserver, NullIndexObserver
-from hicached.index.pools import GroupView
+from hicached.index.pools import FreePages, GroupView
 from hicached.index.prefetch import Prefetcher
 from hicached.index.table import EntryTable
 from hicached.index.tenant_keys import TenantL3Keys
@@ -96,6 +96,7 @@ class ContentIndex:
         options: IndexOptions = _DEFAULT_OPTIONS,
         observer: IndexObserver | None = None,
         tenant_keys: TenantL3Keys | None = None,
+        free_pages: FreePages | None = None,
     ) -> None:
         if not isinstance(namespace, str) or not namespace or namespace.endswith("/"):
             raise InvalidArgument(f"namespace must be a non-empty str not ending in '/', got {namespace!r}")
@@ -103,7 +104,7 @@ class ContentIndex:
         self.namespace = namespace
         self.backend = backend
         self.batch_pages = options.batch_pages
-        self._view = GroupView(group)
+        self._view = GroupView(group, free_pages)  # see GroupView for ``free_pages``
         self._obs: IndexObserver = observer if observer is not None else NullIndexObserver()
         self._timeout_base = options.prefetch_timeout_base_s
         self._timeout_per_1k = options.prefetch_timeout_per_1k_tokens_s

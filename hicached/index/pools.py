@@ -12,15 +12,18 @@ thread-safe and page bytes are only touched by whoever holds the page.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hicached.errors import InvalidArgument, NotFound, clip
-from hicached.l2.allocator import PageAllocator
+from hicached.l2.allocator import PageAllocator, PageArray
 from hicached.l2.group import HostPoolGroup
 from hicached.l2.host_pool import HostKVPool
 from hicached.l3.base import StorageBackend
 
-__all__ = ["GroupView", "PoolSlot"]
+__all__ = ["FreePages", "GroupView", "PoolSlot"]
+
+# Frees pages of the named pool that the index held (see GroupView.free).
+FreePages = Callable[[str, PageArray], object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +36,16 @@ class PoolSlot:
 
 
 class GroupView:
-    """Independent pools (columns of an entry's page tuple) and every pool's byte source."""
+    """Independent pools (columns of an entry's page tuple) and every pool's byte source.
 
-    def __init__(self, group: HostPoolGroup) -> None:
+    ``free_pages``: how the pages the index held go back to their pool. The daemon gives the
+    group's own free, which defers a page while a copy still reads or writes it (a session's
+    copy queued before it published the page must not land in the page's next owner's data);
+    without it, straight to the allocator.
+    """
+
+    def __init__(self, group: HostPoolGroup, free_pages: FreePages | None = None) -> None:
+        self._free_pages = free_pages
         entries = group.entries
         if not entries:
             raise InvalidArgument("the host pool group has no pools")
@@ -51,6 +61,13 @@ class GroupView:
         self.page_size = group.anchor.host_pool.page_size
         # Bytes that one key occupies across every pool (what moves to/from L3).
         self.key_bytes = sum(s.pool.page_bytes for s in self.slots)
+
+    def free(self, column: int, pages: PageArray) -> None:
+        """Give pages of ``column`` the index held back to their pool (see the class docstring)."""
+        if self._free_pages is None:
+            self.allocators[column].free(pages)
+        else:
+            self._free_pages(self.alloc_names[column], pages)
 
     def column(self, pool: str) -> int:
         """The page-tuple column a pool's pages come from (a derived pool maps to its source)."""

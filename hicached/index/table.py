@@ -264,10 +264,10 @@ class EntryTable:
             assert not entry.freed, f"entry {entry.key!r} freed twice"
             entry.freed = True
             self._held.pop(id(entry), None)
-        for col, (allocator, owned) in enumerate(zip(self._view.allocators, self._owned, strict=True)):
+        for col, owned in enumerate(self._owned):
             pages = np.fromiter((e.pages[col] for e in entries), dtype=np.int64, count=len(entries))
             owned[pages] = False
-            allocator.free(pages)
+            self._view.free(col, pages)
 
     def release(self, entries: Sequence[Entry]) -> None:
         """Drop the holds :meth:`evict` left on ``entries`` (freeing the detached ones)."""
