@@ -9,12 +9,14 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from hicached_client import (
     AsyncHiCacheClient,
     ClientClosedError,
     HiCacheClient,
+    HiCacheError,
     Session,
     Transfer,
     WorkerIdentity,
@@ -32,6 +34,9 @@ NOT_INTEGERS = {
     "int-and-bool": [1, True],
     "bool-array": np.array([True]),
     "past-int64": np.array([2**63], dtype=np.uint64),
+    "numpy-bool-in-list": [np.True_, 1],
+    "list-past-int64": [-1, 2**63],
+    "list-past-uint64": [2**64],
 }
 
 
@@ -122,3 +127,37 @@ def test_closing_an_async_client_under_a_lane_op_fails_the_op_as_closed(pools: W
 
     with fake_l3_daemon() as (daemon, fake):
         asyncio.run(main(daemon, fake))
+
+
+def test_closing_a_lane_right_after_an_op_was_sent_fails_the_op_at_once(pools: WorkerPools) -> None:
+    """Fails before (a review of stop 47): an op sent but not yet waiting (its wait registers a
+    moment later, on the loop) was not woken by the close, which then waited for the op to
+    end on its own (its whole timeout, 8 s here; for ever without one)."""
+
+    async def main(daemon: Daemon, fake: FakeRedis) -> None:
+        client = AsyncHiCacheClient(daemon.target, timeout_s=30.0, fast_lane=True)
+        session = await _attach(client, pools)
+        await session.lookup([uuid.uuid4().hex])  # opens the lane
+        lane = session._slot._lane
+        assert lane is not None
+        fake.hang()
+        sent = lane.lane._tail
+        op = asyncio.create_task(lane.get_pages([uuid.uuid4().hex], _both([1]), include_l3=True, timeout_s=8))
+        for _ in range(10_000):  # loop turns, no clock: until the record is in the ring
+            if lane.lane._tail > sent:
+                break
+            await asyncio.sleep(0)
+        assert lane.lane._tail > sent and lane._woke is None, "sent, not yet waiting"
+        await lane.close()  # directly: a task around it would let the op's wait register first
+        done, _ = await asyncio.wait([op], timeout=4)
+        assert done and isinstance(op.exception(), HiCacheError), op
+        # Before: the close waited out the op's 8 s and the op ended DEADLINE_EXCEEDED.
+        assert op.exception().code == grpc.StatusCode.UNAVAILABLE  # type: ignore[union-attr]
+        await client.close()
+
+    with fake_l3_daemon() as (daemon, fake):
+        asyncio.run(main(daemon, fake))
+
+
+def _both(pages: list[int]) -> list[Transfer]:
+    return [Transfer("kv", pages), Transfer("draft", pages)]

@@ -153,26 +153,44 @@ def _wire(transfers: Sequence[Transfer]) -> tuple[w.WireTransfer, ...]:
 def wire_indices(values: PageIndices, what: str) -> np.ndarray:
     """``values`` as a record's int64 page indices, refused where gRPC's conversion refuses them:
     a float or bool is a TypeError, an integer past int64 a ValueError (a cast would copy other
-    pages than the caller named, or wrap to a negative index)."""
-    if isinstance(values, np.ndarray):
-        array = values
-    else:
-        listed = indices(values, what)
-        if any(type(v) is bool for v in listed):  # numpy would take True as 1; protobuf refuses it
-            raise TypeError(f"{what} must be integers, got a bool")
-        array = np.asarray(listed)
+    pages than the caller named, or wrap to a negative index). An integer array (numpy, or a
+    CPU tensor) is taken as it is, without a copy; a list is checked element by element."""
+    array = _integer_array(values, what)
+    if array is None:
+        listed = values if type(values) is list else indices(values, what)  # refuses a str...
+        kinds = set(map(type, listed))
+        if kinds - _INT and any(k is bool or k is np.bool_ or not hasattr(k, "__index__") for k in kinds):
+            names = sorted(k.__name__ for k in kinds)
+            raise TypeError(f"{what} must be integers, got {', '.join(names)} values")
+        try:
+            array = np.asarray(listed, dtype=np.int64)
+        except OverflowError:
+            raise ValueError(f"{what}: a page index is past the largest ({_INT64_MAX})") from None
     if array.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got an array with ndim={array.ndim}")
-    if array.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if array.dtype.kind not in "iu":
-        raise TypeError(f"{what} must be integers, got {array.dtype} values")
-    if array.dtype.kind == "u" and int(array.max()) > _INT64_MAX:
+    if array.dtype.kind == "u" and array.size and int(array.max()) > _INT64_MAX:
         raise ValueError(f"{what}: {int(array.max())} is past the largest page index ({_INT64_MAX})")
     return array.astype(np.int64, copy=False)
 
 
+def _integer_array(values: PageIndices, what: str) -> np.ndarray | None:
+    """``values`` as an integer numpy array when it is an array of integers (no copy); an array
+    of floats or bools is a TypeError; None for anything else (a list: checked element-wise)."""
+    if not hasattr(values, "__array__") or isinstance(values, (list, tuple)):
+        return None
+    try:
+        array = np.asarray(values)
+    except (TypeError, RuntimeError):  # e.g. a CUDA tensor: element by element, as gRPC does
+        return None
+    if array.dtype.kind in "iu":
+        return array
+    if array.dtype.kind in "bfc":
+        raise TypeError(f"{what} must be integers, got an array of {array.dtype}")
+    return None  # an object array: element by element
+
+
 _INT64_MAX = int(np.iinfo(np.int64).max)
+_INT = {int}
 
 
 def request(

@@ -42,6 +42,7 @@ class AsyncFastLane:
         self.lane = lane
         self._lock = asyncio.Lock()
         self._woke: asyncio.Future[int] | None = None  # the wait of the op under way, if any
+        self._closing = False  # set by close(): an op not yet waiting fails before it waits
 
     @classmethod
     async def open(cls, session: Any, *, timeout_s: float = 5.0) -> AsyncFastLane:
@@ -52,6 +53,7 @@ class AsyncFastLane:
         """As :meth:`FastLane.close`. An op waiting for its completion is woken and fails UNAVAILABLE
         first, so no op touches the lane's descriptors once they are closed (their numbers
         may be another file's by then)."""
+        self._closing = True  # one loop: an op either sees this before it waits, or is woken
         if self._woke is not None and not self._woke.done():
             self._woke.set_result(_CLOSING)
         async with self._lock:
@@ -177,6 +179,8 @@ class AsyncFastLane:
             loop.add_reader(done_fd, wake, done_fd)
             loop.add_reader(conn_fd, wake, conn_fd)
             self._woke = woke
+            if self._closing:
+                woke.set_result(_CLOSING)
             try:
                 fd = await woke
             finally:
