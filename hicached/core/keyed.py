@@ -356,18 +356,19 @@ class KeyedCache:
         bytes) of each, every pool of each key)."""
         session, state, index, keys = self._scoped(session_id, keys)
         tenant = session.worker.tenant
-        if include_l3:
-            index.fetch_into_l2(keys, tenant=tenant)
-        pin = index.pin(keys)
-        try:
-            out = []
-            for i, key in enumerate(pin.keys):
-                for pool, arr in pin.pages.items():
-                    data = state.pool(pool).get_page_flat(int(arr[i])).numpy().tobytes()
-                    out.append((client_key(key), pool, data))
-            return len(pin.keys), out
-        finally:
-            index.unpin(pin)
+        with session.operation():  # it reads the pools: a teardown (and a group retire) waits
+            if include_l3:
+                index.fetch_into_l2(keys, tenant=tenant)
+            pin = index.pin(keys)
+            try:
+                out = []
+                for i, key in enumerate(pin.keys):
+                    for pool, arr in pin.pages.items():
+                        data = state.pool(pool).get_page_flat(int(arr[i])).numpy().tobytes()
+                        out.append((client_key(key), pool, data))
+                return len(pin.keys), out
+            finally:
+                index.unpin(pin)
 
     # --------------------------------------------------------- prefetch/backup
 
