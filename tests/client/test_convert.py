@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -15,6 +17,8 @@ from hicached_client import (
     PoolKind,
     RetryPolicy,
     TokenChain,
+    WorkerIdentity,
+    _calls,
     default_target,
     pool_spec,
 )
@@ -209,3 +213,22 @@ class _LegacyCall(_FakeCall):
 
 def test_the_hint_of_an_older_daemon_is_still_read() -> None:
     assert from_rpc_error(_LegacyCall(), "Alloc").retry_after_ms == 75
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda: _calls.alloc("s", "o", "kv", -1), "num_pages = -1"),
+        (lambda: _calls.alloc("s", "o", "kv", 1.5), "num_pages = 1.5"),
+        (lambda: _calls.attach("o", WorkerIdentity("w", -1, "m"), [], 0), "generation = -1"),
+        (lambda: _calls.attach("o", WorkerIdentity("w", 1, "m", tp_rank=-2), [], 0), "tp_rank = -2"),
+        (lambda: _calls.attach("o", WorkerIdentity("w", 1, "m"), [], -5), "lease_ms = -5"),
+    ],
+)
+def test_a_value_protobuf_refuses_is_named_before_anything_is_sent(
+    build: Callable[[], object], named: str
+) -> None:
+    """Fails before (a review of stop 47): protobuf's own words ("Value out of range: -1")
+    named no argument, where the client's checks promise to name it."""
+    with pytest.raises((TypeError, ValueError), match=re.escape(named)):
+        build()

@@ -104,7 +104,8 @@ def attach(
     handoff_ticket: str = "",
     join_only: bool = False,
 ) -> Call[AttachResult]:
-    req = pb.AttachRequest(
+    req = cv.message(
+        pb.AttachRequest,
         op_id=op_id,
         identity=cv.identity_to_wire(identity),
         pools=list(pools),
@@ -131,7 +132,7 @@ def heartbeat(session_id: str) -> Call[int]:
 
 
 def alloc(session_id: str, op_id: str, pool: str, num_pages: int) -> Call[AllocResult]:
-    req = pb.AllocRequest(session_id=session_id, op_id=op_id, pool=pool, num_pages=num_pages)
+    req = cv.message(pb.AllocRequest, session_id=session_id, op_id=op_id, pool=pool, num_pages=num_pages)
     return Call("Alloc", req, cv.alloc_result)
 
 
@@ -314,7 +315,8 @@ def get_pages(
 def prefetch(
     session_id: str, op_id: str, *, keys: Keys, policy: PrefetchPolicy | str, timeout_ms: int, tenant: str
 ) -> Call[PrefetchTicket]:
-    req = pb.PrefetchRequest(
+    req = cv.message(
+        pb.PrefetchRequest,
         session_id=session_id,
         op_id=op_id,
         keys=cv.keys_to_wire(keys, tenant),

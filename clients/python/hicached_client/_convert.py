@@ -6,7 +6,7 @@ Pure functions, no I/O; thread-safe. Inputs are copied into fresh messages
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from hicached_client import vocab
@@ -50,6 +50,7 @@ from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
 
 E = TypeVar("E")
+M = TypeVar("M")
 
 # Re-exported for specs.py and the tests (one table each, defined in vocab).
 DATA_TYPES = vocab.DATA_TYPES
@@ -148,8 +149,23 @@ def keys_to_wire(keys: Keys, tenant: str = "") -> tpb.KeySource:
     return tpb.KeySource(keys=tpb.PageKeys(keys=list(keys)), tenant=tenant)
 
 
+def message(cls: Callable[..., M], **fields: Any) -> M:
+    """``cls(**fields)``; a field protobuf refuses (a negative count, a float for an integer)
+    is named in the error, as the client's own checks name their argument."""
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as exc:
+        for name, value in fields.items():
+            try:
+                cls(**{name: value})
+            except (TypeError, ValueError):
+                raise type(exc)(f"{name} = {value!r:.40}: {exc}") from None
+        raise
+
+
 def identity_to_wire(identity: WorkerIdentity) -> tpb.WorkerIdentity:
-    return tpb.WorkerIdentity(
+    return message(
+        tpb.WorkerIdentity,
         instance_id=identity.instance_id,
         generation=identity.generation,
         model_name=identity.model_name,
