@@ -78,14 +78,19 @@ def check_transfers(
 
 
 def check_batch_pages(transfers: Sequence[PoolTransfer], max_batch_pages: int) -> None:
-    """InvalidArgument when the transfers' device pages together exceed ``max_batch_pages``:
-    O(transfers), so a servicer may refuse an oversized request before it queues anywhere."""
-    total = sum(0 if t.device_indices is None else len(t.device_indices) for t in transfers)
+    """InvalidArgument when the transfers' pages (device, or host where there are more)
+    together exceed ``max_batch_pages``: O(transfers). The servicer counts the same in the
+    request before converting it (``server.convert.transfers_in``)."""
+    total = sum(max(_count(t.device_indices), _count(t.host_indices)) for t in transfers)
     if total > max_batch_pages:
         raise InvalidArgument(
             f"batch of {total} pages exceeds server.max_batch_pages={max_batch_pages}; "
             "split it into several calls"
         )
+
+
+def _count(pages: np.ndarray | None) -> int:
+    return 0 if pages is None else len(pages)
 
 
 def known_pool(state: GroupState, name: str) -> None:

@@ -177,12 +177,25 @@ def transfer_in(t: tpb.PoolTransfer) -> PoolTransfer:
     )
 
 
-def transfers_in(transfers: Sequence[tpb.PoolTransfer], *, max_pools: int) -> list[PoolTransfer]:
+def transfers_in(
+    transfers: Sequence[tpb.PoolTransfer], *, max_pools: int, max_pages: int
+) -> list[PoolTransfer]:
     """A request's transfers, converted on the event loop (~4 us each): first refused when there
     are more than pools a group may have (a batch names each pool at most once), so that one
-    request of a million empty transfers cannot hold the loop for seconds."""
+    request of a million empty transfers cannot hold the loop for seconds, or more pages than
+    ``server.max_batch_pages`` (device or host: a host-only list of 8 M page numbers fits in
+    8 MiB, and its checks took the loop ~0.25 s)."""
     check_transfer_count(len(transfers), max_pools)
+    check_page_count(sum(max(len(t.device_pages), len(t.host_pages)) for t in transfers), max_pages)
     return [transfer_in(t) for t in transfers]
+
+
+def check_page_count(count: int, max_pages: int) -> None:
+    """InvalidArgument for more pages in one request than ``server.max_batch_pages``."""
+    if count > max_pages:
+        raise InvalidArgument(
+            f"batch of {count} pages exceeds server.max_batch_pages={max_pages}; split it into several calls"
+        )
 
 
 def check_transfer_count(count: int, max_pools: int) -> None:
@@ -194,10 +207,11 @@ def check_transfer_count(count: int, max_pools: int) -> None:
         )
 
 
-def batch_in(batch: tpb.TransferBatch, anchor: str, *, max_pools: int) -> list[PoolTransfer]:
+def batch_in(batch: tpb.TransferBatch, anchor: str, *, max_pools: int, max_pages: int) -> list[PoolTransfer]:
     """Transfers of a batch (:func:`transfers_in`); the primary pages become the anchor pool's
     transfer."""
-    out = transfers_in(batch.transfers, max_pools=max_pools)
+    primary = max(len(batch.primary_device_pages), len(batch.primary_host_pages))
+    out = transfers_in(batch.transfers, max_pools=max_pools, max_pages=max_pages - primary)
     if len(batch.primary_device_pages) or len(batch.primary_host_pages):
         if any(t.name == anchor for t in out):
             raise InvalidArgument(

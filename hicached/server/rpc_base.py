@@ -91,14 +91,23 @@ class ServicerBase:
     def batch_in(self, batch: tpb.TransferBatch, session_id: str) -> list[PoolTransfer]:
         """A request's batch as the core takes it (:func:`convert.batch_in`, bounded), each
         pool name within ``limits.max_identity_bytes``."""
-        out = convert.batch_in(batch, self.anchor(session_id), max_pools=self.limits.max_pools_per_attach)
+        out = convert.batch_in(
+            batch,
+            self.anchor(session_id),
+            max_pools=self.limits.max_pools_per_attach,
+            max_pages=self.core.config.server.max_batch_pages,
+        )
         check_pool_names("transfers", (t.name for t in out), self.limits)
         return out
 
     def transfers_in(self, transfers: Sequence[tpb.PoolTransfer]) -> list[PoolTransfer]:
         """A request's list of transfers (:func:`convert.transfers_in`, bounded), each pool
         name within ``limits.max_identity_bytes``."""
-        out = convert.transfers_in(transfers, max_pools=self.limits.max_pools_per_attach)
+        out = convert.transfers_in(
+            transfers,
+            max_pools=self.limits.max_pools_per_attach,
+            max_pages=self.core.config.server.max_batch_pages,
+        )
         check_pool_names("transfers", (t.name for t in out), self.limits)
         return out
 

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Callable
 
 from hicached_client.v1 import hicached_pb2 as pb
 
-from hicached.core.checks import check_batch_pages
 from hicached.core.types import Ack
 from hicached.errors import HiCacheError
 from hicached.server import convert
@@ -62,6 +61,7 @@ class PageRpcs(ServicerBase):
         return pb.AllocResponse(ok=True, host_pages=pages.tolist())
 
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
+        convert.check_page_count(len(request.host_pages), self.core.config.server.max_batch_pages)
         freed = await self.offload(
             "Free",
             self.core.free,
@@ -77,7 +77,6 @@ class PageRpcs(ServicerBase):
         self, request: pb.ResolveTransfersRequest, context: Ctx
     ) -> pb.ResolveTransfersResponse:
         transfers = self.batch_in(request.batch, request.session_id)
-        check_batch_pages(transfers, self.core.config.server.max_batch_pages)  # before any lane
         pages = max((0 if t.device_indices is None else len(t.device_indices) for t in transfers), default=0)
         result = await self.offload(
             "ResolveTransfers",

@@ -34,7 +34,7 @@ from hicached_client.v1 import types_pb2 as tpb
 
 from tests.robustness.loop_support import PAGE_BYTES, FakeRedis, attach_bytes, byte_spec, raw_unary
 from tests.robustness.state_support import device_pools, no_retry_client, specs
-from tests.support.daemon import Daemon, start_daemon
+from tests.support.daemon import MAX_BATCH_PAGES, Daemon, start_daemon
 from tests.support.state import fd_links, proc_bytes, state
 
 C = grpc.StatusCode
@@ -63,6 +63,25 @@ def refused(call: object, code: grpc.StatusCode, key: str) -> HiCacheError:
     assert key in err.value.message, err.value.message
     assert len(err.value.message) < 400, len(err.value.message)
     return err.value
+
+
+@pytest.mark.parametrize("rpc", ["Free", "ReleaseTransfers"])
+def test_host_page_lists_past_max_batch_pages_are_refused_before_they_are_checked(
+    daemon: Daemon, admin: HiCacheClient, session: Session, rpc: str
+) -> None:
+    """Fails before (a review of stop 47): server.max_batch_pages counted device pages only, so
+    a Free (or a host-only ReleaseTransfers) of 8 M repeated page numbers (under 8 MiB) was
+    converted and sorted on the event loop before its refusal: ~0.45 s a request, and eight
+    sessions sending them in a loop held every other client's heartbeat for up to 5 s. Now
+    the count is refused first, naming the key, and nothing changes."""
+    over = [0] * (MAX_BATCH_PAGES + 1)  # repeated: the duplicate check would have sorted them
+    before = state(admin)
+    if rpc == "Free":
+        refused(lambda: session.free("kv", over), C.INVALID_ARGUMENT, "server.max_batch_pages")
+    else:
+        given = [Transfer("kv", [], over, host_allocated=True)]
+        refused(lambda: session.release_transfers(given), C.INVALID_ARGUMENT, "server.max_batch_pages")
+    assert state(admin) == before
 
 
 def test_get_bytes_of_one_key_3000_times_is_refused_before_building_the_answer(
