@@ -178,15 +178,16 @@ def transfer_in(t: tpb.PoolTransfer) -> PoolTransfer:
 
 
 def transfers_in(
-    transfers: Sequence[tpb.PoolTransfer], *, max_pools: int, max_pages: int
+    transfers: Sequence[tpb.PoolTransfer], *, max_pools: int, max_pages: int, more_pages: int = 0
 ) -> list[PoolTransfer]:
     """A request's transfers, converted on the event loop (~4 us each): first refused when there
     are more than pools a group may have (a batch names each pool at most once), so that one
     request of a million empty transfers cannot hold the loop for seconds, or more pages than
     ``server.max_batch_pages`` (device or host: a host-only list of 8 M page numbers fits in
-    8 MiB, and its checks took the loop ~0.25 s)."""
+    8 MiB, and its checks took the loop ~0.25 s); ``more_pages``: the request's others."""
     check_transfer_count(len(transfers), max_pools)
-    check_page_count(sum(max(len(t.device_pages), len(t.host_pages)) for t in transfers), max_pages)
+    pages = sum(max(len(t.device_pages), len(t.host_pages)) for t in transfers)
+    check_page_count(more_pages + pages, max_pages)
     return [transfer_in(t) for t in transfers]
 
 
@@ -211,7 +212,7 @@ def batch_in(batch: tpb.TransferBatch, anchor: str, *, max_pools: int, max_pages
     """Transfers of a batch (:func:`transfers_in`); the primary pages become the anchor pool's
     transfer."""
     primary = max(len(batch.primary_device_pages), len(batch.primary_host_pages))
-    out = transfers_in(batch.transfers, max_pools=max_pools, max_pages=max_pages - primary)
+    out = transfers_in(batch.transfers, max_pools=max_pools, max_pages=max_pages, more_pages=primary)
     if len(batch.primary_device_pages) or len(batch.primary_host_pages):
         if any(t.name == anchor for t in out):
             raise InvalidArgument(

@@ -232,3 +232,10 @@ def test_a_value_protobuf_refuses_is_named_before_anything_is_sent(
     named no argument, where the client's checks promise to name it."""
     with pytest.raises((TypeError, ValueError), match=re.escape(named)):
         build()
+
+
+def test_a_string_protobuf_cannot_encode_keeps_its_own_error() -> None:
+    """Fails before (a review of this stop's change): re-raising a UnicodeEncodeError with a
+    message of its own raised TypeError ("takes exactly 5 arguments") instead."""
+    with pytest.raises(UnicodeEncodeError):
+        _calls.alloc("s", "o", "\ud800", 1)

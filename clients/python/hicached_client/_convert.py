@@ -155,6 +155,8 @@ def message(cls: Callable[..., M], **fields: Any) -> M:
     try:
         return cls(**fields)
     except (TypeError, ValueError) as exc:
+        if isinstance(exc, UnicodeError):  # names its string already; takes no message alone
+            raise
         for name, value in fields.items():
             try:
                 cls(**{name: value})
