@@ -88,6 +88,10 @@ def test_a_daemon_restart_is_survived_by_attaching_again() -> None:
                 lost = kv.session
                 assert first.stop() == 0
                 second = launch(*args, workdir=workdir, socket=socket, owns_workdir=False)
+                # A heartbeat that met the socket gone left the channel in its reconnect backoff,
+                # where a call fails UNAVAILABLE at once: wait until it has reconnected (what is
+                # tested here is the answer of the new daemon, not the channel's backoff).
+                client.wait_ready(30.0)
                 try:
                     with pytest.raises(HiCacheError) as err:  # host memory of the lost session
                         kv.resume(retracted)

@@ -196,13 +196,15 @@ def test_sessions_per_peer_are_limited(daemon: Daemon, admin: HiCacheClient) -> 
     with HiCacheClient(daemon.target, timeout_s=30.0) as client:
         try:
             live = len(admin.get_stats().sessions)  # the module's own session counts too
+            # A lease as long as the module session's: 255 attaches without heartbeats outlasted
+            # the 1.5 s default lease on a loaded machine, and the first sessions expired.
             for _ in range(256 - live):
-                held.append(attach_bytes(client, MODEL))
+                held.append(attach_bytes(client, MODEL, lease_ms=300_000))
             before = state(admin)
             refused(lambda: attach_bytes(client, MODEL), C.RESOURCE_EXHAUSTED, "limits.max_sessions_per_peer")
             assert state(admin) == before
             held.pop().detach()
-            held.append(attach_bytes(client, MODEL))  # a detach makes room again
+            held.append(attach_bytes(client, MODEL, lease_ms=300_000))  # a detach makes room again
         finally:
             for s in held:
                 s.detach()
