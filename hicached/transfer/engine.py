@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -54,19 +54,34 @@ class CopyResult:
     seconds: float
 
 
-@dataclass(eq=False)
 class _Job:
-    plan: CopyPlan
-    priority: Priority
-    owner: str
-    on_layer: Callable[[int], None] | None
-    ready: Callable[[], None] | None
-    cancel: threading.Event | None
-    seq: int
-    future: Future[CopyResult] = field(default_factory=Future)
-    # Set by cancel_owner()/close() to stop a running job at its next layer.
-    stop: threading.Event = field(default_factory=threading.Event)
-    stop_error: Exception | None = None
+    """One copy. ``future``: a queued job's (a copy run on its caller's thread has none: a
+    Future and its condition cost more than planning a small copy). ``stop_error``: set by
+    cancel_owner()/close() to stop a running job at its next layer (read without the lock:
+    one attribute store)."""
+
+    __slots__ = ("cancel", "future", "on_layer", "owner", "plan", "priority", "ready", "seq", "stop_error")
+
+    def __init__(
+        self,
+        plan: CopyPlan,
+        priority: Priority,
+        owner: str,
+        on_layer: Callable[[int], None] | None,
+        ready: Callable[[], None] | None,
+        cancel: threading.Event | None,
+        seq: int,
+        future: Future[CopyResult] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.priority = priority
+        self.owner = owner
+        self.on_layer = on_layer
+        self.ready = ready
+        self.cancel = cancel
+        self.seq = seq
+        self.future = future
+        self.stop_error: Exception | None = None
 
 
 class _FairQueue:
@@ -198,11 +213,12 @@ class CopyEngine:
                     f"limit of {self._max_queued_bytes}",
                     retry_after_ms=retry_ms,
                 )
-            job = _Job(plan, priority, owner, on_layer, ready, cancel, next(self._seq))
+            future: Future[CopyResult] = Future()
+            job = _Job(plan, priority, owner, on_layer, ready, cancel, next(self._seq), future)
             self._queues[priority].push(job)
             self._queued_bytes += plan.nbytes
             self._cv.notify()
-        return job.future
+        return future
 
     def run(
         self,
@@ -238,7 +254,7 @@ class CopyEngine:
         if ctx is None:
             ctx = CopyContext(helpers=self._helpers, parallelism=self._parallelism)
         try:
-            self._run(job, ctx)
+            outcome = self._run(job, ctx)
         finally:
             with self._cv:
                 self._running.discard(job)
@@ -248,16 +264,17 @@ class CopyEngine:
                 self._wake_for_queued()
             if closed:
                 ctx.close()
-        future = job.future
-        del job  # it holds the future, and stop_error: the error raised below (see finally)
-        try:
-            return future.result()
-        finally:
             # A failed copy's error keeps this frame in its traceback: were the frame to keep
-            # the error too (through the future or the job), the two would form a cycle that
-            # holds the plan -- the session's device views, and so its mappings -- and the
-            # caller's frames until the cyclic collector runs, long after the session ended.
-            del future
+            # the error too (the job holds stop_error), the two would form a cycle that holds
+            # the plan -- the session's device views, and so its mappings -- and the caller's
+            # frames until the cyclic collector runs, long after the session ended.
+            del job
+        if isinstance(outcome, BaseException):
+            try:
+                raise outcome
+            finally:
+                del outcome
+        return outcome
 
     def cancel_owner(self, owner: str) -> int:
         """Cancel every queued job of ``owner`` (its session ended) and stop its running ones.
@@ -272,7 +289,6 @@ class CopyEngine:
             for job in self._running:
                 if job.owner == owner:
                     job.stop_error = err
-                    job.stop.set()
         for job in dropped:
             _fail(job, err)
         return len(dropped)
@@ -299,7 +315,6 @@ class CopyEngine:
             self._queued_bytes = 0
             for job in self._running:
                 job.stop_error = err
-                job.stop.set()
             self._cv.notify_all()
             idle, self._contexts = self._contexts, []
         for ctx in idle:
@@ -351,7 +366,7 @@ class CopyEngine:
         try:
             while (job := self._next_job()) is not None:
                 try:
-                    self._run(job, ctx)
+                    self._serve(job, ctx)
                 finally:
                     with self._cv:
                         self._running.discard(job)
@@ -362,41 +377,52 @@ class CopyEngine:
         finally:
             ctx.close()
 
-    def _run(self, job: _Job, ctx: CopyContext) -> None:
-        if not job.future.set_running_or_notify_cancel():
+    def _serve(self, job: _Job, ctx: CopyContext) -> None:
+        """A worker thread's copy of a queued job: its outcome goes to the job's future."""
+        future = job.future
+        assert future is not None  # every queued job has one (submit)
+        if not future.set_running_or_notify_cancel():
             return
+        outcome = self._run(job, ctx)
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+            if not isinstance(outcome, Exception):
+                raise outcome
+        else:
+            future.set_result(outcome)
+
+    def _run(self, job: _Job, ctx: CopyContext) -> CopyResult | BaseException:
+        """Copy ``job``'s plan; the error that stopped it is returned, not raised (the caller
+        reports it: to the waiting caller, or through the future)."""
         start = time.perf_counter()
         try:
             self._check_stop(job)
             if job.ready is not None:
                 job.ready()
-            for layers, copies in _batches(job.plan, merge=job.on_layer is None):
+            for layers, copies, nbytes in _batches(job.plan, merge=job.on_layer is None):
                 self._check_stop(job)
-                run_copies(copies, ctx)
+                run_copies(copies, ctx, nbytes=nbytes)
                 ctx.flush()
                 if job.on_layer is not None:
                     for layer in layers:
                         job.on_layer(layer)
         except BaseException as exc:
-            ctx.settle()  # copies already issued must end before the future reports
+            ctx.settle()  # copies already issued must end before the caller hears of it
             if isinstance(exc, Cancelled | Unavailable):
                 # Expected, and its traceback would hold this frame, the job and its callbacks
                 # (a lane's on_layer, which maps its ring) in a cycle until the collector runs.
                 exc.__traceback__ = None
-            job.future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            if not isinstance(exc, Cancelled | Unavailable):
+            elif isinstance(exc, Exception):
                 log.warning("copy of %s (%d bytes) failed: %s", job.owner, job.plan.nbytes, exc)
-            return
+            return exc
         seconds = time.perf_counter() - start
         self._observe(job.plan.nbytes, seconds)
-        job.future.set_result(CopyResult(nbytes=job.plan.nbytes, seconds=seconds))
+        return CopyResult(nbytes=job.plan.nbytes, seconds=seconds)
 
     @staticmethod
     def _check_stop(job: _Job) -> None:
-        if job.stop.is_set():
-            raise job.stop_error or Cancelled(f"copy of {job.owner!r} cancelled")
+        if job.stop_error is not None:
+            raise job.stop_error
         if job.cancel is not None and job.cancel.is_set():
             raise Cancelled(f"copy of {job.owner!r} cancelled by its caller")
 
@@ -412,19 +438,18 @@ class CopyEngine:
 MERGE_BYTES = 64 << 20
 
 
-def _batches(plan: CopyPlan, *, merge: bool) -> list[tuple[list[int], list[PageCopy]]]:
-    """(layers, copies) to run in order: one per step, or merged steps when ``merge``."""
-    out: list[tuple[list[int], list[PageCopy]]] = []
-    size = 0
+def _batches(plan: CopyPlan, *, merge: bool) -> list[tuple[list[int], list[PageCopy], int]]:
+    """(layers, copies, bytes) to run in order: one per step, or merged steps when ``merge``."""
+    out: list[tuple[list[int], list[PageCopy], int]] = []
     for step in plan.steps:
-        nbytes = sum(c.nbytes for c in step.copies)
-        if merge and out and size + nbytes <= MERGE_BYTES:
-            out[-1][0].append(step.layer)
-            out[-1][1].extend(step.copies)
-            size += nbytes
+        nbytes = step.nbytes if step.nbytes is not None else sum(c.nbytes for c in step.copies)
+        if merge and out and out[-1][2] + nbytes <= MERGE_BYTES:
+            layers, copies, size = out[-1]
+            layers.append(step.layer)
+            copies.extend(step.copies)
+            out[-1] = (layers, copies, size + nbytes)
         else:
-            out.append(([step.layer], list(step.copies)))
-            size = nbytes
+            out.append(([step.layer], list(step.copies), nbytes))
     return out
 
 
@@ -441,5 +466,6 @@ def _check_args(priority: Priority, owner: str) -> Priority:
 
 
 def _fail(job: _Job, err: Exception) -> None:
-    if job.future.set_running_or_notify_cancel():
+    """A queued job (it has a future) that will not run."""
+    if job.future is not None and job.future.set_running_or_notify_cancel():
         job.future.set_exception(err)

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ import torch
 from hicached.errors import InvalidArgument, OutOfRange, clip
 from hicached.page_arrays import SMALL_BATCH, ascending
 from hicached.transfer.handles import Medium, medium_of
-from hicached.transfer.words import matched_rows
+from hicached.transfer.words import CopyRows, copy_rows
 
 TAIL_LAYER = -1  # global layer id of pool layers after the last mapped one (draft layers)
 
@@ -82,9 +82,11 @@ class Direction(enum.StrEnum):
     H2D = "h2d"
 
 
-@dataclass(frozen=True)
-class PageCopy:
-    """Copy ``src[src_pages[i]]`` to ``dst[dst_pages[i]]``; src/dst are shaped (pages, ...)."""
+class PageCopy(NamedTuple):
+    """Copy ``src[src_pages[i]]`` to ``dst[dst_pages[i]]``; src/dst are shaped (pages, ...).
+
+    A tuple, as :class:`LayerStep`: the planner makes one per layer and K/V of every copy
+    (64 for a 32-layer model), and a frozen dataclass costs several times more to build."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -92,23 +94,24 @@ class PageCopy:
     dst_pages: np.ndarray
     # (src, dst) as matched word rows (hicached.transfer.words), when the planner had them
     # cached; the CPU route computes them otherwise.
-    rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    rows: CopyRows | None = None
     # Bytes of one page of src, when the planner had them cached (a tensor's shape and
     # element size cost ~1 us each to read: a few percent of a one-page Write).
-    page_bytes: int | None = field(default=None, compare=False, repr=False)
+    page_bytes: int | None = None
 
-    @functools.cached_property
-    def nbytes(self) -> int:  # read by the plan, the engine and the split: computed once
+    @property
+    def nbytes(self) -> int:
         page = self.page_bytes if self.page_bytes is not None else page_nbytes(self.src)
         return len(self.src_pages) * page
 
 
-@dataclass(frozen=True)
-class LayerStep:
-    """Copies of one global layer (or of the tail, layer -1), done before it is reported."""
+class LayerStep(NamedTuple):
+    """Copies of one global layer (or of the tail, layer -1), done before it is reported;
+    ``nbytes``: their bytes, where the planner counted them (None: count them)."""
 
     layer: int
     copies: tuple[PageCopy, ...]
+    nbytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ def page_nbytes(pages: torch.Tensor) -> int:
 
 Item = tuple[DevicePoolView, HostPoolLike, np.ndarray, np.ndarray]
 Layers = list[tuple[int, torch.Tensor, torch.Tensor]]
-Rows = list[tuple[torch.Tensor, torch.Tensor] | None]
+Rows = list[CopyRows | None]
 
 
 @dataclass
@@ -166,6 +169,7 @@ def build_plan(direction: Direction, items: Sequence[Item], *, cache: LayerCache
     if type(direction) is not Direction:
         direction = Direction(direction)
     by_layer: dict[int, list[PageCopy]] = {}
+    bytes_by_layer: dict[int, int] = {}
     tokens: dict[str, int] = {}
     nbytes_by_pool: dict[str, int] = {}
     for item in items:
@@ -204,12 +208,13 @@ def build_plan(direction: Direction, items: Sequence[Item], *, cache: LayerCache
                     if direction is Direction.D2H
                     else (host_t, dev, host_pages, dev_pages)
                 )
-                copy = PageCopy(src=src, dst=dst, src_pages=sp, dst_pages=dp, rows=pair, page_bytes=page)
-                pool_bytes += copy.nbytes
-                by_layer.setdefault(layer_id, []).append(copy)
+                nbytes = len(sp) * page
+                pool_bytes += nbytes
+                by_layer.setdefault(layer_id, []).append(PageCopy(src, dst, sp, dp, pair, page))
+                bytes_by_layer[layer_id] = bytes_by_layer.get(layer_id, 0) + nbytes
         nbytes_by_pool[view.name] = pool_bytes
     order = sorted(by_layer, key=lambda layer: (layer == TAIL_LAYER, layer))
-    steps = tuple(LayerStep(layer=layer, copies=tuple(by_layer[layer])) for layer in order)
+    steps = tuple(LayerStep(layer, tuple(by_layer[layer]), bytes_by_layer[layer]) for layer in order)
     return CopyPlan(
         direction=direction,
         steps=steps,
@@ -227,7 +232,7 @@ def _rows(checked: CheckedPool, direction: Direction) -> Rows:
         for _, dev, host_t in checked.layers:
             src, dst = (dev, host_t) if direction is Direction.D2H else (host_t, dev)
             cpu = medium_of(src) is Medium.CPU and medium_of(dst) is Medium.CPU
-            rows.append(matched_rows(src, dst) if cpu else None)
+            rows.append(copy_rows(src, dst) if cpu else None)
         checked.rows[direction] = rows
     return rows
 

@@ -34,7 +34,7 @@ from hicached.page_arrays import SMALL_BATCH
 from hicached.transfer.handles import Medium, medium_of
 from hicached.transfer.plan import PageCopy
 from hicached.transfer.runs import Run, clip, few_runs
-from hicached.transfer.words import matched_rows
+from hicached.transfer.words import NUMPY_WORDS, CopyRows, copy_rows
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def run_copy(copy: PageCopy, ctx: CopyContext) -> None:
     route(medium_of(copy.src), medium_of(copy.dst))(copy, ctx)
 
 
-def run_copies(copies: Sequence[PageCopy], ctx: CopyContext) -> None:
+def run_copies(copies: Sequence[PageCopy], ctx: CopyContext, *, nbytes: int | None = None) -> None:
     """Perform ``copies``; a large CPU-to-CPU set is shared out across ``ctx.helpers``.
 
     One hand-off per set (a layer, or a whole plan without progress reports) instead of
@@ -170,21 +170,24 @@ def run_copies(copies: Sequence[PageCopy], ctx: CopyContext) -> None:
     (:func:`_parts`), so a helper that wakes late or runs on a busier core takes fewer
     of them instead of making the caller wait at the end. A set of long runs (each at
     least MIN_PART_BYTES) under RUNS_INLINE_MAX_BYTES stays on the calling thread, torch
-    splitting each run.
+    splitting each run. ``nbytes``: the copies' bytes, where the caller counted them.
     """
-    threads = 1
+    threads, total = 1, 0
     if ctx.helpers is not None and ctx.parallelism > 1:
-        nbytes = sum(c.nbytes for c in copies)
-        threads = min(ctx.parallelism, nbytes // SPLIT_MIN_BYTES)
+        total = nbytes if nbytes is not None else sum(c.nbytes for c in copies)
+        threads = min(ctx.parallelism, total // SPLIT_MIN_BYTES)
     cpu = threads > 1 and all(
         medium_of(c.src) is Medium.CPU and medium_of(c.dst) is Medium.CPU for c in copies
     )
     if not cpu:
         for c in copies:
-            run_copy(c, ctx)
+            if c.rows is not None:  # planned word rows exist only for CPU pairs: no route lookup
+                copy_cpu_cpu(c, ctx)
+            else:
+                run_copy(c, ctx)
         return
     planned = [_planned(c, ctx) for c in copies if len(c.src_pages)]
-    if nbytes < RUNS_INLINE_MAX_BYTES and all(_long_runs(p) for p in planned):
+    if total < RUNS_INLINE_MAX_BYTES and all(_long_runs(p) for p in planned):
         for p in planned:  # torch splits each run over its own threads
             _copy_range(p.src, p.dst, p.src_pages, p.dst_pages, p.shape, 0, len(p.src_pages), ctx)
         return
@@ -200,6 +203,12 @@ def run_copies(copies: Sequence[PageCopy], ctx: CopyContext) -> None:
         for f in futures:
             f.result()
 
+
+# A copy of runs on both sides up to this size goes through numpy, one slice assignment per
+# run: a torch copy_ call costs ~3 us before its first byte, numpy's ~0.4 us (a copy per
+# layer of every Write: 64 of them for one page of a 32-layer model). Measured on 2 cores,
+# numpy stays ahead up to 256 KiB a run; beyond, torch splits a run over its threads.
+NUMPY_COPY_MAX_BYTES = 256 << 10
 
 # A set is shared out in parts of at least this size: small enough that the last ones
 # even out the threads' finishing times, large enough that a part's Python cost (a few
@@ -230,9 +239,10 @@ class _Planned(NamedTuple):
 
 
 def _planned(copy: PageCopy, ctx: CopyContext) -> _Planned:
-    src, dst, shape = _analysed(copy, ctx)
+    rows, shape = _analysed(copy, ctx)
+    src = rows.src
     row_bytes = math.prod(src.shape[1:]) * src.element_size()
-    return _Planned(src, dst, copy.src_pages, copy.dst_pages, shape, row_bytes)
+    return _Planned(src, rows.dst, copy.src_pages, copy.dst_pages, shape, row_bytes)
 
 
 def _long_runs(p: _Planned) -> bool:
@@ -289,7 +299,9 @@ _SHAPES_MAX = 64
 def _shape_of(
     ctx: CopyContext, sp: np.ndarray, dp: np.ndarray, limits: tuple[int, int], dst_contiguous: bool
 ) -> _Shape:
-    cache = ctx.resources.setdefault("copy_shapes", OrderedDict())
+    cache = ctx.resources.get("copy_shapes")
+    if cache is None:
+        cache = ctx.resources["copy_shapes"] = OrderedDict()
     assert isinstance(cache, OrderedDict)
     key = (id(sp), id(dp), limits, dst_contiguous)
     hit = cache.get(key)
@@ -317,15 +329,19 @@ def copy_cpu_cpu(copy: PageCopy, ctx: CopyContext) -> None:
     n = len(copy.src_pages)
     if n == 0:
         return
-    src, dst, shape = _analysed(copy, ctx)
-    _copy_range(src, dst, copy.src_pages, copy.dst_pages, shape, 0, n, ctx)
+    rows, shape = _analysed(copy, ctx)
+    if shape.both is not None and rows.arrays is not None and copy.nbytes <= NUMPY_COPY_MAX_BYTES:
+        src, dst = rows.arrays
+        for r in shape.both:
+            dst[r.dst : r.dst + r.count] = src[r.src : r.src + r.count]
+        return
+    _copy_range(rows.src, rows.dst, copy.src_pages, copy.dst_pages, shape, 0, n, ctx)
 
 
-def _analysed(copy: PageCopy, ctx: CopyContext) -> tuple[torch.Tensor, torch.Tensor, _Shape]:
+def _analysed(copy: PageCopy, ctx: CopyContext) -> tuple[CopyRows, _Shape]:
     """A copy's (source, destination) word rows and its runs; OutOfRange for a bad page."""
-    src, dst = copy.rows if copy.rows is not None else matched_rows(copy.src, copy.dst)
-    limits = (src.shape[0], dst.shape[0])
-    return src, dst, _shape_of(ctx, copy.src_pages, copy.dst_pages, limits, dst.is_contiguous())
+    rows = copy.rows if copy.rows is not None else copy_rows(copy.src, copy.dst)
+    return rows, _shape_of(ctx, copy.src_pages, copy.dst_pages, rows.limits, rows.dst_contiguous)
 
 
 def _copy_range(
@@ -375,14 +391,10 @@ def check_bounds(side: str, pages: np.ndarray, limit: int) -> None:
         raise OutOfRange(f"{side} page {bad} is out of range [0, {limit})")
 
 
-# numpy moves word rows with one memcpy per row and releases the GIL; it has no
-# bfloat16, so element views that are not word rows go through torch.
-_NUMPY_WORDS = frozenset({torch.int64, torch.int32, torch.int16, torch.uint8})
-
-
 def _numpy_ok(*tensors: torch.Tensor) -> bool:
+    """Element views that are not word rows (numpy has no bfloat16) go through torch."""
     dtype = tensors[0].dtype
-    return dtype in _NUMPY_WORDS and all(t.dtype == dtype for t in tensors)
+    return dtype in NUMPY_WORDS and all(t.dtype == dtype for t in tensors)
 
 
 def gather_rows(src: torch.Tensor, pages: np.ndarray, out: torch.Tensor, ctx: CopyContext) -> None:

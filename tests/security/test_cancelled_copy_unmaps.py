@@ -38,21 +38,37 @@ PENDING_TASK = "Task was destroyed but it is pending"
 PAGES = list(range(256))
 
 PATCH = """
-import gc, os
+import collections, gc, os, threading
 gc.disable()
 from hicached.transfer import engine
 
+_run = engine.CopyEngine._run
 _check_stop = engine.CopyEngine._check_stop
+_cancel_owner = engine.CopyEngine.cancel_owner
+_copy = threading.local()  # the checks of the copy this thread runs (holding no job)
+_ended = collections.defaultdict(threading.Event)  # by owner: set once cancel_owner returned
+
+def _counted_run(self, job, ctx):
+    _copy.checks = 0
+    return _run(self, job, ctx)
 
 def _paused_check(job):
     # A job's first check is before its ready fence; the second, before its first pages.
-    job.checks = getattr(job, "checks", 0) + 1
-    if job.checks == 2 and os.path.exists("pause-copies"):
+    _copy.checks += 1
+    if _copy.checks == 2 and os.path.exists("pause-copies"):
         print("copy paused", flush=True)
-        job.stop.wait(60)  # set by the session's end (CopyEngine.cancel_owner)
+        _ended[job.owner].wait(60)  # the session's end stops its running copies first
     _check_stop(job)
 
+def _cancel(self, owner):
+    try:
+        return _cancel_owner(self, owner)
+    finally:
+        _ended[owner].set()
+
+engine.CopyEngine._run = _counted_run
 engine.CopyEngine._check_stop = staticmethod(_paused_check)
+engine.CopyEngine.cancel_owner = _cancel
 """
 
 
