@@ -81,10 +81,16 @@ def check_batch_pages(transfers: Sequence[PoolTransfer], max_batch_pages: int) -
     """InvalidArgument when the transfers' pages (device, or host where there are more)
     together exceed ``max_batch_pages``: O(transfers). The servicer counts the same in the
     request before converting it (``server.convert.transfers_in``)."""
-    total = sum(max(_count(t.device_indices), _count(t.host_indices)) for t in transfers)
-    if total > max_batch_pages:
+    check_page_count(
+        sum(max(_count(t.device_indices), _count(t.host_indices)) for t in transfers), max_batch_pages
+    )
+
+
+def check_page_count(count: int, max_batch_pages: int) -> None:
+    """InvalidArgument for more pages in one request than ``server.max_batch_pages``."""
+    if count > max_batch_pages:
         raise InvalidArgument(
-            f"batch of {total} pages exceeds server.max_batch_pages={max_batch_pages}; "
+            f"batch of {count} pages exceeds server.max_batch_pages={max_batch_pages}; "
             "split it into several calls"
         )
 

@@ -16,6 +16,7 @@ from hicached_client import vocab
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
 
+from hicached.core.checks import check_page_count
 from hicached.core.stats import SessionStats
 from hicached.core.types import Ack, PoolRequest, PoolRole, PoolState, WorkerId
 from hicached.errors import InvalidArgument, clip
@@ -189,14 +190,6 @@ def transfers_in(
     pages = sum(max(len(t.device_pages), len(t.host_pages)) for t in transfers)
     check_page_count(more_pages + pages, max_pages)
     return [transfer_in(t) for t in transfers]
-
-
-def check_page_count(count: int, max_pages: int) -> None:
-    """InvalidArgument for more pages in one request than ``server.max_batch_pages``."""
-    if count > max_pages:
-        raise InvalidArgument(
-            f"batch of {count} pages exceeds server.max_batch_pages={max_pages}; split it into several calls"
-        )
 
 
 def check_transfer_count(count: int, max_pools: int) -> None:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 from hicached_client.v1 import hicached_pb2 as pb
 
+from hicached.core.checks import check_page_count
 from hicached.core.types import Ack
 from hicached.errors import HiCacheError
 from hicached.server import convert
@@ -61,7 +62,7 @@ class PageRpcs(ServicerBase):
         return pb.AllocResponse(ok=True, host_pages=pages.tolist())
 
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
-        convert.check_page_count(len(request.host_pages), self.core.config.server.max_batch_pages)
+        check_page_count(len(request.host_pages), self.core.config.server.max_batch_pages)
         freed = await self.offload(
             "Free",
             self.core.free,

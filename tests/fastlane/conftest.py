@@ -67,6 +67,16 @@ def worker(daemon: Daemon) -> Iterator[Worker]:
         yield w
 
 
+@pytest.fixture
+def pools() -> Iterator[WorkerPools]:
+    """Real pools for a test that attaches its own sessions (through other clients)."""
+    made = WorkerPools.create(unique_tag("flp"))
+    try:
+        yield made
+    finally:
+        made.close()
+
+
 def free_pages(session: Session) -> dict[str, int]:
     """Free host pages of the session's group, by pool name."""
     return {key.rsplit("/", 1)[1]: n for key, n in session.stats().free_pages().items()}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -25,7 +24,7 @@ from hicached_client import (
 from tests.fastlane.conftest import free_pages
 from tests.robustness.loop_support import FakeRedis, fake_l3_daemon
 from tests.support.daemon import Daemon
-from tests.support.kv import WorkerPools, unique_tag
+from tests.support.kv import WorkerPools
 
 NOT_INTEGERS = {
     "float-array": np.array([1.7, 2.9]),
@@ -38,15 +37,6 @@ NOT_INTEGERS = {
     "list-past-int64": [-1, 2**63],
     "list-past-uint64": [2**64],
 }
-
-
-@pytest.fixture
-def pools() -> Iterator[WorkerPools]:
-    made = WorkerPools.create(unique_tag("fli"))
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 def _attach(client: Any, pools: WorkerPools) -> Any:

@@ -44,15 +44,6 @@ from tests.support.state import poll, stop_process
 PAGES = 8
 
 
-@pytest.fixture
-def pools() -> Iterator[WorkerPools]:
-    made = WorkerPools.create(unique_tag("fls"))
-    try:
-        yield made
-    finally:
-        made.close()
-
-
 def _attach(client: HiCacheClient, pools: WorkerPools) -> Session:
     return client.attach(WorkerIdentity(f"s-{uuid.uuid4().hex[:8]}", 1, "m-fastlane"), pools.specs())
 
