@@ -113,6 +113,7 @@ class Lane:
         self._layer_ns: np.ndarray | None = None
         self._efds: list[int] = []  # submit, complete, layer
         self._head = 0
+        self._pools = 0  # of the session's group, set at negotiation
         self._admitted = False
         # displace() (the acceptor's thread) and the close in _teardown: a close between its
         # fd lookup and its syscall could make it shut down a descriptor reused by then.
@@ -219,7 +220,7 @@ class Lane:
             raise Refused("INTERNAL", f"cannot read peer credentials: {exc.strerror}") from None
         try:
             self._core.check_secret(session_id, secret)  # constant time, as on gRPC
-            session, _ = self._core.session_group(session_id)
+            session, state = self._core.session_group(session_id)
         except Exception as exc:
             answer = _answer(exc, "FastLane")
             raise Refused(answer.code.name, answer.message) from None
@@ -232,6 +233,7 @@ class Lane:
             )  # fmt: skip
         self.session_id = session_id
         self._session = session
+        self._pools = len(state.group.entries)  # a group's pools are fixed for its life
         self._admit(self, session_id)  # raises Refused at the session's lane limit
         self._admitted = True
         try:
@@ -432,13 +434,12 @@ class Lane:
         slot: once pages are allocated the answer must reach the client. Bound: one transfer per
         request transfer and per pool of the group (derived pools), each of at most twice the
         longest request transfer's pages (device and host), and the longest message."""
-        _, state = self._core.session_group(self.session_id)
         longest = max(
             (max(len(t.device) if t.device is not None else 0, len(t.host) if t.host is not None else 0)
              for t in req.transfers),
             default=0,
         )  # fmt: skip
-        rows = len(req.transfers) + len(state.group.entries)
+        rows = len(req.transfers) + self._pools
         need = w.COMPLETION.size + rows * (w.TRANSFER.size + 16 * longest + w.ACK.size)
         need += w.MAX_MESSAGE_BYTES - w.MESSAGE_BYTES  # a long reason's tail goes after the sections
         if need > w.AREA:
