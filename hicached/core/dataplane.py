@@ -252,11 +252,12 @@ class DataPlane:
             checked = bind_derived(state, checked)
 
         def run() -> TransferResult:
-            if allocate:  # host pages given beside those to allocate: checked before allocating
-                check_owned(session, state, checked)
-                resolved = self.allocate(session, state, checked, copy_in=True)
-            else:  # copy_pages checks them, once they are marked in flight
-                resolved = TransferResult(True, tuple(checked))
+            check_owned(session, state, checked)  # a stranger's pages are never marked in flight
+            resolved = (
+                self.allocate(session, state, checked, copy_in=True)
+                if allocate
+                else TransferResult(True, tuple(checked))
+            )
             if not resolved.ok:
                 return resolved
             try:
@@ -282,7 +283,7 @@ class DataPlane:
         checked = bind_derived(state, self.check_transfers(session, state, transfers, host="required"))
 
         def run() -> tuple[Ack, ...]:
-            # copy_pages checks the host pages are the session's, once they are marked in flight
+            check_owned(session, state, checked)  # a stranger's pages are never marked in flight
             return self.copy_pages(
                 session,
                 state,

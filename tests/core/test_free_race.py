@@ -71,3 +71,33 @@ def test_a_page_freed_while_its_write_is_planned_is_not_written(
     assert isinstance(outcome[0], HiCacheError) and "not owned by session" in str(outcome[0])
     c.core.load(b, "", [PoolTransfer("kv", np.array([20, 21]), theirs)])
     assert _holds(c, [20, 21], 2.0)  # b's bytes, not a's
+
+
+@pytest.mark.parametrize("op", ["write", "load"])
+def test_a_call_on_another_sessions_pages_is_refused_before_it_marks_them_in_flight(
+    make_core: Callable[..., Core], monkeypatch: pytest.MonkeyPatch, op: str
+) -> None:
+    """A stranger's Write or Load of pages it does not own must not defer their owner's Free:
+    the owner frees them while the stranger's call is at its first ownership check, and they
+    are free at once. Fails when the only check is the one after the in-flight mark (the
+    owner's Free then returned 0 and the pages stayed allocated until the refusal)."""
+    c = make_core()
+    a, b = c.attach("a", derived=False), c.attach("b", derived=False)
+    pages = c.core.alloc(a, "", "kv", 2)
+    assert pages is not None
+    check = dataplane.check_owned
+    freed: list[int] = []
+
+    def owner_frees_first(session: Any, state: Any, transfers: Any) -> None:
+        if session.session_id == b and not freed:
+            freed.append(c.core.free(a, "", "kv", pages))
+        check(session, state, transfers)
+
+    monkeypatch.setattr(dataplane, "check_owned", owner_frees_first)
+    stolen = [PoolTransfer("kv", np.array([0, 1], dtype=np.int64), pages)]
+    with pytest.raises(HiCacheError):
+        if op == "write":
+            c.core.write(b, "", stolen, allocate=False)
+        else:
+            c.core.load(b, "", stolen)
+    assert freed == [2]
