@@ -378,18 +378,26 @@ class CopyEngine:
             ctx.close()
 
     def _serve(self, job: _Job, ctx: CopyContext) -> None:
-        """A worker thread's copy of a queued job: its outcome goes to the job's future."""
-        future = job.future
+        """A worker thread's copy of a queued job: its outcome goes to the job's future.
+
+        A failed copy's traceback holds _run's frame and, through it, this one: neither the
+        job nor this frame may then keep the error (the job's future, ``outcome``), or the
+        two would be a cycle holding the plan -- a session's mapped buffers -- until the
+        cyclic collector runs."""
+        future, job.future = job.future, None  # running: nothing else reads it (close, cancel)
         assert future is not None  # every queued job has one (submit)
         if not future.set_running_or_notify_cancel():
             return
         outcome = self._run(job, ctx)
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-            if not isinstance(outcome, Exception):
-                raise outcome
-        else:
-            future.set_result(outcome)
+        try:
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+                if not isinstance(outcome, Exception):
+                    raise outcome
+            else:
+                future.set_result(outcome)
+        finally:
+            del outcome, future
 
     def _run(self, job: _Job, ctx: CopyContext) -> CopyResult | BaseException:
         """Copy ``job``'s plan; the error that stopped it is returned, not raised (the caller
@@ -413,7 +421,9 @@ class CopyEngine:
                 # (a lane's on_layer, which maps its ring) in a cycle until the collector runs.
                 exc.__traceback__ = None
             elif isinstance(exc, Exception):
-                log.warning("copy of %s (%d bytes) failed: %s", job.owner, job.plan.nbytes, exc)
+                # Its text, not the error: a handler that keeps records (a queue, a test's
+                # capture) would keep the traceback, so this frame and the plan.
+                log.warning("copy of %s (%d bytes) failed: %s", job.owner, job.plan.nbytes, str(exc))
             return exc
         seconds = time.perf_counter() - start
         self._observe(job.plan.nbytes, seconds)

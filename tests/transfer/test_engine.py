@@ -314,6 +314,30 @@ def test_a_copy_cancelled_in_flight_leaves_no_cycle_that_holds_its_plan(engine: 
         gc.enable()
 
 
+def test_a_queued_copy_that_failed_leaves_no_cycle_that_holds_its_plan(engine: CopyEngine) -> None:
+    """As the cancelled copy above, for a queued copy that failed (a page out of range): its
+    error's traceback holds the worker's frame and so the job, which held the future that
+    holds the error. The collector is off: the plan must go when the error does."""
+    src = torch.zeros(2, ROW, dtype=torch.int64)
+    copy = PageCopy(src=src, dst=torch.zeros(2, ROW, dtype=torch.int64), src_pages=np.array([0, 5]),
+                    dst_pages=np.array([1, 0]))  # fmt: skip
+    alive = weakref.ref(src)
+    gc.disable()
+    try:
+        future = engine.submit(
+            CopyPlan(Direction.D2H, (LayerStep(0, (copy,)),), 16, {}, {}), priority=Priority.DEMAND, owner="w"
+        )
+        del copy, src
+        assert isinstance(future.exception(WAIT), OutOfRange)
+        del future
+        deadline = time.monotonic() + WAIT
+        while alive() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # poll: the worker drops the job just after resolving its future
+        assert alive() is None, "the failed copy's plan outlived its error"
+    finally:
+        gc.enable()
+
+
 def test_fairness_is_by_bytes_not_by_job_count(engine: CopyEngine) -> None:
     gate = Gate()
     held = gate.hold(engine)
