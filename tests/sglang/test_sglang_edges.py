@@ -122,6 +122,7 @@ def test_a_daemon_that_is_down_is_reported_rate_limited(caplog: pytest.LogCaptur
         keys = sglang_keys(4, 4, first=80_000)
         src, dst = pool.alloc(16), pool.alloc(16)
         assert storage.batch_set_v1(keys, src) == [True] * 4
+        flats = [pool.get_data_page(int(i), flat=True) for i in src[::4]]
         d.stop()
         start = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="hicached_client.sglang"):
@@ -129,6 +130,7 @@ def test_a_daemon_that_is_down_is_reported_rate_limited(caplog: pytest.LogCaptur
                 assert storage.batch_exists(keys) == 0
                 assert storage.batch_get_v1(keys, dst) == [False] * 4
                 assert storage.batch_set_v1(keys, src) == [False] * 4
+                assert storage.batch_set(keys, flats) is False  # SGLang's generic page set
         intervals = 1 + int((time.monotonic() - start) // DEFAULT_INTERVAL_S)
         said = [
             r
@@ -137,9 +139,22 @@ def test_a_daemon_that_is_down_is_reported_rate_limited(caplog: pytest.LogCaptur
         ]  # the adapter's (the client's heartbeat thread reports on its own)
         # Three kinds of failure (lookup, load, store): at most one line each per interval.
         assert 3 <= len(said) <= 3 * intervals < 30, "\n".join(r.getMessage()[:160] for r in said)
+        # A daemon that is down refused nothing (a review of stop 47: the v1 store said so,
+        # and each generic page set logged a line of its own).
+        assert not [r for r in said if "refused" in r.getMessage()], [r.getMessage()[:160] for r in said]
+        assert storage.refusals.total == 0 and storage.unstored.total == 20
     finally:
         factory.close_all()
         d.stop()
+
+
+def test_a_batch_set_without_values_stores_nothing_and_says_so(storages: StorageFactory) -> None:
+    """HiCacheFile raises (zip over None); before (a review of stop 47), True came back while
+    nothing was stored."""
+    storage = ours(storages, make_host_pool(PoolShape()))
+    assert storage.batch_set(["nv"], None) is False
+    assert storage.exists("nv") is False
+    assert storage.batch_set([], None) is True
 
 
 def test_calls_after_close_are_misses(storages: StorageFactory, caplog: pytest.LogCaptureFixture) -> None:

@@ -211,6 +211,37 @@ def test_page_api_with_a_pool_matches_hicachefile(
     assert got[4] is True and got[6] == [True, True, True, False] and got[10] is True
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_pages_set_unflattened_are_read_by_v1_and_v2_as_hicachefile_reads_them(
+    storages: StorageFactory, tmp_path: Path, layout: str
+) -> None:
+    """A page handed to the generic ``batch_set`` as the pool's own view (``get_data_page(i,
+    flat=False)``, not contiguous) is a page of the pool, as HiCacheFile stores its bytes.
+    Before (a review of stop 47), it went to the byte path: ``batch_exists`` counted it and
+    ``batch_get_v2`` / ``batch_get_v1`` missed it."""
+    pool = make_host_pool(PoolShape(layout=layout))
+
+    def calls(backend: Backend) -> list[object]:
+        keys = sglang_keys(2, 4, first=4_000)
+        src = pool.alloc(8)
+        pages = [pool.get_data_page(int(i), flat=False) for i in src[::4]]
+        out: list[object] = [backend.batch_set(keys, pages), backend.batch_exists(keys)]
+        dst = pool.alloc(8)
+        out.append(backend.batch_get_v2([PoolTransfer(name="kv", keys=keys, host_indices=dst)]))
+        out.append(page_bits(pool, dst) == page_bits(pool, src))
+        if isinstance(backend, HiCachedStorage):
+            dst1 = pool.alloc(8)
+            assert backend.batch_get_v1(keys, dst1) == [True, True]
+            assert page_bits(pool, dst1) == page_bits(pool, src)
+            pool.free(dst1)
+        for idx in (src, dst):
+            pool.free(idx)
+        return out
+
+    got = run_both(reference(storages, tmp_path, pool), ours(storages, pool), calls)
+    assert got == [True, 2, {"kv": [True, True]}, True]
+
+
 def test_v1_matches_hicachefile_v2_kv(storages: StorageFactory, tmp_path: Path) -> None:
     """HiCacheFile has no v1 (its methods return None); v1 answers what its v2 answers for the KV pool."""
     pool = make_host_pool(PoolShape())

@@ -391,3 +391,18 @@ def _a_key_refused(exc: Exception) -> bool:
     return isinstance(exc, UnicodeError) or (
         isinstance(exc, HiCacheError) and exc.code == grpc.StatusCode.INVALID_ARGUMENT
     )
+
+
+def once_each(keys: list[str], items: Any, put: Callable[[list[str], Any], list[bool]]) -> list[bool]:
+    """``put(keys, items)`` with each key once (the daemon refuses a batch that repeats one;
+    HiCacheFile stores it once): the first of a repeated key is stored, and every place of it
+    gets that answer."""
+    if len(set(keys)) == len(keys):
+        return put(keys, items)
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    picked = list(first.values())
+    chosen = items[picked] if isinstance(items, torch.Tensor) else [items[i] for i in picked]
+    done = dict(zip(first, put(list(first), chosen), strict=True))
+    return [done[key] for key in keys]

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import grpc
 import torch
 from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untyped]
     HiCacheStorage,
@@ -56,7 +57,7 @@ from hicached_client.sglang.answers import Unsupported, answers, no_pages, no_te
 from hicached_client.sglang.config import AdapterConfig
 from hicached_client.sglang.factory import new_blob_store, new_pool_link
 from hicached_client.sglang.iostats import IoCounters
-from hicached_client.sglang.link import PoolLink
+from hicached_client.sglang.link import PoolLink, once_each
 from hicached_client.sglang.namespace import KV_POOL, KeySpace
 from hicached_client.sglang.refusals import RefusalLog
 from hicached_client.sync import HiCacheClient
@@ -92,6 +93,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         self._generation = time.time_ns()
         self.refusals = RefusalLog(log)
         self.failures = RefusalLog(log, template="hicached: %d keys of %s answered as misses: %s%s")
+        self.unstored = RefusalLog(log, template="hicached: %d pages of %s not stored: %s%s")
         self._failed_calls = RefusalLog(log, template="hicached: %d %s failed, read as a miss: %s%s")
         self._unregistered = RefusalLog(log, template="hicached: %d keys for pool %s: %s%s")
         self._blobs = new_blob_store(
@@ -196,12 +198,18 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         pages = link.binding.host_pages_of(host_indices, len(keys))
         start = time.perf_counter()
         try:
-            results = _once_each(link.keys.daemon_keys(keys), pages, link.put_pages)
-        except HiCacheError as exc:  # rate-limited: a daemon that is down fails every call
-            self.refusals.refused(pool, len(keys), str(exc))
+            results = once_each(link.keys.daemon_keys(keys), pages, link.put_pages)
+        except HiCacheError as exc:
+            self._not_stored(pool, len(keys), exc)
             return [False] * len(keys)
         self._record("backup", sum(results), link, start)
         return results
+
+    def _not_stored(self, pool: str, pages: int, exc: HiCacheError) -> None:
+        """A write that raised, logged rate-limited (a daemon that is down fails every call): a
+        refusal over a limit (RESOURCE_EXHAUSTED) with the refusals, anything else apart."""
+        log_as = self.refusals if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED else self.unstored
+        log_as.refused(pool, pages, str(exc))
 
     def _get_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         if not keys:
@@ -363,7 +371,10 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> bool:
         """Store tensors; True when every key is stored (or already was), False from the first failure.
         Fewer values than keys: the keys without one are not stored (as HiCacheFile's zip)."""
-        values = [] if values is None else list(values)  # a stacked tensor has no truth value
+        if values is None:  # HiCacheFile raises (zip over None); nothing is stored either way
+            log.error("hicached: batch_set of %d keys without values; nothing stored", len(keys))
+            return not keys
+        values = list(values)  # a stacked tensor has no truth value
         if len(values) != len(keys):
             log.warning(
                 "hicached: batch_set of %d keys with %d values: the extra are left out",
@@ -376,12 +387,15 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         if not all(isinstance(v, torch.Tensor) for v in values):
             log.error("hicached: batch_set values must be tensors; nothing stored")
             return False
+        # Stored as their bytes in order, as HiCacheFile writes them: a page SGLang hands over
+        # unflattened (get_data_page(flat=False)) is still a page of the pool.
+        values = [v.contiguous() for v in values]
         link = self._links.get(KV_POOL)
         if link is not None and all(self._fits(v) is link for v in values):
             try:
-                return all(_once_each(link.keys.daemon_keys(keys), values, link.put_flat))
+                return all(once_each(link.keys.daemon_keys(keys), values, link.put_flat))
             except HiCacheError as exc:
-                log.warning("hicached: set of %d pages failed: %s", len(keys), exc)
+                self._not_stored(KV_POOL, len(keys), exc)
                 return False
         for key, value in zip(keys, values, strict=True):
             if self._fits(value) is not None and link is not None:
@@ -483,18 +497,3 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         except (HiCacheError, ValueError) as exc:
             self._failed_calls.refused("call", 1, str(exc))
             return default
-
-
-def _once_each(keys: list[str], items: Any, put: Callable[[list[str], Any], list[bool]]) -> list[bool]:
-    """``put(keys, items)`` with each key once (the daemon refuses a batch that repeats one;
-    HiCacheFile stores it once): the first of a repeated key is stored, and every place of it
-    gets that answer."""
-    if len(set(keys)) == len(keys):
-        return put(keys, items)
-    first: dict[str, int] = {}
-    for i, key in enumerate(keys):
-        first.setdefault(key, i)
-    picked = list(first.values())
-    chosen = items[picked] if isinstance(items, torch.Tensor) else [items[i] for i in picked]
-    done = dict(zip(first, put(list(first), chosen), strict=True))
-    return [done[key] for key in keys]
