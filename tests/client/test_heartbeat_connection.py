@@ -68,3 +68,25 @@ def test_a_refused_heartbeat_connection_beats_on_the_data_connection(
             session.detach()
     finally:
         d.stop()
+
+
+def test_a_daemon_that_is_down_costs_one_warning_a_beat(caplog: pytest.LogCaptureFixture) -> None:
+    """Fails before (found at stop 47): each failed beat logged twice, the fallback to the
+    data connection ("beating on the data connection") and the session's "heartbeat failed
+    (will retry)", though the beat got through on neither."""
+    caplog.set_level(logging.WARNING, logger="hicached_client")
+    d = start_daemon()
+    try:
+        with HiCacheClient(d.target, timeout_s=10.0) as client:
+            session = _beating(client)
+            _three_beats_each([session])
+            d.stop()
+            poll(
+                lambda: [r for r in caplog.records if "heartbeat failed (will retry)" in r.getMessage()],
+                lambda failed: len(failed) >= 2,
+                20.0,
+                "two failed heartbeats",
+            )
+            assert not [r for r in caplog.records if FALLBACK in r.getMessage()], caplog.text
+    finally:
+        d.stop()

@@ -185,8 +185,11 @@ class HiCacheClient:
         except grpc.RpcError as exc:
             error = self._closed_under(call.method) or from_rpc_error(exc, call.method)
             if call.line is Line.HEARTBEAT and error.code == grpc.StatusCode.UNAVAILABLE:
+                beat = self.invoke(replace(call, line=Line.DATA), timeout_s)
+                # Said once the beat got through: a daemon that is down fails both
+                # connections, and the session's own warning says so, once a beat.
                 log.warning("heartbeat connection failed (%s): beating on the data connection", error)
-                return self.invoke(replace(call, line=Line.DATA), timeout_s)
+                return beat
             raise error from None
         except backend.START_ERRORS as exc:
             raise self._start_failure(exc, call.method) from None
