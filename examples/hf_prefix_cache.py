@@ -1,8 +1,8 @@
 """Serve a transformers model's prompt prefix from a hicached daemon (CPU, no download).
 
-    pip install './clients/python[hf]'                      # transformers and torch
-    hicached serve --socket /tmp/hicached.sock &            # a daemon
-    python examples/hf_prefix_cache.py unix:///tmp/hicached.sock   # default: $HICACHED_SOCKET
+    pip install './clients/python[hf]'                 # transformers and torch
+    hicached serve --socket "$HICACHED_SOCKET" &       # a daemon (its directory: not /tmp itself)
+    python examples/hf_prefix_cache.py                 # twice: the second run is served from it
 
 The first run prefills the prompt and stores its KV pages in the daemon; run it
 again (another process) and the prefix is restored from the daemon instead of

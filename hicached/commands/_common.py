@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hicached.coerce import one_of
-from hicached.config import Config, ConfigError, LogFormat, LogLevel, describe, resolve
+from hicached.config import ALIASES, Config, ConfigError, LogFormat, LogLevel, describe, resolve
 from hicached.errors import clip
 from hicached.l3.registry import L3Backend
 from hicached.logs import escape_controls
@@ -87,15 +87,22 @@ def config_from_args(args: argparse.Namespace, *, pipe: bool = False) -> Config:
     """The configuration of the command line; ``pipe``: ``--config`` may name a pipe
     (:func:`hicached.config.resolve`)."""
     cli: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     for item in args.set:
-        key, sep, value = item.partition("=")
+        given, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--set expects SECTION.KEY=VALUE, got {clip(item)}")
-        cli[key.strip()] = value
+        given = given.strip()
+        key = ALIASES.get(given, given)  # l3.path is l3.file.path
+        if spelled.setdefault(key, given) != given:  # the same spelling again: the last wins
+            raise ConfigError(
+                f"{clip(key)} is given twice by --set (as {clip(spelled[key])} and {clip(given)})"
+            )
+        cli[key] = value
     for dest, (key, _) in CONFIG_FLAGS.items():
         value = getattr(args, dest)
         if value is not None:
-            if key in cli:  # which one wins would be a guess: say so
+            if key in cli:
                 raise ConfigError(f"{key} is given twice: by --{dest.replace('_', '-')} and by --set")
             cli[key] = value
     return resolve(cli=cli, file=args.config, pipe=pipe)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import resource
 import sys
 from collections.abc import Callable
@@ -62,6 +63,26 @@ def _reloader(args: argparse.Namespace) -> Callable[[], Config]:
     return lambda: config_from_args(args)
 
 
+def elsewhere(config: Config) -> list[str]:
+    """A warning when ``$HICACHED_SOCKET`` (where clients, ``status`` and ``lookup`` look)
+    names another Unix socket than the one this daemon serves: the daemon does not read it,
+    so a start that relied on it serves where none of them look."""
+    from hicached_client._channel import SOCKET_ENV, socket_target
+
+    given = os.environ.get(SOCKET_ENV, "")
+    target = socket_target(given) if given else ""
+    if not target.startswith("unix:"):  # unset, or a TCP target
+        return []
+    path = target.removeprefix("unix://") if target.startswith("unix://") else target.removeprefix("unix:")
+    served = os.path.abspath(config.server.socket)
+    if os.path.abspath(path) == served:
+        return []
+    return [
+        f"{SOCKET_ENV}={given[:200]!r} is where clients look, but this daemon serves {served}: "
+        "set server.socket (--socket or HICACHED_SERVER_SOCKET) to serve there"
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, pipe=True)
@@ -73,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from hicached.logs import setup_logging
 
     setup_logging(config.log.level, config.log.format, config.log.max_rate)
-    for warning in unknown_env():
+    for warning in [*unknown_env(), *elsewhere(config)]:
         logger.warning(warning, extra={"event": "config"})
     raise_fd_limit()
     try:

@@ -383,8 +383,10 @@ def resolve(
                     f"unknown section [{clip(section)}] in {file}: expected one of {', '.join(SECTION_TYPES)}"
                 )
             for dotted, value in _flatten(section, values):
-                _set(layered, dotted, value, origin=str(file), text=False)
-    for alias in ALIASES:
+                _set(layered, dotted, value, origin=str(file), text=False, once=True)
+    for alias, key in ALIASES.items():
+        if env_var(alias) in env and env_var(key) in env:  # which one wins would be a guess
+            raise ConfigError(f"{key} is given twice: by {env_var(alias)} and by {env_var(key)}")
         if env_var(alias) in env:
             _set(layered, alias, env[env_var(alias)], origin=env_var(alias))
     for key in KEYS:
@@ -416,9 +418,16 @@ def _build_table(section: str, table: str, default: Any, values: Mapping[str, An
 
 
 def _set(
-    layered: dict[str, dict[str, Any]], dotted: str, value: Any, *, origin: str, text: bool = True
+    layered: dict[str, dict[str, Any]],
+    dotted: str,
+    value: Any,
+    *,
+    origin: str,
+    text: bool = True,
+    once: bool = False,
 ) -> None:
-    dotted = ALIASES.get(dotted, dotted)
+    """``once``: ConfigError if the key was set already (a file naming one key by two spellings)."""
+    given, dotted = dotted, ALIASES.get(dotted, dotted)
     if dotted in _REMOVED:
         raise ConfigError(f"configuration key {dotted!r} (from {origin}) was removed: use {_REMOVED[dotted]}")
     if len(dotted) > 80:  # no key is half as long: quote a prefix, not a pasted blob
@@ -441,10 +450,11 @@ def _set(
     f, tp = entry
     coerced = _coerce(dotted, f, value, tp, text=text)
     parts = dotted.split(".")
-    if len(parts) == 3:
-        layered[parts[0]].setdefault(parts[1], {})[parts[2]] = coerced
-    else:
-        layered[parts[0]][parts[1]] = coerced
+    where = layered[parts[0]].setdefault(parts[1], {}) if len(parts) == 3 else layered[parts[0]]
+    if once and parts[-1] in where:  # two spellings of one key: which one wins would be a guess
+        spellings = " and ".join(sorted({given, dotted, *(a for a, k in ALIASES.items() if k == dotted)}))
+        raise ConfigError(f"{dotted} is given twice in {origin} (as {spellings}): keep one")
+    where[parts[-1]] = coerced
 
 
 KEYS: dict[str, tuple[dataclasses.Field[Any], Any]] = {key: (f, tp) for key, f, tp in all_keys()}

@@ -19,6 +19,7 @@ import pytest
 
 import hicached
 from hicached.config import resolve
+from hicached.testing.daemon import launch, scratch_dir
 from tests.acceptance.cfg_serve import hicached as run
 from tests.acceptance.cfg_serve import serve
 
@@ -177,12 +178,22 @@ def test_hostile_or_mistaken_command_lines_are_usage_errors_quoting_a_prefix(tmp
             ["config", "show", "--host-budget", "3GiB", "--set", "host.budget=4GiB"],
             "host.budget is given twice",
         ),
+        # An alias is its key (a review of stop 47: these kept one silently).
+        (["config", "show", "--l3-path", "/a", "--set", "l3.path=/b"], "l3.file.path is given twice"),
+        (["config", "show", "--set", "l3.path=/a", "--set", "l3.file.path=/b"], "is given twice by --set"),
     ):
         out = run(*args, cwd=tmp_path)
         assert out.returncode == 2 and said in out.stderr, (args[:2], out.stderr[-500:])
         assert len(out.stderr) < 600, (args[:2], len(out.stderr))
     shown = run("config", "show", cwd=tmp_path, env={"HICACHED_X\x1b[31m": "1"})
     assert "\x1b" not in shown.stderr and "HICACHED_X\\x1b[31m" in shown.stderr, shown.stderr
+    (tmp_path / "two.toml").write_text('[l3]\npath = "/t1"\n[l3.file]\npath = "/t2"\n')
+    out = run("config", "show", "--config", "two.toml", cwd=tmp_path)
+    assert out.returncode == 2 and "l3.file.path is given twice in two.toml" in out.stderr, out.stderr
+    out = run("config", "show", cwd=tmp_path, env={"HICACHED_L3_PATH": "/a", "HICACHED_L3_FILE_PATH": "/b"})
+    assert out.returncode == 2 and "by HICACHED_L3_PATH and by HICACHED_L3_FILE_PATH" in out.stderr, (
+        out.stderr
+    )
     (tmp_path / "bad.toml").write_text("server = 3\n")
     out = run("config", "show", "--config", "bad.toml", cwd=tmp_path)
     assert out.returncode == 2 and "[server] in bad.toml must be a table of keys, got '3'" in out.stderr
@@ -191,3 +202,26 @@ def test_hostile_or_mistaken_command_lines_are_usage_errors_quoting_a_prefix(tmp
     out = run("config", "show", cwd=tmp_path, env={"HICACHED_CONFIG": str(fifo)})
     assert out.returncode == 2 and out.stderr.count(str(fifo)) == 1, out.stderr
     assert "(default: None)" not in run("keys", "--help", cwd=tmp_path).stdout
+
+
+def test_serve_says_when_clients_look_for_it_elsewhere() -> None:
+    """Fails before (a review of stop 47): with ``$HICACHED_SOCKET`` exported, a plain
+    ``hicached serve`` served its default socket without a word, and ``status`` (which reads
+    the variable) waited for it where it was not. It still serves ``server.socket`` (the
+    daemon does not read the clients' variable), and says so when they differ."""
+    said = "is where clients look, but this daemon serves"
+    for elsewhere in (True, False):
+        workdir = scratch_dir()
+        sock = workdir / "d.sock"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+        env["HICACHED_SOCKET"] = str(workdir / "other.sock") if elsewhere else f"unix://{sock}"
+        d = launch(
+            "--l3", "none", "--host-budget", "64MiB", workdir=workdir, socket=sock, env=env, clean_env=False
+        )
+        try:
+            lines = [line for line in d.log.splitlines() if said in line]
+            assert bool(lines) is elsewhere, d.log[-2000:]
+            if elsewhere:
+                assert "other.sock" in lines[0] and str(sock) in lines[0], lines[0]
+        finally:
+            d.stop()

@@ -90,3 +90,19 @@ def test_the_hf_example_names_an_install_that_provides_what_it_imports() -> None
     pin = next(d for d in daemon["project"]["optional-dependencies"]["dev"] if d.startswith("transformers"))
     assert pin in hf and any(d.startswith("torch") for d in hf)
     assert "pip install './clients/python[hf]'" in (ROOT / "examples/hf_prefix_cache.py").read_text()
+
+
+def test_every_example_starts_its_daemon_where_the_example_looks() -> None:
+    """Before (a review of stop 47): hf_prefix_cache.py said ``hicached serve --socket
+    /tmp/hicached.sock``, which the daemon refuses (a socket in a directory others may write)
+    and where the example does not look by default. The examples run above against a daemon
+    on ``$HICACHED_SOCKET``: each daemon they show is started there."""
+    shown = [
+        (p.name, line.strip())
+        for p in EXAMPLES
+        for line in p.read_text().splitlines()
+        if line.strip().startswith("hicached serve")
+    ]
+    assert shown, "the examples show how to start a daemon"
+    for name, line in shown:
+        assert line.startswith('hicached serve --socket "$HICACHED_SOCKET"'), (name, line)
