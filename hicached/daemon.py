@@ -43,7 +43,7 @@ from hicached.server.peers import PeerSessions, UnreadAnswers
 from hicached.server.roles import Access
 from hicached.server.servicer import AdminServicer, CacheServicer, ServicerOptions
 from hicached.shutdown import flush_within, rpc_grace_s
-from hicached.startup import banner, open_l3
+from hicached.startup import banner, budget_warnings, open_l3
 from hicached.tasks import supervise
 from hicached.transfer.engine import CopyEngine
 
@@ -225,6 +225,8 @@ class Daemon:
             tcp_port=self.server.tcp_port,
         )
         logger.info("hicached %s started", fields["version"], extra=fields)
+        for warning in budget_warnings(self.groups.budget_bytes):
+            logger.warning(warning, extra={"event": "config"})
 
     async def stop(self) -> None:
         """Stop serving, finish or cancel in-flight work, release every mapping and page.

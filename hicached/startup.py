@@ -17,6 +17,7 @@ from hicached.errors import HiCacheError, StartupError
 from hicached.l3.base import StorageBackend
 from hicached.l3.framing import FrameCodec, L3Key
 from hicached.l3.registry import L3Backend, fix_keys, open_backend, takes_frames
+from hicached.shm import SHM_DIR
 
 __all__ = ["banner", "l3_auth", "l3_source", "l3_target", "open_l3"]
 
@@ -84,6 +85,24 @@ def open_l3(config: Config, key: L3Key | None = None) -> StorageBackend | None:
             f"{reason.rstrip('.')}. "
             f'Fix {fix_keys(name)}, or run without L3 (l3.backend = "none").'
         ) from exc
+
+
+def budget_warnings(budget_bytes: int, shm_dir: str = SHM_DIR) -> list[str]:
+    """Warnings when the host budget exceeds the machine's memory or the size of the
+    filesystem the host pools live in: the daemon starts (the budget is a cap, nothing is
+    taken yet), but attaches fail once the pools outgrow either, far from this cause."""
+    limits = [("the machine's memory", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))]
+    try:
+        st = os.statvfs(shm_dir)
+        limits.append((f"{shm_dir} (its size)", st.f_blocks * st.f_frsize))
+    except OSError:  # no such filesystem here: nothing to compare with
+        pass
+    return [
+        f"host budget {format_size(budget_bytes)} is larger than {what}, {format_size(limit)}: "
+        "host pools fail to grow past it; lower host.budget (--host-budget) or host.budget_fraction"
+        for what, limit in limits
+        if 0 < limit < budget_bytes
+    ]
 
 
 def _budget_source(config: Config) -> str:

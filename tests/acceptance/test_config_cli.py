@@ -225,3 +225,18 @@ def test_serve_says_when_clients_look_for_it_elsewhere() -> None:
                 assert "other.sock" in lines[0] and str(sock) in lines[0], lines[0]
         finally:
             d.stop()
+
+
+def test_serve_warns_of_a_host_budget_the_machine_cannot_hold() -> None:
+    """Fails before (a review of stop 47): a budget past the machine's memory and /dev/shm was
+    accepted without a word (the README says both must fit), and attaches failed later."""
+    said = "is larger than"
+    for budget, warned in (("1024TiB", True), ("64MiB", False)):
+        d = launch("--l3", "none", "--host-budget", budget)
+        try:
+            lines = [line for line in d.log.splitlines() if "host budget" in line and said in line]
+            assert bool(lines) is warned, d.log[-2000:]
+            if warned:
+                assert any("the machine's memory" in line for line in lines), lines
+        finally:
+            d.stop()
