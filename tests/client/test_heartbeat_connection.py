@@ -19,6 +19,9 @@ FALLBACK = "beating on the data connection"
 
 
 def _beating(client: HiCacheClient) -> Session:
+    # Connected first: at server.max_connections=1, a connection made while the launcher's
+    # readiness probe was still counted was refused, and the attach with it (once in CI).
+    client.wait_ready(10.0)
     identity = WorkerIdentity(f"hb-{uuid.uuid4().hex[:8]}", 1, "m-hb")
     return client.attach(identity, [byte_spec()], lease_ms=LEASE_MS)  # heartbeats on
 
