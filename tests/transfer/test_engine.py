@@ -321,7 +321,8 @@ def test_a_queued_copy_that_failed_leaves_no_cycle_that_holds_its_plan(engine: C
     src = torch.zeros(2, ROW, dtype=torch.int64)
     copy = PageCopy(src=src, dst=torch.zeros(2, ROW, dtype=torch.int64), src_pages=np.array([0, 5]),
                     dst_pages=np.array([1, 0]))  # fmt: skip
-    alive = weakref.ref(src)
+    freed = threading.Event()
+    weakref.finalize(src, freed.set)  # on whichever thread drops the last reference
     gc.disable()
     try:
         future = engine.submit(
@@ -330,10 +331,8 @@ def test_a_queued_copy_that_failed_leaves_no_cycle_that_holds_its_plan(engine: C
         del copy, src
         assert isinstance(future.exception(WAIT), OutOfRange)
         del future
-        deadline = time.monotonic() + WAIT
-        while alive() is not None and time.monotonic() < deadline:
-            time.sleep(0.01)  # poll: the worker drops the job just after resolving its future
-        assert alive() is None, "the failed copy's plan outlived its error"
+        # The worker drops the job just after resolving the future: wait for the plan's end.
+        assert freed.wait(WAIT), "the failed copy's plan outlived its error"
     finally:
         gc.enable()
 
