@@ -135,7 +135,7 @@ class DataPlane:
         """Allocate missing host pages across the group (atomic); record ownership. ``copy_in``:
         the caller copies the device pages in (or frees the pages), so they need no zeroing
         (:meth:`PoolGroup.resolve_all`)."""
-        result = state.group.resolve_all(list(transfers), copy_in=copy_in)
+        result = state.group.resolve_all(list(transfers), copy_in=copy_in, owner=session.serial)
         if not result.ok:
             return TransferResult(ok=False, reason=result.reason)
         for t in result.transfers:
@@ -171,7 +171,7 @@ class DataPlane:
         pages = [(t.name, np.asarray(t.host_indices, dtype=np.int64)) for t in owned]
         self.disown(session, pages)
         try:
-            return state.release_transfers(owned)
+            return state.release_transfers(owned, by=session.serial)
         except BaseException:
             session.ledger.give(pages)
             raise
@@ -192,7 +192,7 @@ class DataPlane:
             )
 
         def run() -> np.ndarray | None:
-            got = state.group.allocate({pool: num_pages})
+            got = state.group.allocate({pool: num_pages}, owner=session.serial)
             if not got.ok:
                 return None
             pages = got.pages[pool]
@@ -211,7 +211,7 @@ class DataPlane:
             check_owned(session, state, [PoolTransfer(pool, arr, arr)])
             self.disown(session, [(pool, arr)])
             try:
-                return state.free(pool, arr)
+                return state.free(pool, arr, by=session.serial)
             except BaseException:
                 session.ledger.give([(pool, arr)])  # validated first: nothing was freed
                 raise

@@ -28,10 +28,10 @@ __all__ = [
 # page counted, or by num_pages, one less):
 #   PageAllocator._stack      int64  8   hicached/l2/allocator.py (a derived pool has one too)
 #   PageAllocator._allocated  bool   1   hicached/l2/allocator.py
-#   PageAllocator._dirty      bool   1   hicached/l2/allocator.py (freed since last zeroed)
+#   PageAllocator._writer     int64  8   hicached/l2/allocator.py (whose bytes a free page holds)
 #   GroupState._busy          int32  4   hicached/core/group_state.py
 #   GroupState._pending       bool   1   hicached/core/group_state.py
-POOL_PAGE_BYTES = 8 + 1 + 1 + 4 + 1
+POOL_PAGE_BYTES = 8 + 1 + 8 + 4 + 1
 
 # Per page of every allocating (not derived) pool besides:
 #   PageOwners._owner         int32  4   hicached/core/ledger.py (one table for all sessions)

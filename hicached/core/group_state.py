@@ -26,7 +26,7 @@ from hicached.errors import (
 )
 from hicached.index.index import ContentIndex
 from hicached.index.tenant_keys import TenantL3Keys
-from hicached.l2.allocator import distinct, first_repeat
+from hicached.l2.allocator import ANYONE, distinct, first_repeat
 from hicached.l2.group import HostPoolGroup, PoolTransfer
 from hicached.l2.host_pool import HostKVPool
 
@@ -141,13 +141,14 @@ class GroupState:
                     freed += self.pool(name).allocator.free(ready)
         return freed
 
-    def free(self, name: str, pages: np.ndarray) -> int:
-        """Free pages now, or when their in-flight copies finish. Validates first."""
+    def free(self, name: str, pages: np.ndarray, *, by: int = ANYONE) -> int:
+        """Free pages now, or when their in-flight copies finish. Validates first. ``by``:
+        the owner whose bytes they hold (the allocator's tag; a deferred free is anyone's)."""
         if len(pages) == 0:
             return 0
         with self._lock:
             self._check_free_locked(name, pages)
-            return self._free_locked(name, pages)
+            return self._free_locked(name, pages, by)
 
     def free_from_index(self, name: str, pages: np.ndarray) -> None:
         """Free pages the content index held (its own, allocated: no checks), when no copy
@@ -167,10 +168,10 @@ class GroupState:
                 f"host page {int(bad[0])} of pool {clip(name)} is not allocated (double free?)"
             )
 
-    def _free_locked(self, name: str, pages: np.ndarray) -> int:
+    def _free_locked(self, name: str, pages: np.ndarray, by: int = ANYONE) -> int:
         busy = self._busy[name][pages] > 0
         self._pending[name][pages[busy]] = True
-        return self.pool(name).allocator.free(pages[~busy])
+        return self.pool(name).allocator.free(pages[~busy], by=by)
 
     def allocated_transfers(self, transfers: Iterable[PoolTransfer]) -> list[PoolTransfer]:
         """The transfers whose pages a release frees: marked ``host_allocated``, with pages,
@@ -184,8 +185,9 @@ class GroupState:
             and not self.group.get_entry(t.name).indices_from_pool
         ]
 
-    def release_transfers(self, transfers: Iterable[PoolTransfer]) -> int:
-        """Free what a resolve allocated (exactly once; derived and given pages untouched).
+    def release_transfers(self, transfers: Iterable[PoolTransfer], *, by: int = ANYONE) -> int:
+        """Free what a resolve allocated (exactly once; derived and given pages untouched);
+        ``by`` as for :meth:`free`.
 
         Atomic: the whole batch is validated (unknown pool: NotFound; a page
         not allocated, listed twice or already being freed: FailedPrecondition
@@ -199,7 +201,7 @@ class GroupState:
             batch = {name: np.concatenate(arrays) for name, arrays in merged.items()}
             for name, pages in batch.items():
                 self._check_free_locked(name, pages)
-            return sum(self._free_locked(name, pages) for name, pages in batch.items())
+            return sum(self._free_locked(name, pages, by) for name, pages in batch.items())
 
     def journal(self) -> GroupJournal:
         """Freeze the content index and describe the group for a warm restart (see export_entries).

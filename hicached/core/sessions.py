@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import itertools
 import secrets
 import threading
 import time
@@ -65,6 +66,10 @@ class Backup:
         )
 
 
+# Session serials: from 1 up, never reused (``next`` on a count is atomic under the GIL).
+_SERIALS = itertools.count(1)
+
+
 @dataclass
 class Session:
     session_id: str
@@ -98,6 +103,10 @@ class Session:
     plan_layers: LayerCache = field(default_factory=dict)
     # Its pools as GetStats reports them (buffers, data path).
     pools: tuple[SessionPoolStats, ...] = ()
+    # The tag of the bytes this session writes into its host pages, given to no other session
+    # in the daemon's life: a page it frees comes back to it unzeroed, to anyone else zeroed
+    # (hicached.l2.allocator.PageAllocator.take_dirty).
+    serial: int = field(default_factory=lambda: next(_SERIALS))
 
     def __post_init__(self) -> None:
         self.idle = threading.Condition(self.lock)

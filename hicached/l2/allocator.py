@@ -8,7 +8,9 @@ next allocation gets them in ascending order (recently freed pages are reused
 first, which keeps the hot set small).
 
 A separate bitmap records which pages are allocated; it is what catches double
-allocation (journal replay) and double free.
+allocation (journal replay) and double free. Another array records, per free page, whose
+bytes it may hold (:data:`CLEAN`, :data:`ANYONE`, or the tag of the owner that freed it), so
+that a page is zeroed before it goes to anyone else (:meth:`PageAllocator.take_dirty`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from hicached.page_arrays import SMALL_BATCH, ascending
 
 PageArray = npt.NDArray[np.int64]
 PagesLike = PageArray | Sequence[int]
+
+# A free page's last writer: nobody's bytes (never written, or zeroed since), or anyone's.
+# Any other value is the tag of the owner that freed it (a positive int64 its caller never
+# gives to another owner: hicached.core.sessions.Session.serial).
+CLEAN = 0
+ANYONE = -1
 
 
 def as_page_array(pages: object, what: str = "page indices") -> PageArray:
@@ -104,8 +112,8 @@ class PageAllocator:
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._top = num_pages
         self._allocated = np.zeros(num_pages, dtype=bool)
-        # Pages whose bytes may be someone's data: set when freed, cleared by take_dirty.
-        self._dirty = np.zeros(num_pages, dtype=bool)
+        # Per page, whose bytes it may hold: set when freed, CLEAN again once taken.
+        self._writer = np.full(num_pages, CLEAN, dtype=np.int64)
         self._sealed = False
 
     def seal(self) -> None:
@@ -152,8 +160,9 @@ class PageAllocator:
         pages = self.alloc(int(n_tokens) // self.page_size)
         return None if pages is None else pages_to_tokens(pages, self.page_size)
 
-    def free(self, pages: PagesLike) -> int:
-        """Return ``pages`` to the pool; the count freed.
+    def free(self, pages: PagesLike, *, by: int = ANYONE) -> int:
+        """Return ``pages`` to the pool; the count freed. ``by``: the tag of the owner whose
+        bytes they hold, when one owner alone could have written them (else :data:`ANYONE`).
 
         Raises OutOfRange, InvalidArgument (duplicates) or DoubleFree (a page
         that is not allocated), naming the offending page, and frees nothing.
@@ -162,26 +171,30 @@ class PageAllocator:
         with self._lock:
             ordered = self._check(arr, want_allocated=True)
             self._allocated[arr] = False
-            self._dirty[arr] = True
+            self._writer[arr] = by if by > CLEAN else ANYONE
             n = arr.size
             # Descending onto the stack, so the next alloc pops them ascending.
             self._stack[self._top : self._top + n] = ordered[::-1]
             self._top += n
             return n
 
-    def take_dirty(self, pages: PageArray) -> PageArray:
-        """Of ``pages`` (just allocated by the caller), those whose bytes may still be an
-        earlier owner's (freed since they were last zeroed), now counted as clean: the
-        caller zeroes them, or overwrites them whole, before anyone else can read them."""
+    def take_dirty(self, pages: PageArray, *, owner: int = ANYONE) -> PageArray:
+        """Of ``pages`` (just allocated by the caller for ``owner``), those whose bytes may
+        still be someone else's (freed since they were last zeroed, by another owner than
+        ``owner`` or by :data:`ANYONE`), now counted as clean: the caller zeroes them, or
+        overwrites them whole, before anyone else can read them. A page its own owner freed
+        holds nothing that owner could not read: it comes back as it was, unzeroed (a worker
+        that frees and re-allocates its own pages pays no memset)."""
         with self._lock:
-            dirty = pages[self._dirty[pages]]
-            self._dirty[dirty] = False
+            writers = self._writer[pages]
+            dirty: PageArray = pages[(writers != CLEAN) & (writers != owner if owner > CLEAN else True)]
+            self._writer[pages] = CLEAN
             return dirty
 
     def mark_all_dirty(self) -> None:
         """Every page's bytes are unknown (a segment re-mapped at a warm restart)."""
         with self._lock:
-            self._dirty[:] = True
+            self._writer[:] = ANYONE
 
     def check_free(self, pages: PagesLike) -> None:
         """Raise exactly what :meth:`free` would raise for ``pages``, without freeing."""

@@ -45,7 +45,7 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from hicached.errors import AlreadyExists, InvalidArgument, NotFound, clip
-from hicached.l2.allocator import PageArray, PagesLike, as_page_array
+from hicached.l2.allocator import ANYONE, PageArray, PagesLike, as_page_array
 from hicached.l2.group_types import (
     Allocation,
     LayerMapper,
@@ -180,12 +180,15 @@ class HostPoolGroup:
         self._scrub(got.pages, ())
         return got.pages[entry.name]
 
-    def allocate(self, needs: Mapping[str, int], *, fills: Collection[str] = ()) -> Allocation:
+    def allocate(
+        self, needs: Mapping[str, int], *, fills: Collection[str] = (), owner: int = ANYONE
+    ) -> Allocation:
         """``needs[pool]`` fresh pages of each named pool, all or nothing: the one allocation path.
 
         The pages come zeroed where an earlier owner's bytes may remain (in the pool and
         in every pool derived from it), except in the pools named in ``fills``: the caller
         overwrites those pages whole before anyone else can read them, or frees them.
+        ``owner`` (an allocator tag, :meth:`PageAllocator.take_dirty`): its own freed pages are not.
 
         Pools short of room are reclaimed (the group's :class:`Reclaimer`)
         only when every pool's shortfall can be freed, as its ``reclaimable``
@@ -201,23 +204,22 @@ class HostPoolGroup:
         with self._lock:
             got = self._allocate_locked(needs, self._reclaimer)
         if got.ok:
-            self._scrub(got.pages, fills)
+            self._scrub(got.pages, fills, owner)
         return got
 
-    def _scrub(self, pages: Mapping[str, PageArray], fills: Collection[str]) -> None:
+    def _scrub(self, pages: Mapping[str, PageArray], fills: Collection[str], owner: int = ANYONE) -> None:
         """Zero the pages just allocated (the caller's now) that an earlier owner may have
         written, in every pool that shares them but those in ``fills``. Runs outside the
         group lock (nobody else may touch the caller's pages): zeroing a large batch must not
         hold every other session's allocations. When zeroing fails the pages are freed (their
         flags set again) and the error raised: nothing is handed out unzeroed, nothing leaks.
 
-        Why: a freed page keeps its bytes, and the next session may be another tenant's
-        (an Alloc, then Publish and GetBytes, read them back). Only pages freed since they
-        were last zeroed are written: a pool's first use costs nothing.
+        Why: a freed page keeps its bytes, and the next session may be another tenant's (an Alloc,
+        then Publish and GetBytes, read them back). Only pages another ``owner`` freed are written.
         """
         try:
             for name, arr in pages.items():
-                dirty = self._entries[name].host_pool.allocator.take_dirty(arr)
+                dirty = self._entries[name].host_pool.allocator.take_dirty(arr, owner=owner)
                 if dirty.size == 0:
                     continue
                 for entry in self._entries.values():
@@ -283,10 +285,10 @@ class HostPoolGroup:
         for name, arr in pages.items():
             self._entries[name].host_pool.allocator.free(arr)
 
-    def free(self, pages: PagesLike, *, pool: str | None = None) -> int:
+    def free(self, pages: PagesLike, *, pool: str | None = None, by: int = ANYONE) -> int:
         entry = self.anchor if pool is None else self.get_entry(pool)
         with self._lock:
-            return entry.host_pool.allocator.free(pages)
+            return entry.host_pool.allocator.free(pages, by=by)
 
     def available(self, pool: str | None = None) -> int:
         entry = self.anchor if pool is None else self.get_entry(pool)
@@ -392,12 +394,14 @@ class HostPoolGroup:
             transfer.device_indices = copy_indices(src.device_indices, source_name)
         return ""
 
-    def resolve_all(self, transfers: Sequence[PoolTransfer], *, copy_in: bool = False) -> ResolveResult:
+    def resolve_all(
+        self, transfers: Sequence[PoolTransfer], *, copy_in: bool = False, owner: int = ANYONE
+    ) -> ResolveResult:
         """The daemon's resolve: the anchor's transfer (if any) is the primary.
 
         ``copy_in``: the caller copies every transfer's device pages into its host pages
         (a Write), so only the pools without a transfer get their new pages zeroed; else
-        every new page comes zeroed (see :meth:`allocate`).
+        every new page comes zeroed (see :meth:`allocate`, also for ``owner``).
 
         Unknown pools raise NotFound. Every missing host page (the anchor's
         and the sidecars') comes from one allocation (:meth:`allocate`'s rules), so nothing is
@@ -445,17 +449,16 @@ class HostPoolGroup:
             if failure:
                 self._free_pages(got.pages)
                 return ResolveResult(False, [t.copy() for t in transfers], failure)
-        # Outside the lock (see _scrub), once the batch is bound.
-        self._scrub(got.pages, {t.name for t in work if t.device_indices is not None} if copy_in else ())
+        filled = {t.name for t in work if t.device_indices is not None} if copy_in else ()
+        self._scrub(got.pages, filled, owner)  # outside the lock (see _scrub), once the batch is bound
         return ResolveResult(True, work)
 
     def release_transfers(self, transfers: Sequence[PoolTransfer]) -> int:
         """Free the pages of every transfer this group allocated (``host_allocated``); pages freed.
 
-        Derived transfers share another pool's pages and are skipped, so each
-        allocation is freed exactly once. Everything is validated first
-        (unknown pool: NotFound; a page freed twice, in this call or earlier:
-        DoubleFree) and then nothing is freed.
+        Derived transfers share another pool's pages and are skipped, so each allocation is freed
+        exactly once. Everything is validated first (unknown pool: NotFound; a page freed twice,
+        in this call or earlier: DoubleFree) and then nothing is freed.
         """
         with self._lock:
             plan: dict[str, list[PageArray]] = {}
@@ -473,12 +476,8 @@ class HostPoolGroup:
 
     def layer_routes(self, global_layer: int) -> list[LayerRoute]:
         """Every pool layer that holds global layer ``global_layer``, in pool-name order."""
-        routes = []
-        for entry in self.entries:
-            local = entry.pool_layer(global_layer)
-            if local is not None:
-                routes.append(LayerRoute(entry.name, local))
-        return routes
+        routes = ((e.name, e.pool_layer(global_layer)) for e in self.entries)
+        return [LayerRoute(name, local) for name, local in routes if local is not None]
 
     def draft_routes(self, draft_layer: int) -> list[LayerRoute]:
         """Every pool layer that holds packed draft layer ``draft_layer``."""

@@ -75,8 +75,8 @@ def test_a_free_racing_an_alloc_of_the_same_session_keeps_the_new_pages_owned(
     real_free = state.free
     again: list[np.ndarray] = []
 
-    def free_then_alloc(name: str, arr: np.ndarray) -> int:
-        freed = real_free(name, arr)
+    def free_then_alloc(name: str, arr: np.ndarray, *, by: int) -> int:
+        freed = real_free(name, arr, by=by)
         got = c.core.alloc(a, "", "kv", 2)  # another thread of the session, between free and forget
         assert got is not None
         again.append(got)
@@ -104,8 +104,8 @@ def test_a_release_racing_an_alloc_of_the_same_session_keeps_the_new_pages_owned
     real = state.release_transfers
     again: list[np.ndarray] = []
 
-    def release_then_alloc(transfers: Any) -> int:
-        freed = real(transfers)
+    def release_then_alloc(transfers: Any, *, by: int) -> int:
+        freed = real(transfers, by=by)
         pages = c.core.alloc(a, "", "kv", 2)
         assert pages is not None
         again.append(pages)

@@ -86,6 +86,38 @@ def test_a_page_once_zeroed_is_not_zeroed_again_until_freed(group: HostPoolGroup
     assert group.get_pool("kv").allocator.take_dirty(pages).size == 4
 
 
+def test_a_page_its_owner_freed_comes_back_to_that_owner_as_it_was(group: HostPoolGroup) -> None:
+    kv, draft = group.get_pool("kv"), group.get_pool("draft")
+    pages = group.allocate({"kv": 4}, owner=7).pages["kv"]
+    _fill(kv, pages)
+    _fill(draft, pages)
+    group.free(pages, pool="kv", by=7)
+    mine = group.allocate({"kv": 4}, owner=7).pages["kv"]
+    assert sorted(mine.tolist()) == sorted(pages.tolist())
+    assert all(_is(kv, p, MARK) and _is(draft, p, MARK) for p in mine.tolist())  # not zeroed
+    group.free(mine, pool="kv", by=7)
+    theirs = group.allocate({"kv": 4}, owner=8).pages["kv"]  # another owner: zeroed
+    assert all(_is(kv, p, 0) and _is(draft, p, 0) for p in theirs.tolist())
+
+
+@pytest.mark.parametrize("freed_by", [None, 8])
+@pytest.mark.parametrize("taken_by", [None, 7])
+def test_a_page_freed_by_anyone_else_is_zeroed_for_every_owner(
+    group: HostPoolGroup, freed_by: int | None, taken_by: int | None
+) -> None:
+    """Freed by another owner or by nobody in particular (the index, a teardown), or taken
+    without an owner: zeroed."""
+    kv = group.get_pool("kv")
+    pages = group.allocate({"kv": 4}, owner=8).pages["kv"]
+    _fill(kv, pages)
+    if freed_by is None:
+        group.free(pages, pool="kv")
+    else:
+        group.free(pages, pool="kv", by=freed_by)
+    got = group.allocate({"kv": 4}) if taken_by is None else group.allocate({"kv": 4}, owner=taken_by)
+    assert all(_is(kv, p, 0) for p in got.pages["kv"].tolist())
+
+
 @pytest.mark.parametrize("copy_in", [False, True])
 def test_resolve_zeroes_what_no_copy_will_write(group: HostPoolGroup, copy_in: bool) -> None:
     _used(group)
