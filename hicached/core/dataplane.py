@@ -26,7 +26,7 @@ from hicached.core.observer import CoreObserver
 from hicached.core.sessions import Session, SessionTable
 from hicached.core.types import Ack, TransferResult
 from hicached.errors import InvalidArgument, PermissionDenied, clip
-from hicached.l2.allocator import as_page_array
+from hicached.l2.allocator import ANYONE, as_page_array
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine, Priority
 from hicached.transfer.plan import Direction, build_plan
@@ -160,8 +160,15 @@ class DataPlane:
                 "(or no longer: another call of this session freed or published it)"
             )
 
-    def release_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> int:
+    def release_owned(
+        self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer], *, whole: bool = True
+    ) -> int:
         """Free the session's allocated pages of ``transfers`` (derived ones skipped by role).
+
+        ``whole``: the pages hold only what the session may read (zeroed, its own, or written
+        whole by its call), so they come back to it unzeroed. A copy that failed part-way into
+        pages allocated for it to fill left an earlier owner's bytes in what it did not reach:
+        False, and whoever gets them next gets them zeroed.
 
         Atomic: the ledger gives the pages up first (:meth:`disown`), then
         ``state.release_transfers`` validates the whole batch before freeing;
@@ -171,7 +178,7 @@ class DataPlane:
         pages = [(t.name, np.asarray(t.host_indices, dtype=np.int64)) for t in owned]
         self.disown(session, pages)
         try:
-            return state.release_transfers(owned, by=session.serial)
+            return state.release_transfers(owned, by=session.serial if whole else ANYONE)
         except BaseException:
             session.ledger.give(pages)
             raise
@@ -265,7 +272,7 @@ class DataPlane:
                     session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND, owned=True
                 )
             except BaseException:
-                self.release_owned(session, state, resolved.transfers)
+                self.release_owned(session, state, resolved.transfers, whole=not allocate)
                 raise
             return TransferResult(ok=True, transfers=resolved.transfers, acks=acks)
 

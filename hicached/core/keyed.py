@@ -213,7 +213,7 @@ class KeyedCache:
                     session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND
                 )
             except BaseException:
-                data.release_owned(session, state, resolved.transfers)
+                data.release_owned(session, state, resolved.transfers, whole=False)
                 raise
             pages = {t.name: t.host_indices for t in resolved.transfers if t.host_allocated}
             # Disowned before the index takes them (see DataPlane.disown); this call holds
