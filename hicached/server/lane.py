@@ -48,7 +48,7 @@ from hicached.core.sessions import Session
 from hicached.errors import PermissionDenied
 from hicached.l2.group import PoolTransfer
 from hicached.server.handoff import peer_cred
-from hicached.server.lane_records import acks_out, transfers_in, transfers_out
+from hicached.server.lane_records import acks_out, check_answer_fits, transfers_in, transfers_out
 from hicached.server.limits import check_id_values, check_keys
 from hicached.server.observer import RpcObserver
 from hicached.server.status import Answer, answer_for
@@ -115,6 +115,7 @@ class Lane:
         self._head = 0
         self._pools = 0  # of the session's group, set at negotiation
         self._admitted = False
+        self._client_gone = True  # until the lane ends for another reason (see _teardown)
         # displace() (the acceptor's thread) and the close in _teardown: a close between its
         # fd lookup and its syscall could make it shut down a descriptor reused by then.
         self._conn_lock = threading.Lock()
@@ -130,6 +131,7 @@ class Lane:
                     self._conn.sendall(f"error {exc.code} {str(exc)[:300]}\n".encode())
                 return
             reason = self._serve()
+            self._client_gone = reason in ("client closed", "ring violation")
             logger.debug(
                 "fast lane closed", extra={"event": "lane", "session": self.session_id, "why": reason}
             )
@@ -147,6 +149,17 @@ class Lane:
             self._view = None
         ring, self._ring = self._ring, None
         if ring is not None:
+            # The client keeps the memfd: unmapped, the pages this thread faulted in (any record
+            # may declare ~1 MiB it never wrote) would stay charged to the daemon, lane after
+            # lane. The completions stay where the client may still read its last one.
+            spans = (
+                [(0, w.RING_BYTES)]
+                if self._client_gone
+                else [(w.request_offset(i), w.AREA) for i in range(w.SLOTS)]
+            )
+            with contextlib.suppress(OSError, ValueError):
+                for offset, length in spans:
+                    ring.madvise(mmap.MADV_REMOVE, offset, length)
             try:
                 ring.close()
             except BufferError:
@@ -384,7 +397,7 @@ class Lane:
             check_keys(req.keys, self._limits)
         transfers = transfers_in(req.transfers, self._limits)
         if req.opcode in (w.Opcode.WRITE, w.Opcode.RESOLVE):
-            self._check_answer_fits(req)
+            check_answer_fits(req, self._pools)
         if req.opcode is w.Opcode.WRITE:
             res = self._core.write(sid, op, transfers, allocate=bool(req.flags & w.FLAG_ALLOCATE))
             return w.Completion(
@@ -428,25 +441,6 @@ class Lane:
         return w.Completion(
             req.opcode, seq, ok, put.ok, None, put.reason, (), acks_out(put.acks), value=put.stored_pages
         )
-
-    def _check_answer_fits(self, req: w.Request) -> None:
-        """Refuse, before anything runs, a Write/Resolve whose answer might not fit its completion
-        slot: once pages are allocated the answer must reach the client. Bound: one transfer per
-        request transfer and per pool of the group (derived pools), each of at most twice the
-        longest request transfer's pages (device and host), and the longest message."""
-        longest = max(
-            (max(len(t.device) if t.device is not None else 0, len(t.host) if t.host is not None else 0)
-             for t in req.transfers),
-            default=0,
-        )  # fmt: skip
-        rows = len(req.transfers) + self._pools
-        need = w.COMPLETION.size + rows * (w.TRANSFER.size + 16 * longest + w.ACK.size)
-        need += w.MAX_MESSAGE_BYTES - w.MESSAGE_BYTES  # a long reason's tail goes after the sections
-        if need > w.AREA:
-            raise w.RecordError(
-                f"the answer to transfers of up to {longest} pages may not fit one lane completion "
-                f"({w.AREA} bytes for {rows} pools): split the batch or use gRPC"
-            )
 
     def _on_layer(self, seq: int, layers: list[int]) -> Callable[[int], None]:
         doorbell = self._efds[2]
