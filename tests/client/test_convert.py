@@ -158,9 +158,10 @@ def test_channel_config_validation() -> None:
 
 
 def test_retry_policy_is_the_channels_service_config() -> None:
-    """Retries are gRPC's (issue 14): the policy becomes a retryPolicy for every RPC but Attach."""
+    """Retries are gRPC's (issue 14): the policy becomes a retryPolicy for every RPC but Attach
+    and the two streams (the client retries those: see the test below)."""
     policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=0.15)
-    every, attach = policy.service_config()["methodConfig"]
+    every, plain = policy.service_config()["methodConfig"]
     assert every["retryPolicy"] == {
         "maxAttempts": 3,
         "initialBackoff": "0.1s",
@@ -169,7 +170,8 @@ def test_retry_policy_is_the_channels_service_config() -> None:
         "retryableStatusCodes": ["DEADLINE_EXCEEDED", "UNAVAILABLE"],
     }
     assert {n["service"] for n in every["name"]} == {"hicached.v1.HiCacheService", "hicached.v1.AdminService"}
-    assert attach == {"name": [{"service": "hicached.v1.HiCacheService", "method": "Attach"}]}
+    names = ("Attach", "Load", "RetractRestore")
+    assert plain == {"name": [{"service": "hicached.v1.HiCacheService", "method": m} for m in names]}
     opted = RetryPolicy(retry_resource_exhausted=True).service_config()["methodConfig"][0]
     assert "RESOURCE_EXHAUSTED" in opted["retryPolicy"]["retryableStatusCodes"]
     assert all("retryPolicy" not in m for m in NO_RETRY.service_config()["methodConfig"])
@@ -183,6 +185,22 @@ def test_retry_policy_is_the_channels_service_config() -> None:
         RetryPolicy(max_attempts=6)
     with pytest.raises(ValueError, match=r">= 0\.01 s"):
         RetryPolicy(initial_backoff_s=0.001)
+
+
+def test_a_stream_is_retried_as_the_policy_says_within_its_deadline() -> None:
+    """RetryPolicy.stream_retry_s: gRPC's rules for a retried call, applied by the client."""
+    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=0.15)
+    unavailable, exhausted = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED
+    first = policy.stream_retry_s(1, unavailable, None, None)
+    assert first is not None and 0 <= first <= 0.1  # jittered, at most the initial backoff
+    second = policy.stream_retry_s(2, unavailable, None, None)
+    assert second is not None and 0 <= second <= 0.15  # capped at max_backoff_s
+    assert policy.stream_retry_s(3, unavailable, None, None) is None  # attempts spent
+    assert policy.stream_retry_s(1, exhausted, None, None) is None  # not a retried code
+    assert policy.stream_retry_s(1, unavailable, 250, None) == 0.25  # the server's pushback first
+    assert policy.stream_retry_s(1, unavailable, -1, None) is None  # pushback: do not retry
+    assert policy.stream_retry_s(1, unavailable, 250, 0.2) is None  # it would start past the deadline
+    assert NO_RETRY.stream_retry_s(1, unavailable, None, None) is None
 
 
 class _FakeCall(grpc.RpcError):

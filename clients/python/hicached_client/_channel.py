@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,8 @@ MAX_ATTEMPTS = 5
 # of the retried calls until their deadline (the retry never went out); 10 ms never did.
 MIN_BACKOFF_S = 0.01
 SERVICES = ("hicached.v1.HiCacheService", "hicached.v1.AdminService")
+# The server-streaming RPCs: the client retries them itself (see RetryPolicy.stream_retry_s).
+STREAMS = ("Load", "RetractRestore")
 # Reconnect backoff of a Unix-socket channel. gRPC's defaults (1 s, x1.6, up to 120 s) are
 # meant for remote servers: after a local daemon restart a client waited up to minutes (38 s
 # measured) for its next connect attempt. A failed connect to a local socket costs
@@ -187,11 +190,31 @@ class RetryPolicy:
     def retries(self, code: grpc.StatusCode) -> bool:
         return code in self.codes()
 
+    def stream_retry_s(
+        self, attempt: int, code: grpc.StatusCode, pushback_ms: int | None, left_s: float | None
+    ) -> float | None:
+        """How long a stream that failed before its first message, on its ``attempt``-th try,
+        waits before the next; None: it fails. gRPC's rules for a call it retries: the codes
+        and attempts of this policy, the server's pushback first (negative: no retry), else
+        a jittered exponential backoff, and no try that would start past the deadline
+        (``left_s``, None: none). The channel does not retry streams: in grpcio's blocking
+        client, a retried stream whose connection died under it (the daemon killed) waited
+        forever, past its deadline."""
+        if attempt >= self.max_attempts or not self.retries(code):
+            return None
+        if pushback_ms is not None:
+            delay = pushback_ms / 1000 if pushback_ms >= 0 else None
+        else:
+            cap = min(self.initial_backoff_s * self.multiplier ** (attempt - 1), self.max_backoff_s)
+            delay = random.uniform(0, cap)
+        return None if delay is None or (left_s is not None and delay >= left_s) else delay
+
     def service_config(self) -> dict[str, Any]:
-        """The channel's service config (``grpc.service_config``): retries for every RPC but Attach."""
-        attach = {"name": [{"service": SERVICES[0], "method": "Attach"}]}
+        """The channel's service config (``grpc.service_config``): retries for every RPC but
+        Attach (its fd ticket serves once) and the streams (:meth:`stream_retry_s`)."""
+        plain = {"name": [{"service": SERVICES[0], "method": m} for m in ("Attach", *STREAMS)]}
         if self.max_attempts == 1:
-            return {"methodConfig": [attach]}
+            return {"methodConfig": [plain]}
         policy = {
             "maxAttempts": self.max_attempts,
             "initialBackoff": _duration(self.initial_backoff_s),
@@ -200,8 +223,8 @@ class RetryPolicy:
             "retryableStatusCodes": sorted(code.name for code in self.codes()),
         }
         every = {"name": [{"service": s} for s in SERVICES], "retryPolicy": policy}
-        # The most specific name wins: Attach's entry (no retryPolicy) overrides the service's.
-        return {"methodConfig": [every, attach]}
+        # The most specific name wins: the entry of the methods (no retryPolicy) overrides the service's.
+        return {"methodConfig": [every, plain]}
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)

@@ -210,14 +210,15 @@ class HiCacheClient:
         if self._closed:
             raise ClientClosedError(call.method)
         self._check_dir()
+        return LoadStream(self, call, self._timeout(timeout_s))
+
+    def _start_stream(self, call: Call[LoadProgress], timeout_s: float | None) -> Any:
+        """One try of a stream's RPC (see :class:`LoadStream` for the others)."""
         method = getattr(self._stubs[call.service, call.line], call.method)
         try:
-            rpc = method(
-                call.request, timeout=self._timeout(timeout_s), metadata=self._metadata + call.metadata
-            )
+            return method(call.request, timeout=timeout_s, metadata=self._metadata + call.metadata)
         except backend.START_ERRORS as exc:
             raise self._start_failure(exc, call.method) from None
-        return LoadStream(self, call, rpc)
 
     # ------------------------------------------------------------- sessions
 
@@ -304,17 +305,27 @@ class HiCacheClient:
 class LoadStream(Iterator[LoadProgress]):
     """Progress of a Load / RetractRestore, one item per finished layer, then a final one.
 
-    The RPC starts when the stream is created. The channel re-sends the same request (same
-    op_id) after a transient failure before the first message; after that a failure raises.
+    The RPC starts when the stream is created. After a transient failure before the first
+    message the stream re-sends the same request (same op_id) under the client's retry policy,
+    within the call's deadline (``RetryPolicy.stream_retry_s``); after that a failure raises.
     ``cancel()`` abandons the load (the daemon stops it); ``wait()`` consumes the stream and
     returns a :class:`LoadResult`.
     """
 
-    def __init__(self, client: HiCacheClient, call: Call[LoadProgress], rpc: Any) -> None:
+    def __init__(self, client: HiCacheClient, call: Call[LoadProgress], timeout_s: float | None) -> None:
         self._client = client
         self._call = call
-        self._rpc = rpc
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._tries = 1
+        self._received = False  # a message came: no more tries
         self._finished = False
+        self._rpc = client._start_stream(call, timeout_s)
+
+    def _retry_s(self, error: HiCacheError) -> float | None:
+        if self._received or self._finished or isinstance(error, ClientClosedError):
+            return None
+        left = None if self._deadline is None else self._deadline - time.monotonic()
+        return self._client.config.retry.stream_retry_s(self._tries, error.code, error.retry_after_ms, left)
 
     def __iter__(self) -> Self:
         return self
@@ -323,12 +334,26 @@ class LoadStream(Iterator[LoadProgress]):
         if self._finished:
             raise StopIteration
         try:
-            message = backend.next_message(self._rpc)
-        except grpc.RpcError as exc:
+            while True:
+                try:
+                    message = backend.next_message(self._rpc)
+                    break
+                except grpc.RpcError as exc:
+                    error = self._client._closed_under(self._call.method) or from_rpc_error(
+                        exc, self._call.method
+                    )
+                    pause = self._retry_s(error)
+                    if pause is None:
+                        raise error from None
+                backend.pause(pause)
+                if self._finished:  # cancelled meanwhile
+                    raise error
+                self._tries += 1
+                left = None if self._deadline is None else self._deadline - time.monotonic()
+                self._rpc = self._client._start_stream(self._call, left)
+        except HiCacheError:
             self._finished = True
-            raise self._client._closed_under(self._call.method) or from_rpc_error(
-                exc, self._call.method
-            ) from None
+            raise
         except backend.START_ERRORS as exc:
             self._finished = True
             raise self._client._start_failure(exc, self._call.method) from None
@@ -345,6 +370,7 @@ class LoadStream(Iterator[LoadProgress]):
                 f"{self._call.method} stream ended without its final message",
                 method=self._call.method,
             )
+        self._received = True
         progress = self._call.convert(message)
         self._finished = progress.done
         return progress
