@@ -476,6 +476,8 @@ UNWORKABLE = {
         ["--listen", "nonsense", "--set", "server.insecure_tcp=true"],
         ["server.listen", "'nonsense'", "HOST:PORT"],
     ),
+    # Before, without a token the error asked for one, and only then for HOST:PORT.
+    "listen not HOST:PORT, no token": (["--listen", ":50051"], ["server.listen", "':50051'", "HOST:PORT"]),
     "size below one byte": (["--set", "host.budget=0.0001KiB"], ["host.budget", "'0.0001KiB'", "whole"]),
     "fractional byte": (["--set", "copy.max_queued=1.5"], ["copy.max_queued", "'1.5'"]),
 }

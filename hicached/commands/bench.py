@@ -109,7 +109,9 @@ calls through the daemon vs HiCacheFile and the raw disk: set, cold get, warm ge
 given time: p50/p99 per operation in the first and last window, daemon RSS and fds over time,
 page accounting after every worker detached; not in the default set), fastlane (the shared-memory
 fast lane's round trip and per-layer signal vs a raw Unix-socket ping-pong and gRPC), scale (per-page, per-key, per-pool and per-worker cost
-as the work grows, plus the raw Unix-socket ping-pong). A suite or part whose packages or servers are missing
+as the work grows, plus the raw Unix-socket ping-pong), engine (time to first token of a small
+transformers model whose prompt prefix is served from the daemon, from L2 and from L3 after a
+restart, vs a full prefill; needs the hf extra). A suite or part whose packages or servers are missing
 is skipped with the reason; a failing suite is reported and the others still run (exit 1).
 """
 

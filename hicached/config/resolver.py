@@ -166,16 +166,17 @@ def _check_bounds(cfg: Config) -> None:
             f"invalid host.shm_prefix = {cfg.host.shm_prefix!r}: use 1..64 of A-Z a-z 0-9 _ . - "
             "(not starting with . or -)"
         )
+
+
+def _check_tcp(server: ServerConfig) -> None:
+    """TCP fails closed: a listener needs a token or mTLS unless insecure_tcp says otherwise.
+    Its address is checked first: a malformed one is the error to fix before any other."""
     listen = _LISTEN_RE.fullmatch(server.listen)
     if server.listen and (listen is None or int(listen.group("port")) > 65535):
         raise ConfigError(
             f"invalid server.listen = {server.listen!r}: expected HOST:PORT, e.g. 0.0.0.0:50051, "
             "[::]:50051 or localhost:0"
         )
-
-
-def _check_tcp(server: ServerConfig) -> None:
-    """TCP fails closed: a listener needs a token or mTLS unless insecure_tcp says otherwise."""
     if server.tls_client_ca and not server.tls_cert:
         raise ConfigError(
             f"server.tls_client_ca = {server.tls_client_ca!r} is set but server.tls_cert is not: "

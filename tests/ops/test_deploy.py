@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 import yaml
 
 from hicached.config import resolve
+from hicached.config.resolver import all_keys
 from hicached.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,6 +277,17 @@ def test_service_monitor_service_and_daemonset_point_at_each_other(
     assert "hicached.toml" in configmap["data"]
 
 
+GROUP_ROOM = 4 << 30
+
+
+def _leaves(table: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    for key, value in table.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
 @pytest.mark.parametrize("kustomization", ["base", "examples/sidecar"])
 def test_config_loads_and_matches_the_flags(
     kustomization: str, rendered: dict[str, list[Manifest]], tmp_path: Path
@@ -284,6 +297,12 @@ def test_config_loads_and_matches_the_flags(
     toml_file = tmp_path / "hicached.toml"
     toml_file.write_text(only(docs, "ConfigMap")["data"]["hicached.toml"])
     config = resolve(env={}, file=toml_file)
+    # Each key as `hicached config show --keys` lists it (an alias works, but an operator
+    # searching the manifest for a key the docs name would not find it).
+    canonical = {name for name, _, _ in all_keys()}
+    table = tomllib.loads(toml_file.read_text())
+    given = {f"{section}.{key}" for section, keys in table.items() for key in _leaves(keys)}
+    assert given <= canonical, f"not as `hicached config show` names them: {sorted(given - canonical)}"
     workload = next(d for d in docs if d["kind"] in ("DaemonSet", "Deployment"))
     pod_spec = workload["spec"]["template"]["spec"]
     daemon = next(c for c in pod_containers(pod_spec) if c["name"] == "hicached")
@@ -304,7 +323,9 @@ def test_config_loads_and_matches_the_flags(
 
     limit = daemon["resources"]["limits"]["memory"]
     assert limit.endswith("Gi")
-    assert int(limit[:-2]) << 30 >= config.host.budget + (2 << 30), "host budget + headroom"
+    # docs/deploy.md, "Sizing": the budget, the daemon's own ~4 GiB, and a new pool group built
+    # before the ones it replaces are dropped (the manifests leave room for one of 4 GiB).
+    assert int(limit[:-2]) << 30 >= config.host.budget + (4 << 30) + GROUP_ROOM, "budget + 4 GiB + a group"
     shm = volumes.get("dshm")
     if shm is not None:
         assert int(shm["emptyDir"]["sizeLimit"].removesuffix("Gi")) << 30 > config.host.budget

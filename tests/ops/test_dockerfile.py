@@ -196,7 +196,7 @@ def test_image_defaults_point_at_its_volumes_for_a_user_without_home(monkeypatch
         assert any(path.is_relative_to(v) for v in volumes), f"{what} = {path} is on no VOLUME {volumes}"
     # The paths the DaemonSet's config names explicitly are the same ones.
     daemonset_toml = tomllib.loads((ROOT / "deploy/base/hicached.toml").read_text())
-    assert config.l3.file.path == daemonset_toml["l3"]["path"]
+    assert config.l3.file.path == daemonset_toml["l3"]["file"]["path"]
     assert config.host.journal_dir == daemonset_toml["host"]["journal_dir"]
 
 
