@@ -117,6 +117,27 @@ def test_torn_write_is_never_served(file_dir: Path) -> None:
         assert backend.exists(["torn"]) == 0  # its header was cleared
 
 
+def test_a_torn_page_found_at_start_is_written_again_by_set(file_dir: Path) -> None:
+    """Fails before (a review that killed writers): a page indexed at start from its header
+    alone counted as stored, so set() answered True and wrote nothing, and the page was lost
+    for good once it left L2 (the daemon's write-through trusts that answer). Now set() reads
+    back a page found at start first: a whole one stands, a torn one is written again."""
+    with open_file(file_dir) as backend:
+        assert backend.set(["tw/a", "tw/b"], [page("tw/a"), page("tw/b")]) == [True, True]
+    with slab_path(file_dir).open("r+b") as f:  # slot 0 (tw/a): a kill mid-pwrite
+        f.seek(HEADER_BYTES + 2048)
+        f.write(b"\0" * 2048)
+    with open_file(file_dir) as backend:
+        assert backend.set(["tw/a", "tw/b"], [page("tw/a"), page("tw/b")]) == [True, True]
+        assert backend.stats().corrupt_pages == 1  # tw/a, found torn by the read back
+        assert backend.get(["tw/a", "tw/b"]) == [page("tw/a"), page("tw/b")]
+        assert backend.set(["tw/b"], [page("tw/a")]) == [True]  # read back whole: the first copy stands
+        assert backend.get(["tw/b"]) == [page("tw/b")]
+    with open_file(file_dir) as backend:  # the new copy stands, the torn one is gone
+        assert backend.get(["tw/a", "tw/b"]) == [page("tw/a"), page("tw/b")]
+        assert backend.stats().pages == 2
+
+
 def test_truncated_slab_is_a_miss(file_dir: Path) -> None:
     with open_file(file_dir) as backend:
         assert all(backend.set(["tr/a", "tr/b"], [page("tr/a"), page("tr/b")]))

@@ -246,6 +246,14 @@ class FileBackend(StorageBackend):
         return self._write(keys, [[as_bytes_view(c, writable=False) for c in chunks] for chunks in srcs])
 
     def _write(self, keys: Sequence[str], srcs: list[list[memoryview]]) -> list[bool]:
+        # A stored key is not written again (the first copy stands), but one found at start has
+        # only had its header read, and a crash may have torn its payload: read it back first
+        # (a torn copy is dropped, counted as corrupt, and written below).
+        with self._lock:
+            entries = self._index.entries
+            unread = [k for k in dict.fromkeys(keys) if (e := entries.get(k)) is not None and not e.read_back]
+        if unread:
+            self.get(unread)
         encoded = [key.encode("utf-8") for key in keys]
         for key, raw in zip(keys, encoded, strict=True):
             if len(raw) > MAX_KEY_BYTES:

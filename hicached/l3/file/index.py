@@ -137,7 +137,7 @@ class PageIndex:
                         corrupt.append((slab, slot))
                     continue
                 key, seq, length, checksum = parsed
-                entry = Entry(key, slab, slot, length, checksum, seq)
+                entry = Entry(key, slab, slot, length, checksum, seq, read_back=False)
                 old = found.get(key)
                 if old is not None and old.seq > seq:
                     stale.append(entry)
@@ -201,7 +201,17 @@ class PageIndex:
         for seq, entry in enumerate(ordered, start=1):
             header = pack_header(entry.key.encode("utf-8"), seq, entry.length, entry.checksum)
             os.pwrite(entry.slab.fd, header, entry.slab.offset(entry.slot))
-            renumbered.append(Entry(entry.key, entry.slab, entry.slot, entry.length, entry.checksum, seq))
+            renumbered.append(
+                Entry(
+                    entry.key,
+                    entry.slab,
+                    entry.slot,
+                    entry.length,
+                    entry.checksum,
+                    seq,
+                    read_back=entry.read_back,
+                )
+            )
         self._sync_slabs()
         return renumbered
 
@@ -430,7 +440,9 @@ class PageIndex:
             if entry is None:
                 continue
             entry.pins -= 1
-            if not good and not entry.dead and (read is None or read[i]):
+            if good:
+                entry.read_back = True
+            elif not entry.dead and (read is None or read[i]):
                 self.corrupt += 1
                 log.warning("file backend %s: page %r failed verification", self.root, entry.key)
                 self.drop(entry, tombstone=True)

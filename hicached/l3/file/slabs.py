@@ -199,7 +199,7 @@ def _open_direct(path: Path) -> int | None:
 @dataclasses.dataclass(eq=False, slots=True)
 class Entry:
     """One stored page. ``checksum`` is set once, before the entry is indexed; the other
-    fields but pins/dead/tomb/freed never change."""
+    fields but pins/dead/tomb/freed/read_back never change."""
 
     key: str
     slab: Slab
@@ -211,3 +211,6 @@ class Entry:
     dead: bool = False  # out of the index; its slot is freed once no reader pins it
     tomb: bool = False  # clear the slot header when freeing (deleted or corrupt page)
     freed: bool = False
+    # Written or read back whole by this process; False for a page found at start, whose
+    # payload a crash may have torn (the headers alone are read then): a set() reads it first.
+    read_back: bool = True
