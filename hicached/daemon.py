@@ -23,7 +23,8 @@ from hicached_client.v1 import hicached_pb2_grpc as pb_grpc
 from hicached.config import Config, ConfigError, as_dict
 from hicached.core.group_state import GroupState
 from hicached.core.groups import GroupRegistry
-from hicached.core.keyed import KeyedCache, KeyedOptions
+from hicached.core.keyed import KeyedCache
+from hicached.core.keyed_types import KeyedOptions
 from hicached.core.service import HiCacheCore
 from hicached.errors import FailedPrecondition, StartupError
 from hicached.index.index import ContentIndex

@@ -164,6 +164,10 @@ class GroupRegistry:
         groups, building = self._counted
         return sum(g.nbytes for g in groups.values()) + building + warm
 
+    def journaled_groups(self) -> int:
+        """Journaled groups (warm restart) not re-created yet; read without the lock."""
+        return self._warm.count() if self._warm else 0
+
     def get(self, group_id: str) -> GroupState:
         """Never waits for the registry's lock (a group being built; see ``_view``)."""
         state = self._view.get(group_id)

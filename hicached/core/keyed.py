@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from hicached.config import Config
 from hicached.core.checks import check_indices
 from hicached.core.group_state import GroupState
+from hicached.core.keyed_types import KeyedOptions, PutResult, device_pages_at
 from hicached.core.prefetch_admission import PrefetchAdmission
 from hicached.core.service import HiCacheCore
 from hicached.core.sessions import Session
@@ -42,32 +41,6 @@ from hicached.transfer.engine import Priority
 from hicached.transfer.plan import Direction
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KeyedOptions:
-    """The settings the keyed path reads (from the configuration, by ``daemon.py``; immutable)."""
-
-    max_batch_pages: int  # server.max_batch_pages: keys of one PutPages
-    prefetch_policy: PrefetchPolicy  # l3.prefetch_policy: a prefetch that names none
-    max_prefetches_per_session: int  # limits.max_prefetches_per_session
-    max_prefetch_keys_per_peer: int = 1 << 20  # limits.max_prefetch_keys_per_peer
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> KeyedOptions:
-        lim, l3 = cfg.limits, cfg.l3
-        per_peer = lim.max_prefetch_keys_per_peer
-        return cls(cfg.server.max_batch_pages, l3.prefetch_policy, lim.max_prefetches_per_session, per_peer)
-
-
-@dataclass(frozen=True)
-class PutResult:
-    ok: bool
-    stored_pages: int = 0
-    existing_pages: int = 0
-    acks: tuple[Ack, ...] = ()
-    # With ok False: why the daemon refused (sent to the worker).
-    reason: str = ""
 
 
 class KeyedCache:
@@ -479,20 +452,27 @@ class KeyedCache:
         return flushed
 
     def clear(self, model: str, tenant: str | None) -> tuple[int, int]:
+        """Clear ``model`` (one tenant's, or every tenant's) from its pool groups live in this
+        daemon: their L2 entries and their L3 namespaces. A group's id depends on its workers'
+        layout, so what groups not re-created since the start left (in L3, or journaled for a
+        warm restart) cannot be found: with no live group of the model where such pages may
+        be, FailedPrecondition says so instead of a clear of nothing."""
         if not model:
             raise InvalidArgument("model_name must not be empty")
+        indexes = self.indexes(model)
+        journaled = self.core.groups.journaled_groups()
+        if not indexes and (self._options.has_l3 or journaled):
+            where = "in L3" + (
+                f" and in the {journaled} pool groups journaled for a warm restart" if journaled else ""
+            )
+            raise FailedPrecondition(
+                f"model {clip(model)} has no pool group live in this daemon, so what its groups left {where} "
+                "cannot be found (a group is known by its workers' layout): attach a worker of the model "
+                "(one of each TP/PP rank), then clear again"
+            )
         l2 = l3 = 0
-        for index in self.indexes(model):
+        for index in indexes:
             a, b = index.clear(tenant)
             l2 += a
             l3 += b
         return l2, l3
-
-
-def device_pages_at(t: PoolTransfer, at: list[int]) -> PoolTransfer:
-    """``t``'s device pages at the ascending positions ``at``, with no host pages (to be
-    allocated); a slice when ``at`` is a whole tail (the common case: a new suffix)."""
-    dev = t.device_indices
-    if dev is not None and len(dev):  # a derived pool may leave its pages to its source's
-        dev = dev[at[0] :] if len(at) == len(dev) - at[0] else dev[np.asarray(at, dtype=np.intp)]
-    return PoolTransfer(t.name, device_indices=dev, host_indices=None)

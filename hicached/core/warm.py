@@ -131,6 +131,9 @@ class WarmGroups:
     def oldest_first(self) -> list[Journaled]:
         return sorted(self._journaled.values(), key=lambda j: (j.saved_ns, j.group_id))
 
+    def count(self) -> int:
+        return len(self._journaled)
+
     def nbytes(self) -> int:
         # A copy first: read without the registry's lock (GetStats), which changes the dict.
         return sum(j.nbytes for j in list(self._journaled.values()))

@@ -23,7 +23,8 @@ from hicached_client.v1 import types_pb2 as tpb
 
 from hicached.config import Config
 from hicached.core.groups import GroupRegistry
-from hicached.core.keyed import KeyedCache, KeyedOptions
+from hicached.core.keyed import KeyedCache
+from hicached.core.keyed_types import KeyedOptions
 from hicached.core.service import HiCacheCore
 from hicached.core.types import PoolRequest, WorkerId
 from hicached.daemon import attach_content_index

@@ -122,3 +122,44 @@ def test_clear_namespace_drops_one_model_from_l2_and_l3(
             assert {pool: pools_b.digest(pool, range(200, 200 + PAGES)) for pool in POOLS} == stored
     finally:
         daemon.stop()
+
+
+def test_clear_namespace_after_a_restart_says_it_cannot_find_the_models_groups(
+    l3_dir: Path, worker_pools: list[WorkerPools]
+) -> None:
+    """Fails before (a review that restarted daemons): a clear of a model none of whose groups
+    was re-created since the start answered 0 pages cleared, and the pages it should have
+    dropped came back from L3 at the next attach. Now FAILED_PRECONDITION says what to do; once
+    a worker of the model attached, the clear finds its group and its L3 pages."""
+    tag, pools = new_pools(worker_pools, seed=84)
+    worker = WorkerIdentity(tag, generation=1, model_name="m-restarted")
+    keys = chain("tenant-r")
+    daemon = start_file_daemon(l3_dir)
+    try:
+        with (
+            HiCacheClient(daemon.target, timeout_s=30.0) as client,
+            client.attach(worker, pools.specs()) as s,
+        ):
+            assert s.put_pages(keys, transfers(range(PAGES))).stored_pages == PAGES
+            backed = s.backup(keys, wait=True)
+            assert backed.stored_pages == backed.queued_pages
+            assert l3_pages(client) == PAGES * len(POOLS)
+    finally:
+        daemon.stop()
+    daemon = start_file_daemon(l3_dir)
+    try:
+        with (
+            HiCacheClient(daemon.target, timeout_s=30.0) as client,
+            HiCacheClient(daemon.admin_target, timeout_s=30.0) as admin,
+        ):
+            with pytest.raises(HiCacheError) as refused:
+                admin.clear_namespace("m-restarted")
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "attach a worker of the model" in refused.value.message
+            with client.attach(worker, pools.specs()) as s:
+                assert s.lookup(keys).total_hit_pages == PAGES  # in L3: nothing was cleared
+                cleared = admin.clear_namespace("m-restarted")
+                assert cleared.l3_pages == PAGES
+                assert s.lookup(keys).total_hit_pages == 0
+    finally:
+        daemon.stop()

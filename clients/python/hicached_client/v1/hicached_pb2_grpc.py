@@ -1168,7 +1168,11 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearNamespace(self, request, context):
-        """Drops a model (and optionally one tenant) from L2 and L3. The one
+        """Drops a model (and optionally one tenant) from L2 and L3: its pool groups
+        live in the daemon, their entries and their L3 namespaces. A group is known
+        by its workers' layout: with none of the model's groups live where pages of
+        it may be (an L3 backend, or groups journaled for a warm restart), the call
+        is FAILED_PRECONDITION (attach a worker of each rank first). The one
         AdminService call a worker may make: for its own tenant, naming its session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
