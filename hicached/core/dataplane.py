@@ -26,7 +26,7 @@ from hicached.core.observer import CoreObserver
 from hicached.core.sessions import Session, SessionTable
 from hicached.core.types import Ack, TransferResult
 from hicached.errors import InvalidArgument, PermissionDenied, clip
-from hicached.l2.allocator import ANYONE, as_page_array
+from hicached.l2.allocator import as_page_array
 from hicached.l2.group import PoolTransfer
 from hicached.transfer.engine import CopyEngine, Priority
 from hicached.transfer.plan import Direction, build_plan
@@ -94,11 +94,11 @@ class DataPlane:
         *,
         priority: Priority,
         on_layer: LayerCallback | None = None,
-        owned: bool = False,
+        owned: Sequence[PoolTransfer] = (),
     ) -> tuple[Ack, ...]:
-        """Copy ``transfers``' pages; ``owned``: the host pages are the session's (Write, Load),
-        checked again once they are marked in flight (a Free meanwhile may have handed them to
-        another session; from the mark on, a Free waits for the copy)."""
+        """Copy ``transfers``' pages; ``owned``: transfers whose host pages the session gave
+        (Write, Load), checked again once they are marked in flight (a Free meanwhile may have
+        handed them to another session; from the mark on, a Free waits for the copy)."""
         items = []
         busy = []
         for t in transfers:
@@ -112,7 +112,7 @@ class DataPlane:
         state.acquire(busy)
         try:
             if owned:
-                check_owned(session, state, transfers)
+                check_owned(session, state, owned)
             result = self._engine.run(
                 plan, priority=priority, owner=session.session_id, on_layer=on_layer, cancel=session.cancel
             )
@@ -132,16 +132,23 @@ class DataPlane:
     def allocate(
         self, session: Session, state: GroupState, transfers: Sequence[PoolTransfer], *, copy_in: bool
     ) -> TransferResult:
-        """Allocate missing host pages across the group (atomic); record ownership. ``copy_in``:
-        the caller copies the device pages in (or frees the pages), so they need no zeroing
-        (:meth:`PoolGroup.resolve_all`)."""
+        """Allocate missing host pages across the group (atomic). ``copy_in``: the caller copies
+        the device pages in, so they need no zeroing (:meth:`PoolGroup.resolve_all`), and they
+        are nobody's until then: the caller gives them to the session once filled (:meth:`own`)
+        or frees them as anyone's. Until filled they hold an earlier owner's bytes, which a Free
+        or Publish of the session meanwhile would hand on. Else the session owns them now."""
         result = state.group.resolve_all(list(transfers), copy_in=copy_in, owner=session.serial)
         if not result.ok:
             return TransferResult(ok=False, reason=result.reason)
-        for t in result.transfers:
-            if t.host_allocated and t.host_indices is not None:
-                session.ledger.add(t.name, t.host_indices)
+        if not copy_in:
+            self.own(session, fresh_of(result.transfers))
         return TransferResult(ok=True, transfers=tuple(result.transfers))
+
+    @staticmethod
+    def own(session: Session, transfers: Iterable[PoolTransfer]) -> None:
+        """Give ``transfers``' pages to the session, all or none (FailedPrecondition once its
+        ledger closed: the caller frees them then)."""
+        session.ledger.give((t.name, t.host_indices) for t in transfers if t.host_indices is not None)
 
     @staticmethod
     def disown(session: Session, pages: Iterable[tuple[str, np.ndarray]]) -> None:
@@ -160,15 +167,9 @@ class DataPlane:
                 "(or no longer: another call of this session freed or published it)"
             )
 
-    def release_owned(
-        self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer], *, whole: bool = True
-    ) -> int:
-        """Free the session's allocated pages of ``transfers`` (derived ones skipped by role).
-
-        ``whole``: the pages hold only what the session may read (zeroed, its own, or written
-        whole by its call), so they come back to it unzeroed. A copy that failed part-way into
-        pages allocated for it to fill left an earlier owner's bytes in what it did not reach:
-        False, and whoever gets them next gets them zeroed.
+    def release_owned(self, session: Session, state: GroupState, transfers: Iterable[PoolTransfer]) -> int:
+        """Free the session's allocated pages of ``transfers`` (derived ones skipped by role);
+        they hold only what the session may read, so they come back to it unzeroed.
 
         Atomic: the ledger gives the pages up first (:meth:`disown`), then
         ``state.release_transfers`` validates the whole batch before freeing;
@@ -178,7 +179,7 @@ class DataPlane:
         pages = [(t.name, np.asarray(t.host_indices, dtype=np.int64)) for t in owned]
         self.disown(session, pages)
         try:
-            return state.release_transfers(owned, by=session.serial if whole else ANYONE)
+            return state.release_transfers(owned, by=session.serial)
         except BaseException:
             session.ledger.give(pages)
             raise
@@ -267,12 +268,21 @@ class DataPlane:
             )
             if not resolved.ok:
                 return resolved
+            asked = {t.name for t in checked if t.host_indices is None}
+            fresh = [t for t in fresh_of(resolved.transfers) if t.name in asked]
             try:
                 acks = self.copy_pages(
-                    session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND, owned=True
+                    session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND, owned=checked
                 )
+                self.own(session, fresh)
             except BaseException:
-                self.release_owned(session, state, resolved.transfers, whole=not allocate)
+                # Pages this call allocated are nobody's yet, and a part of them may still hold
+                # an earlier owner's bytes: freed as anyone's (zeroed for whoever is next).
+                state.release_transfers(fresh)
+                made = {id(t) for t in fresh}
+                rest = [t for t in resolved.transfers if id(t) not in made]
+                if rest:
+                    self.release_owned(session, state, rest)
                 raise
             return TransferResult(ok=True, transfers=resolved.transfers, acks=acks)
 
@@ -298,7 +308,12 @@ class DataPlane:
                 checked,
                 priority=Priority.DEMAND,
                 on_layer=on_layer,
-                owned=True,
+                owned=checked,
             )
 
         return session.run("Load", op_id, checked, run)
+
+
+def fresh_of(transfers: Iterable[PoolTransfer]) -> list[PoolTransfer]:
+    """The transfers whose host pages an allocation made (``host_allocated``, with pages)."""
+    return [t for t in transfers if t.host_allocated and t.host_indices is not None]

@@ -181,17 +181,17 @@ class KeyedCache:
             resolved = data.allocate(session, state, todo, copy_in=True)
             if not resolved.ok:
                 return PutResult(ok=False, reason=resolved.reason or "no host room")
+            # The new pages are nobody's (DataPlane.allocate): this call holds them, frees them
+            # as anyone's if the copy fails (a part may hold an earlier owner's bytes), and
+            # frees what the index does not take.
             try:
                 acks = data.copy_pages(
                     session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND
                 )
             except BaseException:
-                data.release_owned(session, state, resolved.transfers, whole=False)
+                state.release_transfers(resolved.transfers)
                 raise
             pages = {t.name: t.host_indices for t in resolved.transfers if t.host_allocated}
-            # Disowned before the index takes them (see DataPlane.disown); this call holds
-            # them meanwhile and frees what the index does not take.
-            data.disown(session, pages.items())  # type: ignore[arg-type]
             try:
                 mask = index.publish(new_keys, pages, tenant=tenant)  # type: ignore[arg-type]
             except BaseException:

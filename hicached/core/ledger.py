@@ -136,7 +136,8 @@ class PageLedger:
         return None
 
     def give(self, pages: Iterable[tuple[str, np.ndarray]]) -> None:
-        """Own ``pages`` (pool, pages) again: those :meth:`take` forgot and the holder kept."""
+        """Own ``pages`` (pool, pages): those :meth:`take` forgot and the holder kept, or pages
+        just filled for it. All or none: FailedPrecondition, and nothing owned, once closed."""
         batch = [(self._table(pool), arr) for pool, arr in pages]
         with self._lock:
             self._open_locked()

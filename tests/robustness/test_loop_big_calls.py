@@ -66,6 +66,15 @@ def _while_held(
     assert outcome and not isinstance(outcome[0], BaseException), outcome
 
 
+def _reuse_every_page(client: HiCacheClient) -> None:
+    """Another session of the group takes every page and frees it: 16 MiB of pages the pool
+    holds as an earlier owner's, which the hostile session's allocations zero (its own freed
+    pages would come back to it unzeroed)."""
+    earlier = client.attach(WorkerIdentity("earlier", 1, "m-big"), [byte_spec(256)], heartbeat=False)
+    earlier.free("kv", earlier.alloc("kv", 256).host_pages)
+    earlier.detach()
+
+
 def test_large_allocations_zero_their_pages_behind_no_other_kind_of_call() -> None:
     """Fails before: Alloc and ResolveTransfers ran on the event loop, zeroing the reused pages
     there (a review measured 0.33 s per 4 GiB Alloc, and every other session's heartbeat
@@ -81,8 +90,7 @@ def test_large_allocations_zero_their_pages_behind_no_other_kind_of_call() -> No
         with HiCacheClient(d.target, timeout_s=30.0) as client:
             hostile = client.attach(WorkerIdentity("hostile", 1, "m-big"), [byte_spec(256)], heartbeat=False)
             bystander = attach_bytes(client, "m-by")
-            pages = hostile.alloc("kv", 256).host_pages  # 16 MiB of fresh pages: nothing to zero
-            hostile.free("kv", pages)  # now written by an earlier owner, as far as the pool knows
+            _reuse_every_page(client)
             assert 20 * PAGE_BYTES > 1 << 20
             allocs = [threading.Thread(target=hostile.alloc, args=("kv", 20)) for _ in range(9)]
 
@@ -124,7 +132,7 @@ def test_a_session_queues_a_bounded_number_of_large_allocations() -> None:
         with HiCacheClient(d.target, timeout_s=30.0) as client:
             hostile = client.attach(WorkerIdentity("hostile", 1, "m-big"), [byte_spec(256)], heartbeat=False)
             other = attach_bytes(client, "m-other")
-            hostile.free("kv", hostile.alloc("kv", 256).host_pages)  # every page now reused
+            _reuse_every_page(client)
             held = [threading.Thread(target=hostile.alloc, args=("kv", 20)) for _ in range(2)]
             for t in held:
                 t.start()
