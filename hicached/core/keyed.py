@@ -462,13 +462,13 @@ class KeyedCache:
         indexes = self.indexes(model)
         journaled = self.core.groups.journaled_groups()
         if not indexes and (self._options.has_l3 or journaled):
-            where = "in L3" + (
-                f" and in the {journaled} pool groups journaled for a warm restart" if journaled else ""
-            )
+            places = ["in L3"] if self._options.has_l3 else []
+            if journaled:  # of any model: a journal does not say whose group it holds
+                places.append(f"in the {journaled} pool groups journaled for a warm restart (of any model)")
             raise FailedPrecondition(
-                f"model {clip(model)} has no pool group live in this daemon, so what its groups left {where} "
-                "cannot be found (a group is known by its workers' layout): attach a worker of the model "
-                "(one of each TP/PP rank), then clear again"
+                f"model {clip(model)} has no pool group live in this daemon, so what its groups left "
+                f"{' or '.join(places)} cannot be found (a group is known by its workers' layout): attach "
+                "a worker of the model (one of each TP/PP rank), then clear again"
             )
         l2 = l3 = 0
         for index in indexes:

@@ -130,6 +130,7 @@ def test_a_torn_page_found_at_start_is_written_again_by_set(file_dir: Path) -> N
     with open_file(file_dir) as backend:
         assert backend.set(["tw/a", "tw/b"], [page("tw/a"), page("tw/b")]) == [True, True]
         assert backend.stats().corrupt_pages == 1  # tw/a, found torn by the read back
+        assert (backend.stats().hits, backend.stats().misses) == (0, 0)  # nobody asked for them
         assert backend.get(["tw/a", "tw/b"]) == [page("tw/a"), page("tw/b")]
         assert backend.set(["tw/b"], [page("tw/a")]) == [True]  # read back whole: the first copy stands
         assert backend.get(["tw/b"]) == [page("tw/b")]

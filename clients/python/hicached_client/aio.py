@@ -320,6 +320,9 @@ class AsyncLoadStream(AsyncIterator[LoadProgress]):
         self._finished = False
         self._rpc = client._start_stream(call, timeout_s)
 
+    def _cancelled(self) -> HiCacheError:
+        return HiCacheError(grpc.StatusCode.CANCELLED, "the stream was cancelled", method=self._call.method)
+
     def _retry_s(self, error: HiCacheError) -> float | None:
         if self._received or self._finished or isinstance(error, ClientClosedError):
             return None
@@ -345,11 +348,14 @@ class AsyncLoadStream(AsyncIterator[LoadProgress]):
                     if pause is None:
                         raise error from None
                 await backend.pause(pause)
-                if self._finished:  # cancelled meanwhile
-                    raise error
+                if self._finished:  # cancelled during the pause
+                    raise self._cancelled()
                 self._tries += 1
                 left = None if self._deadline is None else self._deadline - time.monotonic()
                 self._rpc = self._client._start_stream(self._call, left)
+                if self._finished:  # cancelled (another thread) while the try started: not run
+                    self._rpc.cancel()
+                    raise self._cancelled()
         except HiCacheError:
             self._finished = True
             raise

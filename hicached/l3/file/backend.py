@@ -166,10 +166,15 @@ class FileBackend(StorageBackend):
             return self._index.pin(keys)
 
     def _unpin(
-        self, entries: Sequence[Entry | None], ok: Sequence[bool], read: Sequence[bool] | None = None
+        self,
+        entries: Sequence[Entry | None],
+        ok: Sequence[bool],
+        read: Sequence[bool] | None = None,
+        *,
+        counted: bool = True,
     ) -> None:
         with self._lock:
-            self._index.unpin(entries, ok, read)
+            self._index.unpin(entries, ok, read, counted=counted)
             self._end_op()
 
     # ------------------------------------------------------------------ reads
@@ -213,6 +218,16 @@ class FileBackend(StorageBackend):
             self._unpin(entries, [page is not None for page in out])
         return out
 
+    def _read_back(self, keys: list[str]) -> None:
+        """Read pages found at start back whole (see :meth:`_write`): a good one counts as read
+        back, a torn one is dropped; neither is a hit or a miss (nobody asked for them)."""
+        entries = self._pin(keys)
+        good = [False] * len(entries)
+        try:
+            good = [page is not None for page in self._io.map(self._read_bytes, entries)]
+        finally:
+            self._unpin(entries, good, counted=False)
+
     def get_into(self, keys: Sequence[str], dests: Sequence[Sequence[memoryview]]) -> list[bool]:
         check_batch(keys, dests, "destinations")
         views = [[as_bytes_view(c, writable=True) for c in chunks] for chunks in dests]
@@ -253,7 +268,7 @@ class FileBackend(StorageBackend):
             entries = self._index.entries
             unread = [k for k in dict.fromkeys(keys) if (e := entries.get(k)) is not None and not e.read_back]
         if unread:
-            self.get(unread)
+            self._read_back(unread)
         encoded = [key.encode("utf-8") for key in keys]
         for key, raw in zip(keys, encoded, strict=True):
             if len(raw) > MAX_KEY_BYTES:

@@ -428,14 +428,20 @@ class PageIndex:
         return pinned
 
     def unpin(
-        self, entries: Sequence[Entry | None], ok: Sequence[bool], read: Sequence[bool] | None = None
+        self,
+        entries: Sequence[Entry | None],
+        ok: Sequence[bool],
+        read: Sequence[bool] | None = None,
+        *,
+        counted: bool = True,
     ) -> None:
-        """Release pins; count hits and misses; drop a pinned page that failed verification
-        (``read``: which entries were read at all; default every one)."""
+        """Release pins; count hits and misses (unless not ``counted``: nobody asked for the
+        pages); drop a pinned page that failed verification (``read``: which entries were read
+        at all; default every one)."""
         for i, (entry, good) in enumerate(zip(entries, ok, strict=True)):
-            if good:
+            if counted and good:
                 self.hits += 1
-            else:
+            elif counted:
                 self.misses += 1
             if entry is None:
                 continue
