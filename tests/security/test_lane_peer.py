@@ -37,6 +37,7 @@ from hicached_client.fastlane import FastLane
 
 from tests.security.roles_helpers import scratch_dir
 from tests.security.users import other_user, popen_as_other
+from tests.support.state import poll
 
 # A stranger's listener at the lane path: prints what the worker sent before it closed.
 STRANGER = r"""
@@ -271,3 +272,66 @@ def test_a_blocking_doorbell_does_not_block_the_worker(run_dir: Path) -> None:
         lane.close()
     finally:
         hostile.close()
+
+
+# Syscall numbers of a thread blocked in poll(2)/ppoll(2): x86_64 poll, x86_64 ppoll, aarch64 ppoll.
+_POLLING = {"7", "271", "73"}
+
+
+def _in_poll(tid: int) -> bool:
+    return Path(f"/proc/self/task/{tid}/syscall").read_text().split(" ", 1)[0] in _POLLING
+
+
+def test_a_completion_written_before_the_daemon_hangs_up_is_read(run_dir: Path) -> None:
+    """Fails before (a review of the lane's client, found by reading): a worker asleep on its
+    lane that woke to the daemon's EOF closed the lane without reading the completion the daemon
+    had written before hanging up (the async lane read it): the op failed UNAVAILABLE. Here the
+    daemon side answers while the worker sleeps in poll, rings no doorbell, and hangs up."""
+    path = run_dir / "hicached.sock.lane"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen(1)
+    worker = threading.get_native_id()
+    failures: list[BaseException] = []
+
+    def daemon_side() -> None:
+        try:
+            conn, _ = sock.accept()
+            conn.recv(512)
+            fd = os.memfd_create("ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, w.RING_BYTES)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            ring = mmap.mmap(fd, w.RING_BYTES)
+            view = memoryview(ring)
+            w.init_ring(view)
+            efds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(3)]
+            socket.send_fds(conn, [b"ok lane\n"], [fd, *efds])
+            os.close(fd)
+            assert select.select([efds[0]], [], [], 30)[0], "no submission"
+            poll(lambda: _in_poll(worker), bool, 30.0, "the worker asleep on its lane")
+            w.encode_completion(
+                view, w.completion_offset(0), w.Completion(int(w.Opcode.PING), 0, 0, True, None, "")
+            )
+            struct.pack_into("<Q", view, w.CQ_TAIL, 1)
+            conn.close()  # no doorbell: the EOF alone wakes the worker
+            view.release()
+            ring.close()
+            for e in efds:
+                os.close(e)
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=daemon_side, daemon=True)
+    thread.start()
+    try:
+        lane = FastLane.connect(str(path), "s-1", "secret", timeout_s=5)
+        lane.spin_us = 0
+        lane.ping(timeout_s=30)  # before: UNAVAILABLE, the lane closed by the daemon
+        thread.join(30)
+        assert not failures, failures
+        with pytest.raises(HiCacheError) as info:  # the next op finds the lane gone
+            lane.ping(timeout_s=30)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        thread.join(30)
+        sock.close()

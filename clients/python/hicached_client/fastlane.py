@@ -385,12 +385,17 @@ class FastLane:
         if left is not None and left <= 0:
             self.abandon()
             raise lc.timed_out()
+        gone = False
         for fd, _ in self._poller.poll(None if left is None else max(1, int(left * 1000))):
             if fd == self._done:
                 lc.drain(self._done)
             else:
-                self.close()
-                raise lc.closed_by_daemon()
+                gone = True
+        # The daemon writes its last completions before it hangs up: read them first (the
+        # EOF and their doorbell may wake one poll, or the EOF alone). As AsyncFastLane does.
+        if gone and int(self._counters[w.CQ_TAIL // 8]) <= self._collected:
+            self.close()
+            raise lc.closed_by_daemon()
 
     def wait_layer_event(self, timeout_s: float) -> bool:
         """Block until the layer doorbell rings (or ``timeout_s``); for waiters that do not spin."""
