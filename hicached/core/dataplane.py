@@ -268,8 +268,10 @@ class DataPlane:
             )
             if not resolved.ok:
                 return resolved
-            asked = {t.name for t in checked if t.host_indices is None}
-            fresh = [t for t in fresh_of(resolved.transfers) if t.name in asked]
+            fresh: list[PoolTransfer] = []  # pages this call allocated (in input order)
+            given: list[PoolTransfer] = []
+            for asked, got in zip(checked, resolved.transfers, strict=True):
+                (fresh if asked.host_indices is None and got.host_allocated else given).append(got)
             try:
                 acks = self.copy_pages(
                     session, state, Direction.D2H, resolved.transfers, priority=Priority.DEMAND, owned=checked
@@ -279,10 +281,8 @@ class DataPlane:
                 # Pages this call allocated are nobody's yet, and a part of them may still hold
                 # an earlier owner's bytes: freed as anyone's (zeroed for whoever is next).
                 state.release_transfers(fresh)
-                made = {id(t) for t in fresh}
-                rest = [t for t in resolved.transfers if id(t) not in made]
-                if rest:
-                    self.release_owned(session, state, rest)
+                if given:
+                    self.release_owned(session, state, given)
                 raise
             return TransferResult(ok=True, transfers=resolved.transfers, acks=acks)
 

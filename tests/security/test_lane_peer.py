@@ -86,6 +86,23 @@ def test_the_session_secret_is_not_sent_to_a_strangers_lane(run_dir: Path) -> No
     assert out.strip() == "b''", f"the stranger got {out.strip()}"
 
 
+def hand_over_ring(
+    conn: socket.socket, doorbells: list[int], *, v1_ring: bool = True
+) -> tuple[mmap.mmap, memoryview]:
+    """What a daemon answers a lane's negotiation with: a sealed ring (laid out when
+    ``v1_ring``) and ``doorbells``; the ring stays mapped here."""
+    fd = os.memfd_create("ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, w.RING_BYTES)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    ring = mmap.mmap(fd, w.RING_BYTES)
+    view = memoryview(ring)
+    if v1_ring:
+        w.init_ring(view)
+    socket.send_fds(conn, [b"ok lane\n"], [fd, *doorbells])
+    os.close(fd)
+    return ring, view
+
+
 class HostileLane:
     """A lane listener (this process's uid) handing a real sealed ring; ``patch(view, offset)``
     spoils each completion after it is written."""
@@ -112,16 +129,8 @@ class HostileLane:
     def _run(self) -> None:
         conn, _ = self.sock.accept()
         conn.recv(512)
-        fd = os.memfd_create("ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(fd, w.RING_BYTES)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        ring = mmap.mmap(fd, w.RING_BYTES)
-        view = memoryview(ring)
-        if self.v1_ring:
-            w.init_ring(view)
         efds = [self._bell() for _ in range(3)]
-        socket.send_fds(conn, [b"ok lane\n"], [fd, *efds])
-        os.close(fd)
+        ring, view = hand_over_ring(conn, efds, v1_ring=self.v1_ring)
         seq = 0
         if self.doorbell not in ("eventfd", "blocking eventfd"):  # the worker must refuse the lane
             self.stop.wait()
@@ -298,15 +307,8 @@ def test_a_completion_written_before_the_daemon_hangs_up_is_read(run_dir: Path) 
         try:
             conn, _ = sock.accept()
             conn.recv(512)
-            fd = os.memfd_create("ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-            os.ftruncate(fd, w.RING_BYTES)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            ring = mmap.mmap(fd, w.RING_BYTES)
-            view = memoryview(ring)
-            w.init_ring(view)
             efds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(3)]
-            socket.send_fds(conn, [b"ok lane\n"], [fd, *efds])
-            os.close(fd)
+            ring, view = hand_over_ring(conn, efds)
             assert select.select([efds[0]], [], [], 30)[0], "no submission"
             poll(lambda: _in_poll(worker), bool, 30.0, "the worker asleep on its lane")
             w.encode_completion(
