@@ -120,7 +120,7 @@ class GroupRegistry:
         # used_bytes counts before the group is published (its memory is taken from the
         # start): published with the view as one pair, so no reader counts a group twice.
         self._counted: tuple[dict[str, GroupState], int] = ({}, 0)
-        # The keys of named tenants that the groups' indexes wrote to L3 (for a tenant clear):
+        # The keys of each tenant that the groups' indexes wrote to L3 (for a tenant clear):
         # one store for all groups, so its bound is the daemon's, not one per group.
         self.tenant_keys = TenantL3Keys()
         self._journals: JournalStore | None = None

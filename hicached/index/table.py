@@ -58,7 +58,7 @@ Epoch = tuple[int, ...]  # a clear_epoch(): every counter, the group's last
 class EntryTable:
     """Entries of one content index and the pages they own. Thread-safe (one lock).
 
-    ``tenant_keys``: where the keys of named tenants written to L3 are remembered (for
+    ``tenant_keys``: where the keys of each tenant (the default one included) written to L3 are remembered (for
     ``clear(tenant)``): the daemon's, shared by every group's table so that one bound holds
     for all of them; a table of its own when not given. This table's keys there are
     forgotten at :meth:`close`."""
@@ -328,7 +328,8 @@ class EntryTable:
                 if unsure[entry.tenant]:
                     continue
                 entry.in_l3 = True
-                if entry.tenant and not self.closed:  # close() forgot this table's keys for good
+                # Every tenant's, the default one's ("") too: its worker clears only its own.
+                if not self.closed:  # close() forgot this table's keys for good
                     self._tenant_keys.remember(self._owner, entry.key, entry.tenant)
             for b in {self._bucket(t) for t in tenants}:
                 self._clears[b] += 1

@@ -1,4 +1,5 @@
-"""The keys of named tenants that content indexes wrote to L3, remembered for ``clear(tenant)``.
+"""The keys of each tenant (the default one, "", included) that content indexes wrote to L3,
+remembered for ``clear(tenant)``.
 
 L3 object names are content keys, not tenants, so a tenant's copies can only be deleted
 by the keys the daemon remembers writing for it. :class:`TenantL3Keys` keeps them for

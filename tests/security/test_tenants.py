@@ -259,3 +259,35 @@ def test_a_reserved_tenant_is_only_attached_from_its_uids() -> None:
             client.attach(identity, [spec], heartbeat=False).detach()
     finally:
         daemon.stop()
+
+
+@pytest.mark.parametrize("tenant", ["", "tenant-a"], ids=["default-tenant", "named-tenant"])
+def test_a_workers_clear_removes_its_pages_that_left_l2_for_l3(l3: Path, tenant: str) -> None:
+    """Before: the L3 copies of the default tenant's keys were never remembered, so its
+    worker's ClearNamespace deleted only those still in L2 and the evicted ones stayed
+    servable from L3 after a clear that answered success."""
+    # 8 host pages of 512 bytes
+    spec = pool_spec(
+        "kv", role="anchor", kind="mha", dtype="float16", page_size=4, num_layers=1, num_heads=2,
+        head_dim=16, k_buffers=[], host_bytes=8 * 512,
+    )  # fmt: skip
+    daemon = start(l3)
+    try:
+        with HiCacheClient(daemon.target, timeout_s=30) as client:
+            identity = WorkerIdentity(unique_tag("tc"), 1, MODEL, tenant=tenant)
+            with client.attach(identity, [spec], heartbeat=False) as s:
+                s.put_bytes([PageBytes("victim", "kv", bytes(range(256)) * 2)])
+                s.backup(["victim"], wait=True)
+                for i in range(16):  # twice the pool: the victim leaves L2, kept in L3
+                    s.put_bytes([PageBytes(f"filler-{i}", "kv", bytes(512))])
+                    s.backup([f"filler-{i}"], wait=True)
+                found = s.lookup(["victim"])
+                assert (found.l2_hit_pages, found.total_hit_pages) == (0, 1)
+
+                client.clear_namespace(MODEL, session_id=s.session_id, session_secret=s.info.session_secret)
+
+                found = s.lookup(["victim"])
+                assert (found.l2_hit_pages, found.total_hit_pages) == (0, 0)
+                assert s.get_bytes(["victim"], include_l3=True).pages == ()
+    finally:
+        daemon.stop()
