@@ -261,19 +261,31 @@ class Daemon:
         indexes = self.keyed.indexes()
         flushed = await step("l3 flush", lambda: loop.run_in_executor(None, flush_within, indexes, deadline))
         logger.info("flushed pending L3 backups", extra={"event": "shutdown", "pages": flushed})
-        await step("close", lambda: loop.run_in_executor(None, self.close))
+        # What is left of the budget (nothing, after a flush that used it all): sessions still
+        # busy are torn down when their calls return; the journals are not held for them.
+        await step(
+            "close", lambda: loop.run_in_executor(None, self.close, max(0.0, deadline - time.monotonic()))
+        )
         if failed:
             raise ShutdownFailed(f"shutdown steps failed: {', '.join(failed)} (see the log)")
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
         """Release everything (journals written under warm restart); every part is closed even
-        when one before it fails, then :class:`ShutdownFailed` names those that failed."""
+        when one before it fails, then :class:`ShutdownFailed` names those that failed.
+        ``wait_s`` (default ``server.grace_s``) bounds the waits for lanes and sessions still
+        busy, all of them together."""
         failed = []
+        deadline = time.monotonic() + (self.config.server.grace_s if wait_s is None else wait_s)
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         parts: list[tuple[str, Callable[[], object]]] = [("handoff tickets", self.handoff.close)]
         if self.fast_lanes is not None:
-            lanes, grace = self.fast_lanes, self.config.server.grace_s
-            parts.append(("fast lanes", lambda: lanes.close(grace)))
-        parts += [("core", self.core.close), ("engine", self.engine.close)]
+            lanes = self.fast_lanes
+            parts.append(("fast lanes", lambda: lanes.close(left())))
+        core = self.core
+        parts += [("core", lambda: core.close(left())), ("engine", self.engine.close)]
         for name, part in (
             ("l3", self.backend),
             ("metrics", self.metrics_server),

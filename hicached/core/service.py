@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -482,13 +483,18 @@ class HiCacheCore:
     def draining(self) -> bool:
         return self._draining.is_set()
 
-    def close(self) -> None:
-        """End every session (freeing their pages), then release the groups."""
+    def close(self, wait_s: float | None = None) -> None:
+        """End every session (freeing their pages), then release the groups (under warm
+        restart: journal them). Sessions' in-flight work gets ``wait_s`` (default
+        ``server.grace_s``) in all, one deadline for every session: waited one after another,
+        N sessions stuck on a hung L3 held the journals back N grace periods, past the
+        pod's (a session still busy then is torn down when its work returns)."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + (self._cfg.server.grace_s if wait_s is None else wait_s)
         for session in self._sessions.all():
-            self._end(session, "shutdown", wait_s=self._cfg.server.grace_s)
+            self._end(session, "shutdown", wait_s=max(0.0, deadline - time.monotonic()))
         for b in self._backups.take_all():
             self._free_backup(b)
         with self._teardowns:  # a page is freed by its teardown or by its group's close, never both

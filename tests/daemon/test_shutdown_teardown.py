@@ -7,8 +7,11 @@ its mappings are closed), not fail with NotFound and leave them mapped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
+from typing import Any
 
 import numpy as np
 from hicached_client import HiCacheClient, HiCacheError, PageBytes
@@ -74,4 +77,45 @@ def test_a_teardown_deferred_past_the_groups_close_ends_the_session_quietly() ->
         assert not log_lines(d, "fast lane accept failed"), d.log[-3000:]
     finally:
         os.close(write)
+        d.stop()
+
+
+def test_sessions_busy_at_shutdown_share_one_grace_period() -> None:
+    """Fails before the fix: the sessions were ended one after another, each waited up to
+    ``server.grace_s`` for its call, so five stuck calls held the groups' close (the warm
+    journals) back 1 + 5 x 1 s, past a pod's grace period at the shipped values (review)."""
+    read, write = os.pipe()
+    d = serve_patched(HELD_PUT, "--set", "server.grace_s=1", stdin=read)
+    os.close(read)
+    sessions = 5
+    try:
+        with HiCacheClient(d.target, timeout_s=30.0) as client:
+            data = bytes(PAGE_BYTES)
+            putters = []
+            for i in range(sessions):
+                session = attach_bytes(client, "m-busy")
+
+                def put(s: Any = session, key: str = f"k-busy-{i}") -> None:
+                    with contextlib.suppress(HiCacheError):  # the shutdown cancels the call
+                        s.put_bytes([PageBytes(key, "kv", data)])
+
+                putters.append(threading.Thread(target=put))
+                putters[-1].start()
+            poll(lambda: len(log_lines(d, "PUT HELD")), lambda n: n == sessions, 30.0, "every put held")
+            start = time.monotonic()
+            d.process.terminate()
+            poll(lambda: log_lines(d, "GROUPS CLOSED"), bool, 60.0, "the groups closed")
+            took = time.monotonic() - start
+            # EOF ends every held readline at once (lines may be read ahead by one of them).
+            os.close(write)
+            write = -1
+            assert d.process.wait(timeout=60) == 0, d.log[-3000:]
+            for t in putters:
+                t.join(timeout=30)
+        assert len(log_lines(d, "session ended with operations in flight")) == sessions
+        # One grace period in all (~1 s), not one each (~5.5 s); the rest is room for a slow machine.
+        assert took < 3.5, f"the groups closed {took:.1f} s after SIGTERM"
+    finally:
+        if write >= 0:
+            os.close(write)
         d.stop()
