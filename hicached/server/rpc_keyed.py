@@ -34,6 +34,9 @@ from hicached.server.rpc_base import Ctx, ServicerBase, no_fence, same_tenant
 # keys (each at most limits.max_key_bytes), where the hop to the hash lane and back costs
 # ~200 us -- SGLang's batches are 128 keys, so each of its calls saved one hop.
 INLINE_KEYS = 256
+# What a Lookup answer counts against its peer's unread answers, per byte on the wire (the
+# message, its serialization and gRPC's copy live until it is sent; ~2.5 measured).
+LOOKUP_HELD_PER_WIRE_BYTE = 3
 
 
 class KeyedRpcs(ServicerBase):
@@ -96,6 +99,17 @@ class KeyedRpcs(ServicerBase):
 
     async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
         keys, _ = await self.keys_of(request.session_id, request.keys)
+        # Derived keys go back; given ones do not (the client has them): echoing up to
+        # max_keys_per_request x max_key_bytes (32 MiB) was built and serialized on the event
+        # loop, and held while a client that stopped reading let it sit unsent.
+        derived = keys if request.keys.WhichOneof("source") == "tokens" else []
+        wire = sum(map(len, derived)) + 3 * len(derived) + (2 * len(keys) if request.per_key else 0)
+        if wire:
+            # Counted until the client reads it, as a GetBytes answer is: a 64 KiB chain of
+            # one-token pages derives ~4.4 MiB of keys, and the daemon held ~2.5 times an
+            # answer's wire size until it was sent (measured), whoever asked.
+            what = f"Lookup of {len(keys)} keys"
+            self.hold_answer(context, request.session_id, LOOKUP_HELD_PER_WIRE_BYTE * wire, what)
         result = await self.offload(
             "Lookup",
             self.keyed.lookup,
@@ -105,10 +119,6 @@ class KeyedRpcs(ServicerBase):
             session=request.session_id,
             per_key=request.per_key,
         )
-        # Derived keys go back; given ones do not (the client has them): echoing up to
-        # max_keys_per_request x max_key_bytes (32 MiB) was built and serialized on the event
-        # loop, and held while a client that stopped reading let it sit unsent.
-        derived = keys if request.keys.WhichOneof("source") == "tokens" else []
         return pb.LookupResponse(
             keys=derived,
             l2_hit_pages=result.l2_hit_pages,

@@ -23,7 +23,15 @@ import h2.connection
 import h2.events
 import numpy as np
 import pytest
-from hicached_client import HiCacheClient, HiCacheError, PageBytes, Session
+from hicached_client import (
+    HiCacheClient,
+    HiCacheError,
+    PageBytes,
+    Session,
+    TokenChain,
+    WorkerIdentity,
+    pool_spec,
+)
 from hicached_client._handoff import SESSION_SECRET_METADATA
 from hicached_client.v1 import hicached_pb2 as pb
 from hicached_client.v1 import types_pb2 as tpb
@@ -65,14 +73,17 @@ class NonReader:
     def get_bytes(self, session: Session, keys: list[str], calls: int) -> None:
         request = pb.GetBytesRequest(
             session_id=session.session_id, keys=tpb.KeySource(keys=tpb.PageKeys(keys=keys))
-        ).SerializeToString()
+        )
+        self.send(session, "GetBytes", request.SerializeToString(), calls)
+
+    def send(self, session: Session, method: str, request: bytes, calls: int) -> None:
         for _ in range(calls):
             stream = self._h2.get_next_available_stream_id()
             self._h2.send_headers(
                 stream,
                 [
                     (":method", "POST"), (":scheme", "http"), (":authority", "localhost"),
-                    (":path", "/hicached.v1.HiCacheService/GetBytes"),
+                    (":path", f"/hicached.v1.HiCacheService/{method}"),
                     ("content-type", "application/grpc"), ("te", "trailers"),
                     (SESSION_SECRET_METADATA, session.info.session_secret),
                 ],
@@ -162,3 +173,57 @@ def test_a_peer_that_never_reads_its_answers_holds_at_most_its_limit_and_no_othe
                 assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
         assert got is not None and [p.data for p in got.pages] == [p.data for p in pages]
         session.detach()
+
+
+def test_unread_lookup_answers_count_against_their_peer(daemon: Daemon) -> None:
+    """Fails before the fix: a Lookup by tokens answers the keys it derived, and no such
+    answer was counted, so a peer that never read them made the daemon hold every one (a
+    review: 240 Lookups of 64 KiB each, RSS 248 MiB -> 2.9 GiB, none refused)."""
+    one_token_pages = pool_spec(
+        "kv", role="anchor", kind="mha", dtype="bfloat16", page_size=1, num_layers=1, num_heads=1,
+        head_dim=8, k_buffers=(), v_buffers=(), host_bytes=64 * 32,
+    )  # fmt: skip
+    # Four requests of ~16 KB fit the raw client's first flow-control window; each answers
+    # ~1 MiB of keys, which gRPC holds unsent for a client that grants no window. Counted
+    # three times their wire size, two fit the 8 MiB limit: the others are refused.
+    calls, chain = 4, [i % 100 for i in range(16_000)]
+    with HiCacheClient(daemon.target, timeout_s=30) as client:
+        # One call a session: a session's calls on the hash lane are bounded on their own.
+        sessions = [
+            client.attach(
+                WorkerIdentity(f"lookup-{uuid.uuid4().hex[:8]}", 1, "m-unread-lookup"),
+                [one_token_pages],
+                lease_ms=60_000,
+                heartbeat=False,
+            )
+            for _ in range(calls + 1)
+        ]
+        session = sessions[-1]
+        keys = session.lookup(TokenChain(chain)).keys  # read: counted only while it is sent
+        held = LIMIT // (3 * sum(len(k) + 3 for k in keys))  # as docs/limits.md counts them
+        assert 0 < held < calls
+        stranger = NonReader(daemon.target)
+        try:
+            for s in sessions[:calls]:
+                request = pb.LookupRequest(
+                    session_id=s.session_id, keys=tpb.KeySource(tokens=tpb.TokenChain(token_ids=chain))
+                )
+                stranger.send(s, "Lookup", request.SerializeToString(), 1)
+            # The calls past the peer's limit are refused, so their streams end.
+            assert stranger.wait_ended(calls - held, timeout_s=30) == calls - held
+            with pytest.raises(HiCacheError) as caught:
+                session.lookup(TokenChain(chain))
+            assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, caught.value
+            assert "limits.max_unread_answer_bytes_per_peer" in caught.value.message
+        finally:
+            stranger.close()
+        end = time.monotonic() + 20  # the connection is gone, and with it the answers
+        found = None
+        while found is None and time.monotonic() < end:
+            try:
+                found = session.lookup(TokenChain(chain))
+            except HiCacheError as exc:
+                assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+        assert found is not None and len(found.keys) == len(chain)
+        for s in sessions:
+            s.detach()
