@@ -117,6 +117,7 @@ class Daemon:
             config.limits.max_sessions_per_peer,
             config.limits.max_buffer_bytes_per_peer,
             self.core.live_session_ids,
+            mapping_limit=config.limits.max_mappings_per_peer,
         )
         self.answers = UnreadAnswers(config.limits.max_unread_answer_bytes_per_peer)
         self.l3_stats = (

@@ -10,6 +10,7 @@ restart needs: the next daemon re-maps the same name and finds its pages.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import math
@@ -52,6 +53,53 @@ def _path_for(name: str) -> str:
             f"shared memory segment name {name!r} is invalid: use 1..{MAX_NAME_BYTES} bytes without '/' or NUL"
         )
     return os.path.join(SHM_DIR, name)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
+# Linux's values (x86_64, aarch64); the mmap module exports neither.
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+
+
+def map_file(
+    fd: int, length: int, *, offset: int = 0, prot: int = mmap.PROT_READ | mmap.PROT_WRITE
+) -> mmap.mmap:
+    """``length`` bytes of ``fd`` from ``offset`` (a multiple of ``mmap.ALLOCATIONGRANULARITY``),
+    ``MAP_SHARED``, as an :class:`mmap.mmap` that keeps no descriptor: the caller may close
+    ``fd`` at once. Raises OSError as ``mmap.mmap`` does.
+
+    Why: ``mmap.mmap(fd, ...)`` keeps a duplicate of ``fd`` for its whole life (before Python
+    3.13 nothing turns that off), so each mapping of a client's memfd held one of the daemon's
+    descriptors: one client mapping many far-apart buffers ran the daemon out of them, and
+    every other client's attach failed (EMFILE). How: anonymous memory of ``length`` bytes,
+    mapped by ``mmap.mmap`` (which then owns the address range: it counts the buffer views
+    it hands out, and its ``close()`` unmaps the range whatever backs it), then the file is
+    mapped over it at the same address (``MAP_FIXED``). The anonymous memory is never touched
+    and ``MAP_NORESERVE`` keeps it off the commit limit (under ``vm.overcommit_memory = 2``
+    the kernel charges it until the file replaces it: a span larger than what is left fails
+    with ENOMEM there). Thread-safe; the caller owns the mapping."""
+    placeholder = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=prot)
+    try:
+        probe = np.frombuffer(placeholder, dtype=np.uint8, count=1)  # read-only ones too
+        address = probe.ctypes.data
+        del probe  # a view left would keep close() from unmapping
+        got = _libc.mmap(address, length, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, offset)
+        if got != address:  # MAP_FAILED
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    except BaseException:
+        placeholder.close()
+        raise
+    return placeholder
 
 
 def _madvise(mm: mmap.mmap, option: int) -> bool:
@@ -209,7 +257,7 @@ class SharedSegment:
                         f"cannot reserve {size} bytes for segment {name!r} in {SHM_DIR}: {exc.strerror}"
                     ) from None
                 raise
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = map_file(fd, size)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
@@ -255,7 +303,7 @@ class SharedSegment:
             if size <= 0:
                 raise InvalidArgument(f"shared memory segment {name!r} is empty")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+            mm = map_file(fd, size, prot=prot)
         finally:
             os.close(fd)
         segment = cls(name, mm, size, writable=writable)

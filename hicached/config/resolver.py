@@ -66,6 +66,7 @@ _POSITIVE = {
     "limits.max_request_bytes_held_per_peer",
     "limits.max_sessions_per_peer",
     "limits.max_buffer_bytes_per_peer",
+    "limits.max_mappings_per_peer",
     "limits.max_buffers_per_attach",
     "limits.max_pools_per_attach",
     "limits.max_layers_per_pool",

@@ -365,7 +365,8 @@ class LimitsConfig(_Section):
     )
     max_unread_answer_bytes_per_peer: int = _f(
         256 << 20,
-        "Bytes of GetBytes answers one peer may have built and not yet read (the daemon holds "
+        "Bytes of answers (GetBytes; a Lookup's derived keys, counted 3 times) one peer may have "
+        "built and not yet read (the daemon holds "
         "them until its clients read them or the connection is dropped); a call over it is "
         "RESOURCE_EXHAUSTED, unless the peer holds none.",
         parse=parse_size,
@@ -389,6 +390,12 @@ class LimitsConfig(_Section):
         "of one peer may have handed over together: the daemon maps what they declare, so this "
         "bounds the address space one peer can take. CUDA buffers are not counted.",
         parse=parse_size,
+    )
+    max_mappings_per_peer: int = _f(
+        4096,
+        "Most mappings of memfd device buffers (one per run of buffers less than 1 MiB apart in "
+        "one fd) the live sessions of one peer may hold together: each is one of the kernel's "
+        "vm.max_map_count (65530) areas for the whole daemon.",
     )
     max_pools_per_attach: int = _f(
         32,

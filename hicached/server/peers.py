@@ -1,6 +1,6 @@
 """What one peer may hold: sessions and the device buffers they hand over
-(``limits.max_sessions_per_peer``, ``limits.max_buffer_bytes_per_peer``, checked before an
-attach starts), requests its calls hold (``limits.max_request_bytes_held_per_peer``) and
+(``limits.max_sessions_per_peer``, ``limits.max_buffer_bytes_per_peer``,
+``limits.max_mappings_per_peer``, checked before an attach starts), requests its calls hold (``limits.max_request_bytes_held_per_peer``) and
 answers its clients have not read (``limits.max_unread_answer_bytes_per_peer``).
 
 A peer is what the kernel or the transport says, never what the client claims:
@@ -16,11 +16,12 @@ event loop only); one instance of each is shared by every listener.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from hicached.core.types import PeerCred
 from hicached.errors import LimitExceeded, ResourceExhausted
 
-__all__ = ["HeldRequests", "PeerSessions", "UnreadAnswers", "peer_key"]
+__all__ = ["Buffers", "HeldRequests", "PeerSessions", "UnreadAnswers", "peer_key"]
 
 
 def peer_key(cred: PeerCred | None, transport_peer: str) -> str:
@@ -33,25 +34,40 @@ def peer_key(cred: PeerCred | None, transport_peer: str) -> str:
     return "unix"
 
 
+@dataclass(frozen=True)
+class Buffers:
+    """What one attach's memfd device buffers cost the daemon: the bytes they declare (it maps
+    their span) and the mappings it makes of them (:func:`hicached.transfer.mappings.fd_span_count`)."""
+
+    nbytes: int = 0
+    mappings: int = 0
+
+
 class PeerSessions:
-    """Live sessions per peer, each with the bytes of device buffers it handed over, plus
-    attaches under way (reserved, with their bytes, before they start).
+    """Live sessions per peer, each with the device buffers it handed over, plus attaches
+    under way (reserved, with their buffers, before they start).
 
     Why bytes: an fd's buffers are mapped over the span they declare (a sparse memfd
     makes any size free to the client), so without a bound a peer's sessions could take
-    the daemon's whole address space, after which every client's mmap fails.
+    the daemon's whole address space, after which every client's mmap fails. Why mappings:
+    buffers far apart in a memfd are mapped apart, and the kernel allows a process 65,530
+    mappings (``vm.max_map_count``) in all: past them every mmap of the daemon fails (thread
+    stacks, allocations, pools).
     """
 
-    def __init__(self, limit: int, byte_limit: int, alive: Callable[[], frozenset[str]]) -> None:
+    def __init__(
+        self, limit: int, byte_limit: int, alive: Callable[[], frozenset[str]], *, mapping_limit: int
+    ) -> None:
         self._limit = limit
         self._byte_limit = byte_limit
+        self._mapping_limit = mapping_limit
         self._alive = alive
-        self._sessions: dict[str, dict[str, int]] = {}  # peer -> session id -> buffer bytes
-        self._reserved: dict[str, list[int]] = {}  # peer -> buffer bytes of attaches under way
+        self._sessions: dict[str, dict[str, Buffers]] = {}  # peer -> session id -> its buffers
+        self._reserved: dict[str, list[Buffers]] = {}  # peer -> buffers of attaches under way
 
-    def reserve(self, key: str, buffer_bytes: int = 0) -> None:
-        """Count an attach under way that hands over ``buffer_bytes`` of device buffers;
-        LimitExceeded when the peer is at its session or byte limit (nothing counted then)."""
+    def reserve(self, key: str, buffers: Buffers = Buffers()) -> None:
+        """Count an attach under way that hands over ``buffers``; LimitExceeded when the peer
+        is at its session, byte or mapping limit (nothing counted then)."""
         live = self._alive()
         for other, sessions in list(self._sessions.items()):  # forget ended sessions
             kept = {sid: n for sid, n in sessions.items() if sid in live}
@@ -68,7 +84,9 @@ class PeerSessions:
                 f"{self._limit} allows: detach sessions it no longer uses",
                 "limits.max_sessions_per_peer",
             )
-        held_bytes = sum(mine.values()) + sum(reserved)
+        holding = [*mine.values(), *reserved]
+        held_bytes = sum(b.nbytes for b in holding)
+        buffer_bytes = buffers.nbytes
         if held_bytes + buffer_bytes > self._byte_limit:
             raise LimitExceeded(
                 f"this attach hands over {buffer_bytes} bytes of device buffers and peer {key}'s "
@@ -77,17 +95,26 @@ class PeerSessions:
                 "size the pools use",
                 "limits.max_buffer_bytes_per_peer",
             )
-        self._reserved.setdefault(key, []).append(buffer_bytes)
+        held_maps = sum(b.mappings for b in holding)
+        if held_maps + buffers.mappings > self._mapping_limit:
+            raise LimitExceeded(
+                f"this attach maps its device buffers in {buffers.mappings} pieces and peer {key}'s "
+                f"sessions already hold {held_maps}: over limits.max_mappings_per_peer="
+                f"{self._mapping_limit}; put each pool's buffers next to each other in one memfd "
+                "(buffers more than 1 MiB apart are mapped apart), or detach sessions it no longer uses",
+                "limits.max_mappings_per_peer",
+            )
+        self._reserved.setdefault(key, []).append(buffers)
 
-    def settle(self, key: str, session_id: str | None, buffer_bytes: int = 0) -> None:
-        """The attach reserved with ``buffer_bytes`` finished: as ``session_id``, or failed (None)."""
+    def settle(self, key: str, session_id: str | None, buffers: Buffers = Buffers()) -> None:
+        """The attach reserved with ``buffers`` finished: as ``session_id``, or failed (None)."""
         reserved = self._reserved.get(key, [])
-        if buffer_bytes in reserved:
-            reserved.remove(buffer_bytes)
+        if buffers in reserved:
+            reserved.remove(buffers)
         if not reserved:
             self._reserved.pop(key, None)
         if session_id is not None:
-            self._sessions.setdefault(key, {})[session_id] = buffer_bytes
+            self._sessions.setdefault(key, {})[session_id] = buffers
 
 
 class _PeerBytes:

@@ -16,9 +16,10 @@ from hicached.core.types import PeerCred
 from hicached.errors import FailedPrecondition, InvalidArgument, PermissionDenied, clip
 from hicached.server import convert
 from hicached.server.limits import check_buffers, check_identity
-from hicached.server.peers import peer_key
+from hicached.server.peers import Buffers, peer_key
 from hicached.server.rpc_base import Ctx, ServicerBase
 from hicached.transfer.handles import FdBufferHandle
+from hicached.transfer.mappings import fd_span_count
 
 MAX_TENANT_BYTES = 256
 
@@ -37,14 +38,18 @@ class SessionRpcs(ServicerBase):
             key = peer_key(peer, context.peer())
             # Handed-over memfds, as declared (each buffer's size must match its shape, checked at
             # the mapping): the daemon maps their span. CUDA buffers map device memory instead.
-            buffer_bytes = sum(
-                max(b.handle.size, 0)
+            fd_buffers = [
+                b.handle
                 for p in pools
                 for b in p.k_buffers + p.v_buffers
                 if isinstance(b.handle, FdBufferHandle)
+            ]
+            buffers = Buffers(
+                sum(max(h.size, 0) for h in fd_buffers),
+                fd_span_count([(h.fd, h.offset, h.size) for h in fd_buffers]),
             )
             if self._peers is not None:
-                self._peers.reserve(key, buffer_bytes)
+                self._peers.reserve(key, buffers)
             session_id = None
             try:
                 result = await self.offload(
@@ -60,9 +65,9 @@ class SessionRpcs(ServicerBase):
                 session_id = result.session_id
             finally:
                 if self._peers is not None:
-                    self._peers.settle(key, session_id, buffer_bytes)
+                    self._peers.settle(key, session_id, buffers)
         finally:
-            # Mapped buffers keep their memory; the descriptors are not needed after the attach.
+            # Mapped buffers keep their memory and hold no descriptor (hicached.shm.map_file).
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)

@@ -33,7 +33,7 @@ import torch
 from hicached_client import vocab
 
 from hicached.errors import InvalidArgument
-from hicached.shm import TMPFS_MAGIC, SharedSegment, fs_type, populate_backed
+from hicached.shm import TMPFS_MAGIC, SharedSegment, fs_type, map_file, populate_backed
 
 # Every buffer must start on this byte boundary: the copy kernels view pages as
 # 8/16-byte words to reach memcpy speed, which needs aligned starts.
@@ -254,13 +254,7 @@ class FdOpener(HandleOpener[FdBufferHandle]):
         # mmap offsets must be multiples of the granularity; the views start at start - base.
         base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
-            mm = mmap.mmap(
-                handle.fd,
-                end - base,
-                flags=mmap.MAP_SHARED,
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                offset=base,
-            )
+            mm = map_file(handle.fd, end - base, offset=base)  # holds no descriptor (see there)
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
                 raise  # the daemon ran out (RESOURCE_EXHAUSTED), not the client's fault

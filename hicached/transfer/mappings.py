@@ -36,11 +36,10 @@ class _Run:
     indices: tuple[int, ...]
 
 
-def _runs(
-    specs: Sequence[BufferSpec], sizes: Sequence[int], indices: Sequence[int], max_gap: float
-) -> list[_Run]:
-    """Cluster the buffers ``indices`` (all in one allocation) into runs, by offset, cutting
-    where one starts more than ``max_gap`` bytes after the run so far ends.
+def _runs(extents: Sequence[tuple[int, int]], indices: Sequence[int], max_gap: float) -> list[_Run]:
+    """Cluster the buffers ``indices`` (all in one allocation; ``extents[i]`` is buffer i's
+    (offset, bytes)) into runs, by offset, cutting where one starts more than ``max_gap``
+    bytes after the run so far ends.
 
     What bounds the bytes mapped: each run spans its buffers plus gaps of at most
     SPAN_MAX_GAP between them, plus under mmap.ALLOCATIONGRANULARITY of rounding at
@@ -51,22 +50,35 @@ def _runs(
     count): what bounds them is ``limits.max_buffer_bytes_per_peer``, checked before
     the attach maps anything (:mod:`hicached.server.peers`).
     """
-    order = sorted(indices, key=lambda i: specs[i].handle.offset)
+    order = sorted(indices, key=lambda i: extents[i][0])
     runs: list[_Run] = []
     start = end = -1
     members: list[int] = []
     for i in order:
-        offset = specs[i].handle.offset
+        offset, nbytes = extents[i]
         if members and offset > end + max_gap:
             runs.append(_Run(start, end, tuple(members)))
             members = []
         if not members:
             start, end = offset, offset
         members.append(i)
-        end = max(end, offset + sizes[i])
+        end = max(end, offset + nbytes)
     if members:
         runs.append(_Run(start, end, tuple(members)))
     return runs
+
+
+def fd_span_count(buffers: Sequence[tuple[int, int, int]]) -> int:
+    """How many mappings an attach of these memfd buffers, each (fd, offset, bytes), makes at
+    most: one per run of nearby buffers of each fd (:func:`_runs`; descriptors of one memfd
+    count apart, so this errs high). What ``limits.max_mappings_per_peer`` counts, before
+    anything is mapped: each mapping is one of the kernel's ``vm.max_map_count`` for the
+    whole daemon."""
+    by_fd: dict[int, list[int]] = {}
+    for i, (fd, _, _) in enumerate(buffers):
+        by_fd.setdefault(fd, []).append(i)
+    extents = [(offset, max(nbytes, 0)) for _, offset, nbytes in buffers]
+    return sum(len(_runs(extents, indices, SPAN_MAX_GAP)) for indices in by_fd.values())
 
 
 class DeviceMappings:
@@ -104,6 +116,7 @@ class DeviceMappings:
         for i, spec in enumerate(specs):
             opener = opener_for(spec.handle)
             groups.setdefault(opener.key(spec.handle), (opener, []))[1].append(i)
+        extents = [(spec.handle.offset, n) for spec, n in zip(specs, sizes, strict=True)]
         views: list[torch.Tensor | None] = [None] * len(specs)
         with self._lock:
             if self._closed:
@@ -113,7 +126,7 @@ class DeviceMappings:
                 for key, (opener, indices) in groups.items():
                     # An opener that maps whole allocations gets one run: one mapping for all.
                     max_gap = SPAN_MAX_GAP if opener.maps_spans else math.inf
-                    for run in _runs(specs, sizes, indices, max_gap):
+                    for run in _runs(extents, indices, max_gap):
                         alloc = self._covering(key, opener, run, fresh)
                         if alloc is None:
                             alloc = opener.open_span(specs[run.indices[0]].handle, run.start, run.end)

@@ -18,7 +18,7 @@ from hicached.errors import LimitExceeded, clip
 from hicached.l3.base import BackendStats
 from hicached.l3.stats_cache import StatsCache
 from hicached.server.lanes import Lane, Lanes
-from hicached.server.peers import PeerSessions, peer_key
+from hicached.server.peers import Buffers, PeerSessions, peer_key
 from hicached.server.status import status_for
 
 STATS = BackendStats(pages=3, bytes=30, capacity_bytes=0, hits=1, misses=2, corrupt_pages=0, evicted_pages=0)
@@ -155,7 +155,7 @@ def test_the_lanes_take_their_per_session_limit_from_config(lane: str, key: str)
 
 def test_peer_sessions_count_live_sessions_and_attaches_under_way() -> None:
     live: set[str] = set()
-    peers = PeerSessions(2, 1 << 40, lambda: frozenset(live))
+    peers = PeerSessions(2, 1 << 40, lambda: frozenset(live), mapping_limit=1 << 20)
     peers.reserve("uid:1")
     peers.reserve("uid:1")
     with pytest.raises(LimitExceeded) as err:
@@ -174,23 +174,40 @@ def test_peer_sessions_count_live_sessions_and_attaches_under_way() -> None:
 
 def test_peer_sessions_bound_the_buffer_bytes_a_peer_hands_over() -> None:
     live: set[str] = set()
-    peers = PeerSessions(8, 100, lambda: frozenset(live))
-    peers.reserve("uid:1", 60)
+    peers = PeerSessions(8, 100, lambda: frozenset(live), mapping_limit=1 << 20)
+    peers.reserve("uid:1", Buffers(60))
     with pytest.raises(LimitExceeded) as err:
-        peers.reserve("uid:1", 41)  # 60 reserved + 41 > 100, refused and not counted
+        peers.reserve("uid:1", Buffers(41))  # 60 reserved + 41 > 100, refused and not counted
     assert err.value.key == "limits.max_buffer_bytes_per_peer"
     assert "limits.max_buffer_bytes_per_peer=100" in str(err.value) and "hold 60" in str(err.value)
-    peers.reserve("uid:2", 100)  # another peer has its own bytes
-    peers.reserve("uid:1", 40)
+    peers.reserve("uid:2", Buffers(100))  # another peer has its own bytes
+    peers.reserve("uid:1", Buffers(40))
     live.add("a")
-    peers.settle("uid:1", "a", 60)
-    peers.settle("uid:1", None, 40)  # a failed attach gives its bytes back
+    peers.settle("uid:1", "a", Buffers(60))
+    peers.settle("uid:1", None, Buffers(40))  # a failed attach gives its bytes back
     with pytest.raises(LimitExceeded):
-        peers.reserve("uid:1", 41)  # the live session still holds its 60
-    peers.reserve("uid:1", 40)
-    peers.settle("uid:1", None, 40)
+        peers.reserve("uid:1", Buffers(41))  # the live session still holds its 60
+    peers.reserve("uid:1", Buffers(40))
+    peers.settle("uid:1", None, Buffers(40))
     live.discard("a")  # the session ended: its bytes are free again
-    peers.reserve("uid:1", 100)
+    peers.reserve("uid:1", Buffers(100))
+
+
+def test_peer_sessions_bound_the_mappings_a_peer_makes() -> None:
+    live: set[str] = set()
+    peers = PeerSessions(8, 1 << 40, lambda: frozenset(live), mapping_limit=10)
+    peers.reserve("uid:1", Buffers(1, 6))
+    with pytest.raises(LimitExceeded) as err:
+        peers.reserve("uid:1", Buffers(1, 5))  # 6 + 5 > 10, refused and not counted
+    assert err.value.key == "limits.max_mappings_per_peer"
+    assert "limits.max_mappings_per_peer=10" in str(err.value) and "hold 6" in str(err.value)
+    peers.reserve("uid:2", Buffers(1, 10))  # another peer has its own count
+    live.add("a")
+    peers.settle("uid:1", "a", Buffers(1, 6))
+    peers.reserve("uid:1", Buffers(1, 4))
+    peers.settle("uid:1", None, Buffers(1, 4))
+    live.discard("a")  # the session ended: its mappings are gone
+    peers.reserve("uid:1", Buffers(1, 10))
 
 
 def test_peer_keys_come_from_the_kernel_or_the_transport() -> None:
