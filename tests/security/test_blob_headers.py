@@ -71,7 +71,7 @@ def _publish(target: str, key: str, header: bytes) -> None:
             identity=WorkerIdentity(instance_id="co-tenant", model_name=MODEL),
             refusals=RefusalLog(logging.getLogger("co-tenant")),
         )
-        name = store.chunk_keys(key, 0)[0]
+        name = store.header_key(key)
         chunk = header + bytes(store.chunk_bytes - len(header))
         store.call(lambda s: s.put_bytes([PageBytes(name, DAEMON_POOL, chunk)]))
         store.close()
@@ -92,7 +92,7 @@ def _victim(target: str, op: str, key: str) -> str:
 
 def _header(nbytes: int, ndim: int, *shape: int) -> bytes:
     dims = list(shape) + [0] * (8 - len(shape))
-    return _HEADER.pack(MAGIC, nbytes, b"float32", ndim, *dims)
+    return _HEADER.pack(MAGIC, nbytes, b"float32", ndim, *dims, bytes(8))
 
 
 @pytest.mark.parametrize(

@@ -70,10 +70,11 @@ def test_key_spaces_separate_pools_ranks_and_tenants() -> None:
     # HiCacheFile takes an empty key: it maps to what no other key's rewrite can be.
     assert escape_key("") == "%" and escape_key("%") == "%25"
     space = key_space("swa", **{**base, "tenant": "t"})
-    keys = ["0f3a", "a/b", "a%2Fb", "%", "é/ü"]
+    keys = ["0f3a", "a/b", "a%2Fb", "%", "é/ü", "a~b"]
     assert space.daemon_keys(keys) == [space.daemon_key(k) for k in keys] == [
-        "0f3a.swa@t", "a%2Fb.swa@t", "a%252Fb.swa@t", "%25.swa@t", "é%2Fü.swa@t"
+        "0f3a.swa@t", "a%2Fb.swa@t", "a%252Fb.swa@t", "%25.swa@t", "é%2Fü.swa@t", "a%7Eb.swa@t"
     ]  # fmt: skip
+    assert space.daemon_keys(["0f3a", "a~b"])[1] == "a%7Eb.swa@t"  # the batch's fast test too
     assert space.daemon_keys(["ok", ""]) == ["ok.swa@t", "%.swa@t"]
     for bad in (None, b"ab", 7):
         with pytest.raises(ValueError, match="must be a string"):

@@ -47,6 +47,27 @@ def test_clear_before_any_pool_matches_hicachefile(storages: StorageFactory, tmp
     run_both(reference(storages, tmp_path, None), ours(storages, None), calls)
 
 
+def test_keys_with_a_tilde_are_stored_like_hicachefile(storages: StorageFactory, tmp_path: Path) -> None:
+    """Fails before the fix (a review against HiCacheFile): the daemon refuses '~' in a key
+    (its tenant separator), so a set of such a key failed, and one in a page batch failed the
+    whole batch: every other key of it was not stored, or read as a miss."""
+    pool = make_host_pool(PoolShape())
+    src, dst = pool.alloc(12), pool.alloc(12)
+    keys = [*sglang_keys(1, 4, first=95_000), "p~q", *sglang_keys(1, 4, first=96_000)]
+
+    def calls(backend: Backend) -> list[object]:
+        return [
+            backend.set("a~b", torch.arange(4.0)),
+            backend.get("a~b", torch.empty(4)),
+            backend.batch_set_v2([PoolTransfer(name="kv", keys=keys, host_indices=src)]),
+            backend.batch_exists(keys),
+            backend.batch_get_v2([PoolTransfer(name="kv", keys=keys, host_indices=dst)]),
+        ]
+
+    got = run_both(reference(storages, tmp_path, pool), ours(storages, pool), calls)
+    assert got[0] is True and got[2] == {"kv": [True] * 3} and got[3] == 3, got
+
+
 def test_a_key_repeated_in_one_batch_is_stored_like_hicachefile(
     storages: StorageFactory, tmp_path: Path
 ) -> None:
@@ -148,6 +169,36 @@ def test_a_daemon_that_is_down_is_reported_rate_limited(caplog: pytest.LogCaptur
         d.stop()
 
 
+def test_a_daemon_that_is_down_ends_a_call_at_its_first_failure() -> None:
+    """Fails before the fix (a review against HiCacheFile): a generic batch_get whose page
+    load failed because the daemon was down asked the byte path for each key in turn, each
+    ask failing after its own timeout (128 keys: 45 s with the daemon killed, ~65 min with it
+    hung), and batch_exists waited twice. Now the call ends at the first such failure."""
+    d = start_daemon("--l3", "none")
+    factory = StorageFactory(d.target)
+    try:
+        pool = make_host_pool(PoolShape())
+        storage = factory.make(pool, model=unique_model())
+        keys = sglang_keys(32, 4, first=90_000)
+        src = pool.alloc(128)
+        assert storage.batch_set_v1(keys, src) == [True] * 32
+        targets = [pool.get_data_page(int(i), flat=True).clone() for i in src[::4]]
+        assert storage.set("by-key", torch.arange(4.0)) is True  # the byte path's session too
+        d.stop()
+        start = time.monotonic()
+        assert storage.batch_get(keys[:1], targets[:1]) == [None]
+        one = time.monotonic() - start
+        start = time.monotonic()
+        assert storage.batch_get(keys, targets) == [None] * 32
+        assert storage.batch_exists(keys) == 0
+        took = time.monotonic() - start
+        # Two calls of one failed ask each, not 33 + 2 (allowing for a slow machine).
+        assert took < 4 * one + 1.0, f"{took:.2f} s for two calls; one key's batch_get took {one:.2f} s"
+    finally:
+        factory.close_all()
+        d.stop()
+
+
 def test_a_batch_set_without_values_stores_nothing_and_says_so(storages: StorageFactory) -> None:
     """HiCacheFile raises (zip over None); before (a review of stop 47), True came back while
     nothing was stored."""
@@ -173,9 +224,10 @@ def test_calls_after_close_are_misses(storages: StorageFactory, caplog: pytest.L
     assert "the storage is closed" in caplog.text
 
 
-def test_a_tensor_that_lost_a_chunk_is_not_seen_and_is_stored_again() -> None:
+def test_a_tensor_that_lost_a_chunk_is_never_read_wrong() -> None:
     """The byte path's L2 holds 24 chunks and no L3: three tensors of 11, 7 and 7 chunks
-    cannot all stay, and the daemon evicts from the tail of a key's chunks."""
+    cannot all stay. Fails before the fix (a review against HiCacheFile): a new tensor put
+    under the key stored only the chunks the old one had lost, and get stitched the two."""
     d = start_daemon("--l3", "none")
     factory = StorageFactory(d.target)
     try:
@@ -188,9 +240,17 @@ def test_a_tensor_that_lost_a_chunk_is_not_seen_and_is_stored_again() -> None:
         assert storage.set("y1", torch.randn(6 * 4096)) is True
         readable = storage.get("x", torch.empty_like(x)) is not None
         assert storage.exists("x") is readable  # never "there" but unreadable
-        assert storage.set("x", x) is True
-        got = storage.get("x", torch.empty_like(x))
-        assert got is not None and torch.equal(got, x)
+        assert not readable, "the old tensor lost a chunk (else the case is not exercised)"
+        fresh = torch.randn(10 * 4096)  # same size, other values
+        stored = storage.set("x", fresh)
+        got = storage.get("x", torch.empty_like(fresh))
+        assert stored is (got is not None), "set answers what a get then finds"
+        assert got is None or torch.equal(got, fresh), "a tensor read under x is the one put last"
+        # Once the old tensor's header is gone, the new tensor is stored whole.
+        storage.clear()
+        assert storage.set("x", fresh) is True
+        got = storage.get("x", torch.empty_like(fresh))
+        assert got is not None and torch.equal(got, fresh)
     finally:
         factory.close_all()
         d.stop()

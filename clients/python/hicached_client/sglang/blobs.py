@@ -3,13 +3,18 @@
 ``HiCacheFile`` stores any tensor under any key; a daemon pool stores pages of
 one fixed size. ``BlobStore`` bridges the two over a *byte-only* session
 (``PutBytes``/``GetBytes``, no shared memory) of a pool of ``chunk_bytes``
-pages: a tensor becomes ``ceil((HEADER + nbytes) / chunk_bytes)`` chunks under
-the keys ``<daemon key>#c<i>``, chunk 0 starting with a header (magic, byte
-count, dtype, shape). Chunk 0 is stored *last*, so a visible header means every
-chunk was stored. The daemon may later evict a data chunk and keep the header:
-``exists`` reads the header for the chunk count and looks them all up, ``put``
-stores the chunks again unless all are there, and ``get`` of a key missing a
-chunk is a miss (never a wrong tensor: the byte count and chunk run are checked).
+pages: a tensor becomes ``ceil((HEADER + nbytes) / chunk_bytes)`` chunks, chunk 0
+under the key ``<daemon key>#c0`` starting with a header (magic, byte count,
+dtype, shape, and a stamp: a hash of the tensor), the others under
+``<daemon key>#<stamp>#c<i>``. Chunk 0 is stored *last*, so a visible header means
+every chunk was stored. The daemon may later evict a data chunk and keep the
+header: ``exists`` reads the header for the chunk count and stamp and looks them
+all up, ``put`` stores the chunks again unless all are there, and ``get`` of a key
+missing a chunk is a miss. Never a wrong tensor: the daemon keeps a key's bytes
+once stored (a put of a cached key changes nothing), so without the stamp a new
+tensor put under a key whose old data chunks were partly evicted filled only the
+missing ones, and ``get`` stitched the two; now its chunks have keys of their own,
+and while the old header stays ``put`` answers False.
 
 The session is attached on first use (a tensor stored by key, or the first key
 ``batch_exists`` looks for here after a KV-pool miss) and again when the daemon no longer knows it
@@ -23,12 +28,13 @@ a new tensor.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import struct
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 import torch
@@ -51,42 +57,52 @@ DAEMON_POOL = "kv"
 DEFAULT_CHUNK_BYTES = 16 << 10
 # Chunks per PutBytes / GetBytes message (1 MiB at the default chunk size).
 CHUNKS_PER_CALL = 64
-MAGIC = b"hcblob01"
+MAGIC = b"hcblob02"  # 01 had no stamp: tensors stored by key before read as misses
 MAX_DIMS = 8
 # The most chunks a tensor stored by key may have: the daemon's default
 # ``limits.max_keys_per_request`` (one Lookup of every chunk must fit) -- 1 GiB at the
 # default chunk size. A header is read from the daemon, where any worker of the tenant
 # may have written it: its byte count bounds the key list ``exists`` / ``get`` build.
 MAX_CHUNKS = 65_536
-# magic, nbytes, dtype name (24 bytes), ndim, shape[MAX_DIMS]
-_HEADER = struct.Struct(f"<8sQ24sI{MAX_DIMS}q")
+# magic, nbytes, dtype name (24 bytes), ndim, shape[MAX_DIMS], stamp
+_HEADER = struct.Struct(f"<8sQ24sI{MAX_DIMS}q8s")
 HEADER_BYTES = _HEADER.size
 
 
-def encode_header(value: torch.Tensor) -> bytes:
+class Header(NamedTuple):
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stamp: bytes  # names the data chunks: a hash of the tensor's dtype, shape and bytes
+
+
+def encode_header(value: torch.Tensor, raw: bytes) -> bytes:
+    """The header of ``value``, whose bytes are ``raw``."""
     if value.dim() > MAX_DIMS:
         raise ValueError(f"tensor has {value.dim()} dims; at most {MAX_DIMS} can be stored by key")
     dtype = str(value.dtype).removeprefix("torch.").encode()
     shape = list(value.shape) + [0] * (MAX_DIMS - value.dim())
-    return _HEADER.pack(MAGIC, value.numel() * value.element_size(), dtype, value.dim(), *shape)
+    fields = (MAGIC, len(raw), dtype, value.dim(), *shape)
+    stamp = hashlib.blake2b(_HEADER.pack(*fields, b"") + raw, digest_size=8).digest()
+    return _HEADER.pack(*fields, stamp)
 
 
-def decode_header(raw: bytes, max_bytes: int) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
-    """(nbytes, dtype, shape) of a stored tensor, or None when ``raw`` is no header of ours.
+def decode_header(raw: bytes, max_bytes: int) -> Header | None:
+    """What a stored tensor's header says, or None when ``raw`` is no header of ours.
 
     Another worker of the tenant may have written it: a header whose shape is negative or does
     not hold exactly ``nbytes`` of ``dtype``, or whose ``nbytes`` exceeds ``max_bytes``, is none.
     """
     if len(raw) < HEADER_BYTES:
         return None
-    magic, nbytes, dtype_name, ndim, *dims = _HEADER.unpack_from(raw)
+    magic, nbytes, dtype_name, ndim, *dims, stamp = _HEADER.unpack_from(raw)
     dtype = getattr(torch, dtype_name.rstrip(b"\0").decode(errors="replace"), None)
     if magic != MAGIC or not isinstance(dtype, torch.dtype) or ndim > MAX_DIMS or nbytes > max_bytes:
         return None
     shape = tuple(dims[:ndim])
     if any(d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != nbytes:
         return None
-    return nbytes, dtype, shape
+    return Header(nbytes, dtype, shape, stamp)
 
 
 class BlobStore:
@@ -167,26 +183,31 @@ class BlobStore:
 
     # -------------------------------------------------------------------- I/O
 
-    def chunk_keys(self, key: str, nbytes: int) -> list[str]:
-        count = max(1, math.ceil((HEADER_BYTES + nbytes) / self.chunk_bytes))
-        base = self.keys.daemon_key(key)
-        return [f"{base}#c{i}" for i in range(count)]
+    def header_key(self, key: str) -> str:
+        return f"{self.keys.daemon_key(key)}#c0"
+
+    def chunk_keys(self, key: str, header: Header) -> list[str]:
+        """The keys of every chunk of the tensor ``header`` describes, its header's first."""
+        count = max(1, math.ceil((HEADER_BYTES + header.nbytes) / self.chunk_bytes))
+        base = f"{self.keys.daemon_key(key)}#{header.stamp.hex()}"
+        return [self.header_key(key)] + [f"{base}#c{i}" for i in range(1, count)]
 
     def put(self, key: str, value: torch.Tensor) -> bool:
         """Store ``value`` under ``key``; True also when ``key`` was already stored."""
         if self.exists(key):
             return True  # HiCacheFile: an existing key is not rewritten (a partial one is)
-        try:
-            header = encode_header(value)
-        except ValueError as exc:
-            log.error("hicached: cannot store key %.64r: %s", key, exc)
+        if value.dim() > MAX_DIMS:
+            log.error("hicached: cannot store key %.64r: %d dims, at most %d", key, value.dim(), MAX_DIMS)
             return False
         if value.numel() * value.element_size() > self.max_bytes:
             log.error("hicached: cannot store key %.64r: more than %d bytes", key, self.max_bytes)
             return False
         raw = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        header = encode_header(value, raw)
         blob = header + raw
-        keys = self.chunk_keys(key, len(raw))
+        decoded = decode_header(header, self.max_bytes)
+        assert decoded is not None  # written just above
+        keys = self.chunk_keys(key, decoded)
         blob += bytes(len(keys) * self.chunk_bytes - len(blob))
         chunks = [
             PageBytes(k, DAEMON_POOL, blob[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
@@ -203,15 +224,18 @@ class BlobStore:
                     raise
                 self._refusals.refused(BLOB_POOL, len(keys), exc.message)
                 return False
-        return True
+        # Stored is what a get would find: a header there already may be another tensor's, whose
+        # chunks left (the daemon does not replace a cached key's bytes), and storing this one's
+        # may have evicted chunks of its own from a full pool.
+        return self.exists(key)
 
     def exists(self, key: str) -> bool:
-        """Every chunk of ``key`` is cached (the header says how many there are)."""
-        head = self._fetch(self.chunk_keys(key, 0)[:1])
+        """Every chunk of ``key`` is cached (the header says which)."""
+        head = self._fetch([self.header_key(key)])
         header = decode_header(head[:HEADER_BYTES], self.max_bytes) if head else None
         if header is None:
             return False
-        keys = self.chunk_keys(key, header[0])
+        keys = self.chunk_keys(key, header)
         if len(keys) == 1:
             return True
         found = self._call(lambda s: s.lookup(keys, tenant=self._config.tenant))
@@ -225,15 +249,14 @@ class BlobStore:
         (logged): the caller's buffer is never partly written.
         """
         want = None if target is None else target.numel() * target.element_size()
-        keys = self.chunk_keys(key, want if want is not None else 0)
-        data = self._fetch(keys[:CHUNKS_PER_CALL])
+        data = self._fetch([self.header_key(key)])  # the header names the other chunks
         if not data:
             return None
         header = decode_header(data[:HEADER_BYTES], self.max_bytes)
         if header is None:
             log.warning("hicached: key %.64r holds no valid tensor header; reading as a miss", key)
             return None
-        nbytes, dtype, shape = header
+        nbytes, dtype, shape, _ = header
         if want is not None and nbytes != want:
             log.warning(
                 "hicached: key %.64r holds %d bytes, the target tensor %d; reading as a miss",
@@ -242,7 +265,7 @@ class BlobStore:
                 want,
             )
             return None
-        keys = self.chunk_keys(key, nbytes)
+        keys = self.chunk_keys(key, header)
         while len(data) < len(keys) * self.chunk_bytes:
             lo = len(data) // self.chunk_bytes
             more = self._fetch(keys[lo : lo + CHUNKS_PER_CALL])

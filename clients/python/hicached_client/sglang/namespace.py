@@ -27,14 +27,16 @@ KV_POOL = "kv"
 
 
 def escape_key(key: str) -> str:
-    """An injective rewrite of ``key`` without ``/`` (``%`` -> ``%25``, ``/`` -> ``%2F``)."""
-    if type(key) is str and key and "%" not in key and "/" not in key:
+    """An injective rewrite of ``key`` without ``/`` or ``~`` (``%`` -> ``%25``, ``/`` -> ``%2F``,
+    ``~`` -> ``%7E``): the daemon refuses ``~`` in a key (it scopes keys by tenant with it), and
+    HiCacheFile stores any key."""
+    if type(key) is str and key and "%" not in key and "/" not in key and "~" not in key:
         return key  # SGLang's keys (hex digests): nothing to rewrite, no new string
     if not isinstance(key, str):
         raise ValueError(f"page key must be a string, got {type(key).__name__}")
     if not key:
         return "%"  # HiCacheFile takes an empty key; no rewritten key is a lone "%"
-    return key.replace("%", "%25").replace("/", "%2F")
+    return key.replace("%", "%25").replace("/", "%2F").replace("~", "%7E")
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class KeySpace:
             joined = "".join(keys)
         except TypeError:  # a key that is not a string: escape_key names it
             joined = "/"
-        if all(keys) and "%" not in joined and "/" not in joined:
+        if all(keys) and "%" not in joined and "/" not in joined and "~" not in joined:
             return [key + suffix for key in keys]  # always a new str, as escape_key's rewrite
         return [escape_key(key) + suffix for key in keys]
 

@@ -65,6 +65,11 @@ from hicached_client.sync import HiCacheClient
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# A daemon that is down, or does not answer in time, fails every further call of one of
+# ours the same way, each after its own timeout: the call ends at the first such failure (its
+# miss, by @answers), not key by key (a generic batch_get of 128 keys took 129 timeouts).
+GIVE_UP = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
 
 class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
     """SGLang L3 storage backend served by a hicached daemon (see the module docstring).
@@ -349,6 +354,8 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
                     daemon_keys, lambda lo, hi: link.get_flat(daemon_keys[lo:hi], outs[lo:hi])
                 )
             except HiCacheError as exc:
+                if exc.code in GIVE_UP:
+                    raise
                 self.failures.refused(f"pool {KV_POOL}", len(paged), str(exc))
                 loaded = []
             for j, hit in enumerate(loaded):
@@ -491,9 +498,15 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         return self._links[pool].keys
 
     def _safe(self, fn: Callable[[], T], default: T) -> T:
-        """``fn()``, or ``default`` (a miss, logged rate-limited) when it fails or a key cannot be sent."""
+        """``fn()``, or ``default`` (a miss, logged rate-limited) when it fails or a key cannot be
+        sent; a daemon down or out of time (:data:`GIVE_UP`) ends the whole call instead."""
         try:
             return fn()
-        except (HiCacheError, ValueError) as exc:
+        except HiCacheError as exc:
+            if exc.code in GIVE_UP:
+                raise
+            self._failed_calls.refused("call", 1, str(exc))
+            return default
+        except ValueError as exc:
             self._failed_calls.refused("call", 1, str(exc))
             return default
