@@ -125,6 +125,9 @@ def clip(value: object, limit: int = CLIP_CHARS) -> str:
         if len(value) <= limit:
             return repr(bytes(value))
         return f"{bytes(value[:limit])!r}... ({len(value)} bytes)"
+    if isinstance(value, int | float) and not isinstance(value, bool):  # a number, unquoted
+        text = str(value)
+        return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
     text = value if isinstance(value, str) else str(value)
     if len(text) <= limit:
         return repr(text)

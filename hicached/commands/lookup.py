@@ -77,6 +77,10 @@ def register(subparsers: Any) -> None:
 
 
 def _specs(args: argparse.Namespace) -> tuple[WorkerIdentity, Any]:
+    if args.kind == "mla" and args.heads != 1:  # the daemon would name its wire field, not the flag
+        raise InvalidArgument(
+            f"--heads must be 1 with --kind mla (an MLA pool has one latent head), got {args.heads}"
+        )
     identity = WorkerIdentity(
         f"hicached-lookup-{os.getpid()}",
         generation=1,

@@ -93,7 +93,7 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any, tp: Any = None, *, 
     except InvalidArgument as exc:
         raise ConfigError(str(exc)) from exc
     if key in _POSITIVE and out <= 0:
-        raise ConfigError(f"invalid {key} = {value!r}: must be > 0")
+        raise ConfigError(f"invalid {key} = {clip(value)}: must be > 0")
     return out
 
 
@@ -101,11 +101,13 @@ def _check_cross(cfg: Config) -> None:
     s = cfg.sessions
     if not s.min_lease_ms <= s.lease_ms <= s.max_lease_ms:
         raise ConfigError(
-            f"invalid sessions.lease_ms = {s.lease_ms}: must lie in "
+            f"invalid sessions.lease_ms = {clip(s.lease_ms)}: must lie in "
             f"[sessions.min_lease_ms={s.min_lease_ms}, sessions.max_lease_ms={s.max_lease_ms}]"
         )
     if not 0 < cfg.host.budget_fraction <= 1:
-        raise ConfigError(f"invalid host.budget_fraction = {cfg.host.budget_fraction}: must lie in (0, 1]")
+        raise ConfigError(
+            f"invalid host.budget_fraction = {clip(cfg.host.budget_fraction)}: must lie in (0, 1]"
+        )
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         given, missing = (
             ("server.tls_cert", "server.tls_key")
@@ -113,7 +115,7 @@ def _check_cross(cfg: Config) -> None:
             else ("server.tls_key", "server.tls_cert")
         )
         value = cfg.server.tls_cert or cfg.server.tls_key
-        raise ConfigError(f"{given} = {value!r} is set but {missing} is not: TLS needs both")
+        raise ConfigError(f"{given} = {clip(value)} is set but {missing} is not: TLS needs both")
     _check_tcp(cfg.server)
     for key, number in (
         ("server.grace_s", cfg.server.grace_s),
@@ -123,7 +125,7 @@ def _check_cross(cfg: Config) -> None:
         ("log.max_rate", cfg.log.max_rate),
     ):
         if number < 0:
-            raise ConfigError(f"invalid {key} = {number}: must be >= 0")
+            raise ConfigError(f"invalid {key} = {clip(number)}: must be >= 0")
     for key, number, most in (  # gRPC takes these as 32-bit ints (milliseconds)
         ("server.idle_connection_s", cfg.server.idle_connection_s, 86_400),
         ("server.keepalive_s", cfg.server.keepalive_s, 86_400),
@@ -131,7 +133,7 @@ def _check_cross(cfg: Config) -> None:
         ("server.max_streams_per_connection", cfg.server.max_streams_per_connection, 1 << 20),
     ):
         if number > most:
-            raise ConfigError(f"invalid {key} = {number}: must be <= {most}")
+            raise ConfigError(f"invalid {key} = {clip(number)}: must be <= {most}")
     if cfg.server.metrics_port < -1 or cfg.server.metrics_port > 65535:
         raise ConfigError(
             f"invalid server.metrics_port = {cfg.server.metrics_port}: expected -1, 0 or a port"
@@ -164,7 +166,7 @@ def _check_bounds(cfg: Config) -> None:
         )
     if not SHM_PREFIX_RE.fullmatch(cfg.host.shm_prefix):
         raise ConfigError(
-            f"invalid host.shm_prefix = {cfg.host.shm_prefix!r}: use 1..64 of A-Z a-z 0-9 _ . - "
+            f"invalid host.shm_prefix = {clip(cfg.host.shm_prefix)}: use 1..64 of A-Z a-z 0-9 _ . - "
             "(not starting with . or -)"
         )
 
@@ -175,22 +177,22 @@ def _check_tcp(server: ServerConfig) -> None:
     listen = _LISTEN_RE.fullmatch(server.listen)
     if server.listen and (listen is None or int(listen.group("port")) > 65535):
         raise ConfigError(
-            f"invalid server.listen = {server.listen!r}: expected HOST:PORT, e.g. 0.0.0.0:50051, "
+            f"invalid server.listen = {clip(server.listen)}: expected HOST:PORT, e.g. 0.0.0.0:50051, "
             "[::]:50051 or localhost:0"
         )
     if server.tls_client_ca and not server.tls_cert:
         raise ConfigError(
-            f"server.tls_client_ca = {server.tls_client_ca!r} is set but server.tls_cert is not: "
+            f"server.tls_client_ca = {clip(server.tls_client_ca)} is set but server.tls_cert is not: "
             "mTLS needs server.tls_cert and server.tls_key (without them TCP would be plaintext)"
         )
     if server.listen and not (server.auth_token_file or server.tls_client_ca or server.insecure_tcp):
         raise ConfigError(
-            f"server.listen = {server.listen!r} needs server.auth_token_file or server.tls_client_ca "
+            f"server.listen = {clip(server.listen)} needs server.auth_token_file or server.tls_client_ca "
             "(mTLS); set server.insecure_tcp = true to serve TCP without authentication"
         )
     if server.admin_socket_path() == Path(server.socket):
         raise ConfigError(
-            f"server.admin_socket = {str(server.admin_socket_path())!r} must differ from server.socket"
+            f"server.admin_socket = {clip(str(server.admin_socket_path()))} must differ from server.socket"
             + (
                 ""
                 if server.admin_socket
@@ -431,7 +433,9 @@ def _set(
     """``once``: ConfigError if the key was set already (a file naming one key by two spellings)."""
     given, dotted = dotted, ALIASES.get(dotted, dotted)
     if dotted in _REMOVED:
-        raise ConfigError(f"configuration key {dotted!r} (from {origin}) was removed: use {_REMOVED[dotted]}")
+        raise ConfigError(
+            f"configuration key {clip(dotted)} (from {origin}) was removed: use {_REMOVED[dotted]}"
+        )
     if len(dotted) > 80:  # no key is half as long: quote a prefix, not a pasted blob
         raise ConfigError(f"unknown configuration key {clip(dotted)} (from {origin})")
     entry = KEYS.get(dotted)
@@ -446,7 +450,7 @@ def _set(
             scope = ""
         known = ", ".join(k for k in KEYS if k.startswith(scope) and k.count(".") == scope.count("."))
         raise ConfigError(
-            f"unknown configuration key {dotted!r} (from {origin}); known: "
+            f"unknown configuration key {clip(dotted)} (from {origin}); known: "
             + (known if scope else ", ".join(SECTION_TYPES))
         )
     f, tp = entry

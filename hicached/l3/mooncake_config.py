@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from hicached.coerce import option, parse_size, typed_fields
-from hicached.errors import InvalidArgument
+from hicached.errors import InvalidArgument, clip
 
 __all__ = ["MooncakeBackendConfig"]
 
@@ -58,29 +58,29 @@ class MooncakeBackendConfig:
         host, sep, port = self.master_addr.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgument(
-                f"mooncake backend option 'master_addr' must be host:port, got {self.master_addr!r}"
+                f"mooncake backend option 'master_addr' must be host:port, got {clip(self.master_addr)}"
             )
         if not self.metadata_server or not self.local_hostname:
             raise InvalidArgument(
                 "mooncake backend options 'metadata_server' and 'local_hostname' must be non-empty, "
-                f"got {self.metadata_server!r} and {self.local_hostname!r}"
+                f"got {clip(self.metadata_server)} and {clip(self.local_hostname)}"
             )
         if self.protocol not in _PROTOCOLS:
             raise InvalidArgument(
                 f"mooncake backend option 'protocol' must be one of {', '.join(_PROTOCOLS)}, "
-                f"got {self.protocol!r}"
+                f"got {clip(self.protocol)}"
             )
         for opt in ("global_segment_bytes", "local_buffer_bytes"):
             if getattr(self, opt) < 0:
                 value = getattr(self, opt)
-                raise InvalidArgument(f"mooncake backend opt {opt!r} must be >= 0, got {value}")
+                raise InvalidArgument(f"mooncake backend opt {opt!r} must be >= 0, got {clip(value)}")
         if self.staging_bytes < 4096:
             raise InvalidArgument(
-                f"mooncake backend opt 'staging_bytes' must be >= 4096, got {self.staging_bytes}"
+                f"mooncake backend opt 'staging_bytes' must be >= 4096, got {clip(self.staging_bytes)}"
             )
         if self.replicas < 1:
-            raise InvalidArgument(f"mooncake backend opt 'replicas' must be >= 1, got {self.replicas}")
+            raise InvalidArgument(f"mooncake backend opt 'replicas' must be >= 1, got {clip(self.replicas)}")
         if not self.connect_timeout_s > 0:
             raise InvalidArgument(
-                f"mooncake backend opt 'connect_timeout_s' must be > 0, got {self.connect_timeout_s}"
+                f"mooncake backend opt 'connect_timeout_s' must be > 0, got {clip(self.connect_timeout_s)}"
             )

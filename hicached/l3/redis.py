@@ -47,7 +47,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hicached.coerce import option, parse_size, typed_fields
-from hicached.errors import NO_RETRY, InvalidArgument, Unavailable
+from hicached.errors import NO_RETRY, InvalidArgument, Unavailable, clip
 from hicached.l3.base import (
     BackendStats,
     ReadCounters,
@@ -150,23 +150,25 @@ class RedisBackendConfig:
     def __post_init__(self) -> None:
         typed_fields(self, "l3.redis")  # a config built in Python is checked as a file's
         if not 0 < self.port < 65536:
-            raise InvalidArgument(f"redis backend option 'port' must be in 1..65535, got {self.port}")
+            raise InvalidArgument(f"redis backend option 'port' must be in 1..65535, got {clip(self.port)}")
         if self.db < 0:
-            raise InvalidArgument(f"redis backend option 'db' must be >= 0, got {self.db}")
+            raise InvalidArgument(f"redis backend option 'db' must be >= 0, got {clip(self.db)}")
         if self.socket_timeout_s <= 0:
             raise InvalidArgument(
-                f"redis backend option 'socket_timeout_s' must be > 0, got {self.socket_timeout_s}"
+                f"redis backend option 'socket_timeout_s' must be > 0, got {clip(self.socket_timeout_s)}"
             )
         if self.ttl_s < 0:
-            raise InvalidArgument(f"redis backend option 'ttl_s' must be >= 0, got {self.ttl_s}")
+            raise InvalidArgument(f"redis backend option 'ttl_s' must be >= 0, got {clip(self.ttl_s)}")
         if self.retries < 0:
-            raise InvalidArgument(f"redis backend option 'retries' must be >= 0, got {self.retries}")
+            raise InvalidArgument(f"redis backend option 'retries' must be >= 0, got {clip(self.retries)}")
         if self.batch_pages <= 0:
-            raise InvalidArgument(f"redis backend option 'batch_pages' must be > 0, got {self.batch_pages}")
+            raise InvalidArgument(
+                f"redis backend option 'batch_pages' must be > 0, got {clip(self.batch_pages)}"
+            )
         if self.max_value_bytes < FRAME_HEADER.size:
             raise InvalidArgument(
                 f"redis backend option 'max_value_bytes' must be >= {FRAME_HEADER.size} (a frame's "
-                f"header), got {self.max_value_bytes}"
+                f"header), got {clip(self.max_value_bytes)}"
             )
 
 

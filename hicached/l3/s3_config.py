@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from hicached.coerce import option, parse_size, typed_fields
-from hicached.errors import InvalidArgument
+from hicached.errors import InvalidArgument, clip
 
 __all__ = ["MAX_OBJECT_BYTES", "MAX_OBJECT_KEY_BYTES", "S3BackendConfig"]
 
@@ -70,32 +70,34 @@ class S3BackendConfig:
         if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
             raise InvalidArgument(
                 f"s3 backend option 'endpoint_url' must start with http:// or https://, "
-                f"got {self.endpoint_url!r}"
+                f"got {clip(self.endpoint_url)}"
             )
         if self.prefix.startswith("/") or len(self.prefix.encode("utf-8")) >= MAX_OBJECT_KEY_BYTES:
             raise InvalidArgument(
                 f"s3 backend option 'prefix' must not start with '/' and must be shorter than "
-                f"{MAX_OBJECT_KEY_BYTES} bytes, got {self.prefix!r}"
+                f"{MAX_OBJECT_KEY_BYTES} bytes, got {clip(self.prefix)}"
             )
         if bool(self.access_key_id) != bool(self.secret_access_key):
             raise InvalidArgument(
                 "s3 backend options 'access_key_id' and 'secret_access_key' must be given together"
             )
         if not 1 <= self.threads <= 256:
-            raise InvalidArgument(f"s3 backend option 'threads' must be in 1..256, got {self.threads}")
+            raise InvalidArgument(f"s3 backend option 'threads' must be in 1..256, got {clip(self.threads)}")
         if self.addressing_style not in _ADDRESSING:
             raise InvalidArgument(
                 f"s3 backend option 'addressing_style' must be one of {', '.join(_ADDRESSING)}, "
-                f"got {self.addressing_style!r}"
+                f"got {clip(self.addressing_style)}"
             )
         for opt in ("connect_timeout_s", "read_timeout_s"):
             if not getattr(self, opt) > 0:
-                raise InvalidArgument(f"s3 backend opt {opt!r} must be > 0, got {getattr(self, opt)}")
+                raise InvalidArgument(f"s3 backend opt {opt!r} must be > 0, got {clip(getattr(self, opt))}")
         if self.max_attempts < 1:
-            raise InvalidArgument(f"s3 backend opt 'max_attempts' must be >= 1, got {self.max_attempts}")
+            raise InvalidArgument(
+                f"s3 backend opt 'max_attempts' must be >= 1, got {clip(self.max_attempts)}"
+            )
         if self.max_object_bytes < 1:
             raise InvalidArgument(
-                f"s3 backend opt 'max_object_bytes' must be >= 1, got {self.max_object_bytes}"
+                f"s3 backend opt 'max_object_bytes' must be >= 1, got {clip(self.max_object_bytes)}"
             )
         if self.stats_ttl_s < 0:
-            raise InvalidArgument(f"s3 backend opt 'stats_ttl_s' must be >= 0, got {self.stats_ttl_s}")
+            raise InvalidArgument(f"s3 backend opt 'stats_ttl_s' must be >= 0, got {clip(self.stats_ttl_s)}")

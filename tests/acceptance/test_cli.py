@@ -253,6 +253,19 @@ def test_lookup_bad_arguments_exit_2_without_traceback(tmp_path: Path) -> None:
     assert os.path.exists("/nonexistent.sock") is False
 
 
+def test_lookup_names_the_flag_of_an_mla_layout_with_heads(tmp_path: Path) -> None:
+    """Fails before (a review of the docs as a user): the daemon's refusal came back naming
+    KVSpec.num_heads, a wire field the user never typed."""
+    layout = list(LAYOUT)
+    heads = layout.index("--heads")
+    layout[heads + 1] = "4"
+    result = cli(
+        "lookup", *layout, "--kind", "mla", "--tokens", PREFIX, "--socket", "/nonexistent.sock", cwd=tmp_path
+    )
+    assert result.returncode == 2, result.stderr
+    assert "--heads must be 1 with --kind mla" in result.stderr and "KVSpec" not in result.stderr
+
+
 def test_lookup_refuses_token_ids_out_of_range_and_an_empty_prefix(daemon: Served, tmp_path: Path) -> None:
     """Fails before: an id below 0 or past 2**64 - 1 was protobuf's ValueError as a traceback
     (exit 1; `hicached keys` refused the same ids), and no ids at all answered "0 pages asked"."""

@@ -181,6 +181,28 @@ def test_hostile_or_mistaken_command_lines_are_usage_errors_quoting_a_prefix(tmp
         # An alias is its key (a review of stop 47: these kept one silently).
         (["config", "show", "--l3-path", "/a", "--set", "l3.path=/b"], "l3.file.path is given twice"),
         (["config", "show", "--set", "l3.path=/a", "--set", "l3.file.path=/b"], "is given twice by --set"),
+        # Each check of a value quotes a prefix of it (a review of stop 49: these five kinds
+        # quoted all 3,000 characters, a TOML file's 1,000,000).
+        (["config", "show", "--set", f"host.shm_prefix={blob}"], "invalid host.shm_prefix = 'kkk"),
+        (["config", "show", "--set", f"server.listen={blob}"], "invalid server.listen = 'kkk"),
+        (
+            [
+                "config",
+                "show",
+                "--l3",
+                "s3",
+                "--set",
+                "l3.s3.bucket=b",
+                "--set",
+                f"l3.s3.addressing_style={blob}",
+            ],
+            "'addressing_style'",
+        ),
+        (["config", "show", "--l3", "mooncake", "--set", f"l3.mooncake.protocol={blob}"], "'protocol'"),
+        (
+            ["config", "show", "--l3", "redis", "--set", f"l3.redis.ttl_s=-{'1' * 3000}"],
+            "'ttl_s' must be >= 0",
+        ),
     ):
         out = run(*args, cwd=tmp_path)
         assert out.returncode == 2 and said in out.stderr, (args[:2], out.stderr[-500:])
@@ -196,7 +218,7 @@ def test_hostile_or_mistaken_command_lines_are_usage_errors_quoting_a_prefix(tmp
     )
     (tmp_path / "bad.toml").write_text("server = 3\n")
     out = run("config", "show", "--config", "bad.toml", cwd=tmp_path)
-    assert out.returncode == 2 and "[server] in bad.toml must be a table of keys, got '3'" in out.stderr
+    assert out.returncode == 2 and "[server] in bad.toml must be a table of keys, got 3" in out.stderr
     fifo = tmp_path / "fifo.toml"
     os.mkfifo(fifo)
     out = run("config", "show", cwd=tmp_path, env={"HICACHED_CONFIG": str(fifo)})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from hicached.coerce import format_size, option, parse_size, typed_fields
-from hicached.errors import InvalidArgument
+from hicached.errors import InvalidArgument, clip
 from hicached.l3.file.layout import SLOT_ALIGN
 
 __all__ = ["FileBackendConfig"]
@@ -46,12 +46,14 @@ class FileBackendConfig:
     def __post_init__(self) -> None:
         typed_fields(self, "l3.file")  # a config built in Python is checked as a file's
         if self.io_threads < 1:
-            raise InvalidArgument(f"file backend option 'io_threads' must be >= 1, got {self.io_threads}")
+            raise InvalidArgument(
+                f"file backend option 'io_threads' must be >= 1, got {clip(self.io_threads)}"
+            )
         if self.max_pages < 1:
-            raise InvalidArgument(f"file backend option 'max_pages' must be >= 1, got {self.max_pages}")
+            raise InvalidArgument(f"file backend option 'max_pages' must be >= 1, got {clip(self.max_pages)}")
         if not self.path:
             raise InvalidArgument("file backend option 'path' must be a non-empty directory path")
         if self.capacity_bytes < SLOT_ALIGN:
             raise InvalidArgument(
-                f"file backend option 'capacity_bytes' must be >= {SLOT_ALIGN}, got {self.capacity_bytes}"
+                f"file backend option 'capacity_bytes' must be >= {SLOT_ALIGN}, got {clip(self.capacity_bytes)}"
             )
