@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hicached.core.tenants import scoped_keys
-from hicached.index.tenant_keys import entry_bytes
+from hicached.index.tenant_keys import TenantL3Keys, entry_bytes
 from hicached.l3 import create_backend
 from tests.core.conftest import Core
 
@@ -58,3 +58,19 @@ def test_one_bound_holds_the_tenant_keys_of_every_group_together(
         assert store.count() == 0
     finally:
         backend.close()
+
+
+def test_the_default_tenants_keys_do_not_crowd_out_named_tenants() -> None:
+    """Fails before (a review of the change that remembered the default tenant's keys): one
+    bound for both, so the default tenant's writes, usually the bulk, made the daemon forget a
+    named tenant's keys, whose clear then left their L3 copies."""
+    store = TenantL3Keys(max_bytes=100 * entry_bytes("k-00000", "t"))
+    owner = store.new_owner()
+    store.remember(owner, "named-key", "team-a")
+    for i in range(1000):
+        store.remember(owner, f"k-{i:05d}", "")
+    assert store.of(owner, "team-a") == {"named-key"}
+    assert len(store.of(owner, "")) <= 100  # its own bound still holds
+    assert store.nbytes <= 2 * store.max_bytes
+    store.forget(owner, None)
+    assert store.count() == 0 and store.nbytes == 0
