@@ -65,9 +65,16 @@ _libc.mmap.argtypes = (
     ctypes.c_int,
     ctypes.c_long,
 )
-# Linux's values (x86_64, aarch64); the mmap module exports neither.
-_MAP_FIXED = 0x10
+_libc.mremap.restype = ctypes.c_void_p  # variadic in C; its fifth argument is the new address
+_libc.mremap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+# Linux's values (x86_64, aarch64); the mmap module exports none of them.
 _MAP_NORESERVE = 0x4000
+_MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+# Placeholders whose range a failed move may have left to others: never unmapped (see map_file).
+_STRANDED: list[mmap.mmap] = []
 
 
 def map_file(
@@ -82,23 +89,31 @@ def map_file(
     descriptors: one client mapping many far-apart buffers ran the daemon out of them, and
     every other client's attach failed (EMFILE). How: anonymous memory of ``length`` bytes,
     mapped by ``mmap.mmap`` (which then owns the address range: it counts the buffer views
-    it hands out, and its ``close()`` unmaps the range whatever backs it), then the file is
-    mapped over it at the same address (``MAP_FIXED``). The anonymous memory is never touched
-    and ``MAP_NORESERVE`` keeps it off the commit limit (under ``vm.overcommit_memory = 2``
-    the kernel charges it until the file replaces it: a span larger than what is left fails
-    with ENOMEM there). Thread-safe; the caller owns the mapping."""
+    it hands out, and its ``close()`` unmaps the range whatever backs it); the file mapped
+    where the kernel likes (what a client's memfd can make fail, a seal or its mode, fails
+    there, with nothing of ours replaced); then that mapping moved over the placeholder
+    (``mremap`` with ``MREMAP_FIXED``). The anonymous memory is never touched and
+    ``MAP_NORESERVE`` keeps it off the commit limit (under ``vm.overcommit_memory = 2`` the
+    kernel charges it until the file replaces it: a span larger than what is left fails with
+    ENOMEM there). Thread-safe; the caller owns the mapping."""
     placeholder = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=prot)
-    try:
-        probe = np.frombuffer(placeholder, dtype=np.uint8, count=1)  # read-only ones too
-        address = probe.ctypes.data
-        del probe  # a view left would keep close() from unmapping
-        got = _libc.mmap(address, length, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, offset)
-        if got != address:  # MAP_FAILED
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-    except BaseException:
+    file_map = _libc.mmap(None, length, prot, mmap.MAP_SHARED, fd, offset)
+    if file_map == _MAP_FAILED:
+        err = ctypes.get_errno()
         placeholder.close()
-        raise
+        raise OSError(err, os.strerror(err))
+    probe = np.frombuffer(placeholder, dtype=np.uint8, count=1)  # read-only ones too
+    address = probe.ctypes.data
+    del probe  # a view left would keep close() from unmapping
+    moved = _libc.mremap(file_map, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, address)
+    if moved != address:
+        # Only the kernel's own want of memory gets here, perhaps after it unmapped the
+        # placeholder's range, where other threads may map meanwhile: closing the placeholder
+        # could unmap their memory, so it is kept (its range is lost, not reused).
+        err = ctypes.get_errno()
+        _libc.munmap(file_map, length)
+        _STRANDED.append(placeholder)
+        raise OSError(err, os.strerror(err))
     return placeholder
 
 
