@@ -6,6 +6,7 @@ another thread writes. HiCachedStorage never raises into SGLang's threads."""
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hicached_client import HiCacheClient
+from hicached_client import HiCacheClient, PageBytes
 from hicached_client.sglang import HiCachedStorage
 from hicached_client.sglang.refusals import DEFAULT_INTERVAL_S
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
@@ -167,6 +168,23 @@ def test_a_daemon_that_is_down_is_reported_rate_limited(caplog: pytest.LogCaptur
     finally:
         factory.close_all()
         d.stop()
+
+
+def test_a_header_of_the_format_before_stamps_does_not_block_its_key(storages: StorageFactory) -> None:
+    """Fails before the fix (the review of the change): the stamped format kept the header's
+    key, where a cached header of the format before stays (the daemon keeps a cached key's
+    bytes): the key read as a miss and could not be stored again while that header lived."""
+    storage = ours(storages, None)
+    assert storage.set("seed", torch.arange(2.0)) is True  # the byte path's session
+    blobs = storage._blobs  # writing what a daemon of the old format holds
+    old = struct.pack("<8sQ24sI8q", b"hcblob01", 16, b"float32", 1, 4, *[0] * 7)
+    chunk = old + bytes(blobs.chunk_bytes - len(old))
+    blobs.call(lambda s: s.put_bytes([PageBytes(f"{blobs.keys.daemon_key('old')}#c0", "kv", chunk)]))
+    assert storage.exists("old") is False
+    value = torch.arange(4.0)
+    assert storage.set("old", value) is True
+    got = storage.get("old", torch.empty(4))
+    assert got is not None and torch.equal(got, value)
 
 
 def test_a_daemon_that_is_down_ends_a_call_at_its_first_failure() -> None:

@@ -4,7 +4,7 @@
 one fixed size. ``BlobStore`` bridges the two over a *byte-only* session
 (``PutBytes``/``GetBytes``, no shared memory) of a pool of ``chunk_bytes``
 pages: a tensor becomes ``ceil((HEADER + nbytes) / chunk_bytes)`` chunks, chunk 0
-under the key ``<daemon key>#c0`` starting with a header (magic, byte count,
+under the key ``<daemon key>#h2`` starting with a header (magic, byte count,
 dtype, shape, and a stamp: a hash of the tensor), the others under
 ``<daemon key>#<stamp>#c<i>``. Chunk 0 is stored *last*, so a visible header means
 every chunk was stored. The daemon may later evict a data chunk and keep the
@@ -184,7 +184,9 @@ class BlobStore:
     # -------------------------------------------------------------------- I/O
 
     def header_key(self, key: str) -> str:
-        return f"{self.keys.daemon_key(key)}#c0"
+        # Not the "#c0" of the format before stamps: the daemon keeps a cached key's bytes, so
+        # an old header there would have kept the key from being stored again for good.
+        return f"{self.keys.daemon_key(key)}#h2"
 
     def chunk_keys(self, key: str, header: Header) -> list[str]:
         """The keys of every chunk of the tensor ``header`` describes, its header's first."""
