@@ -365,10 +365,9 @@ class LimitsConfig(_Section):
     )
     max_unread_answer_bytes_per_peer: int = _f(
         256 << 20,
-        "Bytes of answers (GetBytes; a Lookup's derived keys, counted 3 times) one peer may have "
-        "built and not yet read (the daemon holds "
-        "them until its clients read them or the connection is dropped); a call over it is "
-        "RESOURCE_EXHAUSTED, unless the peer holds none.",
+        "Bytes of answers (GetBytes; a Lookup's derived keys and per-key flags, counted 3 times) one "
+        "peer may have built and not yet read (held until its clients read them or the connection "
+        "drops); a call over it is RESOURCE_EXHAUSTED, unless the peer holds none.",
         parse=parse_size,
     )
     max_request_bytes_held_per_peer: int = _f(
@@ -393,9 +392,8 @@ class LimitsConfig(_Section):
     )
     max_mappings_per_peer: int = _f(
         4096,
-        "Most mappings of memfd device buffers (one per run of buffers less than 1 MiB apart in "
-        "one fd) the live sessions of one peer may hold together: each is one of the kernel's "
-        "vm.max_map_count (65530) areas for the whole daemon.",
+        "Most mappings of memfd device buffers (one per run of an fd's buffers under 1 MiB apart) the live "
+        "sessions of one peer may hold: each is one of the daemon's vm.max_map_count (65530) areas.",
     )
     max_pools_per_attach: int = _f(
         32,

@@ -300,10 +300,9 @@ class HiCacheCore:
         return ended
 
     def _end(self, session: Session, reason: str, *, wait_s: float = 0.0) -> int:
-        """Cancel, wait at most ``wait_s`` for in-flight work, then unmap and free everything
-        the session held. Past the deadline the session is gone already and its teardown
-        runs when its last operation finishes (an L3 call may hang): returns 0 then, the
-        pages freed so far. The lease reaper waits 0 s, so it never blocks on a session."""
+        """Cancel, wait at most ``wait_s`` for in-flight work, then unmap and free everything the
+        session held. Past the deadline the session is gone and its teardown runs when its last
+        operation finishes (an L3 call may hang): returns 0 then. The lease reaper waits 0 s."""
         if self._sessions.remove(session.session_id) is None:
             return 0
         session.cancel.set()
@@ -321,8 +320,7 @@ class HiCacheCore:
         return self._teardown(session, reason)
 
     def _teardown_quietly(self, session: Session, reason: str) -> None:
-        """A deferred teardown (run by the session's last operation): its failure is logged,
-        never raised into that operation's answer."""
+        """A deferred teardown (run by its session's last operation): failures logged, not raised."""
         try:
             self._teardown(session, reason)
         except Exception:
@@ -450,8 +448,7 @@ class HiCacheCore:
         return self._data.session(session_id)[0].worker
 
     def session_origin(self, session_id: str) -> str:
-        """Who attached session ``session_id``: ``uid:N``, ``tcp:HOST``, ``unix`` (the servicer's
-        peer key), or "" in process (NotFound for unknown ids)."""
+        """Who attached ``session_id`` (the servicer's peer key), or "" in process; NotFound if unknown."""
         return self._data.session(session_id)[0].origin
 
     def session_group(self, session_id: str) -> tuple[Session, GroupState]:
@@ -484,11 +481,8 @@ class HiCacheCore:
         return self._draining.is_set()
 
     def close(self, wait_s: float | None = None) -> None:
-        """End every session (freeing their pages), then release the groups (under warm
-        restart: journal them). Sessions' in-flight work gets ``wait_s`` (default
-        ``server.grace_s``) in all, one deadline for every session: waited one after another,
-        N sessions stuck on a hung L3 held the journals back N grace periods, past the
-        pod's (a session still busy then is torn down when its work returns)."""
+        """End every session (freeing their pages), then release the groups (journaled under warm
+        restart); in-flight work gets ``wait_s`` (default ``server.grace_s``) for all sessions together."""
         if self._closed:
             return
         self._closed = True

@@ -15,11 +15,18 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import grpc
+
 from hicached_client.errors import HiCacheError
 
-__all__ = ["Unsupported", "answers", "no_pages", "no_tensors", "no_transfers"]
+__all__ = ["GIVE_UP", "Unsupported", "answers", "no_pages", "no_tensors", "no_transfers"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# A daemon that is down, or does not answer in time, fails every further ask of one call the
+# same way, each after its own timeout: the call ends at the first such failure (its miss),
+# not key by key (a generic batch_get of 128 keys took 129 timeouts).
+GIVE_UP = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 # What an argument of SGLang's can make the adapter or the client raise: a daemon's
 # answer, a value it cannot take, a type it does not expect, a count that does not match.

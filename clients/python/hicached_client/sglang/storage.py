@@ -13,10 +13,10 @@ are loaded too, as ``HiCacheFile`` reads every key).
 Page bytes never travel in gRPC messages unless ``transport`` is ``bytes``.
 
 Semantics kept from SGLang's backends (``HiCacheFile`` is the reference, see
-``tests/sglang/test_sglang_hicachefile_parity.py``): a second set of an
-existing key succeeds without rewriting; a missing key reads as a miss, never
-an error; a daemon failure during I/O is logged and reads as a miss / failed
-write (SGLang's threads must not die on it: :mod:`hicached_client.sglang.answers`).
+``tests/sglang/test_sglang_hicachefile_parity.py``): a second set of an existing key
+succeeds without rewriting; a missing key reads as a miss, never an error; a daemon
+failure is logged and reads as a miss / failed write, a daemon down ending the call
+(SGLang's threads must not die on it: :mod:`hicached_client.sglang.answers`).
 Keys are namespaced by model, TP/PP rank, tenant and pool (see
 :mod:`hicached_client.sglang.namespace`).
 
@@ -53,7 +53,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untype
 )
 
 from hicached_client.errors import HiCacheError
-from hicached_client.sglang.answers import Unsupported, answers, no_pages, no_tensors, no_transfers
+from hicached_client.sglang.answers import GIVE_UP, Unsupported, answers, no_pages, no_tensors, no_transfers
 from hicached_client.sglang.config import AdapterConfig
 from hicached_client.sglang.factory import new_blob_store, new_pool_link
 from hicached_client.sglang.iostats import IoCounters
@@ -64,11 +64,6 @@ from hicached_client.sync import HiCacheClient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# A daemon that is down, or does not answer in time, fails every further call of one of
-# ours the same way, each after its own timeout: the call ends at the first such failure (its
-# miss, by @answers), not key by key (a generic batch_get of 128 keys took 129 timeouts).
-GIVE_UP = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
@@ -83,11 +78,9 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         self.storage_config = storage_config
         self.config = AdapterConfig.from_extra_config(storage_config.extra_config)
         self.model_name: str = storage_config.model_name or ""
+        cfg = self.config
         self._client = HiCacheClient(
-            self.config.target,
-            token=self.config.token,
-            timeout_s=self.config.timeout_s,
-            fast_lane=self.config.fast_lane,
+            cfg.target, token=cfg.token, timeout_s=cfg.timeout_s, fast_lane=cfg.fast_lane
         )
         self._links: dict[str, PoolLink] = {}
         self._pools_by_id: dict[int, str] = {}
@@ -102,11 +95,7 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         self._failed_calls = RefusalLog(log, template="hicached: %d %s failed, read as a miss: %s%s")
         self._unregistered = RefusalLog(log, template="hicached: %d keys for pool %s: %s%s")
         self._blobs = new_blob_store(
-            self._client,
-            storage_config,
-            self.config,
-            generation=self._generation,
-            refusals=self.refusals,
+            self._client, storage_config, self.config, generation=self._generation, refusals=self.refusals
         )
         log.info(
             "hicached storage for model %r rank tp%d/%d pp%d/%d at %s",
@@ -502,11 +491,8 @@ class HiCachedStorage(HiCacheStorage):  # type: ignore[misc]
         sent; a daemon down or out of time (:data:`GIVE_UP`) ends the whole call instead."""
         try:
             return fn()
-        except HiCacheError as exc:
-            if exc.code in GIVE_UP:
+        except (HiCacheError, ValueError) as exc:
+            if isinstance(exc, HiCacheError) and exc.code in GIVE_UP:
                 raise
-            self._failed_calls.refused("call", 1, str(exc))
-            return default
-        except ValueError as exc:
             self._failed_calls.refused("call", 1, str(exc))
             return default
