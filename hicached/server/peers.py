@@ -1,7 +1,8 @@
 """What one peer may hold: sessions and the device buffers they hand over
 (``limits.max_sessions_per_peer``, ``limits.max_buffer_bytes_per_peer``,
 ``limits.max_mappings_per_peer``, checked before an attach starts), requests its calls
-hold (``limits.max_request_bytes_held_per_peer``) and answers its clients have not read (``limits.max_unread_answer_bytes_per_peer``).
+hold (``limits.max_request_bytes_held_per_peer``) and answers its clients have not read
+(``limits.max_unread_answer_bytes_per_peer``).
 
 A peer is what the kernel or the transport says, never what the client claims:
 the uid of an attach's fd handoff (``SO_PEERCRED``), else the host of a TCP
