@@ -76,15 +76,15 @@ class Header(NamedTuple):
     stamp: bytes  # names the data chunks: a hash of the tensor's dtype, shape and bytes
 
 
-def encode_header(value: torch.Tensor, raw: bytes) -> bytes:
-    """The header of ``value``, whose bytes are ``raw``."""
+def encode_header(value: torch.Tensor, raw: bytes) -> tuple[bytes, Header]:
+    """The header of ``value``, whose bytes are ``raw``: as stored, and what it says."""
     if value.dim() > MAX_DIMS:
         raise ValueError(f"tensor has {value.dim()} dims; at most {MAX_DIMS} can be stored by key")
     dtype = str(value.dtype).removeprefix("torch.").encode()
     shape = list(value.shape) + [0] * (MAX_DIMS - value.dim())
     fields = (MAGIC, len(raw), dtype, value.dim(), *shape)
     stamp = hashlib.blake2b(_HEADER.pack(*fields, b"") + raw, digest_size=8).digest()
-    return _HEADER.pack(*fields, stamp)
+    return _HEADER.pack(*fields, stamp), Header(len(raw), value.dtype, tuple(value.shape), stamp)
 
 
 def decode_header(raw: bytes, max_bytes: int) -> Header | None:
@@ -205,11 +205,9 @@ class BlobStore:
             log.error("hicached: cannot store key %.64r: more than %d bytes", key, self.max_bytes)
             return False
         raw = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        header = encode_header(value, raw)
+        header, said = encode_header(value, raw)
         blob = header + raw
-        decoded = decode_header(header, self.max_bytes)
-        assert decoded is not None  # written just above
-        keys = self.chunk_keys(key, decoded)
+        keys = self.chunk_keys(key, said)
         blob += bytes(len(keys) * self.chunk_bytes - len(blob))
         chunks = [
             PageBytes(k, DAEMON_POOL, blob[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
